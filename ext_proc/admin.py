@@ -1,0 +1,49 @@
+"""The admin HTTP endpoint: ``/metrics`` (Prometheus), ``/debug/endpoints`` (JSON), ``/healthz``."""
+
+from __future__ import annotations
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from ext_proc.metrics import Metrics
+from ext_proc.registry import Registry
+
+
+def endpoint_rows(registry: Registry) -> list[dict[str, object]]:
+    """One row per known endpoint: identity, health, capacity (tokens) and live load."""
+    return [
+        {
+            "address": s.address,
+            "role": s.role.value,
+            "group": s.group,
+            "healthy": s.healthy,
+            "health_status": s.health_status,
+            "token_capacity": s.token_capacity,
+            "active_tokens": s.active_tokens,
+            "active_requests": s.active_requests,
+        }
+        for s in registry.endpoints()
+    ]
+
+
+def build_admin_app(registry: Registry, metrics: Metrics) -> web.Application:
+    """The aiohttp application serving the admin routes."""
+
+    async def metrics_handler(_: web.Request) -> web.Response:
+        return web.Response(
+            body=generate_latest(metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
+
+    async def endpoints_handler(_: web.Request) -> web.Response:
+        return web.json_response(endpoint_rows(registry))
+
+    async def healthz_handler(_: web.Request) -> web.Response:
+        return web.json_response(
+            {"status": "ok", "prefills": len(registry.prefills), "decodes": len(registry.decodes)}
+        )
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics_handler)
+    app.router.add_get("/debug/endpoints", endpoints_handler)
+    app.router.add_get("/healthz", healthz_handler)
+    return app

@@ -1,0 +1,25 @@
+"""pdGroupID affinity: the pure prefill/decode routing decision and its value types."""
+
+from ext_proc.affinity.decide import choose
+from ext_proc.affinity.model import (
+    Candidate,
+    Cost,
+    Decision,
+    Locality,
+    Mode,
+    Policy,
+    RejectReason,
+    Rejection,
+)
+
+__all__ = [
+    "Candidate",
+    "Cost",
+    "Decision",
+    "Locality",
+    "Mode",
+    "Policy",
+    "RejectReason",
+    "Rejection",
+    "choose",
+]

@@ -1,0 +1,92 @@
+"""Value types of the routing decision.
+
+Everything here is plain immutable data: no I/O, no clocks, no gRPC types. The shell builds
+``Candidate`` views from the endpoint registry and the load tracker, calls
+:func:`ext_proc.affinity.choose`, and turns the result into headers.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Mode(enum.StrEnum):
+    """How strongly a decode endpoint is kept in the chosen prefill's ``pdGroupID`` group."""
+
+    OFF = "off"
+    PREFER = "prefer"
+    STRICT = "strict"
+
+
+class Locality(enum.StrEnum):
+    """Where the KV cache travels for a decision."""
+
+    SAME_GROUP = "same_group"
+    CROSS_GROUP = "cross_group"
+    DECODE_ONLY = "decode_only"
+
+
+class RejectReason(enum.StrEnum):
+    """Why no decision could be made. The value is the OpenAI-style error ``code``."""
+
+    NO_DECODE_ENDPOINT = "no_healthy_decode_endpoint"
+    NO_SAME_GROUP_DECODE = "no_same_group_decode_endpoint"
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One healthy endpoint as the decision sees it.
+
+    ``address`` is ``"ip:port"``; ``group`` is the ``pdGroupID`` (``""`` when absent);
+    ``token_capacity`` is in tokens and strictly positive; ``active_tokens`` and
+    ``active_requests`` are the in-flight load charged to this endpoint for this role.
+    """
+
+    address: str
+    group: str
+    token_capacity: float
+    active_tokens: int
+    active_requests: int
+
+    def utilisation(self, cost: int) -> float:
+        """``(active_tokens + cost) / token_capacity``: the load after placing ``cost`` tokens."""
+        return (self.active_tokens + cost) / self.token_capacity
+
+
+@dataclass(frozen=True, slots=True)
+class Cost:
+    """What one request charges, in tokens.
+
+    ``prefill_tokens`` = prompt tokens; ``decode_tokens`` = prompt tokens + output budget.
+    """
+
+    prefill_tokens: int
+    decode_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """The affinity knobs. ``bonus`` is in utilisation units, within [0, 1]."""
+
+    mode: Mode = Mode.PREFER
+    bonus: float = 0.3
+    fallback_count: int = 2
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Where one request goes. ``prefill`` is ``None`` for decode-only routing."""
+
+    prefill: Candidate | None
+    decode: Candidate
+    fallbacks: tuple[Candidate, ...]
+    locality: Locality
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    """No endpoint can serve: the shell answers 503 with ``reason.value`` as the error code."""
+
+    reason: RejectReason
+    message: str

@@ -1,0 +1,105 @@
+"""Assemble and run the server: discovery → registry → router → gRPC + admin endpoints."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from dataclasses import dataclass
+
+import grpc
+from aiohttp import web
+
+from ext_proc.admin import build_admin_app
+from ext_proc.affinity import Policy
+from ext_proc.config import Config
+from ext_proc.discovery import EdsFileSource
+from ext_proc.handoff import SidecarHandoff
+from ext_proc.metrics import Metrics
+from ext_proc.registry import Registry
+from ext_proc.router import Router
+from ext_proc.server import start_grpc
+
+log = logging.getLogger(__name__)
+
+
+def _split(listen: str) -> tuple[str, int]:
+    host, _, port = listen.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+@dataclass
+class RunningServer:
+    """A started server. Ports are the bound ones (useful when the config asked for port 0)."""
+
+    config: Config
+    router: Router
+    grpc_port: int
+    admin_port: int
+    _grpc: grpc.aio.Server
+    _admin: web.AppRunner
+    _watcher: asyncio.Task[None]
+
+    async def stop(self, grace: float = 1.0) -> None:
+        """Stop watching files, stop accepting streams, let live ones finish for ``grace`` seconds."""
+        self._watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._watcher
+        await self._grpc.stop(grace)
+        await self._admin.cleanup()
+
+
+async def start_server(config: Config) -> RunningServer:
+    """Load the endpoints once, then start the watcher, the gRPC server and the admin endpoint."""
+    registry = Registry(
+        config.discovery.prefill_cluster, config.discovery.decode_cluster, config.load.default_token_capacity
+    )
+    source = EdsFileSource(
+        config.discovery.eds_files,
+        config.discovery.metadata_namespace,
+        registry.update,
+        config.discovery.poll_interval_seconds,
+    )
+    source.poll()
+    metrics = Metrics(registry.endpoints)
+    policy = Policy(config.affinity.mode, config.affinity.bonus, config.routing.fallback_count)
+    handoff = SidecarHandoff(config.routing.destination_header, config.routing.prefill_header)
+    router = Router(registry, policy, handoff, metrics, config.load.default_max_tokens)
+    grpc_server, grpc_port = await start_grpc(router, config.listen)
+    runner = web.AppRunner(build_admin_app(registry, metrics), access_log=None)
+    await runner.setup()
+    host, port = _split(config.metrics_listen)
+    site = web.TCPSite(runner, host, port)
+    try:
+        await site.start()
+    except OSError:
+        await grpc_server.stop(None)
+        await runner.cleanup()
+        raise
+    admin_port = runner.addresses[0][1]
+    watcher = asyncio.create_task(source.run(), name="eds-watcher")
+    log.info(
+        "pd-extproc serving ext_proc on %s (port %d), admin on port %d; affinity %s bonus %.2f; "
+        "%d prefill and %d decode endpoints healthy",
+        config.listen,
+        grpc_port,
+        admin_port,
+        policy.mode.value,
+        policy.bonus,
+        len(registry.prefills),
+        len(registry.decodes),
+    )
+    return RunningServer(config, router, grpc_port, admin_port, grpc_server, runner, watcher)
+
+
+async def serve_forever(config: Config) -> None:
+    """Run until SIGINT/SIGTERM, then shut down gracefully."""
+    server = await start_server(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down")
+    await server.stop(grace=5.0)

@@ -1,0 +1,77 @@
+"""``pd-extproc`` command line: ``serve`` the router, run a simulated ``sim`` engine, run the ``demo``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+from ext_proc.config import ConfigError, load_config
+
+
+def _serve(args: argparse.Namespace) -> int:
+    overrides: dict[str, object] = {}
+    if args.listen is not None:
+        overrides["listen"] = args.listen
+    if args.metrics_listen is not None:
+        overrides["metrics_listen"] = args.metrics_listen
+    if args.eds_file:
+        overrides["discovery.eds_files"] = list(args.eds_file)
+    if args.affinity_mode is not None:
+        overrides["affinity.mode"] = args.affinity_mode
+    if args.affinity_bonus is not None:
+        overrides["affinity.bonus"] = args.affinity_bonus
+    try:
+        config = load_config(args.config, overrides)
+    except ConfigError as exc:
+        print(f"pd-extproc: invalid configuration: {exc}", file=sys.stderr)
+        return 2
+    from ext_proc.app import serve_forever
+
+    try:
+        asyncio.run(serve_forever(config))
+    except OSError as exc:
+        print(f"pd-extproc: cannot start: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _add_serve(subparsers: argparse._SubParsersAction) -> None:
+    serve = subparsers.add_parser("serve", help="run the ext_proc routing server")
+    serve.add_argument("--config", help="YAML configuration file (every key optional)")
+    serve.add_argument("--listen", help="gRPC host:port (config key listen)")
+    serve.add_argument("--metrics-listen", help="admin/metrics host:port (config key metrics_listen)")
+    serve.add_argument(
+        "--eds-file", action="append", help="EDS file to watch; repeatable (discovery.eds_files)"
+    )
+    serve.add_argument("--affinity-mode", help="off | prefer | strict (affinity.mode)")
+    serve.add_argument("--affinity-bonus", type=float, help="prefer-mode slack in [0, 1] (affinity.bonus)")
+    serve.set_defaults(func=_serve)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full argument parser, with every subcommand."""
+    parser = argparse.ArgumentParser(prog="pd-extproc", description=__doc__)
+    parser.add_argument(
+        "--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"]
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    _add_serve(subparsers)
+    from sim.cli import add_parser as add_sim
+
+    add_sim(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``pd-extproc`` console script; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

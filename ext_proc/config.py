@@ -1,0 +1,199 @@
+"""The server's configuration: one typed, validated object built from YAML, env and flags.
+
+Precedence, lowest first: built-in defaults < YAML file < environment < command-line flags.
+Every key is optional. Errors raise :class:`ConfigError` naming the key and what it accepts;
+the CLI turns that into exit code 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from ext_proc.affinity import Mode
+
+ENV_AFFINITY_MODE = "PD_EXTPROC_AFFINITY_MODE"
+ENV_AFFINITY_BONUS = "PD_EXTPROC_AFFINITY_BONUS"
+
+
+class ConfigError(ValueError):
+    """Invalid configuration; the message names the key and the allowed values."""
+
+
+@dataclass(frozen=True)
+class DiscoveryConfig:
+    """Where endpoints come from. Relative ``eds_files`` resolve against the config file's folder."""
+
+    eds_files: tuple[str, ...] = ()
+    prefill_cluster: str = "prefill"
+    decode_cluster: str = "decode"
+    metadata_namespace: str = "pd"
+    poll_interval_seconds: float = 0.25
+
+
+@dataclass(frozen=True)
+class AffinityConfig:
+    """``mode``: off | prefer | strict. ``bonus``: utilisation slack in [0, 1] for ``prefer``."""
+
+    mode: Mode = Mode.PREFER
+    bonus: float = 0.3
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """Defaults for load accounting, in tokens."""
+
+    default_max_tokens: int = 256
+    default_token_capacity: float = 100_000.0
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """What the answer to Envoy looks like."""
+
+    fallback_count: int = 2
+    destination_header: str = "x-gateway-destination-endpoint"
+    prefill_header: str = "x-prefiller-host-port"
+
+
+@dataclass(frozen=True)
+class Config:
+    """The whole configuration. ``listen``/``metrics_listen`` are ``host:port``."""
+
+    listen: str = "0.0.0.0:9002"
+    metrics_listen: str = "0.0.0.0:9090"
+    discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
+    affinity: AffinityConfig = field(default_factory=AffinityConfig)
+    load: LoadConfig = field(default_factory=LoadConfig)
+    routing: RoutingConfig = field(default_factory=RoutingConfig)
+
+
+def _allowed(tp: object) -> str:
+    if isinstance(tp, type) and issubclass(tp, Mode):
+        return "one of " + ", ".join(m.value for m in Mode)
+    return {str: "a string", int: "an integer", float: "a number", bool: "true or false"}.get(
+        tp,  # type: ignore[call-overload]
+        "a list of strings",
+    )
+
+
+def _coerce(key: str, tp: object, value: object) -> object:
+    """Convert a YAML/env/flag value to the field type ``tp`` or raise ConfigError naming ``key``."""
+    if isinstance(tp, type) and issubclass(tp, Mode):
+        try:
+            return Mode(value)
+        except ValueError:
+            raise ConfigError(f"{key}: {value!r} is not allowed; use {_allowed(tp)}") from None
+    if tp is float and isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    if tp is int and type(value) is int:
+        return value
+    if tp is str and isinstance(value, str):
+        return value
+    is_str_list = isinstance(value, list | tuple) and all(isinstance(v, str) for v in value)
+    if typing.get_origin(tp) is tuple and is_str_list:
+        return tuple(value)  # type: ignore[arg-type]
+    raise ConfigError(f"{key}: {value!r} is not allowed; use {_allowed(tp)}")
+
+
+def _build(cls: type, data: Mapping[str, object], prefix: str) -> object:
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"{prefix}{unknown[0]}: unknown key; allowed keys here: {', '.join(sorted(names))}")
+    values: dict[str, object] = {}
+    for name, value in data.items():
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            values[name] = _build(tp, value or {}, f"{prefix}{name}.")  # type: ignore[arg-type]
+        else:
+            values[name] = _coerce(prefix + name, tp, value)
+    return cls(**values)
+
+
+def _check_host_port(key: str, value: str) -> None:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"{key}: {value!r} is not allowed; use host:port, e.g. 0.0.0.0:9002")
+
+
+def validate(config: Config) -> Config:
+    """Check value ranges that types alone do not capture; return ``config`` unchanged."""
+    _check_host_port("listen", config.listen)
+    _check_host_port("metrics_listen", config.metrics_listen)
+    if not 0.0 <= config.affinity.bonus <= 1.0:
+        raise ConfigError(f"affinity.bonus: {config.affinity.bonus} is not allowed; use a number in [0, 1]")
+    if config.load.default_max_tokens < 0:
+        raise ConfigError("load.default_max_tokens: must be an integer >= 0")
+    if not config.load.default_token_capacity > 0:
+        raise ConfigError("load.default_token_capacity: must be a number > 0")
+    if not 0 <= config.routing.fallback_count <= 16:
+        raise ConfigError("routing.fallback_count: must be an integer in [0, 16]")
+    if not config.discovery.poll_interval_seconds > 0:
+        raise ConfigError("discovery.poll_interval_seconds: must be a number > 0")
+    for key in ("destination_header", "prefill_header"):
+        name = getattr(config.routing, key)
+        if not name or name != name.lower() or any(c.isspace() or c == ":" for c in name):
+            raise ConfigError(f"routing.{key}: {name!r} is not allowed; use a lower-case HTTP header name")
+    if config.discovery.prefill_cluster == config.discovery.decode_cluster:
+        raise ConfigError("discovery.prefill_cluster and discovery.decode_cluster must differ")
+    return config
+
+
+def load_config(
+    path: str | None = None,
+    overrides: Mapping[str, object] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Config:
+    """Build the configuration: defaults < YAML ``path`` < ``environ`` < ``overrides``.
+
+    ``overrides`` maps dotted keys (``"affinity.mode"``) to values, as the CLI flags give them.
+    """
+    data: dict[str, object] = {}
+    base = Path.cwd()
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise ConfigError(f"config file {path}: cannot read: {exc}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path}: not valid YAML: {exc}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path}: expected a mapping at the top level")
+        data = loaded or {}
+        base = Path(path).resolve().parent
+    env = os.environ if environ is None else environ
+    layered: dict[str, object] = {}
+    if ENV_AFFINITY_MODE in env:
+        layered["affinity.mode"] = env[ENV_AFFINITY_MODE]
+    if ENV_AFFINITY_BONUS in env:
+        try:
+            layered["affinity.bonus"] = float(env[ENV_AFFINITY_BONUS])
+        except ValueError:
+            bad = env[ENV_AFFINITY_BONUS]
+            raise ConfigError(
+                f"{ENV_AFFINITY_BONUS} (affinity.bonus): {bad!r} is not a number in [0, 1]"
+            ) from None
+    layered.update(overrides or {})
+    for dotted, value in layered.items():
+        section, _, key = dotted.rpartition(".")
+        target = data
+        if section:
+            node = target.setdefault(section, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{section}: expected a mapping")
+            target = node
+        target[key] = value
+    config = typing.cast(Config, _build(Config, data, ""))
+    files = tuple(str(base / f) for f in config.discovery.eds_files)
+    config = dataclasses.replace(config, discovery=dataclasses.replace(config.discovery, eds_files=files))
+    return validate(config)

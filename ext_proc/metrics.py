@@ -1,0 +1,81 @@
+"""Prometheus metrics, on a registry of their own so several servers can share a process.
+
+Per-endpoint gauges are read from the endpoint registry at scrape time (a custom collector),
+so the request path never touches them; counters and the histogram use pre-bound children.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from ext_proc.registry import EndpointState
+
+DECISION_BUCKETS = (5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2)
+
+
+class _EndpointLoadCollector(Collector):
+    def __init__(self, endpoints: Callable[[], Iterable[EndpointState]]) -> None:
+        self._endpoints = endpoints
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        labels = ["role", "group", "endpoint"]
+        tokens = GaugeMetricFamily(
+            "pd_extproc_endpoint_active_tokens", "In-flight tokens charged to the endpoint", labels=labels
+        )
+        requests = GaugeMetricFamily(
+            "pd_extproc_endpoint_active_requests", "In-flight requests routed to the endpoint", labels=labels
+        )
+        for state in self._endpoints():
+            values = [state.role.value, state.group, state.address]
+            tokens.add_metric(values, state.active_tokens)
+            requests.add_metric(values, state.active_requests)
+        yield tokens
+        yield requests
+
+
+class Metrics:
+    """The server's metrics. ``registry`` is what ``/metrics`` exposes."""
+
+    def __init__(self, endpoints: Callable[[], Iterable[EndpointState]]) -> None:
+        self.registry = CollectorRegistry()
+        self._decisions = Counter(
+            "pd_extproc_route_decisions_total",
+            "Routing decisions by affinity mode and where the KV cache travels",
+            ["mode", "locality"],
+            registry=self.registry,
+        )
+        self._rejected = Counter(
+            "pd_extproc_rejected_total",
+            "Requests answered with an error instead of routed",
+            ["reason"],
+            registry=self.registry,
+        )
+        self._decision_seconds = Histogram(
+            "pd_extproc_decision_seconds",
+            "Time to choose endpoints for one request, in seconds",
+            buckets=DECISION_BUCKETS,
+            registry=self.registry,
+        )
+        self.registry.register(_EndpointLoadCollector(endpoints))
+        self._decision_children: dict[tuple[str, str], Counter] = {}
+        self._rejected_children: dict[str, Counter] = {}
+
+    def decided(self, mode: str, locality: str, seconds: float) -> None:
+        """Count one decision and record how long it took."""
+        key = (mode, locality)
+        child = self._decision_children.get(key)
+        if child is None:
+            child = self._decision_children[key] = self._decisions.labels(mode, locality)
+        child.inc()
+        self._decision_seconds.observe(seconds)
+
+    def rejected(self, reason: str) -> None:
+        """Count one request answered with an error, by machine-readable reason."""
+        child = self._rejected_children.get(reason)
+        if child is None:
+            child = self._rejected_children[reason] = self._rejected.labels(reason)
+        child.inc()

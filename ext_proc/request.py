@@ -1,0 +1,140 @@
+"""Parse an OpenAI-compatible request body into the few numbers routing needs.
+
+One ``json.loads`` per request and a walk over the prompt: no schema library on the hot path.
+Token counts are estimates the load accounting can trust to be monotone in request size:
+exact for token-id prompts, ``ceil(chars / 4)`` for text.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+
+class RequestError(ValueError):
+    """The body cannot be routed. ``param`` names the offending field (``None`` for the body)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True, slots=True)
+class RequestInfo:
+    """What routing knows about one request.
+
+    ``prompt_tokens`` and ``output_budget`` are in tokens; ``output_budget`` is the most the
+    request may generate (``max_completion_tokens``, else ``max_tokens``, else the default).
+    """
+
+    model: str | None
+    stream: bool
+    prompt_tokens: int
+    output_budget: int
+
+
+def _ceil_quarter(chars: int) -> int:
+    return -(-chars // 4)
+
+
+def _prompt_tokens(prompt: object, field: str) -> int:
+    """Tokens of a completions ``prompt`` / embeddings ``input``: str, [str], [int] or [[int]]."""
+    if isinstance(prompt, str):
+        return _ceil_quarter(len(prompt))
+    if not isinstance(prompt, list):
+        raise RequestError(f"'{field}' must be a string, a list of strings or a list of token ids", field)
+    if not prompt:
+        return 0
+    first = prompt[0]
+    if isinstance(first, str):
+        if not all(isinstance(p, str) for p in prompt):
+            raise RequestError(f"'{field}' mixes strings with other types", field)
+        return _ceil_quarter(sum(map(len, prompt)))
+    if isinstance(first, int) and not isinstance(first, bool):
+        if not all(type(p) is int for p in prompt):
+            raise RequestError(f"'{field}' token ids must all be integers", field)
+        return len(prompt)
+    if isinstance(first, dict):  # Responses API: input items shaped like chat messages
+        return _messages_tokens(prompt, field)
+    if isinstance(first, list):
+        total = 0
+        for row in prompt:
+            if not isinstance(row, list) or not all(type(p) is int for p in row):
+                raise RequestError(f"'{field}' must be a list of token-id lists", field)
+            total += len(row)
+        return total
+    raise RequestError(f"'{field}' must be a string, a list of strings or a list of token ids", field)
+
+
+def _content_chars(content: object, field: str) -> int:
+    """Characters of one chat message's ``content``: str, null, or a list of parts."""
+    if isinstance(content, str):
+        return len(content)
+    if content is None:
+        return 0
+    if not isinstance(content, list):
+        raise RequestError(f"'{field}' must be a string, null or a list of content parts", field)
+    chars = 0
+    for part in content:
+        if not isinstance(part, dict):
+            raise RequestError(f"'{field}' parts must be objects", field)
+        text = part.get("text")
+        if text is not None:
+            if not isinstance(text, str):
+                raise RequestError(f"'{field}' part text must be a string", field)
+            chars += len(text)
+    return chars
+
+
+def _messages_tokens(messages: object, field: str = "messages") -> int:
+    if not isinstance(messages, list):
+        raise RequestError(f"'{field}' must be a list of message objects", field)
+    chars = 0
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise RequestError(f"'{field}[{index}]' must be an object", f"{field}[{index}]")
+        chars += _content_chars(message.get("content"), f"{field}[{index}].content")
+    return _ceil_quarter(chars)
+
+
+def _optional_count(body: dict, field: str) -> int | None:
+    value = body.get(field)
+    if value is None:
+        return None
+    if type(value) is not int or value < 0:
+        raise RequestError(f"'{field}' must be a non-negative integer", field)
+    return value
+
+
+def parse_request(raw: bytes, default_max_tokens: int) -> RequestInfo:
+    """Parse a JSON request body; raise :class:`RequestError` naming the field that is wrong.
+
+    The prompt comes from ``messages`` (chat), else ``prompt`` (completions), else ``input``
+    (embeddings/responses); a body with none of them has zero prompt tokens.
+    """
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RequestError(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise RequestError("request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise RequestError("'model' must be a string", "model")
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise RequestError("'stream' must be a boolean", "stream")
+    if "messages" in body:
+        prompt_tokens = _messages_tokens(body["messages"])
+    elif "prompt" in body:
+        prompt_tokens = _prompt_tokens(body["prompt"], "prompt")
+    elif "input" in body:
+        prompt_tokens = _prompt_tokens(body["input"], "input")
+    else:
+        prompt_tokens = 0
+    budget = _optional_count(body, "max_completion_tokens")
+    if budget is None:
+        budget = _optional_count(body, "max_tokens")
+    return RequestInfo(model, stream, prompt_tokens, default_max_tokens if budget is None else budget)

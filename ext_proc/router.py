@@ -1,0 +1,82 @@
+"""One request's routing, free of gRPC: parse, decide, charge, and describe the answer.
+
+The server calls :meth:`Router.route_body` (or :meth:`Router.route_bodiless`) and maps the
+outcome onto ext_proc messages. Every failure comes back as a :class:`Refused` with an HTTP
+status, a precise message and a machine-readable code.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import cast
+
+from ext_proc.affinity import Cost, Policy, Rejection, choose
+from ext_proc.handoff import Handoff, RoutingInstructions
+from ext_proc.load import Lease
+from ext_proc.metrics import Metrics
+from ext_proc.registry import EndpointState, Registry
+from ext_proc.request import RequestError, parse_request
+
+
+@dataclass(frozen=True, slots=True)
+class Routed:
+    """The request goes ahead: ``instructions`` for Envoy, ``lease`` to release when it ends."""
+
+    instructions: RoutingInstructions
+    lease: Lease
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """The request is answered with an error. ``code`` is also the ``rejected_total`` reason."""
+
+    status: int
+    message: str
+    code: str
+    param: str | None = None
+
+
+class Router:
+    """Routes requests over ``registry`` with ``policy``; owns the round-robin tie-break counter."""
+
+    def __init__(
+        self, registry: Registry, policy: Policy, handoff: Handoff, metrics: Metrics, default_max_tokens: int
+    ) -> None:
+        self.registry = registry
+        self.policy = policy
+        self.handoff = handoff
+        self.metrics = metrics
+        self._default_max_tokens = default_max_tokens
+        self._mode = policy.mode.value
+        self._ticket = 0
+
+    def refuse(self, status: int, message: str, code: str, param: str | None = None) -> Refused:
+        """Count and describe an error answer."""
+        self.metrics.rejected(code)
+        return Refused(status, message, code, param)
+
+    def route_body(self, raw: bytes) -> Routed | Refused:
+        """Route a request by its full JSON body: prefill then decode, per the affinity policy."""
+        try:
+            info = parse_request(raw, self._default_max_tokens)
+        except RequestError as exc:
+            return self.refuse(400, str(exc), "invalid_request", exc.param)
+        prompt = info.prompt_tokens
+        return self._route(Cost(prompt, prompt + info.output_budget), self.registry.prefills)
+
+    def route_bodiless(self) -> Routed | Refused:
+        """Route a request without a body (e.g. ``GET /v1/models``) to the least-loaded decode."""
+        return self._route(Cost(0, 0), ())
+
+    def _route(self, cost: Cost, prefills: tuple[EndpointState, ...]) -> Routed | Refused:
+        started = time.perf_counter()
+        self._ticket += 1
+        result = choose(cost, prefills, self.registry.decodes, self.policy, self._ticket)  # type: ignore[arg-type]
+        if isinstance(result, Rejection):
+            return self.refuse(503, result.message, result.reason.value)
+        prefill = cast(EndpointState | None, result.prefill)
+        lease = Lease(prefill, cost.prefill_tokens, cast(EndpointState, result.decode), cost.decode_tokens)
+        instructions = self.handoff.instructions(result)
+        self.metrics.decided(self._mode, result.locality.value, time.perf_counter() - started)
+        return Routed(instructions, lease)

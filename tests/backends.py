@@ -1,0 +1,104 @@
+"""Small real HTTP backends for end-to-end tests: OpenAI-shaped answers that say who served.
+
+Each backend answers ``/v1/completions``, ``/v1/chat/completions`` (streaming or not) and
+``GET /v1/models``, and reports its own address and the routing headers it received, both in
+response headers (``x-served-by``, ``x-seen-destination``, ``x-seen-prefiller``) and in the JSON.
+A request header ``x-test-delay-ms`` makes it wait before answering (per chunk when streaming).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+
+@dataclass
+class EchoBackend:
+    """A running backend; ``requests`` records (path, seen headers) of every request served."""
+
+    runner: web.AppRunner
+    address: str
+    requests: list[dict] = field(default_factory=list)
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+
+
+def _seen(request: web.Request) -> dict[str, str]:
+    return {
+        "x-served-by": request.app["address"],
+        "x-seen-destination": request.headers.get("x-gateway-destination-endpoint", ""),
+        "x-seen-prefiller": request.headers.get("x-prefiller-host-port", ""),
+    }
+
+
+async def _completion(request: web.Request) -> web.StreamResponse:
+    backend: EchoBackend = request.app["backend"]
+    body = await request.json()
+    seen = _seen(request)
+    backend.requests.append({"path": request.path, **seen})
+    delay = float(request.headers.get("x-test-delay-ms", "0")) / 1000
+    chat = request.path.endswith("chat/completions")
+    created = int(time.time())
+    pieces = ["Hello", " from", " " + request.app["address"]]
+    if not body.get("stream"):
+        await asyncio.sleep(delay)
+        text = "".join(pieces)
+        choice = {"index": 0, "finish_reason": "stop", "logprobs": None}
+        choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+        payload = {
+            "id": "cmpl-test",
+            "object": "chat.completion" if chat else "text_completion",
+            "created": created,
+            "model": body.get("model", "test"),
+            "choices": [choice],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 3, "total_tokens": 4},
+            "seen": seen,
+        }
+        return web.json_response(payload, headers=seen)
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", **seen})
+    await response.prepare(request)
+    for piece in pieces:
+        await asyncio.sleep(delay)
+        choice = {"index": 0, "finish_reason": None}
+        choice.update({"delta": {"content": piece}} if chat else {"text": piece})
+        chunk = {
+            "id": "cmpl-test",
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": created,
+            "model": body.get("model", "test"),
+            "choices": [choice],
+        }
+        await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+async def _models(request: web.Request) -> web.Response:
+    backend: EchoBackend = request.app["backend"]
+    seen = _seen(request)
+    backend.requests.append({"path": request.path, **seen})
+    data = {"object": "list", "data": [{"id": "test", "object": "model", "created": 0, "owned_by": "test"}]}
+    return web.json_response(data, headers=seen)
+
+
+async def start_backend() -> EchoBackend:
+    """Start a backend on an ephemeral loopback port."""
+    app = web.Application()
+    app.router.add_post("/v1/completions", _completion)
+    app.router.add_post("/v1/chat/completions", _completion)
+    app.router.add_get("/v1/models", _models)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    address = f"127.0.0.1:{runner.addresses[0][1]}"
+    backend = EchoBackend(runner, address)
+    app["backend"] = backend
+    app["address"] = address
+    return backend
