@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+BACKEND = web.AppKey("backend", "EchoBackend")
+
 
 @dataclass
 class EchoBackend:
@@ -30,21 +32,21 @@ class EchoBackend:
 
 def _seen(request: web.Request) -> dict[str, str]:
     return {
-        "x-served-by": request.app["address"],
+        "x-served-by": request.app[BACKEND].address,
         "x-seen-destination": request.headers.get("x-gateway-destination-endpoint", ""),
         "x-seen-prefiller": request.headers.get("x-prefiller-host-port", ""),
     }
 
 
 async def _completion(request: web.Request) -> web.StreamResponse:
-    backend: EchoBackend = request.app["backend"]
+    backend = request.app[BACKEND]
     body = await request.json()
     seen = _seen(request)
     backend.requests.append({"path": request.path, **seen})
     delay = float(request.headers.get("x-test-delay-ms", "0")) / 1000
     chat = request.path.endswith("chat/completions")
     created = int(time.time())
-    pieces = ["Hello", " from", " " + request.app["address"]]
+    pieces = ["Hello", " from", " " + request.app[BACKEND].address]
     if not body.get("stream"):
         await asyncio.sleep(delay)
         text = "".join(pieces)
@@ -62,25 +64,28 @@ async def _completion(request: web.Request) -> web.StreamResponse:
         return web.json_response(payload, headers=seen)
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", **seen})
     await response.prepare(request)
-    for piece in pieces:
-        await asyncio.sleep(delay)
-        choice = {"index": 0, "finish_reason": None}
-        choice.update({"delta": {"content": piece}} if chat else {"text": piece})
-        chunk = {
-            "id": "cmpl-test",
-            "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": created,
-            "model": body.get("model", "test"),
-            "choices": [choice],
-        }
-        await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
-    await response.write(b"data: [DONE]\n\n")
-    await response.write_eof()
+    try:
+        for piece in pieces:
+            await asyncio.sleep(delay)
+            choice = {"index": 0, "finish_reason": None}
+            choice.update({"delta": {"content": piece}} if chat else {"text": piece})
+            chunk = {
+                "id": "cmpl-test",
+                "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": created,
+                "model": body.get("model", "test"),
+                "choices": [choice],
+            }
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+    except ConnectionError:  # the client went away mid-stream: what the abort tests provoke
+        pass
     return response
 
 
 async def _models(request: web.Request) -> web.Response:
-    backend: EchoBackend = request.app["backend"]
+    backend = request.app[BACKEND]
     seen = _seen(request)
     backend.requests.append({"path": request.path, **seen})
     data = {"object": "list", "data": [{"id": "test", "object": "model", "created": 0, "owned_by": "test"}]}
@@ -90,15 +95,12 @@ async def _models(request: web.Request) -> web.Response:
 async def start_backend() -> EchoBackend:
     """Start a backend on an ephemeral loopback port."""
     app = web.Application()
+    backend = EchoBackend(web.AppRunner(app, access_log=None), "")
+    app[BACKEND] = backend
     app.router.add_post("/v1/completions", _completion)
     app.router.add_post("/v1/chat/completions", _completion)
     app.router.add_get("/v1/models", _models)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    address = f"127.0.0.1:{runner.addresses[0][1]}"
-    backend = EchoBackend(runner, address)
-    app["backend"] = backend
-    app["address"] = address
+    await backend.runner.setup()
+    await web.TCPSite(backend.runner, "127.0.0.1", 0).start()
+    backend.address = f"127.0.0.1:{backend.runner.addresses[0][1]}"
     return backend
