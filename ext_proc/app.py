@@ -14,12 +14,12 @@ from aiohttp import web
 from ext_proc.admin import build_admin_app
 from ext_proc.affinity import Policy
 from ext_proc.config import Config
-from ext_proc.discovery import EdsFileSource
+from ext_proc.discovery import ClusterEndpoints, EdsFileSource
 from ext_proc.handoff import SidecarHandoff
 from ext_proc.metrics import Metrics
 from ext_proc.registry import Registry
 from ext_proc.router import Router
-from ext_proc.server import start_grpc
+from ext_proc.server import Health, start_grpc
 
 log = logging.getLogger(__name__)
 
@@ -55,18 +55,32 @@ async def start_server(config: Config) -> RunningServer:
     registry = Registry(
         config.discovery.prefill_cluster, config.discovery.decode_cluster, config.load.default_token_capacity
     )
+    health: Health | None = None
+    health_updates: set[asyncio.Task[None]] = set()
+
+    def publish(clusters: list[ClusterEndpoints]) -> None:
+        registry.update(clusters)
+        if health is not None and not health.ready:
+            task = asyncio.get_running_loop().create_task(health.set_ready(True))
+            health_updates.add(task)
+            task.add_done_callback(health_updates.discard)
+
     source = EdsFileSource(
         config.discovery.eds_files,
         config.discovery.metadata_namespace,
-        registry.update,
+        publish,
         config.discovery.poll_interval_seconds,
     )
     source.poll()
+    if registry.version == 0:
+        log.warning(
+            "no valid EDS file loaded yet: readiness is NOT_SERVING and requests get 503 until one is"
+        )
     metrics = Metrics(registry.endpoints)
     policy = Policy(config.affinity.mode, config.affinity.bonus, config.routing.fallback_count)
     handoff = SidecarHandoff(config.routing.destination_header, config.routing.prefill_header)
     router = Router(registry, policy, handoff, metrics, config.load.default_max_tokens)
-    grpc_server, grpc_port = await start_grpc(router, config.listen)
+    grpc_server, grpc_port, health = await start_grpc(router, config.listen, ready=registry.version > 0)
     runner = web.AppRunner(build_admin_app(registry, metrics), access_log=None)
     await runner.setup()
     host, port = _split(config.metrics_listen)

@@ -54,13 +54,15 @@ def render_bootstrap(
     extproc_port: int | None,
     decode_eds_path: str,
     round_robin: bool = False,
+    response_headers: bool = False,
     template: Path = SHIPPED_BOOTSTRAP,
 ) -> dict:
     """The shipped bootstrap bound to local ports and files.
 
     ``extproc_port=None`` removes the ext_proc filter (the "same route without the filter"
     baseline); ``round_robin=True`` also replaces the decode cluster's override_host policy by
-    plain round robin (the "plain Envoy" baseline).
+    plain round robin (the "plain Envoy" baseline); ``response_headers=True`` turns on the
+    optional ext_proc response-headers phase.
     """
     try:
         config = copy.deepcopy(yaml.safe_load(template.read_text(encoding="utf-8")))
@@ -82,6 +84,9 @@ def render_bootstrap(
             route.pop("typed_per_filter_config", None)
         static["clusters"] = [c for c in static["clusters"] if c["name"] != "pd_extproc"]
     else:
+        if response_headers:
+            ext_proc = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")
+            ext_proc["typed_config"]["processing_mode"]["response_header_mode"] = "SEND"
         endpoint = clusters["pd_extproc"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
         endpoint["address"] = _socket(extproc_port)
     if round_robin:

@@ -28,6 +28,7 @@ from ext_proc.router import Refused, Router
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
+LIVENESS, READINESS = "liveness", "readiness"
 
 
 def _refusal(refused: Refused) -> msg.ProcessingResponse:
@@ -99,16 +100,43 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 lease.release()
 
 
-async def start_grpc(router: Router, listen: str) -> tuple[grpc.aio.Server, int]:
-    """Start the ext_proc and health services on ``listen`` (``host:port``, port 0 = any); return the port."""
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+class Health:
+    """gRPC health as the endpoint-picker protocol defines it.
+
+    ``liveness`` and ``""`` serve while the process runs; ``readiness`` and the ext_proc service
+    serve once endpoints have been loaded (:meth:`set_ready`).
+    """
+
+    def __init__(self) -> None:
+        self.servicer = health.aio.HealthServicer()
+        self.ready = False
+
+    async def start(self, ready: bool) -> None:
+        for service in ("", LIVENESS):
+            await self.servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+        await self.set_ready(ready)
+
+    async def set_ready(self, ready: bool) -> None:
+        self.ready = ready
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for service in (READINESS, SERVICE_NAME):
+            await self.servicer.set(service, status)
+
+
+async def start_grpc(router: Router, listen: str, ready: bool) -> tuple[grpc.aio.Server, int, Health]:
+    """Start the ext_proc and health services on ``listen`` (``host:port``, port 0 = any).
+
+    Returns the server, the bound port and its :class:`Health`.
+    """
+    server = grpc.aio.server()
     pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(router), server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    server_health = Health()
+    health_pb2_grpc.add_HealthServicer_to_server(server_health.servicer, server)
     port = server.add_insecure_port(listen)
     if port == 0:
         raise OSError(f"cannot listen on {listen} for gRPC")
     await server.start()
-    for service in ("", SERVICE_NAME):
-        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    return server, port
+    await server_health.start(ready)
+    return server, port, server_health

@@ -43,6 +43,7 @@ async def stack(
     mode: str = "prefer",
     bonus: float = 0.3,
     capacities: dict[int, float] | None = None,
+    response_headers: bool = False,
 ) -> AsyncIterator[Stack]:
     """Start one backend per listed group entry (prefills then decodes), the server and Envoy."""
     prefills = [await start_backend() for _ in prefill_groups]
@@ -84,6 +85,7 @@ async def stack(
         admin_port=free_port(),
         extproc_port=server.grpc_port,
         decode_eds_path=str(decode_eds),
+        response_headers=response_headers,
     )
     gateway = None
     try:

@@ -16,8 +16,8 @@ from ext_proc.affinity import (
     Locality,
     Mode,
     Policy,
-    RejectReason,
     Rejection,
+    RejectReason,
     choose,
 )
 

@@ -8,11 +8,22 @@ from dataclasses import replace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ext_proc.affinity import Candidate, Cost, Decision, Locality, Mode, Policy, RejectReason, Rejection, choose
+from ext_proc.affinity import (
+    Candidate,
+    Cost,
+    Decision,
+    Locality,
+    Mode,
+    Policy,
+    Rejection,
+    RejectReason,
+    choose,
+)
 from ext_proc.affinity.decide import ticks
 
 GROUPS = ["", "a", "b", "c"]
 FLOAT_SLACK = 2e-9  # two roundings to the 1e-9 grid
+no_deadline = settings(deadline=None)  # a shared 2-core machine; these tests never assert on time
 
 capacities = st.one_of(
     st.sampled_from([1000.0, 2048.0, 4096.0, 3000.0, 10.000000000001]),
@@ -103,6 +114,7 @@ def all_u(pool: Sequence[Candidate], cost: int) -> list[float]:
 # ---------------------------------------------------------------- properties
 
 
+@no_deadline
 @given(scenarios())
 def test_rejects_exactly_when_the_contract_says(scenario: tuple) -> None:
     cost, prefills, decodes, policy, tiebreak = scenario
@@ -117,6 +129,7 @@ def test_rejects_exactly_when_the_contract_says(scenario: tuple) -> None:
         assert isinstance(result, Decision)
 
 
+@no_deadline
 @given(scenarios())
 def test_strict_never_crosses_groups(scenario: tuple) -> None:
     cost, prefills, decodes, policy, tiebreak = scenario
@@ -126,6 +139,7 @@ def test_strict_never_crosses_groups(scenario: tuple) -> None:
         assert all(c.group == result.prefill.group for c in (result.decode, *result.fallbacks))
 
 
+@no_deadline
 @given(scenarios())
 def test_prefer_stays_within_the_bonus_of_the_best_decode(scenario: tuple) -> None:
     cost, prefills, decodes, policy, tiebreak = scenario
@@ -137,6 +151,7 @@ def test_prefer_stays_within_the_bonus_of_the_best_decode(scenario: tuple) -> No
         assert result.decode.utilisation(cost.decode_tokens) <= best + slack + FLOAT_SLACK
 
 
+@no_deadline
 @given(scenarios())
 def test_off_and_decode_only_pick_a_minimum_utilisation_decode(scenario: tuple) -> None:
     cost, prefills, decodes, policy, tiebreak = scenario
@@ -147,6 +162,7 @@ def test_off_and_decode_only_pick_a_minimum_utilisation_decode(scenario: tuple) 
             assert ticks(res.decode.utilisation(cost.decode_tokens)) == best
 
 
+@no_deadline
 @given(scenarios())
 def test_the_decision_is_deterministic(scenario: tuple) -> None:
     cost, prefills, decodes, policy, tiebreak = scenario
@@ -155,6 +171,7 @@ def test_the_decision_is_deterministic(scenario: tuple) -> None:
     assert choose(replace(cost), *copies, replace(policy), tiebreak) == first
 
 
+@no_deadline
 @given(scenarios())
 def test_fallbacks_are_distinct_exclude_the_decode_and_have_the_right_length(scenario: tuple) -> None:
     cost, prefills, decodes, policy, tiebreak = scenario
@@ -167,6 +184,7 @@ def test_fallbacks_are_distinct_exclude_the_decode_and_have_the_right_length(sce
         assert set(addresses) <= {c.address for c in eligible}
 
 
+@no_deadline
 @given(scenarios())
 def test_prefer_ranking_top_is_the_naive_prefer_rule(scenario: tuple) -> None:
     cost, prefills, decodes, policy, tiebreak = scenario
@@ -186,6 +204,7 @@ def test_prefer_ranking_top_is_the_naive_prefer_rule(scenario: tuple) -> None:
     assert result.locality is (Locality.SAME_GROUP if expected.group == group else Locality.CROSS_GROUP)
 
 
+@no_deadline
 @given(scenarios())
 def test_decode_and_fallbacks_follow_the_documented_ranking(scenario: tuple) -> None:
     cost, prefills, decodes, policy, tiebreak = scenario
@@ -201,6 +220,7 @@ def test_decode_and_fallbacks_follow_the_documented_ranking(scenario: tuple) -> 
     assert [result.decode, *result.fallbacks] == ranked[: policy.fallback_count + 1]
 
 
+@no_deadline
 @given(scenarios())
 def test_chosen_prefill_has_minimum_utilisation_among_eligible(scenario: tuple) -> None:
     cost, prefills, decodes, policy, tiebreak = scenario
@@ -232,6 +252,7 @@ def test_large_pools_follow_the_documented_ranking(scenario: tuple) -> None:
     assert result.prefill == expected_prefill(cost, prefills, decodes, policy, tiebreak)
 
 
+@no_deadline
 @given(candidates("d", 8).filter(bool), st.integers(0, 1000))
 def test_rotation_over_consecutive_tiebreaks_reaches_every_tied_decode(decodes: list, start: int) -> None:
     key = by_u(0)

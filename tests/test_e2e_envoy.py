@@ -133,15 +133,25 @@ async def test_a_killed_decode_backend_is_retried_on_the_fallback(tmp_path):
         assert await _wait_idle(session, s) == []
 
 
-async def test_load_is_charged_while_streaming_and_released_after_completion_and_abort(tmp_path):
-    async with stack(tmp_path, ["a"], ["a"]) as s, aiohttp.ClientSession() as session:
+@pytest.mark.parametrize("response_headers", [False, True], ids=["shipped-phases", "response-headers-phase"])
+async def test_load_is_charged_while_streaming_and_released_after_completion_and_abort(
+    tmp_path, response_headers
+):
+    async with (
+        stack(tmp_path, ["a"], ["a"], response_headers=response_headers) as s,
+        aiohttp.ClientSession() as session,
+    ):
         body = {**CHAT, "stream": True}
         slow = {"x-test-delay-ms": "300"}
         async with session.post(f"{s.gateway.url}/v1/chat/completions", json=body, headers=slow) as response:
             await response.content.readline()
-            busy = await _active(session, s)
-            assert [(row["role"], row["active_requests"]) for row in busy] == [("decode", 1)]
-            assert busy[0]["active_tokens"] == 120 + 16  # ceil(480 chars / 4) prompt + max_tokens budget
+            busy = {row["role"]: row for row in await _active(session, s)}
+            assert busy["decode"]["active_requests"] == 1
+            assert busy["decode"]["active_tokens"] == 120 + 16  # ceil(480 chars / 4) prompt + max_tokens
+            if response_headers:  # the decode answered: the prefill is done and released
+                assert "prefill" not in busy
+            else:  # without that phase the prefill charge lasts until the exchange ends
+                assert busy["prefill"]["active_tokens"] == 120
             await response.read()
         assert await _wait_idle(session, s) == []
         response = await session.post(f"{s.gateway.url}/v1/chat/completions", json=body, headers=slow)

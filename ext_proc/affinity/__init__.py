@@ -8,8 +8,8 @@ from ext_proc.affinity.model import (
     Locality,
     Mode,
     Policy,
-    RejectReason,
     Rejection,
+    RejectReason,
 )
 
 __all__ = [

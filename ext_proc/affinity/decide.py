@@ -19,8 +19,10 @@ Float robustness. Utilisations and the bonus are compared on a grid of ``EPS = 1
 ``ticks(x) = round(x * SCALE)`` with ``SCALE = 1e9`` turns them into integers before any tie or
 bonus comparison, so float noise (``0.6 + 0.3 < 0.9``) never flips a decision and a decode exactly
 at the bonus counts as within it. Float scores only pre-select, with a safety margin, the few
-endpoints that can appear in the answer; ranking those is exact integer arithmetic. The cost is
-linear in the number of endpoints (plus O(n log k) for k = ``fallback_count + 1``).
+endpoints that can appear in the answer; ranking those is exact integer arithmetic.
+
+Cost: each ``u`` is computed once; selecting the best k = ``fallback_count + 1`` is O(n log k) with
+``heapq.nsmallest`` (pools of at most 64 are sorted in C instead, which is cheaper at that size).
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ from ext_proc.affinity.model import (
     Locality,
     Mode,
     Policy,
-    RejectReason,
     Rejection,
+    RejectReason,
 )
 
 EPS = 1e-9
@@ -93,7 +95,7 @@ def choose(
 
     mode = policy.mode
     pc = cost.prefill_tokens
-    pool = prefills
+    pool, groups = prefills, None  # groups: the decode groups, in strict mode only
     if mode is _STRICT:
         groups = {d.group for d in decodes}
         if not {p.group for p in prefills} <= groups:  # cheaper than filtering in the usual case
@@ -116,7 +118,7 @@ def choose(
         ]
         ranked = _rank(decodes, scores, want, dc, group, ticks(bonus), tiebreak)
     else:
-        if mode is _STRICT:
+        if groups is not None and len(groups) > 1:  # strict; with one group, S is all decodes
             decodes = [d for d in decodes if d.group == group]
             if not decodes:
                 return Rejection(
