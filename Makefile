@@ -1,0 +1,39 @@
+# pd-extproc developer entry points. Everything runs from a local virtualenv (.venv) that
+# `make install` creates; no system packages are needed beyond Python 3.11+.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN     = $(VENV)/bin
+STAMP   = $(VENV)/.installed
+
+.PHONY: install demo test lint format bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/pd-extproc demo
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+bench: $(STAMP)
+	$(BIN)/python bench/decision_scaling.py --json bench/results/decision_scaling.json --png bench/results/decision_scaling.png
+	$(BIN)/python bench/overhead.py --json bench/results/overhead.json
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis build dist *.egg-info

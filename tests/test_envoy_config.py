@@ -1,0 +1,68 @@
+"""Every shipped Envoy config, and every variant the tests and benchmarks render, passes
+``envoy --mode validate``; the shipped EDS files are valid for both Envoy and pd-extproc."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ext_proc.discovery.eds import load_eds_file
+from ext_proc.gateway import SHIPPED_BOOTSTRAP, find_envoy, render_bootstrap
+
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED_CONFIGS = sorted((REPO / "envoy").glob("*.yaml"))
+SHIPPED_EDS = sorted((REPO / "envoy" / "eds").glob("*.yaml"))
+
+
+def _validate(path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [find_envoy(), "--mode", "validate", "-c", str(path), "--log-level", "error"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.mark.parametrize("config", SHIPPED_CONFIGS, ids=lambda p: p.name)
+def test_shipped_envoy_config_validates(config):
+    result = _validate(config)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [{}, {"extproc_port": None}, {"extproc_port": None, "round_robin": True}, {"response_headers": True}],
+    ids=["routed", "no-filter", "round-robin", "response-headers"],
+)
+def test_rendered_variants_validate(tmp_path, variant):
+    options = {
+        "listen_port": 18080,
+        "admin_port": 19901,
+        "extproc_port": 19002,
+        "decode_eds_path": str(REPO / "envoy" / "eds" / "decode.yaml"),
+        **variant,
+    }
+    path = tmp_path / "envoy.yaml"
+    path.write_text(yaml.safe_dump(render_bootstrap(**options)))
+    result = _validate(path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_validate_rejects_a_broken_config(tmp_path):
+    """The check above can fail: a config with an unknown field is refused."""
+    config = yaml.safe_load(SHIPPED_BOOTSTRAP.read_text())
+    config["static_resources"]["clusters"][0]["no_such_field"] = 1
+    path = tmp_path / "broken.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert _validate(path).returncode != 0
+
+
+@pytest.mark.parametrize("eds", SHIPPED_EDS, ids=lambda p: p.name)
+def test_shipped_eds_files_load_with_groups(eds):
+    cluster = load_eds_file(eds)
+    assert cluster.cluster_name in {"prefill", "decode"}
+    assert cluster.endpoints and all(e.group for e in cluster.endpoints)
