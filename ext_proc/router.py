@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import cast
 
 from ext_proc.affinity import Cost, Policy, Rejection, choose
 from ext_proc.handoff import Handoff, RoutingInstructions
@@ -72,11 +71,10 @@ class Router:
     def _route(self, cost: Cost, prefills: tuple[EndpointState, ...]) -> Routed | Refused:
         started = time.perf_counter()
         self._ticket += 1
-        result = choose(cost, prefills, self.registry.decodes, self.policy, self._ticket)  # type: ignore[arg-type]
+        result = choose(cost, prefills, self.registry.decodes, self.policy, self._ticket)
         if isinstance(result, Rejection):
             return self.refuse(503, result.message, result.reason.value)
-        prefill = cast(EndpointState | None, result.prefill)
-        lease = Lease(prefill, cost.prefill_tokens, cast(EndpointState, result.decode), cost.decode_tokens)
+        lease = Lease(result.prefill, cost.prefill_tokens, result.decode, cost.decode_tokens)
         instructions = self.handoff.instructions(result)
         self.metrics.decided(self._mode, result.locality.value, time.perf_counter() - started)
         return Routed(instructions, lease)

@@ -32,9 +32,9 @@ from heapq import nsmallest
 from itertools import groupby
 
 from ext_proc.affinity.model import (
-    Candidate,
     Cost,
     Decision,
+    E,
     Locality,
     Mode,
     Policy,
@@ -60,11 +60,11 @@ def ticks(x: float) -> int:
 
 def choose(
     cost: Cost,
-    prefills: Sequence[Candidate],
-    decodes: Sequence[Candidate],
+    prefills: Sequence[E],
+    decodes: Sequence[E],
     policy: Policy,
     tiebreak: int,
-) -> Decision | Rejection:
+) -> Decision[E] | Rejection:
     """Pick where one request runs, from healthy endpoints only.
 
     * No decodes: ``Rejection(NO_DECODE_ENDPOINT)``.
@@ -134,14 +134,14 @@ def choose(
 
 
 def _rank(
-    pool: Sequence[Candidate],
+    pool: Sequence[E],
     scores: list[float],
     n: int,
     cost: int,
     group: str | None,
     bonus_ticks: int,
     tiebreak: int,
-) -> list[Candidate]:
+) -> list[E]:
     """The first ``min(n, len(pool))`` endpoints of ``pool`` (non-empty) in ranking order.
 
     ``scores[i]`` is the float estimate of endpoint i's score (``u``, minus the bonus when its
@@ -179,7 +179,7 @@ def _rank(
     order = sorted(range(len(near)), key=keys.__getitem__)
     if len(set(keys)) == len(keys):
         return [near[i] for i in order[:n]]
-    out: list[Candidate] = []
+    out: list[E] = []
     for _, tied in groupby(order, keys.__getitem__):
         cls = list(tied)
         r = tiebreak % len(cls)

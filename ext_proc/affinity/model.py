@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Generic, NamedTuple, Protocol, TypeVar
 
 
 class Mode(enum.StrEnum):
@@ -32,6 +33,27 @@ class RejectReason(enum.StrEnum):
 
     NO_DECODE_ENDPOINT = "no_healthy_decode_endpoint"
     NO_SAME_GROUP_DECODE = "no_same_group_decode_endpoint"
+
+
+class Endpoint(Protocol):
+    """What the decision reads of an endpoint; any object with these attributes will do.
+
+    The server passes its live registry entries; tests pass :class:`Candidate` values.
+    """
+
+    @property
+    def address(self) -> str: ...
+    @property
+    def group(self) -> str: ...
+    @property
+    def token_capacity(self) -> float: ...
+    @property
+    def active_tokens(self) -> int: ...
+    @property
+    def active_requests(self) -> int: ...
+
+
+E = TypeVar("E", bound=Endpoint)
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,20 +89,27 @@ class Cost:
 
 @dataclass(frozen=True, slots=True)
 class Policy:
-    """The affinity knobs. ``bonus`` is in utilisation units, within [0, 1]."""
+    """The affinity knobs. ``bonus`` is in utilisation units, within [0, 1] (checked by the config).
+
+    Utilisations and the bonus are compared on a grid of 1e-9, so a decode exactly ``bonus``
+    above the best counts as within it whatever the float rounding.
+    """
 
     mode: Mode = Mode.PREFER
     bonus: float = 0.3
     fallback_count: int = 2
 
 
-@dataclass(frozen=True, slots=True)
-class Decision:
-    """Where one request goes. ``prefill`` is ``None`` for decode-only routing."""
+class Decision(NamedTuple, Generic[E]):
+    """Where one request goes. ``prefill`` is ``None`` for decode-only routing.
 
-    prefill: Candidate | None
-    decode: Candidate
-    fallbacks: tuple[Candidate, ...]
+    The endpoints are the very objects passed to :func:`~ext_proc.affinity.choose`. A named
+    tuple: immutable, and several times cheaper to build than a frozen dataclass.
+    """
+
+    prefill: E | None
+    decode: E
+    fallbacks: tuple[E, ...]
     locality: Locality
 
 

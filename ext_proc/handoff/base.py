@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from ext_proc.affinity import Decision
+from ext_proc.affinity import Decision, Endpoint
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +27,6 @@ class Handoff(Protocol):
 
     routing_headers: tuple[str, ...]
 
-    def instructions(self, decision: Decision) -> RoutingInstructions:
+    def instructions(self, decision: Decision[Endpoint]) -> RoutingInstructions:
         """The headers and metadata that make Envoy and the engines carry out ``decision``."""
         ...

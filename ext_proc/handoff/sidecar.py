@@ -8,7 +8,7 @@ to its engine. Without a prefill the header is removed, so the decode engine pre
 
 from __future__ import annotations
 
-from ext_proc.affinity import Decision
+from ext_proc.affinity import Decision, Endpoint
 from ext_proc.handoff.base import RoutingInstructions
 
 
@@ -20,7 +20,7 @@ class SidecarHandoff:
         self._prefill = prefill_header
         self.routing_headers = (destination_header, prefill_header)
 
-    def instructions(self, decision: Decision) -> RoutingInstructions:
+    def instructions(self, decision: Decision[Endpoint]) -> RoutingInstructions:
         """Destination list = decode then fallbacks; the prefill header only when a prefill was chosen."""
         if decision.fallbacks:
             destination = ",".join([decision.decode.address, *(f.address for f in decision.fallbacks)])
