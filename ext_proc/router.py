@@ -7,6 +7,7 @@ status, a precise message and a machine-readable code.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -16,6 +17,8 @@ from ext_proc.load import Lease
 from ext_proc.metrics import Metrics
 from ext_proc.registry import EndpointState, Registry
 from ext_proc.request import RequestError, parse_request
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,8 +54,11 @@ class Router:
         self._ticket = 0
 
     def refuse(self, status: int, message: str, code: str, param: str | None = None) -> Refused:
-        """Count and describe an error answer."""
+        """Count, log and describe an error answer."""
         self.metrics.rejected(code)
+        log.log(
+            logging.INFO if status < 500 else logging.WARNING, "answered %d %s: %s", status, code, message
+        )
         return Refused(status, message, code, param)
 
     def route_body(self, raw: bytes) -> Routed | Refused:
