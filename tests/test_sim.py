@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -23,7 +23,7 @@ FAST = TimingConfig(time_scale=0.01)
 
 @asynccontextmanager
 async def cluster(
-    specs: list[EngineSpec], eds_files: list[Path] = (), timing: TimingConfig = FAST
+    specs: list[EngineSpec], eds_files: Sequence[Path] = (), timing: TimingConfig = FAST
 ) -> AsyncIterator[list[RunningEngine]]:
     engines = await start_cluster(specs, eds_files, timing=timing)
     try:
@@ -380,9 +380,9 @@ async def test_unreachable_prefiller_is_502(http, unused_tcp_port: int) -> None:
 
 
 async def test_queueing_beyond_max_batch_shows_as_waiting(http) -> None:
-    timing = TimingConfig(time_scale=0.02, max_batch=1)  # one request at a time, ~5 ms wall each
+    timing = TimingConfig(time_scale=0.02, max_batch=1)  # one request at a time, ~12 ms wall each
     async with cluster([EngineSpec("both", "g1")], timing=timing) as [engine]:
-        req = {"prompt": "abcd", "max_tokens": 20}
+        req = {"prompt": "abcd", "max_tokens": 40}
         tasks = [asyncio.create_task(post(http, engine, "/v1/completions", req)) for _ in range(4)]
         seen = 0.0
         while not all(t.done() for t in tasks):

@@ -280,3 +280,20 @@ def test_invalid_chat_and_json() -> None:
 def test_token_text_is_four_chars_per_token() -> None:
     assert len(token_text(0, 10)) == 40
     assert token_text(0, 3) + token_text(3, 5) == token_text(0, 5)
+
+
+async def test_engine_abort_cancels_kv_pull_and_frees_the_link() -> None:
+    engine = Engine(EngineConfig(role="decode", group="g1", timing=TimingConfig(time_scale=1e-3)))
+    link = engine.kv.link
+    await engine.start()
+    try:
+        seq = engine.submit(1000, 4, 4, pull=lambda: engine.kv.pull("10.0.0.9:1", 10**9))  # hours of transfer
+        while link.active == 0:
+            await asyncio.sleep(0.001)
+        assert seq.state == PULLING and engine.scheduler.num_waiting == 1
+        engine.abort(seq)
+        await asyncio.sleep(0.01)
+        assert link.active == 0 and engine.scheduler.num_waiting == 0 and engine.scheduler.used_blocks == 0
+        assert seq.state == ABORTED
+    finally:
+        await engine.stop()

@@ -1,0 +1,88 @@
+"""Many simulated engines in one asyncio process, sharing one model clock, one cross-group
+link and one EDS group map: the setup demos and benchmarks use.
+
+Typical use with ephemeral ports: start the cluster, then write the EDS files the gateway will
+read from :func:`endpoint_specs` (the engines re-read them on their next lookup)::
+
+    engines = await start_cluster([EngineSpec("prefill", "g1"), EngineSpec("decode", "g1")], [eds])
+    write_eds_file(eds, "pd", endpoint_specs(engines))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from ext_proc.discovery.eds import EndpointSpec
+from sim.clock import SimClock
+from sim.config import DEFAULT_MODEL, EngineConfig, KvConfig, Role, TimingConfig
+from sim.kv import GroupMap, SharedLink
+from sim.server import RunningEngine, start_engine
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One engine of a cluster; ``timing`` overrides the cluster's (same ``time_scale`` required)."""
+
+    role: Role
+    group: str
+    port: int = 0
+    timing: TimingConfig | None = None
+
+
+async def start_cluster(
+    specs: Sequence[EngineSpec],
+    eds_files: Sequence[str | Path] = (),
+    *,
+    host: str = "127.0.0.1",
+    timing: TimingConfig | None = None,
+    kv: KvConfig | None = None,
+    model: str = DEFAULT_MODEL,
+    namespace: str = "pd",
+) -> list[RunningEngine]:
+    """Start one engine per spec (in order); stop them all and re-raise if any fails to start."""
+    timing = timing or TimingConfig()
+    kv = kv or KvConfig()
+    clock = SimClock(timing.time_scale)
+    link = SharedLink(kv.cross_group_gbps * 1e9, clock)
+    groups = GroupMap(eds_files, namespace)
+    base = EngineConfig(
+        host=host,
+        model=model,
+        eds_files=tuple(map(str, eds_files)),
+        eds_namespace=namespace,
+        timing=timing,
+        kv=kv,
+    )
+    started: list[RunningEngine] = []
+    try:
+        for spec in specs:
+            if spec.timing is not None and spec.timing.time_scale != timing.time_scale:
+                raise ValueError("every engine of a cluster must use the cluster's time_scale")
+            config = replace(
+                base, role=spec.role, group=spec.group, port=spec.port, timing=spec.timing or timing
+            )
+            started.append(await start_engine(config, clock=clock, link=link, groups=groups))
+    except BaseException:
+        await stop_cluster(started)
+        raise
+    return started
+
+
+async def stop_cluster(engines: Iterable[RunningEngine]) -> None:
+    """Stop every engine (each drains its in-flight requests first)."""
+    for engine in engines:
+        await engine.stop()
+
+
+def endpoint_specs(
+    engines: Iterable[RunningEngine], roles: Iterable[str] | None = None
+) -> list[EndpointSpec]:
+    """EDS endpoints (address, ``pdGroupID``) of the engines whose role is in ``roles`` (default all)."""
+    wanted = set(roles) if roles is not None else None
+    return [
+        EndpointSpec(e.address, e.engine.config.group, None, True, "HEALTHY")
+        for e in engines
+        if wanted is None or e.engine.config.role in wanted
+    ]

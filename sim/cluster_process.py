@@ -1,0 +1,149 @@
+"""Run a simulated cluster in a child process, so the engines get a CPU (and a GIL) of their own.
+
+The parent starts it with :func:`spawn_cluster`, which returns once every engine listens and the
+EDS files (``prefill`` and ``decode`` clusters, with each engine's KV capacity as
+``token_capacity``) are written. It can then stop single engines (a node dying) and the whole
+cluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import multiprocessing
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+from ext_proc.discovery.eds import EndpointSpec, write_eds_file
+from sim.cluster import EngineSpec, start_cluster, stop_cluster
+from sim.config import KvConfig, TimingConfig
+from sim.server import RunningEngine
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """One started engine as the parent sees it."""
+
+    address: str
+    role: str
+    group: str
+    token_capacity: int
+
+
+def _endpoint(info: EngineInfo, healthy: bool = True) -> EndpointSpec:
+    return EndpointSpec(
+        info.address, info.group, float(info.token_capacity), healthy, "HEALTHY" if healthy else "UNHEALTHY"
+    )
+
+
+def write_cluster_eds(
+    engines: list[EngineInfo], prefill_path: Path, decode_path: Path, removed: frozenset[str] = frozenset()
+) -> None:
+    """Write both EDS files from ``engines``; addresses in ``removed`` are left out."""
+    live = [e for e in engines if e.address not in removed]
+    write_eds_file(prefill_path, "prefill", [_endpoint(e) for e in live if e.role in ("prefill", "both")])
+    write_eds_file(decode_path, "decode", [_endpoint(e) for e in live if e.role in ("decode", "both")])
+
+
+async def _serve(
+    specs: list[EngineSpec], eds: list[str], timing: TimingConfig, kv: KvConfig, conn: Connection
+) -> None:
+    engines: list[RunningEngine] = await start_cluster(specs, eds, timing=timing, kv=kv)
+    by_address = {e.address: e for e in engines}
+    conn.send(
+        [
+            EngineInfo(
+                e.address,
+                e.engine.config.role,
+                e.engine.config.group,
+                e.engine.config.timing.kv_capacity_tokens,
+            )
+            for e in engines
+        ]
+    )
+    loop = asyncio.get_running_loop()
+    try:
+        while True:
+            ready = asyncio.Event()
+            loop.add_reader(conn.fileno(), ready.set)
+            try:
+                await ready.wait()
+            finally:
+                loop.remove_reader(conn.fileno())
+            command, address = conn.recv()
+            if command == "stop_engine":
+                engine = by_address.pop(address, None)
+                if engine is not None:
+                    await engine.runner.shutdown()  # refuse new connections at once, like a dead node
+                    await engine.stop()
+                conn.send("ok")
+            elif command == "exit":
+                break
+    finally:
+        await stop_cluster(by_address.values())
+
+
+def _child(
+    specs: list[EngineSpec], eds: list[str], timing: TimingConfig, kv: KvConfig, conn: Connection
+) -> None:
+    with contextlib.suppress(KeyboardInterrupt, EOFError):
+        asyncio.run(_serve(specs, eds, timing, kv, conn))
+
+
+@dataclass
+class ClusterProcess:
+    """A simulated cluster running in a child process."""
+
+    process: multiprocessing.process.BaseProcess
+    conn: Connection
+    engines: list[EngineInfo]
+
+    def stop_engine(self, address: str) -> None:
+        """Kill one engine: it stops accepting connections at once (EDS is left to the caller)."""
+        self.conn.send(("stop_engine", address))
+        self.conn.recv()
+
+    def stop(self) -> None:
+        """Stop every engine and the child process."""
+        if self.process.is_alive():
+            with contextlib.suppress(OSError, BrokenPipeError):
+                self.conn.send(("exit", ""))
+            self.process.join(10)
+            if self.process.is_alive():
+                self.process.terminate()
+                self.process.join(5)
+        self.conn.close()
+
+
+def spawn_cluster(
+    specs: list[EngineSpec],
+    prefill_eds: Path,
+    decode_eds: Path,
+    timing: TimingConfig | None = None,
+    kv: KvConfig | None = None,
+    timeout: float = 30.0,
+) -> ClusterProcess:
+    """Start the engines in a child process and write the EDS files; return when all listen."""
+    parent, child = multiprocessing.get_context("spawn").Pipe()
+    eds = [str(prefill_eds), str(decode_eds)]
+    process = multiprocessing.get_context("spawn").Process(
+        target=_child,
+        args=(specs, eds, timing or TimingConfig(), kv or KvConfig(), child),
+        daemon=True,
+        name="pd-sim-cluster",
+    )
+    process.start()
+    child.close()
+    try:
+        if not parent.poll(timeout):
+            raise RuntimeError(f"the simulated cluster did not start within {timeout:.0f} s")
+        engines = parent.recv()
+    except (EOFError, RuntimeError) as exc:
+        process.terminate()
+        process.join(5)
+        raise RuntimeError(
+            f"the simulated cluster failed to start (exit code {process.exitcode}): {exc}"
+        ) from None
+    write_cluster_eds(engines, prefill_eds, decode_eds)
+    return ClusterProcess(process, parent, engines)

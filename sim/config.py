@@ -1,0 +1,145 @@
+"""Configuration of one simulated engine. Every duration is in *model* time (see :mod:`sim.clock`).
+
+The field ``metadata["help"]`` strings double as the ``sim`` CLI help (:mod:`sim.cli` derives one
+``--option`` per field of :class:`TimingConfig` and :class:`KvConfig`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Role = Literal["prefill", "decode", "both"]
+ROLES: tuple[str, ...] = ("prefill", "decode", "both")
+DEFAULT_MODEL = "sim-llama-3-8b"
+
+
+def _opt(default: Any, help_text: str) -> Any:
+    return field(default=default, metadata={"help": help_text})
+
+
+@dataclass(frozen=True)
+class TimingConfig:
+    """Timing and capacity model of one engine (continuous batching with chunked prefill).
+
+    A scheduler step prefills up to ``max_num_batched_tokens`` prompt tokens and decodes one
+    token for every running sequence whose prefill is done. Its duration in ms is
+    ``decode_step_ms + decode_step_per_seq_ms * n_decode`` (if any sequence decodes) plus
+    ``prefill_base_ms + prefill_per_token_ms * tokens * (1 + prefill_batch_penalty * (n_prefill - 1))``
+    (if any sequence prefills). Defaults are roughly Llama-3-8B on one fast GPU, scaled so that a
+    demo of a few hundred requests over 6-8 engines finishes in seconds.
+    """
+
+    prefill_base_ms: float = _opt(3.0, "fixed cost of a step that prefills (ms)")
+    prefill_per_token_ms: float = _opt(0.05, "prefill cost per prompt token (ms/token)")
+    prefill_batch_penalty: float = _opt(
+        0.05, "relative prefill slowdown per extra sequence prefilled in the same step"
+    )
+    decode_step_ms: float = _opt(12.0, "fixed cost of a decode step (ms)")
+    decode_step_per_seq_ms: float = _opt(0.1, "decode step cost per running sequence (ms/seq)")
+    max_batch: int = _opt(64, "max sequences running at once; more wait (vLLM max_num_seqs)")
+    max_num_batched_tokens: int = _opt(8192, "token budget of one step, decode tokens included")
+    kv_capacity_tokens: int = _opt(262144, "KV cache capacity (tokens); requests wait when full")
+    block_size: int = _opt(16, "KV cache block size (tokens)")
+    max_model_len: int = _opt(32768, "max prompt + output tokens of one request")
+    default_max_tokens: int = _opt(256, "output budget when the request sets neither max_tokens")
+    stream_interval: int = _opt(1, "tokens per streamed chunk (vLLM --stream-interval)")
+    time_scale: float = _opt(1.0, "wall seconds per model second; < 1 runs faster than real time")
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch", "max_num_batched_tokens", "kv_capacity_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        for name in ("max_model_len", "default_max_tokens", "stream_interval"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if not (self.time_scale > 0 and math.isfinite(self.time_scale)):
+            raise ValueError("time_scale must be a finite number > 0")
+        for name in (
+            "prefill_base_ms",
+            "prefill_per_token_ms",
+            "prefill_batch_penalty",
+            "decode_step_ms",
+            "decode_step_per_seq_ms",
+        ):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+
+    def prefill_ms(self, tokens: int, seqs: int) -> float:
+        """Model ms to prefill ``tokens`` prompt tokens spread over ``seqs`` sequences in one step."""
+        if seqs <= 0:
+            return 0.0
+        return self.prefill_base_ms + self.prefill_per_token_ms * tokens * (
+            1.0 + self.prefill_batch_penalty * (seqs - 1)
+        )
+
+    def decode_ms(self, seqs: int) -> float:
+        """Model ms of one decode step over ``seqs`` running sequences (0 when none decode)."""
+        if seqs <= 0:
+            return 0.0
+        return self.decode_step_ms + self.decode_step_per_seq_ms * seqs
+
+    @property
+    def kv_capacity_blocks(self) -> int:
+        """KV capacity in blocks (``kv_capacity_tokens`` rounded down, at least one block)."""
+        return max(1, self.kv_capacity_tokens // self.block_size)
+
+
+@dataclass(frozen=True)
+class KvConfig:
+    """KV-cache transfer model: ``kv_base_latency_ms + prompt_tokens * kv_bytes_per_token / bandwidth``.
+
+    Bandwidths are in GB/s (10^9 bytes/s). Same-group transfers use a dedicated fabric; all
+    cross-group transfers of one process share one link (processor sharing, :class:`sim.kv.SharedLink`).
+    """
+
+    kv_bytes_per_token: int = _opt(131072, "KV cache bytes per token (128 KiB = Llama-3-8B, bf16)")
+    same_group_gbps: float = _opt(100.0, "intra-group transfer bandwidth (GB/s)")
+    cross_group_gbps: float = _opt(10.0, "cross-group link bandwidth, shared by all transfers (GB/s)")
+    kv_base_latency_ms: float = _opt(1.0, "fixed latency of one KV transfer (ms)")
+
+    def __post_init__(self) -> None:
+        if self.kv_bytes_per_token < 0 or self.kv_base_latency_ms < 0:
+            raise ValueError("kv_bytes_per_token and kv_base_latency_ms must be >= 0")
+        if not (self.same_group_gbps > 0 and self.cross_group_gbps > 0):
+            raise ValueError("bandwidths must be > 0")
+
+    def transfer_bytes(self, prompt_tokens: int) -> int:
+        """Bytes of KV cache for ``prompt_tokens`` tokens."""
+        return prompt_tokens * self.kv_bytes_per_token
+
+    def unloaded_transfer_ms(self, prompt_tokens: int, same_group: bool) -> float:
+        """Model ms of one transfer with the link to itself (no concurrent cross-group transfers)."""
+        gbps = self.same_group_gbps if same_group else self.cross_group_gbps
+        return self.kv_base_latency_ms + self.transfer_bytes(prompt_tokens) / (gbps * 1e9) * 1e3
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """One simulated engine: identity, listen address, EDS files and the two models.
+
+    ``port`` 0 binds an ephemeral port. ``advertise_host`` (default: ``host``) is the host this
+    engine reports in ``x-sim-engine`` and ``kv_transfer_params.remote_host``; it must match the
+    address in the EDS files for group lookups to work.
+    """
+
+    role: Role = "both"
+    group: str = ""
+    host: str = "127.0.0.1"
+    port: int = 0
+    advertise_host: str | None = None
+    model: str = DEFAULT_MODEL
+    eds_files: tuple[str, ...] = ()
+    eds_namespace: str = "pd"
+    timing: TimingConfig = field(default_factory=TimingConfig)
+    kv: KvConfig = field(default_factory=KvConfig)
+    prefill_timeout_s: float = 300.0
+    shutdown_timeout_s: float = 5.0
+    access_log: bool = False
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port out of range: {self.port}")

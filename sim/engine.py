@@ -1,0 +1,355 @@
+"""Scheduler and engine loop of one simulated engine (no HTTP here).
+
+:class:`Scheduler` is pure bookkeeping: FCFS admission bounded by ``max_batch`` and by KV
+blocks (reserved for prompt + output up front, no preemption), then steps that each prefill a
+chunk of prompt tokens and decode one token for every sequence past its prefill. :class:`Engine`
+runs it in an asyncio task, sleeping each step's modelled duration, pulling remote KV caches for
+admitted sequences and waking request handlers through per-sequence events. All times are
+model seconds (:mod:`sim.clock`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import uuid
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from sim.clock import SimClock
+from sim.config import EngineConfig, TimingConfig
+from sim.kv import NO_TRANSFER_RESULT, GroupMap, KvTransferModel, SharedLink, TransferResult
+from sim.metrics import EngineMetrics
+
+log = logging.getLogger(__name__)
+
+WAITING, PULLING, RUNNING, FINISHED, ABORTED = "waiting", "pulling", "running", "finished", "aborted"
+Pull = Callable[[], Awaitable[TransferResult]]
+
+
+class EngineError(RuntimeError):
+    """A request failed inside the engine (KV pull error, engine stopped)."""
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request inside the engine. Token counts in tokens, times in model seconds.
+
+    ``output_tokens`` (<= ``max_tokens``) is how many tokens it will generate; ``pull`` loads its
+    KV cache from a remote prefill (``None``: prefill locally). ``ready`` is set once its KV cache
+    is in place (or it failed); ``progress`` whenever it gains a token or ends.
+    """
+
+    request_id: str
+    prompt_tokens: int
+    max_tokens: int
+    output_tokens: int
+    arrival: float
+    pull: Pull | None = None
+    state: str = WAITING
+    prefilled: int = 0
+    generated: int = 0
+    kv_blocks: int = 0
+    admitted_at: float | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    transfer: TransferResult = NO_TRANSFER_RESULT
+    error: BaseException | None = None
+    ready: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+    progress: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
+
+    @property
+    def done(self) -> bool:
+        """Finished or aborted."""
+        return self.state in (FINISHED, ABORTED)
+
+    @property
+    def finish_reason(self) -> str | None:
+        """``"length"`` when the budget ran out, ``"stop"`` for an earlier end, else ``None``."""
+        if self.state != FINISHED:
+            return None
+        return "length" if self.generated >= self.max_tokens else "stop"
+
+
+@dataclass
+class StepPlan:
+    """One scheduler step: ``prefill`` (sequence, prompt tokens this step), ``decode`` sequences."""
+
+    prefill: list[tuple[Sequence, int]]
+    decode: list[Sequence]
+    duration_s: float
+
+
+class Scheduler:
+    """Pure scheduler state; see the module docstring. Not thread-safe, no asyncio needed."""
+
+    def __init__(self, timing: TimingConfig) -> None:
+        self.timing = timing
+        self.waiting: deque[Sequence] = deque()
+        self.pulling: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self.used_blocks = 0
+
+    def blocks_for(self, seq: Sequence) -> int:
+        """KV blocks reserved for ``seq``: prompt plus output tokens, rounded up to whole blocks."""
+        return -(-(seq.prompt_tokens + seq.output_tokens) // self.timing.block_size)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue ``seq``; raise ``ValueError`` if it could never fit the KV cache."""
+        if self.blocks_for(seq) > self.timing.kv_capacity_blocks:
+            raise ValueError(
+                f"request needs {seq.prompt_tokens + seq.output_tokens} KV tokens, "
+                f"more than the cache holds ({self.timing.kv_capacity_blocks * self.timing.block_size})"
+            )
+        self.waiting.append(seq)
+
+    def admit(self, now: float) -> list[Sequence]:
+        """Admit waiting sequences in FIFO order while batch slots and KV blocks last."""
+        admitted: list[Sequence] = []
+        while self.waiting and len(self.running) + len(self.pulling) < self.timing.max_batch:
+            seq = self.waiting[0]
+            need = self.blocks_for(seq)
+            if self.used_blocks + need > self.timing.kv_capacity_blocks:
+                break
+            self.waiting.popleft()
+            self.used_blocks += need
+            seq.kv_blocks, seq.admitted_at = need, now
+            if seq.pull is not None:
+                seq.state = PULLING
+                self.pulling.append(seq)
+            else:
+                seq.state = RUNNING
+                self.running.append(seq)
+            admitted.append(seq)
+        return admitted
+
+    def kv_loaded(self, seq: Sequence) -> None:
+        """A pulled sequence's KV cache arrived: it decodes from the next step on."""
+        self.pulling.remove(seq)
+        seq.state, seq.prefilled = RUNNING, seq.prompt_tokens
+        self.running.append(seq)
+
+    def plan(self) -> StepPlan | None:
+        """The next step, or ``None`` when no running sequence has work."""
+        decode = [s for s in self.running if s.prefilled >= s.prompt_tokens]
+        budget = self.timing.max_num_batched_tokens - len(decode)
+        prefill: list[tuple[Sequence, int]] = []
+        for seq in self.running:
+            if seq.prefilled < seq.prompt_tokens and budget > 0:
+                chunk = min(seq.prompt_tokens - seq.prefilled, budget)
+                prefill.append((seq, chunk))
+                budget -= chunk
+        if not decode and not prefill:
+            return None
+        ms = self.timing.decode_ms(len(decode)) + self.timing.prefill_ms(
+            sum(n for _, n in prefill), len(prefill)
+        )
+        return StepPlan(prefill, decode, ms / 1e3)
+
+    def apply(self, plan: StepPlan, now: float) -> list[Sequence]:
+        """Account a step ending at ``now``; return the sequences that gained a token."""
+        progressed: list[Sequence] = []
+        for seq, chunk in plan.prefill:
+            if seq.state == RUNNING:
+                seq.prefilled += chunk
+                if seq.prefilled >= seq.prompt_tokens:
+                    progressed.append(seq)
+        progressed.extend(s for s in plan.decode if s.state == RUNNING)
+        for seq in progressed:
+            seq.generated += 1
+            if seq.first_token_at is None:
+                seq.first_token_at = now
+            if seq.generated >= seq.output_tokens:
+                seq.state, seq.finished_at = FINISHED, now
+                self._release(seq)
+        return progressed
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop ``seq`` wherever it is and free its KV blocks."""
+        if seq.done:
+            return
+        if seq.state == WAITING:
+            with contextlib.suppress(ValueError):
+                self.waiting.remove(seq)
+        else:
+            self._release(seq)
+        seq.state = ABORTED
+
+    def _release(self, seq: Sequence) -> None:
+        for queue in (self.running, self.pulling):
+            if seq in queue:
+                queue.remove(seq)
+        self.used_blocks -= seq.kv_blocks
+        seq.kv_blocks = 0
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences not yet in the batch: queued, plus admitted ones still pulling their KV."""
+        return len(self.waiting) + len(self.pulling)
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of KV blocks reserved, 0..1."""
+        return self.used_blocks / self.timing.kv_capacity_blocks
+
+
+class Engine:
+    """One simulated engine: scheduler loop, KV pulls and metrics. Needs a running event loop.
+
+    Engines that share ``clock``, ``link`` and ``groups`` model one cluster in one process.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        *,
+        clock: SimClock | None = None,
+        link: SharedLink | None = None,
+        groups: GroupMap | None = None,
+    ) -> None:
+        self.config = config
+        self.clock = clock or SimClock(config.timing.time_scale)
+        self.scheduler = Scheduler(config.timing)
+        sched = self.scheduler
+        self.metrics = EngineMetrics(
+            config.model, lambda: len(sched.running), lambda: sched.num_waiting, lambda: sched.kv_usage
+        )
+        groups = groups if groups is not None else GroupMap(config.eds_files, config.eds_namespace)
+        link = link or SharedLink(config.kv.cross_group_gbps * 1e9, self.clock)
+        self.kv = KvTransferModel(config.kv, config.group, groups, link, self.clock)
+        self.engine_id = f"sim-{uuid.uuid4().hex[:12]}"
+        self.host = config.advertise_host or config.host
+        self.port = config.port
+        self._ids = itertools.count()
+        self._block_ids = itertools.count()
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._pulls: dict[Sequence, asyncio.Task[None]] = {}
+
+    @property
+    def address(self) -> str:
+        """``"host:port"`` this engine advertises (port known once bound)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+    async def start(self) -> None:
+        """Start the scheduler loop."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name=f"sim-engine-{self.engine_id}")
+
+    async def stop(self) -> None:
+        """Stop the loop and fail every sequence still inside the engine."""
+        tasks = [t for t in (self._task, *self._pulls.values()) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._task = None
+        sched = self.scheduler
+        for seq in [*sched.waiting, *sched.pulling, *sched.running]:
+            self._fail(seq, EngineError("engine stopped"))
+
+    def submit(
+        self, prompt_tokens: int, max_tokens: int, output_tokens: int, pull: Pull | None = None
+    ) -> Sequence:
+        """Queue a request; raise ``ValueError`` if it can never fit. Returns its :class:`Sequence`."""
+        seq = Sequence(
+            request_id=f"{self.engine_id}-{next(self._ids)}",
+            prompt_tokens=prompt_tokens,
+            max_tokens=max_tokens,
+            output_tokens=max(1, min(output_tokens, max_tokens)),
+            arrival=self.clock.now(),
+            pull=pull,
+        )
+        self.scheduler.add(seq)
+        self._wakeup.set()
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        """Abandon ``seq`` (client went away); frees its batch slot and KV blocks."""
+        if not seq.done:
+            pull = self._pulls.pop(seq, None)
+            if pull is not None and pull is not asyncio.current_task():
+                pull.cancel()  # frees its share of the cross-group link
+            self.scheduler.abort(seq)
+            self.metrics.request_finished("abort")
+            seq.ready.set()
+            seq.progress.set()
+            self._wakeup.set()
+
+    def block_ids(self, seq: Sequence) -> list[int]:
+        """Fresh ids of the KV blocks holding ``seq``'s prompt, for a remote decode to pull."""
+        blocks = max(1, -(-seq.prompt_tokens // self.config.timing.block_size))
+        return [next(self._block_ids) for _ in range(blocks)]
+
+    async def wait_done(self, seq: Sequence) -> None:
+        """Wait until ``seq`` finished; raise :class:`EngineError` if it failed or was aborted."""
+        while not seq.done:
+            seq.progress.clear()
+            await seq.progress.wait()
+        if seq.error is not None:
+            raise EngineError(str(seq.error)) from seq.error
+
+    def _fail(self, seq: Sequence, error: BaseException) -> None:
+        seq.error = error
+        self.abort(seq)
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                now = self.clock.now()
+                for seq in self.scheduler.admit(now):
+                    self.metrics.queue_time.observe(now - seq.arrival)
+                    if seq.pull is None:
+                        seq.ready.set()
+                    else:
+                        self._pulls[seq] = asyncio.create_task(self._pull(seq))
+                plan = self.scheduler.plan()
+                if plan is None:
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                start = self.clock.now()
+                await self.clock.sleep(plan.duration_s)
+                self._account(self.scheduler.apply(plan, start + plan.duration_s))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # keep serving; fail what was in flight
+                log.exception("engine %s step failed", self.address)
+                for seq in list(self.scheduler.running):
+                    self._fail(seq, exc)
+
+    def _account(self, progressed: list[Sequence]) -> None:
+        m = self.metrics
+        m.generation_tokens.inc(len(progressed))
+        for seq in progressed:
+            if seq.generated == 1:
+                m.prompt_tokens.inc(seq.prompt_tokens)
+                m.ttft.observe(seq.first_token_at - seq.arrival)  # type: ignore[operator]
+            if seq.state == FINISHED:
+                m.request_finished(seq.finish_reason or "length")
+                m.e2e.observe(seq.finished_at - seq.arrival)  # type: ignore[operator]
+                if seq.generated > 1:
+                    m.tpot.observe((seq.finished_at - seq.first_token_at) / (seq.generated - 1))  # type: ignore[operator]
+            seq.progress.set()
+
+    async def _pull(self, seq: Sequence) -> None:
+        assert seq.pull is not None
+        try:
+            seq.transfer = await seq.pull()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning("KV pull for %s failed: %s", seq.request_id, exc)
+            self._fail(seq, exc)
+            return
+        finally:
+            self._pulls.pop(seq, None)
+        if seq.state != PULLING:  # aborted meanwhile
+            return
+        self.metrics.kv_transfer(seq.transfer.kind, seq.transfer.model_ms / 1e3)
+        self.scheduler.kv_loaded(seq)
+        seq.ready.set()
+        self._wakeup.set()

@@ -1,0 +1,181 @@
+"""A whole gateway stack on loopback: simulated cluster, pd-extproc, and the real Envoy.
+
+Each piece runs in its own process (the machine has two cores; a shared GIL would distort
+timings): the cluster in a child process, ``pd-extproc serve`` as a subprocess restarted per
+affinity setting, Envoy from the shipped bootstrap. :meth:`Stack.route_with` switches the
+affinity mode; :meth:`Stack.round_robin` gives the plain-Envoy baseline on the same cluster.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+from ext_proc.gateway import Gateway, free_port, render_bootstrap, start_gateway
+from sim.cluster import EngineSpec
+from sim.cluster_process import ClusterProcess, spawn_cluster, write_cluster_eds
+from sim.config import KvConfig, TimingConfig
+
+
+class StackError(RuntimeError):
+    """A piece of the stack failed to start; the message says which and why."""
+
+
+@dataclass
+class Stack:
+    """The running stack. ``url`` is the current gateway's base URL (``None`` before routing)."""
+
+    cluster: ClusterProcess
+    workdir: Path
+    prefill_eds: Path
+    decode_eds: Path
+    grpc_port: int = field(default_factory=free_port)
+    admin_port: int = field(default_factory=free_port)
+    server: subprocess.Popen | None = None
+    gateway: Gateway | None = None
+    removed: set[str] = field(default_factory=set)
+    gateway_routed: bool = False
+
+    @property
+    def url(self) -> str:
+        if self.gateway is None:
+            raise StackError("no gateway is running")
+        return self.gateway.url
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.admin_port}"
+
+    def decodes(self) -> list[str]:
+        """Addresses of the live decode engines."""
+        return [
+            e.address
+            for e in self.cluster.engines
+            if e.role in ("decode", "both") and e.address not in self.removed
+        ]
+
+    def _stop_server(self) -> None:
+        if self.server is not None and self.server.poll() is None:
+            self.server.terminate()
+            try:
+                self.server.wait(10)
+            except subprocess.TimeoutExpired:
+                self.server.kill()
+                self.server.wait()
+        self.server = None
+
+    def _stop_gateway(self) -> None:
+        if self.gateway is not None:
+            self.gateway.stop()
+        self.gateway = None
+
+    async def _start_gateway(self, extproc: bool) -> None:
+        self._stop_gateway()
+        listen, admin = free_port(), free_port()
+        bootstrap = render_bootstrap(
+            listen_port=listen,
+            admin_port=admin,
+            extproc_port=self.grpc_port if extproc else None,
+            decode_eds_path=str(self.decode_eds),
+            round_robin=not extproc,
+        )
+        self.gateway = await start_gateway(bootstrap, listen, admin, concurrency=1)
+        self.gateway_routed = extproc
+
+    async def route_with(self, mode: str, bonus: float = 0.3) -> str:
+        """(Re)start pd-extproc with ``mode``/``bonus`` and the routed Envoy; return the gateway URL."""
+        self._stop_server()
+        log = (self.workdir / f"pd-extproc-{mode}-{bonus}.log").open("wb")
+        self.server = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "ext_proc.cli",
+                "--log-level",
+                "WARNING",
+                "serve",
+                "--listen",
+                f"127.0.0.1:{self.grpc_port}",
+                "--metrics-listen",
+                f"127.0.0.1:{self.admin_port}",
+                "--eds-file",
+                str(self.prefill_eds),
+                "--eds-file",
+                str(self.decode_eds),
+                "--affinity-mode",
+                mode,
+                "--affinity-bonus",
+                str(bonus),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+        log.close()
+        await self._wait_router()
+        if self.gateway is None or not self.gateway_routed:
+            await self._start_gateway(extproc=True)
+        return self.url
+
+    async def round_robin(self) -> str:
+        """Stop pd-extproc and run plain Envoy (round robin over the decodes); return its URL."""
+        self._stop_server()
+        await self._start_gateway(extproc=False)
+        return self.url
+
+    async def _wait_router(self, timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        async with aiohttp.ClientSession() as session:
+            while time.monotonic() < deadline:
+                if self.server is None or self.server.poll() is not None:
+                    raise StackError(f"pd-extproc exited; see {self.workdir}")
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with session.get(f"{self.admin_url}/healthz") as response:
+                        if response.status == 200 and (await response.json())["decodes"]:
+                            return
+                await asyncio.sleep(0.05)
+        raise StackError(f"pd-extproc was not ready within {timeout:.0f} s")
+
+    async def endpoint_load(self) -> list[dict]:
+        """pd-extproc's ``/debug/endpoints`` rows."""
+        async with aiohttp.ClientSession() as session, session.get(f"{self.admin_url}/debug/endpoints") as r:
+            return await r.json()
+
+    def kill_engine(self, address: str) -> None:
+        """A node dies: the engine stops accepting connections (EDS still lists it)."""
+        self.cluster.stop_engine(address)
+
+    def remove_from_eds(self, address: str) -> None:
+        """Discovery notices: the engine leaves both EDS files (atomic rename)."""
+        self.removed.add(address)
+        write_cluster_eds(self.cluster.engines, self.prefill_eds, self.decode_eds, frozenset(self.removed))
+
+    def stop(self) -> None:
+        """Tear everything down (idempotent)."""
+        self._stop_gateway()
+        self._stop_server()
+        self.cluster.stop()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def start_stack(
+    specs: list[EngineSpec], timing: TimingConfig | None = None, kv: KvConfig | None = None
+) -> Stack:
+    """Start the simulated cluster and write its EDS files; gateways start on demand."""
+    workdir = Path(tempfile.mkdtemp(prefix="pd-stack-"))
+    prefill_eds, decode_eds = workdir / "prefill.json", workdir / "decode.json"
+    try:
+        cluster = spawn_cluster(specs, prefill_eds, decode_eds, timing, kv)
+    except RuntimeError as exc:
+        shutil.rmtree(workdir, ignore_errors=True)
+        raise StackError(str(exc)) from None
+    return Stack(cluster, workdir, prefill_eds, decode_eds)
