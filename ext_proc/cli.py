@@ -59,8 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_serve(subparsers)
     from sim.cli import add_parser as add_sim
+    from sim.demo import add_parser as add_demo
 
     add_sim(subparsers)
+    add_demo(subparsers)
     return parser
 
 

@@ -55,13 +55,13 @@ class Stack:
     def admin_url(self) -> str:
         return f"http://127.0.0.1:{self.admin_port}"
 
-    def decodes(self) -> list[str]:
-        """Addresses of the live decode engines."""
-        return [
-            e.address
+    def decode_capacities(self) -> dict[str, float]:
+        """Decode engines still in EDS → their KV capacity in tokens (what EDS declares)."""
+        return {
+            e.address: float(e.token_capacity)
             for e in self.cluster.engines
             if e.role in ("decode", "both") and e.address not in self.removed
-        ]
+        }
 
     def _stop_server(self) -> None:
         if self.server is not None and self.server.poll() is None:

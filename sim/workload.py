@@ -12,10 +12,9 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-import httpx
 import openai
 
 WORDS = ("the", "cache", "prefill", "decode", "token", "group", "router", "envoy", "batch", "latency")
@@ -88,7 +87,7 @@ def _prompt(tokens: int) -> str:
     return " ".join(words)[: tokens * 4]
 
 
-def _float_header(headers: httpx.Headers, name: str) -> float | None:
+def _float_header(headers: Mapping[str, str], name: str) -> float | None:
     value = headers.get(name)
     return float(value) if value not in (None, "") else None
 
@@ -122,7 +121,7 @@ async def _one(client: openai.AsyncOpenAI, model: str, record: Record, t0: float
             record.error = "no tokens received"
     except openai.APIStatusError as exc:
         record.error = f"{exc.status_code}: {exc.message}"
-    except (openai.APIError, httpx.HTTPError) as exc:
+    except openai.APIError as exc:
         record.error = f"{type(exc).__name__}: {exc}"
     end = time.perf_counter()
     record.end_ms = (end - record.start) * 1e3
@@ -142,9 +141,7 @@ async def run_workload(
 ) -> tuple[list[Record], float]:
     """Send every planned request through ``base_url`` (the gateway); return the records and the
     wall-clock duration in seconds from the first send to the last completion."""
-    limits = httpx.Limits(max_connections=2000, max_keepalive_connections=200)
-    http = httpx.AsyncClient(limits=limits, timeout=timeout_s)
-    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, http_client=http)
+    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=timeout_s)
     records = [Record(plan) for plan in plans]
     t0 = time.perf_counter()
 

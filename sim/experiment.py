@@ -1,0 +1,57 @@
+"""One measured run: a workload through one gateway setting of a running :class:`~sim.stack.Stack`.
+
+Shared by the demo and the routing benchmark, so both measure exactly the same way: a few
+unrecorded warm-up requests (cold connections would penalise whichever run goes first), then the
+planned workload, optionally with a disruption (a decode node dying) part-way through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from sim.report import summarize
+from sim.stack import Stack
+from sim.workload import RequestPlan, plan_workload, run_workload
+
+WARMUP = plan_workload(4, 20.0, prompt_tokens=(64, 64), output_tokens=(4, 4), seed=1)
+BASELINE = "round-robin"
+"""Run name of the plain-Envoy baseline (no ext_proc, round robin over the decodes)."""
+
+
+@dataclass(frozen=True)
+class Disruption:
+    """At ``at`` seconds into the workload, ``action(stack)`` runs (e.g. kill a decode engine)."""
+
+    at: float
+    action: Callable[[Stack], Awaitable[None]]
+
+
+async def measure(
+    stack: Stack,
+    mode: str,
+    plans: list[RequestPlan],
+    bonus: float = 0.3,
+    progress: Callable[[], None] | None = None,
+    disruption: Disruption | None = None,
+) -> dict:
+    """Route with ``mode`` (``off``/``prefer``/``strict``, or :data:`BASELINE`) and run ``plans``;
+    return the summary (see :func:`sim.report.summarize`)."""
+    url = await (stack.round_robin() if mode == BASELINE else stack.route_with(mode, bonus))
+    await run_workload(url, WARMUP)
+    capacities = stack.decode_capacities()
+    task = None
+    if disruption is not None:
+
+        async def disrupt() -> None:
+            await asyncio.sleep(disruption.at)
+            await disruption.action(stack)
+
+        task = asyncio.create_task(disrupt())
+    try:
+        records, duration = await run_workload(url, plans, progress=progress)
+    finally:
+        if task is not None:
+            await task
+    return summarize(records, duration, capacities)
