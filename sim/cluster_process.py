@@ -75,8 +75,7 @@ async def _serve(
             if command == "stop_engine":
                 engine = by_address.pop(address, None)
                 if engine is not None:
-                    await engine.runner.shutdown()  # refuse new connections at once, like a dead node
-                    await engine.stop()
+                    await engine.kill()
                 conn.send("ok")
             elif command == "exit":
                 break
@@ -100,7 +99,7 @@ class ClusterProcess:
     engines: list[EngineInfo]
 
     def stop_engine(self, address: str) -> None:
-        """Kill one engine: it stops accepting connections at once (EDS is left to the caller)."""
+        """Kill one engine like a crashed node (EDS is left to the caller)."""
         self.conn.send(("stop_engine", address))
         self.conn.recv()
 

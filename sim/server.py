@@ -340,6 +340,17 @@ class RunningEngine:
         """Stop accepting, let in-flight requests finish (up to ``shutdown_timeout_s``), stop."""
         await self.runner.cleanup()
 
+    async def kill(self) -> None:
+        """Die like a crashed node: refuse new connections, reset open ones, fail what is in flight."""
+        for site in list(self.runner.sites):
+            await site.stop()
+        server = self.runner.server
+        for handler in list(server.connections if server is not None else ()):
+            if handler.transport is not None:
+                handler.transport.abort()
+        await self.engine.stop()
+        await self.runner.cleanup()
+
 
 async def start_engine(
     config: EngineConfig,

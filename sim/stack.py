@@ -150,9 +150,12 @@ class Stack:
         async with aiohttp.ClientSession() as session, session.get(f"{self.admin_url}/debug/endpoints") as r:
             return await r.json()
 
-    def kill_engine(self, address: str) -> None:
-        """A node dies: the engine stops accepting connections (EDS still lists it)."""
-        self.cluster.stop_engine(address)
+    async def kill_engine(self, address: str) -> None:
+        """A node dies: the engine resets its connections and refuses new ones (EDS still lists it).
+
+        The child process answers once the engine is gone; waiting for that in a thread keeps
+        this event loop (the workload's) running meanwhile."""
+        await asyncio.to_thread(self.cluster.stop_engine, address)
 
     def remove_from_eds(self, address: str) -> None:
         """Discovery notices: the engine leaves both EDS files (atomic rename)."""

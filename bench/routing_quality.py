@@ -1,0 +1,199 @@
+"""Routing quality: the three numbers users judge a PD router by, per scenario and setting.
+
+For each named scenario a simulated cluster is started once and the same seeded streaming
+workload is sent through the real Envoy with pd-extproc in ``off``, ``prefer`` (several bonus
+values) and ``strict``, and through plain Envoy round robin (no ext_proc) as the baseline.
+Reported per run: cross-group KV transfer share, decode TTFT p50/p99, TPOT p50, decode load CV,
+throughput, errors. A bonus sweep on the reference scenario gives the trade-off curve
+(cross-group share vs load balance) users need to choose ``bonus``.
+
+Run: ``python bench/routing_quality.py [--quick] [--scenarios a,b] [--json FILE] [--png FILE]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_json
+
+from sim.cluster import EngineSpec
+from sim.config import TimingConfig
+from sim.experiment import BASELINE, Disruption, measure
+from sim.report import format_table
+from sim.stack import Stack, start_stack
+from sim.workload import RequestPlan, plan_workload
+
+BIG = TimingConfig()
+SMALL = replace(BIG, kv_capacity_tokens=BIG.kv_capacity_tokens // 2, decode_step_ms=16.0, max_batch=32)
+SWEEP_BONUSES = (0.0, 0.005, 0.01, 0.02, 0.05, 0.1, 0.3, 1.0)
+PREFER_BONUSES = (0.05, 0.3)
+
+
+def _engines(group: str, prefills: int, decodes: int, timing: TimingConfig = BIG) -> list[EngineSpec]:
+    return [EngineSpec("prefill", group) for _ in range(prefills)] + [
+        EngineSpec("decode", group, timing=timing) for _ in range(decodes)
+    ]
+
+
+async def _lose_a_decode(stack: Stack) -> None:
+    """A decode of group ``a`` dies; discovery removes it from EDS one second later."""
+    victim = next(e.address for e in stack.cluster.engines if e.role == "decode" and e.group == "a")
+    await stack.kill_engine(victim)
+    await asyncio.sleep(1.0)
+    stack.remove_from_eds(victim)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A cluster shape and a workload; ``requests``/``rate`` are the full-size values."""
+
+    name: str
+    description: str
+    engines: list[EngineSpec]
+    requests: int = 160
+    rate: float = 10.0
+    burst: int = 1
+    prompt_tokens: tuple[int, int] = (1024, 6144)
+    disruption: Callable[[float], Disruption] | None = None
+    settings: tuple[str, ...] = field(
+        default=("off", *(f"prefer@{b}" for b in PREFER_BONUSES), "strict", BASELINE)
+    )
+
+    def plans(self, quick: bool) -> list[RequestPlan]:
+        requests = 10 if quick else self.requests
+        return plan_workload(requests, self.rate, self.prompt_tokens, burst=self.burst)
+
+
+SCENARIOS = {
+    s.name: s
+    for s in (
+        Scenario(
+            "two-equal-groups",
+            "reference: a and b each 2 prefill + 3 decode, same shapes",
+            _engines("a", 2, 3) + _engines("b", 2, 3),
+        ),
+        Scenario(
+            "unequal-groups",
+            "a: 2P + 4 large D; b: 1P + 2 small, slower D",
+            _engines("a", 2, 4) + _engines("b", 1, 2, SMALL),
+        ),
+        Scenario(
+            "one-hot-group",
+            "a: 3P + 2D (prefill-heavy, its decodes run hot); b: 1P + 4D",
+            _engines("a", 3, 2) + _engines("b", 1, 4),
+        ),
+        Scenario(
+            "decode-loss",
+            "two equal groups; a decode of a dies at 40% of the run, leaves EDS 1 s later",
+            _engines("a", 2, 3) + _engines("b", 2, 3),
+            disruption=lambda duration: Disruption(0.4 * duration, _lose_a_decode),
+        ),
+        Scenario(
+            "bursty",
+            "two equal groups; arrivals in bursts of 8",
+            _engines("a", 2, 3) + _engines("b", 2, 3),
+            burst=8,
+        ),
+    )
+}
+
+
+def _mode_and_bonus(setting: str) -> tuple[str, float]:
+    mode, _, bonus = setting.partition("@")
+    return mode, float(bonus) if bonus else 0.3
+
+
+async def run_scenario(scenario: Scenario, quick: bool, sweep: bool) -> dict[str, dict]:
+    """Every setting of one scenario (plus the bonus sweep if asked) on one cluster."""
+    plans = scenario.plans(quick)
+    duration = plans[-1].at
+    stack = start_stack(scenario.engines)
+    results: dict[str, dict] = {}
+    try:
+        settings = list(scenario.settings)
+        if sweep:
+            settings += [f"prefer@{b}" for b in SWEEP_BONUSES if f"prefer@{b}" not in settings]
+        for setting in settings:
+            mode, bonus = _mode_and_bonus(setting)
+            disruption = scenario.disruption(duration) if scenario.disruption else None
+            if disruption is not None and results:  # each run loses a decode: start from a whole cluster
+                stack.stop()
+                stack = start_stack(scenario.engines)
+            results[setting] = await measure(stack, mode, plans, bonus, disruption=disruption)
+            print(f"  {scenario.name} {setting}: done", file=sys.stderr, flush=True)
+    finally:
+        stack.stop()
+    return results
+
+
+def _plot(sweep: dict[str, dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = sorted(
+        ((_mode_and_bonus(k)[1], v) for k, v in sweep.items() if k.startswith("prefer@")), key=lambda p: p[0]
+    )
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    xs = [v["decode_load_cv"] for _, v in points]
+    ys = [100 * v["cross_group_share"] for _, v in points]
+    ax.plot(xs, ys, "o-", color="tab:blue", label="prefer, bonus sweep")
+    for (bonus, _), x, y in zip(points, xs, ys, strict=True):
+        ax.annotate(f"{bonus:g}", (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    for name, marker in (("off", "s"), ("strict", "^"), (BASELINE, "x")):
+        if name in sweep:
+            ax.plot(sweep[name]["decode_load_cv"], 100 * sweep[name]["cross_group_share"], marker, label=name)
+    ax.set_xlabel("decode load CV (lower = better balanced)")
+    ax.set_ylabel("cross-group KV transfers (%)")
+    ax.set_title("two-equal-groups: the bonus trade-off")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="10 requests per run: a smoke run, not a measurement"
+    )
+    parser.add_argument(
+        "--scenarios", default=",".join(SCENARIOS), help="comma-separated subset of the scenarios"
+    )
+    parser.add_argument("--no-sweep", action="store_true", help="skip the bonus sweep on two-equal-groups")
+    parser.add_argument("--json", help="write all results as JSON")
+    parser.add_argument("--png", help="write the bonus trade-off plot (needs matplotlib)")
+    args = parser.parse_args(argv)
+    names = [n for n in args.scenarios.split(",") if n]
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown:
+        parser.error(f"unknown scenario(s) {', '.join(unknown)}; choose from {', '.join(SCENARIOS)}")
+    for noisy in ("httpx", "httpx2", "openai"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    results: dict[str, dict[str, dict]] = {}
+    for name in names:
+        scenario = SCENARIOS[name]
+        sweep = name == "two-equal-groups" and not args.no_sweep
+        results[name] = asyncio.run(run_scenario(scenario, args.quick, sweep))
+        print(f"\n{name}: {scenario.description}")
+        print(format_table(results[name]))
+    write_json(args.json, results)
+    if args.png and "two-equal-groups" in results:
+        _plot(results["two-equal-groups"], args.png)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
