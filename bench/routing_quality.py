@@ -148,7 +148,7 @@ def _plot(sweep: dict[str, dict], path: str) -> None:
     ax.plot(xs, ys, "o-", color="tab:blue", label="prefer, bonus sweep")
     for (bonus, _), x, y in zip(points, xs, ys, strict=True):
         ax.annotate(f"{bonus:g}", (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
-    for name, marker in (("off", "s"), ("strict", "^"), (BASELINE, "x")):
+    for name, marker in (("off", "s"), ("strict", "^")):  # round robin has no disaggregation: no KV share
         if name in sweep:
             ax.plot(sweep[name]["decode_load_cv"], 100 * sweep[name]["cross_group_share"], marker, label=name)
     ax.set_xlabel("decode load CV (lower = better balanced)")

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import sys
+from pathlib import Path
 
 from ext_proc.config import ConfigError, load_config
 
@@ -17,7 +18,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.metrics_listen is not None:
         overrides["metrics_listen"] = args.metrics_listen
     if args.eds_file:
-        overrides["discovery.eds_files"] = list(args.eds_file)
+        overrides["discovery.eds_files"] = [str(Path(p).resolve()) for p in args.eds_file]  # relative to cwd
     if args.affinity_mode is not None:
         overrides["affinity.mode"] = args.affinity_mode
     if args.affinity_bonus is not None:

@@ -114,7 +114,7 @@ def _build(cls: type, data: Mapping[str, object], prefix: str) -> object:
     for name, value in data.items():
         tp = hints[name]
         if dataclasses.is_dataclass(tp):
-            values[name] = _build(tp, value or {}, f"{prefix}{name}.")  # type: ignore[arg-type]
+            values[name] = _build(tp, {} if value is None else value, f"{prefix}{name}.")  # type: ignore[arg-type]
         else:
             values[name] = _coerce(prefix + name, tp, value)
     return cls(**values)
@@ -144,6 +144,8 @@ def validate(config: Config) -> Config:
         name = getattr(config.routing, key)
         if not name or name != name.lower() or any(c.isspace() or c == ":" for c in name):
             raise ConfigError(f"routing.{key}: {name!r} is not allowed; use a lower-case HTTP header name")
+    if config.routing.destination_header == config.routing.prefill_header:
+        raise ConfigError("routing.destination_header and routing.prefill_header must differ")
     if config.discovery.prefill_cluster == config.discovery.decode_cluster:
         raise ConfigError("discovery.prefill_cluster and discovery.decode_cluster must differ")
     return config
@@ -188,7 +190,9 @@ def load_config(
         section, _, key = dotted.rpartition(".")
         target = data
         if section:
-            node = target.setdefault(section, {})
+            node = target.get(section)
+            if node is None:  # absent, or an empty YAML section
+                node = target[section] = {}
             if not isinstance(node, dict):
                 raise ConfigError(f"{section}: expected a mapping")
             target = node

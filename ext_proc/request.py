@@ -24,7 +24,8 @@ class RequestInfo:
     """What routing knows about one request.
 
     ``prompt_tokens`` and ``output_budget`` are in tokens; ``output_budget`` is the most the
-    request may generate (``max_completion_tokens``, else ``max_tokens``, else the default).
+    request may generate: per sequence ``max_completion_tokens``, else ``max_tokens``, else the
+    default, times the number of sequences (``n``, or ``best_of`` when larger).
     """
 
     model: str | None
@@ -106,6 +107,16 @@ def _optional_count(body: dict, field: str) -> int | None:
     return value
 
 
+def _sequences(body: dict, field: str) -> int:
+    """``n`` / ``best_of``: how many sequences are generated (default 1)."""
+    value = body.get(field)
+    if value is None:
+        return 1
+    if type(value) is not int or value < 1:
+        raise RequestError(f"'{field}' must be a positive integer", field)
+    return value
+
+
 def parse_request(raw: bytes, default_max_tokens: int) -> RequestInfo:
     """Parse a JSON request body; raise :class:`RequestError` naming the field that is wrong.
 
@@ -134,7 +145,9 @@ def parse_request(raw: bytes, default_max_tokens: int) -> RequestInfo:
         prompt_tokens = _prompt_tokens(body["input"], "input")
     else:
         prompt_tokens = 0
-    budget = _optional_count(body, "max_completion_tokens")
-    if budget is None:
-        budget = _optional_count(body, "max_tokens")
-    return RequestInfo(model, stream, prompt_tokens, default_max_tokens if budget is None else budget)
+    completion_budget = _optional_count(body, "max_completion_tokens")
+    max_tokens = _optional_count(body, "max_tokens")
+    budget = completion_budget if completion_budget is not None else max_tokens
+    sequences = max(_sequences(body, "n"), _sequences(body, "best_of"))
+    per_sequence = default_max_tokens if budget is None else budget
+    return RequestInfo(model, stream, prompt_tokens, per_sequence * sequences)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-import sys
 import types
 from pathlib import Path
 
@@ -305,52 +303,102 @@ def test_top_level_must_be_a_mapping(tmp_path: Path, text: str) -> None:
 
 
 @pytest.fixture
-def cli_main(monkeypatch: pytest.MonkeyPatch):
-    """``ext_proc.cli.main`` with a clean affinity environment.
+def cli(monkeypatch: pytest.MonkeyPatch):
+    """``ext_proc.cli.main`` (``cli.main``) with a clean affinity environment.
 
-    ``build_parser`` also registers the ``sim`` subcommand from ``sim.cli``; when that module is
-    not importable (not written yet, or ``sim`` missing from the editable install) a stub stands in,
-    so these tests exercise only the ``serve`` path.
+    ``serve_forever`` is replaced by a recorder
+    (``cli.started``), so a config that validates returns 0 at once instead of serving.
     """
     monkeypatch.delenv(ENV_AFFINITY_MODE, raising=False)
     monkeypatch.delenv(ENV_AFFINITY_BONUS, raising=False)
-    try:
-        importlib.import_module("sim.cli")
-    except ModuleNotFoundError:
-        stub = types.ModuleType("sim.cli")
-        stub.add_parser = lambda subparsers: subparsers.add_parser("sim")  # type: ignore[attr-defined]
-        monkeypatch.setitem(sys.modules, "sim.cli", stub)
+    started: list[Config] = []
+
+    async def fake_serve_forever(config: Config) -> None:  # a valid config must not start a server here
+        started.append(config)
+
+    monkeypatch.setattr("ext_proc.app.serve_forever", fake_serve_forever)
     from ext_proc.cli import main
 
-    return main
+    return types.SimpleNamespace(main=main, started=started)
 
 
 def test_cli_serve_with_bad_config_key_exits_2_naming_the_key(
-    cli_main, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    cli, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = write_yaml(tmp_path, "afinity:\n  mode: strict\n")
-    assert cli_main(["serve", "--config", str(path)]) == 2
+    assert cli.main(["serve", "--config", str(path)]) == 2
     err = capsys.readouterr().err
     assert "pd-extproc: invalid configuration: afinity: unknown key" in err
 
 
-def test_cli_serve_with_bad_affinity_mode_flag_exits_2(cli_main, capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli_main(["serve", "--affinity-mode", "sideways"]) == 2
+def test_cli_serve_with_bad_affinity_mode_flag_exits_2(cli, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["serve", "--affinity-mode", "sideways"]) == 2
     err = capsys.readouterr().err
     assert "affinity.mode: 'sideways' is not allowed; use one of off, prefer, strict" in err
 
 
 def test_cli_flag_overrides_environment_and_is_validated(
-    cli_main, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    cli, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv(ENV_AFFINITY_BONUS, "0.2")
-    assert cli_main(["serve", "--affinity-bonus", "1.5"]) == 2
+    assert cli.main(["serve", "--affinity-bonus", "1.5"]) == 2
     assert "affinity.bonus: 1.5 is not allowed" in capsys.readouterr().err
 
 
 def test_cli_rejects_bad_environment_variable(
-    cli_main, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    cli, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv(ENV_AFFINITY_MODE, "sideways")
-    assert cli_main(["serve"]) == 2
+    assert cli.main(["serve"]) == 2
     assert "affinity.mode: 'sideways' is not allowed" in capsys.readouterr().err
+
+
+def test_cli_flags_reach_the_server_config_over_environment(
+    cli, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv(ENV_AFFINITY_MODE, "off")
+    monkeypatch.setenv(ENV_AFFINITY_BONUS, "0.2")
+    path = write_yaml(tmp_path, "affinity:\n  mode: prefer\nrouting:\n  fallback_count: 1\n")
+    argv = ["serve", "--config", str(path), "--affinity-mode", "strict", "--listen", "127.0.0.1:0"]
+    argv += ["--metrics-listen", "127.0.0.1:0", "--eds-file", "/eds/p.yaml", "--eds-file", "/eds/d.yaml"]
+    assert cli.main(argv) == 0
+    (config,) = cli.started
+    assert config.affinity == AffinityConfig(Mode.STRICT, 0.2)
+    assert (config.listen, config.metrics_listen) == ("127.0.0.1:0", "127.0.0.1:0")
+    assert config.discovery.eds_files == ("/eds/p.yaml", "/eds/d.yaml")
+    assert config.routing.fallback_count == 1
+
+
+# --- regressions found in review ----------------------------------------------------------------
+
+
+def test_empty_yaml_section_still_takes_environment_and_flags(tmp_path: Path) -> None:
+    path = write_yaml(tmp_path, "affinity:\nrouting:\n")
+    config = load(path, {"routing.fallback_count": 1}, {ENV_AFFINITY_MODE: "strict"})
+    assert config.affinity.mode is Mode.STRICT and config.routing.fallback_count == 1
+
+
+@pytest.mark.parametrize("value", ["0", "[]", "false", '""'])
+def test_a_section_that_is_not_a_mapping_is_rejected(tmp_path: Path, value: str) -> None:
+    assert config_error(write_yaml(tmp_path, f"affinity: {value}\n")).startswith(
+        "affinity: expected a mapping"
+    )
+
+
+def test_routing_headers_must_differ() -> None:
+    message = config_error(None, {"routing.prefill_header": "x-gateway-destination-endpoint"})
+    assert message == "routing.destination_header and routing.prefill_header must differ"
+
+
+def test_cli_relative_eds_file_resolves_against_the_working_directory(
+    cli, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    config_dir, work_dir = tmp_path / "etc", tmp_path / "work"
+    config_dir.mkdir()
+    work_dir.mkdir()
+    path = write_yaml(config_dir, "discovery:\n  eds_files: [from-config.yaml]\n")
+    monkeypatch.chdir(work_dir)
+    assert cli.main(["serve", "--config", str(path), "--eds-file", "flag.yaml"]) == 0
+    assert cli.started[0].discovery.eds_files == (str(work_dir / "flag.yaml"),)
+    assert cli.main(["serve", "--config", str(path)]) == 0
+    assert cli.started[1].discovery.eds_files == (str(config_dir / "from-config.yaml"),)

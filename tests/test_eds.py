@@ -300,19 +300,19 @@ def test_group_that_is_not_a_string_is_rejected(tmp_path: Path, group: object) -
     )
 
 
-@pytest.mark.parametrize("capacity", [0, -5, "1000", True, None])
+@pytest.mark.parametrize("capacity", [0, -5, "1000", True, None, float("inf")])
 def test_token_capacity_must_be_a_positive_number(tmp_path: Path, capacity: object) -> None:
     entries = [lb_endpoint("10.0.0.1"), lb_endpoint("10.0.0.2", metadata={"token_capacity": capacity})]
     path = write_doc(tmp_path / "d.yaml", response(cla("decode", *entries)))
     assert eds_error(path) == (
-        f"{path}: endpoints[0].lb_endpoints[1]: metadata pd.token_capacity must be a number > 0"
+        f"{path}: endpoints[0].lb_endpoints[1]: metadata pd.token_capacity must be a finite number > 0"
     )
 
 
 def test_error_names_the_custom_namespace(tmp_path: Path) -> None:
     entry = lb_endpoint(metadata={"token_capacity": 0}, namespace="acme")
     path = write_doc(tmp_path / "d.yaml", response(cla("decode", entry)))
-    assert eds_error(path, "acme").endswith("metadata acme.token_capacity must be a number > 0")
+    assert eds_error(path, "acme").endswith("metadata acme.token_capacity must be a finite number > 0")
 
 
 def test_duplicate_address_is_rejected_with_its_position(tmp_path: Path) -> None:
@@ -578,3 +578,37 @@ async def test_run_survives_a_failing_publish_callback(
         with contextlib.suppress(asyncio.CancelledError):
             await task
     assert any("EDS watcher failed while polling" in r.getMessage() for r in caplog.records)
+
+
+# --- regressions found in review ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("address", "port", "problem"),
+    [
+        ("10.0.0.1", 70000, "port_value 70000 is out of range 1..65535"),
+        ("decode-0.svc", 8000, "address 'decode-0.svc' is not an IP address (EDS endpoints must be)"),
+    ],
+)
+def test_addresses_envoy_would_reject_are_rejected(
+    tmp_path: Path, address: str, port: int, problem: str
+) -> None:
+    path = write_doc(tmp_path / "d.yaml", response(cla("decode", lb_endpoint(address, port))))
+    assert eds_error(path) == f"{path}: endpoints[0].lb_endpoints[0]: {problem}"
+
+
+def test_a_publish_that_fails_is_retried_on_the_next_poll(tmp_path: Path) -> None:
+    path = write_doc(tmp_path / "d.yaml", response(cla("decode", lb_endpoint())))
+    calls: list[list[ClusterEndpoints]] = []
+
+    def flaky(clusters: list[ClusterEndpoints]) -> None:
+        calls.append(clusters)
+        if len(calls) == 1:
+            raise RuntimeError("registry busy")
+
+    source = EdsFileSource([str(path)], "pd", flaky)
+    with pytest.raises(RuntimeError):
+        source.poll()
+    assert source.poll() is True  # the file did not change, but its content was never applied
+    assert addresses(calls[-1]) == [["10.0.0.1:8000"]]
+    assert source.poll() is False

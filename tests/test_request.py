@@ -259,3 +259,25 @@ def test_request_error_is_a_value_error_with_param_attribute() -> None:
     assert isinstance(exc, ValueError)
     assert exc.param == "field"
     assert RequestError("boom").param is None
+
+
+# --- regressions found in review ----------------------------------------------------------------
+
+
+def test_an_invalid_max_tokens_is_reported_even_beside_a_valid_max_completion_tokens() -> None:
+    with pytest.raises(RequestError) as info:
+        parse_request(b'{"max_completion_tokens": 5, "max_tokens": "abc"}', 256)
+    assert info.value.param == "max_tokens"
+
+
+@pytest.mark.parametrize(("extra", "budget"), [({"n": 3}, 30), ({"best_of": 4, "n": 2}, 40), ({"n": 1}, 10)])
+def test_every_generated_sequence_counts_in_the_output_budget(extra: dict, budget: int) -> None:
+    body = json.dumps({"prompt": "x", "max_tokens": 10, **extra}).encode()
+    assert parse_request(body, 256).output_budget == budget
+
+
+@pytest.mark.parametrize("n", [0, -1, 1.5, "2", True])
+def test_n_must_be_a_positive_integer(n: object) -> None:
+    with pytest.raises(RequestError) as info:
+        parse_request(json.dumps({"prompt": "x", "n": n}).encode(), 256)
+    assert info.value.param == "n"

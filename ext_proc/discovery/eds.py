@@ -8,7 +8,9 @@ exactly one resource. Our extra data lives in the endpoint metadata under
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,6 +65,12 @@ def _host_port(lb_endpoint: endpoint_pb2.LbEndpoint) -> str:
     socket = lb_endpoint.endpoint.address.socket_address
     if not socket.address or not socket.port_value:
         raise ValueError("endpoint.address.socket_address needs both address and port_value")
+    if not 0 < socket.port_value <= 65535:
+        raise ValueError(f"port_value {socket.port_value} is out of range 1..65535")
+    try:
+        ipaddress.ip_address(socket.address)
+    except ValueError:
+        raise ValueError(f"address {socket.address!r} is not an IP address (EDS endpoints must be)") from None
     host = f"[{socket.address}]" if ":" in socket.address else socket.address
     return f"{host}:{socket.port_value}"
 
@@ -82,8 +90,10 @@ def _pd_metadata(lb_endpoint: endpoint_pb2.LbEndpoint, namespace: str) -> tuple[
         group = value.string_value
     if "token_capacity" in fields:
         value = fields["token_capacity"]
-        if value.WhichOneof("kind") != "number_value" or not value.number_value > 0:
-            raise ValueError(f"metadata {namespace}.token_capacity must be a number > 0")
+        if value.WhichOneof("kind") != "number_value" or not (
+            value.number_value > 0 and math.isfinite(value.number_value)
+        ):
+            raise ValueError(f"metadata {namespace}.token_capacity must be a finite number > 0")
         capacity = value.number_value
     return group, capacity
 

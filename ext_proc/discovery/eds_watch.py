@@ -65,7 +65,11 @@ class EdsFileSource:
             )
             changed = True
         if changed:
-            self._publish([self._good[p] for p in self._paths if p in self._good])
+            try:
+                self._publish([self._good[p] for p in self._paths if p in self._good])
+            except Exception:
+                self._stamps.clear()  # not applied: re-read and publish again on the next poll
+                raise
         return changed
 
     async def run(self) -> None:

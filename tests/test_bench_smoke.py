@@ -1,0 +1,65 @@
+"""Smoke tests of the routing-quality and overhead benchmarks at reduced sizes (never timing)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from conftest import load_bench
+
+routing = load_bench("routing_quality")
+
+
+@pytest.mark.parametrize("name", ["unequal-groups", "one-hot-group", "decode-loss", "bursty"])
+async def test_each_scenario_runs_and_strict_keeps_transfers_in_group(name):
+    scenario = dataclasses.replace(routing.SCENARIOS[name], settings=("prefer@0.3", "strict"))
+    results = await routing.run_scenario(scenario, quick=True, sweep=False)
+    assert list(results) == ["prefer@0.3", "strict"]
+    for summary in results.values():
+        assert summary["requests"] == 10
+        if name == "decode-loss":  # requests in flight on the dead node fail; nothing else does
+            assert summary["errors"] < summary["requests"] // 2
+        else:
+            assert summary["errors"] == 0, summary["error_kinds"]
+    assert results["strict"]["cross_group_share"] == 0.0
+
+
+def test_reference_scenario_end_to_end_writes_json_and_plot(tmp_path):
+    out, png = tmp_path / "routing.json", tmp_path / "tradeoff.png"
+    assert (
+        routing.main(
+            [
+                "--quick",
+                "--scenarios",
+                "two-equal-groups",
+                "--no-sweep",
+                "--json",
+                str(out),
+                "--png",
+                str(png),
+            ]
+        )
+        == 0
+    )
+    results = json.loads(out.read_text())["two-equal-groups"]
+    assert set(results) == {"off", "prefer@0.05", "prefer@0.3", "strict", "round-robin"}
+    assert results["round-robin"]["cross_group_share"] is None  # no disaggregation without ext_proc
+    assert results["strict"]["cross_group_share"] == 0.0
+    assert png.stat().st_size > 10_000
+
+
+def test_unknown_scenario_is_a_usage_error():
+    with pytest.raises(SystemExit) as exit_info:
+        routing.main(["--scenarios", "nope"])
+    assert exit_info.value.code == 2
+
+
+def test_overhead_benchmark_reports_both_gateways(tmp_path):
+    overhead = load_bench("overhead")
+    out = tmp_path / "overhead.json"
+    assert overhead.main(["--requests", "20", "--warmup", "5", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    for gateway in ("with_ext_proc", "without_filter"):
+        assert result[gateway]["p50_ms"] > 0
+    assert result["ext_proc_cpu_us_per_request"] > 0

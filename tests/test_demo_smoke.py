@@ -1,0 +1,34 @@
+"""Smoke test of ``pd-extproc demo`` at a reduced size: structure and sanity, never timing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ext_proc.cli import main
+from sim.demo import run_demo
+
+
+async def test_demo_runs_each_mode_and_strict_never_crosses_groups():
+    results = await run_demo(requests=8, modes=["off", "strict"], rate=20.0, bonus=0.3)
+    assert list(results) == ["off", "strict"]
+    for summary in results.values():
+        assert summary["requests"] == 8
+        assert summary["errors"] == 0, summary["error_kinds"]
+        assert summary["kv_transfers"] == 8  # every request went prefill -> decode
+        assert summary["decode_ttft_p50_ms"] > 0 and summary["tpot_p50_ms"] > 0
+        assert summary["throughput_rps"] > 0
+        assert summary["decode_load_cv"] >= 0
+    assert results["strict"]["cross_group_share"] == 0.0
+
+
+def test_demo_cli_writes_json_and_rejects_unknown_modes(tmp_path, capsys):
+    out = tmp_path / "demo.json"
+    assert main(["demo", "--requests", "4", "--modes", "prefer", "--rate", "20", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "prefer" in printed and "cross-group KV" in printed
+    assert json.loads(out.read_text())["prefer"]["requests"] == 4
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--modes", "sideways"])
+    assert exit_info.value.code == 2
