@@ -1,12 +1,15 @@
-"""A minimal OpenAI-shaped HTTP backend for overhead benchmarks: answers at once, prints its port.
+"""A minimal OpenAI-shaped HTTP backend for overhead benchmarks; prints its port.
 
-Run: ``python bench/fast_backend.py [PORT]`` (0 or nothing = any free port). The first stdout
-line is the bound port.
+Non-streaming requests are answered at once. A streaming request (``"stream": true``) gets its
+headers and one chunk at once, then is held open for ``x-hold-ms`` milliseconds (header) before
+``data: [DONE]``: how the benchmark keeps many streams in flight.
+Run: ``python bench/fast_backend.py [PORT]`` (0 or nothing = any free port).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 
 from aiohttp import web
@@ -15,11 +18,20 @@ ANSWER = (
     b'{"id":"cmpl-bench","object":"text_completion",'
     b'"choices":[{"index":0,"text":"ok","finish_reason":"stop"}]}'
 )
+CHUNK = b'data: {"id":"cmpl-bench","object":"text_completion","choices":[{"index":0,"text":"ok"}]}\n\n'
 
 
-async def _complete(request: web.Request) -> web.Response:
-    await request.read()
-    return web.Response(body=ANSWER, content_type="application/json")
+async def _complete(request: web.Request) -> web.StreamResponse:
+    body = json.loads(await request.read())
+    if not body.get("stream"):
+        return web.Response(body=ANSWER, content_type="application/json")
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    await response.write(CHUNK)
+    await asyncio.sleep(float(request.headers.get("x-hold-ms", "0")) / 1000)
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
 
 
 async def _main(port: int) -> None:

@@ -1,9 +1,14 @@
-"""Gateway overhead: Envoy + pd-extproc vs the same Envoy route without the ext_proc filter.
+"""Gateway overhead: what pd-extproc adds to the same Envoy route, measured side by side.
 
-Both gateways front the same fast backend and are measured side by side in one run: requests
-alternate between them, so machine noise hits both alike. Reports latency p50/p99 per gateway,
-the added latency (difference of medians and of p99s), and pd-extproc CPU time per routed
-request (from /proc, the server running in its own process).
+Three gateways front one fast backend, all with the shipped bootstrap: ``without_filter`` (the
+route without ext_proc), ``bare_ext_proc`` (a Python grpc.aio processor answering every message
+unchanged: the floor of any Python ext_proc) and ``pd_extproc``. Requests rotate between them,
+so machine noise hits all alike. Reported:
+
+* latency p50/p99 per gateway at each concurrency, and what pd-extproc adds over no filter;
+* pd-extproc CPU time per routed request (from /proc; the server runs in its own process);
+* maximum sustained routed requests/s (closed loop, high concurrency) and its error count;
+* pd-extproc resident memory with 1,000 streams in flight, and that all their load is released.
 
 Run: ``python bench/overhead.py [--requests N] [--json FILE]``.
 """
@@ -20,30 +25,20 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cpu_seconds, first_line, spawn_python, stop, summary_ms, write_json
+from common import cpu_seconds, first_line, rss_mib, spawn_python, stop, summary_ms, write_json
 
 from ext_proc.discovery.eds import EndpointSpec, write_eds_file
-from ext_proc.gateway import free_port, render_bootstrap, start_gateway
+from ext_proc.gateway import (
+    Gateway,
+    free_port,
+    render_bootstrap,
+    start_gateway,
+    start_router_process,
+    wait_router_ready,
+)
 
-BODY = {
-    "model": "bench",
-    "messages": [{"role": "user", "content": "x" * 900}],
-    "max_tokens": 32,
-}
-
-
-async def _wait_http(url: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    async with aiohttp.ClientSession() as session:
-        while time.monotonic() < deadline:
-            try:
-                async with session.get(url) as response:
-                    if response.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.05)
-    raise RuntimeError(f"{url} did not answer within {timeout} s")
+BODY = {"model": "bench", "messages": [{"role": "user", "content": "x" * 900}], "max_tokens": 32}
+BENCH = Path(__file__).resolve().parent
 
 
 async def _timed(session: aiohttp.ClientSession, url: str) -> float:
@@ -55,94 +50,167 @@ async def _timed(session: aiohttp.ClientSession, url: str) -> float:
     return time.perf_counter() - started
 
 
-async def measure(requests: int, warmup: int) -> dict:
-    """Run the side-by-side measurement; return the results as a dict."""
+async def _side_by_side(urls: dict[str, str], requests: int, concurrency: int, server_pid: int) -> dict:
+    """``requests`` per gateway in rounds of ``concurrency`` parallel requests, rotating gateways."""
+    latencies: dict[str, list[float]] = {name: [] for name in urls}
+    connector = aiohttp.TCPConnector(limit=0)
+    cpu = 0.0
+    async with aiohttp.ClientSession(connector=connector) as session:
+        for _ in range(max(1, requests // concurrency)):
+            for name, url in urls.items():
+                before = cpu_seconds(server_pid) if name == "pd_extproc" else 0.0
+                batch = await asyncio.gather(*(_timed(session, url) for _ in range(concurrency)))
+                if name == "pd_extproc":
+                    cpu += cpu_seconds(server_pid) - before
+                latencies[name].extend(batch)
+    result = {name: summary_ms(values) for name, values in latencies.items()}
+    result["added_p50_ms"] = result["pd_extproc"]["p50_ms"] - result["without_filter"]["p50_ms"]
+    result["added_p99_ms"] = result["pd_extproc"]["p99_ms"] - result["without_filter"]["p99_ms"]
+    result["pd_extproc_cpu_us_per_request"] = cpu / len(latencies["pd_extproc"]) * 1e6
+    return result
+
+
+async def _max_throughput(url: str, concurrency: int, seconds: float) -> dict:
+    """Closed loop at ``concurrency`` for ``seconds``: completed requests/s and errors."""
+    done = errors = 0
+    deadline = time.perf_counter() + seconds
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+
+        async def worker() -> None:
+            nonlocal done, errors
+            while time.perf_counter() < deadline:
+                try:
+                    await _timed(session, url)
+                    done += 1
+                except (RuntimeError, aiohttp.ClientError):
+                    errors += 1
+
+        started = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - started
+    return {"concurrency": concurrency, "requests_per_s": done / elapsed, "errors": errors}
+
+
+async def _in_flight_memory(url: str, admin_port: int, server_pid: int, streams: int) -> dict:
+    """Hold ``streams`` streaming requests open at once; pd-extproc RSS then, and load after."""
+    rss_idle = rss_mib(server_pid)
+    body = {**BODY, "stream": True}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+
+        async def hold() -> int:
+            async with session.post(url, json=body, headers={"x-hold-ms": "4000"}) as response:
+                await response.read()
+                return response.status
+
+        tasks = [asyncio.create_task(hold()) for _ in range(streams)]
+        in_flight, deadline = 0, time.monotonic() + 30
+        while in_flight < streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+            async with session.get(f"http://127.0.0.1:{admin_port}/debug/endpoints") as response:
+                rows = await response.json()
+            in_flight = max((r["active_requests"] for r in rows if r["role"] == "decode"), default=0)
+        rss_loaded = rss_mib(server_pid)
+        statuses = await asyncio.gather(*tasks)
+        await asyncio.sleep(0.5)
+        async with session.get(f"http://127.0.0.1:{admin_port}/debug/endpoints") as response:
+            left = sum(r["active_tokens"] + r["active_requests"] for r in await response.json())
+    return {
+        "streams": streams,
+        "in_flight_seen": in_flight,
+        "ok": sum(s == 200 for s in statuses),
+        "rss_idle_mib": rss_idle,
+        "rss_in_flight_mib": rss_loaded,
+        "load_left_after": left,
+    }
+
+
+async def measure(requests: int, concurrencies: list[int], throughput_seconds: float, streams: int) -> dict:
+    """Start the three gateways, run every measurement, stop everything; return the results."""
     workdir = Path(tempfile.mkdtemp(prefix="pd-bench-overhead-"))
-    backend = spawn_python([str(Path(__file__).with_name("fast_backend.py"))])
-    processes = [backend]
-    gateways = []
+    backend = spawn_python([str(BENCH / "fast_backend.py")])
+    bare = spawn_python([str(BENCH / "bare_extproc.py")])
+    processes = [backend, bare]
+    gateways: list[Gateway] = []
     try:
         address = f"127.0.0.1:{first_line(backend)}"
-        write_eds_file(
-            workdir / "prefill.json", "prefill", [EndpointSpec(address, "g", None, True, "HEALTHY")]
-        )
-        write_eds_file(workdir / "decode.json", "decode", [EndpointSpec(address, "g", None, True, "HEALTHY")])
+        bare_port = int(first_line(bare))
+        eds = [str(workdir / "prefill.json"), str(workdir / "decode.json")]
+        write_eds_file(eds[0], "prefill", [EndpointSpec(address, "g", None, True, "HEALTHY")])
+        write_eds_file(eds[1], "decode", [EndpointSpec(address, "g", None, True, "HEALTHY")])
         grpc_port, admin_port = free_port(), free_port()
-        server = spawn_python(
-            [
-                "-m",
-                "ext_proc.cli",
-                "--log-level",
-                "WARNING",
-                "serve",
-                "--listen",
-                f"127.0.0.1:{grpc_port}",
-                "--metrics-listen",
-                f"127.0.0.1:{admin_port}",
-                "--eds-file",
-                str(workdir / "prefill.json"),
-                "--eds-file",
-                str(workdir / "decode.json"),
-            ]
-        )
+        server = start_router_process(grpc_port, admin_port, eds, workdir / "pd-extproc.log")
         processes.append(server)
-        await _wait_http(f"http://127.0.0.1:{admin_port}/healthz")
+        await wait_router_ready(server, admin_port)
         urls = {}
-        for name, extproc in (("with_ext_proc", grpc_port), ("without_filter", None)):
+        for name, extproc in (
+            ("without_filter", None),
+            ("bare_ext_proc", bare_port),
+            ("pd_extproc", grpc_port),
+        ):
             listen, admin = free_port(), free_port()
             bootstrap = render_bootstrap(
-                listen_port=listen,
-                admin_port=admin,
-                extproc_port=extproc,
-                decode_eds_path=str(workdir / "decode.json"),
+                listen_port=listen, admin_port=admin, extproc_port=extproc, decode_eds_path=eds[1]
             )
-            gateways.append(await start_gateway(bootstrap, listen, admin))
+            gateways.append(await start_gateway(bootstrap, listen, admin, concurrency=1))
             urls[name] = f"{gateways[-1].url}/v1/chat/completions"
-        latencies: dict[str, list[float]] = {name: [] for name in urls}
-        connector = aiohttp.TCPConnector(limit=4)
-        async with aiohttp.ClientSession(connector=connector) as session:
-            for _ in range(warmup):
-                for url in urls.values():
-                    await _timed(session, url)
-            cpu_before = cpu_seconds(server.pid)
-            for _ in range(requests):
-                for name, url in urls.items():
-                    latencies[name].append(await _timed(session, url))
-            cpu_after = cpu_seconds(server.pid)
-        with_filter = summary_ms(latencies["with_ext_proc"])
-        without = summary_ms(latencies["without_filter"])
-        return {
-            "requests_per_gateway": requests,
-            "body_bytes": len(str(BODY)),
-            "with_ext_proc": with_filter,
-            "without_filter": without,
-            "added_p50_ms": with_filter["p50_ms"] - without["p50_ms"],
-            "added_p99_ms": with_filter["p99_ms"] - without["p99_ms"],
-            "ext_proc_cpu_us_per_request": (cpu_after - cpu_before) / requests * 1e6,
+        await _side_by_side(urls, 200, 1, server.pid)  # warm-up
+        results: dict = {"body_bytes": len(str(BODY)), "latency": {}}
+        for concurrency in concurrencies:
+            results["latency"][str(concurrency)] = await _side_by_side(
+                urls, requests, concurrency, server.pid
+            )
+        results["max_throughput"] = {
+            name: await _max_throughput(urls[name], 64, throughput_seconds)
+            for name in ("without_filter", "pd_extproc")
         }
+        results["in_flight"] = await _in_flight_memory(urls["pd_extproc"], admin_port, server.pid, streams)
+        return results
     finally:
         for gateway in gateways:
             gateway.stop()
         stop(*processes)
 
 
+def _print(results: dict) -> None:
+    print(f"{'concurrency':<12}{'gateway':<16}{'p50 ms':>9}{'p99 ms':>9}")
+    for concurrency, row in results["latency"].items():
+        for name in ("without_filter", "bare_ext_proc", "pd_extproc"):
+            print(f"{concurrency:<12}{name:<16}{row[name]['p50_ms']:>9.3f}{row[name]['p99_ms']:>9.3f}")
+        added = f"p50 {row['added_p50_ms']:.3f} ms, p99 {row['added_p99_ms']:.3f} ms"
+        print(
+            f"{'':<12}added by pd-extproc: {added}, CPU {row['pd_extproc_cpu_us_per_request']:.0f} us/request"
+        )
+    for name, row in results["max_throughput"].items():
+        print(
+            f"max sustained ({name}, {row['concurrency']} in flight): {row['requests_per_s']:.0f} req/s, "
+            f"{row['errors']} errors"
+        )
+    row = results["in_flight"]
+    rss = f"{row['rss_idle_mib']:.0f} -> {row['rss_in_flight_mib']:.0f} MiB"
+    print(
+        f"{row['in_flight_seen']}/{row['streams']} streams in flight: pd-extproc RSS {rss}; "
+        f"{row['ok']} completed; load left after: {row['load_left_after']}"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--requests", type=int, default=2000, help="requests per gateway (default 2000)")
-    parser.add_argument("--warmup", type=int, default=200, help="warm-up requests per gateway (default 200)")
+    parser.add_argument("--requests", type=int, default=2000, help="requests per gateway and concurrency")
+    parser.add_argument("--concurrency", default="1,16", help="comma-separated concurrencies (default 1,16)")
+    parser.add_argument(
+        "--throughput-seconds", type=float, default=5.0, help="length of the max-throughput runs"
+    )
+    parser.add_argument(
+        "--streams", type=int, default=1000, help="streams held in flight for the memory check"
+    )
     parser.add_argument("--json", help="write the results to this JSON file")
     args = parser.parse_args(argv)
-    result = asyncio.run(measure(args.requests, args.warmup))
-    print(f"{'gateway':<16}{'p50 ms':>10}{'p99 ms':>10}")
-    for name in ("without_filter", "with_ext_proc"):
-        print(f"{name:<16}{result[name]['p50_ms']:>10.3f}{result[name]['p99_ms']:>10.3f}")
-    print(
-        f"added by ext_proc: p50 {result['added_p50_ms']:.3f} ms, p99 {result['added_p99_ms']:.3f} ms; "
-        f"pd-extproc CPU {result['ext_proc_cpu_us_per_request']:.0f} us/request"
-    )
-    write_json(args.json, result)
+    concurrencies = [int(c) for c in args.concurrency.split(",") if c]
+    results = asyncio.run(measure(args.requests, concurrencies, args.throughput_seconds, args.streams))
+    _print(results)
+    write_json(args.json, results)
     return 0
 
 

@@ -1,4 +1,5 @@
-"""Run the real Envoy gateway from the shipped bootstrap (tests, demo and benchmarks).
+"""Run the gateway locally: the real Envoy from the shipped bootstrap, and pd-extproc as a process
+(tests, demo and benchmarks).
 
 :func:`render_bootstrap` takes ``envoy/envoy.yaml`` as shipped and changes only what a local
 run must change: ports, the pd-extproc address, the EDS file paths, and (for baselines) the
@@ -174,3 +175,42 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def start_router_process(
+    grpc_port: int, admin_port: int, eds_files: list[str], log_path: Path, extra_args: tuple[str, ...] = ()
+) -> subprocess.Popen:
+    """Start ``pd-extproc serve`` on loopback ports as a subprocess logging to ``log_path``."""
+    command = [
+        sys.executable,
+        "-m",
+        "ext_proc.cli",
+        "--log-level",
+        "WARNING",
+        "serve",
+        "--listen",
+        f"127.0.0.1:{grpc_port}",
+        "--metrics-listen",
+        f"127.0.0.1:{admin_port}",
+    ]
+    for path in eds_files:
+        command += ["--eds-file", path]
+    with log_path.open("wb") as log:
+        return subprocess.Popen(
+            [*command, *extra_args], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
+
+
+async def wait_router_ready(process: subprocess.Popen, admin_port: int, timeout: float = 20.0) -> None:
+    """Wait until the router's ``/healthz`` reports decode endpoints; raise if it exits or times out."""
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as session:
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise GatewayError(f"pd-extproc exited with code {process.returncode}")
+            with contextlib.suppress(aiohttp.ClientError, OSError):
+                async with session.get(f"http://127.0.0.1:{admin_port}/healthz") as response:
+                    if response.status == 200 and (await response.json())["decodes"]:
+                        return
+            await asyncio.sleep(0.05)
+    raise GatewayError(f"pd-extproc was not ready within {timeout:.0f} s")

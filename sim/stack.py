@@ -9,18 +9,21 @@ affinity mode; :meth:`Stack.round_robin` gives the plain-Envoy baseline on the s
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import shutil
 import subprocess
-import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import aiohttp
-
-from ext_proc.gateway import Gateway, free_port, render_bootstrap, start_gateway
+from ext_proc.gateway import (
+    Gateway,
+    GatewayError,
+    free_port,
+    render_bootstrap,
+    start_gateway,
+    start_router_process,
+    wait_router_ready,
+)
 from sim.cluster import EngineSpec
 from sim.cluster_process import ClusterProcess, spawn_cluster, write_cluster_eds
 from sim.config import KvConfig, TimingConfig
@@ -94,34 +97,17 @@ class Stack:
     async def route_with(self, mode: str, bonus: float = 0.3) -> str:
         """(Re)start pd-extproc with ``mode``/``bonus`` and the routed Envoy; return the gateway URL."""
         self._stop_server()
-        log = (self.workdir / f"pd-extproc-{mode}-{bonus}.log").open("wb")
-        self.server = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "ext_proc.cli",
-                "--log-level",
-                "WARNING",
-                "serve",
-                "--listen",
-                f"127.0.0.1:{self.grpc_port}",
-                "--metrics-listen",
-                f"127.0.0.1:{self.admin_port}",
-                "--eds-file",
-                str(self.prefill_eds),
-                "--eds-file",
-                str(self.decode_eds),
-                "--affinity-mode",
-                mode,
-                "--affinity-bonus",
-                str(bonus),
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
+        self.server = start_router_process(
+            self.grpc_port,
+            self.admin_port,
+            [str(self.prefill_eds), str(self.decode_eds)],
+            self.workdir / f"pd-extproc-{mode}-{bonus}.log",
+            ("--affinity-mode", mode, "--affinity-bonus", str(bonus)),
         )
-        log.close()
-        await self._wait_router()
+        try:
+            await wait_router_ready(self.server, self.admin_port)
+        except GatewayError as exc:
+            raise StackError(f"{exc}; see {self.workdir}") from None
         if self.gateway is None or not self.gateway_routed:
             await self._start_gateway(extproc=True)
         return self.url
@@ -131,24 +117,6 @@ class Stack:
         self._stop_server()
         await self._start_gateway(extproc=False)
         return self.url
-
-    async def _wait_router(self, timeout: float = 20.0) -> None:
-        deadline = time.monotonic() + timeout
-        async with aiohttp.ClientSession() as session:
-            while time.monotonic() < deadline:
-                if self.server is None or self.server.poll() is not None:
-                    raise StackError(f"pd-extproc exited; see {self.workdir}")
-                with contextlib.suppress(aiohttp.ClientError):
-                    async with session.get(f"{self.admin_url}/healthz") as response:
-                        if response.status == 200 and (await response.json())["decodes"]:
-                            return
-                await asyncio.sleep(0.05)
-        raise StackError(f"pd-extproc was not ready within {timeout:.0f} s")
-
-    async def endpoint_load(self) -> list[dict]:
-        """pd-extproc's ``/debug/endpoints`` rows."""
-        async with aiohttp.ClientSession() as session, session.get(f"{self.admin_url}/debug/endpoints") as r:
-            return await r.json()
 
     async def kill_engine(self, address: str) -> None:
         """A node dies: the engine resets its connections and refuses new ones (EDS still lists it).

@@ -58,8 +58,14 @@ def test_unknown_scenario_is_a_usage_error():
 def test_overhead_benchmark_reports_both_gateways(tmp_path):
     overhead = load_bench("overhead")
     out = tmp_path / "overhead.json"
-    assert overhead.main(["--requests", "20", "--warmup", "5", "--json", str(out)]) == 0
+    argv = ["--requests", "8", "--concurrency", "1,4", "--throughput-seconds", "0.5", "--streams", "20"]
+    assert overhead.main([*argv, "--json", str(out)]) == 0
     result = json.loads(out.read_text())
-    for gateway in ("with_ext_proc", "without_filter"):
-        assert result[gateway]["p50_ms"] > 0
-    assert result["ext_proc_cpu_us_per_request"] > 0
+    for concurrency in ("1", "4"):
+        row = result["latency"][concurrency]
+        for gateway in ("without_filter", "bare_ext_proc", "pd_extproc"):
+            assert row[gateway]["p50_ms"] > 0
+        assert row["pd_extproc_cpu_us_per_request"] > 0
+    assert result["max_throughput"]["pd_extproc"]["errors"] == 0
+    assert result["in_flight"]["in_flight_seen"] == result["in_flight"]["ok"] == 20
+    assert result["in_flight"]["load_left_after"] == 0
