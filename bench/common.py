@@ -67,15 +67,3 @@ def write_json(path: str | None, payload: object) -> None:
     if path:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(payload, indent=2), encoding="utf-8")
-
-
-def stop(*processes: subprocess.Popen) -> None:
-    """Terminate subprocesses and wait for them."""
-    for process in processes:
-        if process.poll() is None:
-            process.terminate()
-    for process in processes:
-        try:
-            process.wait(5)
-        except subprocess.TimeoutExpired:
-            process.kill()

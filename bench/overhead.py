@@ -25,7 +25,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cpu_seconds, first_line, rss_mib, spawn_python, stop, summary_ms, write_json
+from common import cpu_seconds, first_line, rss_mib, spawn_python, summary_ms, write_json
 
 from ext_proc.discovery.eds import EndpointSpec, write_eds_file
 from ext_proc.gateway import (
@@ -34,6 +34,7 @@ from ext_proc.gateway import (
     render_bootstrap,
     start_gateway,
     start_router_process,
+    terminate,
     wait_router_ready,
 )
 
@@ -168,7 +169,7 @@ async def measure(requests: int, concurrencies: list[int], throughput_seconds: f
     finally:
         for gateway in gateways:
             gateway.stop()
-        stop(*processes)
+        terminate(*processes)
 
 
 def _print(results: dict) -> None:

@@ -4,8 +4,8 @@ For each named scenario a simulated cluster is started once and the same seeded 
 workload is sent through the real Envoy with pd-extproc in ``off``, ``prefer`` (several bonus
 values) and ``strict``, and through plain Envoy round robin (no ext_proc) as the baseline.
 Reported per run: cross-group KV transfer share, decode TTFT p50/p99, TPOT p50, decode load CV,
-throughput, errors. A bonus sweep on the reference scenario gives the trade-off curve
-(cross-group share vs load balance) users need to choose ``bonus``.
+throughput, errors. A bonus sweep on ``one-hot-group`` (where keeping transfers in-group and
+balancing decodes really pull apart) gives the trade-off curve users need to choose ``bonus``.
 
 Run: ``python bench/routing_quality.py [--quick] [--scenarios a,b] [--json FILE] [--png FILE]``.
 """
@@ -33,6 +33,7 @@ from sim.workload import RequestPlan, plan_workload
 BIG = TimingConfig()
 SMALL = replace(BIG, kv_capacity_tokens=BIG.kv_capacity_tokens // 2, decode_step_ms=16.0, max_batch=32)
 SWEEP_BONUSES = (0.0, 0.005, 0.01, 0.02, 0.05, 0.1, 0.3, 1.0)
+SWEEP_SCENARIO = "one-hot-group"
 PREFER_BONUSES = (0.05, 0.3)
 
 
@@ -134,31 +135,42 @@ async def run_scenario(scenario: Scenario, quick: bool, sweep: bool) -> dict[str
 
 
 def _plot(sweep: dict[str, dict], path: str) -> None:
+    """Two panels: cross-group share and load CV against bonus; and the trade-off curve itself."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    points = sorted(
-        ((_mode_and_bonus(k)[1], v) for k, v in sweep.items() if k.startswith("prefer@")), key=lambda p: p[0]
-    )
-    fig, ax = plt.subplots(figsize=(6.4, 4.4))
-    xs = [v["decode_load_cv"] for _, v in points]
-    ys = [100 * v["cross_group_share"] for _, v in points]
-    ax.plot(xs, ys, "o-", color="tab:blue", label="prefer, bonus sweep")
-    for (bonus, _), x, y in zip(points, xs, ys, strict=True):
-        ax.annotate(f"{bonus:g}", (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    points = sorted((_mode_and_bonus(k)[1], v) for k, v in sweep.items() if k.startswith("prefer@"))
+    bonuses = [b for b, _ in points]
+    cross = [100 * (v["cross_group_share"] or 0.0) for _, v in points]
+    cv = [v["decode_load_cv"] for _, v in points]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    left.plot(bonuses, cross, "o-", color="tab:red", label="cross-group KV transfers (%)")
+    left.set_xscale("symlog", linthresh=0.005)
+    left.set_xlabel("bonus")
+    left.set_ylabel("cross-group KV transfers (%)", color="tab:red")
+    twin = left.twinx()
+    twin.plot(bonuses, cv, "s--", color="tab:blue", label="decode load CV")
+    twin.set_ylabel("decode load CV (lower = better balanced)", color="tab:blue")
+    left.set_title(f"{SWEEP_SCENARIO}: prefer, bonus sweep")
+    left.grid(alpha=0.3)
+    right.plot(cv, cross, "o-", color="tab:purple", label="prefer")
+    for bonus, x, y in zip(bonuses, cv, cross, strict=True):
+        right.annotate(f"{bonus:g}", (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
     for name, marker in (("off", "s"), ("strict", "^")):  # round robin has no disaggregation: no KV share
         if name in sweep:
-            ax.plot(sweep[name]["decode_load_cv"], 100 * sweep[name]["cross_group_share"], marker, label=name)
-    ax.set_xlabel("decode load CV (lower = better balanced)")
-    ax.set_ylabel("cross-group KV transfers (%)")
-    ax.set_title("two-equal-groups: the bonus trade-off")
-    ax.grid(alpha=0.3)
-    ax.legend()
+            right.plot(
+                sweep[name]["decode_load_cv"], 100 * sweep[name]["cross_group_share"], marker, label=name
+            )
+    right.set_xlabel("decode load CV (lower = better balanced)")
+    right.set_ylabel("cross-group KV transfers (%)")
+    right.set_title("the trade-off (labels: bonus)")
+    right.grid(alpha=0.3)
+    right.legend()
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
@@ -172,9 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--scenarios", default=",".join(SCENARIOS), help="comma-separated subset of the scenarios"
     )
-    parser.add_argument("--no-sweep", action="store_true", help="skip the bonus sweep on two-equal-groups")
+    parser.add_argument("--no-sweep", action="store_true", help=f"skip the bonus sweep on {SWEEP_SCENARIO}")
     parser.add_argument("--json", help="write all results as JSON")
-    parser.add_argument("--png", help="write the bonus trade-off plot (needs matplotlib)")
+    parser.add_argument(
+        "--png", help=f"write the bonus trade-off plot of {SWEEP_SCENARIO} (needs matplotlib)"
+    )
     args = parser.parse_args(argv)
     names = [n for n in args.scenarios.split(",") if n]
     unknown = [n for n in names if n not in SCENARIOS]
@@ -185,13 +199,13 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[str, dict]] = {}
     for name in names:
         scenario = SCENARIOS[name]
-        sweep = name == "two-equal-groups" and not args.no_sweep
+        sweep = name == SWEEP_SCENARIO and not args.no_sweep
         results[name] = asyncio.run(run_scenario(scenario, args.quick, sweep))
         print(f"\n{name}: {scenario.description}")
         print(format_table(results[name]))
     write_json(args.json, results)
-    if args.png and "two-equal-groups" in results:
-        _plot(results["two-equal-groups"], args.png)
+    if args.png and SWEEP_SCENARIO in results:
+        _plot(results[SWEEP_SCENARIO], args.png)
     return 0
 
 

@@ -31,6 +31,19 @@ class GatewayError(RuntimeError):
     """Envoy could not be found, configured or started; the message says which."""
 
 
+def terminate(*processes: subprocess.Popen, grace: float = 5.0) -> None:
+    """SIGTERM every process still running, wait up to ``grace`` seconds, SIGKILL the stragglers."""
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+    for process in processes:
+        try:
+            process.wait(grace)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 def find_envoy() -> str:
     """Path of the Envoy binary: ``$ENVOY_BIN``, the one next to this Python, or ``envoy`` on PATH."""
     candidates = [
@@ -115,13 +128,7 @@ class Gateway:
 
     def stop(self) -> None:
         """Terminate Envoy (SIGTERM, then SIGKILL after 5 s) and remove its work folder."""
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        terminate(self.process)
         shutil.rmtree(self.workdir, ignore_errors=True)
 
     def log_tail(self, lines: int = 30) -> str:

@@ -22,6 +22,7 @@ from ext_proc.gateway import (
     render_bootstrap,
     start_gateway,
     start_router_process,
+    terminate,
     wait_router_ready,
 )
 from sim.cluster import EngineSpec
@@ -67,13 +68,8 @@ class Stack:
         }
 
     def _stop_server(self) -> None:
-        if self.server is not None and self.server.poll() is None:
-            self.server.terminate()
-            try:
-                self.server.wait(10)
-            except subprocess.TimeoutExpired:
-                self.server.kill()
-                self.server.wait()
+        if self.server is not None:
+            terminate(self.server, grace=10.0)
         self.server = None
 
     def _stop_gateway(self) -> None:

@@ -25,28 +25,21 @@ async def test_each_scenario_runs_and_strict_keeps_transfers_in_group(name):
     assert results["strict"]["cross_group_share"] == 0.0
 
 
-def test_reference_scenario_end_to_end_writes_json_and_plot(tmp_path):
-    out, png = tmp_path / "routing.json", tmp_path / "tradeoff.png"
-    assert (
-        routing.main(
-            [
-                "--quick",
-                "--scenarios",
-                "two-equal-groups",
-                "--no-sweep",
-                "--json",
-                str(out),
-                "--png",
-                str(png),
-            ]
-        )
-        == 0
-    )
+def test_reference_scenario_end_to_end_writes_json(tmp_path):
+    out = tmp_path / "routing.json"
+    assert routing.main(["--quick", "--scenarios", "two-equal-groups", "--json", str(out)]) == 0
     results = json.loads(out.read_text())["two-equal-groups"]
     assert set(results) == {"off", "prefer@0.05", "prefer@0.3", "strict", "round-robin"}
     assert results["round-robin"]["cross_group_share"] is None  # no disaggregation without ext_proc
     assert results["strict"]["cross_group_share"] == 0.0
-    assert png.stat().st_size > 10_000
+
+
+def test_trade_off_plot_is_drawn_from_a_sweep(tmp_path):
+    summary = {"cross_group_share": 0.25, "decode_load_cv": 0.1}
+    sweep = {f"prefer@{b}": summary for b in routing.SWEEP_BONUSES} | {"off": summary, "strict": summary}
+    png = tmp_path / "tradeoff.png"
+    routing._plot(sweep, str(png))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
 def test_unknown_scenario_is_a_usage_error():
