@@ -3,8 +3,10 @@
 One HTTP request is one stream. The stream's messages are answered by phase:
 - ``request_headers``: a request without a body is routed here; otherwise client-supplied
   routing headers are stripped and the body awaited.
-- ``request_body`` (must be BUFFERED: the whole body in one message): parse, decide, charge,
-  answer with routing headers and ``envoy.lb`` metadata, or with an ``ImmediateResponse`` error.
+- ``request_body`` (must be BUFFERED: the whole body in one message, after the headers): parse,
+  decide, charge, answer with routing headers and ``envoy.lb`` metadata, or with an
+  ``ImmediateResponse`` error. A body without headers, or in chunks, means Envoy is misconfigured
+  in a way that would silently bypass routing: answered 500 ``ext_proc_misconfigured``.
 - ``response_headers``: the prefill has finished; its charge is released.
 - anything else passes through unchanged.
 Whatever ends the stream (completion, upstream error, client abort, cancellation), the
@@ -15,15 +17,16 @@ one becomes a logged 500 answer.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ext_proc import envoy_messages as msg
+from ext_proc.handoff import RoutingInstructions
 from ext_proc.load import Lease
-from ext_proc.router import Refused, Router
+from ext_proc.router import Refused, Routed, Router
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +38,16 @@ def _refusal(refused: Refused) -> msg.ProcessingResponse:
     return msg.immediate_error(refused.status, refused.message, refused.code, refused.param)
 
 
+class _Stream:
+    """Per-stream state: the request's charges and whether Envoy sent the request headers."""
+
+    __slots__ = ("lease", "saw_headers")
+
+    def __init__(self) -> None:
+        self.lease: Lease | None = None
+        self.saw_headers = False
+
+
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     """Answers Envoy's ext_proc streams with decisions from a :class:`Router`."""
 
@@ -43,61 +56,64 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         self._strip = msg.strip_on_headers(router.handoff.routing_headers)
         self._passthrough = {kind: msg.passthrough(kind) for kind in msg.PHASES}
 
-    def _answer(
-        self, request: msg.ProcessingRequest, kind: str | None, lease: Lease | None
-    ) -> tuple[msg.ProcessingResponse, Lease | None]:
-        router = self._router
-        if kind == "request_body":
-            body = request.request_body
-            if not body.end_of_stream:
-                return _refusal(
-                    router.refuse(
-                        500,
-                        "gateway misconfigured: ext_proc request_body_mode must be BUFFERED",
-                        "ext_proc_misconfigured",
-                    )
-                ), lease
-            outcome = router.route_body(body.body)
-        elif kind == "request_headers":
-            if not request.request_headers.end_of_stream:
-                return self._strip, lease
-            outcome = router.route_bodiless()
-            if not isinstance(outcome, Refused):
-                return msg.route_on_headers(outcome.instructions), outcome.lease
-        elif kind == "response_headers":
-            if lease is not None:
-                lease.release_prefill()
-            return self._passthrough[kind], lease
-        elif kind is None:
-            return _refusal(router.refuse(500, "empty ext_proc message", "ext_proc_protocol_error")), lease
-        else:
-            return self._passthrough[kind], lease
+    def _misconfigured(self, message: str) -> msg.ProcessingResponse:
+        return _refusal(
+            self._router.refuse(500, f"gateway misconfigured: {message}", "ext_proc_misconfigured")
+        )
+
+    def _routed(
+        self,
+        outcome: Routed | Refused,
+        build: Callable[[RoutingInstructions], msg.ProcessingResponse],
+        stream: _Stream,
+    ) -> msg.ProcessingResponse:
         if isinstance(outcome, Refused):
-            return _refusal(outcome), lease
-        return msg.route_on_body(outcome.instructions), outcome.lease
+            return _refusal(outcome)
+        if stream.lease is not None:  # a stream is routed once; never leak an earlier charge
+            stream.lease.release()
+        stream.lease = outcome.lease
+        return build(outcome.instructions)
+
+    def _answer(self, request: msg.ProcessingRequest, stream: _Stream) -> msg.ProcessingResponse:
+        kind = request.WhichOneof("request")
+        if kind == "request_headers":
+            stream.saw_headers = True
+            if not request.request_headers.end_of_stream:
+                return self._strip
+            return self._routed(self._router.route_bodiless(), msg.route_on_headers, stream)
+        if kind == "request_body":
+            if not stream.saw_headers:
+                return self._misconfigured(
+                    "ext_proc request_header_mode must be SEND (with SKIP, Envoy picks the upstream "
+                    "before the body is answered, so no routing decision can take effect)"
+                )
+            if not request.request_body.end_of_stream:
+                return self._misconfigured("ext_proc request_body_mode must be BUFFERED")
+            return self._routed(self._router.route_body(request.request_body.body), msg.route_on_body, stream)
+        if kind is None:
+            return _refusal(self._router.refuse(500, "empty ext_proc message", "ext_proc_protocol_error"))
+        if kind == "response_headers" and stream.lease is not None:
+            stream.lease.release_prefill()
+        return self._passthrough[kind]
 
     async def Process(
         self, request_iterator: AsyncIterator[msg.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[msg.ProcessingResponse]:
         """Serve one HTTP request's ext_proc stream; see the module docstring for the phases."""
-        lease: Lease | None = None
+        stream = _Stream()
         try:
             async for request in request_iterator:
                 try:
-                    response, new_lease = self._answer(request, request.WhichOneof("request"), lease)
+                    response = self._answer(request, stream)
                 except Exception:
                     log.exception("unexpected error while routing; answering 500")
                     response = _refusal(
                         self._router.refuse(500, "internal error in the routing server", "internal_error")
                     )
-                    new_lease = lease
-                if new_lease is not lease and lease is not None:
-                    lease.release()
-                lease = new_lease
                 yield response
         finally:
-            if lease is not None:
-                lease.release()
+            if stream.lease is not None:
+                stream.lease.release()
 
 
 class Health:

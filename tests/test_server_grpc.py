@@ -1,0 +1,192 @@
+"""The gRPC shell on its own: a real grpc.aio server on an ephemeral loopback port, driven by a
+real gRPC client sending the messages Envoy would (no Envoy needed to reach the odd cases)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import grpc
+import pytest
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ext_proc.app import start_server
+from ext_proc.config import load_config
+from ext_proc.discovery.eds import EndpointSpec, write_eds_file
+
+BODY = json.dumps({"model": "m", "prompt": "x" * 40, "max_tokens": 10}).encode()
+
+
+def headers(end_of_stream: bool = False) -> pb.ProcessingRequest:
+    request = pb.ProcessingRequest()
+    header = request.request_headers.headers.headers.add()
+    header.key, header.raw_value = ":path", b"/v1/completions"
+    request.request_headers.end_of_stream = end_of_stream
+    return request
+
+
+def body(raw: bytes = BODY, end_of_stream: bool = True) -> pb.ProcessingRequest:
+    request = pb.ProcessingRequest()
+    request.request_body.body, request.request_body.end_of_stream = raw, end_of_stream
+    return request
+
+
+def response_headers() -> pb.ProcessingRequest:
+    request = pb.ProcessingRequest()
+    request.response_headers.headers.headers.add(key=":status", raw_value=b"200")
+    return request
+
+
+@pytest.fixture
+async def server(tmp_path):
+    write_eds_file(
+        tmp_path / "p.json", "prefill", [EndpointSpec("10.0.0.1:8000", "a", 1000.0, True, "HEALTHY")]
+    )
+    write_eds_file(
+        tmp_path / "d.json", "decode", [EndpointSpec("10.0.0.2:8000", "a", 1000.0, True, "HEALTHY")]
+    )
+    config = load_config(
+        None,
+        {
+            "listen": "127.0.0.1:0",
+            "metrics_listen": "127.0.0.1:0",
+            "discovery.eds_files": [str(tmp_path / "p.json"), str(tmp_path / "d.json")],
+        },
+        environ={},
+    )
+    running = await start_server(config)
+    yield running
+    await running.stop(grace=0)
+
+
+@pytest.fixture
+async def stub(server):
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        yield pb_grpc.ExternalProcessorStub(channel), health_pb2_grpc.HealthStub(channel)
+
+
+def load(server) -> list[tuple[str, int, int]]:
+    return [(s.role.value, s.active_tokens, s.active_requests) for s in server.router.registry.endpoints()]
+
+
+def error_code(response: pb.ProcessingResponse) -> str:
+    return json.loads(response.immediate_response.body)["error"]["code"]
+
+
+async def test_headers_then_body_routes_and_charges_until_the_stream_ends(server, stub):
+    call = stub[0].Process()
+    await call.write(headers())
+    first = await call.read()
+    assert list(first.request_headers.response.header_mutation.remove_headers) == [
+        "x-gateway-destination-endpoint",
+        "x-prefiller-host-port",
+    ]
+    await call.write(body())
+    routed = await call.read()
+    lb = routed.dynamic_metadata.fields["envoy.lb"].struct_value.fields
+    assert lb["x-gateway-destination-endpoint"].string_value == "10.0.0.2:8000"
+    assert load(server) == [("prefill", 10, 1), ("decode", 20, 1)]
+    await call.write(response_headers())
+    await call.read()
+    assert load(server) == [("prefill", 0, 0), ("decode", 20, 1)]  # prefill done, decode still running
+    await call.done_writing()
+    assert await call.read() == grpc.aio.EOF
+    assert load(server) == [("prefill", 0, 0), ("decode", 0, 0)]
+
+
+async def test_a_cancelled_stream_releases_its_load(server, stub):
+    call = stub[0].Process()
+    await call.write(headers())
+    await call.read()
+    await call.write(body())
+    await call.read()
+    assert load(server)[1] == ("decode", 20, 1)
+    call.cancel()
+    for _ in range(100):
+        if load(server)[1] == ("decode", 0, 0):
+            break
+        await asyncio.sleep(0.01)
+    assert load(server)[1] == ("decode", 0, 0)
+
+
+@pytest.mark.parametrize(
+    ("messages", "phrase"),
+    [([body()], "request_header_mode must be SEND"), ([headers(), body(end_of_stream=False)], "BUFFERED")],
+    ids=["body-without-headers", "chunked-body"],
+)
+async def test_envoy_misconfiguration_is_a_clear_500(server, stub, messages, phrase):
+    call = stub[0].Process()
+    for message in messages:
+        await call.write(message)
+        answer = await call.read()
+    assert answer.immediate_response.status.code == 500
+    assert error_code(answer) == "ext_proc_misconfigured"
+    assert phrase in json.loads(answer.immediate_response.body)["error"]["message"]
+    await call.done_writing()
+    assert load(server) == [("prefill", 0, 0), ("decode", 0, 0)]
+
+
+async def test_an_unexpected_error_is_a_logged_500_and_the_server_keeps_serving(
+    server, stub, monkeypatch, caplog
+):
+    def explode(raw: bytes):
+        raise KeyError("boom")
+
+    monkeypatch.setattr(server.router, "route_body", explode)
+    call = stub[0].Process()
+    await call.write(headers())
+    await call.read()
+    await call.write(body())
+    answer = await call.read()
+    assert answer.immediate_response.status.code == 500 and error_code(answer) == "internal_error"
+    assert "unexpected error while routing" in caplog.text and "KeyError: 'boom'" in caplog.text
+    monkeypatch.undo()
+    call = stub[0].Process()
+    await call.write(headers(end_of_stream=True))
+    assert (await call.read()).request_headers.response.header_mutation.set_headers
+
+
+async def test_an_empty_message_is_a_protocol_error(server, stub):
+    call = stub[0].Process()
+    await call.write(pb.ProcessingRequest())
+    answer = await call.read()
+    assert error_code(answer) == "ext_proc_protocol_error"
+
+
+@pytest.mark.parametrize(
+    "service", ["", "liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"]
+)
+async def test_health_services_serve_once_endpoints_are_loaded(stub, service):
+    reply = await stub[1].Check(health_pb2.HealthCheckRequest(service=service))
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_readiness_waits_for_a_valid_eds_file(tmp_path):
+    missing = tmp_path / "decode.json"
+    config = load_config(
+        None,
+        {
+            "listen": "127.0.0.1:0",
+            "metrics_listen": "127.0.0.1:0",
+            "discovery.eds_files": [str(missing)],
+            "discovery.poll_interval_seconds": 0.05,
+        },
+        environ={},
+    )
+    running = await start_server(config)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.grpc_port}") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            check = health_pb2.HealthCheckRequest(service="readiness")
+            assert (await health.Check(check)).status == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert (await health.Check(health_pb2.HealthCheckRequest(service="liveness"))).status == 1
+            write_eds_file(missing, "decode", [EndpointSpec("10.0.0.2:8000", "a", None, True, "HEALTHY")])
+            for _ in range(100):
+                if (await health.Check(check)).status == health_pb2.HealthCheckResponse.SERVING:
+                    break
+                await asyncio.sleep(0.02)
+            assert (await health.Check(check)).status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        await running.stop(grace=0)
