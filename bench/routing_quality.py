@@ -148,6 +148,8 @@ def _plot(sweep: dict[str, dict], path: str) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     left.plot(bonuses, cross, "o-", color="tab:red", label="cross-group KV transfers (%)")
     left.set_xscale("symlog", linthresh=0.005)
+    left.set_xticks(bonuses, [f"{b:g}" for b in bonuses], fontsize=8)
+    left.minorticks_off()
     left.set_xlabel("bonus")
     left.set_ylabel("cross-group KV transfers (%)", color="tab:red")
     twin = left.twinx()

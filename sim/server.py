@@ -26,6 +26,7 @@ first chunk, once the request is admitted and its KV cache is in place:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from dataclasses import dataclass
@@ -232,6 +233,14 @@ async def _stream(
         headers={**headers, "Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
     await resp.prepare(request)
+    with contextlib.suppress(ConnectionError):  # client gone, or this engine killed: nobody to tell
+        await _write_events(resp, engine, seq, req, shaper)
+    return resp
+
+
+async def _write_events(
+    resp: web.StreamResponse, engine: Engine, seq: Sequence, req: GenerateRequest, shaper: Shaper
+) -> None:
     with_usage, interval = req.include_usage, engine.config.timing.stream_interval
     if req.chat:
         await resp.write(sse(shaper.chunk(None, None, with_usage, role=True)))
@@ -256,7 +265,6 @@ async def _stream(
             await resp.write(sse(shaper.usage_chunk(usage(req.prompt_tokens, seq.generated))))
     await resp.write(sse("[DONE]"))
     await resp.write_eof()
-    return resp
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:
