@@ -79,6 +79,7 @@ SCENARIOS = {
             "two-equal-groups",
             "reference: a and b each 2 prefill + 3 decode, same shapes",
             _engines("a", 2, 3) + _engines("b", 2, 3),
+            requests=400,  # the targets are judged here: a longer run steadies the load CV
         ),
         Scenario(
             "unequal-groups",
