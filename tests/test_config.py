@@ -402,3 +402,15 @@ def test_cli_relative_eds_file_resolves_against_the_working_directory(
     assert cli.started[0].discovery.eds_files == (str(work_dir / "flag.yaml"),)
     assert cli.main(["serve", "--config", str(path)]) == 0
     assert cli.started[1].discovery.eds_files == (str(config_dir / "from-config.yaml"),)
+
+
+def test_the_shipped_example_config_loads_and_names_every_key() -> None:
+    path = Path(__file__).resolve().parents[1] / "config" / "pd-extproc.yaml"
+    config = load(path)
+    assert config == Config(discovery=config.discovery)  # every other value is the default
+    assert [Path(p).name for p in config.discovery.eds_files] == ["prefill.yaml", "decode.yaml"]
+    assert all(Path(p).is_file() for p in config.discovery.eds_files)
+    text = path.read_text()
+    for section in ("discovery", "affinity", "load", "routing"):
+        for key in getattr(config, section).__dataclass_fields__:
+            assert f"  {key}:" in text, f"{section}.{key} is not documented in {path.name}"
