@@ -5,8 +5,10 @@ decode) spread over 1, 4, 16 and 64 ``pdGroupID`` groups (combinations with more
 endpoints per role are skipped) and each affinity mode, it times single ``choose`` calls with
 ``time.perf_counter_ns`` and reports the median and p99 in µs per decision. Loads, capacities and
 request costs are random but seeded, and rotate over a few snapshots so no single lucky layout is
-measured. ``scan_floor_us`` is the median time of merely computing ``u`` once per endpoint (two
-list comprehensions): the floor any pure-Python decision over these ``Candidate`` objects pays.
+measured. Each snapshot is a pair of :class:`~ext_proc.affinity.Pool` values built once, as the
+registry keeps them (building is not timed). ``scan_floor_us`` is the median time of merely
+computing ``u`` once per endpoint over the same endpoints as ``Candidate`` objects (two list
+comprehensions): the floor any pure-Python decision over per-endpoint objects pays.
 
 Usage (from the repository root)::
 
@@ -25,7 +27,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ext_proc.affinity import Candidate, Cost, Mode, Policy, choose
+from ext_proc.affinity import Candidate, Cost, Mode, Policy, Pool, choose
 
 ENDPOINTS = (8, 64, 512, 4096)
 GROUPS = (1, 4, 16, 64)
@@ -85,6 +87,7 @@ def run(quick: bool) -> list[dict[str, Any]]:
                 (make_pool(half, groups, rnd, "1"), make_pool(half, groups, rnd, "2"))
                 for _ in range(SNAPSHOTS)
             ]
+            pools = [(Pool.of(prefills), Pool.of(decodes)) for prefills, decodes in snapshots]
             costs = []
             for _ in range(64):
                 prompt = rnd.randrange(100, 4000)
@@ -104,8 +107,8 @@ def run(quick: bool) -> list[dict[str, Any]]:
             for mode in Mode:
                 policy = Policy(mode=mode, bonus=0.3, fallback_count=2)
 
-                def decide(i: int, snapshots: list = snapshots, costs: list = costs, policy: Policy = policy):
-                    prefills, decodes = snapshots[i % SNAPSHOTS]
+                def decide(i: int, pools: list = pools, costs: list = costs, policy: Policy = policy):
+                    prefills, decodes = pools[i % SNAPSHOTS]
                     return choose(costs[i % 64], prefills, decodes, policy, i)
 
                 samples = _time(decide, reps)

@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from ext_proc.affinity import Mode
+from ext_proc.request import MAX_OUTPUT_BUDGET
 
 ENV_AFFINITY_MODE = "PD_EXTPROC_AFFINITY_MODE"
 ENV_AFFINITY_BONUS = "PD_EXTPROC_AFFINITY_BONUS"
@@ -134,6 +135,8 @@ def validate(config: Config) -> Config:
         raise ConfigError(f"affinity.bonus: {config.affinity.bonus} is not allowed; use a number in [0, 1]")
     if config.load.default_max_tokens < 0:
         raise ConfigError("load.default_max_tokens: must be an integer >= 0")
+    if config.load.default_max_tokens > MAX_OUTPUT_BUDGET:
+        raise ConfigError(f"load.default_max_tokens: must be at most {MAX_OUTPUT_BUDGET}")
     if not config.load.default_token_capacity > 0:
         raise ConfigError("load.default_token_capacity: must be a number > 0")
     if not 0 <= config.routing.fallback_count <= 16:

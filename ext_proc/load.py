@@ -1,7 +1,8 @@
 """Local in-flight load accounting: what each routed request charges, and its release.
 
 The load signal is the in-flight token sum per endpoint, charged when a request is routed and
-released when Envoy is done with it. A :class:`Lease` releases each charge at most once, so a
+released when Envoy is done with it, through :class:`~ext_proc.registry.EndpointState` (which writes
+the endpoint's slot of the registry's load arrays). A :class:`Lease` releases each charge at most once, so a
 ``finally`` may call :meth:`Lease.release` whatever already happened.
 """
 
@@ -23,18 +24,15 @@ class Lease:
         self._decode: EndpointState | None = decode
         self._decode_tokens = decode_tokens
         if prefill is not None:
-            prefill.active_tokens += prefill_tokens
-            prefill.active_requests += 1
-        decode.active_tokens += decode_tokens
-        decode.active_requests += 1
+            prefill.charge(prefill_tokens)
+        decode.charge(decode_tokens)
 
     def release_prefill(self) -> None:
         """Release the prefill charge (the prompt has been processed); idempotent."""
         prefill = self._prefill
         if prefill is not None:
             self._prefill = None
-            prefill.active_tokens -= self._prefill_tokens
-            prefill.active_requests -= 1
+            prefill.release(self._prefill_tokens)
 
     def release(self) -> None:
         """Release everything still charged; idempotent."""
@@ -42,5 +40,4 @@ class Lease:
         decode = self._decode
         if decode is not None:
             self._decode = None
-            decode.active_tokens -= self._decode_tokens
-            decode.active_requests -= 1
+            decode.release(self._decode_tokens)

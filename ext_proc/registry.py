@@ -1,10 +1,17 @@
 """The current set of endpoints, with their live load, as the router sees it.
 
-Each endpoint is one mutable :class:`EndpointState` that the load accounting charges and
-releases in place, so a request's routing reads loads without copying anything. Updates from
-a discovery source keep the same object for an endpoint that stays (same role and address):
-in-flight accounting survives any number of EDS changes. An endpoint that leaves while it still
-has requests in flight is kept aside and revived if it comes back before they finish.
+Load lives in per-role numpy arrays (struct of arrays) that the registry owns: ``tokens`` and
+``requests`` (int64) with one slot per endpoint of the role, healthy endpoints first, so that the
+healthy prefix is what :func:`ext_proc.affinity.choose` reads (:attr:`Registry.prefill_pool`,
+:attr:`Registry.decode_pool`, views of those arrays). Each endpoint is one mutable
+:class:`EndpointState` that knows its slot: the load accounting charges and releases through it,
+in place, so routing reads loads without copying anything.
+
+Updates from a discovery source keep the same object for an endpoint that stays (same role and
+address) and rebuild the arrays with every live value carried over: in-flight accounting survives
+any number of EDS changes. An endpoint that leaves while it still has requests in flight keeps its
+old arrays (which nothing else reads any more) and is revived, load included, if it comes back
+before they finish.
 """
 
 from __future__ import annotations
@@ -13,6 +20,10 @@ import enum
 import logging
 from collections.abc import Iterable
 
+import numpy as np
+from numpy.typing import NDArray
+
+from ext_proc.affinity import Pool
 from ext_proc.discovery.eds import ClusterEndpoints
 
 log = logging.getLogger(__name__)
@@ -28,13 +39,15 @@ class Role(enum.StrEnum):
 class EndpointState:
     """One endpoint of one role: identity, declared capacity and health, and live load.
 
-    Satisfies the :class:`ext_proc.affinity.Candidate` shape (``address``, ``group``,
-    ``token_capacity`` in tokens, ``active_tokens``, ``active_requests``).
+    Satisfies :class:`ext_proc.affinity.Endpoint` (``address``, ``group``, ``token_capacity`` in
+    tokens, ``active_tokens``, ``active_requests``). The two loads are properties over the
+    endpoint's slot in its role's arrays (a private one-slot pair until the registry places it).
     """
 
     __slots__ = (
-        "active_requests",
-        "active_tokens",
+        "_requests",
+        "_slot",
+        "_tokens",
         "address",
         "group",
         "health_status",
@@ -50,16 +63,54 @@ class EndpointState:
         self.token_capacity = 1.0
         self.healthy = False
         self.health_status = "UNKNOWN"
-        self.active_tokens = 0
-        self.active_requests = 0
+        self._tokens: NDArray[np.int64] = np.zeros(1, dtype=np.int64)
+        self._requests: NDArray[np.int64] = np.zeros(1, dtype=np.int64)
+        self._slot = 0
+
+    @property
+    def active_tokens(self) -> int:
+        """In-flight tokens charged to this endpoint."""
+        return int(self._tokens[self._slot])
+
+    @active_tokens.setter
+    def active_tokens(self, value: int) -> None:
+        self._tokens[self._slot] = value
+
+    @property
+    def active_requests(self) -> int:
+        """In-flight requests routed to this endpoint."""
+        return int(self._requests[self._slot])
+
+    @active_requests.setter
+    def active_requests(self, value: int) -> None:
+        self._requests[self._slot] = value
+
+    def charge(self, tokens: int) -> None:
+        """One more request in flight, of ``tokens`` tokens."""
+        slot = self._slot
+        self._tokens[slot] += tokens
+        self._requests[slot] += 1
+
+    def release(self, tokens: int) -> None:
+        """One request of ``tokens`` tokens fewer in flight (undoes one :meth:`charge`)."""
+        slot = self._slot
+        self._tokens[slot] -= tokens
+        self._requests[slot] -= 1
 
     def utilisation(self, cost: int) -> float:
         """``(active_tokens + cost) / token_capacity``."""
         return (self.active_tokens + cost) / self.token_capacity
 
+    def _place(self, tokens: NDArray[np.int64], requests: NDArray[np.int64], slot: int) -> None:
+        """Copy the live load into ``tokens[slot]`` and ``requests[slot]`` and keep it there from now on."""
+        tokens[slot] = self._tokens[self._slot]
+        requests[slot] = self._requests[self._slot]
+        self._tokens, self._requests, self._slot = tokens, requests, slot
+
 
 class Registry:
-    """Endpoints by role. ``prefills``/``decodes`` hold only the healthy ones (candidates).
+    """Endpoints by role. ``prefills``/``decodes`` hold only the healthy ones (candidates), in EDS
+    order; ``prefill_pool``/``decode_pool`` are the same endpoints with their live load arrays.
 
     Not thread-safe: owned by the server's event loop.
     """
@@ -69,6 +120,8 @@ class Registry:
         self._default_capacity = default_token_capacity
         self._current: dict[tuple[Role, str], EndpointState] = {}
         self._departed: dict[tuple[Role, str], EndpointState] = {}
+        self.prefill_pool: Pool[EndpointState] = Pool.of(())
+        self.decode_pool: Pool[EndpointState] = Pool.of(())
         self.prefills: tuple[EndpointState, ...] = ()
         self.decodes: tuple[EndpointState, ...] = ()
         self.version = 0
@@ -108,10 +161,25 @@ class Registry:
                 self._departed[key] = state
         self._departed = {k: s for k, s in self._departed.items() if s.active_requests}
         self._current = fresh
-        self.prefills = tuple(s for s in fresh.values() if s.role is Role.PREFILL and s.healthy)
-        self.decodes = tuple(s for s in fresh.values() if s.role is Role.DECODE and s.healthy)
+        self.prefill_pool = _place(s for s in fresh.values() if s.role is Role.PREFILL)
+        self.decode_pool = _place(s for s in fresh.values() if s.role is Role.DECODE)
+        self.prefills = self.prefill_pool.endpoints
+        self.decodes = self.decode_pool.endpoints
         self.version += 1
 
     def endpoints(self) -> tuple[EndpointState, ...]:
         """Every known endpoint, healthy or not, plus departed ones that still have requests in flight."""
         return (*self._current.values(), *self._departed.values())
+
+
+def _place(states: Iterable[EndpointState]) -> Pool[EndpointState]:
+    """New load arrays for the endpoints of one role, healthy ones first, each state moved into its
+    slot with its load; the pool of the healthy ones is a view of the arrays' healthy prefix."""
+    ordered = sorted(states, key=lambda s: not s.healthy)  # stable: EDS order within each half
+    healthy = [s for s in ordered if s.healthy]
+    tokens = np.zeros(len(ordered), dtype=np.int64)
+    requests = np.zeros(len(ordered), dtype=np.int64)
+    for slot, state in enumerate(ordered):
+        state._place(tokens, requests, slot)
+    capacity = np.array([s.token_capacity for s in healthy], dtype=np.float64)
+    return Pool(healthy, tokens[: len(healthy)], requests[: len(healthy)], capacity)

@@ -10,6 +10,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+MAX_OUTPUT_BUDGET = 2**40
+"""The most output tokens one request may reserve, all sequences together: far beyond any model's
+context, and small enough that the in-flight token sums (int64 load arrays) cannot overflow."""
+
 
 class RequestError(ValueError):
     """The body cannot be routed. ``param`` names the offending field (``None`` for the body)."""
@@ -148,6 +152,16 @@ def parse_request(raw: bytes, default_max_tokens: int) -> RequestInfo:
     completion_budget = _optional_count(body, "max_completion_tokens")
     max_tokens = _optional_count(body, "max_tokens")
     budget = completion_budget if completion_budget is not None else max_tokens
-    sequences = max(_sequences(body, "n"), _sequences(body, "best_of"))
-    per_sequence = default_max_tokens if budget is None else budget
-    return RequestInfo(model, stream, prompt_tokens, per_sequence * sequences)
+    n, best_of = _sequences(body, "n"), _sequences(body, "best_of")
+    output_budget = (default_max_tokens if budget is None else budget) * max(n, best_of)
+    if output_budget > MAX_OUTPUT_BUDGET:
+        if budget is not None:
+            field = "max_completion_tokens" if completion_budget is not None else "max_tokens"
+        else:
+            field = "n" if n >= best_of else "best_of"
+        raise RequestError(
+            f"'{field}' is too large: the request may generate {output_budget} tokens, "
+            f"more than the {MAX_OUTPUT_BUDGET} one request may reserve",
+            field,
+        )
+    return RequestInfo(model, stream, prompt_tokens, output_budget)

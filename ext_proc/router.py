@@ -11,7 +11,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from ext_proc.affinity import Cost, Policy, Rejection, choose
+from ext_proc.affinity import Cost, Policy, Pool, Rejection, choose
 from ext_proc.handoff import Handoff, RoutingInstructions
 from ext_proc.load import Lease
 from ext_proc.metrics import Metrics
@@ -52,6 +52,7 @@ class Router:
         self._default_max_tokens = default_max_tokens
         self._mode = policy.mode.value
         self._ticket = 0
+        self._no_prefills: Pool[EndpointState] = Pool.of(())
 
     def refuse(self, status: int, message: str, code: str, param: str | None = None) -> Refused:
         """Count, log and describe an error answer."""
@@ -68,16 +69,16 @@ class Router:
         except RequestError as exc:
             return self.refuse(400, str(exc), "invalid_request", exc.param)
         prompt = info.prompt_tokens
-        return self._route(Cost(prompt, prompt + info.output_budget), self.registry.prefills)
+        return self._route(Cost(prompt, prompt + info.output_budget), self.registry.prefill_pool)
 
     def route_bodiless(self) -> Routed | Refused:
         """Route a request without a body (e.g. ``GET /v1/models``) to the least-loaded decode."""
-        return self._route(Cost(0, 0), ())
+        return self._route(Cost(0, 0), self._no_prefills)
 
-    def _route(self, cost: Cost, prefills: tuple[EndpointState, ...]) -> Routed | Refused:
+    def _route(self, cost: Cost, prefills: Pool[EndpointState]) -> Routed | Refused:
         started = time.perf_counter()
         self._ticket += 1
-        result = choose(cost, prefills, self.registry.decodes, self.policy, self._ticket)
+        result = choose(cost, prefills, self.registry.decode_pool, self.policy, self._ticket)
         if isinstance(result, Rejection):
             return self.refuse(503, result.message, result.reason.value)
         lease = Lease(result.prefill, cost.prefill_tokens, result.decode, cost.decode_tokens)

@@ -6,6 +6,7 @@ from collections import Counter
 from collections.abc import Sequence
 from itertools import count
 
+import numpy as np
 import pytest
 
 import ext_proc.affinity as affinity
@@ -16,10 +17,12 @@ from ext_proc.affinity import (
     Locality,
     Mode,
     Policy,
+    Pool,
     Rejection,
     RejectReason,
     choose,
 )
+from ext_proc.affinity.decide import ticks
 
 FREE = Cost(prefill_tokens=0, decode_tokens=0)
 _ids = count()
@@ -53,7 +56,7 @@ def decide(
     tiebreak: int = 0,
 ) -> Decision:
     """``choose`` that must succeed."""
-    result = choose(cost, prefills, decodes, policy(mode, bonus, fallbacks), tiebreak)
+    result = choose(cost, Pool.of(prefills), Pool.of(decodes), policy(mode, bonus, fallbacks), tiebreak)
     assert isinstance(result, Decision), result
     return result
 
@@ -65,7 +68,7 @@ def reject(
     tiebreak: int = 0,
 ) -> Rejection:
     """``choose`` that must reject."""
-    result = choose(FREE, prefills, decodes, policy(mode), tiebreak)
+    result = choose(FREE, Pool.of(prefills), Pool.of(decodes), policy(mode), tiebreak)
     assert isinstance(result, Rejection), result
     return result
 
@@ -77,7 +80,7 @@ ALL_MODES = pytest.mark.parametrize("mode", list(Mode))
 
 
 def test_package_exports_choose_and_every_model_type() -> None:
-    expected = {"choose", "Candidate", "Cost", "Decision", "Locality", "Mode", "Policy"}
+    expected = {"choose", "Candidate", "Cost", "Decision", "Locality", "Mode", "Policy", "Pool"}
     expected |= {"Endpoint", "RejectReason", "Rejection"}
     assert set(affinity.__all__) == expected
     assert all(hasattr(affinity, name) for name in affinity.__all__)
@@ -436,13 +439,100 @@ def test_same_inputs_give_the_same_decision(mode: Mode) -> None:
     prefills = [ep(g, t) for g, t in [("a", 100), ("b", 100), ("a", 300)]]
     decodes = [ep(g, t) for g, t in [("a", 200), ("b", 200), ("b", 50), ("a", 200)]]
     cost = Cost(10, 30)
-    first = choose(cost, prefills, decodes, policy(mode), 3)
+    pools = Pool.of(prefills), Pool.of(decodes)
+    first = choose(cost, *pools, policy(mode), 3)
     for _ in range(3):
-        assert choose(cost, tuple(prefills), tuple(decodes), policy(mode), 3) == first
+        assert choose(cost, *pools, policy(mode), 3) == first
+        assert choose(cost, Pool.of(tuple(prefills)), Pool.of(tuple(decodes)), policy(mode), 3) == first
 
 
-def test_inputs_are_not_mutated() -> None:
+@ALL_MODES
+def test_inputs_are_not_mutated(mode: Mode) -> None:
     prefills, decodes = [ep("a", 1), ep("b", 2)], [ep("b", 3), ep("a", 4)]
     before = (list(prefills), list(decodes))
-    choose(FREE, prefills, decodes, policy(Mode.STRICT), 1)
+    pools = Pool.of(prefills), Pool.of(decodes)
+    arrays = [(p.tokens.copy(), p.requests.copy(), p.capacity.copy()) for p in pools]
+    choose(Cost(5, 9), *pools, policy(mode), 1)
     assert (prefills, decodes) == before
+    for pool, (tokens, requests, capacity) in zip(pools, arrays, strict=True):
+        assert (pool.tokens.tolist(), pool.requests.tolist()) == (tokens.tolist(), requests.tolist())
+        assert pool.capacity.tolist() == capacity.tolist()
+
+
+# ---------------------------------------------------------------- pools (the array form)
+
+
+def test_pool_of_copies_the_loads_into_index_aligned_arrays() -> None:
+    a, b, c = ep("g1", 10, cap=100.0, reqs=1), ep("g2", 20, cap=200.0, reqs=2), ep("g1", 30, reqs=3)
+    pool = Pool.of([a, b, c])
+    assert (pool.endpoints, pool.size) == ((a, b, c), 3)
+    assert (pool.tokens.dtype, pool.requests.dtype, pool.capacity.dtype) == (np.int64, np.int64, np.float64)
+    assert (pool.tokens.tolist(), pool.requests.tolist()) == ([10, 20, 30], [1, 2, 3])
+    assert pool.capacity.tolist() == [100.0, 200.0, 1000.0]
+    assert {g: m.tolist() for g, m in pool.members.items()} == {"g1": [0, 2], "g2": [1]}
+    assert list(pool.members) == ["g1", "g2"]  # order of first appearance
+    assert {g: m.tolist() for g, m in pool.in_group.items()} == {"g1": [1.0, 0.0, 1.0], "g2": [0.0, 1.0, 0.0]}
+
+
+def test_pool_bonus_mask_is_the_bonus_on_the_group_and_is_computed_once() -> None:
+    pool = Pool.of([ep("g1"), ep("g2"), ep("g1")])
+    mask = pool.bonus_in("g1", 0.25)
+    assert mask.tolist() == [0.25, 0.0, 0.25]
+    assert pool.bonus_in("g1", 0.25) is mask
+    assert pool.bonus_in("g1", 0.5).tolist() == [0.5, 0.0, 0.5]
+    assert pool.bonus_in("g2", 0.25).tolist() == [0.0, 0.25, 0.0]
+    assert pool.in_group["g1"].tolist() == [1.0, 0.0, 1.0]
+
+
+def test_pool_arrays_must_have_one_entry_per_endpoint() -> None:
+    with pytest.raises(ValueError, match="one tokens, requests and capacity entry per endpoint"):
+        Pool([ep()], np.zeros(2, dtype=np.int64), np.zeros(1, dtype=np.int64), np.ones(1))
+
+
+def test_the_decision_reads_the_pool_arrays_as_they_are_now() -> None:
+    decodes = [ep("g1", 0, name="a"), ep("g1", 0, name="b")]
+    pool, prefills = Pool.of(decodes), Pool.of([ep("g1")])
+    pool.tokens[0] = 500
+    assert choose(FREE, prefills, pool, policy(Mode.OFF), 0).decode is decodes[1]
+    pool.tokens[:] = [0, 900]
+    assert choose(FREE, prefills, pool, policy(Mode.OFF), 0).decode is decodes[0]
+    pool.tokens[:] = [0, 0]
+    pool.requests[:] = [3, 2]
+    assert choose(FREE, prefills, pool, policy(Mode.OFF), 0).decode is decodes[1]
+
+
+@ALL_MODES
+@pytest.mark.parametrize("size", [3, 64, 127, 128, 129, 300, 2048])
+def test_a_whole_pool_tied_rotates_in_input_order_at_every_size(mode: Mode, size: int) -> None:
+    # Idle endpoints of one capacity: every key is equal, in both groups, at any size (list or
+    # array pre-selection, small or large tie classes).
+    prefills = [ep("g1", name="p1"), ep("g2", name="p2")]
+    decodes = [ep(f"g{1 + i % 2}", name=f"d{i}") for i in range(size)]
+    for tiebreak in (0, 1, size - 1, size + 5):
+        result = decide(prefills, decodes, mode, fallbacks=3, tiebreak=tiebreak)
+        assert result.prefill is prefills[tiebreak % 2]
+        group = [d for d in decodes if d.group == result.prefill.group]
+        if mode is Mode.OFF:
+            expected = [decodes[(tiebreak + i) % size] for i in range(min(4, size))]
+        else:  # strict: only the group; prefer: the group's class ranks first, then the rest
+            expected = [group[(tiebreak + i) % len(group)] for i in range(min(4, len(group)))]
+            if mode is Mode.PREFER and len(expected) < 4:
+                rest = [d for d in decodes if d not in group]
+                more = min(4 - len(expected), len(rest))
+                expected += [rest[(tiebreak + i) % len(rest)] for i in range(more)]
+        assert [result.decode, *result.fallbacks] == expected
+
+
+def test_prefer_keys_beyond_float64_integers_stay_exact() -> None:
+    # u = 1e7 and 1e7 + 2**-29 have ticks 10**16 + 2 and 10**16, beyond 2**53. With bonus_ticks = 1
+    # the same-group key is 10**16 + 1, which loses to the other group's 10**16; float64 cannot
+    # hold 10**16 + 1 and would call it a tie, won by the same group.
+    cap = 2.0**30
+    same = ep("g1", 10_737_418_240_000_002, cap=cap, name="same")
+    other = ep("g2", 10_737_418_240_000_000, cap=cap, name="other")
+    assert (ticks(same.utilisation(0)), ticks(other.utilisation(0)), ticks(1e-9)) == (10**16 + 2, 10**16, 1)
+    result = decide([ep("g1")], [same, other], Mode.PREFER, bonus=1e-9, fallbacks=1)
+    assert (result.decode, result.fallbacks) == (other, (same,))
+    level = ep("g1", 10_737_418_240_000_000, cap=cap, name="level")  # 10**16 - 1 < 10**16: same wins
+    result = decide([ep("g1")], [other, level], Mode.PREFER, bonus=1e-9, fallbacks=1)
+    assert (result.decode, result.fallbacks) == (level, (other,))

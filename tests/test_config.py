@@ -236,6 +236,7 @@ def test_section_that_is_not_a_mapping_is_rejected(tmp_path: Path) -> None:
     ("override", "expected"),
     [
         ({"load.default_max_tokens": -1}, "load.default_max_tokens: must be an integer >= 0"),
+        ({"load.default_max_tokens": 2**40 + 1}, "load.default_max_tokens: must be at most 1099511627776"),
         ({"load.default_token_capacity": 0}, "load.default_token_capacity: must be a number > 0"),
         ({"routing.fallback_count": 17}, "routing.fallback_count: must be an integer in [0, 16]"),
         ({"routing.fallback_count": -1}, "routing.fallback_count: must be an integer in [0, 16]"),

@@ -6,6 +6,7 @@ import logging
 
 import pytest
 
+from ext_proc.affinity import Cost, Decision, Mode, Policy, choose
 from ext_proc.discovery import ClusterEndpoints, EndpointSpec
 from ext_proc.load import Lease
 from ext_proc.registry import EndpointState, Registry, Role
@@ -295,3 +296,108 @@ def test_endpoint_moved_to_the_other_role_is_a_different_endpoint(pd) -> None:
     assert prefill in registry.endpoints()  # the old prefill role still has a request in flight
     lease.release()
     assert load_of(prefill) == (0, 0)
+
+
+# --- the load arrays behind the pools ----------------------------------------------------------
+
+
+def test_pools_hold_the_healthy_endpoints_and_views_of_their_live_load(pd) -> None:
+    registry, prefill, decode = pd
+    assert registry.prefill_pool.endpoints == registry.prefills == (prefill,)
+    assert registry.decode_pool.endpoints == registry.decodes == (decode,)
+    assert registry.decode_pool.capacity.tolist() == [1000.0]
+    lease = Lease(prefill, 40, decode, 90)
+    assert (registry.prefill_pool.tokens.tolist(), registry.prefill_pool.requests.tolist()) == ([40], [1])
+    assert (registry.decode_pool.tokens.tolist(), registry.decode_pool.requests.tolist()) == ([90], [1])
+    lease.release()
+    assert (registry.decode_pool.tokens.tolist(), registry.decode_pool.requests.tolist()) == ([0], [0])
+
+
+def test_setting_a_load_attribute_writes_the_array(pd) -> None:
+    registry, _, decode = pd
+    decode.active_tokens, decode.active_requests = 7, 2
+    assert (registry.decode_pool.tokens.tolist(), registry.decode_pool.requests.tolist()) == ([7], [2])
+    assert load_of(decode) == (7, 2)
+
+
+def test_unhealthy_endpoints_keep_their_load_outside_the_pools() -> None:
+    registry = make_registry()
+    registry.update([cluster("decode", ep("10.0.0.1:1"), ep("10.0.0.2:2"), ep("10.0.0.3:3"))])
+    a, b, c = registry.decodes
+    leases = [Lease(None, 0, s, t) for s, t in ((a, 10), (b, 20), (c, 30))]
+    registry.update(
+        [cluster("decode", ep("10.0.0.1:1", health="DRAINING"), ep("10.0.0.2:2"), ep("10.0.0.3:3"))]
+    )
+    assert registry.decodes == (b, c)
+    assert registry.decode_pool.tokens.tolist() == [20, 30]
+    assert load_of(a) == (10, 1)
+    leases[0].release()
+    assert (load_of(a), registry.decode_pool.tokens.tolist()) == ((0, 0), [20, 30])
+    registry.update([cluster("decode", ep("10.0.0.1:1"), ep("10.0.0.2:2"), ep("10.0.0.3:3"))])
+    assert registry.decode_pool.tokens.tolist() == [0, 20, 30]
+    for lease in leases[1:]:
+        lease.release()
+    assert registry.decode_pool.tokens.tolist() == [0, 0, 0]
+
+
+def test_updates_carry_live_load_into_the_new_arrays_whatever_the_new_order() -> None:
+    registry = make_registry()
+    registry.update([cluster("decode", ep("10.0.0.1:1"), ep("10.0.0.2:2"))])
+    a, b = registry.decodes
+    lease_a, lease_b = Lease(None, 0, a, 11), Lease(None, 0, b, 22)
+    registry.update([cluster("decode", ep("10.0.0.3:3"), ep("10.0.0.2:2"), ep("10.0.0.1:1"))])
+    new, *_ = registry.decodes
+    assert registry.decodes == (new, b, a)
+    assert registry.decode_pool.tokens.tolist() == [0, 22, 11]
+    assert registry.decode_pool.requests.tolist() == [0, 1, 1]
+    lease_a.release()
+    assert registry.decode_pool.tokens.tolist() == [0, 22, 0]
+    lease_b.release()
+    assert registry.decode_pool.tokens.tolist() == [0, 0, 0]
+
+
+def test_a_departed_endpoint_never_writes_into_the_arrays_of_its_successors(pd) -> None:
+    registry, prefill, decode = pd
+    lease = Lease(prefill, 40, decode, 90)
+    registry.update([cluster("prefill", ep("10.0.0.1:1")), cluster("decode", ep("10.0.0.9:9"))])
+    successor = registry.decodes[0]  # the slot decode had, in the new arrays
+    keep = Lease(None, 0, successor, 5)
+    lease.release()
+    assert (load_of(decode), load_of(successor)) == ((0, 0), (5, 1))
+    assert registry.decode_pool.tokens.tolist() == [5]
+    keep.release()
+    registry.update([cluster("prefill", ep("10.0.0.1:1")), cluster("decode", ep("10.0.0.9:9"))])
+    assert decode not in registry.endpoints()
+
+
+def test_a_revived_endpoint_brings_its_load_back_into_the_pool(pd) -> None:
+    registry, prefill, decode = pd
+    lease = Lease(prefill, 40, decode, 90)
+    registry.update([cluster("prefill", ep("10.0.0.1:1"))])
+    assert registry.decode_pool.size == 0
+    registry.update([cluster("prefill", ep("10.0.0.1:1")), cluster("decode", ep("10.0.0.2:2"))])
+    assert registry.decode_pool.endpoints == (decode,)
+    assert (registry.decode_pool.tokens.tolist(), registry.decode_pool.requests.tolist()) == ([90], [1])
+    lease.release()
+    assert registry.decode_pool.tokens.tolist() == [0]
+
+
+def test_the_decision_over_the_registry_pools_follows_the_live_load() -> None:
+    registry = make_registry()
+    registry.update(
+        [cluster("prefill", ep("10.0.0.1:1")), cluster("decode", ep("10.0.1.1:1"), ep("10.0.1.2:2"))]
+    )
+    first, second = registry.decodes
+    cost, policy = Cost(10, 100), Policy(Mode.OFF, fallback_count=0)
+
+    def decode_of(tiebreak: int) -> EndpointState:
+        result = choose(cost, registry.prefill_pool, registry.decode_pool, policy, tiebreak)
+        assert isinstance(result, Decision)
+        return result.decode
+
+    lease = Lease(None, 0, first, 500)
+    assert [decode_of(t) for t in range(3)] == [second] * 3
+    Lease(None, 0, second, 600)
+    assert decode_of(0) is first
+    lease.release()
+    assert decode_of(0) is first

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from ext_proc.request import RequestError, RequestInfo, parse_request
+from ext_proc.request import MAX_OUTPUT_BUDGET, RequestError, RequestInfo, parse_request
 
 DEFAULT_BUDGET = 256
 
@@ -281,3 +281,31 @@ def test_n_must_be_a_positive_integer(n: object) -> None:
     with pytest.raises(RequestError) as info:
         parse_request(json.dumps({"prompt": "x", "n": n}).encode(), 256)
     assert info.value.param == "n"
+
+
+# --- the output budget must fit the int64 load accounting ----------------------------------------
+
+
+def test_the_largest_output_budget_is_accepted() -> None:
+    assert parse(max_tokens=MAX_OUTPUT_BUDGET).output_budget == MAX_OUTPUT_BUDGET
+    body = json.dumps({"prompt": "x", "max_tokens": MAX_OUTPUT_BUDGET // 4, "n": 4}).encode()
+    assert parse_request(body, 256).output_budget == MAX_OUTPUT_BUDGET
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"max_tokens": MAX_OUTPUT_BUDGET + 1}, "max_tokens"),
+        ({"max_completion_tokens": 10**30, "max_tokens": 5}, "max_completion_tokens"),
+        ({"max_tokens": MAX_OUTPUT_BUDGET // 2, "n": 3}, "max_tokens"),
+        ({"n": 2**40}, "n"),
+        ({"n": 2, "best_of": 2**40}, "best_of"),
+    ],
+)
+def test_an_output_budget_beyond_the_limit_is_rejected_naming_the_field(extra: dict, field: str) -> None:
+    body = json.dumps({"prompt": "x", **extra}).encode()
+    with pytest.raises(RequestError) as info:
+        parse_request(body, 256)
+    assert info.value.param == field
+    assert f"'{field}' is too large" in str(info.value)
+    assert str(MAX_OUTPUT_BUDGET) in str(info.value)

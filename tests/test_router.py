@@ -167,6 +167,17 @@ def test_refused_request_charges_nothing(prefer_router: Router) -> None:
     assert all(s.active_requests == 0 for s in prefer_router.registry.endpoints())
 
 
+@pytest.mark.parametrize("max_tokens", [2**40 + 1, 10**30])
+def test_an_output_budget_beyond_the_load_arrays_is_400_and_charges_nothing(
+    prefer_router: Router, max_tokens: int
+) -> None:
+    result = refused(prefer_router.route_body(chat(max_tokens=max_tokens)))
+    assert (result.status, result.code, result.param) == (400, "invalid_request", "max_tokens")
+    assert "'max_tokens' is too large" in result.message
+    assert all(s.active_requests == 0 for s in prefer_router.registry.endpoints())
+    routed(prefer_router.route_body(chat(max_tokens=2**40)))  # the limit itself is routed
+
+
 def test_strict_mode_without_same_group_decode_is_503() -> None:
     router = make_router([ep(P1, "g1")], [ep(D_OTHER, "g2")], mode=Mode.STRICT)
     result = refused(router.route_body(chat()))

@@ -12,6 +12,7 @@ from ext_proc.affinity.model import (
     Rejection,
     RejectReason,
 )
+from ext_proc.affinity.pool import Pool
 
 __all__ = [
     "Candidate",
@@ -21,6 +22,7 @@ __all__ = [
     "Locality",
     "Mode",
     "Policy",
+    "Pool",
     "RejectReason",
     "Rejection",
     "choose",

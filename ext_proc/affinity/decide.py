@@ -1,11 +1,12 @@
 """The routing decision: one prefill, one decode and a few decode fallbacks for a request.
 
 :func:`choose` is a pure function of its arguments (no I/O, clock or randomness; ``tiebreak`` is the
-only source of variation), so equal inputs always give an equal result.
+only source of variation), so equal inputs always give an equal result. It reads endpoint load from
+the arrays of two :class:`~ext_proc.affinity.Pool` values and returns their endpoint objects.
 
-Units. Token counts (``Cost``, ``Candidate.active_tokens``, ``Candidate.token_capacity``) are tokens.
-The utilisation of an endpoint, ``u = (active_tokens + cost) / token_capacity`` (exactly
-:meth:`Candidate.utilisation`; ``cost`` is ``Cost.prefill_tokens`` for prefills and
+Units. Token counts (``Cost``, ``Pool.tokens``, ``Pool.capacity``) are tokens. The utilisation of an
+endpoint, ``u = (tokens + cost) / capacity`` (bit for bit :meth:`Candidate.utilisation`: the int64
+sum is exact and converted to float64 once; ``cost`` is ``Cost.prefill_tokens`` for prefills and
 ``Cost.decode_tokens`` for decodes), is dimensionless, 1.0 meaning full. ``Policy.bonus`` is in the
 same units.
 
@@ -18,18 +19,24 @@ Endpoints whose keys are equal form a tie class; a class is taken in input order
 Float robustness. Utilisations and the bonus are compared on a grid of ``EPS = 1e-9``:
 ``ticks(x) = round(x * SCALE)`` with ``SCALE = 1e9`` turns them into integers before any tie or
 bonus comparison, so float noise (``0.6 + 0.3 < 0.9``) never flips a decision and a decode exactly
-at the bonus counts as within it. Float scores only pre-select, with a safety margin, the few
-endpoints that can appear in the answer; ranking those is exact integer arithmetic.
+at the bonus counts as within it. Float scores only pre-select, with a safety margin, the endpoints
+that can appear in the answer; ranking those is exact integer arithmetic (integral float64 below
+2**53, Python ints beyond).
 
-Cost: each ``u`` is computed once; selecting the best k = ``fallback_count + 1`` is O(n log k) with
-``heapq.nsmallest`` (pools of at most 64 are sorted in C instead, which is cheaper at that size).
+Cost: scoring is a few numpy operations over the pool's arrays. Pre-selecting the best
+k = ``fallback_count + 1`` sorts the scores as a Python list for pools of at most ``_LIST_MAX``
+(numpy calls cost more than they save there) and is a partition plus a scan above. When the k best
+are more than the margin apart from each other and from the rest (the usual case under load), they
+are the answer; otherwise all endpoints within the margin (a whole idle pool, say) are ranked exactly
+with one ``np.lexsort``, and only the endpoints returned are touched in Python.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from heapq import nsmallest
-from itertools import groupby
+from itertools import pairwise
+
+import numpy as np
+from numpy.typing import NDArray
 
 from ext_proc.affinity.model import (
     Cost,
@@ -41,16 +48,23 @@ from ext_proc.affinity.model import (
     Rejection,
     RejectReason,
 )
+from ext_proc.affinity.pool import Pool
 
 EPS = 1e-9
 """Resolution of utilisation comparisons."""
 SCALE = 1_000_000_000
 """``1 / EPS``: utilisation ticks per unit of utilisation."""
+_SCALE_F = float(SCALE)  # the same product as ``x * SCALE`` for a float x; a float scalar is cheaper in numpy
 _SLACK = 4 * EPS  # pre-selection margin; covers the two roundings and float error of a score
-_SORT_MAX = 64  # up to this pool size a C sort of the scores beats heapq.nsmallest's Python loop
+_LIST_MAX = 128  # up to this many endpoints, sorting a Python list beats numpy partition + scan
 # Enum members bound once: attribute access on an Enum class costs ~0.25 µs per lookup on CPython 3.11.
 _STRICT, _PREFER = Mode.STRICT, Mode.PREFER
 _SAME, _CROSS, _DECODE_ONLY = Locality.SAME_GROUP, Locality.CROSS_GROUP, Locality.DECODE_ONLY
+
+Floats = NDArray[np.float64]
+Ints = NDArray[np.int64]
+Positions = NDArray[np.intp]
+_FLOAT_INTS = 2**53  # float64 holds every integer below this exactly
 
 
 def ticks(x: float) -> int:
@@ -60,12 +74,12 @@ def ticks(x: float) -> int:
 
 def choose(
     cost: Cost,
-    prefills: Sequence[E],
-    decodes: Sequence[E],
+    prefills: Pool[E],
+    decodes: Pool[E],
     policy: Policy,
     tiebreak: int,
 ) -> Decision[E] | Rejection:
-    """Pick where one request runs, from healthy endpoints only.
+    """Pick where one request runs, from healthy endpoints only (the pools hold no others).
 
     * No decodes: ``Rejection(NO_DECODE_ENDPOINT)``.
     * No prefills: decode-only routing in every mode (``prefill=None``, ``Locality.DECODE_ONLY``,
@@ -80,110 +94,167 @@ def choose(
 
     ``tiebreak`` (e.g. a round-robin counter) rotates among endpoints tied on ``u`` and
     ``active_requests``; see the module docstring for the exact ranking and float handling.
+    Token counts must fit in int64 (``OverflowError`` otherwise); the pools are only read.
     """
-    if not decodes:
+    if not decodes.size:
         return Rejection(
             RejectReason.NO_DECODE_ENDPOINT,
-            f"no healthy decode endpoint (healthy prefill endpoints: {len(prefills)})",
+            f"no healthy decode endpoint (healthy prefill endpoints: {prefills.size})",
         )
-    dc = cost.decode_tokens
     want = policy.fallback_count + 1 if policy.fallback_count > 0 else 1
-    if not prefills:
-        scores = [(d.active_tokens + dc) / d.token_capacity for d in decodes]
-        ranked = _rank(decodes, scores, want, dc, None, 0, tiebreak)
-        return Decision(None, ranked[0], tuple(ranked[1:]), _DECODE_ONLY)
+    u = (decodes.tokens + cost.decode_tokens) / decodes.capacity
+    out = decodes.endpoints
+    if not prefills.size:
+        picked = [out[i] for i in _rank(u, want, tiebreak, u, decodes.requests)]
+        return Decision(None, picked[0], tuple(picked[1:]), _DECODE_ONLY)
 
     mode = policy.mode
-    pc = cost.prefill_tokens
-    pool, groups = prefills, None  # groups: the decode groups, in strict mode only
-    if mode is _STRICT:
-        groups = {d.group for d in decodes}
-        if not {p.group for p in prefills} <= groups:  # cheaper than filtering in the usual case
-            pool = [p for p in prefills if p.group in groups]
-        if not pool:
-            names = ", ".join(sorted({repr(p.group) for p in prefills}))
+    pu = (prefills.tokens + cost.prefill_tokens) / prefills.capacity
+    requests = prefills.requests
+    eligible = None  # strict mode, when some prefill group has no decode: the prefills that may serve
+    if mode is _STRICT and not prefills.members.keys() <= decodes.members.keys():
+        groups = [prefills.members[g] for g in prefills.members if g in decodes.members]
+        if not groups:
+            names = ", ".join(sorted(repr(g) for g in prefills.members))
             return Rejection(
                 RejectReason.NO_SAME_GROUP_DECODE,
                 f"strict pdGroupID affinity: no healthy decode endpoint in the group of any of the "
-                f"{len(prefills)} healthy prefill endpoints (prefill groups: {names})",
+                f"{prefills.size} healthy prefill endpoints (prefill groups: {names})",
             )
-    scores = [(p.active_tokens + pc) / p.token_capacity for p in pool]
-    prefill = _rank(pool, scores, 1, pc, None, 0, tiebreak)[0]
+        eligible = np.sort(np.concatenate(groups))
+    if eligible is None:
+        first = _rank(pu, 1, tiebreak, pu, requests)[0]
+    else:
+        first = _rank(pu[eligible], 1, tiebreak, pu, requests, None, 0.0, eligible)[0]
+    prefill = prefills.endpoints[first]
     group = prefill.group
 
-    if mode is _PREFER:
+    requests = decodes.requests
+    # In prefer mode with decodes of other groups; else the bonus is for none or all: order as in off.
+    same = decodes.in_group.get(group) if mode is _PREFER and len(decodes.members) > 1 else None
+    if same is not None:
         bonus = policy.bonus
-        scores = [
-            (d.active_tokens + dc) / d.token_capacity - (bonus if d.group == group else 0.0) for d in decodes
-        ]
-        ranked = _rank(decodes, scores, want, dc, group, ticks(bonus), tiebreak)
+        ranked = _rank(u - decodes.bonus_in(group, bonus), want, tiebreak, u, requests, same, bonus)
+    elif mode is _STRICT and len(decodes.members) > 1:  # with one group, S is all decodes
+        sub = decodes.members.get(group)
+        if sub is None:
+            return Rejection(
+                RejectReason.NO_SAME_GROUP_DECODE,
+                f"strict pdGroupID affinity: no healthy decode endpoint in group {group!r} "
+                f"of prefill {prefill.address}",
+            )
+        ranked = _rank(u[sub], want, tiebreak, u, requests, None, 0.0, sub)
     else:
-        if groups is not None and len(groups) > 1:  # strict; with one group, S is all decodes
-            decodes = [d for d in decodes if d.group == group]
-            if not decodes:
-                return Rejection(
-                    RejectReason.NO_SAME_GROUP_DECODE,
-                    f"strict pdGroupID affinity: no healthy decode endpoint in group {group!r} "
-                    f"of prefill {prefill.address}",
-                )
-        scores = [(d.active_tokens + dc) / d.token_capacity for d in decodes]
-        ranked = _rank(decodes, scores, want, dc, None, 0, tiebreak)
-    decode = ranked[0]
-    locality = _SAME if decode.group == group else _CROSS
-    return Decision(prefill, decode, tuple(ranked[1:]), locality)
+        ranked = _rank(u, want, tiebreak, u, requests)
+    picked = [out[i] for i in ranked]
+    decode = picked[0]
+    return Decision(prefill, decode, tuple(picked[1:]), _SAME if decode.group == group else _CROSS)
 
 
 def _rank(
-    pool: Sequence[E],
-    scores: list[float],
+    scores: Floats,
     n: int,
-    cost: int,
-    group: str | None,
+    tiebreak: int,
+    u: Floats,
+    requests: Ints,
+    same: Floats | None = None,
+    bonus: float = 0.0,
+    index: Positions | None = None,
+) -> list[int]:
+    """The pool positions of the first ``min(n, m)`` of m (>= 1) ranked endpoints, in ranking order.
+
+    ``scores[j]`` estimates the ranking score (``u``, minus ``bonus`` when same) of the endpoint at
+    pool position ``index[j]`` (``j`` when ``index`` is ``None``; ``index`` ascends). ``u``,
+    ``requests`` and ``same`` (1.0 in the prefill's group; ``None``: no bonus) are indexed by pool
+    position. Scores only pre-select the endpoints within the slack of the n-th best; when those are
+    n and pairwise more than the slack apart, their exact keys are in score order and nothing ties:
+    no key is computed. Otherwise :func:`_exact` ranks them.
+    """
+    m = len(scores)
+    if n >= m:
+        if m == 1:
+            return [0 if index is None else int(index[0])]
+        n = m
+    if m <= _LIST_MAX:
+        listed = scores.tolist()
+        small = sorted(listed)
+        high = small[n - 1]
+        slack = _SLACK * (1.0 + abs(small[0]) + abs(high))
+        limit = high + slack
+        if n == m or small[n] > limit:  # then the n best are the candidates; are they apart?
+            if n == 1:
+                best = [listed.index(high)]
+                return best if index is None else [int(index[best[0]])]
+            prev = small[0]
+            best = [listed.index(prev)]
+            for s in small[1:n]:
+                if s - prev <= slack:
+                    break
+                best.append(listed.index(s))
+                prev = s
+            else:
+                return best if index is None else [int(index[j]) for j in best]
+        near = np.array([j for j, s in enumerate(listed) if s <= limit], dtype=np.intp)
+    else:
+        if n == 1:
+            low = high = float(scores[scores.argmin()])
+        else:
+            part = np.partition(scores, (0, n - 1))
+            low, high = float(part[0]), float(part[n - 1])
+        slack = _SLACK * (1.0 + abs(low) + abs(high))
+        limit = high + slack
+        near = np.flatnonzero(scores <= limit)
+        if len(near) == n:
+            pairs = sorted(zip(scores[near].tolist(), near.tolist(), strict=True))
+            for i in range(1, n):
+                if pairs[i][0] - pairs[i - 1][0] <= slack:
+                    break
+            else:
+                best = [j for _, j in pairs]
+                return best if index is None else [int(index[j]) for j in best]
+    if index is not None:
+        near = index[near]
+    bonus_ticks = ticks(bonus)
+    # Every u of a near endpoint is at most limit + bonus, so every 2 * ticks(u) is below this bound:
+    floats_exact = 2 * (abs(limit) * SCALE + bonus_ticks + 2) < _FLOAT_INTS
+    return _exact(near, u, same, requests, n, bonus_ticks, tiebreak, floats_exact)
+
+
+def _exact(
+    near: Positions,
+    u: Floats,
+    same: Floats | None,
+    requests: Ints,
+    n: int,
     bonus_ticks: int,
     tiebreak: int,
-) -> list[E]:
-    """The first ``min(n, len(pool))`` endpoints of ``pool`` (non-empty) in ranking order.
+    floats_exact: bool,
+) -> list[int]:
+    """The first ``n`` of the ``near`` pool positions (ascending) by exact key, tie classes rotated.
 
-    ``scores[i]`` is the float estimate of endpoint i's score (``u``, minus the bonus when its
-    group is ``group``); it only pre-selects the endpoints within ``_SLACK`` of the n-th best,
-    whose exact keys are then computed on the tick grid. ``group=None`` disables the bonus.
+    ``np.rint(u * SCALE)`` is :func:`ticks` of each ``u`` exactly (the same float product, rounded
+    half to even) as an integral float64. With the bonus, ``(t - bonus_ticks * same, not same)`` is
+    encoded order-preservingly as the integer ``2 * t - (2 * bonus_ticks + 1) * same``; that is
+    exact in float64 when ``floats_exact`` (every term below 2**53), else computed on Python ints.
     """
-    size = len(pool)
-    if n >= size:
-        if size == 1:
-            return [pool[0]]
-        n = size
-    small = sorted(scores) if size <= _SORT_MAX else nsmallest(n + 1, scores)
-    # Fast path: the n best scores are more than the slack apart from each other and from the next
-    # one, so their exact keys are in the same order and nothing ties: no key needs computing.
-    last = n if n < size else n - 1
-    slack = _SLACK * (1.0 + abs(small[0]) + abs(small[last]))
-    if n == 1:
-        if small[1] - small[0] > slack:
-            return [pool[scores.index(small[0])]]
-    else:
-        for i in range(last):
-            if small[i + 1] - small[i] <= slack:
-                break
+    t = np.rint(u[near] * _SCALE_F)
+    if same is not None:
+        g, step = same[near], 2 * bonus_ticks + 1
+        if floats_exact:
+            t = 2.0 * t - float(step) * g
         else:
-            return [pool[scores.index(s)] for s in small[:n]]
-    limit = small[n - 1] + slack
-    near = [c for c, s in zip(pool, scores, strict=True) if s <= limit]
-    keys = []
-    for c in near:
-        u = round((c.active_tokens + cost) / c.token_capacity * SCALE)
-        if c.group == group:
-            keys.append((u - bonus_ticks, False, c.active_requests))
-        else:
-            keys.append((u, True, c.active_requests))
-    order = sorted(range(len(near)), key=keys.__getitem__)
-    if len(set(keys)) == len(keys):
-        return [near[i] for i in order[:n]]
-    out: list[E] = []
-    for _, tied in groupby(order, keys.__getitem__):
-        cls = list(tied)
-        r = tiebreak % len(cls)
-        out.extend(near[i] for i in cls[r:] + cls[:r])
-        if len(out) >= n:
-            break
-    return out[:n]
+            ints = np.array([int(x) for x in t.tolist()], dtype=object)
+            t = 2 * ints - step * g.astype(np.int64).astype(object)
+    r = requests[near]
+    order = np.lexsort((r, t))  # by t, then r; stable, so each tie class stays in pool order
+    t, r = t[order], r[order]
+    ends = ((t[1:] != t[:-1]) | (r[1:] != r[:-1])).nonzero()[0][:n].tolist()  # last of each class
+    bounds = [0, *[e + 1 for e in ends], len(order)]
+    picked: list[int] = []
+    for a, b in pairwise(bounds):  # the tie classes in ranking order, as far as needed
+        size = b - a
+        turn = tiebreak % size
+        picked += [int(near[order[a + (turn + i) % size]]) for i in range(min(size, n - len(picked)))]
+        if len(picked) == n:
+            return picked
+    return picked

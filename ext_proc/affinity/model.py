@@ -1,8 +1,8 @@
 """Value types of the routing decision.
 
-Everything here is plain immutable data: no I/O, no clocks, no gRPC types. The shell builds
-``Candidate`` views from the endpoint registry and the load tracker, calls
-:func:`ext_proc.affinity.choose`, and turns the result into headers.
+Everything here is plain immutable data: no I/O, no clocks, no gRPC types. The shell passes the
+registry's per-role :class:`~ext_proc.affinity.Pool` arrays to :func:`ext_proc.affinity.choose`
+and turns the result into headers; tests build pools of :class:`Candidate` values with ``Pool.of``.
 """
 
 from __future__ import annotations
@@ -36,9 +36,11 @@ class RejectReason(enum.StrEnum):
 
 
 class Endpoint(Protocol):
-    """What the decision reads of an endpoint; any object with these attributes will do.
+    """An endpoint as a :class:`~ext_proc.affinity.Pool` holds it; any object with these attributes will do.
 
-    The server passes its live registry entries; tests pass :class:`Candidate` values.
+    The decision itself reads only ``address`` and ``group`` (load comes from the pool's arrays);
+    ``Pool.of`` snapshots the other three. The server's pools hold its live registry entries; tests
+    use :class:`Candidate` values.
     """
 
     @property
@@ -103,7 +105,7 @@ class Policy:
 class Decision(NamedTuple, Generic[E]):
     """Where one request goes. ``prefill`` is ``None`` for decode-only routing.
 
-    The endpoints are the very objects passed to :func:`~ext_proc.affinity.choose`. A named
+    The endpoints are the very objects of the pools passed to :func:`~ext_proc.affinity.choose`. A named
     tuple: immutable, and several times cheaper to build than a frozen dataclass.
     """
 

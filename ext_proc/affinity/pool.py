@@ -1,0 +1,83 @@
+"""The endpoints of one role as the decision reads them: a struct of numpy arrays.
+
+A :class:`Pool` pairs a tuple of endpoint objects (what a decision returns) with index-aligned arrays
+of their load and capacity (what a decision reads). The arrays may be views of live arrays that the
+load accounting writes in place (the registry's pools are), so building a pool is the only O(n)
+Python work: choosing over it reads the arrays without touching the objects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Generic
+
+import numpy as np
+from numpy.typing import NDArray
+
+from ext_proc.affinity.model import E
+
+
+class Pool(Generic[E]):
+    """``endpoints[i]`` has ``tokens[i]`` in-flight tokens, ``requests[i]`` in-flight requests and
+    ``capacity[i]`` tokens of capacity (> 0).
+
+    Contract: the arrays have one entry per endpoint; ``tokens`` and ``requests`` are int64 and may
+    change between decisions (never during one); ``capacity`` is float64 and, like the endpoints and
+    their groups, fixed for the pool's lifetime. Derived at construction, by ``pdGroupID``, in order
+    of first appearance: ``members[g]`` the positions of group ``g`` (ascending) and ``in_group[g]``
+    a float64 mask, 1.0 at those positions and 0.0 elsewhere.
+    """
+
+    __slots__ = ("_bonuses", "capacity", "endpoints", "in_group", "members", "requests", "size", "tokens")
+
+    def __init__(
+        self,
+        endpoints: Sequence[E],
+        tokens: NDArray[np.int64],
+        requests: NDArray[np.int64],
+        capacity: NDArray[np.float64],
+    ) -> None:
+        self.endpoints: tuple[E, ...] = tuple(endpoints)
+        self.size = len(self.endpoints)
+        if not len(tokens) == len(requests) == len(capacity) == self.size:
+            raise ValueError("a pool needs one tokens, requests and capacity entry per endpoint")
+        self.tokens = tokens
+        self.requests = requests
+        self.capacity = capacity
+        positions: dict[str, list[int]] = {}
+        for i, endpoint in enumerate(self.endpoints):
+            positions.setdefault(endpoint.group, []).append(i)
+        self.members: dict[str, NDArray[np.intp]] = {
+            g: np.array(p, dtype=np.intp) for g, p in positions.items()
+        }
+        self.in_group: dict[str, NDArray[np.float64]] = {}
+        for g, p in self.members.items():
+            mask = np.zeros(self.size)
+            mask[p] = 1.0
+            self.in_group[g] = mask
+        self._bonuses: dict[tuple[str, float], NDArray[np.float64]] = {}
+
+    @classmethod
+    def of(cls, endpoints: Sequence[E]) -> Pool[E]:
+        """A snapshot of ``endpoints`` (e.g. :class:`~ext_proc.affinity.Candidate` values): their
+        ``active_tokens``, ``active_requests`` and ``token_capacity`` copied into fresh arrays."""
+        return cls(
+            endpoints,
+            np.array([e.active_tokens for e in endpoints], dtype=np.int64),
+            np.array([e.active_requests for e in endpoints], dtype=np.int64),
+            np.array([e.token_capacity for e in endpoints], dtype=np.float64),
+        )
+
+    def bonus_in(self, group: str, bonus: float) -> NDArray[np.float64]:
+        """``bonus * in_group[group]``, computed on first use and kept (the groups never change).
+
+        Read-only, like every array of the pool. Keeping it saves the decision a numpy call (~1.5 µs).
+        """
+        key = (group, bonus)
+        mask = self._bonuses.get(key)
+        if mask is None:
+            mask = self._bonuses[key] = bonus * self.in_group[group]
+        return mask
+
+    def __repr__(self) -> str:
+        return f"Pool(size={self.size}, groups={list(self.members)})"
