@@ -33,7 +33,7 @@ with one ``np.lexsort``, and only the endpoints returned are touched in Python.
 
 from __future__ import annotations
 
-from itertools import pairwise
+from bisect import bisect_right
 
 import numpy as np
 from numpy.typing import NDArray
@@ -65,6 +65,7 @@ Floats = NDArray[np.float64]
 Ints = NDArray[np.int64]
 Positions = NDArray[np.intp]
 _FLOAT_INTS = 2**53  # float64 holds every integer below this exactly
+_WINDOW = 64  # sorted keys copied (beyond n) to Python lists to delimit tie classes
 
 
 def ticks(x: float) -> int:
@@ -236,25 +237,35 @@ def _exact(
     half to even) as an integral float64. With the bonus, ``(t - bonus_ticks * same, not same)`` is
     encoded order-preservingly as the integer ``2 * t - (2 * bonus_ticks + 1) * same``; that is
     exact in float64 when ``floats_exact`` (every term below 2**53), else computed on Python ints.
+    One ``np.lexsort`` orders the keys; each tie class needed (at most n) is then delimited by
+    bisection, in a short Python window of the sorted keys or, for a class running past it, in the
+    arrays themselves, so no step but the sort grows with the number of tied endpoints.
     """
     t = np.rint(u[near] * _SCALE_F)
     if same is not None:
         g, step = same[near], 2 * bonus_ticks + 1
         if floats_exact:
-            t = 2.0 * t - float(step) * g
+            t = t + t - float(step) * g
         else:
             ints = np.array([int(x) for x in t.tolist()], dtype=object)
             t = 2 * ints - step * g.astype(np.int64).astype(object)
     r = requests[near]
     order = np.lexsort((r, t))  # by t, then r; stable, so each tie class stays in pool order
-    t, r = t[order], r[order]
-    ends = ((t[1:] != t[:-1]) | (r[1:] != r[:-1])).nonzero()[0][:n].tolist()  # last of each class
-    bounds = [0, *[e + 1 for e in ends], len(order)]
+    t, r, ranked = t[order], r[order], near[order]
+    size = len(order)
+    window = min(size, _WINDOW + n)  # > n: a class reaching past it holds all the picks still missing
+    tw, rw = t[:window].tolist(), r[:window].tolist()
     picked: list[int] = []
-    for a, b in pairwise(bounds):  # the tie classes in ranking order, as far as needed
-        size = b - a
-        turn = tiebreak % size
-        picked += [int(near[order[a + (turn + i) % size]]) for i in range(min(size, n - len(picked)))]
+    start = 0
+    while True:
+        end = bisect_right(tw, tw[start], start)  # the run of equal t, and within it of equal r
+        end = bisect_right(rw, rw[start], start, end)
+        if end == window < size:
+            end = start + int(t[start:].searchsorted(t[start], "right"))
+            end = start + int(r[start:end].searchsorted(r[start], "right"))
+        tied = end - start
+        turn = tiebreak % tied
+        picked += [int(ranked[start + (turn + i) % tied]) for i in range(min(tied, n - len(picked)))]
         if len(picked) == n:
             return picked
-    return picked
+        start = end
