@@ -15,6 +15,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from ext_proc.handoff import RoutingInstructions
 
 LB_NAMESPACE = "envoy.lb"
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 _OVERWRITE = base_pb2.HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -34,6 +36,29 @@ PHASES = (
 
 ProcessingRequest = pb.ProcessingRequest
 ProcessingResponse = pb.ProcessingResponse
+
+
+def subset_hint(request: pb.ProcessingRequest) -> frozenset[str] | None:
+    """The endpoint subset the data plane allows (endpoint-picker protocol), or ``None`` if not set.
+
+    ``filter_metadata["envoy.lb.subset_hint"]["x-gateway-destination-endpoint-subset"]`` is a list of
+    ``"ip:port"`` strings (a comma-separated string is accepted too); set but empty means no endpoint
+    may be picked.
+    """
+    namespaces = request.metadata_context.filter_metadata
+    if SUBSET_NAMESPACE not in namespaces:
+        return None
+    fields = namespaces[SUBSET_NAMESPACE].fields
+    if SUBSET_KEY not in fields:
+        return None
+    value = fields[SUBSET_KEY]
+    if value.WhichOneof("kind") == "list_value":
+        return frozenset(
+            v.string_value for v in value.list_value.values if v.WhichOneof("kind") == "string_value"
+        )
+    if value.WhichOneof("kind") == "string_value":
+        return frozenset(a.strip() for a in value.string_value.split(",") if a.strip())
+    return frozenset()
 
 
 def _fill_common(common: pb.CommonResponse, routing: RoutingInstructions) -> None:

@@ -62,23 +62,36 @@ class Router:
         )
         return Refused(status, message, code, param)
 
-    def route_body(self, raw: bytes) -> Routed | Refused:
-        """Route a request by its full JSON body: prefill then decode, per the affinity policy."""
+    def route_body(self, raw: bytes, subset: frozenset[str] | None = None) -> Routed | Refused:
+        """Route a request by its full JSON body: prefill then decode, per the affinity policy.
+
+        ``subset`` (the data plane's endpoint-subset hint) restricts the decode endpoints.
+        """
         try:
             info = parse_request(raw, self._default_max_tokens)
         except RequestError as exc:
             return self.refuse(400, str(exc), "invalid_request", exc.param)
         prompt = info.prompt_tokens
-        return self._route(Cost(prompt, prompt + info.output_budget), self.registry.prefill_pool)
+        return self._route(Cost(prompt, prompt + info.output_budget), self.registry.prefill_pool, subset)
 
-    def route_bodiless(self) -> Routed | Refused:
+    def route_bodiless(self, subset: frozenset[str] | None = None) -> Routed | Refused:
         """Route a request without a body (e.g. ``GET /v1/models``) to the least-loaded decode."""
-        return self._route(Cost(0, 0), self._no_prefills)
+        return self._route(Cost(0, 0), self._no_prefills, subset)
 
-    def _route(self, cost: Cost, prefills: Pool[EndpointState]) -> Routed | Refused:
+    def _route(
+        self, cost: Cost, prefills: Pool[EndpointState], subset: frozenset[str] | None
+    ) -> Routed | Refused:
         started = time.perf_counter()
+        decodes = self.registry.decode_pool
+        if subset is not None:
+            decodes = decodes.only(subset)
+            if not decodes.size:
+                message = (
+                    f"none of the {len(subset)} endpoints in the data plane's subset hint is a healthy decode"
+                )
+                return self.refuse(503, message, "no_endpoint_in_subset")
         self._ticket += 1
-        result = choose(cost, prefills, self.registry.decode_pool, self.policy, self._ticket)
+        result = choose(cost, prefills, decodes, self.policy, self._ticket)
         if isinstance(result, Rejection):
             return self.refuse(503, result.message, result.reason.value)
         lease = Lease(result.prefill, cost.prefill_tokens, result.decode, cost.decode_tokens)

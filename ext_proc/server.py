@@ -5,7 +5,8 @@ One HTTP request is one stream. The stream's messages are answered by phase:
   routing headers are stripped and the body awaited.
 - ``request_body`` (must be BUFFERED: the whole body in one message, after the headers): parse,
   decide, charge, answer with routing headers and ``envoy.lb`` metadata, or with an
-  ``ImmediateResponse`` error. A body without headers, or in chunks, means Envoy is misconfigured
+  ``ImmediateResponse`` error. An endpoint-subset hint in the metadata (endpoint-picker protocol)
+  restricts the decode choice; no eligible endpoint in it → 503. A body without headers, or in chunks, means Envoy is misconfigured
   in a way that would silently bypass routing: answered 500 ``ext_proc_misconfigured``.
 - ``response_headers``: the prefill has finished; its charge is released.
 - anything else passes through unchanged.
@@ -41,11 +42,12 @@ def _refusal(refused: Refused) -> msg.ProcessingResponse:
 class _Stream:
     """Per-stream state: the request's charges and whether Envoy sent the request headers."""
 
-    __slots__ = ("lease", "saw_headers")
+    __slots__ = ("lease", "saw_headers", "subset")
 
     def __init__(self) -> None:
         self.lease: Lease | None = None
         self.saw_headers = False
+        self.subset: frozenset[str] | None = None
 
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
@@ -76,11 +78,13 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
 
     def _answer(self, request: msg.ProcessingRequest, stream: _Stream) -> msg.ProcessingResponse:
         kind = request.WhichOneof("request")
+        if stream.subset is None and request.HasField("metadata_context"):
+            stream.subset = msg.subset_hint(request)
         if kind == "request_headers":
             stream.saw_headers = True
             if not request.request_headers.end_of_stream:
                 return self._strip
-            return self._routed(self._router.route_bodiless(), msg.route_on_headers, stream)
+            return self._routed(self._router.route_bodiless(stream.subset), msg.route_on_headers, stream)
         if kind == "request_body":
             if not stream.saw_headers:
                 return self._misconfigured(
@@ -89,7 +93,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 )
             if not request.request_body.end_of_stream:
                 return self._misconfigured("ext_proc request_body_mode must be BUFFERED")
-            return self._routed(self._router.route_body(request.request_body.body), msg.route_on_body, stream)
+            body = request.request_body.body
+            return self._routed(self._router.route_body(body, stream.subset), msg.route_on_body, stream)
         if kind is None:
             return _refusal(self._router.refuse(500, "empty ext_proc message", "ext_proc_protocol_error"))
         if kind == "response_headers" and stream.lease is not None:

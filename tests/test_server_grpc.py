@@ -131,7 +131,7 @@ async def test_envoy_misconfiguration_is_a_clear_500(server, stub, messages, phr
 async def test_an_unexpected_error_is_a_logged_500_and_the_server_keeps_serving(
     server, stub, monkeypatch, caplog
 ):
-    def explode(raw: bytes):
+    def explode(*args: object):
         raise KeyError("boom")
 
     monkeypatch.setattr(server.router, "route_body", explode)
@@ -190,3 +190,55 @@ async def test_readiness_waits_for_a_valid_eds_file(tmp_path):
             assert (await health.Check(check)).status == health_pb2.HealthCheckResponse.SERVING
     finally:
         await running.stop(grace=0)
+
+
+def with_subset(request: pb.ProcessingRequest, subset: object) -> pb.ProcessingRequest:
+    hint = request.metadata_context.filter_metadata["envoy.lb.subset_hint"]
+    hint.update({"x-gateway-destination-endpoint-subset": subset})
+    return request
+
+
+@pytest.fixture
+async def two_decodes(tmp_path):
+    decodes = [EndpointSpec(f"10.0.0.{i}:8000", "a", 1000.0, True, "HEALTHY") for i in (2, 3)]
+    write_eds_file(
+        tmp_path / "p.json", "prefill", [EndpointSpec("10.0.0.1:8000", "a", 1000.0, True, "HEALTHY")]
+    )
+    write_eds_file(tmp_path / "d.json", "decode", decodes)
+    config = load_config(
+        None,
+        {
+            "listen": "127.0.0.1:0",
+            "metrics_listen": "127.0.0.1:0",
+            "discovery.eds_files": [str(tmp_path / "p.json"), str(tmp_path / "d.json")],
+        },
+        environ={},
+    )
+    running = await start_server(config)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{running.grpc_port}") as channel:
+        yield pb_grpc.ExternalProcessorStub(channel)
+    await running.stop(grace=0)
+
+
+@pytest.mark.parametrize("subset", [["10.0.0.3:8000", "10.9.9.9:1"], "10.0.0.3:8000"], ids=["list", "string"])
+async def test_the_endpoint_subset_hint_restricts_the_decode(two_decodes, subset):
+    for _ in range(3):  # without the hint, round robin over the two idle decodes would alternate
+        call = two_decodes.Process()
+        await call.write(with_subset(headers(), subset))
+        await call.read()
+        await call.write(body())
+        routed = await call.read()
+        lb = routed.dynamic_metadata.fields["envoy.lb"].struct_value.fields
+        assert lb["x-gateway-destination-endpoint"].string_value == "10.0.0.3:8000"
+        await call.done_writing()
+        await call.read()
+
+
+async def test_an_endpoint_subset_with_no_eligible_decode_is_a_503(two_decodes):
+    call = two_decodes.Process()
+    await call.write(with_subset(headers(), ["10.9.9.9:1"]))
+    await call.read()
+    await call.write(body())
+    answer = await call.read()
+    assert answer.immediate_response.status.code == 503
+    assert error_code(answer) == "no_endpoint_in_subset"

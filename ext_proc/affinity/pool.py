@@ -9,6 +9,7 @@ Python work: choosing over it reads the arrays without touching the objects.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from typing import Generic
 
 import numpy as np
@@ -66,6 +67,18 @@ class Pool(Generic[E]):
             np.array([e.active_tokens for e in endpoints], dtype=np.int64),
             np.array([e.active_requests for e in endpoints], dtype=np.int64),
             np.array([e.token_capacity for e in endpoints], dtype=np.float64),
+        )
+
+    def only(self, addresses: AbstractSet[str]) -> Pool[E]:
+        """The endpoints whose ``address`` is in ``addresses``, in pool order, with their load copied:
+        a snapshot for one decision (the live arrays stay with this pool)."""
+        keep = [i for i, e in enumerate(self.endpoints) if e.address in addresses]
+        positions = np.array(keep, dtype=np.intp)
+        return Pool(
+            [self.endpoints[i] for i in keep],
+            self.tokens[positions],
+            self.requests[positions],
+            self.capacity[positions],
         )
 
     def bonus_in(self, group: str, bonus: float) -> NDArray[np.float64]:
