@@ -6,8 +6,9 @@ One HTTP request is one stream. The stream's messages are answered by phase:
 - ``request_body`` (must be BUFFERED: the whole body in one message, after the headers): parse,
   decide, charge, answer with routing headers and ``envoy.lb`` metadata, or with an
   ``ImmediateResponse`` error. An endpoint-subset hint in the metadata (endpoint-picker protocol)
-  restricts the decode choice; no eligible endpoint in it → 503. A body without headers, or in chunks, means Envoy is misconfigured
-  in a way that would silently bypass routing: answered 500 ``ext_proc_misconfigured``.
+  restricts the decode choice; no eligible endpoint in it → 503. A body without headers, or in
+  chunks, means Envoy is misconfigured in a way that would silently bypass routing: answered 500
+  ``ext_proc_misconfigured``.
 - ``response_headers``: the prefill has finished; its charge is released.
 - anything else passes through unchanged.
 Whatever ends the stream (completion, upstream error, client abort, cancellation), the
