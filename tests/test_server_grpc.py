@@ -39,24 +39,23 @@ def response_headers() -> pb.ProcessingRequest:
     return request
 
 
+async def start_with(tmp_path, decode_addresses: list[str]):
+    """A server on ephemeral ports with one prefill (group a) and the given decodes (group a)."""
+    decodes = [EndpointSpec(a, "a", 1000.0, True, "HEALTHY") for a in decode_addresses]
+    prefill = [EndpointSpec("10.0.0.1:8000", "a", 1000.0, True, "HEALTHY")]
+    write_eds_file(tmp_path / "p.json", "prefill", prefill)
+    write_eds_file(tmp_path / "d.json", "decode", decodes)
+    overrides = {
+        "listen": "127.0.0.1:0",
+        "metrics_listen": "127.0.0.1:0",
+        "discovery.eds_files": [str(tmp_path / "p.json"), str(tmp_path / "d.json")],
+    }
+    return await start_server(load_config(None, overrides, environ={}))
+
+
 @pytest.fixture
 async def server(tmp_path):
-    write_eds_file(
-        tmp_path / "p.json", "prefill", [EndpointSpec("10.0.0.1:8000", "a", 1000.0, True, "HEALTHY")]
-    )
-    write_eds_file(
-        tmp_path / "d.json", "decode", [EndpointSpec("10.0.0.2:8000", "a", 1000.0, True, "HEALTHY")]
-    )
-    config = load_config(
-        None,
-        {
-            "listen": "127.0.0.1:0",
-            "metrics_listen": "127.0.0.1:0",
-            "discovery.eds_files": [str(tmp_path / "p.json"), str(tmp_path / "d.json")],
-        },
-        environ={},
-    )
-    running = await start_server(config)
+    running = await start_with(tmp_path, ["10.0.0.2:8000"])
     yield running
     await running.stop(grace=0)
 
@@ -200,21 +199,7 @@ def with_subset(request: pb.ProcessingRequest, subset: object) -> pb.ProcessingR
 
 @pytest.fixture
 async def two_decodes(tmp_path):
-    decodes = [EndpointSpec(f"10.0.0.{i}:8000", "a", 1000.0, True, "HEALTHY") for i in (2, 3)]
-    write_eds_file(
-        tmp_path / "p.json", "prefill", [EndpointSpec("10.0.0.1:8000", "a", 1000.0, True, "HEALTHY")]
-    )
-    write_eds_file(tmp_path / "d.json", "decode", decodes)
-    config = load_config(
-        None,
-        {
-            "listen": "127.0.0.1:0",
-            "metrics_listen": "127.0.0.1:0",
-            "discovery.eds_files": [str(tmp_path / "p.json"), str(tmp_path / "d.json")],
-        },
-        environ={},
-    )
-    running = await start_server(config)
+    running = await start_with(tmp_path, ["10.0.0.2:8000", "10.0.0.3:8000"])
     async with grpc.aio.insecure_channel(f"127.0.0.1:{running.grpc_port}") as channel:
         yield pb_grpc.ExternalProcessorStub(channel)
     await running.stop(grace=0)
