@@ -122,8 +122,6 @@ class Registry:
         self._departed: dict[tuple[Role, str], EndpointState] = {}
         self.prefill_pool: Pool[EndpointState] = Pool.of(())
         self.decode_pool: Pool[EndpointState] = Pool.of(())
-        self.prefills: tuple[EndpointState, ...] = ()
-        self.decodes: tuple[EndpointState, ...] = ()
         self.version = 0
 
     def update(self, clusters: Iterable[ClusterEndpoints]) -> None:
@@ -163,9 +161,17 @@ class Registry:
         self._current = fresh
         self.prefill_pool = _place(s for s in fresh.values() if s.role is Role.PREFILL)
         self.decode_pool = _place(s for s in fresh.values() if s.role is Role.DECODE)
-        self.prefills = self.prefill_pool.endpoints
-        self.decodes = self.decode_pool.endpoints
         self.version += 1
+
+    @property
+    def prefills(self) -> tuple[EndpointState, ...]:
+        """The healthy prefill endpoints (the prefill pool's endpoints)."""
+        return self.prefill_pool.endpoints
+
+    @property
+    def decodes(self) -> tuple[EndpointState, ...]:
+        """The healthy decode endpoints (the decode pool's endpoints)."""
+        return self.decode_pool.endpoints
 
     def endpoints(self) -> tuple[EndpointState, ...]:
         """Every known endpoint, healthy or not, plus departed ones that still have requests in flight."""
