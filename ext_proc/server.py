@@ -41,7 +41,8 @@ def _refusal(refused: Refused) -> msg.ProcessingResponse:
 
 
 class _Stream:
-    """Per-stream state: the request's charges and whether Envoy sent the request headers."""
+    """Per-stream state: the request's charges, whether Envoy sent the request headers, and the
+    data plane's endpoint-subset hint if any."""
 
     __slots__ = ("lease", "saw_headers", "subset")
 

@@ -62,6 +62,27 @@ def _modes(text: str) -> list[str]:
     return modes
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return value
+
+
+def _bonus(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1], got {text}")
+    return value
+
+
 def _run(args: argparse.Namespace) -> int:
     for noisy in ("httpx", "httpx2", "openai"):  # one INFO line per request would drown the progress bar
         logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -79,7 +100,11 @@ def _run(args: argparse.Namespace) -> int:
     )
     print(format_table(results))
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2), encoding="utf-8")
+        try:
+            Path(args.json).write_text(json.dumps(results, indent=2), encoding="utf-8")
+        except OSError as exc:
+            print(f"pd-extproc demo: cannot write {args.json}: {exc}", file=sys.stderr)
+            return 1
         print(f"\nresults written to {args.json}")
     return 0
 
@@ -89,13 +114,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "demo", help="compare affinity modes on a simulated PD cluster", description=__doc__
     )
-    parser.add_argument("--requests", type=int, default=150, help="requests per mode (default %(default)s)")
+    parser.add_argument(
+        "--requests", type=_positive_int, default=150, help="requests per mode (default %(default)s)"
+    )
     parser.add_argument(
         "--modes", type=_modes, default=list(MODES), help="comma-separated, default off,prefer,strict"
     )
     parser.add_argument(
-        "--rate", type=float, default=10.0, help="mean arrival rate, requests/s (default %(default)s)"
+        "--rate",
+        type=_positive_float,
+        default=10.0,
+        help="mean arrival rate, requests/s (default %(default)s)",
     )
-    parser.add_argument("--bonus", type=float, default=0.3, help="prefer-mode bonus (default %(default)s)")
+    parser.add_argument("--bonus", type=_bonus, default=0.3, help="prefer-mode bonus (default %(default)s)")
     parser.add_argument("--json", help="also write the results to this JSON file")
     parser.set_defaults(func=_run)

@@ -32,3 +32,18 @@ def test_demo_cli_writes_json_and_rejects_unknown_modes(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["demo", "--modes", "sideways"])
     assert exit_info.value.code == 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "phrase"),
+    [
+        (["--requests", "0"], "must be an integer >= 1"),
+        (["--rate", "0"], "must be a number > 0"),
+        (["--bonus", "1.5"], "must be a number in [0, 1]"),
+    ],
+)
+def test_demo_rejects_bad_sizes_with_a_usage_error(capsys, argv, phrase):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", *argv])
+    assert exit_info.value.code == 2
+    assert phrase in capsys.readouterr().err
