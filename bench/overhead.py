@@ -6,7 +6,9 @@ unchanged: the floor of any Python ext_proc) and ``pd_extproc``. Requests rotate
 so machine noise hits all alike. Reported:
 
 * latency p50/p99 per gateway at each concurrency, and what pd-extproc adds over no filter;
-* pd-extproc CPU time per routed request (from /proc; the server runs in its own process);
+* pd-extproc CPU time per routed request (from /proc; the server runs in its own process). /proc
+  counts in 10 ms clock ticks, so the side-by-side figure is coarse for small ``--requests``; the
+  one measured over the max-throughput window is the precise one;
 * maximum sustained routed requests/s (closed loop, high concurrency) and its error count;
 * pd-extproc resident memory with 1,000 streams in flight, and that all their load is released.
 
@@ -71,8 +73,12 @@ async def _side_by_side(urls: dict[str, str], requests: int, concurrency: int, s
     return result
 
 
-async def _max_throughput(url: str, concurrency: int, seconds: float) -> dict:
-    """Closed loop at ``concurrency`` for ``seconds``: completed requests/s and errors."""
+async def _max_throughput(url: str, concurrency: int, seconds: float, server_pid: int | None) -> dict:
+    """Closed loop at ``concurrency`` for ``seconds``: completed requests/s and errors.
+
+    With ``server_pid``, also the CPU time that process spent per completed request (µs): over a
+    whole window of many requests, so /proc's clock-tick granularity (10 ms) does not matter.
+    """
     done = errors = 0
     deadline = time.perf_counter() + seconds
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
@@ -86,10 +92,14 @@ async def _max_throughput(url: str, concurrency: int, seconds: float) -> dict:
                 except (RuntimeError, aiohttp.ClientError):
                     errors += 1
 
-        started = time.perf_counter()
+        started, cpu_before = time.perf_counter(), cpu_seconds(server_pid) if server_pid else 0.0
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         elapsed = time.perf_counter() - started
-    return {"concurrency": concurrency, "requests_per_s": done / elapsed, "errors": errors}
+        cpu = cpu_seconds(server_pid) - cpu_before if server_pid else 0.0
+    result = {"concurrency": concurrency, "requests_per_s": done / elapsed, "errors": errors}
+    if server_pid:
+        result["cpu_us_per_request"] = cpu / max(done, 1) * 1e6
+    return result
 
 
 async def _in_flight_memory(url: str, admin_port: int, server_pid: int, streams: int) -> dict:
@@ -161,8 +171,8 @@ async def measure(requests: int, concurrencies: list[int], throughput_seconds: f
                 urls, requests, concurrency, server.pid
             )
         results["max_throughput"] = {
-            name: await _max_throughput(urls[name], 64, throughput_seconds)
-            for name in ("without_filter", "pd_extproc")
+            "without_filter": await _max_throughput(urls["without_filter"], 64, throughput_seconds, None),
+            "pd_extproc": await _max_throughput(urls["pd_extproc"], 64, throughput_seconds, server.pid),
         }
         results["in_flight"] = await _in_flight_memory(urls["pd_extproc"], admin_port, server.pid, streams)
         return results
@@ -182,9 +192,10 @@ def _print(results: dict) -> None:
             f"{'':<12}added by pd-extproc: {added}, CPU {row['pd_extproc_cpu_us_per_request']:.0f} us/request"
         )
     for name, row in results["max_throughput"].items():
+        cpu = f", CPU {row['cpu_us_per_request']:.0f} us/request" if "cpu_us_per_request" in row else ""
         print(
             f"max sustained ({name}, {row['concurrency']} in flight): {row['requests_per_s']:.0f} req/s, "
-            f"{row['errors']} errors"
+            f"{row['errors']} errors{cpu}"
         )
     row = results["in_flight"]
     rss = f"{row['rss_idle_mib']:.0f} -> {row['rss_in_flight_mib']:.0f} MiB"

@@ -58,7 +58,9 @@ def test_overhead_benchmark_reports_both_gateways(tmp_path):
         row = result["latency"][concurrency]
         for gateway in ("without_filter", "bare_ext_proc", "pd_extproc"):
             assert row[gateway]["p50_ms"] > 0
-        assert row["pd_extproc_cpu_us_per_request"] > 0
+        # Sampled per batch in 10 ms /proc ticks: a handful of requests may round to zero.
+        assert row["pd_extproc_cpu_us_per_request"] >= 0
     assert result["max_throughput"]["pd_extproc"]["errors"] == 0
+    assert result["max_throughput"]["pd_extproc"]["cpu_us_per_request"] > 0
     assert result["in_flight"]["in_flight_seen"] == result["in_flight"]["ok"] == 20
     assert result["in_flight"]["load_left_after"] == 0
