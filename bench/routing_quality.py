@@ -7,7 +7,11 @@ Reported per run: cross-group KV transfer share, decode TTFT p50/p99, TPOT p50, 
 throughput, errors. A bonus sweep on ``one-hot-group`` (where keeping transfers in-group and
 balancing decodes really pull apart) gives the trade-off curve users need to choose ``bonus``.
 
-Run: ``python bench/routing_quality.py [--quick] [--scenarios a,b] [--json FILE] [--png FILE]``.
+``--seeds N`` repeats every scenario with N different workload seeds (arrivals and lengths) and adds,
+per setting, the median and range over seeds and the median of the per-seed ratios to ``off``
+(paired: both ran the same workload), so one lucky workload cannot carry a conclusion.
+
+Run: ``python bench/routing_quality.py [--quick] [--seeds N] [--scenarios a,b] [--json FILE] [--png FILE]``.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import statistics
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -35,6 +40,9 @@ SMALL = replace(BIG, kv_capacity_tokens=BIG.kv_capacity_tokens // 2, decode_step
 SWEEP_BONUSES = (0.0, 0.005, 0.01, 0.02, 0.05, 0.1, 0.3, 1.0)
 SWEEP_SCENARIO = "one-hot-group"
 PREFER_BONUSES = (0.05, 0.3)
+FIRST_SEED = 7  # the workload seed of a single-seed run; --seeds N uses FIRST_SEED .. FIRST_SEED + N - 1
+ACROSS_SEEDS = ("cross_group_share", "decode_ttft_p50_ms", "decode_load_cv", "throughput_rps")
+RATIO_TO_OFF = ("decode_ttft_p50_ms", "decode_load_cv", "throughput_rps")
 
 
 def _engines(group: str, prefills: int, decodes: int, timing: TimingConfig = BIG) -> list[EngineSpec]:
@@ -67,9 +75,9 @@ class Scenario:
         default=("off", *(f"prefer@{b}" for b in PREFER_BONUSES), "strict", BASELINE)
     )
 
-    def plans(self, quick: bool) -> list[RequestPlan]:
+    def plans(self, quick: bool, seed: int = FIRST_SEED) -> list[RequestPlan]:
         requests = 10 if quick else self.requests
-        return plan_workload(requests, self.rate, self.prompt_tokens, burst=self.burst)
+        return plan_workload(requests, self.rate, self.prompt_tokens, seed=seed, burst=self.burst)
 
 
 SCENARIOS = {
@@ -112,9 +120,11 @@ def _mode_and_bonus(setting: str) -> tuple[str, float]:
     return mode, float(bonus) if bonus else 0.3
 
 
-async def run_scenario(scenario: Scenario, quick: bool, sweep: bool) -> dict[str, dict]:
-    """Every setting of one scenario (plus the bonus sweep if asked) on one cluster."""
-    plans = scenario.plans(quick)
+async def run_scenario(
+    scenario: Scenario, quick: bool, sweep: bool, seed: int = FIRST_SEED
+) -> dict[str, dict]:
+    """Every setting of one scenario (plus the bonus sweep if asked) on one cluster, one workload seed."""
+    plans = scenario.plans(quick, seed)
     duration = plans[-1].at
     stack = start_stack(scenario.engines)
     results: dict[str, dict] = {}
@@ -133,6 +143,61 @@ async def run_scenario(scenario: Scenario, quick: bool, sweep: bool) -> dict[str
     finally:
         stack.stop()
     return results
+
+
+def across_seeds(runs: dict[int, dict[str, dict]]) -> dict[str, dict]:
+    """Per setting run in every seed: each :data:`ACROSS_SEEDS` metric's median/min/max over
+    seeds (``None`` values skipped), the median over seeds of each :data:`RATIO_TO_OFF` metric
+    divided by ``off``'s in the same seed (``<metric>_vs_off``; only where both are known and off's
+    is non-zero), and total errors."""
+    settings = [s for s in next(iter(runs.values())) if all(s in run for run in runs.values())]
+    stats: dict[str, dict] = {}
+    for setting in settings:
+        row: dict = {"errors": sum(runs[seed][setting]["errors"] for seed in runs)}
+        for key in ACROSS_SEEDS:
+            values = [v for seed in runs if (v := runs[seed][setting][key]) is not None]
+            row[key] = (
+                {"median": statistics.median(values), "min": min(values), "max": max(values)}
+                if values
+                else None
+            )
+        for key in RATIO_TO_OFF:
+            ratios = [
+                mine / base
+                for seed in runs
+                if "off" in runs[seed]
+                and (mine := runs[seed][setting][key]) is not None
+                and (base := runs[seed]["off"][key])
+            ]
+            row[f"{key}_vs_off"] = statistics.median(ratios) if ratios else None
+        stats[setting] = row
+    return stats
+
+
+def _spread(value: dict | None, fmt: str) -> str:
+    return "n/a" if value is None else f"{value['median']:{fmt}} [{value['min']:{fmt}}-{value['max']:{fmt}}]"
+
+
+def _ratio(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}x"
+
+
+def format_across_seeds(stats: dict[str, dict], seeds: int) -> str:
+    """A fixed-width table of :func:`across_seeds`: medians with [min-max], and ratios to off."""
+    head = (
+        f"{'run':<16}{'cross-group KV':>24}{'decode load CV':>26}"
+        f"{'dTTFT p50/off':>15}{'load CV/off':>13}{'req/s/off':>11}{'errors':>8}"
+    )
+    title = f"across {seeds} workload seeds: median [min-max]; ratios are medians of per-seed ratios"
+    lines = [title, head, "-" * len(head)]
+    for setting, row in stats.items():
+        lines.append(
+            f"{setting:<16}{_spread(row['cross_group_share'], '.1%'):>24}"
+            f"{_spread(row['decode_load_cv'], '.3f'):>26}{_ratio(row['decode_ttft_p50_ms_vs_off']):>15}"
+            f"{_ratio(row['decode_load_cv_vs_off']):>13}{_ratio(row['throughput_rps_vs_off']):>11}"
+            f"{row['errors']:>8}"
+        )
+    return "\n".join(lines)
 
 
 def _plot(sweep: dict[str, dict], path: str) -> None:
@@ -187,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--scenarios", default=",".join(SCENARIOS), help="comma-separated subset of the scenarios"
     )
+    parser.add_argument(
+        "--seeds", type=int, default=1, help="workload seeds per scenario (default 1); > 1 adds medians"
+    )
     parser.add_argument("--no-sweep", action="store_true", help=f"skip the bonus sweep on {SWEEP_SCENARIO}")
     parser.add_argument("--json", help="write all results as JSON")
     parser.add_argument(
@@ -197,18 +265,28 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
         parser.error(f"unknown scenario(s) {', '.join(unknown)}; choose from {', '.join(SCENARIOS)}")
+    if args.seeds < 1:
+        parser.error(f"--seeds must be at least 1, got {args.seeds}")
     for noisy in ("httpx", "httpx2", "openai"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    results: dict[str, dict[str, dict]] = {}
+    seeds = list(range(FIRST_SEED, FIRST_SEED + args.seeds))
+    output: dict = {"seeds": seeds, "scenarios": {}}
     for name in names:
         scenario = SCENARIOS[name]
         sweep = name == SWEEP_SCENARIO and not args.no_sweep
-        results[name] = asyncio.run(run_scenario(scenario, args.quick, sweep))
-        print(f"\n{name}: {scenario.description}")
-        print(format_table(results[name]))
-    write_json(args.json, results)
-    if args.png and SWEEP_SCENARIO in results:
-        _plot(results[SWEEP_SCENARIO], args.png)
+        runs: dict[int, dict[str, dict]] = {}
+        for seed in seeds:
+            runs[seed] = asyncio.run(run_scenario(scenario, args.quick, sweep and seed == seeds[0], seed))
+            print(f"\n{name} (workload seed {seed}): {scenario.description}")
+            print(format_table(runs[seed]))
+        entry: dict = {"description": scenario.description, "runs": runs}
+        if len(seeds) > 1:
+            entry["across_seeds"] = across_seeds(runs)
+            print(f"\n{name}: " + format_across_seeds(entry["across_seeds"], len(seeds)))
+        output["scenarios"][name] = entry
+    write_json(args.json, output)
+    if args.png and SWEEP_SCENARIO in output["scenarios"]:
+        _plot(output["scenarios"][SWEEP_SCENARIO]["runs"][seeds[0]], args.png)
     return 0
 
 

@@ -28,7 +28,10 @@ async def test_each_scenario_runs_and_strict_keeps_transfers_in_group(name):
 def test_reference_scenario_end_to_end_writes_json(tmp_path):
     out = tmp_path / "routing.json"
     assert routing.main(["--quick", "--scenarios", "two-equal-groups", "--json", str(out)]) == 0
-    results = json.loads(out.read_text())["two-equal-groups"]
+    output = json.loads(out.read_text())
+    assert output["seeds"] == [routing.FIRST_SEED]
+    results = output["scenarios"]["two-equal-groups"]["runs"][str(routing.FIRST_SEED)]
+    assert "across_seeds" not in output["scenarios"]["two-equal-groups"]
     assert set(results) == {"off", "prefer@0.05", "prefer@0.3", "strict", "round-robin"}
     assert results["round-robin"]["cross_group_share"] is None  # no disaggregation without ext_proc
     assert results["strict"]["cross_group_share"] == 0.0
@@ -40,6 +43,56 @@ def test_trade_off_plot_is_drawn_from_a_sweep(tmp_path):
     png = tmp_path / "tradeoff.png"
     routing._plot(sweep, str(png))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def _summary(cross: float | None, ttft: float, cv: float, rps: float, errors: int = 0) -> dict:
+    return {
+        "cross_group_share": cross,
+        "decode_ttft_p50_ms": ttft,
+        "decode_load_cv": cv,
+        "throughput_rps": rps,
+        "errors": errors,
+    }
+
+
+def test_across_seeds_takes_medians_and_paired_ratios_to_off():
+    runs = {
+        7: {"off": _summary(0.5, 100.0, 0.10, 10.0), "prefer@0.3": _summary(0.0, 60.0, 0.20, 10.0, 1)},
+        8: {"off": _summary(0.4, 50.0, 0.20, 8.0), "prefer@0.3": _summary(0.1, 40.0, 0.10, 8.0)},
+        9: {
+            "off": _summary(0.6, 80.0, 0.05, 9.0),
+            "prefer@0.3": _summary(0.0, 72.0, 0.05, 9.9),
+            "prefer@1.0": _summary(0.0, 70.0, 0.3, 9.0),  # a sweep point of one seed only: left out
+        },
+    }
+    stats = routing.across_seeds(runs)
+    assert list(stats) == ["off", "prefer@0.3"]
+    prefer = stats["prefer@0.3"]
+    assert prefer["cross_group_share"] == {"median": 0.0, "min": 0.0, "max": 0.1}
+    assert prefer["decode_ttft_p50_ms_vs_off"] == pytest.approx(0.8)  # median of 0.6, 0.8, 0.9
+    assert prefer["decode_load_cv_vs_off"] == pytest.approx(1.0)  # median of 2.0, 0.5, 1.0
+    assert prefer["throughput_rps_vs_off"] == pytest.approx(1.0)
+    assert prefer["errors"] == 1 and stats["off"]["errors"] == 0
+    assert stats["off"]["decode_load_cv_vs_off"] == pytest.approx(1.0)
+    table = routing.format_across_seeds(stats, 3)
+    assert "0.0% [0.0%-10.0%]" in table and "0.80x" in table
+
+
+def test_round_robin_has_no_cross_group_share_across_seeds():
+    runs = {
+        seed: {"off": _summary(0.5, 1.0, 0.1, 1.0), "round-robin": _summary(None, 2.0, 0.1, 1.0)}
+        for seed in (7, 8)
+    }
+    stats = routing.across_seeds(runs)
+    assert stats["round-robin"]["cross_group_share"] is None
+    assert stats["round-robin"]["decode_ttft_p50_ms_vs_off"] == pytest.approx(2.0)
+    assert "n/a" in routing.format_across_seeds(stats, 2)
+
+
+def test_zero_seeds_is_a_usage_error():
+    with pytest.raises(SystemExit) as exit_info:
+        routing.main(["--seeds", "0"])
+    assert exit_info.value.code == 2
 
 
 def test_unknown_scenario_is_a_usage_error():
