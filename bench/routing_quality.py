@@ -111,6 +111,14 @@ SCENARIOS = {
             _engines("a", 2, 3) + _engines("b", 2, 3),
             burst=8,
         ),
+        Scenario(
+            "long-context",
+            "two equal groups; 16k-30k-token prompts at 2 req/s (a cross-group transfer takes ~0.3 s)",
+            _engines("a", 2, 3) + _engines("b", 2, 3),
+            requests=80,
+            rate=2.0,
+            prompt_tokens=(16384, 30720),
+        ),
     )
 }
 

@@ -11,7 +11,7 @@ from conftest import load_bench
 routing = load_bench("routing_quality")
 
 
-@pytest.mark.parametrize("name", ["unequal-groups", "one-hot-group", "decode-loss", "bursty"])
+@pytest.mark.parametrize("name", ["unequal-groups", "one-hot-group", "decode-loss", "bursty", "long-context"])
 async def test_each_scenario_runs_and_strict_keeps_transfers_in_group(name):
     scenario = dataclasses.replace(routing.SCENARIOS[name], settings=("prefer@0.3", "strict"))
     results = await routing.run_scenario(scenario, quick=True, sweep=False)
