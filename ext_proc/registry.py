@@ -97,10 +97,6 @@ class EndpointState:
         self._tokens[slot] -= tokens
         self._requests[slot] -= 1
 
-    def utilisation(self, cost: int) -> float:
-        """``(active_tokens + cost) / token_capacity``."""
-        return (self.active_tokens + cost) / self.token_capacity
-
     def _place(self, tokens: NDArray[np.int64], requests: NDArray[np.int64], slot: int) -> None:
         """Copy the live load into ``tokens[slot]`` and ``requests[slot]`` and keep it there from now on."""
         tokens[slot] = self._tokens[self._slot]

@@ -137,14 +137,6 @@ def test_new_endpoint_starts_idle() -> None:
     assert load_of(registry.decodes[0]) == (0, 0)
 
 
-def test_utilisation_is_tokens_plus_cost_over_capacity() -> None:
-    registry = make_registry()
-    registry.update([cluster("decode", ep("10.0.0.1:1", capacity=200.0))])
-    state = registry.decodes[0]
-    state.active_tokens = 50
-    assert state.utilisation(30) == pytest.approx(0.4)
-
-
 # --- Lease -------------------------------------------------------------------------------------
 
 
