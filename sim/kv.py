@@ -185,11 +185,6 @@ class GroupMap:
         self._refresh()
         return self._merged.get(address)
 
-    def snapshot(self) -> dict[str, str]:
-        """The current address → group map (after a refresh)."""
-        self._refresh()
-        return dict(self._merged)
-
 
 @dataclass(frozen=True, slots=True)
 class TransferResult:
