@@ -42,7 +42,7 @@ SWEEP_SCENARIO = "one-hot-group"
 PREFER_BONUSES = (0.05, 0.3)
 FIRST_SEED = 7  # the workload seed of a single-seed run; --seeds N uses FIRST_SEED .. FIRST_SEED + N - 1
 ACROSS_SEEDS = ("cross_group_share", "decode_ttft_p50_ms", "decode_load_cv", "throughput_rps")
-RATIO_TO_OFF = ("decode_ttft_p50_ms", "decode_load_cv", "throughput_rps")
+RATIO_TO_OFF = ("decode_ttft_p50_ms", "decode_ttft_p99_ms", "decode_load_cv", "throughput_rps")
 
 
 def _engines(group: str, prefills: int, decodes: int, timing: TimingConfig = BIG) -> list[EngineSpec]:
@@ -194,7 +194,7 @@ def format_across_seeds(stats: dict[str, dict], seeds: int) -> str:
     """A fixed-width table of :func:`across_seeds`: medians with [min-max], and ratios to off."""
     head = (
         f"{'run':<16}{'cross-group KV':>24}{'decode load CV':>26}"
-        f"{'dTTFT p50/off':>15}{'load CV/off':>13}{'req/s/off':>11}{'errors':>8}"
+        f"{'dTTFT p50/off':>15}{'p99/off':>9}{'load CV/off':>13}{'req/s/off':>11}{'errors':>8}"
     )
     title = f"across {seeds} workload seeds: median [min-max]; ratios are medians of per-seed ratios"
     lines = [title, head, "-" * len(head)]
@@ -202,6 +202,7 @@ def format_across_seeds(stats: dict[str, dict], seeds: int) -> str:
         lines.append(
             f"{setting:<16}{_spread(row['cross_group_share'], '.1%'):>24}"
             f"{_spread(row['decode_load_cv'], '.3f'):>26}{_ratio(row['decode_ttft_p50_ms_vs_off']):>15}"
+            f"{_ratio(row['decode_ttft_p99_ms_vs_off']):>9}"
             f"{_ratio(row['decode_load_cv_vs_off']):>13}{_ratio(row['throughput_rps_vs_off']):>11}"
             f"{row['errors']:>8}"
         )

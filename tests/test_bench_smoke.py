@@ -49,6 +49,7 @@ def _summary(cross: float | None, ttft: float, cv: float, rps: float, errors: in
     return {
         "cross_group_share": cross,
         "decode_ttft_p50_ms": ttft,
+        "decode_ttft_p99_ms": 3 * ttft,
         "decode_load_cv": cv,
         "throughput_rps": rps,
         "errors": errors,
@@ -70,6 +71,7 @@ def test_across_seeds_takes_medians_and_paired_ratios_to_off():
     prefer = stats["prefer@0.3"]
     assert prefer["cross_group_share"] == {"median": 0.0, "min": 0.0, "max": 0.1}
     assert prefer["decode_ttft_p50_ms_vs_off"] == pytest.approx(0.8)  # median of 0.6, 0.8, 0.9
+    assert prefer["decode_ttft_p99_ms_vs_off"] == pytest.approx(0.8)
     assert prefer["decode_load_cv_vs_off"] == pytest.approx(1.0)  # median of 2.0, 0.5, 1.0
     assert prefer["throughput_rps_vs_off"] == pytest.approx(1.0)
     assert prefer["errors"] == 1 and stats["off"]["errors"] == 0
