@@ -151,15 +151,21 @@ class Health:
 async def start_grpc(router: Router, listen: str, ready: bool) -> tuple[grpc.aio.Server, int, Health]:
     """Start the ext_proc and health services on ``listen`` (``host:port``, port 0 = any).
 
-    Returns the server, the bound port and its :class:`Health`.
+    Returns the server, the bound port and its :class:`Health`. The port is never shared
+    (SO_REUSEPORT off, which gRPC turns on by default): a second copy on the same port fails here
+    instead of silently splitting Envoy's streams. An address that cannot be bound raises
+    ``OSError``.
     """
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(router), server)
     server_health = Health()
     health_pb2_grpc.add_HealthServicer_to_server(server_health.servicer, server)
-    port = server.add_insecure_port(listen)
+    try:
+        port = server.add_insecure_port(listen)
+    except RuntimeError:  # grpcio reports a failed bind as RuntimeError
+        port = 0
     if port == 0:
-        raise OSError(f"cannot listen on {listen} for gRPC")
+        raise OSError(f"cannot listen on {listen} for gRPC (address in use or not available)")
     await server.start()
     await server_health.start(ready)
     return server, port, server_health

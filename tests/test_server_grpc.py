@@ -39,14 +39,14 @@ def response_headers() -> pb.ProcessingRequest:
     return request
 
 
-async def start_with(tmp_path, decode_addresses: list[str]):
-    """A server on ephemeral ports with one prefill (group a) and the given decodes (group a)."""
+async def start_with(tmp_path, decode_addresses: list[str], listen: str = "127.0.0.1:0"):
+    """A server on ``listen`` (admin on an ephemeral port), one prefill and the given decodes, all group a."""
     decodes = [EndpointSpec(a, "a", 1000.0, True, "HEALTHY") for a in decode_addresses]
     prefill = [EndpointSpec("10.0.0.1:8000", "a", 1000.0, True, "HEALTHY")]
     write_eds_file(tmp_path / "p.json", "prefill", prefill)
     write_eds_file(tmp_path / "d.json", "decode", decodes)
     overrides = {
-        "listen": "127.0.0.1:0",
+        "listen": listen,
         "metrics_listen": "127.0.0.1:0",
         "discovery.eds_files": [str(tmp_path / "p.json"), str(tmp_path / "d.json")],
     }
@@ -227,3 +227,9 @@ async def test_an_endpoint_subset_with_no_eligible_decode_is_a_503(two_decodes):
     answer = await call.read()
     assert answer.immediate_response.status.code == 503
     assert error_code(answer) == "no_endpoint_in_subset"
+
+
+async def test_a_busy_grpc_port_is_refused_not_shared(server, tmp_path):
+    busy = f"127.0.0.1:{server.grpc_port}"
+    with pytest.raises(OSError, match=f"cannot listen on {busy} for gRPC"):
+        await start_with(tmp_path, ["10.0.0.2:8000"], listen=busy)
