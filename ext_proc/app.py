@@ -87,10 +87,10 @@ async def start_server(config: Config) -> RunningServer:
     site = web.TCPSite(runner, host, port)
     try:
         await site.start()
-    except OSError:
+    except OSError as exc:
         await grpc_server.stop(None)
         await runner.cleanup()
-        raise
+        raise OSError(f"cannot listen on {config.metrics_listen} for metrics and admin: {exc}") from exc
     admin_port = runner.addresses[0][1]
     watcher = asyncio.create_task(source.run(), name="eds-watcher")
     log.info(

@@ -39,15 +39,17 @@ def response_headers() -> pb.ProcessingRequest:
     return request
 
 
-async def start_with(tmp_path, decode_addresses: list[str], listen: str = "127.0.0.1:0"):
-    """A server on ``listen`` (admin on an ephemeral port), one prefill and the given decodes, all group a."""
+async def start_with(
+    tmp_path, decode_addresses: list[str], listen: str = "127.0.0.1:0", metrics_listen: str = "127.0.0.1:0"
+):
+    """A server on ``listen`` and ``metrics_listen``, one prefill and the given decodes, all group a."""
     decodes = [EndpointSpec(a, "a", 1000.0, True, "HEALTHY") for a in decode_addresses]
     prefill = [EndpointSpec("10.0.0.1:8000", "a", 1000.0, True, "HEALTHY")]
     write_eds_file(tmp_path / "p.json", "prefill", prefill)
     write_eds_file(tmp_path / "d.json", "decode", decodes)
     overrides = {
         "listen": listen,
-        "metrics_listen": "127.0.0.1:0",
+        "metrics_listen": metrics_listen,
         "discovery.eds_files": [str(tmp_path / "p.json"), str(tmp_path / "d.json")],
     }
     return await start_server(load_config(None, overrides, environ={}))
@@ -233,3 +235,9 @@ async def test_a_busy_grpc_port_is_refused_not_shared(server, tmp_path):
     busy = f"127.0.0.1:{server.grpc_port}"
     with pytest.raises(OSError, match=f"cannot listen on {busy} for gRPC"):
         await start_with(tmp_path, ["10.0.0.2:8000"], listen=busy)
+
+
+async def test_a_busy_metrics_port_is_a_clear_error(server, tmp_path):
+    busy = f"127.0.0.1:{server.admin_port}"
+    with pytest.raises(OSError, match=f"cannot listen on {busy} for metrics and admin"):
+        await start_with(tmp_path, ["10.0.0.2:8000"], metrics_listen=busy)
