@@ -1,4 +1,4 @@
-"""Shared pieces of the benchmark scripts: subprocesses, percentiles, JSON/PNG output."""
+"""Shared pieces of the benchmark scripts: subprocesses, latency summaries, JSON/PNG output."""
 
 from __future__ import annotations
 
@@ -9,21 +9,17 @@ import subprocess
 import sys
 from pathlib import Path
 
-
-def percentile(values: list[float], q: float) -> float:
-    """The ``q`` quantile (0..1) by nearest rank; ``nan`` for no values."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+from sim.report import percentile
 
 
 def summary_ms(seconds: list[float]) -> dict[str, float]:
-    """p50/p99/mean in milliseconds of a list of durations in seconds."""
+    """p50/p99 (nearest rank) and mean in milliseconds of durations in seconds; ``nan`` without any."""
+    if not seconds:
+        return {"p50_ms": float("nan"), "p99_ms": float("nan"), "mean_ms": float("nan")}
     return {
         "p50_ms": percentile(seconds, 0.5) * 1e3,
         "p99_ms": percentile(seconds, 0.99) * 1e3,
-        "mean_ms": statistics.fmean(seconds) * 1e3 if seconds else float("nan"),
+        "mean_ms": statistics.fmean(seconds) * 1e3,
     }
 
 
