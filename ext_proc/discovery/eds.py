@@ -3,7 +3,8 @@
 The files are the very ones Envoy reads for its EDS clusters, so they are validated with Envoy's
 own protobuf schema (``xds-protos``) and with Envoy's own rule that a path-based EDS file holds
 exactly one resource. Our extra data lives in the endpoint metadata under
-``filter_metadata.<namespace>``: ``pdGroupID`` (string) and ``token_capacity`` (tokens, > 0).
+``filter_metadata.<namespace>``: ``pdGroupID`` (string), ``token_capacity`` (tokens, > 0) and
+``bootstrap_port`` (the port of an SGLang prefill engine's KV bootstrap server, 1..65535).
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ class EdsError(ValueError):
 class EndpointSpec:
     """One endpoint as an EDS file declares it.
 
-    ``address`` is ``"ip:port"`` (IPv6 as ``"[ip]:port"``); ``token_capacity`` is ``None`` when the
-    metadata does not set it; ``healthy`` is true for ``HEALTHY`` and ``UNKNOWN`` health status.
+    ``address`` is ``"ip:port"`` (IPv6 as ``"[ip]:port"``); ``token_capacity`` and
+    ``bootstrap_port`` are ``None`` when the metadata does not set them; ``healthy`` is true for
+    ``HEALTHY`` and ``UNKNOWN`` health status.
     """
 
     address: str
@@ -43,6 +45,7 @@ class EndpointSpec:
     token_capacity: float | None
     healthy: bool
     health_status: str
+    bootstrap_port: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +78,9 @@ def _host_port(lb_endpoint: endpoint_pb2.LbEndpoint) -> str:
     return f"{host}:{socket.port_value}"
 
 
-def _pd_metadata(lb_endpoint: endpoint_pb2.LbEndpoint, namespace: str) -> tuple[str, float | None]:
+def _pd_metadata(
+    lb_endpoint: endpoint_pb2.LbEndpoint, namespace: str
+) -> tuple[str, float | None, int | None]:
     fields = (
         lb_endpoint.metadata.filter_metadata[namespace].fields
         if namespace in (lb_endpoint.metadata.filter_metadata)
@@ -95,7 +100,14 @@ def _pd_metadata(lb_endpoint: endpoint_pb2.LbEndpoint, namespace: str) -> tuple[
         ):
             raise ValueError(f"metadata {namespace}.token_capacity must be a finite number > 0")
         capacity = value.number_value
-    return group, capacity
+    bootstrap_port: int | None = None
+    if "bootstrap_port" in fields:
+        value = fields["bootstrap_port"]
+        number = value.number_value if value.WhichOneof("kind") == "number_value" else -1.0
+        if not (number.is_integer() and 0 < number <= 65535):
+            raise ValueError(f"metadata {namespace}.bootstrap_port must be an integer port in 1..65535")
+        bootstrap_port = int(number)
+    return group, capacity, bootstrap_port
 
 
 def parse_cluster_load_assignment(
@@ -111,7 +123,7 @@ def parse_cluster_load_assignment(
             where = f"{source}: endpoints[{locality_index}].lb_endpoints[{index}]"
             try:
                 address = _host_port(lb_endpoint)
-                group, capacity = _pd_metadata(lb_endpoint, namespace)
+                group, capacity, bootstrap_port = _pd_metadata(lb_endpoint, namespace)
             except ValueError as exc:
                 raise EdsError(f"{where}: {exc}") from None
             if address in seen:
@@ -125,6 +137,7 @@ def parse_cluster_load_assignment(
                     token_capacity=capacity,
                     healthy=status in _CANDIDATE_STATUSES,
                     health_status=health_check_pb2.HealthStatus.Name(status),
+                    bootstrap_port=bootstrap_port,
                 )
             )
     return ClusterEndpoints(cla.cluster_name, tuple(endpoints), source)
@@ -171,6 +184,8 @@ def render_eds(cluster_name: str, endpoints: list[EndpointSpec], namespace: str 
         metadata: dict[str, object] = {"pdGroupID": spec.group}
         if spec.token_capacity is not None:
             metadata["token_capacity"] = spec.token_capacity
+        if spec.bootstrap_port is not None:
+            metadata["bootstrap_port"] = spec.bootstrap_port
         lb_endpoints.append(
             {
                 "endpoint": {
