@@ -7,13 +7,24 @@ import contextlib
 import json
 import logging
 import os
+import time
+import types
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import yaml
 
-from ext_proc.discovery import ClusterEndpoints, EdsError, EdsFileSource, EndpointSpec, load_eds_file
+from ext_proc.discovery import (
+    ClusterEndpoints,
+    EdsError,
+    EdsFileSource,
+    EndpointSpec,
+    eds_watch,
+    load_eds_file,
+)
 from ext_proc.discovery.eds import render_eds, write_eds_file
+from ext_proc.registry import Registry
 
 CLA = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
 
@@ -409,14 +420,23 @@ def source_for(*paths: Path, interval: float = 0.25) -> tuple[EdsFileSource, Pub
     return EdsFileSource([str(p) for p in paths], "pd", published, interval), published
 
 
-def rewrite_in_place(path: Path, cluster: str, specs: list[EndpointSpec]) -> None:
-    """Overwrite the same inode and move its mtime forward, so the change is visible on any filesystem."""
-    inode = path.stat().st_ino
-    before = path.stat().st_mtime_ns
+def rewrite_in_place(path: Path, cluster: str, specs: list[EndpointSpec], mtime_ns: int) -> None:
+    """Overwrite the same inode with a document of the same size (rendered as ``write_eds_file``
+    does) and set its mtime to ``mtime_ns``."""
+    before = path.stat()
     with path.open("w", encoding="utf-8") as handle:
-        handle.write(json.dumps(render_eds(cluster, specs)))
-    os.utime(path, ns=(before + 10**9, before + 10**9))
-    assert path.stat().st_ino == inode
+        handle.write(json.dumps(render_eds(cluster, specs), indent=1))
+    os.utime(path, ns=(mtime_ns, mtime_ns))
+    after = path.stat()
+    assert (after.st_ino, after.st_size) == (before.st_ino, before.st_size)
+
+
+async def until(condition: Callable[[], bool], deadline: float = 10.0) -> None:
+    """Poll ``condition`` until it holds; fail after ``deadline`` seconds (generous: busy CI)."""
+    end = time.monotonic() + deadline
+    while not condition():
+        assert time.monotonic() < end, "condition not met before the deadline"
+        await asyncio.sleep(0.01)
 
 
 def test_first_poll_publishes_every_file_in_path_order(tmp_path: Path) -> None:
@@ -456,9 +476,68 @@ def test_in_place_rewrite_is_picked_up_by_next_poll(tmp_path: Path) -> None:
     write_eds_file(path, "decode", [spec("10.0.0.1:1", "g1")])
     source, published = source_for(path)
     source.poll()
-    rewrite_in_place(path, "decode", [spec("10.0.0.1:1", "g2")])
+    rewrite_in_place(path, "decode", [spec("10.0.0.1:1", "g2")], path.stat().st_mtime_ns + 10**9)
     assert source.poll() is True
     assert published.last[0].endpoints[0].group == "g2"
+
+
+def test_same_size_rewrite_within_one_mtime_tick_is_picked_up(tmp_path: Path) -> None:
+    """Inode, size and mtime all unchanged, as for two writes within one timestamp tick: the
+    recent mtime makes the watcher compare the content."""
+    path = tmp_path / "decode.json"
+    write_eds_file(path, "decode", [spec("10.0.0.1:1", "g1")])
+    source, published = source_for(path)
+    source.poll()
+    before = os.stat(path)
+    rewrite_in_place(path, "decode", [spec("10.0.0.1:1", "g2")], before.st_mtime_ns)
+    after = os.stat(path)
+    assert (after.st_ino, after.st_mtime_ns, after.st_size) == (
+        before.st_ino,
+        before.st_mtime_ns,
+        before.st_size,
+    )
+    assert source.poll() is True
+    assert published.last[0].endpoints[0].group == "g2"
+    assert source.poll() is False  # the same content again is not a change
+
+
+def test_a_recent_file_is_hashed_until_its_mtime_is_one_tick_old(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "decode.json"
+    write_eds_file(path, "decode", [spec("10.0.0.1:1")])
+    mtime = path.stat().st_mtime_ns
+    clock = [mtime + 10**8]
+    monkeypatch.setattr(eds_watch, "time", types.SimpleNamespace(time_ns=lambda: clock[0]))
+    reads: list[str] = []
+    read = eds_watch.read_eds_file
+    monkeypatch.setattr(eds_watch, "read_eds_file", lambda p: reads.append(p) or read(p))
+    source, published = source_for(path)
+    source.poll()
+    source.poll()
+    assert len(reads) == 2  # read while the mtime was recent: the next poll compares the content
+    clock[0] = mtime + eds_watch.MTIME_TICK_NS
+    source.poll()  # verified a tick after the mtime: any later write moves the mtime
+    source.poll()
+    source.poll()
+    assert len(reads) == 3
+    assert len(published.calls) == 1
+
+
+def test_an_old_unchanged_file_costs_one_stat_per_poll(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "decode.json"
+    write_eds_file(path, "decode", [spec("10.0.0.1:1")])
+    hour_ago = time.time_ns() - 3600 * 10**9
+    os.utime(path, ns=(hour_ago, hour_ago))
+    reads: list[str] = []
+    read = eds_watch.read_eds_file
+    monkeypatch.setattr(eds_watch, "read_eds_file", lambda p: reads.append(p) or read(p))
+    source, _ = source_for(path)
+    for _ in range(4):
+        source.poll()
+    assert len(reads) == 1
 
 
 def test_only_the_changed_file_is_reloaded_but_all_are_published(tmp_path: Path) -> None:
@@ -548,56 +627,55 @@ def test_file_missing_at_start_is_loaded_when_it_appears(
     assert addresses(published.last) == [["10.0.0.7:7"]]
 
 
-async def test_run_picks_up_a_change_within_a_second(tmp_path: Path) -> None:
+async def test_run_picks_up_a_change(tmp_path: Path) -> None:
     path = tmp_path / "decode.json"
     write_eds_file(path, "decode", [spec("10.0.0.1:1")])
-    changed = asyncio.Event()
     seen: list[list[ClusterEndpoints]] = []
-
-    def publish(clusters: list[ClusterEndpoints]) -> None:
-        seen.append(clusters)
-        if addresses(clusters) == [["10.0.0.2:2"]]:
-            changed.set()
-
-    source = EdsFileSource([str(path)], "pd", publish, interval=0.02)
+    source = EdsFileSource([str(path)], "pd", seen.append, interval=0.02)
     source.poll()
     task = asyncio.create_task(source.run())
     try:
         write_eds_file(path, "decode", [spec("10.0.0.2:2")])
-        await asyncio.wait_for(changed.wait(), timeout=1.0)
+        await until(lambda: len(seen) == 2)
     finally:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-    assert addresses(seen[0]) == [["10.0.0.1:1"]]
+    assert [addresses(clusters) for clusters in seen] == [[["10.0.0.1:1"]], [["10.0.0.2:2"]]]
 
 
 async def test_run_survives_a_failing_publish_callback(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """The watcher outlives a publish that raises, and the registry ends up holding the file's
+    endpoints: the unapplied version is retried, and a later write is published."""
     path = tmp_path / "decode.json"
     write_eds_file(path, "decode", [spec("10.0.0.1:1")])
-    failed = asyncio.Event()
-    recovered = asyncio.Event()
+    registry = Registry("prefill", "decode", 1000.0)
+    calls: list[list[ClusterEndpoints]] = []
 
     def publish(clusters: list[ClusterEndpoints]) -> None:
-        if not failed.is_set():
-            failed.set()
+        calls.append(clusters)
+        if len(calls) == 1:
             raise RuntimeError("registry exploded")
-        recovered.set()
+        registry.update(clusters)
+
+    def decodes() -> list[str]:
+        return [e.address for e in registry.decodes]
 
     source = EdsFileSource([str(path)], "pd", publish, interval=0.02)
     task = asyncio.create_task(source.run())
     try:
         with caplog.at_level(logging.ERROR, logger="ext_proc.discovery.eds_watch"):
-            await asyncio.wait_for(failed.wait(), timeout=1.0)
+            await until(lambda: decodes() == ["10.0.0.1:1"])  # the unchanged file, published again
             write_eds_file(path, "decode", [spec("10.0.0.2:2")])
-            await asyncio.wait_for(recovered.wait(), timeout=1.0)
+            await until(lambda: decodes() == ["10.0.0.2:2"])
     finally:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
     assert any("EDS watcher failed while polling" in r.getMessage() for r in caplog.records)
+    assert [addresses(c) for c in calls] == [[["10.0.0.1:1"]], [["10.0.0.1:1"]], [["10.0.0.2:2"]]]
 
 
 # --- regressions found in review ----------------------------------------------------------------

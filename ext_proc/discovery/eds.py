@@ -57,13 +57,6 @@ class ClusterEndpoints:
     source: str
 
 
-def _read_document(path: Path) -> object:
-    text = path.read_text(encoding="utf-8")
-    if path.suffix == ".json":
-        return json.loads(text)
-    return yaml.safe_load(text)
-
-
 def _host_port(lb_endpoint: endpoint_pb2.LbEndpoint) -> str:
     socket = lb_endpoint.endpoint.address.socket_address
     if not socket.address or not socket.port_value:
@@ -144,16 +137,31 @@ def parse_cluster_load_assignment(
 
 
 def load_eds_file(path: str | Path, namespace: str = "pd") -> ClusterEndpoints:
-    """Read and validate one EDS file (YAML, or JSON when it ends in ``.json``).
+    """Read and validate one EDS file: :func:`parse_eds` of :func:`read_eds_file`."""
+    return parse_eds(read_eds_file(path), path, namespace)
 
-    Raises :class:`EdsError` with the file name and the precise problem: unreadable file, not a
+
+def read_eds_file(path: str | Path) -> bytes:
+    """The raw bytes of an EDS file; :class:`EdsError` ``"<path>: cannot read: ..."`` if unreadable."""
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise EdsError(f"{path}: cannot read: {exc}") from None
+
+
+def parse_eds(content: bytes, path: str | Path, namespace: str = "pd") -> ClusterEndpoints:
+    """Validate ``content``, the bytes of the EDS file at ``path`` (YAML; JSON if it ends in ``.json``).
+
+    Raises :class:`EdsError` with the file name and the precise problem: not UTF-8, not a
     ``DiscoveryResponse``, not exactly one ``ClusterLoadAssignment``, bad address or metadata.
     """
     path = Path(path)
     try:
-        document = _read_document(path)
-    except (OSError, UnicodeDecodeError) as exc:
+        text = content.decode("utf-8")
+    except UnicodeDecodeError as exc:
         raise EdsError(f"{path}: cannot read: {exc}") from None
+    try:
+        document = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (yaml.YAMLError, json.JSONDecodeError) as exc:
         raise EdsError(f"{path}: not valid YAML/JSON: {exc}") from None
     if not isinstance(document, dict):
