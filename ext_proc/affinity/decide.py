@@ -102,7 +102,7 @@ def choose(
             RejectReason.NO_DECODE_ENDPOINT,
             f"no healthy decode endpoint (healthy prefill endpoints: {prefills.size})",
         )
-    want = policy.fallback_count + 1 if policy.fallback_count > 0 else 1
+    want = policy.fallback_count + 1
     u = (decodes.tokens + cost.decode_tokens) / decodes.capacity
     out = decodes.endpoints
     if not prefills.size:
