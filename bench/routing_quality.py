@@ -22,7 +22,7 @@ import logging
 import statistics
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -30,13 +30,12 @@ from common import write_json
 
 from sim.cluster import EngineSpec
 from sim.config import TimingConfig
+from sim.demo import BIG, SMALL
 from sim.experiment import BASELINE, Disruption, measure
 from sim.report import format_table
 from sim.stack import Stack, start_stack
 from sim.workload import RequestPlan, plan_workload
 
-BIG = TimingConfig()
-SMALL = replace(BIG, kv_capacity_tokens=BIG.kv_capacity_tokens // 2, decode_step_ms=16.0, max_batch=32)
 SWEEP_BONUSES = (0.0, 0.005, 0.01, 0.02, 0.05, 0.1, 0.3, 1.0)
 SWEEP_SCENARIO = "one-hot-group"
 PREFER_BONUSES = (0.05, 0.3)

@@ -28,7 +28,9 @@ MODES = ("off", "prefer", "strict")
 PROMPT_TOKENS = (512, 4096)
 """Prompt lengths of the demo workload (tokens, uniform): chat with history / RAG sized."""
 BIG = TimingConfig()
+"""Timing of a large decode engine (the simulator's defaults); the routing benchmark uses it too."""
 SMALL = replace(BIG, kv_capacity_tokens=BIG.kv_capacity_tokens // 2, decode_step_ms=16.0, max_batch=32)
+"""A smaller, slower decode engine: half the KV cache and batch, 16 ms decode steps."""
 
 DEFAULT_CLUSTER = [
     *(EngineSpec("prefill", "rack-a") for _ in range(2)),
