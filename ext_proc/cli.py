@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import logging
 import sys
 from pathlib import Path
@@ -51,25 +52,36 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     serve.set_defaults(func=_serve)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The full argument parser, with every subcommand."""
+_LAZY = {
+    "sim": ("sim.cli", "run one simulated vLLM PD engine"),
+    "demo": ("sim.demo", "compare affinity modes on a simulated PD cluster"),
+}
+"""Subcommands of the simulator (module with ``add_parser``, help line): imported only when used,
+so ``serve`` never loads the simulator."""
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The argument parser. Every subcommand is listed; the options of ``sim`` and ``demo`` are
+    only registered (their modules imported) for the one named by ``command``, the others
+    accept anything."""
     parser = argparse.ArgumentParser(prog="pd-extproc", description=__doc__)
     parser.add_argument(
         "--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"]
     )
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_serve(subparsers)
-    from sim.cli import add_parser as add_sim
-    from sim.demo import add_parser as add_demo
-
-    add_sim(subparsers)
-    add_demo(subparsers)
+    for name, (module, help_line) in _LAZY.items():
+        if name == command:
+            importlib.import_module(module).add_parser(subparsers)
+        else:
+            subparsers.add_parser(name, help=help_line, add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``pd-extproc`` console script; returns the exit code."""
-    args = build_parser().parse_args(argv)
+    command = build_parser().parse_known_args(argv)[0].command  # imports no simulator module
+    args = build_parser(command).parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
