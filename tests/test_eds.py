@@ -9,11 +9,11 @@ import logging
 import os
 import time
 import types
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import yaml
+from polling import until
 
 from ext_proc.discovery import (
     ClusterEndpoints,
@@ -429,14 +429,6 @@ def rewrite_in_place(path: Path, cluster: str, specs: list[EndpointSpec], mtime_
     os.utime(path, ns=(mtime_ns, mtime_ns))
     after = path.stat()
     assert (after.st_ino, after.st_size) == (before.st_ino, before.st_size)
-
-
-async def until(condition: Callable[[], bool], deadline: float = 10.0) -> None:
-    """Poll ``condition`` until it holds; fail after ``deadline`` seconds (generous: busy CI)."""
-    end = time.monotonic() + deadline
-    while not condition():
-        assert time.monotonic() < end, "condition not met before the deadline"
-        await asyncio.sleep(0.01)
 
 
 def test_first_poll_publishes_every_file_in_path_order(tmp_path: Path) -> None:

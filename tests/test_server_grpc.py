@@ -3,7 +3,6 @@ real gRPC client sending the messages Envoy would (no Envoy needed to reach the 
 
 from __future__ import annotations
 
-import asyncio
 import json
 
 import grpc
@@ -11,6 +10,7 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from polling import until
 
 from ext_proc.app import start_server
 from ext_proc.config import load_config
@@ -105,11 +105,7 @@ async def test_a_cancelled_stream_releases_its_load(server, stub):
     await call.read()
     assert load(server)[1] == ("decode", 20, 1)
     call.cancel()
-    for _ in range(100):
-        if load(server)[1] == ("decode", 0, 0):
-            break
-        await asyncio.sleep(0.01)
-    assert load(server)[1] == ("decode", 0, 0)
+    await until(lambda: load(server)[1] == ("decode", 0, 0))
 
 
 @pytest.mark.parametrize(
@@ -184,11 +180,11 @@ async def test_readiness_waits_for_a_valid_eds_file(tmp_path):
             assert (await health.Check(check)).status == health_pb2.HealthCheckResponse.NOT_SERVING
             assert (await health.Check(health_pb2.HealthCheckRequest(service="liveness"))).status == 1
             write_eds_file(missing, "decode", [EndpointSpec("10.0.0.2:8000", "a", None, True, "HEALTHY")])
-            for _ in range(100):
-                if (await health.Check(check)).status == health_pb2.HealthCheckResponse.SERVING:
-                    break
-                await asyncio.sleep(0.02)
-            assert (await health.Check(check)).status == health_pb2.HealthCheckResponse.SERVING
+
+            async def serving() -> bool:
+                return (await health.Check(check)).status == health_pb2.HealthCheckResponse.SERVING
+
+            await until(serving)
     finally:
         await running.stop(grace=0)
 

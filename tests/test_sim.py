@@ -11,6 +11,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from polling import until
 from prometheus_client.parser import text_string_to_metric_families
 
 from ext_proc.discovery.eds import EndpointSpec, write_eds_file
@@ -380,20 +381,24 @@ async def test_unreachable_prefiller_is_502(http, unused_tcp_port: int) -> None:
 
 
 async def test_queueing_beyond_max_batch_shows_as_waiting(http) -> None:
-    timing = TimingConfig(time_scale=0.02, max_batch=1)  # one request at a time, ~12 ms wall each
+    timing = TimingConfig(time_scale=0.02, max_batch=1)  # one request at a time, 0.24 ms wall per token
     async with cluster([EngineSpec("both", "g1")], timing=timing) as [engine]:
-        req = {"prompt": "abcd", "max_tokens": 40}
-        tasks = [asyncio.create_task(post(http, engine, "/v1/completions", req)) for _ in range(4)]
-        seen = 0.0
-        while not all(t.done() for t in tasks):
+
+        async def engine_shows(running: int, waiting: int) -> bool:
             m = await metrics(http, engine)
             assert m["vllm:num_requests_running"] <= 1
-            seen = max(seen, m["vllm:num_requests_waiting"])
-            await asyncio.sleep(0.001)
-        assert seen >= 1
+            return (m["vllm:num_requests_running"], m["vllm:num_requests_waiting"]) == (running, waiting)
+
+        long = {"prompt": "abcd", "max_tokens": 30000, "stream": True}  # ~7 s wall unless aborted
+        async with http.post(engine.url + "/v1/completions", json=long) as streaming:
+            await streaming.content.readline()  # it runs: the only batch slot is taken until we leave
+            req = {"prompt": "abcd", "max_tokens": 40}
+            tasks = [asyncio.create_task(post(http, engine, "/v1/completions", req)) for _ in range(3)]
+            await until(lambda: engine_shows(1, 3))
+            streaming.close()  # the client goes away: the engine aborts it and frees the slot
         results = await asyncio.gather(*tasks)
         assert all(status == 200 for status, _, _ in results)
-        assert max(float(h["x-sim-queue-ms"]) for _, h, _ in results) > 0
+        assert min(float(h["x-sim-queue-ms"]) for _, h, _ in results) > 0
         m = await metrics(http, engine)
         assert m["vllm:num_requests_waiting"] == 0 and m["vllm:request_queue_time_seconds_count"] == 4
 

@@ -1,0 +1,24 @@
+"""Wait for a condition by polling, with a deadline generous enough for a busy 2-core CI machine."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import Awaitable, Callable
+
+DEADLINE = 10.0
+"""Seconds before a wait fails: far above what any condition needs on an idle machine."""
+
+
+async def until(condition: Callable[[], bool | Awaitable[bool]], deadline: float = DEADLINE) -> None:
+    """Poll ``condition`` (sync or async) every 10 ms until it is true; fail after ``deadline`` s."""
+    end = time.monotonic() + deadline
+    while True:
+        result = condition()
+        if inspect.isawaitable(result):
+            result = await result
+        if result:
+            return
+        assert time.monotonic() < end, f"condition not met within {deadline} s"
+        await asyncio.sleep(0.01)
