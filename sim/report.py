@@ -5,7 +5,8 @@
 * decode TTFT: client time to first token minus the sidecar's prefill call (transfer + decode
   queueing + first step), p50/p99 in ms; client TTFT p50; TPOT p50 in ms;
 * decode load balance: coefficient of variation (std/mean) over decode engines of their
-  time-averaged number of requests in flight, each divided by its relative capacity;
+  time-averaged number of requests in flight, each divided by its relative capacity (the
+  per-engine values are in the summary too, as ``decode_loads``);
 * throughput: completed requests/s and generated tokens/s over the run.
 """
 
@@ -25,18 +26,30 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
 
 
-def load_cv(records: Iterable[Record], duration_s: float, capacities: Mapping[str, float]) -> float | None:
-    """CV over decode engines of capacity-relative mean in-flight requests (0 = perfect balance)."""
+def decode_loads(
+    records: Iterable[Record], duration_s: float, capacities: Mapping[str, float]
+) -> dict[str, float]:
+    """Per decode engine of ``capacities``: its time-averaged number of requests in flight (each
+    request counts from its end minus the sidecar's prefill call) divided by its relative capacity
+    (its capacity over the mean capacity). Empty without capacities or a positive duration."""
     if not capacities or duration_s <= 0:
-        return None
+        return {}
     busy = dict.fromkeys(capacities, 0.0)
     for r in records:
         if r.decode_engine in busy and r.end_ms is not None:
             busy[r.decode_engine] += max(0.0, r.end_ms - (r.remote_prefill_ms or 0.0)) / 1e3
     mean_capacity = statistics.fmean(capacities.values())
-    loads = [busy[a] / duration_s / (capacities[a] / mean_capacity) for a in capacities]
-    mean = statistics.fmean(loads)
-    return statistics.pstdev(loads) / mean if mean > 0 else None
+    return {a: busy[a] / duration_s / (capacities[a] / mean_capacity) for a in capacities}
+
+
+def load_cv(loads: Iterable[float]) -> float | None:
+    """Coefficient of variation (population std / mean) of ``loads``, 0 = perfect balance;
+    ``None`` without loads or when they are all zero."""
+    values = list(loads)
+    if not values:
+        return None
+    mean = statistics.fmean(values)
+    return statistics.pstdev(values) / mean if mean > 0 else None
 
 
 def summarize(records: Sequence[Record], duration_s: float, capacities: Mapping[str, float]) -> dict:
@@ -45,6 +58,7 @@ def summarize(records: Sequence[Record], duration_s: float, capacities: Mapping[
     moved = [r for r in ok if r.kv_transfer in ("same_group", "cross_group")]
     cross = sum(r.kv_transfer == "cross_group" for r in moved)
     decode_ttft = [r.decode_ttft_ms for r in ok if r.decode_ttft_ms is not None]
+    loads = decode_loads(ok, duration_s, capacities)
     errors: dict[str, int] = {}
     for r in records:
         if not r.ok:
@@ -62,7 +76,8 @@ def summarize(records: Sequence[Record], duration_s: float, capacities: Mapping[
         "kv_transfer_p50_ms": percentile(
             [r.kv_transfer_ms for r in moved if r.kv_transfer_ms is not None], 0.5
         ),
-        "decode_load_cv": load_cv(ok, duration_s, capacities),
+        "decode_loads": loads,
+        "decode_load_cv": load_cv(loads.values()),
         "throughput_rps": len(ok) / duration_s if duration_s > 0 else None,
         "throughput_tokens_per_s": sum(r.completion_tokens for r in ok) / duration_s
         if duration_s > 0

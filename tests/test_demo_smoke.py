@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 
@@ -19,7 +20,10 @@ async def test_demo_runs_each_mode_and_strict_never_crosses_groups():
         assert summary["kv_transfers"] == 8  # every request went prefill -> decode
         assert summary["decode_ttft_p50_ms"] > 0 and summary["tpot_p50_ms"] > 0
         assert summary["throughput_rps"] > 0
-        assert summary["decode_load_cv"] >= 0
+        loads = list(summary["decode_loads"].values())
+        assert len(loads) == 5  # one per decode engine of the demo cluster (rack-a 3, rack-b 2)
+        assert min(loads) >= 0 and sum(loads) > 0
+        assert summary["decode_load_cv"] == pytest.approx(statistics.pstdev(loads) / statistics.fmean(loads))
     assert results["strict"]["cross_group_share"] == 0.0
 
 
