@@ -113,9 +113,12 @@ def test_overhead_benchmark_reports_both_gateways(tmp_path):
         row = result["latency"][concurrency]
         for gateway in ("without_filter", "bare_ext_proc", "pd_extproc"):
             assert row[gateway]["p50_ms"] > 0
-        # Sampled per batch in 10 ms /proc ticks: a handful of requests may round to zero.
-        assert row["pd_extproc_cpu_us_per_request"] >= 0
-    assert result["max_throughput"]["pd_extproc"]["errors"] == 0
-    assert result["max_throughput"]["pd_extproc"]["cpu_us_per_request"] > 0
+        # Sampled per batch in 10 ms /proc ticks, so a handful of requests may round to zero; but no
+        # routed chat request costs 100 ms of router CPU (a unit slip or the wrong process would).
+        assert 0 <= row["pd_extproc_cpu_us_per_request"] <= 100_000
+    throughput = result["max_throughput"]["pd_extproc"]
+    assert throughput["errors"] == 0 and throughput["requests_per_s"] > 0
+    # Over the whole window (many requests, tick granularity negligible): tens of µs to tens of ms.
+    assert 20 <= throughput["cpu_us_per_request"] <= 50_000
     assert result["in_flight"]["in_flight_seen"] == result["in_flight"]["ok"] == 20
     assert result["in_flight"]["load_left_after"] == 0
