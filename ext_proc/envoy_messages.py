@@ -1,6 +1,8 @@
 """Build ext_proc ``ProcessingResponse`` messages: the only module that knows their shape.
 
-Everything returned here is a fresh upb-backed protobuf; constant answers are built once.
+Every call returns a new upb-backed protobuf. Constant answers (``strip_on_headers``,
+``passthrough``) are built once by the server and shared by all its streams: immutable by
+convention, they are only ever serialized, never modified after they are built.
 Error answers are ``ImmediateResponse`` messages with an OpenAI-style JSON body
 ``{"error": {"message", "type", "code", "param"}}``.
 """

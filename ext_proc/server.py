@@ -57,6 +57,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
 
     def __init__(self, router: Router) -> None:
         self._router = router
+        # Constant answers, built once and shared by every stream: never modified after this.
         self._strip = msg.strip_on_headers(router.handoff.routing_headers)
         self._passthrough = {kind: msg.passthrough(kind) for kind in msg.PHASES}
 
