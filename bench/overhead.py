@@ -160,7 +160,12 @@ async def measure(requests: int, concurrencies: list[int], throughput_seconds: f
         ):
             listen, admin = free_port(), free_port()
             bootstrap = render_bootstrap(
-                listen_port=listen, admin_port=admin, extproc_port=extproc, decode_eds_path=eds[1]
+                listen_port=listen,
+                admin_port=admin,
+                extproc_port=extproc,
+                decode_eds_path=eds[1],
+                prefill_eds_path=eds[0],
+                prefill_leg_port=free_port(),
             )
             gateways.append(await start_gateway(bootstrap, listen, admin, concurrency=1))
             urls[name] = f"{gateways[-1].url}/v1/chat/completions"

@@ -15,7 +15,14 @@ from ext_proc.admin import build_admin_app
 from ext_proc.affinity import Policy
 from ext_proc.config import Config
 from ext_proc.discovery import ClusterEndpoints, EdsFileSource
-from ext_proc.handoff import SidecarHandoff
+from ext_proc.handoff import (
+    Handoff,
+    HandoffMode,
+    KvTransferParamsHandoff,
+    PrefillClient,
+    SglangBootstrapHandoff,
+    SidecarHandoff,
+)
 from ext_proc.metrics import Metrics
 from ext_proc.registry import Registry
 from ext_proc.router import Router
@@ -42,12 +49,34 @@ class RunningServer:
     _watcher: asyncio.Task[None]
 
     async def stop(self, grace: float = 1.0) -> None:
-        """Stop watching files, stop accepting streams, let live ones finish for ``grace`` seconds."""
+        """Stop watching files, stop accepting streams, let live ones finish for ``grace`` seconds,
+        then stop the handoff's background prefill legs."""
         self._watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._watcher
         await self._grpc.stop(grace)
+        await self.router.handoff.close()
         await self._admin.cleanup()
+
+
+def build_handoff(config: Config, metrics: Metrics) -> Handoff:
+    """The handoff protocol ``config.handoff.mode`` names."""
+    routing, handoff = config.routing, config.handoff
+    if handoff.mode is HandoffMode.SIDECAR:
+        return SidecarHandoff(routing.destination_header, routing.prefill_header)
+    client = PrefillClient(handoff.prefill_via, routing.destination_header, handoff.prefill_timeout_seconds)
+    if handoff.mode is HandoffMode.KV_TRANSFER_PARAMS:
+        return KvTransferParamsHandoff(
+            routing.destination_header,
+            routing.prefill_header,
+            client,
+            metrics,
+            handoff.on_prefill_failure,
+            handoff.prefill_timeout_seconds,
+        )
+    return SglangBootstrapHandoff(
+        routing.destination_header, routing.prefill_header, client, metrics, handoff.default_bootstrap_port
+    )
 
 
 async def start_server(config: Config) -> RunningServer:
@@ -78,8 +107,15 @@ async def start_server(config: Config) -> RunningServer:
         )
     metrics = Metrics(registry.endpoints)
     policy = Policy(config.affinity.mode, config.affinity.bonus, config.routing.fallback_count)
-    handoff = SidecarHandoff(config.routing.destination_header, config.routing.prefill_header)
-    router = Router(registry, policy, handoff, metrics, config.load.default_max_tokens)
+    handoff = build_handoff(config, metrics)
+    router = Router(
+        registry,
+        policy,
+        handoff,
+        metrics,
+        config.load.default_max_tokens,
+        config.routing.pd_threshold_tokens,
+    )
     grpc_server, grpc_port, health = await start_grpc(router, config.listen, ready=registry.version > 0)
     runner = web.AppRunner(build_admin_app(registry, metrics), access_log=None)
     await runner.setup()
@@ -95,12 +131,14 @@ async def start_server(config: Config) -> RunningServer:
     watcher = asyncio.create_task(source.run(), name="eds-watcher")
     log.info(
         "pd-extproc serving ext_proc on %s (port %d), admin on port %d; affinity %s bonus %.2f; "
-        "%d prefill and %d decode endpoints healthy",
+        "handoff %s%s; %d prefill and %d decode endpoints healthy",
         config.listen,
         grpc_port,
         admin_port,
         policy.mode.value,
         policy.bonus,
+        config.handoff.mode.value,
+        f" via {config.handoff.prefill_via}" if config.handoff.prefill_via else "",
         len(registry.prefills),
         len(registry.decodes),
     )

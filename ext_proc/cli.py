@@ -24,6 +24,10 @@ def _serve(args: argparse.Namespace) -> int:
         overrides["affinity.mode"] = args.affinity_mode
     if args.affinity_bonus is not None:
         overrides["affinity.bonus"] = args.affinity_bonus
+    if args.handoff is not None:
+        overrides["handoff.mode"] = args.handoff
+    if args.prefill_via is not None:
+        overrides["handoff.prefill_via"] = args.prefill_via
     try:
         config = load_config(args.config, overrides)
     except ConfigError as exc:
@@ -49,6 +53,12 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     )
     serve.add_argument("--affinity-mode", help="off | prefer | strict (affinity.mode)")
     serve.add_argument("--affinity-bonus", type=float, help="prefer-mode slack in [0, 1] (affinity.bonus)")
+    serve.add_argument("--handoff", help="sidecar | kv-transfer-params | sglang-bootstrap (handoff.mode)")
+    serve.add_argument(
+        "--prefill-via",
+        help="base URL of Envoy's prefill-leg listener, e.g. http://127.0.0.1:10001; '' = direct "
+        "(handoff.prefill_via)",
+    )
     serve.set_defaults(func=_serve)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import typing
+import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,10 +18,13 @@ from pathlib import Path
 import yaml
 
 from ext_proc.affinity import Mode
+from ext_proc.handoff import FailurePolicy, HandoffMode
 from ext_proc.request import MAX_OUTPUT_BUDGET
 
 ENV_AFFINITY_MODE = "PD_EXTPROC_AFFINITY_MODE"
 ENV_AFFINITY_BONUS = "PD_EXTPROC_AFFINITY_BONUS"
+MAX_PREFILL_TIMEOUT = 3600.0
+"""Upper bound of ``handoff.prefill_timeout_seconds`` (seconds)."""
 
 
 class ConfigError(ValueError):
@@ -56,11 +60,32 @@ class LoadConfig:
 
 @dataclass(frozen=True)
 class RoutingConfig:
-    """What the answer to Envoy looks like."""
+    """What the answer to Envoy looks like, and which requests are disaggregated.
+
+    ``pd_threshold_tokens``: prompts estimated below it are routed decode-only (the decode engine
+    prefills them itself); 0 disaggregates every prompt.
+    """
 
     fallback_count: int = 2
     destination_header: str = "x-gateway-destination-endpoint"
     prefill_header: str = "x-prefiller-host-port"
+    pd_threshold_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class HandoffConfig:
+    """How the engines receive a disaggregated request (see README "Handoff modes").
+
+    ``prefill_via``: base URL of the Envoy listener that forwards prefill legs (``""``: connect to
+    the prefill endpoint directly). ``prefill_timeout_seconds`` bounds one prefill leg.
+    ``default_bootstrap_port``: SGLang bootstrap port of a prefill without ``bootstrap_port`` metadata.
+    """
+
+    mode: HandoffMode = HandoffMode.SIDECAR
+    prefill_via: str = ""
+    prefill_timeout_seconds: float = 180.0
+    on_prefill_failure: FailurePolicy = FailurePolicy.DECODE_ONLY
+    default_bootstrap_port: int = 8998
 
 
 @dataclass(frozen=True)
@@ -73,11 +98,15 @@ class Config:
     affinity: AffinityConfig = field(default_factory=AffinityConfig)
     load: LoadConfig = field(default_factory=LoadConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
+    handoff: HandoffConfig = field(default_factory=HandoffConfig)
+
+
+_CHOICES = (Mode, HandoffMode, FailurePolicy)
 
 
 def _allowed(tp: object) -> str:
-    if isinstance(tp, type) and issubclass(tp, Mode):
-        return "one of " + ", ".join(m.value for m in Mode)
+    if isinstance(tp, type) and issubclass(tp, _CHOICES):
+        return "one of " + ", ".join(m.value for m in tp)
     return {str: "a string", int: "an integer", float: "a number", bool: "true or false"}.get(
         tp,  # type: ignore[call-overload]
         "a list of strings",
@@ -86,9 +115,9 @@ def _allowed(tp: object) -> str:
 
 def _coerce(key: str, tp: object, value: object) -> object:
     """Convert a YAML/env/flag value to the field type ``tp`` or raise ConfigError naming ``key``."""
-    if isinstance(tp, type) and issubclass(tp, Mode):
+    if isinstance(tp, type) and issubclass(tp, _CHOICES):
         try:
-            return Mode(value)
+            return tp(value)
         except ValueError:
             raise ConfigError(f"{key}: {value!r} is not allowed; use {_allowed(tp)}") from None
     if tp is float and isinstance(value, int | float) and not isinstance(value, bool):
@@ -151,7 +180,27 @@ def validate(config: Config) -> Config:
         raise ConfigError("routing.destination_header and routing.prefill_header must differ")
     if config.discovery.prefill_cluster == config.discovery.decode_cluster:
         raise ConfigError("discovery.prefill_cluster and discovery.decode_cluster must differ")
+    if config.routing.pd_threshold_tokens < 0:
+        raise ConfigError("routing.pd_threshold_tokens: must be an integer >= 0")
+    _check_handoff(config.handoff)
     return config
+
+
+def _check_handoff(handoff: HandoffConfig) -> None:
+    via = urllib.parse.urlsplit(handoff.prefill_via)
+    if handoff.prefill_via and not (
+        via.scheme in ("http", "https") and via.hostname and not via.path.strip("/") and not via.query
+    ):
+        raise ConfigError(
+            f"handoff.prefill_via: {handoff.prefill_via!r} is not allowed; use a base URL such as "
+            "http://127.0.0.1:10001 (no path), or an empty string to connect to prefills directly"
+        )
+    if not 0 < handoff.prefill_timeout_seconds <= MAX_PREFILL_TIMEOUT:
+        raise ConfigError(
+            f"handoff.prefill_timeout_seconds: must be a number in (0, {MAX_PREFILL_TIMEOUT:g}]"
+        )
+    if not 0 < handoff.default_bootstrap_port <= 65535:
+        raise ConfigError("handoff.default_bootstrap_port: must be a port in 1..65535")
 
 
 def load_config(

@@ -14,7 +14,7 @@ import json
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from ext_proc.handoff import RoutingInstructions
+from ext_proc.handoff import RequestMeta, RoutingInstructions
 
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
@@ -22,9 +22,14 @@ SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 _OVERWRITE = base_pb2.HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
 _ERROR_TYPES = {
     400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
+    429: "rate_limit_error",
     500: "internal_error",
+    502: "bad_gateway",
     503: "service_unavailable",
+    504: "gateway_timeout",
 }
 
 PHASES = (
@@ -63,14 +68,41 @@ def subset_hint(request: pb.ProcessingRequest) -> frozenset[str] | None:
     return frozenset()
 
 
+def _header_value(header: base_pb2.HeaderValue) -> str:
+    raw = header.raw_value
+    return raw.decode(errors="replace") if raw else header.value
+
+
+def request_meta(headers: pb.HttpHeaders) -> RequestMeta:
+    """The path, ``x-request-id`` and ``authorization`` of a ``request_headers`` message."""
+    path, request_id, authorization = "", None, None
+    for header in headers.headers.headers:
+        key = header.key
+        if key == ":path":
+            path = _header_value(header)
+        elif key == "x-request-id":
+            request_id = _header_value(header)
+        elif key == "authorization":
+            authorization = _header_value(header)
+    return RequestMeta(path, request_id, authorization)
+
+
+def _set_header(mutation: pb.HeaderMutation, name: str, value: bytes) -> None:
+    option = mutation.set_headers.add()
+    option.header.key = name
+    option.header.raw_value = value
+    option.append_action = _OVERWRITE
+
+
 def _fill_common(common: pb.CommonResponse, routing: RoutingInstructions) -> None:
     mutation = common.header_mutation
     for name, value in routing.set_headers:
-        option = mutation.set_headers.add()
-        option.header.key = name
-        option.header.raw_value = value.encode()
-        option.append_action = _OVERWRITE
+        _set_header(mutation, name, value.encode())
     mutation.remove_headers.extend(routing.remove_headers)
+    if routing.body is not None:
+        # Envoy 1.40 answers 500 for a mutated body unless content-length matches it in the same answer.
+        _set_header(mutation, "content-length", str(len(routing.body)).encode())
+        common.body_mutation.body = routing.body
 
 
 def _fill_metadata(response: pb.ProcessingResponse, routing: RoutingInstructions) -> None:
@@ -80,7 +112,8 @@ def _fill_metadata(response: pb.ProcessingResponse, routing: RoutingInstructions
 
 
 def route_on_body(routing: RoutingInstructions) -> pb.ProcessingResponse:
-    """Answer a ``request_body`` message with the routing headers and ``envoy.lb`` metadata."""
+    """Answer a ``request_body`` message with the routing headers, ``envoy.lb`` metadata and, when
+    the handoff rewrote it, the new body."""
     response = pb.ProcessingResponse()
     _fill_common(response.request_body.response, routing)
     _fill_metadata(response, routing)
@@ -88,7 +121,7 @@ def route_on_body(routing: RoutingInstructions) -> pb.ProcessingResponse:
 
 
 def route_on_headers(routing: RoutingInstructions) -> pb.ProcessingResponse:
-    """Answer a ``request_headers`` message (a request without a body) with routing."""
+    """Answer a ``request_headers`` message (a request without a body) with routing (no body)."""
     response = pb.ProcessingResponse()
     _fill_common(response.request_headers.response, routing)
     _fill_metadata(response, routing)
@@ -104,21 +137,35 @@ def strip_on_headers(headers: tuple[str, ...]) -> pb.ProcessingResponse:
 
 def error_body(status: int, message: str, code: str, param: str | None = None) -> bytes:
     """The OpenAI-style JSON error body."""
-    error = {"message": message, "type": _ERROR_TYPES.get(status, "error"), "param": param, "code": code}
+    kind = _ERROR_TYPES.get(status) or ("invalid_request_error" if 400 <= status < 500 else "error")
+    error = {"message": message, "type": kind, "param": param, "code": code}
     return json.dumps({"error": error}).encode()
 
 
-def immediate_error(status: int, message: str, code: str, param: str | None = None) -> pb.ProcessingResponse:
-    """Answer any message by ending the HTTP exchange with ``status`` and a JSON error body."""
+def immediate_error(
+    status: int, message: str, code: str, param: str | None = None, body: bytes | None = None
+) -> pb.ProcessingResponse:
+    """Answer any message by ending the HTTP exchange with ``status`` and a JSON error body
+    (``body`` when given, e.g. an engine's own error; else built from the other arguments)."""
     response = pb.ProcessingResponse()
     immediate = response.immediate_response
     immediate.status.code = status  # type: ignore[assignment]
-    immediate.body = error_body(status, message, code, param)
+    immediate.body = body if body is not None else error_body(status, message, code, param)
     immediate.details = f"pd_extproc_{code}"
     header = immediate.headers.set_headers.add()
     header.header.key = "content-type"
     header.header.raw_value = b"application/json"
     header.append_action = _OVERWRITE
+    return response
+
+
+def extend_timeout(seconds: float) -> pb.ProcessingResponse:
+    """Ask Envoy to wait up to ``seconds`` for the answer to the current message
+    (``override_message_timeout``; Envoy caps it at the filter's ``max_message_timeout``)."""
+    response = pb.ProcessingResponse()
+    whole = int(seconds)
+    response.override_message_timeout.seconds = whole
+    response.override_message_timeout.nanos = int((seconds - whole) * 1e9)
     return response
 
 

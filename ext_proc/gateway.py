@@ -2,8 +2,9 @@
 (tests, demo and benchmarks).
 
 :func:`render_bootstrap` takes ``envoy/envoy.yaml`` as shipped and changes only what a local
-run must change: ports, the pd-extproc address, the EDS file paths, and (for baselines) the
-ext_proc filter or the load balancing policy. Everything else is exercised exactly as shipped.
+run must change: ports (gateway, admin, prefill-leg listener), the pd-extproc address, the EDS file
+paths, and (for baselines) the ext_proc filter or the load balancing policy. Everything else is
+exercised exactly as shipped.
 """
 
 from __future__ import annotations
@@ -67,11 +68,14 @@ def render_bootstrap(
     admin_port: int,
     extproc_port: int | None,
     decode_eds_path: str,
+    prefill_eds_path: str,
+    prefill_leg_port: int,
     round_robin: bool = False,
     response_headers: bool = False,
     template: Path = SHIPPED_BOOTSTRAP,
 ) -> dict:
-    """The shipped bootstrap bound to local ports and files.
+    """The shipped bootstrap bound to local ports and files (the prefill-leg listener on
+    ``prefill_leg_port``, loopback).
 
     ``extproc_port=None`` removes the ext_proc filter (the "same route without the filter"
     baseline); ``round_robin=True`` also replaces the decode cluster's override_host policy by
@@ -84,14 +88,17 @@ def render_bootstrap(
         raise GatewayError(f"cannot read the Envoy bootstrap {template}: {exc}") from None
     config["admin"]["address"] = _socket(admin_port)
     static = config["static_resources"]
-    listener = static["listeners"][0]
+    listeners = {entry["name"]: entry for entry in static["listeners"]}
+    listener = listeners["gateway"]
     listener["address"] = _socket(listen_port)
+    listeners["prefill_leg"]["address"] = _socket(prefill_leg_port)
     hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
     clusters = {c["name"]: c for c in static["clusters"]}
     decode = clusters["decode"]
-    decode["eds_cluster_config"]["eds_config"]["path_config_source"]["path"] = str(
-        Path(decode_eds_path).resolve()
-    )
+    for name, path in (("decode", decode_eds_path), ("prefill", prefill_eds_path)):
+        clusters[name]["eds_cluster_config"]["eds_config"]["path_config_source"]["path"] = str(
+            Path(path).resolve()
+        )
     if extproc_port is None:
         hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.ext_proc"]
         for route in hcm["route_config"]["virtual_hosts"][0]["routes"]:

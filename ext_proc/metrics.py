@@ -15,6 +15,7 @@ from prometheus_client.registry import Collector
 from ext_proc.registry import EndpointState
 
 DECISION_BUCKETS = (5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2)
+LEG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 180.0)
 
 
 class _EndpointLoadCollector(Collector):
@@ -60,6 +61,24 @@ class Metrics:
             buckets=DECISION_BUCKETS,
             registry=self.registry,
         )
+        self._prefill_legs = Counter(
+            "pd_extproc_prefill_leg_total",
+            "Prefill legs sent by the gateway (handoffs kv-transfer-params, sglang-bootstrap), by outcome",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self._prefill_leg_seconds = Histogram(
+            "pd_extproc_prefill_leg_seconds",
+            "Duration of prefill legs that got an HTTP answer, in seconds",
+            buckets=LEG_BUCKETS,
+            registry=self.registry,
+        )
+        self._prefill_fallbacks = Counter(
+            "pd_extproc_prefill_fallback_total",
+            "Requests whose prefill legs all failed, by what followed (decode-only or error)",
+            ["action"],
+            registry=self.registry,
+        )
         self.registry.register(_EndpointLoadCollector(endpoints))
         self._decision_children: dict[tuple[str, str], Counter] = {}
         self._rejected_children: dict[str, Counter] = {}
@@ -79,3 +98,13 @@ class Metrics:
         if child is None:
             child = self._rejected_children[reason] = self._rejected.labels(reason)
         child.inc()
+
+    def prefill_leg(self, outcome: str, seconds: float | None) -> None:
+        """Count one prefill leg by outcome; ``seconds`` when it got an HTTP answer."""
+        self._prefill_legs.labels(outcome).inc()
+        if seconds is not None:
+            self._prefill_leg_seconds.observe(seconds)
+
+    def prefill_fallback(self, action: str) -> None:
+        """Count one request whose prefill legs all failed, by ``action`` (decode-only / error)."""
+        self._prefill_fallbacks.labels(action).inc()

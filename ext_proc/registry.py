@@ -40,7 +40,8 @@ class EndpointState:
     """One endpoint of one role: identity, declared capacity and health, and live load.
 
     Satisfies :class:`ext_proc.affinity.Endpoint` (``address``, ``group``, ``token_capacity`` in
-    tokens, ``active_tokens``, ``active_requests``). The two loads are properties over the
+    tokens, ``active_tokens``, ``active_requests``); ``bootstrap_port`` is the SGLang bootstrap port
+    its metadata declares, if any. The two loads are properties over the
     endpoint's slot in its role's arrays (a private one-slot pair until the registry places it).
     """
 
@@ -49,6 +50,7 @@ class EndpointState:
         "_slot",
         "_tokens",
         "address",
+        "bootstrap_port",
         "group",
         "health_status",
         "healthy",
@@ -63,6 +65,7 @@ class EndpointState:
         self.token_capacity = 1.0
         self.healthy = False
         self.health_status = "UNKNOWN"
+        self.bootstrap_port: int | None = None
         self._tokens: NDArray[np.int64] = np.zeros(1, dtype=np.int64)
         self._requests: NDArray[np.int64] = np.zeros(1, dtype=np.int64)
         self._slot = 0
@@ -149,6 +152,7 @@ class Registry:
                 state.token_capacity = spec.token_capacity or self._default_capacity
                 state.healthy = spec.healthy
                 state.health_status = spec.health_status
+                state.bootstrap_port = spec.bootstrap_port
                 fresh[key] = state
         for key, state in self._current.items():
             if key not in fresh and state.active_requests:

@@ -121,18 +121,28 @@ def _sequences(body: dict, field: str) -> int:
     return value
 
 
-def parse_request(raw: bytes, default_max_tokens: int) -> RequestInfo:
-    """Parse a JSON request body; raise :class:`RequestError` naming the field that is wrong.
-
-    The prompt comes from ``messages`` (chat), else ``prompt`` (completions), else ``input``
-    (embeddings/responses); a body with none of them has zero prompt tokens.
-    """
+def parse_body(raw: bytes) -> dict[str, object]:
+    """The request's JSON object, parsed once; raise :class:`RequestError` when it is not one."""
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise RequestError(f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise RequestError("request body must be a JSON object")
+    return body
+
+
+def parse_request(raw: bytes, default_max_tokens: int) -> RequestInfo:
+    """Parse a JSON request body; raise :class:`RequestError` naming the field that is wrong."""
+    return describe(parse_body(raw), default_max_tokens)
+
+
+def describe(body: dict[str, object], default_max_tokens: int) -> RequestInfo:
+    """What routing needs from a parsed body; raise :class:`RequestError` naming the field that is wrong.
+
+    The prompt comes from ``messages`` (chat), else ``prompt`` (completions), else ``input``
+    (embeddings/responses); a body with none of them has zero prompt tokens.
+    """
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise RequestError("'model' must be a string", "model")

@@ -1,86 +1,127 @@
-"""One request's routing, free of gRPC: parse, decide, charge, and describe the answer.
+"""One request's routing, free of gRPC: parse, decide, charge, and hand off to the engines' protocol.
 
 The server calls :meth:`Router.route_body` (or :meth:`Router.route_bodiless`) and maps the
-outcome onto ext_proc messages. Every failure comes back as a :class:`Refused` with an HTTP
-status, a precise message and a machine-readable code.
+outcome onto ext_proc messages: :class:`Routed`, :class:`Refused` (an HTTP status, a precise
+message and a machine-readable code), or a :class:`Handover` to complete after a prefill leg.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from urllib.parse import urlsplit
 
-from ext_proc.affinity import Cost, Policy, Pool, Rejection, choose
-from ext_proc.handoff import Handoff, RoutingInstructions
+from ext_proc.affinity import Cost, Decision, Mode, Policy, Pool, Rejection, choose
+from ext_proc.handoff import (
+    Handoff,
+    HandoffJob,
+    Handover,
+    Placement,
+    Refused,
+    RequestMeta,
+    Routed,
+)
 from ext_proc.load import Lease
 from ext_proc.metrics import Metrics
 from ext_proc.registry import EndpointState, Registry
-from ext_proc.request import RequestError, parse_request
+from ext_proc.request import RequestError, describe, parse_body
 
 log = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True, slots=True)
-class Routed:
-    """The request goes ahead: ``instructions`` for Envoy, ``lease`` to release when it ends."""
-
-    instructions: RoutingInstructions
-    lease: Lease
-
-
-@dataclass(frozen=True, slots=True)
-class Refused:
-    """The request is answered with an error. ``code`` is also the ``rejected_total`` reason."""
-
-    status: int
-    message: str
-    code: str
-    param: str | None = None
+DISAGGREGATED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
+"""Paths whose requests get a prefill endpoint; every other path is routed decode-only."""
 
 
 class Router:
-    """Routes requests over ``registry`` with ``policy``; owns the round-robin tie-break counter."""
+    """Routes requests over ``registry`` with ``policy``; owns the round-robin tie-break counter.
+
+    ``pd_threshold_tokens``: prompts estimated below it are routed decode-only.
+    """
 
     def __init__(
-        self, registry: Registry, policy: Policy, handoff: Handoff, metrics: Metrics, default_max_tokens: int
+        self,
+        registry: Registry,
+        policy: Policy,
+        handoff: Handoff,
+        metrics: Metrics,
+        default_max_tokens: int,
+        pd_threshold_tokens: int = 0,
     ) -> None:
         self.registry = registry
         self.policy = policy
         self.handoff = handoff
         self.metrics = metrics
         self._default_max_tokens = default_max_tokens
+        self._pd_threshold = pd_threshold_tokens
         self._mode = policy.mode.value
         self._ticket = 0
         self._no_prefills: Pool[EndpointState] = Pool.of(())
 
-    def refuse(self, status: int, message: str, code: str, param: str | None = None) -> Refused:
-        """Count, log and describe an error answer."""
+    def refuse(
+        self, status: int, message: str, code: str, param: str | None = None, body: bytes | None = None
+    ) -> Refused:
+        """Count, log and describe an error answer (``body``: an exact error body to send)."""
         self.metrics.rejected(code)
         log.log(
             logging.INFO if status < 500 else logging.WARNING, "answered %d %s: %s", status, code, message
         )
-        return Refused(status, message, code, param)
+        return Refused(status, message, code, param, body)
 
-    def route_body(self, raw: bytes, subset: frozenset[str] | None = None) -> Routed | Refused:
+    def route_body(
+        self, raw: bytes, meta: RequestMeta, subset: frozenset[str] | None = None
+    ) -> Routed | Refused | Handover:
         """Route a request by its full JSON body: prefill then decode, per the affinity policy.
 
-        ``subset`` (the data plane's endpoint-subset hint) restricts the decode endpoints.
+        ``subset`` (the data plane's endpoint-subset hint) restricts the decode endpoints; ``meta``
+        (from the request headers) gives the path: only completions and chat completions whose
+        prompt reaches ``pd_threshold_tokens`` get a prefill.
         """
         try:
-            info = parse_request(raw, self._default_max_tokens)
+            body = parse_body(raw)
+            info = describe(body, self._default_max_tokens)
         except RequestError as exc:
             return self.refuse(400, str(exc), "invalid_request", exc.param)
         prompt = info.prompt_tokens
-        return self._route(Cost(prompt, prompt + info.output_budget), self.registry.prefill_pool, subset)
+        cost = Cost(prompt, prompt + info.output_budget)
+        disaggregated = prompt >= self._pd_threshold and urlsplit(meta.path).path in DISAGGREGATED_PATHS
+        placed = self._place(cost, self.registry.prefill_pool if disaggregated else self._no_prefills, subset)
+        if isinstance(placed, Refused):
+            return placed
+        return self.handoff.hand_off(HandoffJob(raw, body, meta, cost, subset), placed, self)
 
     def route_bodiless(self, subset: frozenset[str] | None = None) -> Routed | Refused:
         """Route a request without a body (e.g. ``GET /v1/models``) to the least-loaded decode."""
-        return self._route(Cost(0, 0), self._no_prefills, subset)
+        cost = Cost(0, 0)
+        placed = self._place(cost, self._no_prefills, subset)
+        if isinstance(placed, Refused):
+            return placed
+        routed = self.handoff.hand_off(HandoffJob(b"", {}, RequestMeta(), cost, subset), placed, self)
+        assert isinstance(routed, Routed)  # without a prefill every handoff answers at once
+        return routed
 
-    def _route(
+    def retry(
+        self, job: HandoffJob, failed: Decision[EndpointState], exclude: frozenset[str]
+    ) -> Placement | None:
+        """A new placement on the next-ranked prefill not in ``exclude`` (``strict``: in the failed
+        prefill's group), with the decode chosen again by the same rule; ``None`` when there is none."""
+        group = failed.prefill.group if failed.prefill is not None else ""
+        strict = self.policy.mode is Mode.STRICT
+        pool = self.registry.prefill_pool
+        keep = {
+            e.address for e in pool.endpoints if e.address not in exclude and (not strict or e.group == group)
+        }
+        if not keep:
+            return None
+        placed = self._place(job.cost, pool.only(keep), job.subset)
+        if isinstance(placed, Refused) or placed.decision.prefill is None:
+            if isinstance(placed, Placement):
+                placed.lease.release()
+            return None
+        return placed
+
+    def _place(
         self, cost: Cost, prefills: Pool[EndpointState], subset: frozenset[str] | None
-    ) -> Routed | Refused:
+    ) -> Placement | Refused:
         started = time.perf_counter()
         decodes = self.registry.decode_pool
         if subset is not None:
@@ -95,6 +136,5 @@ class Router:
         if isinstance(result, Rejection):
             return self.refuse(503, result.message, result.reason.value)
         lease = Lease(result.prefill, cost.prefill_tokens, result.decode, cost.decode_tokens)
-        instructions = self.handoff.instructions(result)
         self.metrics.decided(self._mode, result.locality.value, time.perf_counter() - started)
-        return Routed(instructions, lease)
+        return Placement(result, lease)

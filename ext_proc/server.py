@@ -2,17 +2,20 @@
 
 One HTTP request is one stream. The stream's messages are answered by phase:
 - ``request_headers``: a request without a body is routed here; otherwise client-supplied
-  routing headers are stripped and the body awaited.
+  routing headers are stripped, the path, ``x-request-id`` and ``authorization`` noted, and the
+  body awaited.
 - ``request_body`` (must be BUFFERED: the whole body in one message, after the headers): parse,
-  decide, charge, answer with routing headers and ``envoy.lb`` metadata, or with an
-  ``ImmediateResponse`` error. An endpoint-subset hint in the metadata (endpoint-picker protocol)
-  restricts the decode choice; no eligible endpoint in it → 503. A body without headers, or in
-  chunks, means Envoy is misconfigured in a way that would silently bypass routing: answered 500
-  ``ext_proc_misconfigured``.
+  decide, charge, answer with routing headers, ``envoy.lb`` metadata and, for the engine handoffs,
+  a new body; or with an ``ImmediateResponse`` error. When the handoff first runs a prefill leg,
+  the stream first asks Envoy to wait longer (``override_message_timeout``), then answers. An
+  endpoint-subset hint in the metadata (endpoint-picker protocol) restricts the decode choice; no
+  eligible endpoint in it → 503. A body without headers, or in chunks, means Envoy is misconfigured
+  in a way that would silently bypass routing: answered 500 ``ext_proc_misconfigured``.
 - ``response_headers``: the prefill has finished; its charge is released.
 - anything else passes through unchanged.
-Whatever ends the stream (completion, upstream error, client abort, cancellation), the
-request's charges are released in a ``finally``. No exception escapes a stream: an unexpected
+Whatever ends the stream (completion, upstream error, client abort, cancellation, even in the
+middle of a prefill leg, which is then cancelled), the request's charges are released and its
+background prefill leg cancelled in a ``finally``. No exception escapes a stream: an unexpected
 one becomes a logged 500 answer.
 """
 
@@ -26,9 +29,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ext_proc import envoy_messages as msg
-from ext_proc.handoff import RoutingInstructions
-from ext_proc.load import Lease
-from ext_proc.router import Refused, Routed, Router
+from ext_proc.handoff import Handover, Refused, RequestMeta, Routed, RoutingInstructions
+from ext_proc.router import Router
 
 log = logging.getLogger(__name__)
 
@@ -37,19 +39,32 @@ LIVENESS, READINESS = "liveness", "readiness"
 
 
 def _refusal(refused: Refused) -> msg.ProcessingResponse:
-    return msg.immediate_error(refused.status, refused.message, refused.code, refused.param)
+    return msg.immediate_error(refused.status, refused.message, refused.code, refused.param, refused.body)
 
 
 class _Stream:
-    """Per-stream state: the request's charges, whether Envoy sent the request headers, and the
-    data plane's endpoint-subset hint if any."""
+    """Per-stream state: the routed request (charges, background prefill leg) or the handover in
+    progress, whether Envoy sent the request headers, what they said, and the data plane's
+    endpoint-subset hint if any."""
 
-    __slots__ = ("lease", "saw_headers", "subset")
+    __slots__ = ("handover", "meta", "routed", "saw_headers", "subset")
 
     def __init__(self) -> None:
-        self.lease: Lease | None = None
+        self.routed: Routed | None = None
+        self.handover: Handover | None = None
         self.saw_headers = False
+        self.meta = RequestMeta()
         self.subset: frozenset[str] | None = None
+
+    def close(self) -> None:
+        """Release every charge and cancel a background prefill leg (idempotent)."""
+        if self.handover is not None:
+            self.handover.lease.release()
+        routed = self.routed
+        if routed is not None:
+            routed.lease.release()
+            if routed.background is not None:
+                routed.background.cancel()
 
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
@@ -74,18 +89,18 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     ) -> msg.ProcessingResponse:
         if isinstance(outcome, Refused):
             return _refusal(outcome)
-        if stream.lease is not None:  # a stream is routed once; never leak an earlier charge
-            stream.lease.release()
-        stream.lease = outcome.lease
+        stream.close()  # a stream is routed once; never leak an earlier charge
+        stream.routed = outcome
         return build(outcome.instructions)
 
-    def _answer(self, request: msg.ProcessingRequest, stream: _Stream) -> msg.ProcessingResponse:
+    def _answer(self, request: msg.ProcessingRequest, stream: _Stream) -> msg.ProcessingResponse | Handover:
         kind = request.WhichOneof("request")
         if stream.subset is None and request.HasField("metadata_context"):
             stream.subset = msg.subset_hint(request)
         if kind == "request_headers":
             stream.saw_headers = True
             if not request.request_headers.end_of_stream:
+                stream.meta = msg.request_meta(request.request_headers)
                 return self._strip
             return self._routed(self._router.route_bodiless(stream.subset), msg.route_on_headers, stream)
         if kind == "request_body":
@@ -96,13 +111,21 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 )
             if not request.request_body.end_of_stream:
                 return self._misconfigured("ext_proc request_body_mode must be BUFFERED")
-            body = request.request_body.body
-            return self._routed(self._router.route_body(body, stream.subset), msg.route_on_body, stream)
+            outcome = self._router.route_body(request.request_body.body, stream.meta, stream.subset)
+            if isinstance(outcome, Routed | Refused):
+                return self._routed(outcome, msg.route_on_body, stream)
+            return outcome
         if kind is None:
             return _refusal(self._router.refuse(500, "empty ext_proc message", "ext_proc_protocol_error"))
-        if kind == "response_headers" and stream.lease is not None:
-            stream.lease.release_prefill()
+        if kind == "response_headers" and stream.routed is not None:
+            stream.routed.lease.release_prefill()
         return self._passthrough[kind]
+
+    async def _complete(self, handover: Handover, stream: _Stream) -> msg.ProcessingResponse:
+        stream.handover = handover
+        outcome = await handover.complete()
+        stream.handover = None
+        return self._routed(outcome, msg.route_on_body, stream)
 
     async def Process(
         self, request_iterator: AsyncIterator[msg.ProcessingRequest], context: grpc.aio.ServicerContext
@@ -112,16 +135,18 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         try:
             async for request in request_iterator:
                 try:
-                    response = self._answer(request, stream)
+                    answer = self._answer(request, stream)
+                    if not isinstance(answer, msg.ProcessingResponse):
+                        yield msg.extend_timeout(answer.timeout)
+                        answer = await self._complete(answer, stream)
                 except Exception:
                     log.exception("unexpected error while routing; answering 500")
-                    response = _refusal(
+                    answer = _refusal(
                         self._router.refuse(500, "internal error in the routing server", "internal_error")
                     )
-                yield response
+                yield answer
         finally:
-            if stream.lease is not None:
-                stream.lease.release()
+            stream.close()
 
 
 class Health:

@@ -44,6 +44,7 @@ class Stack:
     decode_eds: Path
     grpc_port: int = field(default_factory=free_port)
     admin_port: int = field(default_factory=free_port)
+    prefill_leg_port: int = field(default_factory=free_port)
     server: subprocess.Popen | None = None
     gateway: Gateway | None = None
     removed: set[str] = field(default_factory=set)
@@ -85,20 +86,33 @@ class Stack:
             admin_port=admin,
             extproc_port=self.grpc_port if extproc else None,
             decode_eds_path=str(self.decode_eds),
+            prefill_eds_path=str(self.prefill_eds),
+            prefill_leg_port=self.prefill_leg_port,
             round_robin=not extproc,
         )
         self.gateway = await start_gateway(bootstrap, listen, admin, concurrency=1)
         self.gateway_routed = extproc
 
-    async def route_with(self, mode: str, bonus: float = 0.3) -> str:
-        """(Re)start pd-extproc with ``mode``/``bonus`` and the routed Envoy; return the gateway URL."""
+    async def route_with(self, mode: str, bonus: float = 0.3, handoff: str = "sidecar") -> str:
+        """(Re)start pd-extproc with ``mode``/``bonus``/``handoff`` (prefill legs through Envoy's
+        prefill-leg listener) and the routed Envoy; return the gateway URL."""
         self._stop_server()
+        via = f"http://127.0.0.1:{self.prefill_leg_port}"
         self.server = start_router_process(
             self.grpc_port,
             self.admin_port,
             [str(self.prefill_eds), str(self.decode_eds)],
-            self.workdir / f"pd-extproc-{mode}-{bonus}.log",
-            ("--affinity-mode", mode, "--affinity-bonus", str(bonus)),
+            self.workdir / f"pd-extproc-{mode}-{bonus}-{handoff}.log",
+            (
+                "--affinity-mode",
+                mode,
+                "--affinity-bonus",
+                str(bonus),
+                "--handoff",
+                handoff,
+                "--prefill-via",
+                via,
+            ),
         )
         try:
             await wait_router_ready(self.server, self.admin_port)

@@ -20,7 +20,8 @@ BACKEND = web.AppKey("backend", "EchoBackend")
 
 @dataclass
 class EchoBackend:
-    """A running backend; ``requests`` records (path, seen headers) of every request served."""
+    """A running backend; ``requests`` records the path, seen routing headers, ``x-request-id`` and
+    JSON body (POST only) of every request served."""
 
     runner: web.AppRunner
     address: str
@@ -42,7 +43,9 @@ async def _completion(request: web.Request) -> web.StreamResponse:
     backend = request.app[BACKEND]
     body = await request.json()
     seen = _seen(request)
-    backend.requests.append({"path": request.path, **seen})
+    backend.requests.append(
+        {"path": request.path, **seen, "x-request-id": request.headers.get("x-request-id"), "body": body}
+    )
     delay = float(request.headers.get("x-test-delay-ms", "0")) / 1000
     chat = request.path.endswith("chat/completions")
     created = int(time.time())
@@ -104,3 +107,53 @@ async def start_backend() -> EchoBackend:
     await web.TCPSite(backend.runner, "127.0.0.1", 0).start()
     backend.address = f"127.0.0.1:{backend.runner.addresses[0][1]}"
     return backend
+
+
+@dataclass
+class ScriptedPrefill:
+    """A prefill engine stand-in with a fixed answer: ``status`` and ``body`` after ``delay`` seconds.
+
+    ``legs`` records each request's headers (lower-case names) and JSON body; ``cancelled`` counts
+    requests whose client went away before the answer.
+    """
+
+    runner: web.AppRunner
+    address: str
+    status: int
+    body: bytes
+    delay: float
+    legs: list[tuple[dict[str, str], dict]] = field(default_factory=list)
+    cancelled: int = 0
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+
+
+SCRIPTED = web.AppKey("scripted", ScriptedPrefill)
+
+
+async def _scripted(request: web.Request) -> web.Response:
+    prefill = request.app[SCRIPTED]
+    prefill.legs.append(({k.lower(): v for k, v in request.headers.items()}, await request.json()))
+    try:
+        await asyncio.sleep(prefill.delay)
+    except asyncio.CancelledError:
+        prefill.cancelled += 1
+        raise
+    return web.Response(status=prefill.status, body=prefill.body, content_type="application/json")
+
+
+async def start_scripted_prefill(
+    status: int = 200, body: bytes = b"{}", delay: float = 0.0
+) -> ScriptedPrefill:
+    """Start a :class:`ScriptedPrefill` on an ephemeral loopback port."""
+    app = web.Application()
+    runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+    prefill = ScriptedPrefill(runner, "", status, body, delay)
+    app[SCRIPTED] = prefill
+    app.router.add_post("/v1/completions", _scripted)
+    app.router.add_post("/v1/chat/completions", _scripted)
+    await prefill.runner.setup()
+    await web.TCPSite(prefill.runner, "127.0.0.1", 0).start()
+    prefill.address = f"127.0.0.1:{prefill.runner.addresses[0][1]}"
+    return prefill

@@ -35,6 +35,69 @@ class Stack:
         write_eds_file(self.decode_eds, "decode", specs)
 
 
+@dataclass
+class Gatewayed:
+    """pd-extproc and Envoy over two EDS files."""
+
+    gateway: Gateway
+    server: RunningServer
+    prefill_eds: Path
+    decode_eds: Path
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.server.admin_port}"
+
+
+@contextlib.asynccontextmanager
+async def gateway_over(
+    tmp_path: Path,
+    prefills: list[EndpointSpec],
+    decodes: list[EndpointSpec],
+    settings: dict[str, object] | None = None,
+    response_headers: bool = False,
+) -> AsyncIterator[Gatewayed]:
+    """Write the EDS files, start the server (config ``settings``, dotted keys; ``handoff.prefill_via``
+    defaults to the rendered Envoy's prefill-leg listener) and the real Envoy."""
+    prefill_eds, decode_eds = tmp_path / "prefill.yaml", tmp_path / "decode.yaml"
+    write_eds_file(prefill_eds, "prefill", prefills)
+    write_eds_file(decode_eds, "decode", decodes)
+    prefill_leg_port = free_port()
+    config = load_config(
+        None,
+        {
+            "handoff.prefill_via": f"http://127.0.0.1:{prefill_leg_port}",
+            **(settings or {}),
+            "listen": "127.0.0.1:0",
+            "metrics_listen": "127.0.0.1:0",
+            "discovery.eds_files": [str(prefill_eds), str(decode_eds)],
+            "discovery.poll_interval_seconds": 0.1,
+        },
+        environ={},
+    )
+    server = await start_server(config)
+    listen = free_port()
+    bootstrap = render_bootstrap(
+        listen_port=listen,
+        admin_port=free_port(),
+        extproc_port=server.grpc_port,
+        decode_eds_path=str(decode_eds),
+        prefill_eds_path=str(prefill_eds),
+        prefill_leg_port=prefill_leg_port,
+        response_headers=response_headers,
+    )
+    gateway = None
+    try:
+        gateway = await start_gateway(
+            bootstrap, listen, int(bootstrap["admin"]["address"]["socket_address"]["port_value"])
+        )
+        yield Gatewayed(gateway, server, prefill_eds, decode_eds)
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        await server.stop(grace=0.5)
+
+
 @contextlib.asynccontextmanager
 async def stack(
     tmp_path: Path,
@@ -49,64 +112,30 @@ async def stack(
     prefills = [await start_backend() for _ in prefill_groups]
     decodes = [await start_backend() for _ in decode_groups]
     capacities = capacities or {}
-    prefill_eds, decode_eds = tmp_path / "prefill.yaml", tmp_path / "decode.yaml"
-    write_eds_file(
-        prefill_eds,
-        "prefill",
-        [
-            EndpointSpec(b.address, g, None, True, "HEALTHY")
-            for b, g in zip(prefills, prefill_groups, strict=True)
-        ],
-    )
-    write_eds_file(
-        decode_eds,
-        "decode",
-        [
-            EndpointSpec(b.address, g, capacities.get(i), True, "HEALTHY")
-            for i, (b, g) in enumerate(zip(decodes, decode_groups, strict=True))
-        ],
-    )
-    config = load_config(
-        None,
-        {
-            "listen": "127.0.0.1:0",
-            "metrics_listen": "127.0.0.1:0",
-            "discovery.eds_files": [str(prefill_eds), str(decode_eds)],
-            "discovery.poll_interval_seconds": 0.1,
-            "affinity.mode": mode,
-            "affinity.bonus": bonus,
-        },
-        environ={},
-    )
-    server = await start_server(config)
-    listen = free_port()
-    bootstrap = render_bootstrap(
-        listen_port=listen,
-        admin_port=free_port(),
-        extproc_port=server.grpc_port,
-        decode_eds_path=str(decode_eds),
-        response_headers=response_headers,
-    )
-    gateway = None
+    prefill_specs = [
+        EndpointSpec(b.address, g, None, True, "HEALTHY")
+        for b, g in zip(prefills, prefill_groups, strict=True)
+    ]
+    decode_specs = [
+        EndpointSpec(b.address, g, capacities.get(i), True, "HEALTHY")
+        for i, (b, g) in enumerate(zip(decodes, decode_groups, strict=True))
+    ]
+    settings = {"affinity.mode": mode, "affinity.bonus": bonus}
     try:
-        gateway = await start_gateway(
-            bootstrap, listen, int(bootstrap["admin"]["address"]["socket_address"]["port_value"])
-        )
-        group_of = {
-            b.address: g for b, g in zip(prefills + decodes, prefill_groups + decode_groups, strict=True)
-        }
-        yield Stack(
-            gateway,
-            server,
-            {b.address: b for b in prefills},
-            {b.address: b for b in decodes},
-            group_of,
-            prefill_eds,
-            decode_eds,
-        )
+        async with gateway_over(tmp_path, prefill_specs, decode_specs, settings, response_headers) as g:
+            group_of = {
+                b.address: grp
+                for b, grp in zip(prefills + decodes, prefill_groups + decode_groups, strict=True)
+            }
+            yield Stack(
+                g.gateway,
+                g.server,
+                {b.address: b for b in prefills},
+                {b.address: b for b in decodes},
+                group_of,
+                g.prefill_eds,
+                g.decode_eds,
+            )
     finally:
-        if gateway is not None:
-            gateway.stop()
-        await server.stop(grace=0.5)
         for backend in prefills + decodes:
             await backend.stop()

@@ -44,6 +44,8 @@ def test_rendered_variants_validate(tmp_path, variant):
         "admin_port": 19901,
         "extproc_port": 19002,
         "decode_eds_path": str(REPO / "envoy" / "eds" / "decode.yaml"),
+        "prefill_eds_path": str(REPO / "envoy" / "eds" / "prefill.yaml"),
+        "prefill_leg_port": 11001,
         **variant,
     }
     path = tmp_path / "envoy.yaml"

@@ -10,13 +10,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ext_proc.affinity import Mode, Policy
 from ext_proc.discovery import ClusterEndpoints, EndpointSpec
-from ext_proc.handoff import RoutingInstructions, SidecarHandoff
+from ext_proc.handoff import Refused, RequestMeta, Routed, RoutingInstructions, SidecarHandoff
 from ext_proc.metrics import Metrics
 from ext_proc.registry import EndpointState, Registry
-from ext_proc.router import Refused, Routed, Router
+from ext_proc.router import Router
 
 DEST = "x-gateway-destination-endpoint"
 PREFILL = "x-prefiller-host-port"
+CHAT_META = RequestMeta("/v1/chat/completions")
 DEFAULT_MAX_TOKENS = 100
 
 P1 = "10.0.0.1:8000"
@@ -98,7 +99,7 @@ def prefer_router() -> Router:
 
 
 def test_chat_body_goes_to_same_group_decode_with_both_headers_and_lb_metadata(prefer_router: Router) -> None:
-    result = routed(prefer_router.route_body(chat()))
+    result = routed(prefer_router.route_body(meta=CHAT_META, raw=chat()))
     destination = f"{D_SAME_IDLE},{D_SAME_BUSY},{D_OTHER}"
     assert result.instructions == RoutingInstructions(
         set_headers=((DEST, destination), (PREFILL, P1)),
@@ -108,7 +109,9 @@ def test_chat_body_goes_to_same_group_decode_with_both_headers_and_lb_metadata(p
 
 
 def test_route_body_charges_prompt_to_prefill_and_prompt_plus_budget_to_decode(prefer_router: Router) -> None:
-    result = routed(prefer_router.route_body(chat("x" * 40, max_tokens=50)))  # 10 prompt tokens
+    result = routed(
+        prefer_router.route_body(meta=CHAT_META, raw=chat("x" * 40, max_tokens=50))
+    )  # 10 prompt tokens
     prefill, decode = state(prefer_router, P1, "prefill"), state(prefer_router, D_SAME_IDLE)
     assert (prefill.active_tokens, prefill.active_requests) == (10, 1)
     assert (decode.active_tokens, decode.active_requests) == (60, 1)
@@ -122,26 +125,26 @@ def test_route_body_charges_prompt_to_prefill_and_prompt_plus_budget_to_decode(p
 
 
 def test_route_body_uses_default_budget_when_body_sets_none(prefer_router: Router) -> None:
-    routed(prefer_router.route_body(chat("x" * 8)))
+    routed(prefer_router.route_body(meta=CHAT_META, raw=chat("x" * 8)))
     assert state(prefer_router, D_SAME_IDLE).active_tokens == 2 + DEFAULT_MAX_TOKENS
 
 
 def test_fallback_count_limits_the_destination_list() -> None:
     router = make_router([ep(P1, "g1")], [ep(D_SAME_IDLE, "g1"), ep(D_SAME_BUSY, "g1")], fallback_count=0)
     state(router, D_SAME_BUSY).active_tokens = 1_000
-    result = routed(router.route_body(chat()))
+    result = routed(router.route_body(meta=CHAT_META, raw=chat()))
     assert result.instructions.lb_metadata == ((DEST, D_SAME_IDLE),)
 
 
 def test_unhealthy_decode_is_never_chosen() -> None:
     router = make_router([ep(P1, "g1")], [ep(D_SAME_IDLE, "g1", health="UNHEALTHY"), ep(D_OTHER, "g2")])
-    result = routed(router.route_body(chat()))
+    result = routed(router.route_body(meta=CHAT_META, raw=chat()))
     assert result.instructions.lb_metadata == ((DEST, D_OTHER),)
 
 
 def test_decode_only_routing_removes_the_prefill_header() -> None:
     router = make_router([], [ep(D_SAME_IDLE, "g1")])
-    result = routed(router.route_body(chat()))
+    result = routed(router.route_body(meta=CHAT_META, raw=chat()))
     assert result.instructions == RoutingInstructions(
         set_headers=((DEST, D_SAME_IDLE),), remove_headers=(PREFILL,), lb_metadata=((DEST, D_SAME_IDLE),)
     )
@@ -150,20 +153,20 @@ def test_decode_only_routing_removes_the_prefill_header() -> None:
 
 
 def test_invalid_json_is_refused_with_400_and_no_param(prefer_router: Router) -> None:
-    result = refused(prefer_router.route_body(b"{oops"))
+    result = refused(prefer_router.route_body(meta=CHAT_META, raw=b"{oops"))
     assert (result.status, result.code, result.param) == (400, "invalid_request", None)
     assert result.message.startswith("request body is not valid JSON")
 
 
 def test_invalid_field_is_refused_with_400_naming_the_param(prefer_router: Router) -> None:
-    result = refused(prefer_router.route_body(chat(max_tokens=-1)))
+    result = refused(prefer_router.route_body(meta=CHAT_META, raw=chat(max_tokens=-1)))
     assert result == Refused(
         400, "'max_tokens' must be a non-negative integer", "invalid_request", "max_tokens"
     )
 
 
 def test_refused_request_charges_nothing(prefer_router: Router) -> None:
-    refused(prefer_router.route_body(b"[]"))
+    refused(prefer_router.route_body(meta=CHAT_META, raw=b"[]"))
     assert all(s.active_requests == 0 for s in prefer_router.registry.endpoints())
 
 
@@ -171,16 +174,16 @@ def test_refused_request_charges_nothing(prefer_router: Router) -> None:
 def test_an_output_budget_beyond_the_load_arrays_is_400_and_charges_nothing(
     prefer_router: Router, max_tokens: int
 ) -> None:
-    result = refused(prefer_router.route_body(chat(max_tokens=max_tokens)))
+    result = refused(prefer_router.route_body(meta=CHAT_META, raw=chat(max_tokens=max_tokens)))
     assert (result.status, result.code, result.param) == (400, "invalid_request", "max_tokens")
     assert "'max_tokens' is too large" in result.message
     assert all(s.active_requests == 0 for s in prefer_router.registry.endpoints())
-    routed(prefer_router.route_body(chat(max_tokens=2**40)))  # the limit itself is routed
+    routed(prefer_router.route_body(meta=CHAT_META, raw=chat(max_tokens=2**40)))  # the limit itself is routed
 
 
 def test_strict_mode_without_same_group_decode_is_503() -> None:
     router = make_router([ep(P1, "g1")], [ep(D_OTHER, "g2")], mode=Mode.STRICT)
-    result = refused(router.route_body(chat()))
+    result = refused(router.route_body(meta=CHAT_META, raw=chat()))
     assert (result.status, result.code, result.param) == (503, "no_same_group_decode_endpoint", None)
     assert "strict pdGroupID affinity" in result.message
     assert all(s.active_requests == 0 for s in router.registry.endpoints())
@@ -188,13 +191,13 @@ def test_strict_mode_without_same_group_decode_is_503() -> None:
 
 def test_strict_mode_keeps_the_decode_and_fallbacks_in_the_group() -> None:
     router = make_router([ep(P1, "g1")], [ep(D_OTHER, "g2"), ep(D_SAME_IDLE, "g1")], mode=Mode.STRICT)
-    result = routed(router.route_body(chat()))
+    result = routed(router.route_body(meta=CHAT_META, raw=chat()))
     assert result.instructions.lb_metadata == ((DEST, D_SAME_IDLE),)
 
 
 def test_no_healthy_decode_is_503() -> None:
     router = make_router([ep(P1, "g1")], [ep(D_SAME_IDLE, "g1", health="DRAINING")])
-    result = refused(router.route_body(chat()))
+    result = refused(router.route_body(meta=CHAT_META, raw=chat()))
     assert (result.status, result.code) == (503, "no_healthy_decode_endpoint")
     assert "no healthy decode endpoint" in result.message
 
@@ -234,8 +237,8 @@ def test_ties_rotate_between_equally_loaded_decodes() -> None:
 
 
 def test_decisions_are_counted_by_mode_and_locality(prefer_router: Router) -> None:
-    routed(prefer_router.route_body(chat()))
-    routed(prefer_router.route_body(chat()))
+    routed(prefer_router.route_body(meta=CHAT_META, raw=chat()))
+    routed(prefer_router.route_body(meta=CHAT_META, raw=chat()))
     routed(prefer_router.route_bodiless())
     name = "pd_extproc_route_decisions_total"
     assert value(prefer_router, name, mode="prefer", locality="same_group") == 2.0
@@ -246,15 +249,15 @@ def test_decisions_are_counted_by_mode_and_locality(prefer_router: Router) -> No
 
 def test_cross_group_decision_is_counted_as_such() -> None:
     router = make_router([ep(P1, "g1")], [ep(D_OTHER, "g2")], mode=Mode.OFF)
-    routed(router.route_body(chat()))
+    routed(router.route_body(meta=CHAT_META, raw=chat()))
     assert value(router, "pd_extproc_route_decisions_total", mode="off", locality="cross_group") == 1.0
 
 
 def test_rejections_are_counted_by_reason_and_are_not_decisions() -> None:
     router = make_router([ep(P1, "g1")], [ep(D_OTHER, "g2")], mode=Mode.STRICT)
-    refused(router.route_body(b"nope"))
-    refused(router.route_body(chat(stream="yes")))
-    refused(router.route_body(chat()))
+    refused(router.route_body(meta=CHAT_META, raw=b"nope"))
+    refused(router.route_body(meta=CHAT_META, raw=chat(stream="yes")))
+    refused(router.route_body(meta=CHAT_META, raw=chat()))
     name = "pd_extproc_rejected_total"
     assert value(router, name, reason="invalid_request") == 2.0
     assert value(router, name, reason="no_same_group_decode_endpoint") == 1.0
@@ -263,7 +266,7 @@ def test_rejections_are_counted_by_reason_and_are_not_decisions() -> None:
 
 
 def test_endpoint_gauges_follow_live_load(prefer_router: Router) -> None:
-    result = routed(prefer_router.route_body(chat("x" * 40, max_tokens=50)))
+    result = routed(prefer_router.route_body(meta=CHAT_META, raw=chat("x" * 40, max_tokens=50)))
     labels = {"role": "decode", "group": "g1", "endpoint": D_SAME_IDLE}
     assert value(prefer_router, "pd_extproc_endpoint_active_tokens", **labels) == 60.0
     assert value(prefer_router, "pd_extproc_endpoint_active_requests", **labels) == 1.0

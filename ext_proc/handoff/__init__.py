@@ -1,12 +1,46 @@
 """Handoff protocols: turn a routing decision into what Envoy and the engines need.
 
-A handoff is anything with ``instructions(decision) -> RoutingInstructions`` and a
-``routing_headers`` tuple naming every header it owns (clients may not supply those). Today:
-:class:`SidecarHandoff` (llm-d style decode sidecar). Later: vLLM ``kv_transfer_params`` and
-SGLang bootstrap handoffs, which will also rewrite the body.
+- :class:`SidecarHandoff`: headers only, for an llm-d style decode sidecar that runs the prefill;
+- :class:`KvTransferParamsHandoff`: vLLM / vllm-ascend ``kv_transfer_params``, prefill leg first;
+- :class:`SglangBootstrapHandoff`: SGLang bootstrap fields, prefill leg alongside the decode.
+
+:mod:`ext_proc.handoff.base` defines the seam; :mod:`~ext_proc.handoff.body` the body rewriting;
+:mod:`~ext_proc.handoff.leg` the prefill leg's HTTP client.
 """
 
-from ext_proc.handoff.base import Handoff, RoutingInstructions
+from ext_proc.handoff.base import (
+    FailurePolicy,
+    Handoff,
+    HandoffJob,
+    HandoffMode,
+    Handover,
+    Placement,
+    Refused,
+    RequestMeta,
+    Rerouter,
+    Routed,
+    RoutingInstructions,
+)
+from ext_proc.handoff.kv_transfer import KvTransferParamsHandoff
+from ext_proc.handoff.leg import LegOutcome, PrefillClient
+from ext_proc.handoff.sglang import SglangBootstrapHandoff
 from ext_proc.handoff.sidecar import SidecarHandoff
 
-__all__ = ["Handoff", "RoutingInstructions", "SidecarHandoff"]
+__all__ = [
+    "FailurePolicy",
+    "Handoff",
+    "HandoffJob",
+    "HandoffMode",
+    "Handover",
+    "KvTransferParamsHandoff",
+    "LegOutcome",
+    "Placement",
+    "PrefillClient",
+    "Refused",
+    "RequestMeta",
+    "Rerouter",
+    "Routed",
+    "RoutingInstructions",
+    "SglangBootstrapHandoff",
+    "SidecarHandoff",
+]

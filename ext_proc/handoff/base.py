@@ -1,11 +1,36 @@
-"""The handoff seam: the data a handoff produces and the interface it implements."""
+"""The handoff seam: what a handoff receives, what it produces, and the interfaces around it.
+
+The router parses and decides (:class:`Placement`: a decision and its charges) and hands the
+request to a :class:`Handoff`, which answers at once (:class:`Routed` or :class:`Refused`) or, when
+it must first talk to an engine, with a :class:`Handover` that the server completes after asking
+Envoy for more time.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import enum
 from dataclasses import dataclass
 from typing import Protocol
 
-from ext_proc.affinity import Decision, Endpoint
+from ext_proc.affinity import Cost, Decision
+from ext_proc.load import Lease
+from ext_proc.registry import EndpointState
+
+
+class HandoffMode(enum.StrEnum):
+    """How the engines receive a disaggregated request (config ``handoff.mode``)."""
+
+    SIDECAR = "sidecar"
+    KV_TRANSFER_PARAMS = "kv-transfer-params"
+    SGLANG_BOOTSTRAP = "sglang-bootstrap"
+
+
+class FailurePolicy(enum.StrEnum):
+    """What a failed prefill leg leads to, once the retry failed too (``handoff.on_prefill_failure``)."""
+
+    DECODE_ONLY = "decode-only"
+    ERROR = "error"
 
 
 @dataclass(frozen=True, slots=True)
@@ -14,19 +39,129 @@ class RoutingInstructions:
 
     ``set_headers`` overwrite (or add) request headers; ``remove_headers`` are dropped;
     ``lb_metadata`` goes into dynamic metadata namespace ``envoy.lb``, which Envoy's
-    ``override_host`` load balancing policy reads.
+    ``override_host`` load balancing policy reads; ``body``, when not ``None``, replaces the
+    request body (``content-length`` is set to match).
     """
 
     set_headers: tuple[tuple[str, str], ...]
     remove_headers: tuple[str, ...]
     lb_metadata: tuple[tuple[str, str], ...]
+    body: bytes | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestMeta:
+    """What the request-headers phase tells about a request.
+
+    ``path`` is the HTTP ``:path`` (query included); ``client_request_id`` the incoming
+    ``x-request-id`` (kept for logs only); ``authorization`` is forwarded to prefill legs.
+    """
+
+    path: str = ""
+    client_request_id: str | None = None
+    authorization: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffJob:
+    """One parsed request on its way to the engines.
+
+    ``raw`` is the client's body as received and ``body`` its parsed JSON object; ``cost`` is what
+    the request charges (tokens); ``subset`` the data plane's endpoint-subset hint, if any.
+    """
+
+    raw: bytes
+    body: dict[str, object]
+    meta: RequestMeta
+    cost: Cost
+    subset: frozenset[str] | None
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """A routing decision and the charges it holds (released through ``lease``)."""
+
+    decision: Decision[EndpointState]
+    lease: Lease
+
+
+@dataclass(frozen=True, slots=True)
+class Routed:
+    """The request goes ahead: ``instructions`` for Envoy, ``lease`` to release when it ends, and
+    ``background`` (a prefill leg still running) to cancel when the HTTP exchange ends."""
+
+    instructions: RoutingInstructions
+    lease: Lease
+    background: asyncio.Task[None] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """The request is answered with an error. ``code`` is also the ``rejected_total`` reason.
+
+    ``body``, when set, is the exact JSON error body to send (an engine's own error, passed through).
+    """
+
+    status: int
+    message: str
+    code: str
+    param: str | None = None
+    body: bytes | None = None
+
+
+class Handover(Protocol):
+    """A routing answer that needs I/O first (the kv-transfer-params prefill leg).
+
+    ``timeout`` (seconds) is how long Envoy must wait for the answer. ``lease`` holds the charges
+    of the moment (a retry replaces it). :meth:`complete` returns the answer; whatever it returns
+    or raises, every charge outside the returned :class:`Routed`'s lease has been released, except
+    when it is cancelled: then the caller releases ``lease``.
+    """
+
+    timeout: float
+    lease: Lease
+
+    async def complete(self) -> Routed | Refused:
+        """Run the I/O and produce the answer for Envoy."""
+        ...
+
+
+class Rerouter(Protocol):
+    """What a handoff may ask of the router after a prefill leg failed."""
+
+    def retry(
+        self, job: HandoffJob, failed: Decision[EndpointState], exclude: frozenset[str]
+    ) -> Placement | None:
+        """A new placement on the next-ranked prefill (not in ``exclude``; in ``strict`` mode in the
+        failed prefill's group), charged; ``None`` when there is none."""
+        ...
+
+    def refuse(
+        self, status: int, message: str, code: str, param: str | None = None, body: bytes | None = None
+    ) -> Refused:
+        """Count, log and describe an error answer (``body``: an exact error body to send)."""
+        ...
 
 
 class Handoff(Protocol):
-    """Turns a :class:`~ext_proc.affinity.Decision` into :class:`RoutingInstructions`."""
+    """Turns a :class:`Placement` into what Envoy and the engines need.
+
+    ``routing_headers`` names every request header the handoff owns: clients may not supply them.
+    """
 
     routing_headers: tuple[str, ...]
 
-    def instructions(self, decision: Decision[Endpoint]) -> RoutingInstructions:
-        """The headers and metadata that make Envoy and the engines carry out ``decision``."""
+    def hand_off(self, job: HandoffJob, placement: Placement, router: Rerouter) -> Routed | Handover:
+        """Answer at once, or return the :class:`Handover` that will."""
         ...
+
+    async def close(self) -> None:
+        """Stop background work and release connections (server shutdown)."""
+        ...
+
+
+def destination_list(decision: Decision[EndpointState]) -> str:
+    """The decode endpoint then its fallbacks, ``"ip:port[,ip:port...]"`` (endpoint-picker protocol)."""
+    if not decision.fallbacks:
+        return decision.decode.address
+    return ",".join([decision.decode.address, *(f.address for f in decision.fallbacks)])

@@ -8,8 +8,16 @@ to its engine. Without a prefill the header is removed, so the decode engine pre
 
 from __future__ import annotations
 
-from ext_proc.affinity import Decision, Endpoint
-from ext_proc.handoff.base import RoutingInstructions
+from ext_proc.affinity import Decision
+from ext_proc.handoff.base import (
+    HandoffJob,
+    Placement,
+    Rerouter,
+    Routed,
+    RoutingInstructions,
+    destination_list,
+)
+from ext_proc.registry import EndpointState
 
 
 class SidecarHandoff:
@@ -20,12 +28,9 @@ class SidecarHandoff:
         self._prefill = prefill_header
         self.routing_headers = (destination_header, prefill_header)
 
-    def instructions(self, decision: Decision[Endpoint]) -> RoutingInstructions:
+    def instructions(self, decision: Decision[EndpointState]) -> RoutingInstructions:
         """Destination list = decode then fallbacks; the prefill header only when a prefill was chosen."""
-        if decision.fallbacks:
-            destination = ",".join([decision.decode.address, *(f.address for f in decision.fallbacks)])
-        else:
-            destination = decision.decode.address
+        destination = destination_list(decision)
         if decision.prefill is None:
             return RoutingInstructions(
                 ((self._destination, destination),), (self._prefill,), ((self._destination, destination),)
@@ -35,3 +40,10 @@ class SidecarHandoff:
             (),
             ((self._destination, destination),),
         )
+
+    def hand_off(self, job: HandoffJob, placement: Placement, router: Rerouter) -> Routed:
+        """Headers only: the sidecar does the rest."""
+        return Routed(self.instructions(placement.decision), placement.lease)
+
+    async def close(self) -> None:
+        """Nothing runs in the background."""

@@ -1,0 +1,76 @@
+"""Request bodies for the engines' handoffs: pure functions of the client's body.
+
+The client's fields reach the decode unchanged: the gateway only adds the fields its handoff owns
+(replacing any a client sent, which could otherwise point an engine at another request's KV cache).
+When the client sent none of them, the addition is spliced into the client's own bytes, so the
+body is not re-serialised.
+"""
+
+from __future__ import annotations
+
+import json
+
+KV_TRANSFER_PARAMS = "kv_transfer_params"
+PREFILL_REQUEST_PARAMS: dict[str, object] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+"""``kv_transfer_params`` of a prefill leg (vLLM NixlConnector / vllm-ascend MooncakeConnector)."""
+BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+"""The body fields of SGLang's PD handoff."""
+_MIN_TOKENS = ("min_tokens", "min_completion_tokens")
+
+
+def _dumps(body: dict[str, object]) -> bytes:
+    return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def with_fields(
+    raw: bytes, body: dict[str, object], fields: dict[str, object], owned: tuple[str, ...]
+) -> bytes:
+    """The client's body (``raw``, parsed as ``body``) without any of the ``owned`` keys, plus ``fields``.
+
+    ``fields`` keys must be among ``owned``. Every other key keeps its value.
+    """
+    start = raw.lstrip()[:1]
+    if start == b"{" and not any(key in body for key in owned):
+        end = raw.rstrip()
+        added = _dumps(fields)[1:-1]
+        if not added:
+            return raw
+        return end[:-1] + (b"," if body else b"") + added + b"}"
+    kept = {key: value for key, value in body.items() if key not in owned}
+    kept.update(fields)
+    return _dumps(kept)
+
+
+def without_fields(raw: bytes, body: dict[str, object], owned: tuple[str, ...]) -> bytes | None:
+    """The client's body without the ``owned`` keys, or ``None`` when it has none (send it unchanged)."""
+    if not any(key in body for key in owned):
+        return None
+    return with_fields(raw, body, {}, owned)
+
+
+def prefill_leg_body(body: dict[str, object]) -> bytes:
+    """The prefill leg of the kv-transfer-params handoff: the client's body asking for one token.
+
+    ``kv_transfer_params`` asks the prefill to keep the KV cache for a remote decode; ``stream``
+    false; ``max_tokens`` 1 (and ``max_completion_tokens`` 1 when the client set it);
+    ``stream_options`` removed; ``min_tokens``/``min_completion_tokens`` at most 1.
+    """
+    leg = dict(body)
+    leg.pop("stream_options", None)
+    leg[KV_TRANSFER_PARAMS] = dict(PREFILL_REQUEST_PARAMS)
+    leg["stream"] = False
+    leg["max_tokens"] = 1
+    if body.get("max_completion_tokens") is not None:
+        leg["max_completion_tokens"] = 1
+    for key in _MIN_TOKENS:
+        value = leg.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool) and value > 1:
+            leg[key] = 1
+    return _dumps(leg)

@@ -1,0 +1,237 @@
+"""The kv-transfer-params handoff: vLLM NixlConnector / vllm-ascend MooncakeConnector, prefill first.
+
+1. The prefill leg (:func:`~ext_proc.handoff.body.prefill_leg_body`, a gateway-made ``x-request-id``,
+   the client's ``authorization``) goes to the chosen prefill through Envoy's prefill-leg listener.
+2. The ``kv_transfer_params`` of its answer are added, verbatim, to the client's own body, which
+   Envoy then forwards to the chosen decode (same ``x-request-id``): the decode pulls the KV cache.
+
+The prefill charge is released when the leg returns. A prefill answer without ``kv_transfer_params``
+(it stopped early) sends the plain body to the decode, which prefills locally. A failed leg
+(connect error, 5xx, 408/429, timeout, unusable answer) is retried once on the next-ranked prefill,
+then leads to decode-only routing or an error (:class:`~ext_proc.handoff.base.FailurePolicy`). Any
+other 4xx is the client's request being bad: the engine's error goes back to the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+
+from ext_proc.affinity import Decision
+from ext_proc.handoff.base import (
+    FailurePolicy,
+    HandoffJob,
+    Placement,
+    Refused,
+    Rerouter,
+    Routed,
+    RoutingInstructions,
+    destination_list,
+)
+from ext_proc.handoff.body import KV_TRANSFER_PARAMS, prefill_leg_body, with_fields, without_fields
+from ext_proc.handoff.leg import LegError, LegOutcome, LegReply, PrefillClient
+from ext_proc.load import Lease
+from ext_proc.metrics import Metrics
+from ext_proc.registry import EndpointState
+
+log = logging.getLogger(__name__)
+
+REQUEST_ID_HEADER = "x-request-id"
+TIMEOUT_MARGIN_SECONDS = 5.0
+"""Added to the legs' worst case when asking Envoy to wait for the body answer."""
+_RETRYABLE_4XX = frozenset({408, 429})
+_OWNED = (KV_TRANSFER_PARAMS,)
+_MAX_DETAIL = 300
+
+
+def new_request_id() -> str:
+    """A request id for both legs that no client can predict or reuse (random UUID)."""
+    return str(uuid.uuid4())
+
+
+def read_prefill_reply(reply: LegReply) -> tuple[LegOutcome, dict[str, object] | None, str]:
+    """Classify a prefill answer: ``(outcome, kv_transfer_params or None, detail for logs)``."""
+    status = reply.status
+    if 200 <= status < 300:
+        try:
+            answer = json.loads(reply.body)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            return LegOutcome.BAD_RESPONSE, None, f"answer is not JSON: {exc}"
+        if not isinstance(answer, dict):
+            return LegOutcome.BAD_RESPONSE, None, "answer is not a JSON object"
+        params = answer.get(KV_TRANSFER_PARAMS)
+        if params is None:
+            return LegOutcome.NO_KV_TRANSFER_PARAMS, None, "answer has no kv_transfer_params"
+        if not isinstance(params, dict):
+            return LegOutcome.BAD_RESPONSE, None, f"kv_transfer_params is a {type(params).__name__}"
+        return LegOutcome.OK, params, "ok"
+    detail = f"HTTP {status}: {reply.body[:_MAX_DETAIL].decode(errors='replace')}"
+    if 400 <= status < 500 and status not in _RETRYABLE_4XX:
+        return LegOutcome.CLIENT_ERROR, None, detail
+    if status >= 500 or status in _RETRYABLE_4XX:
+        return LegOutcome.SERVER_ERROR, None, detail
+    return LegOutcome.BAD_RESPONSE, None, detail
+
+
+def engine_error(reply: LegReply) -> tuple[str, bytes | None]:
+    """What the client gets for a prefill's 4xx: ``(message, body)``; ``body`` is the engine's own
+    error when it is an OpenAI-style JSON error (sent verbatim), else ``None`` (a gateway error
+    quoting the engine is built)."""
+    try:
+        answer = json.loads(reply.body)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        answer = None
+    error = answer.get("error") if isinstance(answer, dict) else None
+    if isinstance(error, dict) and isinstance(error.get("message"), str):
+        return error["message"], reply.body
+    text = reply.body[:_MAX_DETAIL].decode(errors="replace")
+    return f"the prefill engine refused the request: {text}", None
+
+
+class KvTransferParamsHandoff:
+    """The P-first handoff; see the module docstring. Header names are configurable (lower case)."""
+
+    def __init__(
+        self,
+        destination_header: str,
+        prefill_header: str,
+        client: PrefillClient,
+        metrics: Metrics,
+        on_failure: FailurePolicy,
+        leg_timeout_seconds: float,
+    ) -> None:
+        self._destination = destination_header
+        self._prefill = prefill_header
+        self.client = client
+        self.metrics = metrics
+        self.on_failure = on_failure
+        self.answer_timeout = 2 * leg_timeout_seconds + TIMEOUT_MARGIN_SECONDS
+        self.routing_headers = (destination_header, prefill_header)
+
+    def decode_instructions(
+        self, decision: Decision[EndpointState], request_id: str | None, body: bytes | None
+    ) -> RoutingInstructions:
+        """Route to the decode (and fallbacks); ``request_id`` and ``body`` replace the client's."""
+        destination = destination_list(decision)
+        headers = ((self._destination, destination),)
+        if request_id is not None:
+            headers += ((REQUEST_ID_HEADER, request_id),)
+        return RoutingInstructions(headers, (self._prefill,), ((self._destination, destination),), body)
+
+    def hand_off(self, job: HandoffJob, placement: Placement, router: Rerouter) -> Routed | PrefillFirst:
+        """Decode-only at once when no prefill was chosen; else the prefill leg first."""
+        if placement.decision.prefill is None:
+            plain = without_fields(job.raw, job.body, _OWNED)
+            return Routed(self.decode_instructions(placement.decision, None, plain), placement.lease)
+        return PrefillFirst(self, job, placement, router)
+
+    async def close(self) -> None:
+        """Close the prefill legs' connections."""
+        await self.client.close()
+
+
+class PrefillFirst:
+    """One request's prefill leg(s) and the decode answer that follows (a :class:`Handover`)."""
+
+    def __init__(
+        self, handoff: KvTransferParamsHandoff, job: HandoffJob, placement: Placement, router: Rerouter
+    ) -> None:
+        self.timeout = handoff.answer_timeout
+        self.lease: Lease = placement.lease
+        self._handoff = handoff
+        self._job = job
+        self._placement = placement
+        self._router = router
+        self._request_id = new_request_id()
+
+    def _log(self, level: int, prefill: EndpointState, outcome: LegOutcome, detail: str) -> None:
+        log.log(
+            level,
+            "prefill leg to %s: %s (%s); request %s, client request id %s",
+            prefill.address,
+            outcome.value,
+            detail,
+            self._request_id,
+            self._job.meta.client_request_id,
+        )
+
+    async def _leg(self, prefill: EndpointState, body: bytes) -> tuple[LegOutcome, LegReply | None, str]:
+        headers = {REQUEST_ID_HEADER: self._request_id}
+        if self._job.meta.authorization is not None:
+            headers["authorization"] = self._job.meta.authorization
+        metrics = self._handoff.metrics
+        try:
+            reply = await self._handoff.client.send(prefill.address, self._job.meta.path, body, headers)
+        except LegError as exc:
+            metrics.prefill_leg(exc.outcome.value, None)
+            return exc.outcome, None, str(exc)
+        except asyncio.CancelledError:
+            metrics.prefill_leg(LegOutcome.CANCELLED.value, None)
+            raise
+        outcome, _, detail = read_prefill_reply(reply)
+        metrics.prefill_leg(outcome.value, reply.seconds)
+        if reply.upstream is not None and reply.upstream != prefill.address:
+            log.warning(
+                "prefill leg for %s was served by %s: Envoy's prefill cluster does not list it yet",
+                prefill.address,
+                reply.upstream,
+            )
+        return outcome, reply, detail
+
+    async def complete(self) -> Routed | Refused:
+        """Run the prefill leg (and at most one retry), then answer for the decode."""
+        handoff, job = self._handoff, self._job
+        leg_body = prefill_leg_body(job.body)
+        tried: frozenset[str] = frozenset()
+        while True:
+            decision = self._placement.decision
+            prefill = decision.prefill
+            assert prefill is not None
+            outcome, reply, detail = await self._leg(prefill, leg_body)
+            self.lease.release_prefill()
+            if outcome is LegOutcome.OK:
+                assert reply is not None
+                params = read_prefill_reply(reply)[1]
+                body = with_fields(job.raw, job.body, {KV_TRANSFER_PARAMS: params}, _OWNED)
+                return Routed(handoff.decode_instructions(decision, self._request_id, body), self.lease)
+            if outcome is LegOutcome.CLIENT_ERROR:
+                assert reply is not None
+                self._log(logging.INFO, prefill, outcome, detail)
+                self.lease.release()
+                message, body = engine_error(reply)
+                return self._router.refuse(reply.status, message, "prefill_rejected", body=body)
+            if outcome is LegOutcome.NO_KV_TRANSFER_PARAMS:
+                self._log(logging.INFO, prefill, outcome, "the decode prefills locally")
+                return self._decode_only(decision)
+            self._log(logging.WARNING, prefill, outcome, detail)
+            tried |= {prefill.address}
+            retry = self._router.retry(job, decision, tried) if len(tried) == 1 else None
+            if retry is None:
+                return self._give_up(decision, outcome, prefill, detail)
+            self.lease.release()
+            self._placement, self.lease = retry, retry.lease
+
+    def _decode_only(self, decision: Decision[EndpointState]) -> Routed:
+        plain = without_fields(self._job.raw, self._job.body, _OWNED)
+        return Routed(self._handoff.decode_instructions(decision, self._request_id, plain), self.lease)
+
+    def _give_up(
+        self, decision: Decision[EndpointState], outcome: LegOutcome, prefill: EndpointState, detail: str
+    ) -> Routed | Refused:
+        policy = self._handoff.on_failure
+        self._handoff.metrics.prefill_fallback(policy.value)
+        if policy is FailurePolicy.DECODE_ONLY:
+            log.warning(
+                "no prefill leg succeeded; request %s goes decode-only to %s",
+                self._request_id,
+                decision.decode.address,
+            )
+            return self._decode_only(decision)
+        self.lease.release()
+        if outcome is LegOutcome.TIMEOUT:
+            message = f"the prefill engine {prefill.address} did not answer in time ({detail})"
+            return self._router.refuse(504, message, "prefill_timeout")
+        message = f"the prefill engine {prefill.address} failed: {outcome.value} ({detail})"
+        return self._router.refuse(502, message, "prefill_failed")

@@ -1,0 +1,112 @@
+"""The prefill leg: an HTTP POST to the chosen prefill engine, through Envoy or directly.
+
+Through Envoy (``via`` set, e.g. ``http://127.0.0.1:10001``: the shipped bootstrap's prefill-leg
+listener), the request goes to ``via`` + the client's path with the destination header naming the
+prefill, so Envoy's override_host policy forwards it there; directly (``via`` empty), to
+``http://<prefill address><path>``. :meth:`PrefillClient.send` returns what came back or raises
+:class:`LegError` saying how it failed; it never retries.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import aiohttp
+
+MAX_RESPONSE_BYTES = 64 * 1024 * 1024
+"""Largest prefill answer read (a one-token completion, unless the client asked for prompt logprobs)."""
+UPSTREAM_HEADER = "x-gateway-prefill-upstream"
+"""Response header the shipped prefill-leg listener sets to the address that served."""
+
+
+class LegOutcome(enum.StrEnum):
+    """How one prefill leg ended: the ``outcome`` label of ``pd_extproc_prefill_leg_total``."""
+
+    OK = "ok"
+    NO_KV_TRANSFER_PARAMS = "no_kv_transfer_params"
+    CONNECT_ERROR = "connect_error"
+    SERVER_ERROR = "server_error"
+    TIMEOUT = "timeout"
+    BAD_RESPONSE = "bad_response"
+    CLIENT_ERROR = "client_error"
+    CANCELLED = "cancelled"
+
+
+class LegError(Exception):
+    """A prefill leg that produced no HTTP answer: ``outcome`` is CONNECT_ERROR or TIMEOUT."""
+
+    def __init__(self, outcome: LegOutcome, detail: str) -> None:
+        super().__init__(detail)
+        self.outcome = outcome
+
+
+@dataclass(frozen=True, slots=True)
+class LegReply:
+    """An HTTP answer from (or, through Envoy, on behalf of) the prefill.
+
+    ``upstream`` is the address Envoy reports having used (``None`` when sent directly or not said);
+    ``seconds`` the leg's wall time.
+    """
+
+    status: int
+    body: bytes
+    upstream: str | None
+    seconds: float
+
+
+class PrefillClient:
+    """Sends prefill legs over one pooled HTTP client session (created on first use, in the loop)."""
+
+    def __init__(self, via: str, destination_header: str, timeout_seconds: float) -> None:
+        self._via = via.rstrip("/")
+        self._destination_header = destination_header
+        self._timeout = aiohttp.ClientTimeout(total=timeout_seconds)
+        self._session: aiohttp.ClientSession | None = None
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            connector = aiohttp.TCPConnector(limit=0, use_dns_cache=True)
+            self._session = aiohttp.ClientSession(
+                connector=connector, timeout=self._timeout, auto_decompress=False
+            )
+        return self._session
+
+    async def send(self, address: str, path: str, body: bytes, headers: Mapping[str, str]) -> LegReply:
+        """POST ``body`` (JSON) to the prefill at ``address`` on ``path``; raise :class:`LegError`."""
+        sent = {**headers, "content-type": "application/json"}
+        if self._via:
+            url = self._via + path
+            sent[self._destination_header] = address
+        else:
+            url = f"http://{address}{path}"
+        started = time.perf_counter()
+        try:
+            async with self._client().post(url, data=body, headers=sent) as response:
+                data = await _read_capped(response)
+                upstream = response.headers.get(UPSTREAM_HEADER)
+                return LegReply(response.status, data, upstream, time.perf_counter() - started)
+        except TimeoutError:
+            raise LegError(LegOutcome.TIMEOUT, f"no answer within {self._timeout.total:g} s") from None
+        except aiohttp.ClientError as exc:
+            raise LegError(LegOutcome.CONNECT_ERROR, f"{type(exc).__name__}: {exc}") from None
+
+    async def close(self) -> None:
+        """Close the pooled connections."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+async def _read_capped(response: aiohttp.ClientResponse) -> bytes:
+    """The whole response body, or a :class:`LegError` (BAD_RESPONSE) beyond MAX_RESPONSE_BYTES."""
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in response.content.iter_chunked(1 << 16):
+        size += len(chunk)
+        if size > MAX_RESPONSE_BYTES:
+            raise LegError(LegOutcome.BAD_RESPONSE, f"answer larger than {MAX_RESPONSE_BYTES} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)

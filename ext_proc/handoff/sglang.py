@@ -1,0 +1,132 @@
+"""The sglang-bootstrap handoff: SGLang's PD disaggregation, prefill and decode at the same time.
+
+The body gets ``bootstrap_host`` (the prefill's IP), ``bootstrap_port`` (its ``bootstrap_port``
+endpoint metadata, else the configured default) and ``bootstrap_room`` (a random 63-bit integer, the
+rendezvous key: no client can choose or predict it). Envoy forwards it to the decode while the same
+body goes to the prefill through the prefill-leg listener, concurrently: the prefill waits for the
+decode to connect before it sends the KV cache, so waiting for the prefill first would deadlock.
+The prefill leg is drained in the background; its charge is released when it returns, and it is
+cancelled if the client's exchange ends first. A failed prefill leg is logged and counted; the decode
+engine then fails the request itself once its bootstrap wait times out (README "Handoff modes").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+
+from ext_proc.affinity import Decision
+from ext_proc.handoff.base import (
+    HandoffJob,
+    Placement,
+    Rerouter,
+    Routed,
+    RoutingInstructions,
+    destination_list,
+)
+from ext_proc.handoff.body import BOOTSTRAP_FIELDS, with_fields, without_fields
+from ext_proc.handoff.kv_transfer import REQUEST_ID_HEADER, new_request_id
+from ext_proc.handoff.leg import LegError, LegOutcome, PrefillClient
+from ext_proc.load import Lease
+from ext_proc.metrics import Metrics
+from ext_proc.registry import EndpointState
+
+log = logging.getLogger(__name__)
+
+
+def bootstrap_host(address: str) -> str:
+    """The IP of an ``"ip:port"`` / ``"[ipv6]:port"`` address, as SGLang expects ``bootstrap_host``."""
+    return address.rpartition(":")[0].strip("[]")
+
+
+class SglangBootstrapHandoff:
+    """The concurrent handoff; see the module docstring. Header names are configurable (lower case)."""
+
+    def __init__(
+        self,
+        destination_header: str,
+        prefill_header: str,
+        client: PrefillClient,
+        metrics: Metrics,
+        default_bootstrap_port: int,
+    ) -> None:
+        self._destination = destination_header
+        self._prefill = prefill_header
+        self.client = client
+        self.metrics = metrics
+        self.default_bootstrap_port = default_bootstrap_port
+        self.routing_headers = (destination_header, prefill_header)
+        self._legs: set[asyncio.Task[None]] = set()
+
+    def _instructions(
+        self, decision: Decision[EndpointState], request_id: str | None, body: bytes | None
+    ) -> RoutingInstructions:
+        destination = destination_list(decision)
+        headers = ((self._destination, destination),)
+        if request_id is not None:
+            headers += ((REQUEST_ID_HEADER, request_id),)
+        return RoutingInstructions(headers, (self._prefill,), ((self._destination, destination),), body)
+
+    def hand_off(self, job: HandoffJob, placement: Placement, router: Rerouter) -> Routed:
+        """Answer at once: the decode gets the bootstrap fields, the prefill leg starts alongside."""
+        decision, lease = placement.decision, placement.lease
+        prefill = decision.prefill
+        if prefill is None:
+            plain = without_fields(job.raw, job.body, BOOTSTRAP_FIELDS)
+            return Routed(self._instructions(decision, None, plain), lease)
+        fields: dict[str, object] = {
+            "bootstrap_host": bootstrap_host(prefill.address),
+            "bootstrap_port": prefill.bootstrap_port or self.default_bootstrap_port,
+            "bootstrap_room": secrets.randbits(63),
+        }
+        body = with_fields(job.raw, job.body, fields, BOOTSTRAP_FIELDS)
+        request_id = new_request_id()
+        headers = {REQUEST_ID_HEADER: request_id}
+        if job.meta.authorization is not None:
+            headers["authorization"] = job.meta.authorization
+        leg = asyncio.get_running_loop().create_task(
+            self._drain(prefill, job.meta.path, body, headers, lease), name=f"prefill-leg-{request_id}"
+        )
+        self._legs.add(leg)
+        leg.add_done_callback(self._legs.discard)
+        return Routed(self._instructions(decision, request_id, body), lease, leg)
+
+    async def _drain(
+        self, prefill: EndpointState, path: str, body: bytes, headers: dict[str, str], lease: Lease
+    ) -> None:
+        """Send the prefill leg, read its answer to the end, count it, release the prefill charge."""
+        try:
+            reply = await self.client.send(prefill.address, path, body, headers)
+        except LegError as exc:
+            outcome, seconds, detail = exc.outcome, None, str(exc)
+        except asyncio.CancelledError:
+            self.metrics.prefill_leg(LegOutcome.CANCELLED.value, None)
+            raise
+        else:
+            seconds, detail = reply.seconds, f"HTTP {reply.status}"
+            if 200 <= reply.status < 300:
+                outcome = LegOutcome.OK
+            elif 400 <= reply.status < 500:
+                outcome = LegOutcome.CLIENT_ERROR
+            else:
+                outcome = LegOutcome.SERVER_ERROR
+        finally:
+            lease.release_prefill()
+        self.metrics.prefill_leg(outcome.value, seconds)
+        if outcome is not LegOutcome.OK:
+            log.warning(
+                "prefill leg to %s: %s (%s); request %s: its decode fails once its bootstrap wait ends",
+                prefill.address,
+                outcome.value,
+                detail,
+                headers[REQUEST_ID_HEADER],
+            )
+
+    async def close(self) -> None:
+        """Cancel the prefill legs still running and close their connections."""
+        legs = list(self._legs)
+        for leg in legs:
+            leg.cancel()
+        await asyncio.gather(*legs, return_exceptions=True)
+        await self.client.close()

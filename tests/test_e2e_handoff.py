@@ -1,0 +1,241 @@
+"""The engine handoffs end to end: simulated vLLM engines (and scripted prefills for the failure
+paths), the real pd-extproc server, the real Envoy with the prefill leg through its listener."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+from backends import start_backend, start_scripted_prefill
+from e2e_harness import Gatewayed, gateway_over
+from prometheus_client.parser import text_string_to_metric_families
+
+from ext_proc.discovery.eds import EndpointSpec, write_eds_file
+from sim.cluster import EngineSpec, endpoint_specs, start_cluster, stop_cluster
+from sim.server import RunningEngine
+
+KV = "kv-transfer-params"
+PROMPT = "tell me about KV caches " * 40
+CHAT = {"model": "sim", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 6}
+PARAMS = {
+    "do_remote_prefill": True,
+    "do_remote_decode": False,
+    "remote_engine_id": "e1",
+    "remote_block_ids": [1, 2],
+    "remote_host": "127.0.0.1",
+    "remote_port": 1,
+    "tp_size": 1,
+}
+
+
+@dataclass
+class Cluster:
+    """Simulated engines behind the gateway."""
+
+    g: Gatewayed
+    engines: list[RunningEngine]
+
+    def addresses(self, role: str) -> set[str]:
+        return {e.address for e in self.engines if e.engine.config.role == role}
+
+
+@contextlib.asynccontextmanager
+async def sim_gateway(
+    tmp_path: Path, specs: list[EngineSpec], settings: dict[str, object], extra_prefills: list[str] = ()
+) -> AsyncIterator[Cluster]:
+    """Simulated engines (``specs``), then pd-extproc + Envoy over them; ``extra_prefills``
+    (addresses of scripted prefills) join the prefill cluster in group ``a``."""
+    engine_eds = tmp_path / "engines.json"
+    engines = await start_cluster(specs, [engine_eds])
+    try:
+        prefills = [*endpoint_specs(engines, ["prefill"])]
+        prefills += [EndpointSpec(a, "a", None, True, "HEALTHY") for a in extra_prefills]
+        decodes = endpoint_specs(engines, ["decode"])
+        write_eds_file(engine_eds, "pd", prefills + decodes)
+        async with gateway_over(tmp_path, prefills, decodes, settings) as g:
+            yield Cluster(g, engines)
+    finally:
+        await stop_cluster(engines)
+
+
+async def _idle(session: aiohttp.ClientSession, g: Gatewayed, deadline: float = 10.0) -> list[dict]:
+    """Poll ``/debug/endpoints`` until no endpoint has load left; return what is still busy."""
+    end = time.monotonic() + deadline
+    while True:
+        async with session.get(f"{g.admin_url}/debug/endpoints") as response:
+            busy = [r for r in await response.json() if r["active_tokens"] or r["active_requests"]]
+        if not busy or time.monotonic() > end:
+            return busy
+        await asyncio.sleep(0.05)
+
+
+async def _legs(session: aiohttp.ClientSession, g: Gatewayed) -> dict[str, float]:
+    async with session.get(f"{g.admin_url}/metrics") as response:
+        text = await response.text()
+    return {
+        sample.labels["outcome"]: sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "pd_extproc_prefill_leg"
+        for sample in family.samples
+        if sample.name == "pd_extproc_prefill_leg_total"
+    }
+
+
+async def _post(
+    session: aiohttp.ClientSession, g: Gatewayed, body: dict = CHAT, path: str = "/v1/chat/completions", **kw
+) -> tuple[int, dict[str, str], str]:
+    async with session.post(g.gateway.url + path, json=body, **kw) as response:
+        return response.status, dict(response.headers), await response.text()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_kv_transfer_params_with_the_openai_sdk_keeps_kv_in_the_group(tmp_path, stream):
+    specs = [EngineSpec("prefill", "a"), EngineSpec("prefill", "b"), EngineSpec("decode", "a")]
+    specs.append(EngineSpec("decode", "b"))
+    async with (
+        sim_gateway(tmp_path, specs, {"handoff.mode": KV}) as c,
+        aiohttp.ClientSession() as session,
+    ):
+        client = openai.AsyncOpenAI(base_url=c.g.gateway.url + "/v1", api_key="k", max_retries=0)
+        for path in ("chat", "completions"):
+            for _ in range(4):
+                if path == "chat":
+                    raw = await client.chat.completions.with_raw_response.create(
+                        model="sim", messages=CHAT["messages"], max_tokens=6, stream=stream
+                    )
+                else:
+                    raw = await client.completions.with_raw_response.create(
+                        model="sim", prompt=PROMPT, max_tokens=6, stream=stream
+                    )
+                headers = raw.headers
+                parsed = raw.parse()
+                if stream:
+                    chunks = [chunk async for chunk in parsed]
+                    assert chunks[-1].choices[0].finish_reason == "length"
+                else:
+                    assert parsed.choices[0].finish_reason == "length"
+                    assert parsed.usage.completion_tokens == 6
+                assert headers["x-sim-kv-transfer"] == "same_group"
+                assert headers["x-sim-prefill-engine"] in c.addresses("prefill")
+                assert headers["x-sim-engine"] in c.addresses("decode")
+        assert await _legs(session, c.g) == {"ok": 8.0}
+        assert await _idle(session, c.g) == []
+
+
+async def test_prefill_leg_carries_the_handoff_fields_and_the_decode_gets_the_params(tmp_path):
+    answer = {"choices": [{"text": "x"}], "kv_transfer_params": PARAMS}
+    prefill = await start_scripted_prefill(body=json.dumps(answer).encode())
+    decode = await start_backend()
+    specs = ([EndpointSpec(prefill.address, "a", None, True, "HEALTHY")], [_spec(decode.address)])
+    try:
+        async with gateway_over(tmp_path, *specs, {"handoff.mode": KV}) as g, aiohttp.ClientSession() as s:
+            body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}, "min_tokens": 3}
+            body["max_completion_tokens"] = 6
+            body["kv_transfer_params"] = {"do_remote_prefill": True, "remote_host": "10.9.9.9"}
+            headers = {"authorization": "Bearer sk-1", "x-request-id": "client-chosen"}
+            status, _, text = await _post(s, g, body, headers=headers)
+            assert status == 200, text
+            ((leg_headers, leg),) = prefill.legs
+            assert leg_headers["authorization"] == "Bearer sk-1"
+            request_id = leg_headers["x-request-id"]
+            assert request_id != "client-chosen" and len(request_id) == 36
+            assert leg["kv_transfer_params"] == {
+                "do_remote_decode": True,
+                "do_remote_prefill": False,
+                "remote_engine_id": None,
+                "remote_block_ids": None,
+                "remote_host": None,
+                "remote_port": None,
+            }
+            assert (leg["stream"], leg["max_tokens"], leg["max_completion_tokens"], leg["min_tokens"]) == (
+                False,
+                1,
+                1,
+                1,
+            )
+            assert "stream_options" not in leg and leg["messages"] == CHAT["messages"]
+            (seen,) = decode.requests
+            assert seen["x-request-id"] == request_id
+            assert seen["x-seen-prefiller"] == ""
+            assert seen["body"] == {**body, "kv_transfer_params": PARAMS}  # the client's own fields kept
+            assert await _idle(s, g) == []
+    finally:
+        await prefill.stop()
+        await decode.stop()
+
+
+def _spec(address: str, group: str = "a") -> EndpointSpec:
+    return EndpointSpec(address, group, None, True, "HEALTHY")
+
+
+async def test_prefill_without_kv_transfer_params_sends_the_plain_body(tmp_path):
+    prefill = await start_scripted_prefill(body=b'{"choices": [{"text": "", "finish_reason": "stop"}]}')
+    try:
+        async with (
+            sim_gateway(tmp_path, [EngineSpec("decode", "a")], {"handoff.mode": KV}, [prefill.address]) as c,
+            aiohttp.ClientSession() as session,
+        ):
+            status, seen, _ = await _post(session, c.g)
+            assert status == 200
+            assert seen["x-sim-kv-transfer"] == "none"  # the decode prefilled locally
+            assert await _legs(session, c.g) == {"no_kv_transfer_params": 1.0}
+            assert await _idle(session, c.g) == []
+    finally:
+        await prefill.stop()
+
+
+FAILURES = {
+    "server-error": (500, b'{"error": {"message": "boom"}}', 0.0, "server_error"),
+    "garbage": (200, b"<html>not json</html>", 0.0, "bad_response"),
+    "wrong-type": (200, b'{"kv_transfer_params": [1, 2]}', 0.0, "bad_response"),
+    "hang": (200, b"{}", 30.0, "timeout"),
+}
+
+
+@pytest.mark.parametrize("failure", FAILURES, ids=list(FAILURES))
+async def test_failed_prefill_is_retried_on_the_next_ranked_prefill(tmp_path, failure):
+    status, body, delay, outcome = FAILURES[failure]
+    broken = await start_scripted_prefill(status, body, delay)
+    settings = {"handoff.mode": KV, "handoff.prefill_timeout_seconds": 1.0, "affinity.mode": "strict"}
+    try:
+        async with (
+            sim_gateway(tmp_path, [EngineSpec("decode", "a"), EngineSpec("prefill", "a")], settings) as c,
+            aiohttp.ClientSession() as session,
+        ):
+            good = next(iter(c.addresses("prefill")))
+            _prefer_first(c, broken.address, good)
+            await _wait_prefills(session, c.g, 2)
+            status_code, seen, text = await _post(session, c.g)
+            assert status_code == 200, text
+            assert len(broken.legs) == 1
+            assert seen["x-sim-kv-transfer"] == "same_group"
+            assert seen["x-sim-prefill-engine"] == good
+            assert await _legs(session, c.g) == {outcome: 1.0, "ok": 1.0}
+            assert await _idle(session, c.g) == []
+    finally:
+        await broken.stop()
+
+
+def _prefer_first(c: Cluster, first: str, then: str) -> None:
+    """List both prefills in group ``a``; ``first`` has far more capacity, so it ranks first."""
+    specs = [EndpointSpec(first, "a", 1e12, True, "HEALTHY"), EndpointSpec(then, "a", None, True, "HEALTHY")]
+    write_eds_file(c.g.prefill_eds, "prefill", specs)
+
+
+async def _wait_prefills(session: aiohttp.ClientSession, g: Gatewayed, count: int) -> None:
+    end = time.monotonic() + 10
+    while time.monotonic() < end:
+        async with session.get(f"{g.admin_url}/healthz") as response:
+            if (await response.json())["prefills"] == count:
+                await asyncio.sleep(0.3)  # Envoy polls the same file
+                return
+        await asyncio.sleep(0.05)
+    raise AssertionError("pd-extproc did not pick up the prefill EDS file")
