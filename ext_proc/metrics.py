@@ -57,7 +57,7 @@ class Metrics:
         )
         self._decision_seconds = Histogram(
             "pd_extproc_decision_seconds",
-            "Time to choose endpoints for one request, in seconds",
+            "Time spent in the affinity decision (choose) of one routed request, in seconds",
             buckets=DECISION_BUCKETS,
             registry=self.registry,
         )
@@ -84,7 +84,8 @@ class Metrics:
         self._rejected_children: dict[str, Counter] = {}
 
     def decided(self, mode: str, locality: str, seconds: float) -> None:
-        """Count one decision and record how long it took."""
+        """Count one decision and record ``seconds``, the time of the decision alone (not parsing,
+        subset filtering, charging or building the answer)."""
         key = (mode, locality)
         child = self._decision_children.get(key)
         if child is None:

@@ -122,7 +122,6 @@ class Router:
     def _place(
         self, cost: Cost, prefills: Pool[EndpointState], subset: frozenset[str] | None
     ) -> Placement | Refused:
-        started = time.perf_counter()
         decodes = self.registry.decode_pool
         if subset is not None:
             decodes = decodes.only(subset)
@@ -132,9 +131,11 @@ class Router:
                 )
                 return self.refuse(503, message, "no_endpoint_in_subset")
         self._ticket += 1
+        started = time.perf_counter()
         result = choose(cost, prefills, decodes, self.policy, self._ticket)
+        seconds = time.perf_counter() - started  # the decision alone (decision_seconds)
         if isinstance(result, Rejection):
             return self.refuse(503, result.message, result.reason.value)
         lease = Lease(result.prefill, cost.prefill_tokens, result.decode, cost.decode_tokens)
-        self.metrics.decided(self._mode, result.locality.value, time.perf_counter() - started)
+        self.metrics.decided(self._mode, result.locality.value, seconds)
         return Placement(result, lease)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from prometheus_client import generate_latest
@@ -11,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ext_proc.affinity import Mode, Policy
 from ext_proc.discovery import ClusterEndpoints, EndpointSpec
 from ext_proc.handoff import Refused, RequestMeta, Routed, RoutingInstructions, SidecarHandoff
+from ext_proc.load import Lease
 from ext_proc.metrics import Metrics
 from ext_proc.registry import EndpointState, Registry
 from ext_proc.router import Router
@@ -284,3 +286,19 @@ def test_endpoint_gauges_include_unhealthy_endpoints() -> None:
     router = make_router([], [ep(D_SAME_IDLE, "g1"), ep(D_OTHER, "g2", health="DRAINING")])
     labels = {"role": "decode", "group": "g2", "endpoint": D_OTHER}
     assert value(router, "pd_extproc_endpoint_active_requests", **labels) == 0.0
+
+
+def test_decision_seconds_times_the_choice_alone(
+    prefer_router: Router, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Charging the endpoints (like building the answer) follows the choice and is not timed."""
+    pause = 0.2
+
+    def slow_lease(*args: object) -> Lease:
+        time.sleep(pause)
+        return Lease(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr("ext_proc.router.Lease", slow_lease)
+    routed(prefer_router.route_bodiless())
+    assert value(prefer_router, "pd_extproc_decision_seconds_count") == 1.0
+    assert value(prefer_router, "pd_extproc_decision_seconds_sum") < pause
