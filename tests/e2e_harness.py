@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,9 +56,11 @@ async def gateway_over(
     decodes: list[EndpointSpec],
     settings: dict[str, object] | None = None,
     response_headers: bool = False,
+    edit: Callable[[dict], None] | None = None,
 ) -> AsyncIterator[Gatewayed]:
     """Write the EDS files, start the server (config ``settings``, dotted keys; ``handoff.prefill_via``
-    defaults to the rendered Envoy's prefill-leg listener) and the real Envoy."""
+    defaults to the rendered Envoy's prefill-leg listener) and the real Envoy (its rendered
+    bootstrap changed by ``edit``, if given)."""
     prefill_eds, decode_eds = tmp_path / "prefill.yaml", tmp_path / "decode.yaml"
     write_eds_file(prefill_eds, "prefill", prefills)
     write_eds_file(decode_eds, "decode", decodes)
@@ -86,6 +88,8 @@ async def gateway_over(
         prefill_leg_port=prefill_leg_port,
         response_headers=response_headers,
     )
+    if edit is not None:
+        edit(bootstrap)
     gateway = None
     try:
         gateway = await start_gateway(

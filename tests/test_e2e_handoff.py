@@ -239,3 +239,106 @@ async def _wait_prefills(session: aiohttp.ClientSession, g: Gatewayed, count: in
                 return
         await asyncio.sleep(0.05)
     raise AssertionError("pd-extproc did not pick up the prefill EDS file")
+
+
+@contextlib.asynccontextmanager
+async def scripted_gateway(
+    tmp_path: Path, prefills: list[tuple[int, bytes, float]], settings: dict[str, object], **kwargs
+) -> AsyncIterator[tuple[Gatewayed, list, object]]:
+    """Scripted prefills (status, body, delay) in group ``a``, ranked in list order (capacities), one
+    recording decode backend, pd-extproc in kv-transfer-params mode and Envoy."""
+    scripted = [await start_scripted_prefill(*p) for p in prefills]
+    decode = await start_backend()
+    specs = [EndpointSpec(p.address, "a", 1e6 / 1000**i, True, "HEALTHY") for i, p in enumerate(scripted)]
+    try:
+        async with gateway_over(
+            tmp_path, specs, [_spec(decode.address)], {"handoff.mode": KV, **settings}, **kwargs
+        ) as g:
+            yield g, scripted, decode
+    finally:
+        for backend in [*scripted, decode]:
+            await backend.stop()
+
+
+GOOD = (200, json.dumps({"kv_transfer_params": PARAMS}).encode(), 0.0)
+REJECTED = json.dumps(
+    {"error": {"message": "context too long", "type": "BadRequestError", "param": None, "code": 400}}
+).encode()
+
+
+async def test_a_prefill_4xx_goes_back_to_the_client_without_retry(tmp_path):
+    async with (
+        scripted_gateway(tmp_path, [(400, REJECTED, 0.0), GOOD], {}) as (g, prefills, decode),
+        aiohttp.ClientSession() as s,
+    ):
+        status, headers, text = await _post(s, g)
+        assert (status, text.encode()) == (400, REJECTED)
+        assert headers["Content-Type"] == "application/json"
+        assert [len(p.legs) for p in prefills] == [1, 0] and decode.requests == []
+        assert await _legs(s, g) == {"client_error": 1.0}
+        assert await _idle(s, g) == []
+
+
+@pytest.mark.parametrize(
+    ("broken", "status", "code"),
+    [((500, b"oops", 0.0), 502, "prefill_failed"), ((200, b"{}", 30.0), 504, "prefill_timeout")],
+    ids=["5xx", "timeout"],
+)
+async def test_on_prefill_failure_error_answers_502_or_504_after_the_retry(tmp_path, broken, status, code):
+    settings = {"handoff.on_prefill_failure": "error", "handoff.prefill_timeout_seconds": 0.5}
+    async with (
+        scripted_gateway(tmp_path, [broken, broken], settings) as (g, prefills, decode),
+        aiohttp.ClientSession() as s,
+    ):
+        answered, _, text = await _post(s, g)
+        assert answered == status
+        assert json.loads(text)["error"]["code"] == code
+        assert [len(p.legs) for p in prefills] == [1, 1] and decode.requests == []
+        assert await _idle(s, g) == []
+
+
+async def test_dead_prefill_falls_back_to_decode_only_with_the_plain_body(tmp_path):
+    async with scripted_gateway(tmp_path, [GOOD], {}) as (g, prefills, decode):
+        await prefills[0].stop()  # the node is gone: Envoy answers 503 for it
+        async with aiohttp.ClientSession() as s:
+            body = {**CHAT, "kv_transfer_params": {"do_remote_prefill": True, "remote_host": "10.9.9.9"}}
+            status, _, text = await _post(s, g, body)
+            assert status == 200, text
+            (seen,) = decode.requests
+            assert seen["body"] == CHAT  # no kv_transfer_params: the decode prefills locally
+            assert await _legs(s, g) == {"server_error": 1.0}
+            assert await _idle(s, g) == []
+
+
+async def test_client_abort_during_the_prefill_leg_cancels_it_and_forwards_nothing(tmp_path):
+    async with (
+        scripted_gateway(tmp_path, [(200, b"{}", 30.0)], {}) as (g, prefills, decode),
+        aiohttp.ClientSession() as s,
+    ):
+        with pytest.raises(asyncio.TimeoutError):
+            await _post(s, g, timeout=aiohttp.ClientTimeout(total=1.0))
+        end = time.monotonic() + 10
+        while not prefills[0].cancelled and time.monotonic() < end:
+            await asyncio.sleep(0.05)
+        assert prefills[0].cancelled == 1
+        assert await _idle(s, g) == []
+        assert await _legs(s, g) == {"cancelled": 1.0}
+        assert decode.requests == []
+
+
+def _short_message_timeout(bootstrap: dict) -> None:
+    hcm = bootstrap["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    ext_proc = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")
+    ext_proc["typed_config"]["message_timeout"] = "0.3s"
+
+
+async def test_a_prefill_longer_than_envoys_message_timeout_still_routes(tmp_path):
+    """The server extends Envoy's ext_proc message timeout before the leg (override_message_timeout)."""
+    slow = (200, GOOD[1], 1.5)
+    async with (
+        scripted_gateway(tmp_path, [slow], {}, edit=_short_message_timeout) as (g, _, decode),
+        aiohttp.ClientSession() as s,
+    ):
+        status, _, text = await _post(s, g)
+        assert status == 200, text
+        assert decode.requests[0]["body"]["kv_transfer_params"] == PARAMS
