@@ -28,6 +28,8 @@ def _serve(args: argparse.Namespace) -> int:
         overrides["handoff.mode"] = args.handoff
     if args.prefill_via is not None:
         overrides["handoff.prefill_via"] = args.prefill_via
+    if args.pd_threshold_tokens is not None:
+        overrides["routing.pd_threshold_tokens"] = args.pd_threshold_tokens
     try:
         config = load_config(args.config, overrides)
     except ConfigError as exc:
@@ -58,6 +60,11 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         "--prefill-via",
         help="base URL of Envoy's prefill-leg listener, e.g. http://127.0.0.1:10001; '' = direct "
         "(handoff.prefill_via)",
+    )
+    serve.add_argument(
+        "--pd-threshold-tokens",
+        type=int,
+        help="prompts below this many tokens go decode-only (routing.pd_threshold_tokens)",
     )
     serve.set_defaults(func=_serve)
 

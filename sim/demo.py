@@ -2,7 +2,9 @@
 
 Starts the simulated PD cluster (two pdGroups of different shapes), pd-extproc and the real
 Envoy on free loopback ports, sends the same seeded streaming workload through the gateway with
-the OpenAI SDK once per affinity mode, and prints the numbers users judge a PD router by.
+the OpenAI SDK once per affinity mode, and prints the numbers users judge a PD router by. The
+engines are driven with one handoff protocol (default ``kv-transfer-params``, as InferNex's
+vllm-ascend + Mooncake deployments use).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from sim.stack import StackError, start_stack
 from sim.workload import plan_workload
 
 MODES = ("off", "prefer", "strict")
+HANDOFFS = ("kv-transfer-params", "sidecar", "sglang-bootstrap")
 PROMPT_TOKENS = (512, 4096)
 """Prompt lengths of the demo workload (tokens, uniform): chat with history / RAG sized."""
 BIG = TimingConfig()
@@ -41,8 +44,10 @@ DEFAULT_CLUSTER = [
 """rack-a: 2 prefill + 3 large decode engines; rack-b: 1 prefill + 2 smaller, slower decodes."""
 
 
-async def run_demo(requests: int, modes: list[str], rate: float, bonus: float) -> dict[str, dict]:
-    """Run the workload once per mode on one cluster; return the summaries by mode."""
+async def run_demo(
+    requests: int, modes: list[str], rate: float, bonus: float, handoff: str = HANDOFFS[0]
+) -> dict[str, dict]:
+    """Run the workload once per mode on one cluster with ``handoff``; return the summaries by mode."""
     plans = plan_workload(requests, rate, prompt_tokens=PROMPT_TOKENS)
     stack = start_stack(DEFAULT_CLUSTER)
     results: dict[str, dict] = {}
@@ -50,7 +55,9 @@ async def run_demo(requests: int, modes: list[str], rate: float, bonus: float) -
         with tqdm(total=requests * len(modes), unit="req", desc="demo", leave=False) as bar:
             for mode in modes:
                 bar.set_description(f"affinity {mode}")
-                results[mode] = await measure(stack, mode, plans, bonus, progress=lambda: bar.update(1))
+                results[mode] = await measure(
+                    stack, mode, plans, bonus, progress=lambda: bar.update(1), handoff=handoff
+                )
     finally:
         stack.stop()
     return results
@@ -89,7 +96,7 @@ def _run(args: argparse.Namespace) -> int:
     for noisy in ("httpx", "httpx2", "openai"):  # one INFO line per request would drown the progress bar
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
-        results = asyncio.run(run_demo(args.requests, args.modes, args.rate, args.bonus))
+        results = asyncio.run(run_demo(args.requests, args.modes, args.rate, args.bonus, args.handoff))
     except StackError as exc:
         print(f"pd-extproc demo: {exc}", file=sys.stderr)
         return 1
@@ -98,7 +105,7 @@ def _run(args: argparse.Namespace) -> int:
         return 130
     print(
         f"\n{args.requests} streaming requests per mode at {args.rate:g} req/s through Envoy + pd-extproc "
-        f"(bonus {args.bonus:g}); cluster rack-a 2P+3D large, rack-b 1P+2D small\n"
+        f"(bonus {args.bonus:g}, handoff {args.handoff}); cluster rack-a 2P+3D large, rack-b 1P+2D small\n"
     )
     print(format_table(results))
     if args.json:
@@ -129,5 +136,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="mean arrival rate, requests/s (default %(default)s)",
     )
     parser.add_argument("--bonus", type=_bonus, default=0.3, help="prefer-mode bonus (default %(default)s)")
+    parser.add_argument(
+        "--handoff",
+        choices=HANDOFFS,
+        default=HANDOFFS[0],
+        help="how the engines receive the prefill (default %(default)s)",
+    )
     parser.add_argument("--json", help="also write the results to this JSON file")
     parser.set_defaults(func=_run)

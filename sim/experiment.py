@@ -35,10 +35,16 @@ async def measure(
     bonus: float = 0.3,
     progress: Callable[[], None] | None = None,
     disruption: Disruption | None = None,
+    handoff: str = "sidecar",
+    **routing: object,
 ) -> dict:
-    """Route with ``mode`` (``off``/``prefer``/``strict``, or :data:`BASELINE`) and run ``plans``;
-    return the summary (see :func:`sim.report.summarize`)."""
-    url = await (stack.round_robin() if mode == BASELINE else stack.route_with(mode, bonus))
+    """Route with ``mode`` (``off``/``prefer``/``strict``, or :data:`BASELINE`), ``handoff``
+    (pd-extproc's ``handoff.mode``) and more ``routing`` options of :meth:`Stack.route_with`, run
+    ``plans``; return the summary (see :func:`sim.report.summarize`)."""
+    if mode == BASELINE:
+        url = await stack.round_robin()
+    else:
+        url = await stack.route_with(mode, bonus, handoff, **routing)  # type: ignore[arg-type]
     await run_workload(url, WARMUP)
     capacities = stack.decode_capacities()
     task = None

@@ -93,25 +93,31 @@ class Stack:
         self.gateway = await start_gateway(bootstrap, listen, admin, concurrency=1)
         self.gateway_routed = extproc
 
-    async def route_with(self, mode: str, bonus: float = 0.3, handoff: str = "sidecar") -> str:
-        """(Re)start pd-extproc with ``mode``/``bonus``/``handoff`` (prefill legs through Envoy's
-        prefill-leg listener) and the routed Envoy; return the gateway URL."""
+    async def route_with(
+        self,
+        mode: str,
+        bonus: float = 0.3,
+        handoff: str = "sidecar",
+        via_envoy: bool = True,
+        pd_threshold_tokens: int = 0,
+    ) -> str:
+        """(Re)start pd-extproc with ``mode``/``bonus``/``handoff``/``pd_threshold_tokens`` (prefill
+        legs through Envoy's prefill-leg listener, or straight to the engine without ``via_envoy``)
+        and the routed Envoy; return the gateway URL."""
         self._stop_server()
-        via = f"http://127.0.0.1:{self.prefill_leg_port}"
+        via = f"http://127.0.0.1:{self.prefill_leg_port}" if via_envoy else ""
+        name = (
+            f"pd-extproc-{mode}-{bonus}-{handoff}-{'envoy' if via_envoy else 'direct'}-{pd_threshold_tokens}"
+        )
         self.server = start_router_process(
             self.grpc_port,
             self.admin_port,
             [str(self.prefill_eds), str(self.decode_eds)],
-            self.workdir / f"pd-extproc-{mode}-{bonus}-{handoff}.log",
+            self.workdir / f"{name}.log",
             (
-                "--affinity-mode",
-                mode,
-                "--affinity-bonus",
-                str(bonus),
-                "--handoff",
-                handoff,
-                "--prefill-via",
-                via,
+                *("--affinity-mode", mode, "--affinity-bonus", str(bonus)),
+                *("--handoff", handoff, "--prefill-via", via),
+                *("--pd-threshold-tokens", str(pd_threshold_tokens)),
             ),
         )
         try:
