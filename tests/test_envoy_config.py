@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from ext_proc.config import HandoffConfig
 from ext_proc.discovery.eds import load_eds_file
 from ext_proc.gateway import SHIPPED_BOOTSTRAP, find_envoy, render_bootstrap
+from ext_proc.handoff.kv_transfer import TIMEOUT_MARGIN_SECONDS
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED_CONFIGS = sorted((REPO / "envoy").glob("*.yaml"))
@@ -68,3 +70,15 @@ def test_shipped_eds_files_load_with_groups(eds):
     cluster = load_eds_file(eds)
     assert cluster.cluster_name in {"prefill", "decode"}
     assert cluster.endpoints and all(e.group for e in cluster.endpoints)
+
+
+def test_max_message_timeout_covers_a_prefill_leg_and_its_retry():
+    """The kv-transfer-params handoff asks Envoy to wait 2 x prefill_timeout_seconds + margin for the
+    body answer; Envoy ignores a request above the shipped filter's max_message_timeout."""
+    config = yaml.safe_load(SHIPPED_BOOTSTRAP.read_text())
+    listener = next(entry for entry in config["static_resources"]["listeners"] if entry["name"] == "gateway")
+    filters = listener["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
+    ext_proc = next(f for f in filters if f["name"] == "envoy.filters.http.ext_proc")["typed_config"]
+    cap = float(ext_proc["max_message_timeout"].removesuffix("s"))
+    leg = HandoffConfig().prefill_timeout_seconds
+    assert cap >= 2 * leg + TIMEOUT_MARGIN_SECONDS
