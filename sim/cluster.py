@@ -76,13 +76,19 @@ async def stop_cluster(engines: Iterable[RunningEngine]) -> None:
         await engine.stop()
 
 
+def bootstrap_port(engine: RunningEngine) -> int | None:
+    """The EDS ``bootstrap_port`` of ``engine``: a prefill engine's bootstrap server is its HTTP port."""
+    return engine.port if engine.engine.config.role == "prefill" else None
+
+
 def endpoint_specs(
     engines: Iterable[RunningEngine], roles: Iterable[str] | None = None
 ) -> list[EndpointSpec]:
-    """EDS endpoints (address, ``pdGroupID``) of the engines whose role is in ``roles`` (default all)."""
+    """EDS endpoints (address, ``pdGroupID``, :func:`bootstrap_port`) of the engines whose role is in
+    ``roles`` (default all)."""
     wanted = set(roles) if roles is not None else None
     return [
-        EndpointSpec(e.address, e.engine.config.group, None, True, "HEALTHY")
+        EndpointSpec(e.address, e.engine.config.group, None, True, "HEALTHY", bootstrap_port(e))
         for e in engines
         if wanted is None or e.engine.config.role in wanted
     ]

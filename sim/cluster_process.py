@@ -2,8 +2,8 @@
 
 The parent starts it with :func:`spawn_cluster`, which returns once every engine listens and the
 EDS files (``prefill`` and ``decode`` clusters, with each engine's KV capacity as
-``token_capacity``) are written. It can then stop single engines (a node dying) and the whole
-cluster.
+``token_capacity`` and each prefill engine's HTTP port as its SGLang ``bootstrap_port``) are
+written. It can then stop single engines (a node dying) and the whole cluster.
 """
 
 from __future__ import annotations
@@ -16,24 +16,26 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 from ext_proc.discovery.eds import EndpointSpec, write_eds_file
-from sim.cluster import EngineSpec, start_cluster, stop_cluster
+from sim.cluster import EngineSpec, bootstrap_port, start_cluster, stop_cluster
 from sim.config import KvConfig, TimingConfig
 from sim.server import RunningEngine
 
 
 @dataclass(frozen=True)
 class EngineInfo:
-    """One started engine as the parent sees it."""
+    """One started engine as the parent sees it (``bootstrap_port``: :func:`sim.cluster.bootstrap_port`)."""
 
     address: str
     role: str
     group: str
     token_capacity: int
+    bootstrap_port: int | None = None
 
 
 def _endpoint(info: EngineInfo, healthy: bool = True) -> EndpointSpec:
+    status = "HEALTHY" if healthy else "UNHEALTHY"
     return EndpointSpec(
-        info.address, info.group, float(info.token_capacity), healthy, "HEALTHY" if healthy else "UNHEALTHY"
+        info.address, info.group, float(info.token_capacity), healthy, status, info.bootstrap_port
     )
 
 
@@ -58,6 +60,7 @@ async def _serve(
                 e.engine.config.role,
                 e.engine.config.group,
                 e.engine.config.timing.kv_capacity_tokens,
+                bootstrap_port(e),
             )
             for e in engines
         ]
