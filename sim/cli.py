@@ -20,7 +20,7 @@ from sim.config import DEFAULT_MODEL, ROLES, EngineConfig, KvConfig, TimingConfi
 log = logging.getLogger(__name__)
 _MODELS: dict[type, str] = {
     TimingConfig: "timing model (durations in model ms, see --time-scale)",
-    KvConfig: "KV transfer model",
+    KvConfig: "KV transfer model and handoff timeouts (model s)",
 }
 
 

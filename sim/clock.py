@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 class SimClock:
@@ -30,3 +33,7 @@ class SimClock:
     def call_later(self, seconds: float, callback: Callable[[], None]) -> asyncio.TimerHandle:
         """Run ``callback`` on the running loop after ``seconds`` of model time."""
         return asyncio.get_running_loop().call_later(max(0.0, seconds) * self.time_scale, callback)
+
+    async def wait_for(self, aw: Awaitable[T], seconds: float) -> T:
+        """Await ``aw`` for up to ``seconds`` of model time; then cancel it and raise ``TimeoutError``."""
+        return await asyncio.wait_for(aw, max(0.0, seconds) * self.time_scale)

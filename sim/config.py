@@ -88,22 +88,39 @@ class TimingConfig:
 
 @dataclass(frozen=True)
 class KvConfig:
-    """KV-cache transfer model: ``kv_base_latency_ms + prompt_tokens * kv_bytes_per_token / bandwidth``.
+    """KV-cache transfer model: ``kv_base_latency_ms + prompt_tokens * kv_bytes_per_token / bandwidth``,
+    and the timeouts of the PD handoff protocols.
 
     Bandwidths are in GB/s (10^9 bytes/s). Same-group transfers use a dedicated fabric; all
     cross-group transfers of one process share one link (processor sharing, :class:`sim.kv.SharedLink`).
+    ``kv_hold_timeout_s`` and ``bootstrap_timeout_s`` are model seconds; their defaults are the real
+    engines' (vLLM ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT`` 480 s, SGLang
+    ``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`` and ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT`` 300 s).
     """
 
     kv_bytes_per_token: int = _opt(131072, "KV cache bytes per token (128 KiB = Llama-3-8B, bf16)")
     same_group_gbps: float = _opt(100.0, "intra-group transfer bandwidth (GB/s)")
     cross_group_gbps: float = _opt(10.0, "cross-group link bandwidth, shared by all transfers (GB/s)")
     kv_base_latency_ms: float = _opt(1.0, "fixed latency of one KV transfer (ms)")
+    kv_hold_timeout_s: float = _opt(
+        480.0,
+        "model s a prefill keeps the KV of a do_remote_decode request no decode released "
+        "(vLLM VLLM_NIXL_ABORT_REQUEST_TIMEOUT)",
+    )
+    bootstrap_timeout_s: float = _opt(
+        300.0,
+        "model s an SGLang-style prefill waits for its decode to register, and a decode for its "
+        "prefill's KV (SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT / _WAITING_TIMEOUT)",
+    )
 
     def __post_init__(self) -> None:
         if self.kv_bytes_per_token < 0 or self.kv_base_latency_ms < 0:
             raise ValueError("kv_bytes_per_token and kv_base_latency_ms must be >= 0")
         if not (self.same_group_gbps > 0 and self.cross_group_gbps > 0):
             raise ValueError("bandwidths must be > 0")
+        for name in ("kv_hold_timeout_s", "bootstrap_timeout_s"):
+            if not (getattr(self, name) > 0 and math.isfinite(getattr(self, name))):
+                raise ValueError(f"{name} must be a finite number > 0")
 
     def transfer_bytes(self, prompt_tokens: int) -> int:
         """Bytes of KV cache for ``prompt_tokens`` tokens."""

@@ -4,8 +4,9 @@
 blocks (reserved for prompt + output up front, no preemption), then steps that each prefill a
 chunk of prompt tokens and decode one token for every sequence past its prefill. :class:`Engine`
 runs it in an asyncio task, sleeping each step's modelled duration, pulling remote KV caches for
-admitted sequences and waking request handlers through per-sequence events. All times are
-model seconds (:mod:`sim.clock`).
+admitted sequences (falling back to a local prefill when a pull raises :class:`KvMissing`), holding
+the KV blocks of finished prefills for remote decodes, and waking request handlers through
+per-sequence events. All times are model seconds (:mod:`sim.clock`).
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from sim.clock import SimClock
 from sim.config import EngineConfig, TimingConfig
-from sim.kv import NO_TRANSFER_RESULT, GroupMap, KvTransferModel, SharedLink, TransferResult
+from sim.kv import NO_TRANSFER_RESULT, GroupMap, KvTransferModel, SharedLink, TransferResult, host_port
 from sim.metrics import EngineMetrics
 
 log = logging.getLogger(__name__)
@@ -34,13 +36,23 @@ class EngineError(RuntimeError):
     """A request failed inside the engine (KV pull error, engine stopped)."""
 
 
+class KvMissing(Exception):
+    """Raised by a :data:`Pull` when there is no KV cache to load (blocks not held by the prefill,
+    prefill unreachable): the engine prefills the sequence locally instead, as vLLM recomputes on a
+    KV load failure. The message says why."""
+
+
 @dataclass(eq=False)
 class Sequence:
     """One request inside the engine. Token counts in tokens, times in model seconds.
 
-    ``output_tokens`` (<= ``max_tokens``) is how many tokens it will generate; ``pull`` loads its
-    KV cache from a remote prefill (``None``: prefill locally). ``ready`` is set once its KV cache
-    is in place (or it failed); ``progress`` whenever it gains a token or ends.
+    ``output_tokens`` (<= ``max_tokens``) is how many tokens it will generate; ``stops`` says the
+    model ends by itself with the last of them (finish reason ``"stop"`` even when that token is
+    also the last of the budget: vLLM checks for the end-of-sequence token before the length cap).
+    ``pull`` loads its KV cache from a remote prefill (``None``: prefill locally). ``hold_kv`` keeps
+    its KV blocks reserved after it finishes, as ``held_block_ids``, until :meth:`Engine.release_kv`
+    or ``kv_hold_timeout_s``. ``warning`` says why a pull fell back to a local prefill. ``ready`` is
+    set once its KV cache is in place (or it failed); ``progress`` whenever it gains a token or ends.
     """
 
     request_id: str
@@ -49,6 +61,10 @@ class Sequence:
     output_tokens: int
     arrival: float
     pull: Pull | None = None
+    stops: bool = False
+    hold_kv: bool = False
+    held_block_ids: tuple[int, ...] = ()
+    warning: str | None = None
     state: str = WAITING
     prefilled: int = 0
     generated: int = 0
@@ -68,10 +84,11 @@ class Sequence:
 
     @property
     def finish_reason(self) -> str | None:
-        """``"length"`` when the budget ran out, ``"stop"`` for an earlier end, else ``None``."""
+        """Once finished: ``"stop"`` when the model ended (``stops``, or before the budget ran
+        out), else ``"length"``. ``None`` while running or when aborted."""
         if self.state != FINISHED:
             return None
-        return "length" if self.generated >= self.max_tokens else "stop"
+        return "stop" if self.stops or self.generated < self.max_tokens else "length"
 
 
 @dataclass
@@ -128,8 +145,16 @@ class Scheduler:
 
     def kv_loaded(self, seq: Sequence) -> None:
         """A pulled sequence's KV cache arrived: it decodes from the next step on."""
+        self._start(seq)
+        seq.prefilled = seq.prompt_tokens
+
+    def recompute(self, seq: Sequence) -> None:
+        """A pulled sequence's KV cache cannot be loaded: it prefills locally from the next step on."""
+        self._start(seq)
+
+    def _start(self, seq: Sequence) -> None:
         self.pulling.remove(seq)
-        seq.state, seq.prefilled = RUNNING, seq.prompt_tokens
+        seq.state = RUNNING
         self.running.append(seq)
 
     def plan(self) -> StepPlan | None:
@@ -164,26 +189,32 @@ class Scheduler:
                 seq.first_token_at = now
             if seq.generated >= seq.output_tokens:
                 seq.state, seq.finished_at = FINISHED, now
-                self._release(seq)
+                self._dequeue(seq)
+                if not seq.hold_kv:
+                    self.free(seq)
         return progressed
 
     def abort(self, seq: Sequence) -> None:
-        """Drop ``seq`` wherever it is and free its KV blocks."""
+        """Drop ``seq`` wherever it is and free its KV blocks (no-op once it is done)."""
         if seq.done:
             return
         if seq.state == WAITING:
             with contextlib.suppress(ValueError):
                 self.waiting.remove(seq)
         else:
-            self._release(seq)
+            self._dequeue(seq)
+            self.free(seq)
         seq.state = ABORTED
 
-    def _release(self, seq: Sequence) -> None:
+    def free(self, seq: Sequence) -> None:
+        """Free the KV blocks ``seq`` reserves (a finished sequence's held blocks included)."""
+        self.used_blocks -= seq.kv_blocks
+        seq.kv_blocks = 0
+
+    def _dequeue(self, seq: Sequence) -> None:
         for queue in (self.running, self.pulling):
             if seq in queue:
                 queue.remove(seq)
-        self.used_blocks -= seq.kv_blocks
-        seq.kv_blocks = 0
 
     @property
     def num_waiting(self) -> int:
@@ -214,8 +245,14 @@ class Engine:
         self.clock = clock or SimClock(config.timing.time_scale)
         self.scheduler = Scheduler(config.timing)
         sched = self.scheduler
+        self._holds: dict[tuple[int, ...], tuple[Sequence, asyncio.TimerHandle]] = {}
         self.metrics = EngineMetrics(
             config.model, lambda: len(sched.running), lambda: sched.num_waiting, lambda: sched.kv_usage
+        )
+        self.metrics.add_gauge(
+            "sim:kv_held_requests",
+            "Finished prefills whose KV is held for a remote decode.",
+            lambda: len(self._holds),
         )
         groups = groups if groups is not None else GroupMap(config.eds_files, config.eds_namespace)
         link = link or SharedLink(config.kv.cross_group_gbps * 1e9, self.clock)
@@ -232,8 +269,7 @@ class Engine:
     @property
     def address(self) -> str:
         """``"host:port"`` this engine advertises (port known once bound)."""
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.port}"
+        return host_port(self.host, self.port)
 
     async def start(self) -> None:
         """Start the scheduler loop."""
@@ -250,11 +286,21 @@ class Engine:
         sched = self.scheduler
         for seq in [*sched.waiting, *sched.pulling, *sched.running]:
             self._fail(seq, EngineError("engine stopped"))
+        for held, _ in list(self._holds.values()):
+            self.release_kv(held)
 
     def submit(
-        self, prompt_tokens: int, max_tokens: int, output_tokens: int, pull: Pull | None = None
+        self,
+        prompt_tokens: int,
+        max_tokens: int,
+        output_tokens: int,
+        pull: Pull | None = None,
+        *,
+        stops: bool = False,
+        hold_kv: bool = False,
     ) -> Sequence:
-        """Queue a request; raise ``ValueError`` if it can never fit. Returns its :class:`Sequence`."""
+        """Queue a request; raise ``ValueError`` if it can never fit. Returns its :class:`Sequence`
+        (see there for ``stops`` and ``hold_kv``)."""
         seq = Sequence(
             request_id=f"{self.engine_id}-{next(self._ids)}",
             prompt_tokens=prompt_tokens,
@@ -262,6 +308,8 @@ class Engine:
             output_tokens=max(1, min(output_tokens, max_tokens)),
             arrival=self.clock.now(),
             pull=pull,
+            stops=stops,
+            hold_kv=hold_kv,
         )
         self.scheduler.add(seq)
         self._wakeup.set()
@@ -279,10 +327,38 @@ class Engine:
             seq.progress.set()
             self._wakeup.set()
 
-    def block_ids(self, seq: Sequence) -> list[int]:
-        """Fresh ids of the KV blocks holding ``seq``'s prompt, for a remote decode to pull."""
+    def held(self, engine_id: str, block_ids: list[int]) -> Sequence | None:
+        """The finished sequence whose KV this engine (``engine_id``) holds as ``block_ids``, if any."""
+        if engine_id != self.engine_id:
+            return None
+        entry = self._holds.get(tuple(block_ids))
+        return entry[0] if entry is not None else None
+
+    def release_kv(self, seq: Sequence) -> bool:
+        """Free the KV blocks held for ``seq``; ``False`` if it holds none (never, or already freed)."""
+        entry = self._holds.pop(seq.held_block_ids, None)
+        if entry is None:
+            return False
+        entry[1].cancel()
+        self.scheduler.free(seq)
+        self._wakeup.set()  # the freed blocks may admit a waiting sequence
+        return True
+
+    def _hold(self, seq: Sequence) -> None:
         blocks = max(1, -(-seq.prompt_tokens // self.config.timing.block_size))
-        return [next(self._block_ids) for _ in range(blocks)]
+        seq.held_block_ids = tuple(next(self._block_ids) for _ in range(blocks))
+        timer = self.clock.call_later(self.config.kv.kv_hold_timeout_s, partial(self._expire, seq))
+        self._holds[seq.held_block_ids] = (seq, timer)
+
+    def _expire(self, seq: Sequence) -> None:
+        if self.release_kv(seq):
+            self.metrics.kv_holds_expired.inc()
+            log.warning(
+                "engine %s: freed the KV of %s, which no decode released within %s model s",
+                self.address,
+                seq.request_id,
+                self.config.kv.kv_hold_timeout_s,
+            )
 
     async def wait_done(self, seq: Sequence) -> None:
         """Wait until ``seq`` finished; raise :class:`EngineError` if it failed or was aborted."""
@@ -333,14 +409,19 @@ class Engine:
                 m.e2e.observe(seq.finished_at - seq.arrival)  # type: ignore[operator]
                 if seq.generated > 1:
                     m.tpot.observe((seq.finished_at - seq.first_token_at) / (seq.generated - 1))  # type: ignore[operator]
+                if seq.hold_kv:
+                    self._hold(seq)
             seq.progress.set()
 
     async def _pull(self, seq: Sequence) -> None:
         assert seq.pull is not None
+        missing: KvMissing | None = None
         try:
             seq.transfer = await seq.pull()
         except asyncio.CancelledError:
             raise
+        except KvMissing as exc:
+            missing = exc
         except Exception as exc:
             log.warning("KV pull for %s failed: %s", seq.request_id, exc)
             self._fail(seq, exc)
@@ -349,7 +430,13 @@ class Engine:
             self._pulls.pop(seq, None)
         if seq.state != PULLING:  # aborted meanwhile
             return
-        self.metrics.kv_transfer(seq.transfer.kind, seq.transfer.model_ms / 1e3)
-        self.scheduler.kv_loaded(seq)
+        if missing is None:
+            self.metrics.kv_transfer(seq.transfer.kind, seq.transfer.model_ms / 1e3)
+            self.scheduler.kv_loaded(seq)
+        else:
+            log.warning("KV load for %s failed, prefilling locally: %s", seq.request_id, missing)
+            seq.warning = f"KV load failed, prefilled locally: {missing}"
+            self.metrics.kv_recomputes.inc()
+            self.scheduler.recompute(seq)
         seq.ready.set()
         self._wakeup.set()

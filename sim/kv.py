@@ -28,6 +28,11 @@ NO_TRANSFER = "none"
 _EPS_BYTES = 1e-6
 
 
+def host_port(host: str, port: int) -> str:
+    """``"host:port"``, the address form of EDS files and ``x-sim-*`` headers (IPv6 as ``"[ip]:port"``)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 @dataclass(eq=False)
 class Flow:
     """One transfer on a :class:`SharedLink`; times are model seconds, sizes bytes."""
@@ -188,12 +193,14 @@ class GroupMap:
 
 @dataclass(frozen=True, slots=True)
 class TransferResult:
-    """What one KV pull did. ``model_ms`` is model time; ``prefill_group`` ``None`` = not in EDS."""
+    """What one KV pull did. ``model_ms`` is model time; ``prefill_group`` ``None`` = not in EDS;
+    ``reported_group`` is the group the prefill engine reported itself (``None``: not asked)."""
 
     kind: str
     model_ms: float
     prefill_address: str | None = None
     prefill_group: str | None = None
+    reported_group: str | None = None
 
 
 NO_TRANSFER_RESULT = TransferResult(NO_TRANSFER, 0.0)

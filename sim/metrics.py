@@ -3,7 +3,10 @@
 All metrics carry vLLM's labels ``model_name`` and ``engine`` ("0"). Times are model seconds.
 ``vllm:time_per_output_token_seconds`` is observed once per finished request (its mean
 inter-token time) rather than per token, to keep many engines cheap in one process. The
-``sim:*`` metrics are the simulator's own: KV pulls by kind and remote prefills served.
+``sim:*`` metrics are the simulator's own: KV pulls by kind, remote prefills served, KV holds
+that expired, failed KV loads prefilled locally (recomputes), and the gauges the engine and
+:mod:`sim.handoff` add (:meth:`EngineMetrics.add_gauge`): requests whose KV is held for a remote
+decode, open SGLang bootstrap rooms.
 """
 
 from __future__ import annotations
@@ -34,18 +37,17 @@ class EngineMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         names = ["model_name", "engine"]
         values = {"model_name": model_name, "engine": "0"}
+        self._values = values
         reg = self.registry
-
-        def gauge(name: str, doc: str, fn: Callable[[], float]) -> None:
-            Gauge(name, doc, names, registry=reg).labels(**values).set_function(fn)
 
         def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Any:
             return Histogram(name, doc, names, registry=reg, buckets=buckets).labels(**values)
 
-        gauge("vllm:num_requests_running", "Requests in the model execution batch.", running)
-        gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled (incl. KV pulls).", waiting)
-        gauge("vllm:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.", kv_usage)
-        self._values = values
+        self.add_gauge("vllm:num_requests_running", "Requests in the model execution batch.", running)
+        self.add_gauge(
+            "vllm:num_requests_waiting", "Requests waiting to be scheduled (incl. KV pulls).", waiting
+        )
+        self.add_gauge("vllm:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.", kv_usage)
         self.prompt_tokens = Counter(
             "vllm:prompt_tokens", "Prefill tokens processed.", names, registry=reg
         ).labels(**values)
@@ -65,6 +67,17 @@ class EngineMetrics:
         self.remote_prefills = Counter(
             "sim:remote_prefills", "Prefill-only requests served for a remote decode.", names, registry=reg
         ).labels(**values)
+        self.kv_holds_expired = Counter(
+            "sim:kv_holds_expired", "Held KV freed as no decode released it in time.", names, registry=reg
+        ).labels(**values)
+        self.kv_recomputes = Counter(
+            "sim:kv_recomputes", "Failed KV loads, prefilled locally instead.", names, registry=reg
+        ).labels(**values)
+
+    def add_gauge(self, name: str, doc: str, fn: Callable[[], float]) -> None:
+        """Register a gauge with the usual labels whose value ``fn()`` is read at scrape time."""
+        names = list(self._values)
+        Gauge(name, doc, names, registry=self.registry).labels(**self._values).set_function(fn)
 
     def request_finished(self, reason: str) -> None:
         """Count one finished request (``reason`` is ``"length"``, ``"stop"`` or ``"abort"``)."""

@@ -13,12 +13,27 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from aiohttp import web
+
 from ext_proc.request import RequestError, parse_request
 from sim.config import TimingConfig
 
-__all__ = ["GenerateRequest", "RequestError", "parse_generate"]
+__all__ = ["Bootstrap", "GenerateRequest", "RequestError", "parse_generate"]
 
 _WORDS = (" the", " sim", " kv.", " pd!", " and", " of.", " to,", " llm")
+
+
+@dataclass(frozen=True, slots=True)
+class Bootstrap:
+    """SGLang's PD handoff fields: the prefill's bootstrap server ``host:port`` and the ``room``
+    (a 63-bit id shared by the prefill and the decode request of one client request)."""
+
+    host: str
+    port: int
+    room: int
+
+
+BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,7 +41,10 @@ class GenerateRequest:
     """A validated ``/v1/completions`` or ``/v1/chat/completions`` body; counts in tokens.
 
     ``output_tokens`` (<= ``max_tokens``) is how many tokens the engine will generate: the budget,
-    or the simulator extension ``sim_output_tokens`` to end early with ``finish_reason="stop"``.
+    or the simulator extension ``sim_output_tokens`` (the model ends after that many tokens).
+    ``stops`` is true when the model ends by itself within the budget (``sim_output_tokens`` <=
+    ``max_tokens``): the finish reason is then ``"stop"``, else ``"length"``. ``bootstrap`` holds
+    SGLang's handoff fields when the body has any of them.
     """
 
     body: dict[str, Any]
@@ -37,7 +55,19 @@ class GenerateRequest:
     prompt_tokens: int
     max_tokens: int
     output_tokens: int
+    stops: bool
     kv_transfer_params: dict[str, Any] | None
+    bootstrap: Bootstrap | None
+
+    @property
+    def remote_decode(self) -> bool:
+        """``kv_transfer_params.do_remote_decode``: the prefill leg of a vLLM handoff."""
+        return bool((self.kv_transfer_params or {}).get("do_remote_decode"))
+
+    @property
+    def remote_prefill(self) -> bool:
+        """``kv_transfer_params.do_remote_prefill``: the decode leg of a vLLM handoff."""
+        return bool((self.kv_transfer_params or {}).get("do_remote_prefill"))
 
 
 def _positive_int(body: dict[str, Any], name: str) -> int | None:
@@ -47,6 +77,20 @@ def _positive_int(body: dict[str, Any], name: str) -> int | None:
     if type(value) is not int or value < 1:
         raise RequestError(f"'{name}' must be an integer >= 1", name)
     return value
+
+
+def _bootstrap(body: dict[str, Any]) -> Bootstrap | None:
+    """SGLang's fields, all three required once any is set (``None`` counts as unset)."""
+    if all(body.get(name) is None for name in BOOTSTRAP_FIELDS):
+        return None
+    host, port, room = (body.get(name) for name in BOOTSTRAP_FIELDS)
+    if not isinstance(host, str) or not host:
+        raise RequestError("'bootstrap_host' must be a non-empty string", "bootstrap_host")
+    if type(port) is not int or not 0 < port <= 65535:
+        raise RequestError("'bootstrap_port' must be an integer port in 1..65535", "bootstrap_port")
+    if type(room) is not int or not 0 <= room < 2**63:
+        raise RequestError("'bootstrap_room' must be an integer in 0..2**63-1", "bootstrap_room")
+    return Bootstrap(host, port, room)
 
 
 def parse_generate(raw: bytes, chat: bool, timing: TimingConfig) -> GenerateRequest:
@@ -90,7 +134,9 @@ def parse_generate(raw: bytes, chat: bool, timing: TimingConfig) -> GenerateRequ
         prompt_tokens=info.prompt_tokens,
         max_tokens=budget,
         output_tokens=min(budget, early) if early else budget,
+        stops=early is not None and early <= budget,
         kv_transfer_params=kv_params,
+        bootstrap=_bootstrap(body),
     )
 
 
@@ -113,6 +159,18 @@ def error_body(
 ) -> dict:
     """vLLM/OpenAI error body ``{"error": {"message", "type", "param", "code"}}``."""
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+_ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError"}
+
+
+def error_response(
+    status: int, message: str, headers: dict[str, str] | None = None, param: str | None = None
+) -> web.Response:
+    """An HTTP ``status`` response carrying :func:`error_body` (type ``InternalServerError`` unless
+    400 or 404)."""
+    err_type = _ERROR_TYPES.get(status, "InternalServerError")
+    return web.json_response(error_body(message, status, err_type, param), status=status, headers=headers)
 
 
 @dataclass(frozen=True, slots=True)

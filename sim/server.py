@@ -1,13 +1,28 @@
-"""aiohttp front end of one simulated engine: the vLLM OpenAI server plus the llm-d decode sidecar.
+"""aiohttp front end of one simulated engine: the vLLM OpenAI server, the llm-d decode sidecar and
+the engines' PD handoff protocols (:mod:`sim.handoff` has the protocols and the ``/sim/`` endpoints).
 
-Generation requests take one of four paths, chosen as real PD deployments do:
+A generation request takes the first of these paths that applies:
 
-* ``kv_transfer_params.do_remote_decode`` (roles prefill/both): prefill, return one token and
-  ``kv_transfer_params`` for the decode (vLLM NixlConnector);
-* ``kv_transfer_params.do_remote_prefill`` (roles decode/both): pull the KV cache from
-  ``remote_host:remote_port``, then decode;
+* ``kv_transfer_params.do_remote_decode`` (roles prefill/both): prefill and return one token. When
+  that token is the length cap (the model did not stop), the response also carries
+  ``kv_transfer_params`` for the decode (``do_remote_prefill``, ``do_remote_decode``,
+  ``remote_engine_id``, ``remote_block_ids``, ``remote_host``, ``remote_port``, ``tp_size`` and
+  ``remote_request_id``: the ``X-Request-Id`` header, else the engine's own request id) and the
+  engine holds the KV blocks until a decode releases them or ``kv_hold_timeout_s`` passes. A
+  request that stops (``sim_output_tokens`` 1: finish reason ``stop``) returns no params and holds
+  nothing, as vLLM's connectors do;
+* SGLang's ``bootstrap_host``/``bootstrap_port``/``bootstrap_room`` on a prefill engine: wait for
+  the room's decode to register, prefill, hold the KV until the decode pulled it, answer the one
+  token; 500 when no decode comes within ``bootstrap_timeout_s``;
+* ``kv_transfer_params.do_remote_prefill`` (roles decode/both): read the KV cache from the prefill
+  at ``remote_host:remote_port``, then decode. Malformed params, blocks that prefill does not hold
+  or an unreachable prefill: prefill locally (``x-sim-kv-transfer: none`` and ``x-sim-warning``);
+* SGLang's bootstrap fields on a decode engine: register at the bootstrap server
+  ``bootstrap_host:bootstrap_port`` (a prefill engine's HTTP port), pull once the room's prefill has
+  computed the KV, then decode; 502 before any byte is streamed when that fails or times out.
+  Engines of role both ignore the bootstrap fields;
 * header ``x-prefiller-host-port`` (roles decode/both): call that prefill engine over HTTP first,
-  like the llm-d sidecar, then pull from it;
+  like the llm-d sidecar, then read from it as for ``do_remote_prefill``;
 * otherwise: prefill locally and decode.
 
 Every response carries headers describing what happened; for streams they go out before the
@@ -20,8 +35,10 @@ first chunk, once the request is admitted and its KV cache is in place:
 * ``x-sim-queue-ms``: model ms waiting for a batch slot and KV blocks;
 * ``x-sim-remote-prefill-ms``: model ms the sidecar's call to the prefill engine took (sidecar path only);
 * with a pull: ``x-sim-prefill-engine`` (``host:port`` pulled from) and ``x-sim-prefill-group``
-  (its EDS group, or ``unknown``); ``x-sim-warning`` when it is in no EDS file (then counted as
-  ``cross_group``) or when EDS disagrees with the group the prefill reported itself.
+  (its EDS group, or ``unknown``);
+* ``x-sim-warning``: why a KV load failed and the engine prefilled locally instead; or, with a
+  pull, that the prefill is in no EDS file (then counted as ``cross_group``) or that EDS disagrees
+  with the group the prefill reported itself.
 """
 
 from __future__ import annotations
@@ -30,7 +47,6 @@ import contextlib
 import json
 import logging
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import aiohttp
@@ -38,7 +54,8 @@ from aiohttp import web
 
 from sim.clock import SimClock
 from sim.config import EngineConfig
-from sim.engine import ABORTED, Engine, EngineError, Sequence
+from sim.engine import ABORTED, Engine, EngineError, Pull, Sequence
+from sim.handoff import BootstrapError, Handoff
 from sim.kv import GroupMap, SharedLink
 from sim.metrics import CONTENT_TYPE
 from sim.protocol import (
@@ -46,6 +63,7 @@ from sim.protocol import (
     RequestError,
     Shaper,
     error_body,
+    error_response,
     parse_generate,
     sse,
     token_text,
@@ -61,19 +79,8 @@ H_PREFILL, H_PREFILL_GROUP = "x-sim-prefill-engine", "x-sim-prefill-group"
 H_QUEUE_MS, H_TIME_SCALE, H_WARNING = "x-sim-queue-ms", "x-sim-time-scale", "x-sim-warning"
 H_REMOTE_PREFILL_MS = "x-sim-remote-prefill-ms"
 
-
-@dataclass
-class _State:
-    session: aiohttp.ClientSession | None = None
-
-
 ENGINE_KEY = web.AppKey("sim_engine", Engine)
-_STATE_KEY = web.AppKey("sim_state", _State)
-
-
-def _error(status: int, message: str, headers: dict[str, str], param: str | None = None) -> web.Response:
-    err_type = "BadRequestError" if status == 400 else "InternalServerError"
-    return web.json_response(error_body(message, status, err_type, param), status=status, headers=headers)
+HANDOFF_KEY = web.AppKey("sim_handoff", Handoff)
 
 
 def _headers(engine: Engine) -> dict[str, str]:
@@ -87,22 +94,23 @@ def _headers(engine: Engine) -> dict[str, str]:
     }
 
 
-def _handoff_params(engine: Engine, seq: Sequence) -> dict[str, Any]:
+def _handoff_params(engine: Engine, seq: Sequence, request_id: str) -> dict[str, Any]:
     return {
         "do_remote_prefill": True,
         "do_remote_decode": False,
         "remote_engine_id": engine.engine_id,
-        "remote_block_ids": engine.block_ids(seq),
+        "remote_block_ids": list(seq.held_block_ids),
         "remote_host": engine.host,
         "remote_port": engine.port,
+        "remote_request_id": request_id,
         "tp_size": 1,
     }
 
 
 async def _call_prefill(
     request: web.Request, req: GenerateRequest, prefiller: str, headers: dict[str, str]
-) -> tuple[str | None, web.Response | None]:
-    """The sidecar's prefill call: ``(prefill's self-reported group, None)`` or ``(None, error)``."""
+) -> tuple[dict[str, Any] | None, web.Response | None]:
+    """The sidecar's prefill call: ``(kv_transfer_params, None)`` or ``(None, error response)``."""
     body = dict(req.body)
     body.pop("stream_options", None)
     body.pop("sim_output_tokens", None)
@@ -118,7 +126,7 @@ async def _call_prefill(
         "remote_port": None,
     }
     forward = {k: v for k, v in request.headers.items() if k.lower() in ("x-request-id", "authorization")}
-    session = request.app[_STATE_KEY].session
+    session = request.app[HANDOFF_KEY].session
     assert session is not None
     try:
         async with session.post(f"http://{prefiller}{request.path}", json=body, headers=forward) as resp:
@@ -129,42 +137,47 @@ async def _call_prefill(
                     status=resp.status, body=data, headers=headers, content_type=resp.content_type
                 )
             params = json.loads(data).get("kv_transfer_params")
-            reported = resp.headers.get(H_GROUP)
     except (TimeoutError, aiohttp.ClientError, ValueError, AttributeError) as exc:
         headers[H_PREFILL] = prefiller
-        return None, _error(502, f"prefill {prefiller} failed: {exc!r}", headers)
+        return None, error_response(502, f"prefill {prefiller} failed: {exc!r}", headers)
     if not isinstance(params, dict) or not params.get("do_remote_prefill"):
-        return None, _error(502, f"prefill {prefiller} returned no kv_transfer_params", headers)
-    return reported, None
+        return None, error_response(502, f"prefill {prefiller} returned no kv_transfer_params", headers)
+    return params, None
+
+
+def _role_error(
+    role: str, req: GenerateRequest, prefiller: str | None, headers: dict[str, str]
+) -> web.Response | None:
+    """A 400 response when this engine's role cannot serve the request's handoff, else ``None``."""
+    if req.remote_decode and (req.remote_prefill or role == "decode"):
+        bad = f"a {role} engine cannot serve do_remote_decode here"
+    elif (req.remote_prefill or prefiller) and role == "prefill":
+        bad = "a prefill engine cannot pull a remote KV cache"
+    else:
+        return None
+    return error_response(400, bad, headers, "kv_transfer_params")
 
 
 async def _pull_source(
     request: web.Request, engine: Engine, req: GenerateRequest, headers: dict[str, str]
-) -> tuple[str | None, str | None, web.Response | None]:
-    """Where to pull the KV from: ``(address or None for a local prefill, prefill's own group
-    report, None)``, or ``(None, None, error response)`` for a role/parameter mismatch."""
-    role = engine.config.role
-    params = req.kv_transfer_params or {}
-    handoff, remote = bool(params.get("do_remote_decode")), bool(params.get("do_remote_prefill"))
+) -> tuple[Pull | None, web.Response | None]:
+    """How the request gets its KV cache: ``(pull, None)`` (``None``: prefill locally), or
+    ``(None, error response)`` when the sidecar's prefill call failed."""
+    handoff = request.app[HANDOFF_KEY]
     prefiller = request.headers.get(PREFILLER_HEADER)
-    bad = None
-    if handoff and (remote or role == "decode"):
-        bad = f"a {role} engine cannot serve do_remote_decode here"
-    elif (remote or prefiller) and role == "prefill":
-        bad = "a prefill engine cannot pull a remote KV cache"
-    elif remote:
-        host, port = params.get("remote_host"), params.get("remote_port")
-        if isinstance(host, str) and host and isinstance(port, int):
-            return (f"[{host}]:{port}" if ":" in host else f"{host}:{port}"), None, None
-        bad = "do_remote_prefill needs remote_host and remote_port"
-    elif prefiller and not handoff:
+    if req.remote_prefill:
+        assert req.kv_transfer_params is not None
+        return handoff.nixl_pull(req.kv_transfer_params, req.prompt_tokens), None
+    if req.bootstrap is not None and engine.config.role == "decode":
+        return handoff.bootstrap_pull(req.bootstrap, req.prompt_tokens), None
+    if prefiller and not req.remote_decode:
         started = engine.clock.now()
-        reported, failure = await _call_prefill(request, req, prefiller, headers)
+        params, failure = await _call_prefill(request, req, prefiller, headers)
         headers[H_REMOTE_PREFILL_MS] = f"{(engine.clock.now() - started) * 1e3:.4f}"
-        return (None, None, failure) if failure is not None else (prefiller, reported, None)
-    if bad is not None:
-        return None, None, _error(400, bad, headers, "kv_transfer_params")
-    return None, None, None
+        if params is None:
+            return None, failure
+        return handoff.nixl_pull(params, req.prompt_tokens), None
+    return None, None
 
 
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
@@ -173,52 +186,84 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     try:
         req = parse_generate(await request.read(), chat, engine.config.timing)
     except RequestError as exc:
-        return _error(400, str(exc), headers, exc.param)
-    pull_from, reported, failure = await _pull_source(request, engine, req, headers)
+        return error_response(400, str(exc), headers, exc.param)
+    role = engine.config.role
+    failure = _role_error(role, req, request.headers.get(PREFILLER_HEADER), headers)
     if failure is not None:
         return failure
-    pull = partial(engine.kv.pull, pull_from, req.prompt_tokens) if pull_from is not None else None
+    if req.bootstrap is not None and role == "prefill" and not req.remote_decode:
+        return await _bootstrap_prefill(request, engine, req, headers)
+    pull, failure = await _pull_source(request, engine, req, headers)
+    if failure is not None:
+        return failure
+    hold = req.remote_decode and not req.stops  # vLLM hands off only a request capped by length
     try:
-        seq = engine.submit(req.prompt_tokens, req.max_tokens, req.output_tokens, pull)
+        seq = engine.submit(
+            req.prompt_tokens, req.max_tokens, req.output_tokens, pull, stops=req.stops, hold_kv=hold
+        )
     except ValueError as exc:
-        return _error(400, str(exc), headers, "max_tokens")
+        return error_response(400, str(exc), headers, "max_tokens")
     try:
         await seq.ready.wait()
         if seq.error is not None:
-            return _error(502 if pull_from else 500, f"request failed: {seq.error}", headers)
-        _describe(seq, headers, reported)
-        shaper = Shaper.new(chat, seq.request_id, req.model or engine.config.model)
-        if req.stream:
-            return await _stream(request, engine, seq, req, shaper, headers)
-        try:
-            await engine.wait_done(seq)
-        except EngineError as exc:
-            return _error(500, f"request failed: {exc}", headers)
-        body = shaper.full(
-            token_text(0, seq.generated), seq.finish_reason, usage(req.prompt_tokens, seq.generated)
-        )
-        if (req.kv_transfer_params or {}).get("do_remote_decode"):
-            body["kv_transfer_params"] = _handoff_params(engine, seq)
-            engine.metrics.remote_prefills.inc()
-        return web.json_response(body, headers=headers)
+            return error_response(502 if pull else 500, f"request failed: {seq.error}", headers)
+        _describe(seq, headers)
+        return await _respond(request, engine, seq, req, headers)
     finally:
         engine.abort(seq)  # no-op unless the client went away or something failed
 
 
-def _describe(seq: Sequence, headers: dict[str, str], reported_group: str | None) -> None:
+async def _bootstrap_prefill(
+    request: web.Request, engine: Engine, req: GenerateRequest, headers: dict[str, str]
+) -> web.StreamResponse:
+    """The prefill request of an SGLang bootstrap room (see :meth:`sim.handoff.Handoff.prefill`)."""
+    assert req.bootstrap is not None
+    try:
+        seq = await request.app[HANDOFF_KEY].prefill(req.bootstrap.room, req.prompt_tokens)
+    except (BootstrapError, EngineError) as exc:
+        return error_response(500, f"request failed: {exc}", headers)
+    _describe(seq, headers)
+    return await _respond(request, engine, seq, req, headers)
+
+
+async def _respond(
+    request: web.Request, engine: Engine, seq: Sequence, req: GenerateRequest, headers: dict[str, str]
+) -> web.StreamResponse:
+    """Stream ``seq``, or wait for it and answer the whole completion, with ``kv_transfer_params``
+    when it is a vLLM prefill leg whose KV is held for the decode."""
+    shaper = Shaper.new(req.chat, seq.request_id, req.model or engine.config.model)
+    if req.stream:
+        return await _stream(request, engine, seq, req, shaper, headers)
+    try:
+        await engine.wait_done(seq)
+    except EngineError as exc:
+        return error_response(500, f"request failed: {exc}", headers)
+    body = shaper.full(
+        token_text(0, seq.generated), seq.finish_reason, usage(req.prompt_tokens, seq.generated)
+    )
+    if req.remote_decode and seq.held_block_ids:
+        request_id = request.headers.get("X-Request-Id") or seq.request_id
+        body["kv_transfer_params"] = _handoff_params(engine, seq, request_id)
+        engine.metrics.remote_prefills.inc()
+    return web.json_response(body, headers=headers)
+
+
+def _describe(seq: Sequence, headers: dict[str, str]) -> None:
     t = seq.transfer
     headers[H_KV] = t.kind
     headers[H_KV_MS] = f"{t.model_ms:.4f}"
     if seq.admitted_at is not None:
         headers[H_QUEUE_MS] = f"{(seq.admitted_at - seq.arrival) * 1e3:.4f}"
+    if seq.warning is not None:
+        headers[H_WARNING] = " ".join(seq.warning.split())  # one header line
     if t.prefill_address is None:
         return
     headers[H_PREFILL] = t.prefill_address
     headers[H_PREFILL_GROUP] = t.prefill_group if t.prefill_group is not None else "unknown"
     if t.prefill_group is None:
         headers[H_WARNING] = f"prefill {t.prefill_address} is in no EDS file; treated as cross_group"
-    elif reported_group is not None and reported_group != t.prefill_group:
-        headers[H_WARNING] = f"prefill reports group {reported_group!r} but EDS says {t.prefill_group!r}"
+    elif t.reported_group is not None and t.reported_group != t.prefill_group:
+        headers[H_WARNING] = f"prefill reports group {t.reported_group!r} but EDS says {t.prefill_group!r}"
 
 
 async def _stream(
@@ -299,25 +344,31 @@ async def _metrics(request: web.Request) -> web.Response:
 
 
 async def _lifecycle(app: web.Application) -> Any:
-    engine, state = app[ENGINE_KEY], app[_STATE_KEY]
-    timeout = aiohttp.ClientTimeout(total=engine.config.prefill_timeout_s)
-    state.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+    engine, handoff = app[ENGINE_KEY], app[HANDOFF_KEY]
+    handoff.open()
     await engine.start()
     yield
     await engine.stop()
-    await state.session.close()
+    await handoff.close()
+
+
+async def _shutdown(app: web.Application) -> None:
+    app[HANDOFF_KEY].shutdown()
 
 
 def build_app(engine: Engine) -> web.Application:
-    """The aiohttp application serving ``engine``; the engine loop runs while the app runs."""
+    """The aiohttp application serving ``engine`` (OpenAI API, ``/health``, ``/metrics`` and the
+    ``/sim/`` handoff endpoints); the engine loop runs while the app runs."""
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app[ENGINE_KEY] = engine
-    app[_STATE_KEY] = _State()
+    handoff = app[HANDOFF_KEY] = Handoff(engine)
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
+    handoff.add_routes(app)
+    app.on_shutdown.append(_shutdown)
     app.cleanup_ctx.append(_lifecycle)
     return app
 
