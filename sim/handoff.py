@@ -239,7 +239,8 @@ class Handoff:
     async def prefill(self, room_id: int, prompt_tokens: int) -> Sequence:
         """Serve the prefill request of bootstrap room ``room_id``: wait for its decode to register,
         prefill ``prompt_tokens`` tokens (one output token), hold the KV until the decode pulled it,
-        free it. Returns the finished sequence; raises :class:`BootstrapError` or :class:`EngineError`."""
+        free it. Returns the finished sequence; raises :class:`BootstrapError`, :class:`EngineError`,
+        or ``ValueError`` when the prompt can never fit this engine's KV cache."""
         engine, timeout_s = self.engine, self.engine.config.kv.bootstrap_timeout_s
         async with self._prefill_room(room_id) as room:
             await room.wait(
@@ -251,6 +252,7 @@ class Handoff:
                 room.computed.set()
                 what = f"the decode of bootstrap room {room_id} did not pull the KV"
                 await room.wait(room.pulled, engine.clock, timeout_s, what)
+                engine.metrics.remote_prefills.inc()
             finally:
                 engine.release_kv(seq)
                 engine.abort(seq)

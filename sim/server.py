@@ -222,6 +222,8 @@ async def _bootstrap_prefill(
         seq = await request.app[HANDOFF_KEY].prefill(req.bootstrap.room, req.prompt_tokens)
     except (BootstrapError, EngineError) as exc:
         return error_response(500, f"request failed: {exc}", headers)
+    except ValueError as exc:
+        return error_response(400, str(exc), headers)
     _describe(seq, headers)
     return await _respond(request, engine, seq, req, headers)
 

@@ -328,7 +328,7 @@ async def test_bootstrap_rendezvous_in_either_order(http, tmp_path: Path, decode
             KvConfig().unloaded_transfer_ms(40, same_group=True), rel=1e-3
         )
         pm = await metrics(http, prefill)
-        assert idle(pm) and pm["vllm:prompt_tokens_total"] == 40
+        assert idle(pm) and pm["vllm:prompt_tokens_total"] == 40 and pm["sim:remote_prefills_total"] == 1
         dm = await metrics(http, decode)
         assert dm["vllm:prompt_tokens_total"] == 40 and dm["sim:kv_transfers_total{same_group}"] == 1
 
@@ -392,6 +392,19 @@ async def test_bootstrap_prefill_fails_when_its_decode_gives_up(http) -> None:
         assert d_status == 502 and "within 20 model s" in d_body["error"]["message"]
         assert p_status == 500 and "gave up" in p_body["error"]["message"]
         assert (await blocker)[0] == 200
+        assert idle(await metrics(http, prefill))
+
+
+async def test_bootstrap_prompt_too_big_for_the_prefill_fails_both_sides(http) -> None:
+    tiny = TimingConfig(time_scale=0.01, kv_capacity_tokens=32)
+    async with cluster([EngineSpec("prefill", "g1", timing=tiny), EngineSpec("decode", "g1")]) as engines:
+        prefill, decode = engines
+        body = bootstrap_body(prefill, 21)
+        (d_status, _, d_body), (p_status, _, p_body) = await asyncio.gather(
+            post(http, decode, body), post(http, prefill, body)
+        )
+        assert p_status == 400 and "KV" in p_body["error"]["message"]
+        assert d_status == 502 and "bootstrap room 21 failed" in d_body["error"]["message"]
         assert idle(await metrics(http, prefill))
 
 
