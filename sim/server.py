@@ -4,7 +4,7 @@ the engines' PD handoff protocols (:mod:`sim.handoff` has the protocols and the 
 A generation request takes the first of these paths that applies:
 
 * ``kv_transfer_params.do_remote_decode`` (roles prefill/both): prefill and return one token. When
-  that token is the length cap (the model did not stop), the response also carries
+  that token is the length cap (the model did not stop), the non-streaming response carries
   ``kv_transfer_params`` for the decode (``do_remote_prefill``, ``do_remote_decode``,
   ``remote_engine_id``, ``remote_block_ids``, ``remote_host``, ``remote_port``, ``tp_size`` and
   ``remote_request_id``: the ``X-Request-Id`` header, else the engine's own request id) and the
