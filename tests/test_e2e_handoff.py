@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ext_proc.discovery.eds import EndpointSpec, write_eds_file
 from sim.cluster import EngineSpec, endpoint_specs, start_cluster, stop_cluster
+from sim.config import KvConfig
 from sim.server import RunningEngine
 
 KV = "kv-transfer-params"
@@ -49,12 +50,16 @@ class Cluster:
 
 @contextlib.asynccontextmanager
 async def sim_gateway(
-    tmp_path: Path, specs: list[EngineSpec], settings: dict[str, object], extra_prefills: list[str] = ()
+    tmp_path: Path,
+    specs: list[EngineSpec],
+    settings: dict[str, object],
+    extra_prefills: list[str] = (),
+    kv: KvConfig | None = None,
 ) -> AsyncIterator[Cluster]:
-    """Simulated engines (``specs``), then pd-extproc + Envoy over them; ``extra_prefills``
-    (addresses of scripted prefills) join the prefill cluster in group ``a``."""
+    """Simulated engines (``specs``, KV model ``kv``), then pd-extproc + Envoy over them;
+    ``extra_prefills`` (addresses of scripted prefills) join the prefill cluster in group ``a``."""
     engine_eds = tmp_path / "engines.json"
-    engines = await start_cluster(specs, [engine_eds])
+    engines = await start_cluster(specs, [engine_eds], kv=kv)
     try:
         prefills = [*endpoint_specs(engines, ["prefill"])]
         prefills += [EndpointSpec(a, "a", None, True, "HEALTHY") for a in extra_prefills]
@@ -103,8 +108,8 @@ async def test_kv_transfer_params_with_the_openai_sdk_keeps_kv_in_the_group(tmp_
     async with (
         sim_gateway(tmp_path, specs, {"handoff.mode": KV}) as c,
         aiohttp.ClientSession() as session,
+        openai.AsyncOpenAI(base_url=c.g.gateway.url + "/v1", api_key="k", max_retries=0) as client,
     ):
-        client = openai.AsyncOpenAI(base_url=c.g.gateway.url + "/v1", api_key="k", max_retries=0)
         for path in ("chat", "completions"):
             for _ in range(4):
                 if path == "chat":
@@ -342,3 +347,55 @@ async def test_a_prefill_longer_than_envoys_message_timeout_still_routes(tmp_pat
         status, _, text = await _post(s, g)
         assert status == 200, text
         assert decode.requests[0]["body"]["kv_transfer_params"] == PARAMS
+
+
+SGLANG = "sglang-bootstrap"
+TWO_GROUPS = [EngineSpec("prefill", "a"), EngineSpec("prefill", "b"), EngineSpec("decode", "a")]
+TWO_GROUPS.append(EngineSpec("decode", "b"))
+
+
+async def _wait_legs(session: aiohttp.ClientSession, g: Gatewayed, expected: dict[str, float]) -> dict:
+    """The prefill-leg counters once they reach ``expected`` (legs end in the background), or as they are."""
+    end = time.monotonic() + 10
+    while (legs := await _legs(session, g)) != expected and time.monotonic() < end:
+        await asyncio.sleep(0.05)
+    return legs
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_sglang_bootstrap_rendezvous_in_the_group_with_the_openai_sdk(tmp_path, stream):
+    async with (
+        sim_gateway(tmp_path, TWO_GROUPS, {"handoff.mode": SGLANG}) as c,
+        aiohttp.ClientSession() as session,
+        openai.AsyncOpenAI(base_url=c.g.gateway.url + "/v1", api_key="k", max_retries=0) as client,
+    ):
+        for _ in range(6):
+            raw = await client.chat.completions.with_raw_response.create(
+                model="sim", messages=CHAT["messages"], max_tokens=6, stream=stream
+            )
+            parsed = raw.parse()
+            if stream:
+                assert [chunk async for chunk in parsed][-1].choices[0].finish_reason == "length"
+            else:
+                assert parsed.usage.completion_tokens == 6
+            assert raw.headers["x-sim-kv-transfer"] == "same_group"
+            assert raw.headers["x-sim-prefill-engine"] in c.addresses("prefill")
+        assert await _wait_legs(session, c.g, {"ok": 6.0}) == {"ok": 6.0}
+        assert await _idle(session, c.g) == []
+
+
+async def test_sglang_bootstrap_dead_prefill_ends_in_the_decodes_error(tmp_path):
+    """What the README promises: the client gets the decode engine's own error (here at once: the dead
+    prefill's bootstrap server refuses the decode); the gateway counts the failed leg; no load is left."""
+    dead = await start_scripted_prefill()
+    await dead.stop()
+    kv = KvConfig(bootstrap_timeout_s=1.0)
+    async with (
+        sim_gateway(tmp_path, [EngineSpec("decode", "a")], {"handoff.mode": SGLANG}, [dead.address], kv) as c,
+        aiohttp.ClientSession() as session,
+    ):
+        status, headers, text = await _post(session, c.g)
+        assert status >= 500 and "error" in json.loads(text)
+        assert headers["x-sim-engine"] in c.addresses("decode")  # the decode engine answered
+        assert await _wait_legs(session, c.g, {"server_error": 1.0}) == {"server_error": 1.0}
+        assert await _idle(session, c.g) == []
