@@ -48,6 +48,9 @@ log = logging.getLogger(__name__)
 
 KV_READ, KV_RELEASE = "/sim/kv/read", "/sim/kv/release"
 BOOTSTRAP_REGISTER, BOOTSTRAP_COMPLETE = "/sim/bootstrap/register", "/sim/bootstrap/complete"
+PREFILL_MS_PARAM = "sim_prefill_ms"
+"""Extra ``kv_transfer_params`` field (as vllm-ascend adds its own): the model ms the prefill request took
+in the prefill engine, which the decode reports as ``x-sim-remote-prefill-ms``."""
 
 
 class BootstrapError(RuntimeError):
@@ -183,7 +186,11 @@ class Handoff:
                 raise KvMissing(f"prefill {remote.address}: {_reason(data)}")
             result = await self.engine.kv.pull(remote.address, prompt_tokens)
             await self._notify(remote.address, KV_RELEASE, body)
-            return replace(result, reported_group=data.get("group"))
+            prefill_ms = params.get(PREFILL_MS_PARAM)
+            known = isinstance(prefill_ms, int | float) and not isinstance(prefill_ms, bool)
+            return replace(
+                result, reported_group=data.get("group"), remote_prefill_ms=prefill_ms if known else None
+            )
 
         return pull
 
@@ -197,6 +204,7 @@ class Handoff:
             server = host_port(bootstrap.host, bootstrap.port)
             timeout_s = self.engine.config.kv.bootstrap_timeout_s
             room = {"room": bootstrap.room}
+            started = self.engine.clock.now()
             try:
                 register = self._post(server, BOOTSTRAP_REGISTER, room, aiohttp.ClientTimeout())
                 status, data = await self.engine.clock.wait_for(register, timeout_s)
@@ -208,9 +216,10 @@ class Handoff:
                 raise EngineError(f"bootstrap server {server} unreachable: {exc!r}") from None
             if status != 200:
                 raise EngineError(f"bootstrap server {server}: {_reason(data)}")
+            waited_ms = (self.engine.clock.now() - started) * 1e3  # the prefill, from this decode's view
             result = await self.engine.kv.pull(data["prefill"], prompt_tokens)
             await self._notify(server, BOOTSTRAP_COMPLETE, room)
-            return replace(result, reported_group=data["group"])
+            return replace(result, reported_group=data["group"], remote_prefill_ms=waited_ms)
 
         return pull
 

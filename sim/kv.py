@@ -194,13 +194,15 @@ class GroupMap:
 @dataclass(frozen=True, slots=True)
 class TransferResult:
     """What one KV pull did. ``model_ms`` is model time; ``prefill_group`` ``None`` = not in EDS;
-    ``reported_group`` is the group the prefill engine reported itself (``None``: not asked)."""
+    ``reported_group`` is the group the prefill engine reported itself (``None``: not asked);
+    ``remote_prefill_ms`` the model ms the remote prefill took as this decode can tell (``None``: unknown)."""
 
     kind: str
     model_ms: float
     prefill_address: str | None = None
     prefill_group: str | None = None
     reported_group: str | None = None
+    remote_prefill_ms: float | None = None
 
 
 NO_TRANSFER_RESULT = TransferResult(NO_TRANSFER, 0.0)

@@ -33,7 +33,10 @@ first chunk, once the request is admitted and its KV cache is in place:
 * ``x-sim-kv-transfer``: ``same_group`` | ``cross_group`` | ``none`` (no pull by this engine);
 * ``x-sim-kv-transfer-ms``: the pull's duration in model ms (``0.0`` without a pull);
 * ``x-sim-queue-ms``: model ms waiting for a batch slot and KV blocks;
-* ``x-sim-remote-prefill-ms``: model ms the sidecar's call to the prefill engine took (sidecar path only);
+* ``x-sim-remote-prefill-ms``: model ms of the remote prefill as this decode can tell: the sidecar's
+  call to the prefill engine (sidecar path), the prefill engine's own time from arrival to answer
+  (``kv_transfer_params.sim_prefill_ms``, which the prefill adds), or the wait for the bootstrap room's
+  KV (SGLang); absent when the decode prefilled locally;
 * with a pull: ``x-sim-prefill-engine`` (``host:port`` pulled from) and ``x-sim-prefill-group``
   (its EDS group, or ``unknown``);
 * ``x-sim-warning``: why a KV load failed and the engine prefilled locally instead; or, with a
@@ -55,7 +58,7 @@ from aiohttp import web
 from sim.clock import SimClock
 from sim.config import EngineConfig
 from sim.engine import ABORTED, Engine, EngineError, Pull, Sequence
-from sim.handoff import BootstrapError, Handoff
+from sim.handoff import PREFILL_MS_PARAM, BootstrapError, Handoff
 from sim.kv import GroupMap, SharedLink
 from sim.metrics import CONTENT_TYPE
 from sim.protocol import (
@@ -95,7 +98,9 @@ def _headers(engine: Engine) -> dict[str, str]:
 
 
 def _handoff_params(engine: Engine, seq: Sequence, request_id: str) -> dict[str, Any]:
+    took_ms = ((seq.finished_at or engine.clock.now()) - seq.arrival) * 1e3
     return {
+        PREFILL_MS_PARAM: round(took_ms, 4),
         "do_remote_prefill": True,
         "do_remote_decode": False,
         "remote_engine_id": engine.engine_id,
@@ -254,6 +259,8 @@ def _describe(seq: Sequence, headers: dict[str, str]) -> None:
     t = seq.transfer
     headers[H_KV] = t.kind
     headers[H_KV_MS] = f"{t.model_ms:.4f}"
+    if t.remote_prefill_ms is not None:  # the sidecar's own measure of its call, when set, stays
+        headers.setdefault(H_REMOTE_PREFILL_MS, f"{t.remote_prefill_ms:.4f}")
     if seq.admitted_at is not None:
         headers[H_QUEUE_MS] = f"{(seq.admitted_at - seq.arrival) * 1e3:.4f}"
     if seq.warning is not None:

@@ -68,7 +68,8 @@ class Record:
 
     @property
     def decode_ttft_ms(self) -> float | None:
-        """Time to first token of the decode phase: client TTFT minus the sidecar's prefill call."""
+        """Time to first token of the decode phase: client TTFT minus the remote prefill as the decode
+        engine reports it (``x-sim-remote-prefill-ms``)."""
         if self.ttft_ms is None:
             return None
         return self.ttft_ms - (self.remote_prefill_ms or 0.0)

@@ -131,6 +131,7 @@ async def test_kv_transfer_params_with_the_openai_sdk_keeps_kv_in_the_group(tmp_
                 assert headers["x-sim-kv-transfer"] == "same_group"
                 assert headers["x-sim-prefill-engine"] in c.addresses("prefill")
                 assert headers["x-sim-engine"] in c.addresses("decode")
+                assert float(headers["x-sim-remote-prefill-ms"]) > 0  # the prefill's time, passed through
         assert await _legs(session, c.g) == {"ok": 8.0}
         assert await _idle(session, c.g) == []
 
@@ -380,6 +381,7 @@ async def test_sglang_bootstrap_rendezvous_in_the_group_with_the_openai_sdk(tmp_
                 assert parsed.usage.completion_tokens == 6
             assert raw.headers["x-sim-kv-transfer"] == "same_group"
             assert raw.headers["x-sim-prefill-engine"] in c.addresses("prefill")
+            assert float(raw.headers["x-sim-remote-prefill-ms"]) > 0  # the decode's wait for the KV
         assert await _wait_legs(session, c.g, {"ok": 6.0}) == {"ok": 6.0}
         assert await _idle(session, c.g) == []
 
