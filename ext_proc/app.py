@@ -16,6 +16,7 @@ from ext_proc.affinity import Policy
 from ext_proc.config import Config
 from ext_proc.discovery import ClusterEndpoints, EdsFileSource
 from ext_proc.handoff import (
+    DecodeRoute,
     Handoff,
     HandoffMode,
     KvTransferParamsHandoff,
@@ -65,18 +66,12 @@ def build_handoff(config: Config, metrics: Metrics) -> Handoff:
     if handoff.mode is HandoffMode.SIDECAR:
         return SidecarHandoff(routing.destination_header, routing.prefill_header)
     client = PrefillClient(handoff.prefill_via, routing.destination_header, handoff.prefill_timeout_seconds)
+    route = DecodeRoute(routing.destination_header, routing.prefill_header)
     if handoff.mode is HandoffMode.KV_TRANSFER_PARAMS:
         return KvTransferParamsHandoff(
-            routing.destination_header,
-            routing.prefill_header,
-            client,
-            metrics,
-            handoff.on_prefill_failure,
-            handoff.prefill_timeout_seconds,
+            route, client, metrics, handoff.on_prefill_failure, handoff.prefill_timeout_seconds
         )
-    return SglangBootstrapHandoff(
-        routing.destination_header, routing.prefill_header, client, metrics, handoff.default_bootstrap_port
-    )
+    return SglangBootstrapHandoff(route, client, metrics, handoff.default_bootstrap_port)
 
 
 async def start_server(config: Config) -> RunningServer:

@@ -55,6 +55,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from ext_proc.handoff.body import prefill_leg_body
 from sim.clock import SimClock
 from sim.config import EngineConfig
 from sim.engine import ABORTED, Engine, EngineError, Pull, Sequence
@@ -115,26 +116,17 @@ def _handoff_params(engine: Engine, seq: Sequence, request_id: str) -> dict[str,
 async def _call_prefill(
     request: web.Request, req: GenerateRequest, prefiller: str, headers: dict[str, str]
 ) -> tuple[dict[str, Any] | None, web.Response | None]:
-    """The sidecar's prefill call: ``(kv_transfer_params, None)`` or ``(None, error response)``."""
-    body = dict(req.body)
-    body.pop("stream_options", None)
-    body.pop("sim_output_tokens", None)
-    body.update(stream=False, max_tokens=1)
-    if "max_completion_tokens" in body:
-        body["max_completion_tokens"] = 1
-    body["kv_transfer_params"] = {
-        "do_remote_decode": True,
-        "do_remote_prefill": False,
-        "remote_engine_id": None,
-        "remote_block_ids": None,
-        "remote_host": None,
-        "remote_port": None,
-    }
+    """The sidecar's prefill call: ``(kv_transfer_params, None)`` or ``(None, error response)``.
+
+    The same prefill leg the gateway's kv-transfer-params handoff sends (one protocol, one definition),
+    without ``sim_output_tokens``: the sidecar's prefill always hands the KV cache over."""
+    body = prefill_leg_body({k: v for k, v in req.body.items() if k != "sim_output_tokens"})
     forward = {k: v for k, v in request.headers.items() if k.lower() in ("x-request-id", "authorization")}
+    forward["Content-Type"] = "application/json"
     session = request.app[HANDOFF_KEY].session
     assert session is not None
     try:
-        async with session.post(f"http://{prefiller}{request.path}", json=body, headers=forward) as resp:
+        async with session.post(f"http://{prefiller}{request.path}", data=body, headers=forward) as resp:
             data = await resp.read()
             if resp.status != 200:
                 headers[H_PREFILL] = prefiller

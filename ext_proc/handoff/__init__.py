@@ -9,6 +9,7 @@
 """
 
 from ext_proc.handoff.base import (
+    DecodeRoute,
     FailurePolicy,
     Handoff,
     HandoffJob,
@@ -27,6 +28,7 @@ from ext_proc.handoff.sglang import SglangBootstrapHandoff
 from ext_proc.handoff.sidecar import SidecarHandoff
 
 __all__ = [
+    "DecodeRoute",
     "FailurePolicy",
     "Handoff",
     "HandoffJob",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import uuid
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -158,6 +159,39 @@ class Handoff(Protocol):
     async def close(self) -> None:
         """Stop background work and release connections (server shutdown)."""
         ...
+
+
+REQUEST_ID_HEADER = "x-request-id"
+
+
+def new_request_id() -> str:
+    """A request id for both legs of a handoff that no client can predict or reuse (random UUID)."""
+    return str(uuid.uuid4())
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeRoute:
+    """The decode routing of the engine handoffs, whose body carries the handoff: the destination
+    list (header and ``envoy.lb`` metadata), no prefill header (a client's is removed)."""
+
+    destination_header: str
+    prefill_header: str
+
+    @property
+    def routing_headers(self) -> tuple[str, str]:
+        """The headers this routing owns (clients may not supply them)."""
+        return (self.destination_header, self.prefill_header)
+
+    def instructions(
+        self, decision: Decision[EndpointState], request_id: str | None, body: bytes | None
+    ) -> RoutingInstructions:
+        """Route to the decode (and fallbacks); ``request_id`` and ``body`` replace the client's."""
+        destination = destination_list(decision)
+        headers = ((self.destination_header, destination),)
+        if request_id is not None:
+            headers += ((REQUEST_ID_HEADER, request_id),)
+        metadata = ((self.destination_header, destination),)
+        return RoutingInstructions(headers, (self.prefill_header,), metadata, body)
 
 
 def destination_list(decision: Decision[EndpointState]) -> str:

@@ -17,18 +17,18 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import uuid
 
 from ext_proc.affinity import Decision
 from ext_proc.handoff.base import (
+    REQUEST_ID_HEADER,
+    DecodeRoute,
     FailurePolicy,
     HandoffJob,
     Placement,
     Refused,
     Rerouter,
     Routed,
-    RoutingInstructions,
-    destination_list,
+    new_request_id,
 )
 from ext_proc.handoff.body import KV_TRANSFER_PARAMS, prefill_leg_body, with_fields, without_fields
 from ext_proc.handoff.leg import LegError, LegOutcome, LegReply, PrefillClient
@@ -38,17 +38,11 @@ from ext_proc.registry import EndpointState
 
 log = logging.getLogger(__name__)
 
-REQUEST_ID_HEADER = "x-request-id"
 TIMEOUT_MARGIN_SECONDS = 5.0
 """Added to the legs' worst case when asking Envoy to wait for the body answer."""
 _RETRYABLE_4XX = frozenset({408, 429})
 _OWNED = (KV_TRANSFER_PARAMS,)
 _MAX_DETAIL = 300
-
-
-def new_request_id() -> str:
-    """A request id for both legs that no client can predict or reuse (random UUID)."""
-    return str(uuid.uuid4())
 
 
 def read_prefill_reply(reply: LegReply) -> tuple[LegOutcome, dict[str, object] | None, str]:
@@ -91,40 +85,28 @@ def engine_error(reply: LegReply) -> tuple[str, bytes | None]:
 
 
 class KvTransferParamsHandoff:
-    """The P-first handoff; see the module docstring. Header names are configurable (lower case)."""
+    """The P-first handoff; see the module docstring."""
 
     def __init__(
         self,
-        destination_header: str,
-        prefill_header: str,
+        route: DecodeRoute,
         client: PrefillClient,
         metrics: Metrics,
         on_failure: FailurePolicy,
         leg_timeout_seconds: float,
     ) -> None:
-        self._destination = destination_header
-        self._prefill = prefill_header
+        self.route = route
         self.client = client
         self.metrics = metrics
         self.on_failure = on_failure
         self.answer_timeout = 2 * leg_timeout_seconds + TIMEOUT_MARGIN_SECONDS
-        self.routing_headers = (destination_header, prefill_header)
-
-    def decode_instructions(
-        self, decision: Decision[EndpointState], request_id: str | None, body: bytes | None
-    ) -> RoutingInstructions:
-        """Route to the decode (and fallbacks); ``request_id`` and ``body`` replace the client's."""
-        destination = destination_list(decision)
-        headers = ((self._destination, destination),)
-        if request_id is not None:
-            headers += ((REQUEST_ID_HEADER, request_id),)
-        return RoutingInstructions(headers, (self._prefill,), ((self._destination, destination),), body)
+        self.routing_headers = route.routing_headers
 
     def hand_off(self, job: HandoffJob, placement: Placement, router: Rerouter) -> Routed | PrefillFirst:
         """Decode-only at once when no prefill was chosen; else the prefill leg first."""
         if placement.decision.prefill is None:
             plain = without_fields(job.raw, job.body, _OWNED)
-            return Routed(self.decode_instructions(placement.decision, None, plain), placement.lease)
+            return Routed(self.route.instructions(placement.decision, None, plain), placement.lease)
         return PrefillFirst(self, job, placement, router)
 
     async def close(self) -> None:
@@ -195,7 +177,7 @@ class PrefillFirst:
                 assert reply is not None
                 params = read_prefill_reply(reply)[1]
                 body = with_fields(job.raw, job.body, {KV_TRANSFER_PARAMS: params}, _OWNED)
-                return Routed(handoff.decode_instructions(decision, self._request_id, body), self.lease)
+                return Routed(handoff.route.instructions(decision, self._request_id, body), self.lease)
             if outcome is LegOutcome.CLIENT_ERROR:
                 assert reply is not None
                 self._log(logging.INFO, prefill, outcome, detail)
@@ -215,7 +197,7 @@ class PrefillFirst:
 
     def _decode_only(self, decision: Decision[EndpointState]) -> Routed:
         plain = without_fields(self._job.raw, self._job.body, _OWNED)
-        return Routed(self._handoff.decode_instructions(decision, self._request_id, plain), self.lease)
+        return Routed(self._handoff.route.instructions(decision, self._request_id, plain), self.lease)
 
     def _give_up(
         self, decision: Decision[EndpointState], outcome: LegOutcome, prefill: EndpointState, detail: str

@@ -16,17 +16,16 @@ import asyncio
 import logging
 import secrets
 
-from ext_proc.affinity import Decision
 from ext_proc.handoff.base import (
+    REQUEST_ID_HEADER,
+    DecodeRoute,
     HandoffJob,
     Placement,
     Rerouter,
     Routed,
-    RoutingInstructions,
-    destination_list,
+    new_request_id,
 )
 from ext_proc.handoff.body import BOOTSTRAP_FIELDS, with_fields, without_fields
-from ext_proc.handoff.kv_transfer import REQUEST_ID_HEADER, new_request_id
 from ext_proc.handoff.leg import LegError, LegOutcome, PrefillClient
 from ext_proc.load import Lease
 from ext_proc.metrics import Metrics
@@ -41,32 +40,17 @@ def bootstrap_host(address: str) -> str:
 
 
 class SglangBootstrapHandoff:
-    """The concurrent handoff; see the module docstring. Header names are configurable (lower case)."""
+    """The concurrent handoff; see the module docstring."""
 
     def __init__(
-        self,
-        destination_header: str,
-        prefill_header: str,
-        client: PrefillClient,
-        metrics: Metrics,
-        default_bootstrap_port: int,
+        self, route: DecodeRoute, client: PrefillClient, metrics: Metrics, default_bootstrap_port: int
     ) -> None:
-        self._destination = destination_header
-        self._prefill = prefill_header
+        self.route = route
         self.client = client
         self.metrics = metrics
         self.default_bootstrap_port = default_bootstrap_port
-        self.routing_headers = (destination_header, prefill_header)
+        self.routing_headers = route.routing_headers
         self._legs: set[asyncio.Task[None]] = set()
-
-    def _instructions(
-        self, decision: Decision[EndpointState], request_id: str | None, body: bytes | None
-    ) -> RoutingInstructions:
-        destination = destination_list(decision)
-        headers = ((self._destination, destination),)
-        if request_id is not None:
-            headers += ((REQUEST_ID_HEADER, request_id),)
-        return RoutingInstructions(headers, (self._prefill,), ((self._destination, destination),), body)
 
     def hand_off(self, job: HandoffJob, placement: Placement, router: Rerouter) -> Routed:
         """Answer at once: the decode gets the bootstrap fields, the prefill leg starts alongside."""
@@ -74,7 +58,7 @@ class SglangBootstrapHandoff:
         prefill = decision.prefill
         if prefill is None:
             plain = without_fields(job.raw, job.body, BOOTSTRAP_FIELDS)
-            return Routed(self._instructions(decision, None, plain), lease)
+            return Routed(self.route.instructions(decision, None, plain), lease)
         fields: dict[str, object] = {
             "bootstrap_host": bootstrap_host(prefill.address),
             "bootstrap_port": prefill.bootstrap_port or self.default_bootstrap_port,
@@ -90,7 +74,7 @@ class SglangBootstrapHandoff:
         )
         self._legs.add(leg)
         leg.add_done_callback(self._legs.discard)
-        return Routed(self._instructions(decision, request_id, body), lease, leg)
+        return Routed(self.route.instructions(decision, request_id, body), lease, leg)
 
     async def _drain(
         self, prefill: EndpointState, path: str, body: bytes, headers: dict[str, str], lease: Lease
