@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 BACKEND = web.AppKey("backend", "EchoBackend")
+MAX_BODY_BYTES = 64 * 1024 * 1024
+"""Largest request body a backend reads (aiohttp's default is 1 MiB; engines take long-context bodies)."""
 
 
 @dataclass
@@ -97,7 +99,7 @@ async def _models(request: web.Request) -> web.Response:
 
 async def start_backend() -> EchoBackend:
     """Start a backend on an ephemeral loopback port."""
-    app = web.Application()
+    app = web.Application(client_max_size=MAX_BODY_BYTES)
     backend = EchoBackend(web.AppRunner(app, access_log=None), "")
     app[BACKEND] = backend
     app.router.add_post("/v1/completions", _completion)
@@ -128,6 +130,15 @@ class ScriptedPrefill:
     async def stop(self) -> None:
         await self.runner.cleanup()
 
+    async def kill(self) -> None:
+        """Die like a crashed node: stop listening and reset every open connection."""
+        for site in list(self.runner.sites):
+            await site.stop()
+        server = self.runner.server
+        for handler in list(server.connections if server is not None else ()):
+            if handler.transport is not None:
+                handler.transport.abort()
+
 
 SCRIPTED = web.AppKey("scripted", ScriptedPrefill)
 
@@ -147,7 +158,7 @@ async def start_scripted_prefill(
     status: int = 200, body: bytes = b"{}", delay: float = 0.0
 ) -> ScriptedPrefill:
     """Start a :class:`ScriptedPrefill` on an ephemeral loopback port."""
-    app = web.Application()
+    app = web.Application(client_max_size=MAX_BODY_BYTES)
     runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
     prefill = ScriptedPrefill(runner, "", status, body, delay)
     app[SCRIPTED] = prefill

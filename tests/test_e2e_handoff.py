@@ -401,3 +401,66 @@ async def test_sglang_bootstrap_dead_prefill_ends_in_the_decodes_error(tmp_path)
         assert headers["x-sim-engine"] in c.addresses("decode")  # the decode engine answered
         assert await _wait_legs(session, c.g, {"server_error": 1.0}) == {"server_error": 1.0}
         assert await _idle(session, c.g) == []
+
+
+async def test_prefill_leg_without_envoy_goes_straight_to_the_engine(tmp_path):
+    async with (
+        scripted_gateway(tmp_path, [GOOD], {"handoff.prefill_via": ""}) as (g, prefills, decode),
+        aiohttp.ClientSession() as s,
+    ):
+        status, _, text = await _post(s, g)
+        assert status == 200, text
+        ((leg_headers, _),) = prefills[0].legs
+        assert "x-gateway-destination-endpoint" not in leg_headers  # no Envoy in between
+        assert decode.requests[0]["body"]["kv_transfer_params"] == PARAMS
+
+
+async def test_the_prefill_charge_ends_with_the_leg_and_the_decode_charge_with_the_stream(tmp_path):
+    async with (
+        scripted_gateway(tmp_path, [GOOD], {}) as (g, prefills, decode),
+        aiohttp.ClientSession() as s,
+    ):
+        slow = {"x-test-delay-ms": "400"}  # the decode backend waits before each of its 3 chunks
+        streaming = asyncio.create_task(_post(s, g, {**CHAT, "stream": True}, headers=slow))
+        end = time.monotonic() + 10
+        while not decode.requests and time.monotonic() < end:
+            await asyncio.sleep(0.02)
+        async with s.get(f"{g.admin_url}/debug/endpoints") as response:
+            load = {(row["role"], row["address"]): row["active_requests"] for row in await response.json()}
+        assert load == {("prefill", prefills[0].address): 0, ("decode", decode.requests[0]["x-served-by"]): 1}
+        assert (await streaming)[0] == 200
+        assert await _idle(s, g) == []
+
+
+async def test_a_prefill_killed_mid_leg_is_retried_on_the_next(tmp_path):
+    async with (
+        scripted_gateway(tmp_path, [(200, b"{}", 30.0), GOOD], {}) as (g, prefills, decode),
+        aiohttp.ClientSession() as s,
+    ):
+        request = asyncio.create_task(_post(s, g))
+        end = time.monotonic() + 10
+        while not prefills[0].legs and time.monotonic() < end:
+            await asyncio.sleep(0.02)
+        await prefills[0].kill()  # the node dies with the leg in flight
+        status, _, text = await request
+        assert status == 200, text
+        assert [len(p.legs) for p in prefills] == [1, 1]
+        assert decode.requests[0]["body"]["kv_transfer_params"] == PARAMS
+        legs = await _legs(s, g)
+        assert legs["ok"] == 1.0 and sum(legs.values()) == 2.0  # one failed leg (how it failed varies)
+        assert await _idle(s, g) == []
+
+
+async def test_without_a_healthy_prefill_kv_transfer_params_routes_decode_only(tmp_path):
+    decode = await start_backend()
+    try:
+        async with (
+            gateway_over(tmp_path, [], [_spec(decode.address)], {"handoff.mode": KV}) as g,
+            aiohttp.ClientSession() as s,
+        ):
+            status, _, _ = await _post(s, g, {**CHAT, "kv_transfer_params": {"remote_host": "10.9.9.9"}})
+            assert status == 200
+            assert decode.requests[0]["body"] == CHAT
+            assert await _legs(s, g) == {}
+    finally:
+        await decode.stop()
