@@ -2,7 +2,9 @@
 
 One ``json.loads`` per request and a walk over the prompt: no schema library on the hot path.
 Token counts are estimates the load accounting can trust to be monotone in request size:
-exact for token-id prompts, ``ceil(chars / 4)`` for text.
+exact for token-id prompts, ``ceil(chars / 4)`` for text. Nothing here recurses with the body's
+nesting (the prompt walk reads a fixed few levels); Python's ``json`` does, so bodies nesting
+deeper than :data:`MAX_JSON_DEPTH` are refused as bad input.
 """
 
 from __future__ import annotations
@@ -13,6 +15,12 @@ from dataclasses import dataclass
 MAX_OUTPUT_BUDGET = 2**40
 """The most output tokens one request may reserve, all sequences together: far beyond any model's
 context, and small enough that the in-flight token sums (int64 load arrays) cannot overflow."""
+MAX_JSON_DEPTH = 128
+"""The deepest a request body may nest arrays and objects, in levels (the body itself is level 1): far
+beyond any OpenAI request (a tool's JSON schema nests a few dozen levels), and far within what
+Python's recursive ``json`` parses and the handoffs re-serialise (about 1,000 levels)."""
+_TOO_DEEP = f"request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels"
+_CONTAINERS = frozenset({dict, list})  # the only container types json.loads makes
 
 
 class RequestError(ValueError):
@@ -121,14 +129,38 @@ def _sequences(body: dict, field: str) -> int:
     return value
 
 
+def _nests_deeper(body: dict[str, object], limit: int) -> bool:
+    """Whether ``body`` nests arrays and objects more than ``limit`` levels deep (``body`` is level 1).
+
+    Iterative, one level at a time: any depth is measured without recursion, in about 60 ns per value.
+    """
+    level: list[dict[str, object] | list[object]] = [body]
+    for _ in range(limit):
+        level = [
+            child
+            for value in level
+            for child in (value.values() if type(value) is dict else value)
+            if type(child) in _CONTAINERS
+        ]
+        if not level:
+            return False
+    return True
+
+
 def parse_body(raw: bytes) -> dict[str, object]:
-    """The request's JSON object, parsed once; raise :class:`RequestError` when it is not one."""
+    """The request's JSON object, parsed once; raise :class:`RequestError` when it is not one, or
+    when it nests arrays and objects deeper than :data:`MAX_JSON_DEPTH` levels."""
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise RequestError(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:  # deeper than the interpreter's recursion limit (about 1,000 levels)
+        raise RequestError(_TOO_DEEP) from None
     if not isinstance(body, dict):
         raise RequestError("request body must be a JSON object")
+    # Each level opens with a bracket byte (in any JSON encoding), so a body with few of them is shallow.
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and _nests_deeper(body, MAX_JSON_DEPTH):
+        raise RequestError(_TOO_DEEP)
     return body
 
 

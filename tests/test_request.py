@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from ext_proc.request import MAX_OUTPUT_BUDGET, RequestError, RequestInfo, parse_request
+from ext_proc.request import MAX_JSON_DEPTH, MAX_OUTPUT_BUDGET, RequestError, RequestInfo, parse_request
 
 DEFAULT_BUDGET = 256
 
@@ -309,3 +309,43 @@ def test_an_output_budget_beyond_the_limit_is_rejected_naming_the_field(extra: d
     assert info.value.param == field
     assert f"'{field}' is too large" in str(info.value)
     assert str(MAX_OUTPUT_BUDGET) in str(info.value)
+
+
+# --- nesting depth: bad input, never a RecursionError --------------------------------------------
+
+TOO_DEEP = f"request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels"
+
+
+def nested(levels: int, field: str = "tools", inner: bytes = b"[", close: bytes = b"]") -> bytes:
+    """A chat body whose ``field`` holds ``levels - 1`` nested containers: ``levels`` deep in all."""
+    opening, closing = inner * (levels - 1), close * (levels - 1)
+    return b'{"model": "m", "messages": [], "%s": %s0%s}' % (field.encode(), opening, closing)
+
+
+@pytest.mark.parametrize("field", ["tools", "messages", "prompt", "x-unknown"])
+def test_a_body_nested_100000_deep_in_any_field_is_bad_input(field: str) -> None:
+    exc = error_of(nested(100_000, field))
+    assert (exc.param, str(exc)) == (None, TOO_DEEP)
+
+
+@pytest.mark.parametrize(("inner", "close"), [(b"[", b"]"), (b'{"a": ', b"}")], ids=["arrays", "objects"])
+def test_the_depth_limit_is_exact(inner: bytes, close: bytes) -> None:
+    assert parse_request(nested(MAX_JSON_DEPTH, inner=inner, close=close), DEFAULT_BUDGET).prompt_tokens == 0
+    # deeper than the limit but well within what json.loads parses: refused all the same
+    exc = error_of(nested(MAX_JSON_DEPTH + 1, inner=inner, close=close))
+    assert (exc.param, str(exc)) == (None, TOO_DEEP)
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-32"])
+def test_the_depth_limit_holds_in_every_json_encoding(encoding: str) -> None:
+    deep = nested(MAX_JSON_DEPTH + 1).decode().encode(encoding)
+    assert str(error_of(deep)) == TOO_DEEP
+    assert parse_request(nested(MAX_JSON_DEPTH).decode().encode(encoding), DEFAULT_BUDGET).model == "m"
+
+
+def test_many_brackets_are_not_depth() -> None:
+    """Bodies with far more brackets than the limit, but shallow, are routed as usual."""
+    conversation = [message([{"type": "text", "text": "[{"}]) for _ in range(3 * MAX_JSON_DEPTH)]
+    assert tokens(messages=conversation) == 3 * MAX_JSON_DEPTH // 2  # 2 chars each
+    assert tokens(prompt=[[1, 2]] * (3 * MAX_JSON_DEPTH)) == 6 * MAX_JSON_DEPTH
+    assert tokens(prompt="[" * 10 * MAX_JSON_DEPTH) == 10 * MAX_JSON_DEPTH // 4
