@@ -3,7 +3,8 @@
 * cross-group KV transfer share: of the requests whose KV cache was transferred, the share that
   crossed pdGroupID groups (ground truth from the simulator's ``x-sim-kv-transfer`` header);
 * decode TTFT: client time to first token minus the sidecar's prefill call (transfer + decode
-  queueing + first step), p50/p99 in ms; client TTFT p50; TPOT p50 in ms;
+  queueing + first step), p50/p99 in ms; client TTFT (first content chunk received, the fair
+  comparison across handoff protocols) p50/p99 in ms; TPOT p50/p99 in ms;
 * decode load balance: coefficient of variation (std/mean) over decode engines of their
   time-averaged number of requests in flight, each divided by its relative capacity (the
   per-engine values are in the summary too, as ``decode_loads``);
@@ -58,6 +59,8 @@ def summarize(records: Sequence[Record], duration_s: float, capacities: Mapping[
     moved = [r for r in ok if r.kv_transfer in ("same_group", "cross_group")]
     cross = sum(r.kv_transfer == "cross_group" for r in moved)
     decode_ttft = [r.decode_ttft_ms for r in ok if r.decode_ttft_ms is not None]
+    ttft = [r.ttft_ms for r in ok if r.ttft_ms is not None]
+    tpot = [r.tpot_ms for r in ok if r.tpot_ms is not None]
     loads = decode_loads(ok, duration_s, capacities)
     errors: dict[str, int] = {}
     for r in records:
@@ -71,8 +74,10 @@ def summarize(records: Sequence[Record], duration_s: float, capacities: Mapping[
         "cross_group_share": cross / len(moved) if moved else None,
         "decode_ttft_p50_ms": percentile(decode_ttft, 0.5),
         "decode_ttft_p99_ms": percentile(decode_ttft, 0.99),
-        "ttft_p50_ms": percentile([r.ttft_ms for r in ok if r.ttft_ms is not None], 0.5),
-        "tpot_p50_ms": percentile([r.tpot_ms for r in ok if r.tpot_ms is not None], 0.5),
+        "ttft_p50_ms": percentile(ttft, 0.5),
+        "ttft_p99_ms": percentile(ttft, 0.99),
+        "tpot_p50_ms": percentile(tpot, 0.5),
+        "tpot_p99_ms": percentile(tpot, 0.99),
         "kv_transfer_p50_ms": percentile(
             [r.kv_transfer_ms for r in moved if r.kv_transfer_ms is not None], 0.5
         ),
@@ -99,14 +104,16 @@ COLUMNS = (
 )
 
 
-def format_table(results: Mapping[str, Mapping[str, object]]) -> str:
-    """A fixed-width table, one row per run name."""
+def format_table(
+    results: Mapping[str, Mapping[str, object]], columns: Sequence[tuple[str, str, str]] = COLUMNS
+) -> str:
+    """A fixed-width table, one row per run name; ``columns`` are (summary key, title, format)."""
     width = max([len("run"), *map(len, results)]) + 2
-    head = "run".ljust(width) + "".join(title.rjust(max(len(title) + 2, 10)) for _, title, _ in COLUMNS)
+    head = "run".ljust(width) + "".join(title.rjust(max(len(title) + 2, 10)) for _, title, _ in columns)
     lines = [head, "-" * len(head)]
     for name, summary in results.items():
         cells = []
-        for key, title, fmt in COLUMNS:
+        for key, title, fmt in columns:
             value = summary.get(key)
             text = "n/a" if value is None else fmt.format(value)
             cells.append(text.rjust(max(len(title) + 2, 10)))

@@ -122,3 +122,72 @@ def test_overhead_benchmark_reports_both_gateways(tmp_path):
     assert 20 <= throughput["cpu_us_per_request"] <= 50_000
     assert result["in_flight"]["in_flight_seen"] == result["in_flight"]["ok"] == 20
     assert result["in_flight"]["load_left_after"] == 0
+
+
+handoff_bench = load_bench("handoff")
+
+
+def test_handoff_benchmark_end_to_end(tmp_path, monkeypatch):
+    """Two handoffs and three sweep points with a handful of requests: every request is served, the
+    differences are the per-run numbers subtracted, decode-only sends no prefill leg at all."""
+    monkeypatch.setattr(handoff_bench, "SWEEP_LABELS", ("0", "512", handoff_bench.DECODE_ONLY))
+    out, png = tmp_path / "handoff.json", tmp_path / "handoff.png"
+    argv = ["--requests", "6", "--handoffs", "sidecar,kv-transfer-params"]
+    assert handoff_bench.main([*argv, "--json", str(out), "--png", str(png)]) == 0
+    output = json.loads(out.read_text())
+    seed = str(handoff_bench.FIRST_SEED)
+    runs, sweep = output["handoffs"][seed], output["sweep"][seed]
+    assert list(runs) == ["sidecar", "kv-transfer-params"]
+    assert list(sweep) == ["0", "512", handoff_bench.DECODE_ONLY]
+    for summary in [*runs.values(), *sweep.values()]:
+        assert summary["requests"] == 6 and summary["errors"] == 0, summary["error_kinds"]
+        assert summary["ttft_p50_ms"] > 0 and summary["ttft_p99_ms"] >= summary["ttft_p50_ms"]
+    # The sidecar calls the prefill itself; the gateway sends one leg per request (and warm-up request).
+    assert runs["sidecar"]["prefill_legs"] == 0
+    assert runs["kv-transfer-params"]["prefill_legs"] >= 6
+    for summary in (runs["sidecar"], runs["kv-transfer-params"], sweep["0"]):
+        assert summary["disaggregated_share"] == 1.0  # every decode pulled a prefilled KV cache
+    decode_only = sweep[handoff_bench.DECODE_ONLY]
+    assert decode_only["prefill_legs"] == 0 and decode_only["kv_transfers"] == 0
+    assert decode_only["disaggregated_share"] == 0.0
+    differences = output["differences"][seed]
+    assert set(differences) == {"kv_minus_sidecar_ttft_p50_ms"}  # the other pairs lack a run
+    expected = runs["kv-transfer-params"]["ttft_p50_ms"] - runs["sidecar"]["ttft_p50_ms"]
+    assert differences["kv_minus_sidecar_ttft_p50_ms"] == pytest.approx(expected)
+    across = output["differences_across_seeds"]["kv_minus_sidecar_ttft_p50_ms"]
+    assert across["median"] == across["min"] == across["max"] == pytest.approx(expected)
+    assert output["sweep_across_seeds"]["0"]["tpot_p99_vs_0"] == pytest.approx(1.0)
+    assert output["recommendation"]["label"] in handoff_bench.SWEEP_LABELS
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _sweep_point(ttft: float, tpot_p99: float) -> dict:
+    return {
+        "requests": 10,
+        "errors": 0,
+        "disaggregated_share": 1.0,
+        "ttft_p50_ms": ttft,
+        "ttft_p99_ms": 2 * ttft,
+        "tpot_p50_ms": 13.0,
+        "tpot_p99_ms": tpot_p99,
+        "throughput_rps": 10.0,
+    }
+
+
+def test_threshold_recommendation_respects_the_tpot_tolerance():
+    sweeps = [
+        {"0": _sweep_point(100, 20.0), "256": _sweep_point(90, 20.6), "decode-only": _sweep_point(70, 24.0)},
+        {"0": _sweep_point(80, 10.0), "256": _sweep_point(76, 10.0), "decode-only": _sweep_point(60, 12.0)},
+        {"0": _sweep_point(90, 10.0), "256": _sweep_point(88, 10.4), "decode-only": _sweep_point(95, 10.0)},
+    ]
+    stats = handoff_bench.sweep_across_seeds(sweeps)
+    assert stats["256"]["tpot_p99_vs_0"] == pytest.approx(1.03)  # median of 1.03, 1.0, 1.04
+    assert stats["256"]["ttft_p50_minus_0_ms"] == pytest.approx(-4.0)  # median of -10, -4, -2
+    assert stats["decode-only"]["tpot_p99_vs_0"] == pytest.approx(1.2)
+    assert stats["decode-only"]["ttft_p50_ms"] == pytest.approx(70.0) and stats["0"]["requests"] == 30
+    chosen = handoff_bench.recommend(stats, tolerance=0.05)
+    assert chosen["label"] == "256" and chosen["pd_threshold_tokens"] == 256
+    assert chosen["excluded"] == ["decode-only"]
+    assert handoff_bench.recommend(stats, tolerance=0.25)["label"] == "decode-only"
+    assert handoff_bench.recommend(stats, tolerance=0.01)["label"] == "0"
+    assert handoff_bench.threshold_of("decode-only") > 32768
