@@ -4,7 +4,7 @@
   crossed pdGroupID groups (ground truth from the simulator's ``x-sim-kv-transfer`` header);
 * decode TTFT: client time to first token minus the sidecar's prefill call (transfer + decode
   queueing + first step), p50/p99 in ms; client TTFT (first content chunk received, the fair
-  comparison across handoff protocols) p50/p99 in ms; TPOT p50/p99 in ms;
+  comparison across handoff protocols) p50/p99/mean in ms; TPOT p50/p99 in ms;
 * decode load balance: coefficient of variation (std/mean) over decode engines of their
   time-averaged number of requests in flight, each divided by its relative capacity (the
   per-engine values are in the summary too, as ``decode_loads``);
@@ -76,6 +76,7 @@ def summarize(records: Sequence[Record], duration_s: float, capacities: Mapping[
         "decode_ttft_p99_ms": percentile(decode_ttft, 0.99),
         "ttft_p50_ms": percentile(ttft, 0.5),
         "ttft_p99_ms": percentile(ttft, 0.99),
+        "ttft_mean_ms": statistics.fmean(ttft) if ttft else None,
         "tpot_p50_ms": percentile(tpot, 0.5),
         "tpot_p99_ms": percentile(tpot, 0.99),
         "kv_transfer_p50_ms": percentile(

@@ -166,7 +166,8 @@ def _sweep_point(ttft: float, tpot_p99: float) -> dict:
         "requests": 10,
         "errors": 0,
         "disaggregated_share": 1.0,
-        "ttft_p50_ms": ttft,
+        "ttft_mean_ms": ttft,
+        "ttft_p50_ms": ttft + 1,
         "ttft_p99_ms": 2 * ttft,
         "tpot_p50_ms": 13.0,
         "tpot_p99_ms": tpot_p99,
@@ -182,12 +183,13 @@ def test_threshold_recommendation_respects_the_tpot_tolerance():
     ]
     stats = handoff_bench.sweep_across_seeds(sweeps)
     assert stats["256"]["tpot_p99_vs_0"] == pytest.approx(1.03)  # median of 1.03, 1.0, 1.04
-    assert stats["256"]["ttft_p50_minus_0_ms"] == pytest.approx(-4.0)  # median of -10, -4, -2
+    assert stats["256"]["ttft_mean_minus_0_ms"] == pytest.approx(-4.0)  # median of -10, -4, -2
+    assert stats["256"]["ttft_p50_minus_0_ms"] == pytest.approx(-4.0)
     assert stats["decode-only"]["tpot_p99_vs_0"] == pytest.approx(1.2)
-    assert stats["decode-only"]["ttft_p50_ms"] == pytest.approx(70.0) and stats["0"]["requests"] == 30
+    assert stats["decode-only"]["ttft_mean_ms"] == pytest.approx(70.0) and stats["0"]["requests"] == 30
     chosen = handoff_bench.recommend(stats, tolerance=0.05)
     assert chosen["label"] == "256" and chosen["pd_threshold_tokens"] == 256
-    assert chosen["excluded"] == ["decode-only"]
+    assert chosen["excluded"] == ["decode-only"] and chosen["ttft_mean_minus_0_ms"] == pytest.approx(-4.0)
     assert handoff_bench.recommend(stats, tolerance=0.25)["label"] == "decode-only"
     assert handoff_bench.recommend(stats, tolerance=0.01)["label"] == "0"
     assert handoff_bench.threshold_of("decode-only") > 32768
