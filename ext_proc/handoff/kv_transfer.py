@@ -139,7 +139,10 @@ class PrefillFirst:
             self._job.meta.client_request_id,
         )
 
-    async def _leg(self, prefill: EndpointState, body: bytes) -> tuple[LegOutcome, LegReply | None, str]:
+    async def _leg(
+        self, prefill: EndpointState, body: bytes
+    ) -> tuple[LegOutcome, LegReply | None, dict[str, object] | None, str]:
+        """One leg: ``(outcome, the HTTP answer if any, kv_transfer_params when OK, detail for logs)``."""
         headers = {REQUEST_ID_HEADER: self._request_id}
         if self._job.meta.authorization is not None:
             headers["authorization"] = self._job.meta.authorization
@@ -148,11 +151,11 @@ class PrefillFirst:
             reply = await self._handoff.client.send(prefill.address, self._job.meta.path, body, headers)
         except LegError as exc:
             metrics.prefill_leg(exc.outcome.value, None)
-            return exc.outcome, None, str(exc)
+            return exc.outcome, None, None, str(exc)
         except asyncio.CancelledError:
             metrics.prefill_leg(LegOutcome.CANCELLED.value, None)
             raise
-        outcome, _, detail = read_prefill_reply(reply)
+        outcome, params, detail = read_prefill_reply(reply)
         metrics.prefill_leg(outcome.value, reply.seconds)
         if reply.upstream is not None and reply.upstream != prefill.address:
             log.warning(
@@ -160,7 +163,7 @@ class PrefillFirst:
                 prefill.address,
                 reply.upstream,
             )
-        return outcome, reply, detail
+        return outcome, reply, params, detail
 
     async def complete(self) -> Routed | Refused:
         """Run the prefill leg (and at most one retry), then answer for the decode."""
@@ -171,11 +174,9 @@ class PrefillFirst:
             decision = self._placement.decision
             prefill = decision.prefill
             assert prefill is not None
-            outcome, reply, detail = await self._leg(prefill, leg_body)
+            outcome, reply, params, detail = await self._leg(prefill, leg_body)
             self.lease.release_prefill()
             if outcome is LegOutcome.OK:
-                assert reply is not None
-                params = read_prefill_reply(reply)[1]
                 body = with_fields(job.raw, job.body, {KV_TRANSFER_PARAMS: params}, _OWNED)
                 return Routed(handoff.route.instructions(decision, self._request_id, body), self.lease)
             if outcome is LegOutcome.CLIENT_ERROR:
