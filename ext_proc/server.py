@@ -36,6 +36,15 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
 LIVENESS, READINESS = "liveness", "readiness"
+ENVOY_BODY_LIMIT_BYTES = 16 * 1024 * 1024
+"""The largest request body the shipped Envoy buffers, in bytes: the gateway listener's
+``per_connection_buffer_limit_bytes`` in ``envoy/envoy.yaml`` (a test keeps the two equal). A larger
+body is refused by Envoy itself (413) and never reaches pd-extproc."""
+MAX_RECEIVE_BYTES = ENVOY_BODY_LIMIT_BYTES + 1024 * 1024
+"""The ext_proc service's gRPC receive limit, in bytes: one ``request_body`` message carries the whole
+buffered body plus its own overhead (protobuf framing, metadata context: tens of bytes to a few KiB;
+the request headers come in their own message, at most Envoy's 60 KiB default). gRPC's default of
+4 MiB would refuse a long-context body, and Envoy would answer the client an empty 500."""
 
 
 def _refusal(refused: Refused) -> msg.ProcessingResponse:
@@ -179,10 +188,12 @@ async def start_grpc(router: Router, listen: str, ready: bool) -> tuple[grpc.aio
 
     Returns the server, the bound port and its :class:`Health`. The port is never shared
     (SO_REUSEPORT off, which gRPC turns on by default): a second copy on the same port fails here
-    instead of silently splitting Envoy's streams. An address that cannot be bound raises
-    ``OSError``.
+    instead of silently splitting Envoy's streams. Messages up to :data:`MAX_RECEIVE_BYTES` are
+    received (any size is sent). An address that cannot be bound raises ``OSError``.
     """
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(
+        options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES)]
+    )
     pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(router), server)
     server_health = Health()
     health_pb2_grpc.add_HealthServicer_to_server(server_health.servicer, server)

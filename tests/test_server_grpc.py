@@ -15,6 +15,7 @@ from polling import until
 from ext_proc.app import start_server
 from ext_proc.config import load_config
 from ext_proc.discovery.eds import EndpointSpec, write_eds_file
+from ext_proc.server import ENVOY_BODY_LIMIT_BYTES, MAX_RECEIVE_BYTES
 
 BODY = json.dumps({"model": "m", "prompt": "x" * 40, "max_tokens": 10}).encode()
 
@@ -143,6 +144,32 @@ async def test_an_unexpected_error_is_a_logged_500_and_the_server_keeps_serving(
     call = stub[0].Process()
     await call.write(headers(end_of_stream=True))
     assert (await call.read()).request_headers.response.header_mutation.set_headers
+
+
+async def test_the_largest_body_envoy_buffers_is_routed_and_a_larger_message_refused(server, stub):
+    """gRPC's default 4 MiB receive limit refused long-context bodies (Envoy then answered an empty
+    500); the limit now is Envoy's buffer plus the message's overhead."""
+    prompt_chars = ENVOY_BODY_LIMIT_BYTES - len(json.dumps({"model": "m", "prompt": ""}))
+    raw = json.dumps({"model": "m", "prompt": "x" * prompt_chars}).encode()
+    assert len(raw) == ENVOY_BODY_LIMIT_BYTES
+    request = body(raw)
+    request.metadata_context.filter_metadata["envoy.lb.subset_hint"].fields[
+        "x-gateway-destination-endpoint-subset"
+    ].string_value = "10.0.0.2:8000"
+    call = stub[0].Process()
+    await call.write(headers())
+    await call.read()
+    await call.write(request)
+    routed = await call.read()
+    lb = routed.dynamic_metadata.fields["envoy.lb"].struct_value.fields
+    assert lb["x-gateway-destination-endpoint"].string_value == "10.0.0.2:8000"
+    assert load(server)[0] == ("prefill", -(-prompt_chars // 4), 1)
+    await call.done_writing()
+    call = stub[0].Process()
+    await call.write(body(b" " * MAX_RECEIVE_BYTES))
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await call.read()
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 async def test_an_empty_message_is_a_protocol_error(server, stub):
