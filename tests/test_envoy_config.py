@@ -13,6 +13,7 @@ from ext_proc.config import HandoffConfig
 from ext_proc.discovery.eds import load_eds_file
 from ext_proc.gateway import SHIPPED_BOOTSTRAP, find_envoy, render_bootstrap
 from ext_proc.handoff.kv_transfer import TIMEOUT_MARGIN_SECONDS
+from ext_proc.server import ENVOY_BODY_LIMIT_BYTES, MAX_RECEIVE_BYTES
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED_CONFIGS = sorted((REPO / "envoy").glob("*.yaml"))
@@ -72,13 +73,42 @@ def test_shipped_eds_files_load_with_groups(eds):
     assert cluster.endpoints and all(e.group for e in cluster.endpoints)
 
 
+def _gateway_listener() -> dict:
+    config = yaml.safe_load(SHIPPED_BOOTSTRAP.read_text())
+    return next(entry for entry in config["static_resources"]["listeners"] if entry["name"] == "gateway")
+
+
+def _ext_proc_filter(listener: dict) -> dict:
+    filters = listener["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
+    return next(f for f in filters if f["name"] == "envoy.filters.http.ext_proc")["typed_config"]
+
+
 def test_max_message_timeout_covers_a_prefill_leg_and_its_retry():
     """The kv-transfer-params handoff asks Envoy to wait 2 x prefill_timeout_seconds + margin for the
     body answer; Envoy ignores a request above the shipped filter's max_message_timeout."""
-    config = yaml.safe_load(SHIPPED_BOOTSTRAP.read_text())
-    listener = next(entry for entry in config["static_resources"]["listeners"] if entry["name"] == "gateway")
-    filters = listener["filter_chains"][0]["filters"][0]["typed_config"]["http_filters"]
-    ext_proc = next(f for f in filters if f["name"] == "envoy.filters.http.ext_proc")["typed_config"]
+    ext_proc = _ext_proc_filter(_gateway_listener())
     cap = float(ext_proc["max_message_timeout"].removesuffix("s"))
     leg = HandoffConfig().prefill_timeout_seconds
     assert cap >= 2 * leg + TIMEOUT_MARGIN_SECONDS
+
+
+def test_pd_extproc_takes_every_body_the_shipped_envoy_buffers():
+    """The gateway's buffer limit is the server's constant (its gRPC receive limit adds the message's
+    own overhead), Envoy's gRPC client takes answers as large (0, the default, is unlimited) and the
+    413 Envoy answers beyond the limit names it."""
+    listener = _gateway_listener()
+    limit = listener["per_connection_buffer_limit_bytes"]
+    assert limit == ENVOY_BODY_LIMIT_BYTES < MAX_RECEIVE_BYTES
+    answers = _ext_proc_filter(listener)["grpc_service"]["envoy_grpc"].get("max_receive_message_length", 0)
+    assert answers == 0 or answers >= MAX_RECEIVE_BYTES
+    mappers = listener["filter_chains"][0]["filters"][0]["typed_config"]["local_reply_config"]["mappers"]
+    (too_large,) = [m for m in mappers if _status_of(m) == 413]
+    error = too_large["body_format_override"]["json_format"]["error"]
+    assert error["code"] == "request_too_large"
+    assert f"{limit // 2**20} MiB ({limit} bytes)" in error["message"]
+
+
+def _status_of(mapper: dict) -> int | None:
+    """The one status a local-reply mapper's filter matches (``None`` for other filters)."""
+    comparison = mapper["filter"].get("status_code_filter", {}).get("comparison", {})
+    return comparison["value"]["default_value"] if comparison.get("op") == "EQ" else None
