@@ -83,7 +83,7 @@ class HandoffConfig:
 
     mode: HandoffMode = HandoffMode.SIDECAR
     prefill_via: str = ""
-    prefill_timeout_seconds: float = 180.0
+    prefill_timeout_seconds: float = 120.0
     on_prefill_failure: FailurePolicy = FailurePolicy.DECODE_ONLY
     default_bootstrap_port: int = 8998
 

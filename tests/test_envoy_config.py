@@ -83,13 +83,28 @@ def _ext_proc_filter(listener: dict) -> dict:
     return next(f for f in filters if f["name"] == "envoy.filters.http.ext_proc")["typed_config"]
 
 
-def test_max_message_timeout_covers_a_prefill_leg_and_its_retry():
+def test_max_message_timeout_covers_a_prefill_leg_and_its_retry_within_the_idle_timeouts():
     """The kv-transfer-params handoff asks Envoy to wait 2 x prefill_timeout_seconds + margin for the
-    body answer; Envoy ignores a request above the shipped filter's max_message_timeout."""
-    ext_proc = _ext_proc_filter(_gateway_listener())
-    cap = float(ext_proc["max_message_timeout"].removesuffix("s"))
+    body answer; Envoy ignores a request above the shipped filter's max_message_timeout, and the stream
+    and route idle timeouts would end a request waiting that long first."""
+    config = yaml.safe_load(SHIPPED_BOOTSTRAP.read_text())
+    listener = next(entry for entry in config["static_resources"]["listeners"] if entry["name"] == "gateway")
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    ext_proc = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")[
+        "typed_config"
+    ]
+    route = next(r for r in hcm["route_config"]["virtual_hosts"][0]["routes"] if "route" in r)["route"]
+    cap = _seconds(ext_proc["max_message_timeout"])
     leg = HandoffConfig().prefill_timeout_seconds
-    assert cap >= 2 * leg + TIMEOUT_MARGIN_SECONDS
+    assert (
+        2 * leg + TIMEOUT_MARGIN_SECONDS
+        <= cap
+        < min(_seconds(hcm["stream_idle_timeout"]), _seconds(route["idle_timeout"]))
+    )
+
+
+def _seconds(duration: str) -> float:
+    return float(duration.removesuffix("s"))
 
 
 def test_pd_extproc_takes_every_body_the_shipped_envoy_buffers():

@@ -147,6 +147,7 @@ def reply(status: int, body: object) -> LegReply:
         (200, {"kv_transfer_params": "x"}, LegOutcome.BAD_RESPONSE),
         (200, [1], LegOutcome.BAD_RESPONSE),
         (200, b"\xff not json", LegOutcome.BAD_RESPONSE),
+        (200, b"[" * 100_000 + b"]" * 100_000, LegOutcome.BAD_RESPONSE),  # too deep to parse
         (400, {"error": {"message": "bad"}}, LegOutcome.CLIENT_ERROR),
         (404, b"nope", LegOutcome.CLIENT_ERROR),
         (408, b"", LegOutcome.SERVER_ERROR),
@@ -166,6 +167,11 @@ def test_prefill_answers_are_classified(status, body, outcome):
 def test_an_openai_style_engine_error_is_passed_through_verbatim():
     raw = json.dumps({"error": {"message": "too long", "type": "BadRequestError", "code": 400}}).encode()
     assert engine_error(reply(400, raw)) == ("too long", raw)
+
+
+def test_a_too_deep_engine_error_is_quoted():
+    message, body = engine_error(reply(400, b"{" * 100_000))
+    assert body is None and message.startswith("the prefill engine refused the request: {{")
 
 
 def test_any_other_engine_error_is_quoted():

@@ -51,7 +51,7 @@ def read_prefill_reply(reply: LegReply) -> tuple[LegOutcome, dict[str, object] |
     if 200 <= status < 300:
         try:
             answer = json.loads(reply.body)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
             return LegOutcome.BAD_RESPONSE, None, f"answer is not JSON: {exc}"
         if not isinstance(answer, dict):
             return LegOutcome.BAD_RESPONSE, None, "answer is not a JSON object"
@@ -75,7 +75,7 @@ def engine_error(reply: LegReply) -> tuple[str, bytes | None]:
     quoting the engine is built)."""
     try:
         answer = json.loads(reply.body)
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         answer = None
     error = answer.get("error") if isinstance(answer, dict) else None
     if isinstance(error, dict) and isinstance(error.get("message"), str):
