@@ -131,7 +131,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         return self._passthrough[kind]
 
     async def _complete(self, handover: Handover, stream: _Stream) -> msg.ProcessingResponse:
-        stream.handover = handover
+        """Complete ``stream.handover``; route with its outcome (until then its charges are the stream's)."""
         outcome = await handover.complete()
         stream.handover = None
         return self._routed(outcome, msg.route_on_body, stream)
@@ -146,6 +146,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 try:
                     answer = self._answer(request, stream)
                     if not isinstance(answer, msg.ProcessingResponse):
+                        stream.handover = answer  # released by close() if the stream ends from here on
                         yield msg.extend_timeout(answer.timeout)
                         answer = await self._complete(answer, stream)
                 except Exception:
