@@ -115,7 +115,11 @@ def test_strip_on_headers_only_removes_headers() -> None:
         (404, "not_found_error"),
         (500, "internal_error"),
         (503, "service_unavailable"),
-        (429, "error"),
+        (429, "rate_limit_error"),
+        (502, "bad_gateway"),
+        (504, "gateway_timeout"),
+        (422, "invalid_request_error"),  # any other 4xx: the request was refused
+        (507, "error"),  # any other status
     ],
 )
 def test_immediate_error_carries_status_and_openai_error_body(status: int, error_type: str) -> None:
