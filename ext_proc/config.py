@@ -23,8 +23,9 @@ from ext_proc.request import MAX_OUTPUT_BUDGET
 
 ENV_AFFINITY_MODE = "PD_EXTPROC_AFFINITY_MODE"
 ENV_AFFINITY_BONUS = "PD_EXTPROC_AFFINITY_BONUS"
-MAX_PREFILL_TIMEOUT = 3600.0
-"""Upper bound of ``handoff.prefill_timeout_seconds`` (seconds)."""
+MAX_PREFILL_TIMEOUT = 1795.0
+"""Upper bound of ``handoff.prefill_timeout_seconds`` (seconds): Envoy caps ``max_message_timeout`` at one
+hour, and the kv-transfer-params handoff asks Envoy to wait 2 x this + 5 s (a leg and its retry)."""
 
 
 class ConfigError(ValueError):

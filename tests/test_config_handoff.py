@@ -1,0 +1,70 @@
+"""Configuration of the engine handoffs and of conditional disaggregation: defaults, flags, and
+every value that is refused with a message naming the key."""
+
+from __future__ import annotations
+
+import pytest
+
+from ext_proc.cli import main
+from ext_proc.config import MAX_PREFILL_TIMEOUT, ConfigError, load_config
+from ext_proc.handoff import FailurePolicy, HandoffMode
+
+
+def error(overrides: dict[str, object]) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides, environ={})
+    return str(info.value)
+
+
+def test_defaults_keep_the_sidecar_and_disaggregate_every_prompt():
+    config = load_config(None, {}, environ={})
+    assert config.handoff.mode is HandoffMode.SIDECAR
+    assert config.handoff.on_prefill_failure is FailurePolicy.DECODE_ONLY
+    assert (config.handoff.prefill_via, config.handoff.prefill_timeout_seconds) == ("", 120.0)
+    assert config.handoff.default_bootstrap_port == 8998
+
+
+@pytest.mark.parametrize("mode", [m.value for m in HandoffMode])
+def test_every_handoff_mode_is_accepted(mode):
+    assert load_config(None, {"handoff.mode": mode}, environ={}).handoff.mode.value == mode
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        (
+            "handoff.mode",
+            "vllm",
+            "handoff.mode: 'vllm' is not allowed; use one of sidecar, kv-transfer-params",
+        ),
+        ("handoff.on_prefill_failure", "retry", "use one of decode-only, error"),
+        ("handoff.prefill_via", "127.0.0.1:10001", "handoff.prefill_via: '127.0.0.1:10001' is not allowed"),
+        ("handoff.prefill_via", "http://127.0.0.1:10001/v1", "(no path)"),
+        ("handoff.prefill_via", "ftp://127.0.0.1:10001", "use a base URL"),
+        ("handoff.prefill_via", "http://", "use a base URL"),
+        ("handoff.prefill_timeout_seconds", 0, "must be a number in (0, 1795]"),
+        ("handoff.prefill_timeout_seconds", MAX_PREFILL_TIMEOUT + 1, "must be a number in (0, 1795]"),
+        ("handoff.default_bootstrap_port", 0, "must be a port in 1..65535"),
+        ("handoff.default_bootstrap_port", 70000, "must be a port in 1..65535"),
+        ("routing.pd_threshold_tokens", -1, "routing.pd_threshold_tokens: must be an integer >= 0"),
+        ("routing.pd_threshold_tokens", 1.5, "routing.pd_threshold_tokens: 1.5 is not allowed"),
+    ],
+)
+def test_bad_values_are_refused_naming_the_key(key, value, message):
+    assert message in error({key: value})
+
+
+@pytest.mark.parametrize(
+    "via", ["http://127.0.0.1:10001", "http://envoy.local:10001/", "https://[::1]:10001"]
+)
+def test_base_urls_are_accepted(via):
+    assert load_config(None, {"handoff.prefill_via": via}, environ={}).handoff.prefill_via == via
+
+
+def test_the_serve_flags_set_the_handoff(capsys):
+    assert main(["serve", "--handoff", "sglang", "--listen", "127.0.0.1:0"]) == 2
+    assert "handoff.mode: 'sglang' is not allowed" in capsys.readouterr().err
+    assert main(["serve", "--prefill-via", "nohost"]) == 2
+    assert "handoff.prefill_via: 'nohost' is not allowed" in capsys.readouterr().err
+    assert main(["serve", "--pd-threshold-tokens", "-3"]) == 2
+    assert "routing.pd_threshold_tokens: must be an integer >= 0" in capsys.readouterr().err
