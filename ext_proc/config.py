@@ -264,9 +264,12 @@ def _check_kubernetes(kubernetes: KubernetesConfig) -> None:
         if namespace in kubernetes.namespaces[:index]:
             raise ConfigError(f"{key}.namespaces: {namespace!r} is listed twice")
     scheme = kubernetes.scheme()
-    keys = {"role_label": scheme.role_label, "group_label": kubernetes.group_label}
-    keys["capacity_annotation"] = kubernetes.capacity_annotation
-    keys["bootstrap_port_annotation"] = kubernetes.bootstrap_port_annotation
+    keys = {
+        "role_label": scheme.role_label,
+        "group_label": kubernetes.group_label,
+        "capacity_annotation": kubernetes.capacity_annotation,
+        "bootstrap_port_annotation": kubernetes.bootstrap_port_annotation,
+    }
     for name, value in keys.items():
         prefix, slash, label = value.rpartition("/")
         if not (_LABEL_NAME.fullmatch(label) and (not slash or _DNS_SUBDOMAIN.fullmatch(prefix))):
