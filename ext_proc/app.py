@@ -6,7 +6,9 @@ import asyncio
 import contextlib
 import logging
 import signal
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 from aiohttp import web
@@ -14,7 +16,8 @@ from aiohttp import web
 from ext_proc.admin import build_admin_app
 from ext_proc.affinity import Policy
 from ext_proc.config import Config
-from ext_proc.discovery import ClusterEndpoints, EdsFileSource
+from ext_proc.discovery import ClusterEndpoints, EdsFileSource, SourceKind
+from ext_proc.discovery.eds_watch import Publish
 from ext_proc.handoff import (
     DecodeRoute,
     Handoff,
@@ -50,14 +53,47 @@ class RunningServer:
     _watcher: asyncio.Task[None]
 
     async def stop(self, grace: float = 1.0) -> None:
-        """Stop watching files, stop accepting streams, let live ones finish for ``grace`` seconds,
-        then stop the handoff's background prefill legs."""
+        """Stop the discovery source, stop accepting streams, let live ones finish for ``grace``
+        seconds, then stop the handoff's background prefill legs."""
         self._watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._watcher
         await self._grpc.stop(grace)
         await self.router.handoff.close()
         await self._admin.cleanup()
+
+
+class Source(Protocol):
+    """A discovery source: publishes endpoint sets from :meth:`run` until cancelled."""
+
+    async def run(self) -> None: ...
+
+
+async def _files_source(config: Config, publish: Publish, metrics: Metrics) -> Source:
+    """The EDS files, read once before returning (their endpoints are published at once)."""
+    discovery = config.discovery
+    source = EdsFileSource(
+        discovery.eds_files, discovery.metadata_namespace, publish, discovery.poll_interval_seconds
+    )
+    if not source.poll():
+        log.warning(
+            "no valid EDS file loaded yet: readiness is NOT_SERVING and requests get 503 until one is"
+        )
+    return source
+
+
+async def _kubernetes_source(config: Config, publish: Publish, metrics: Metrics) -> Source:
+    """The pods of the Kubernetes API; nothing is published before :meth:`Source.run` listed them."""
+    from ext_proc.discovery.kubernetes import KubernetesSource  # the client library loads only if used
+
+    return await KubernetesSource.connect(config.discovery, publish, metrics)
+
+
+SOURCES: dict[SourceKind, Callable[[Config, Publish, Metrics], Awaitable[Source]]] = {
+    SourceKind.FILES: _files_source,
+    SourceKind.KUBERNETES: _kubernetes_source,
+}
+"""How to build each kind of discovery source (``discovery.source``)."""
 
 
 def build_handoff(config: Config, metrics: Metrics) -> Handoff:
@@ -75,7 +111,9 @@ def build_handoff(config: Config, metrics: Metrics) -> Handoff:
 
 
 async def start_server(config: Config) -> RunningServer:
-    """Load the endpoints once, then start the watcher, the gRPC server and the admin endpoint."""
+    """Build the discovery source (files: loaded once here), start the gRPC server and the admin
+    endpoint, then the source's watcher. Raises :class:`~ext_proc.config.ConfigError` when the
+    source cannot be set up, ``OSError`` when an address cannot be bound."""
     registry = Registry(
         config.discovery.prefill_cluster, config.discovery.decode_cluster, config.load.default_token_capacity
     )
@@ -89,18 +127,8 @@ async def start_server(config: Config) -> RunningServer:
             health_updates.add(task)
             task.add_done_callback(health_updates.discard)
 
-    source = EdsFileSource(
-        config.discovery.eds_files,
-        config.discovery.metadata_namespace,
-        publish,
-        config.discovery.poll_interval_seconds,
-    )
-    source.poll()
-    if registry.version == 0:
-        log.warning(
-            "no valid EDS file loaded yet: readiness is NOT_SERVING and requests get 503 until one is"
-        )
     metrics = Metrics(registry.endpoints)
+    source = await SOURCES[config.discovery.source](config, publish, metrics)
     policy = Policy(config.affinity.mode, config.affinity.bonus, config.routing.fallback_count)
     handoff = build_handoff(config, metrics)
     router = Router(
@@ -123,7 +151,7 @@ async def start_server(config: Config) -> RunningServer:
         await runner.cleanup()
         raise OSError(f"cannot listen on {config.metrics_listen} for metrics and admin: {exc}") from exc
     admin_port = runner.addresses[0][1]
-    watcher = asyncio.create_task(source.run(), name="eds-watcher")
+    watcher = asyncio.create_task(source.run(), name="discovery")
     log.info(
         "pd-extproc serving ext_proc on %s (port %d), admin on port %d; affinity %s bonus %.2f; "
         "handoff %s%s; %d prefill and %d decode endpoints healthy",

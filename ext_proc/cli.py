@@ -20,6 +20,10 @@ def _serve(args: argparse.Namespace) -> int:
         overrides["metrics_listen"] = args.metrics_listen
     if args.eds_file:
         overrides["discovery.eds_files"] = [str(Path(p).resolve()) for p in args.eds_file]  # relative to cwd
+    if args.discovery is not None:
+        overrides["discovery.source"] = args.discovery
+    if args.kubeconfig is not None:
+        overrides["discovery.kubernetes.kubeconfig"] = str(Path(args.kubeconfig).resolve())
     if args.affinity_mode is not None:
         overrides["affinity.mode"] = args.affinity_mode
     if args.affinity_bonus is not None:
@@ -32,13 +36,12 @@ def _serve(args: argparse.Namespace) -> int:
         overrides["routing.pd_threshold_tokens"] = args.pd_threshold_tokens
     try:
         config = load_config(args.config, overrides)
-    except ConfigError as exc:
+        from ext_proc.app import serve_forever
+
+        asyncio.run(serve_forever(config))
+    except ConfigError as exc:  # also a discovery source that cannot be set up (a bad kubeconfig)
         print(f"pd-extproc: invalid configuration: {exc}", file=sys.stderr)
         return 2
-    from ext_proc.app import serve_forever
-
-    try:
-        asyncio.run(serve_forever(config))
     except OSError as exc:
         print(f"pd-extproc: cannot start: {exc}", file=sys.stderr)
         return 1
@@ -52,6 +55,10 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--metrics-listen", help="admin/metrics host:port (config key metrics_listen)")
     serve.add_argument(
         "--eds-file", action="append", help="EDS file to watch; repeatable (discovery.eds_files)"
+    )
+    serve.add_argument("--discovery", help="files | kubernetes: where endpoints come from (discovery.source)")
+    serve.add_argument(
+        "--kubeconfig", help="kubeconfig file for --discovery kubernetes (discovery.kubernetes.kubeconfig)"
     )
     serve.add_argument("--affinity-mode", help="off | prefer | strict (affinity.mode)")
     serve.add_argument("--affinity-bonus", type=float, help="prefer-mode slack in [0, 1] (affinity.bonus)")

@@ -7,8 +7,11 @@ the CLI turns that into exit code 2.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import re
+import types
 import typing
 import urllib.parse
 from collections.abc import Mapping
@@ -18,6 +21,8 @@ from pathlib import Path
 import yaml
 
 from ext_proc.affinity import Mode
+from ext_proc.discovery import SourceKind
+from ext_proc.discovery.pods import PRESETS, Preset, RoleScheme
 from ext_proc.handoff import FailurePolicy, HandoffMode
 from ext_proc.request import MAX_OUTPUT_BUDGET
 
@@ -33,14 +38,47 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
+class KubernetesConfig:
+    """Pods as endpoints (``discovery.source: kubernetes``; README "Kubernetes").
+
+    ``kubeconfig``: a kubeconfig file (relative to the config file's folder); ``""`` = ``$KUBECONFIG``,
+    else the in-cluster service account. ``namespaces``: empty = the server's own (in-cluster) or the
+    kubeconfig context's. The role and port keys left ``""`` take the ``preset``'s value
+    (:meth:`scheme`); a port is a container port name or a number.
+    """
+
+    kubeconfig: str = ""
+    namespaces: tuple[str, ...] = ()
+    preset: Preset = Preset.INFERNEX
+    role_label: str = ""
+    prefill_role: str = ""
+    decode_role: str = ""
+    both_role: str = ""
+    prefill_port: str | int = ""
+    decode_port: str | int = ""
+    group_label: str = "openfuyao.com/pdGroupID"
+    capacity_annotation: str = "pd-extproc/token-capacity"
+    bootstrap_port_annotation: str = "pd-extproc/bootstrap-port"
+
+    def scheme(self) -> RoleScheme:
+        """The preset's role scheme with each role and port key that is set here in its place."""
+        preset = PRESETS[self.preset]
+        names = [f.name for f in dataclasses.fields(RoleScheme)]
+        return dataclasses.replace(preset, **{n: getattr(self, n) for n in names if getattr(self, n) != ""})
+
+
+@dataclass(frozen=True)
 class DiscoveryConfig:
-    """Where endpoints come from. Relative ``eds_files`` resolve against the config file's folder."""
+    """Where endpoints come from: ``source`` files (the EDS files ``eds_files``, relative to the
+    config file's folder) or kubernetes (pods, ``kubernetes``)."""
 
     eds_files: tuple[str, ...] = ()
     prefill_cluster: str = "prefill"
     decode_cluster: str = "decode"
     metadata_namespace: str = "pd"
     poll_interval_seconds: float = 0.25
+    source: SourceKind = SourceKind.FILES
+    kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
 
 
 @dataclass(frozen=True)
@@ -102,10 +140,19 @@ class Config:
     handoff: HandoffConfig = field(default_factory=HandoffConfig)
 
 
-_CHOICES = (Mode, HandoffMode, FailurePolicy)
+_CHOICES = (Mode, HandoffMode, FailurePolicy, SourceKind, Preset)
+_NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+_DNS_SUBDOMAIN = re.compile(r"(?=.{1,253}$)[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
+_LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
+_PORT_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,13}[a-z0-9])?")
+"""Kubernetes name syntax: a namespace (DNS label), a label or annotation key's prefix (DNS
+subdomain) and name (also the syntax of a label value), a container port name (IANA service name,
+which also needs a letter)."""
 
 
 def _allowed(tp: object) -> str:
+    if isinstance(tp, types.UnionType):
+        return " or ".join(_allowed(member) for member in typing.get_args(tp))
     if isinstance(tp, type) and issubclass(tp, _CHOICES):
         return "one of " + ", ".join(m.value for m in tp)
     return {str: "a string", int: "an integer", float: "a number", bool: "true or false"}.get(
@@ -116,6 +163,11 @@ def _allowed(tp: object) -> str:
 
 def _coerce(key: str, tp: object, value: object) -> object:
     """Convert a YAML/env/flag value to the field type ``tp`` or raise ConfigError naming ``key``."""
+    if isinstance(tp, types.UnionType):
+        for member in typing.get_args(tp):
+            with contextlib.suppress(ConfigError):
+                return _coerce(key, member, value)
+        raise ConfigError(f"{key}: {value!r} is not allowed; use {_allowed(tp)}")
     if isinstance(tp, type) and issubclass(tp, _CHOICES):
         try:
             return tp(value)
@@ -184,6 +236,7 @@ def validate(config: Config) -> Config:
     if config.routing.pd_threshold_tokens < 0:
         raise ConfigError("routing.pd_threshold_tokens: must be an integer >= 0")
     _check_handoff(config.handoff)
+    _check_kubernetes(config.discovery.kubernetes)
     return config
 
 
@@ -202,6 +255,45 @@ def _check_handoff(handoff: HandoffConfig) -> None:
         )
     if not 0 < handoff.default_bootstrap_port <= 65535:
         raise ConfigError("handoff.default_bootstrap_port: must be a port in 1..65535")
+
+
+def _check_kubernetes(kubernetes: KubernetesConfig) -> None:
+    key = "discovery.kubernetes"
+    for index, namespace in enumerate(kubernetes.namespaces):
+        if not _NAMESPACE.fullmatch(namespace):
+            raise ConfigError(f"{key}.namespaces: {namespace!r} is not allowed; use namespace names")
+        if namespace in kubernetes.namespaces[:index]:
+            raise ConfigError(f"{key}.namespaces: {namespace!r} is listed twice")
+    scheme = kubernetes.scheme()
+    keys = {
+        "role_label": scheme.role_label,
+        "group_label": kubernetes.group_label,
+        "capacity_annotation": kubernetes.capacity_annotation,
+        "bootstrap_port_annotation": kubernetes.bootstrap_port_annotation,
+    }
+    for name, value in keys.items():
+        prefix, slash, label = value.rpartition("/")
+        if not (_LABEL_NAME.fullmatch(label) and (not slash or _DNS_SUBDOMAIN.fullmatch(prefix))):
+            raise ConfigError(
+                f"{key}.{name}: {value!r} is not allowed; use a Kubernetes label or annotation key "
+                "such as example.com/name"
+            )
+    roles = [scheme.prefill_role, scheme.decode_role, scheme.both_role]
+    for name, value in zip(("prefill_role", "decode_role", "both_role"), roles, strict=True):
+        if value and not _LABEL_NAME.fullmatch(value):
+            raise ConfigError(f"{key}.{name}: {value!r} is not allowed; use a Kubernetes label value")
+    if len(set(roles)) < 3:
+        values = ", ".join(map(repr, roles))
+        raise ConfigError(f"{key}.prefill_role, decode_role and both_role must differ (they are {values})")
+    for name in ("prefill_port", "decode_port"):
+        port = getattr(scheme, name)
+        if isinstance(port, int) and not 0 < port <= 65535:
+            raise ConfigError(f"{key}.{name}: {port} is not allowed; use a port in 1..65535")
+        if isinstance(port, str) and not (_PORT_NAME.fullmatch(port) and re.search("[a-z]", port)):
+            raise ConfigError(
+                f"{key}.{name}: {port!r} is not allowed; use a container port name (lower-case letters, "
+                "digits and '-', at most 15, at least one letter) or a port number"
+            )
 
 
 def load_config(
@@ -240,17 +332,22 @@ def load_config(
             ) from None
     layered.update(overrides or {})
     for dotted, value in layered.items():
-        section, _, key = dotted.rpartition(".")
+        *sections, key = dotted.split(".")
         target = data
-        if section:
+        for depth, section in enumerate(sections):
             node = target.get(section)
             if node is None:  # absent, or an empty YAML section
                 node = target[section] = {}
             if not isinstance(node, dict):
-                raise ConfigError(f"{section}: expected a mapping")
+                raise ConfigError(f"{'.'.join(sections[: depth + 1])}: expected a mapping")
             target = node
         target[key] = value
     config = typing.cast(Config, _build(Config, data, ""))
-    files = tuple(str(base / f) for f in config.discovery.eds_files)
-    config = dataclasses.replace(config, discovery=dataclasses.replace(config.discovery, eds_files=files))
-    return validate(config)
+    discovery = config.discovery
+    kubeconfig = str(base / discovery.kubernetes.kubeconfig) if discovery.kubernetes.kubeconfig else ""
+    discovery = dataclasses.replace(
+        discovery,
+        eds_files=tuple(str(base / f) for f in discovery.eds_files),
+        kubernetes=dataclasses.replace(discovery.kubernetes, kubeconfig=kubeconfig),
+    )
+    return validate(dataclasses.replace(config, discovery=discovery))

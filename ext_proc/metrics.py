@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -79,6 +79,18 @@ class Metrics:
             ["action"],
             registry=self.registry,
         )
+        self._discovery_errors = Counter(
+            "pd_extproc_discovery_errors_total",
+            "Failed exchanges of a discovery source with where it learns endpoints, by source and reason",
+            ["source", "reason"],
+            registry=self.registry,
+        )
+        self._discovery_synced = Gauge(
+            "pd_extproc_discovery_last_sync_timestamp_seconds",
+            "Unix time at which the discovery source last confirmed its whole endpoint view current",
+            ["source"],
+            registry=self.registry,
+        )
         self.registry.register(_EndpointLoadCollector(endpoints))
         self._decision_children: dict[tuple[str, str], Counter] = {}
         self._rejected_children: dict[str, Counter] = {}
@@ -109,3 +121,11 @@ class Metrics:
     def prefill_fallback(self, action: str) -> None:
         """Count one request whose prefill legs all failed, by ``action`` (decode-only / error)."""
         self._prefill_fallbacks.labels(action).inc()
+
+    def discovery_error(self, source: str, reason: str) -> None:
+        """Count one failed exchange of discovery ``source`` (e.g. ``kubernetes``), by ``reason``."""
+        self._discovery_errors.labels(source, reason).inc()
+
+    def discovery_synced(self, source: str, timestamp: float) -> None:
+        """Record that ``source``'s whole view was current at ``timestamp`` (Unix seconds)."""
+        self._discovery_synced.labels(source).set(timestamp)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import types
 from pathlib import Path
 
@@ -15,10 +16,13 @@ from ext_proc.config import (
     Config,
     ConfigError,
     DiscoveryConfig,
+    KubernetesConfig,
     LoadConfig,
     RoutingConfig,
     load_config,
 )
+from ext_proc.discovery import SourceKind
+from ext_proc.discovery.pods import Preset, RoleScheme
 
 NO_ENV: dict[str, str] = {}
 
@@ -413,6 +417,201 @@ def test_the_shipped_example_config_loads_and_names_every_key() -> None:
     assert [Path(p).name for p in config.discovery.eds_files] == ["prefill.yaml", "decode.yaml"]
     assert all(Path(p).is_file() for p in config.discovery.eds_files)
     text = path.read_text()
-    for section in ("discovery", "affinity", "load", "routing"):
-        for key in getattr(config, section).__dataclass_fields__:
-            assert f"  {key}:" in text, f"{section}.{key} is not documented in {path.name}"
+
+    def check(section: object, name: str, indent: str) -> None:
+        for key in section.__dataclass_fields__:
+            assert f"\n{indent}{key}:" in text, f"{name}.{key} is not documented in {path.name}"
+            value = getattr(section, key)
+            if dataclasses.is_dataclass(value):
+                check(value, f"{name}.{key}", indent + "  ")
+
+    for section in ("discovery", "affinity", "load", "routing", "handoff"):
+        check(getattr(config, section), section, "  ")
+
+
+# --- kubernetes discovery ------------------------------------------------------------------------
+
+
+def test_kubernetes_defaults_follow_the_infernex_preset() -> None:
+    discovery = load().discovery
+    assert discovery.source is SourceKind.FILES
+    kubernetes = discovery.kubernetes
+    assert kubernetes == KubernetesConfig()
+    assert (kubernetes.kubeconfig, kubernetes.namespaces, kubernetes.preset) == ("", (), Preset.INFERNEX)
+    assert kubernetes.scheme() == RoleScheme(
+        "openfuyao.com/pdRole", "prefill", "decode", "", "prefill-port", "decode-port"
+    )
+    assert kubernetes.group_label == "openfuyao.com/pdGroupID"
+    assert kubernetes.capacity_annotation == "pd-extproc/token-capacity"
+    assert kubernetes.bootstrap_port_annotation == "pd-extproc/bootstrap-port"
+
+
+def test_the_llm_d_preset_and_keys_set_over_it(tmp_path: Path) -> None:
+    path = write_yaml(
+        tmp_path,
+        """
+discovery:
+  source: kubernetes
+  kubernetes:
+    namespaces: [llm, llm-2]
+    preset: llm-d
+    decode_port: 8200
+    group_label: example.com/rack
+""",
+    )
+    kubernetes = load(path).discovery.kubernetes
+    assert kubernetes.namespaces == ("llm", "llm-2")
+    assert kubernetes.scheme() == RoleScheme("llm-d.ai/role", "prefill", "decode", "both", 8000, 8200)
+    assert kubernetes.group_label == "example.com/rack"
+
+
+def test_every_role_and_port_key_replaces_the_presets() -> None:
+    overrides = {
+        "discovery.kubernetes.role_label": "example.com/role",
+        "discovery.kubernetes.prefill_role": "p",
+        "discovery.kubernetes.decode_role": "d",
+        "discovery.kubernetes.both_role": "pd",
+        "discovery.kubernetes.prefill_port": "http",
+        "discovery.kubernetes.decode_port": 9000,
+    }
+    scheme = load(overrides=overrides).discovery.kubernetes.scheme()
+    assert scheme == RoleScheme("example.com/role", "p", "d", "pd", "http", 9000)
+
+
+def test_nested_dotted_overrides_reach_the_nested_section(tmp_path: Path) -> None:
+    path = write_yaml(tmp_path, "discovery:\n  kubernetes:\n    preset: llm-d\n    namespaces: [a]\n")
+    discovery = load(path, {"discovery.kubernetes.namespaces": ["b", "c"], "discovery.source": "kubernetes"})
+    assert discovery.discovery.kubernetes.namespaces == ("b", "c")
+    assert discovery.discovery.kubernetes.preset is Preset.LLM_D  # the file's other keys stay
+    assert discovery.discovery.source is SourceKind.KUBERNETES
+
+
+def test_nested_dotted_override_into_an_empty_or_absent_section(tmp_path: Path) -> None:
+    path = write_yaml(tmp_path, "discovery:\n  kubernetes:\n")
+    assert load(path, {"discovery.kubernetes.preset": "llm-d"}).discovery.kubernetes.preset is Preset.LLM_D
+    assert load(None, {"discovery.kubernetes.preset": "llm-d"}).discovery.kubernetes.preset is Preset.LLM_D
+
+
+def test_nested_dotted_override_through_a_value_that_is_not_a_mapping(tmp_path: Path) -> None:
+    path = write_yaml(tmp_path, "discovery:\n  kubernetes: 3\n")
+    assert config_error(path, {"discovery.kubernetes.preset": "llm-d"}) == (
+        "discovery.kubernetes: expected a mapping"
+    )
+
+
+def test_unknown_nested_kubernetes_key_is_named_with_its_path() -> None:
+    message = config_error(overrides={"discovery.kubernetes.namespace": ["a"]})
+    assert message.startswith("discovery.kubernetes.namespace: unknown key; allowed keys here: ")
+    assert "namespaces" in message
+
+
+def test_a_relative_kubeconfig_resolves_against_the_config_folder(tmp_path: Path) -> None:
+    path = write_yaml(tmp_path, "discovery:\n  kubernetes:\n    kubeconfig: kube/config\n")
+    assert load(path).discovery.kubernetes.kubeconfig == str(tmp_path.resolve() / "kube" / "config")
+    assert load(path, {"discovery.kubernetes.kubeconfig": ""}).discovery.kubernetes.kubeconfig == ""
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ({"discovery.source": "xds"}, "discovery.source: 'xds' is not allowed; use one of files, kubernetes"),
+        (
+            {"discovery.kubernetes.preset": "kserve"},
+            "discovery.kubernetes.preset: 'kserve' is not allowed; use one of infernex, llm-d",
+        ),
+        (
+            {"discovery.kubernetes.decode_port": 8.5},
+            "discovery.kubernetes.decode_port: 8.5 is not allowed; use a string or an integer",
+        ),
+        (
+            {"discovery.kubernetes.decode_port": 0},
+            "discovery.kubernetes.decode_port: 0 is not allowed; use a port in 1..65535",
+        ),
+        (
+            {"discovery.kubernetes.prefill_port": 65536},
+            "discovery.kubernetes.prefill_port: 65536 is not allowed; use a port in 1..65535",
+        ),
+        (
+            {"discovery.kubernetes.namespaces": ["ok", "Not_OK"]},
+            "discovery.kubernetes.namespaces: 'Not_OK' is not allowed; use namespace names",
+        ),
+        (
+            {"discovery.kubernetes.namespaces": ["a", "b", "a"]},
+            "discovery.kubernetes.namespaces: 'a' is listed twice",
+        ),
+        (
+            {"discovery.kubernetes.decode_role": "prefill"},
+            "discovery.kubernetes.prefill_role, decode_role and both_role must differ "
+            "(they are 'prefill', 'prefill', '')",
+        ),
+        (
+            {"discovery.kubernetes.both_role": "decode"},
+            "discovery.kubernetes.prefill_role, decode_role and both_role must differ "
+            "(they are 'prefill', 'decode', 'decode')",
+        ),
+        (
+            {"discovery.kubernetes.prefill_role": "pre fill"},
+            "discovery.kubernetes.prefill_role: 'pre fill' is not allowed; use a Kubernetes label value",
+        ),
+    ],
+)
+def test_kubernetes_values_are_validated(override: dict[str, object], expected: str) -> None:
+    assert config_error(overrides=override) == expected
+
+
+@pytest.mark.parametrize("port", ["8000", "Decode", "a-very-long-port-name", "-port", "port-", "p_1"])
+def test_a_port_name_must_be_a_container_port_name(port: str) -> None:
+    assert config_error(overrides={"discovery.kubernetes.decode_port": port}).startswith(
+        f"discovery.kubernetes.decode_port: {port!r} is not allowed; use a container port name"
+    )
+
+
+@pytest.mark.parametrize(
+    "key", ["role_label", "group_label", "capacity_annotation", "bootstrap_port_annotation"]
+)
+@pytest.mark.parametrize("value", ["has space", "/name", "Example.com/name", "example.com/", "a/b/c", "-x"])
+def test_label_and_annotation_keys_must_be_kubernetes_keys(key: str, value: str) -> None:
+    assert config_error(overrides={f"discovery.kubernetes.{key}": value}) == (
+        f"discovery.kubernetes.{key}: {value!r} is not allowed; use a Kubernetes label or annotation key "
+        "such as example.com/name"
+    )
+
+
+def test_an_empty_group_label_is_rejected() -> None:
+    assert config_error(overrides={"discovery.kubernetes.group_label": ""}).startswith(
+        "discovery.kubernetes.group_label: '' is not allowed"
+    )
+
+
+@pytest.mark.parametrize("value", ["openfuyao.com/pdRole", "app", "a.b-c_d", "sub.example.com/x.y"])
+def test_good_label_keys_are_accepted(value: str) -> None:
+    assert load(overrides={"discovery.kubernetes.role_label": value}).discovery.kubernetes.role_label == value
+
+
+def test_cli_discovery_and_kubeconfig_flags(cli, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["serve", "--discovery", "kubernetes", "--kubeconfig", "kube.yaml"]) == 0
+    (config,) = cli.started
+    assert config.discovery.source is SourceKind.KUBERNETES
+    assert config.discovery.kubernetes.kubeconfig == str(tmp_path / "kube.yaml")
+
+
+def test_cli_bad_discovery_flag_exits_2(cli, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["serve", "--discovery", "dns"]) == 2
+    assert "discovery.source: 'dns' is not allowed; use one of files, kubernetes" in capsys.readouterr().err
+
+
+def test_cli_unusable_kubeconfig_exits_2_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ext_proc.cli import main
+
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text("not: [a kubeconfig\n")
+    argv = ["serve", "--discovery", "kubernetes", "--kubeconfig", str(kubeconfig)]
+    assert main([*argv, "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"pd-extproc: invalid configuration: discovery.kubernetes: cannot use the kubeconfig {kubeconfig}"
+        in err
+    )

@@ -1,11 +1,23 @@
 """Discovery sources: where endpoint sets come from.
 
-A source turns some external description of the cluster (EDS files today; an xDS client or the
-Kubernetes API later) into :class:`~ext_proc.discovery.eds.ClusterEndpoints` values and hands
-them to a callback. Nothing else in the server reads files or sockets to learn endpoints.
+A source turns some external description of the cluster into
+:class:`~ext_proc.discovery.eds.ClusterEndpoints` values and hands them to a callback: EDS files
+(:class:`EdsFileSource`) or the Kubernetes API's pods (:mod:`ext_proc.discovery.kubernetes`, the
+pure pod rules in :mod:`ext_proc.discovery.pods`). Nothing else in the server reads files or sockets
+to learn endpoints.
 """
+
+import enum
 
 from ext_proc.discovery.eds import ClusterEndpoints, EdsError, EndpointSpec, load_eds_file
 from ext_proc.discovery.eds_watch import EdsFileSource
 
-__all__ = ["ClusterEndpoints", "EdsError", "EdsFileSource", "EndpointSpec", "load_eds_file"]
+
+class SourceKind(enum.StrEnum):
+    """Where endpoints come from (config ``discovery.source``)."""
+
+    FILES = "files"
+    KUBERNETES = "kubernetes"
+
+
+__all__ = ["ClusterEndpoints", "EdsError", "EdsFileSource", "EndpointSpec", "SourceKind", "load_eds_file"]

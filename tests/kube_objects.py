@@ -1,0 +1,70 @@
+"""Pod JSON as the Kubernetes API server sends it (camelCase keys), for the discovery tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+ROLE = "openfuyao.com/pdRole"
+GROUP = "openfuyao.com/pdGroupID"
+
+
+def pod(
+    name: str = "decode-0",
+    role: str | None = "decode",
+    ip: str | None = "10.0.0.1",
+    *,
+    group: str | None = "g1",
+    namespace: str = "default",
+    phase: str = "Running",
+    ready: str | None = "True",
+    ports: dict[str, int] | None = None,
+    labels: dict[str, str] | None = None,
+    annotations: dict[str, str] | None = None,
+    deleting: bool = False,
+    role_label: str = ROLE,
+) -> dict[str, Any]:
+    """A pod of one ``engine`` container; ``ports`` maps container port names to numbers
+    (default: InferNex's ``prefill-port`` 8000 and ``decode-port`` 8200)."""
+    all_labels = dict(labels or {})
+    if role is not None:
+        all_labels[role_label] = role
+    if group is not None:
+        all_labels[GROUP] = group
+    metadata: dict[str, Any] = {
+        "name": name,
+        "namespace": namespace,
+        "uid": f"uid-{namespace}-{name}",
+        "resourceVersion": "1",
+        "labels": all_labels,
+    }
+    if annotations is not None:
+        metadata["annotations"] = annotations
+    if deleting:
+        metadata["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    declared = {"prefill-port": 8000, "decode-port": 8200} if ports is None else ports
+    status: dict[str, Any] = {"phase": phase}
+    if ready is not None:
+        status["conditions"] = [
+            {"type": "PodScheduled", "status": "True"},
+            {"type": "Ready", "status": ready},
+        ]
+    if ip is not None:
+        status["podIP"] = ip
+        status["podIPs"] = [{"ip": ip}]
+    return {
+        "kind": "Pod",
+        "apiVersion": "v1",
+        "metadata": metadata,
+        "spec": {
+            "containers": [
+                {
+                    "name": "engine",
+                    "image": "vllm",
+                    "ports": [
+                        {"name": n, "containerPort": p, "protocol": "TCP"} for n, p in declared.items()
+                    ],
+                }
+            ]
+        },
+        "status": status,
+    }

@@ -1,0 +1,229 @@
+"""The pure pod → endpoint rules of the kubernetes discovery source (ext_proc.discovery.pods)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from kube_objects import pod
+
+from ext_proc.discovery import ClusterEndpoints, EndpointSpec
+from ext_proc.discovery.pods import (
+    LWS_WORKER_INDEX,
+    PRESETS,
+    PodRules,
+    PodView,
+    Preset,
+    cluster_endpoints,
+    view_pod,
+)
+
+INFERNEX = PodRules(
+    PRESETS[Preset.INFERNEX],
+    "openfuyao.com/pdGroupID",
+    "pd-extproc/token-capacity",
+    "pd-extproc/bootstrap-port",
+    "prefill",
+    "decode",
+)
+LLM_D = dataclasses.replace(INFERNEX, scheme=PRESETS[Preset.LLM_D])
+
+
+def endpoint(address: str, group: str = "g1", capacity: float | None = None, bootstrap: int | None = None):
+    return EndpointSpec(address, group, capacity, True, "HEALTHY", bootstrap)
+
+
+def endpoints(view: PodView) -> list[tuple[str, str]]:
+    return [(cluster, spec.address) for cluster, spec in view.endpoints]
+
+
+# --- a routable pod ----------------------------------------------------------------------------
+
+
+def test_a_ready_decode_pod_is_a_decode_endpoint_at_its_named_port() -> None:
+    assert view_pod(pod("d0", "decode", "10.0.0.1"), INFERNEX) == PodView(
+        (("decode", endpoint("10.0.0.1:8200")),)
+    )
+
+
+def test_a_ready_prefill_pod_is_a_prefill_endpoint_at_its_named_port() -> None:
+    assert view_pod(pod("p0", "prefill", "10.0.0.2"), INFERNEX) == PodView(
+        (("prefill", endpoint("10.0.0.2:8000")),)
+    )
+
+
+def test_an_ipv6_pod_ip_is_bracketed() -> None:
+    assert endpoints(view_pod(pod(ip="fd00::7"), INFERNEX)) == [("decode", "[fd00::7]:8200")]
+
+
+def test_the_cluster_names_and_group_label_come_from_the_rules() -> None:
+    rules = dataclasses.replace(INFERNEX, group_label="rack", prefill_cluster="pf", decode_cluster="dc")
+    view = view_pod(pod("p", "prefill", labels={"rack": "r7"}), rules)
+    assert view.endpoints == (("pf", endpoint("10.0.0.1:8000", group="r7")),)
+
+
+# --- which pods are routable ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("phase", ["Pending", "Succeeded", "Failed", "Unknown", ""])
+def test_only_running_pods_are_endpoints(phase: str) -> None:
+    assert view_pod(pod(phase=phase), INFERNEX) == PodView(())
+
+
+@pytest.mark.parametrize("ready", ["False", "Unknown", None])
+def test_only_pods_whose_ready_condition_is_true_are_endpoints(ready: str | None) -> None:
+    assert view_pod(pod(ready=ready), INFERNEX) == PodView(())
+
+
+def test_a_true_condition_other_than_ready_does_not_count() -> None:
+    unready = pod(ready=None)
+    unready["status"]["conditions"] = [{"type": "ContainersReady", "status": "True"}]
+    assert view_pod(unready, INFERNEX) == PodView(())
+
+
+@pytest.mark.parametrize("ip", [None, ""])
+def test_a_pod_without_an_ip_is_not_an_endpoint(ip: str | None) -> None:
+    assert view_pod(pod(ip=ip), INFERNEX) == PodView(())
+
+
+def test_a_pod_being_deleted_is_not_an_endpoint() -> None:
+    assert view_pod(pod(deleting=True), INFERNEX) == PodView(())
+
+
+@pytest.mark.parametrize(("index", "routed"), [(None, True), ("0", True), ("1", False), ("7", False)])
+def test_of_a_leader_worker_set_only_the_leader_is_an_endpoint(index: str | None, routed: bool) -> None:
+    labels = {} if index is None else {LWS_WORKER_INDEX: index}
+    assert bool(view_pod(pod(labels=labels), INFERNEX).endpoints) is routed
+
+
+def test_an_empty_object_is_not_an_endpoint() -> None:
+    assert view_pod({}, INFERNEX) == PodView(())
+
+
+# --- roles --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("role", [None, "", "router", "both", "Decode"])
+def test_a_pod_without_a_known_role_is_not_an_endpoint(role: str | None) -> None:
+    assert view_pod(pod(role=role), INFERNEX) == PodView(())
+
+
+def test_the_role_label_is_the_schemes() -> None:
+    assert view_pod(pod(role="decode", role_label="llm-d.ai/role"), INFERNEX) == PodView(())
+    llm_d_pod = pod(role="decode", role_label="llm-d.ai/role")
+    assert endpoints(view_pod(llm_d_pod, LLM_D)) == [("decode", "10.0.0.1:8000")]
+
+
+def test_a_both_pod_is_an_endpoint_of_both_clusters_each_at_its_port() -> None:
+    rules = dataclasses.replace(LLM_D, scheme=dataclasses.replace(LLM_D.scheme, decode_port=8200))
+    both = pod("b0", "both", "10.0.0.3", role_label="llm-d.ai/role", group=None)
+    assert view_pod(both, rules) == PodView(
+        (("prefill", endpoint("10.0.0.3:8000", group="")), ("decode", endpoint("10.0.0.3:8200", group="")))
+    )
+
+
+# --- ports --------------------------------------------------------------------------------------
+
+
+def test_a_port_given_as_a_number_needs_no_container_port() -> None:
+    rules = dataclasses.replace(INFERNEX, scheme=dataclasses.replace(INFERNEX.scheme, decode_port=9000))
+    assert endpoints(view_pod(pod(ports={}), rules)) == [("decode", "10.0.0.1:9000")]
+
+
+def test_a_named_port_is_looked_up_in_every_container() -> None:
+    sidecar = pod()
+    sidecar["spec"]["containers"].insert(
+        0, {"name": "proxy", "ports": [{"name": "http", "containerPort": 80}]}
+    )
+    sidecar["spec"]["containers"][1]["ports"] = [{"name": "decode-port", "containerPort": 8300}]
+    assert endpoints(view_pod(sidecar, INFERNEX)) == [("decode", "10.0.0.1:8300")]
+
+
+def test_a_missing_named_port_gives_no_endpoint_and_a_problem() -> None:
+    assert view_pod(pod(ports={"http": 80}), INFERNEX) == PodView(
+        (), ("no container port named 'decode-port' (the decode port)",)
+    )
+
+
+def test_a_both_pod_missing_one_port_keeps_the_other_role() -> None:
+    both = pod("b0", "both", role_label="llm-d.ai/role")
+    rules = dataclasses.replace(LLM_D, scheme=dataclasses.replace(LLM_D.scheme, prefill_port="p-port"))
+    view = view_pod(both, rules)
+    assert endpoints(view) == [("decode", "10.0.0.1:8000")]
+    assert view.problems == ("no container port named 'p-port' (the prefill port)",)
+
+
+# --- group and annotations -------------------------------------------------------------------
+
+
+def test_a_pod_without_the_group_label_is_in_group_empty() -> None:
+    assert view_pod(pod(group=None), INFERNEX).endpoints[0][1].group == ""
+
+
+@pytest.mark.parametrize(("text", "capacity"), [("200000", 200000.0), ("1.5e5", 150000.0), ("0.5", 0.5)])
+def test_a_token_capacity_annotation_sets_the_capacity(text: str, capacity: float) -> None:
+    view = view_pod(pod(annotations={"pd-extproc/token-capacity": text}), INFERNEX)
+    assert view == PodView((("decode", endpoint("10.0.0.1:8200", capacity=capacity)),))
+
+
+@pytest.mark.parametrize("text", ["", "lots", "0", "-5", "inf", "nan", "20k"])
+def test_an_invalid_token_capacity_annotation_is_ignored_with_a_problem(text: str) -> None:
+    view = view_pod(pod(annotations={"pd-extproc/token-capacity": text}), INFERNEX)
+    assert view == PodView(
+        (("decode", endpoint("10.0.0.1:8200")),),
+        (f"annotation pd-extproc/token-capacity={text!r} is not a token capacity (a number > 0); ignored",),
+    )
+
+
+@pytest.mark.parametrize(("text", "port"), [("8998", 8998), ("1", 1), ("65535", 65535)])
+def test_a_bootstrap_port_annotation_sets_the_bootstrap_port(text: str, port: int) -> None:
+    view = view_pod(pod("p", "prefill", annotations={"pd-extproc/bootstrap-port": text}), INFERNEX)
+    assert view == PodView((("prefill", endpoint("10.0.0.1:8000", bootstrap=port)),))
+
+
+@pytest.mark.parametrize("text", ["", "0", "65536", "123456", "x", "+1", " 1", "1.0", "-1", "٣"])
+def test_an_invalid_bootstrap_port_annotation_is_ignored_with_a_problem(text: str) -> None:
+    view = view_pod(pod("p", "prefill", annotations={"pd-extproc/bootstrap-port": text}), INFERNEX)
+    assert view == PodView(
+        (("prefill", endpoint("10.0.0.1:8000")),),
+        (f"annotation pd-extproc/bootstrap-port={text!r} is not a port in 1..65535; ignored",),
+    )
+
+
+def test_the_annotation_names_come_from_the_rules() -> None:
+    rules = dataclasses.replace(INFERNEX, capacity_annotation="cap", bootstrap_port_annotation="boot")
+    annotations = {"cap": "10", "boot": "9", "pd-extproc/token-capacity": "20"}
+    view = view_pod(pod("p", "prefill", annotations=annotations), rules)
+    assert view.endpoints == (("prefill", endpoint("10.0.0.1:8000", capacity=10.0, bootstrap=9)),)
+
+
+def test_annotations_of_a_pod_that_is_not_routable_raise_no_problem() -> None:
+    bad = pod(ready="False", annotations={"pd-extproc/token-capacity": "lots"})
+    assert view_pod(bad, INFERNEX) == PodView(())
+
+
+# --- presets and assembly ------------------------------------------------------------------
+
+
+def test_the_presets() -> None:
+    infernex, llm_d = PRESETS[Preset.INFERNEX], PRESETS[Preset.LLM_D]
+    assert infernex.label_selector() == "openfuyao.com/pdRole in (prefill,decode)"
+    assert (infernex.prefill_port, infernex.decode_port) == ("prefill-port", "decode-port")
+    assert llm_d.label_selector() == "llm-d.ai/role in (prefill,decode,both)"
+    assert (llm_d.prefill_port, llm_d.decode_port) == (8000, 8000)
+
+
+def test_cluster_endpoints_keeps_the_views_order_and_always_names_both_clusters() -> None:
+    views = [
+        view_pod(pod("d1", "decode", "10.0.0.2"), INFERNEX),
+        view_pod(pod("p1", "prefill", "10.0.0.3"), INFERNEX),
+        view_pod(pod("d0", "decode", "10.0.0.1"), INFERNEX),
+    ]
+    assert cluster_endpoints(views, INFERNEX, "kubernetes") == [
+        ClusterEndpoints("prefill", (endpoint("10.0.0.3:8000"),), "kubernetes"),
+        ClusterEndpoints("decode", (endpoint("10.0.0.2:8200"), endpoint("10.0.0.1:8200")), "kubernetes"),
+    ]
+    assert cluster_endpoints([], INFERNEX, "k") == [
+        ClusterEndpoints("prefill", (), "k"),
+        ClusterEndpoints("decode", (), "k"),
+    ]
