@@ -24,7 +24,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ext_proc.affinity import Pool
-from ext_proc.discovery.eds import ClusterEndpoints
+from ext_proc.discovery.eds import ClusterEndpoints, merge_clusters
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ class Registry:
         keeps its first entry.
         """
         fresh: dict[tuple[Role, str], EndpointState] = {}
-        for cluster in clusters:
+        for cluster in merge_clusters(clusters).values():
             role = self._roles.get(cluster.cluster_name)
             if role is None:
                 log.warning(
@@ -141,8 +141,6 @@ class Registry:
                 continue
             for spec in cluster.endpoints:
                 key = (role, spec.address)
-                if key in fresh:
-                    continue
                 state = (
                     self._current.get(key)
                     or self._departed.pop(key, None)
