@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -79,6 +79,26 @@ class Metrics:
             ["action"],
             registry=self.registry,
         )
+        self._xds_responses = Counter(
+            "pd_extproc_xds_responses_total", "EDS responses sent to Envoy over ADS", registry=self.registry
+        )
+        self._xds_replies = Counter(
+            "pd_extproc_xds_replies_total",
+            "Envoy's replies to EDS responses: ack (applied) or nack (rejected, error logged)",
+            ["result"],
+            registry=self.registry,
+        )
+        self.xds_streams = Gauge(
+            "pd_extproc_xds_streams", "ADS streams open (Envoys connected)", registry=self.registry
+        )
+        self.xds_version = Gauge(
+            "pd_extproc_xds_version", "Current EDS version_info served (0: none yet)", registry=self.registry
+        )
+        self.xds_pending = Gauge(
+            "pd_extproc_xds_pending_endpoints",
+            "Endpoints published to Envoy but not yet pickable by the router (waiting for ACKs)",
+            registry=self.registry,
+        )
         self.registry.register(_EndpointLoadCollector(endpoints))
         self._decision_children: dict[tuple[str, str], Counter] = {}
         self._rejected_children: dict[str, Counter] = {}
@@ -109,3 +129,11 @@ class Metrics:
     def prefill_fallback(self, action: str) -> None:
         """Count one request whose prefill legs all failed, by ``action`` (decode-only / error)."""
         self._prefill_fallbacks.labels(action).inc()
+
+    def xds_response(self) -> None:
+        """Count one EDS response sent over ADS."""
+        self._xds_responses.inc()
+
+    def xds_reply(self, accepted: bool) -> None:
+        """Count one ACK (``accepted``) or NACK of an EDS response."""
+        self._xds_replies.labels("ack" if accepted else "nack").inc()
