@@ -121,7 +121,6 @@ class Registry:
         self._departed: dict[tuple[Role, str], EndpointState] = {}
         self.prefill_pool: Pool[EndpointState] = Pool.of(())
         self.decode_pool: Pool[EndpointState] = Pool.of(())
-        self.version = 0
 
     def update(self, clusters: Iterable[ClusterEndpoints]) -> None:
         """Replace the endpoint set with ``clusters``; clusters with other names are ignored (logged).
@@ -159,7 +158,6 @@ class Registry:
         self._current = fresh
         self.prefill_pool = _place(s for s in fresh.values() if s.role is Role.PREFILL)
         self.decode_pool = _place(s for s in fresh.values() if s.role is Role.DECODE)
-        self.version += 1
 
     @property
     def prefills(self) -> tuple[EndpointState, ...]:

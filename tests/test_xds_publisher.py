@@ -270,3 +270,15 @@ async def test_the_server_serves_ads_on_its_grpc_port_and_routes_only_to_what_en
             assert await destination() == D2.address
     finally:
         await running.stop(grace=0)
+
+
+async def test_after_close_nothing_reaches_the_router() -> None:
+    async with gate(delay=0.2) as g:
+        envoy = g.envoy()
+        await envoy.request()
+        g.publisher.publish(decode(D1))
+        await envoy.read()
+        g.publisher.close()  # ends the stream, whose end would otherwise admit D1 after the delay
+        assert await envoy.call.read() == grpc.aio.EOF
+        await asyncio.sleep(0.4)
+        assert g.pickable() == []

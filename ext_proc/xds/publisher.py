@@ -41,7 +41,8 @@ class EdsPublisher:
     """Serves ``clusters`` (the prefill and decode cluster names) over :attr:`ads` and hands the
     router's view to ``apply``; :meth:`publish` is the discovery source's callback.
 
-    ``no_envoy_delay`` is in seconds. Not thread-safe: owned by the server's event loop.
+    ``no_envoy_delay`` is in seconds. Construct it in the server's running event loop, which owns
+    it (not thread-safe); after :meth:`close` it hands nothing over any more.
     """
 
     def __init__(
@@ -57,6 +58,7 @@ class EdsPublisher:
         self._admitted: set[Key] = set()
         self._pending: dict[Key, tuple[int, float]] = {}  # → (version it became healthy in, loop time)
         self._timer: asyncio.TimerHandle | None = None
+        self._closed = False
         self.ads = AdsServer(metrics, self.settle)
 
     def publish(self, clusters: list[ClusterEndpoints]) -> None:
@@ -78,6 +80,8 @@ class EdsPublisher:
     def settle(self) -> None:
         """Admit the waiting endpoints Envoy now has (see the module docstring); re-arm the timer
         for those whose cluster has no subscriber."""
+        if self._closed:
+            return
         now = self._loop.time()
         acked = {name: self.ads.acked_version(name) for name in self._names}
         admitted = [
@@ -103,6 +107,7 @@ class EdsPublisher:
 
     def close(self) -> None:
         """Stop the timer and end every ADS stream."""
+        self._closed = True
         if self._timer is not None:
             self._timer.cancel()
         self.ads.close()
