@@ -1,6 +1,6 @@
 """pd-extproc serving EDS to the real Envoy (``envoy/envoy-ads.yaml``): endpoints added, made unhealthy,
-moved to another pdGroupID and removed in the files pd-extproc reads change where requests land within
-1 s, and Envoy never has to send a request anywhere but where the router said.
+healthy again, moved to another pdGroupID and removed in the files pd-extproc reads change where
+requests land within 1 s, and Envoy never has to send a request anywhere but where the router said.
 
 Two checks run through every change, and a control shows that each can fail:
 - every request is served by the first decode the router named (Envoy only serves another one, or
@@ -72,7 +72,8 @@ class Watch:
             return {(row["role"], row["address"]) for row in await response.json() if row["pickable"]}
 
     async def envoy_healthy(self) -> set[tuple[str, str]]:
-        """Envoy's healthy hosts of the prefill and decode clusters, as (cluster, address)."""
+        """Envoy's healthy hosts of the prefill and decode clusters, as (cluster, address) (JSON leaves
+        out the default status, UNKNOWN, which counts as healthy as in pd-extproc)."""
         async with self.session.get(f"{self.g.gateway.admin_url}/clusters?format=json") as response:
             statuses = (await response.json())["cluster_statuses"]
         return {
@@ -80,7 +81,7 @@ class Watch:
             for cluster in statuses
             if cluster["name"] in ("prefill", "decode")
             for host in cluster.get("host_statuses", ())
-            if host["health_status"].get("eds_health_status", "HEALTHY") == "HEALTHY"
+            if host["health_status"].get("eds_health_status", "UNKNOWN") in ("HEALTHY", "UNKNOWN")
             for socket in [host["address"]["socket_address"]]
         }
 

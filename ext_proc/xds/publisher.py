@@ -93,7 +93,7 @@ class EdsPublisher:
             del self._pending[key]
             self._admitted.add(key)
         if admitted:
-            log.info("Envoy has %d new endpoint(s): the router may pick them now", len(admitted))
+            log.info("the router may pick %d more endpoint(s): Envoy has them", len(admitted))
             self._hand_over()
         if self._timer is not None:
             self._timer.cancel()
