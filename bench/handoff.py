@@ -335,7 +335,12 @@ def _plot(compared: dict[str, dict], sweep: dict[str, dict] | None, path: str) -
         right = axes[0][1]
         labels = list(sweep)
         xs = range(len(labels))
-        for key, style, name in (("ttft_p50_ms", "o-", "TTFT p50"), ("ttft_p99_ms", "o--", "TTFT p99")):
+        ttft = (
+            ("ttft_mean_ms", "o:", "TTFT mean"),
+            ("ttft_p50_ms", "o-", "TTFT p50"),
+            ("ttft_p99_ms", "o--", "TTFT p99"),
+        )
+        for key, style, name in ttft:
             right.plot(xs, [sweep[label][key] for label in labels], style, color="tab:red", label=name)
         right.set_ylabel("client TTFT (ms)", color="tab:red")
         twin = right.twinx()

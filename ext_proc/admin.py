@@ -10,7 +10,9 @@ from ext_proc.registry import Registry
 
 
 def endpoint_rows(registry: Registry) -> list[dict[str, object]]:
-    """One row per known endpoint: identity, health, capacity (tokens) and live load."""
+    """One row per known endpoint: identity, health, whether the router may pick it now (healthy
+    and still listed: not a departed endpoint finishing its requests), capacity (tokens) and live load."""
+    pickable = {id(s) for s in (*registry.prefills, *registry.decodes)}
     return [
         {
             "address": s.address,
@@ -18,6 +20,7 @@ def endpoint_rows(registry: Registry) -> list[dict[str, object]]:
             "group": s.group,
             "healthy": s.healthy,
             "health_status": s.health_status,
+            "pickable": id(s) in pickable,
             "token_capacity": s.token_capacity,
             "active_tokens": s.active_tokens,
             "active_requests": s.active_requests,

@@ -1,9 +1,10 @@
-"""Assemble and run the server: discovery → registry → router → gRPC + admin endpoints."""
+"""Assemble and run the server: discovery (→ EDS publisher) → registry → router → gRPC + admin endpoints."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 from collections.abc import Awaitable, Callable
@@ -31,6 +32,7 @@ from ext_proc.metrics import Metrics
 from ext_proc.registry import Registry
 from ext_proc.router import Router
 from ext_proc.server import Health, start_grpc
+from ext_proc.xds import EdsPublisher
 
 log = logging.getLogger(__name__)
 
@@ -48,16 +50,19 @@ class RunningServer:
     router: Router
     grpc_port: int
     admin_port: int
+    publisher: EdsPublisher | None
     _grpc: grpc.aio.Server
     _admin: web.AppRunner
     _watcher: asyncio.Task[None]
 
     async def stop(self, grace: float = 1.0) -> None:
-        """Stop the discovery source, stop accepting streams, let live ones finish for ``grace``
-        seconds, then stop the handoff's background prefill legs."""
+        """Stop the discovery source, end the ADS streams, stop accepting streams, let live ones finish
+        for ``grace`` seconds, then stop the handoff's background prefill legs."""
         self._watcher.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._watcher
+        if self.publisher is not None:
+            self.publisher.close()
         await self._grpc.stop(grace)
         await self.router.handoff.close()
         await self._admin.cleanup()
@@ -113,22 +118,39 @@ def build_handoff(config: Config, metrics: Metrics) -> Handoff:
 async def start_server(config: Config) -> RunningServer:
     """Build the discovery source (files: loaded once here), start the gRPC server and the admin
     endpoint, then the source's watcher. Raises :class:`~ext_proc.config.ConfigError` when the
-    source cannot be set up, ``OSError`` when an address cannot be bound."""
+    source cannot be set up, ``OSError`` when an address cannot be bound.
+
+    With ``xds.serve_eds`` the source's endpoints go through an :class:`EdsPublisher` (Envoy
+    first, then the router) and its ADS service runs on the gRPC port. Readiness turns SERVING
+    once the router's view holds the source's whole set (with EDS served: once Envoy has it).
+    """
+    discovery = config.discovery
     registry = Registry(
-        config.discovery.prefill_cluster, config.discovery.decode_cluster, config.load.default_token_capacity
+        discovery.prefill_cluster, discovery.decode_cluster, config.load.default_token_capacity
     )
+    metrics = Metrics(registry.endpoints)
     health: Health | None = None
     health_updates: set[asyncio.Task[None]] = set()
+    loaded = False
 
-    def publish(clusters: list[ClusterEndpoints]) -> None:
+    def apply(clusters: list[ClusterEndpoints], settled: bool) -> None:
+        nonlocal loaded
         registry.update(clusters)
-        if health is not None and not health.ready:
-            task = asyncio.get_running_loop().create_task(health.set_ready(True))
-            health_updates.add(task)
-            task.add_done_callback(health_updates.discard)
+        if settled and not loaded:
+            loaded = True
+            if health is not None:
+                task = asyncio.get_running_loop().create_task(health.set_ready(True))
+                health_updates.add(task)
+                task.add_done_callback(health_updates.discard)
 
-    metrics = Metrics(registry.endpoints)
-    source = await SOURCES[config.discovery.source](config, publish, metrics)
+    publisher: EdsPublisher | None = None
+    if config.xds.serve_eds:
+        clusters = (discovery.prefill_cluster, discovery.decode_cluster)
+        publisher = EdsPublisher(
+            clusters, discovery.metadata_namespace, apply, config.xds.no_envoy_delay_seconds, metrics
+        )
+    publish = publisher.publish if publisher is not None else functools.partial(apply, settled=True)
+    source = await SOURCES[discovery.source](config, publish, metrics)
     policy = Policy(config.affinity.mode, config.affinity.bonus, config.routing.fallback_count)
     handoff = build_handoff(config, metrics)
     router = Router(
@@ -139,7 +161,11 @@ async def start_server(config: Config) -> RunningServer:
         config.load.default_max_tokens,
         config.routing.pd_threshold_tokens,
     )
-    grpc_server, grpc_port, health = await start_grpc(router, config.listen, ready=registry.version > 0)
+    grpc_server, grpc_port, health = await start_grpc(
+        router, config.listen, loaded, publisher.ads if publisher is not None else None
+    )
+    if loaded and not health.ready:  # the publisher settled while the gRPC server was starting
+        await health.set_ready(True)
     runner = web.AppRunner(build_admin_app(registry, metrics), access_log=None)
     await runner.setup()
     host, port = _split(config.metrics_listen)
@@ -147,6 +173,8 @@ async def start_server(config: Config) -> RunningServer:
     try:
         await site.start()
     except OSError as exc:
+        if publisher is not None:
+            publisher.close()
         await grpc_server.stop(None)
         await runner.cleanup()
         raise OSError(f"cannot listen on {config.metrics_listen} for metrics and admin: {exc}") from exc
@@ -154,7 +182,7 @@ async def start_server(config: Config) -> RunningServer:
     watcher = asyncio.create_task(source.run(), name="discovery")
     log.info(
         "pd-extproc serving ext_proc on %s (port %d), admin on port %d; affinity %s bonus %.2f; "
-        "handoff %s%s; %d prefill and %d decode endpoints healthy",
+        "handoff %s%s; EDS served to Envoy: %s; %d prefill and %d decode endpoints healthy",
         config.listen,
         grpc_port,
         admin_port,
@@ -162,10 +190,11 @@ async def start_server(config: Config) -> RunningServer:
         policy.bonus,
         config.handoff.mode.value,
         f" via {config.handoff.prefill_via}" if config.handoff.prefill_via else "",
+        "yes" if publisher is not None else "no",
         len(registry.prefills),
         len(registry.decodes),
     )
-    return RunningServer(config, router, grpc_port, admin_port, grpc_server, runner, watcher)
+    return RunningServer(config, router, grpc_port, admin_port, publisher, grpc_server, runner, watcher)
 
 
 async def serve_forever(config: Config) -> None:

@@ -34,6 +34,8 @@ def _serve(args: argparse.Namespace) -> int:
         overrides["handoff.prefill_via"] = args.prefill_via
     if args.pd_threshold_tokens is not None:
         overrides["routing.pd_threshold_tokens"] = args.pd_threshold_tokens
+    if args.serve_eds:
+        overrides["xds.serve_eds"] = True
     try:
         config = load_config(args.config, overrides)
         from ext_proc.app import serve_forever
@@ -72,6 +74,11 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         "--pd-threshold-tokens",
         type=int,
         help="prompts below this many tokens go decode-only (routing.pd_threshold_tokens)",
+    )
+    serve.add_argument(
+        "--serve-eds",
+        action="store_true",
+        help="serve the prefill/decode endpoints to Envoy over ADS, for envoy/envoy-ads.yaml (xds.serve_eds)",
     )
     serve.set_defaults(func=_serve)
 

@@ -31,6 +31,8 @@ ENV_AFFINITY_BONUS = "PD_EXTPROC_AFFINITY_BONUS"
 MAX_PREFILL_TIMEOUT = 1795.0
 """Upper bound of ``handoff.prefill_timeout_seconds`` (seconds): Envoy caps ``max_message_timeout`` at one
 hour, and the kv-transfer-params handoff asks Envoy to wait 2 x this + 5 s (a leg and its retry)."""
+MAX_NO_ENVOY_DELAY = 60.0
+"""Upper bound of ``xds.no_envoy_delay_seconds`` (seconds)."""
 
 
 class ConfigError(ValueError):
@@ -128,6 +130,20 @@ class HandoffConfig:
 
 
 @dataclass(frozen=True)
+class XdsConfig:
+    """pd-extproc as Envoy's EDS server (see README "EDS from pd-extproc").
+
+    ``serve_eds``: serve the prefill and decode clusters' endpoints over ADS on the gRPC port
+    (``listen``), for ``envoy/envoy-ads.yaml``; an endpoint becomes pickable only once every
+    subscribed Envoy has ACKed a version holding it healthy. ``no_envoy_delay_seconds``: while no
+    Envoy subscribes to its cluster, it becomes pickable this long after it was published instead.
+    """
+
+    serve_eds: bool = False
+    no_envoy_delay_seconds: float = 2.0
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole configuration. ``listen``/``metrics_listen`` are ``host:port``."""
 
@@ -138,6 +154,7 @@ class Config:
     load: LoadConfig = field(default_factory=LoadConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     handoff: HandoffConfig = field(default_factory=HandoffConfig)
+    xds: XdsConfig = field(default_factory=XdsConfig)
 
 
 _CHOICES = (Mode, HandoffMode, FailurePolicy, SourceKind, Preset)
@@ -173,6 +190,8 @@ def _coerce(key: str, tp: object, value: object) -> object:
             return tp(value)
         except ValueError:
             raise ConfigError(f"{key}: {value!r} is not allowed; use {_allowed(tp)}") from None
+    if tp is bool and isinstance(value, bool):
+        return value
     if tp is float and isinstance(value, int | float) and not isinstance(value, bool):
         return float(value)
     if tp is int and type(value) is int:
@@ -237,6 +256,8 @@ def validate(config: Config) -> Config:
         raise ConfigError("routing.pd_threshold_tokens: must be an integer >= 0")
     _check_handoff(config.handoff)
     _check_kubernetes(config.discovery.kubernetes)
+    if not 0 <= config.xds.no_envoy_delay_seconds <= MAX_NO_ENVOY_DELAY:
+        raise ConfigError(f"xds.no_envoy_delay_seconds: must be a number in [0, {MAX_NO_ENVOY_DELAY:g}]")
     return config
 
 

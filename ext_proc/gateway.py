@@ -1,10 +1,10 @@
 """Run the gateway locally: the real Envoy from the shipped bootstrap, and pd-extproc as a process
 (tests, demo and benchmarks).
 
-:func:`render_bootstrap` takes ``envoy/envoy.yaml`` as shipped and changes only what a local
-run must change: ports (gateway, admin, prefill-leg listener), the pd-extproc address, the EDS file
-paths, and (for baselines) the ext_proc filter or the load balancing policy. Everything else is
-exercised exactly as shipped.
+:func:`render_bootstrap` takes ``envoy/envoy.yaml`` (or ``envoy/envoy-ads.yaml``) as shipped and
+changes only what a local run must change: ports (gateway, admin, prefill-leg listener), the
+pd-extproc address, the EDS file paths, and (for baselines) the ext_proc filter or the load
+balancing policy. Everything else is exercised exactly as shipped.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ import aiohttp
 import yaml
 
 SHIPPED_BOOTSTRAP = Path(__file__).resolve().parents[1] / "envoy" / "envoy.yaml"
+SHIPPED_ADS_BOOTSTRAP = SHIPPED_BOOTSTRAP.with_name("envoy-ads.yaml")
+"""The same gateway with the prefill and decode endpoints served by pd-extproc over ADS."""
 
 
 class GatewayError(RuntimeError):
@@ -67,15 +69,16 @@ def render_bootstrap(
     listen_port: int,
     admin_port: int,
     extproc_port: int | None,
-    decode_eds_path: str,
-    prefill_eds_path: str,
     prefill_leg_port: int,
+    decode_eds_path: str | None = None,
+    prefill_eds_path: str | None = None,
     round_robin: bool = False,
     response_headers: bool = False,
     template: Path = SHIPPED_BOOTSTRAP,
 ) -> dict:
-    """The shipped bootstrap bound to local ports and files (the prefill-leg listener on
-    ``prefill_leg_port``, loopback).
+    """The shipped bootstrap (``template``) bound to local ports and files (the prefill-leg
+    listener on ``prefill_leg_port``, loopback). The EDS paths are required by a template whose
+    clusters read files (``envoy.yaml``) and unused by one served over ADS (``envoy-ads.yaml``).
 
     ``extproc_port=None`` removes the ext_proc filter (the "same route without the filter"
     baseline); ``round_robin=True`` also replaces the decode cluster's override_host policy by
@@ -96,9 +99,11 @@ def render_bootstrap(
     clusters = {c["name"]: c for c in static["clusters"]}
     decode = clusters["decode"]
     for name, path in (("decode", decode_eds_path), ("prefill", prefill_eds_path)):
-        clusters[name]["eds_cluster_config"]["eds_config"]["path_config_source"]["path"] = str(
-            Path(path).resolve()
-        )
+        source = clusters[name]["eds_cluster_config"]["eds_config"]
+        if "path_config_source" in source:
+            if path is None:
+                raise GatewayError(f"{template.name} reads the {name} endpoints from a file: give its path")
+            source["path_config_source"]["path"] = str(Path(path).resolve())
     if extproc_port is None:
         hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.ext_proc"]
         for route in hcm["route_config"]["virtual_hosts"][0]["routes"]:

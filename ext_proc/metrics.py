@@ -91,6 +91,26 @@ class Metrics:
             ["source"],
             registry=self.registry,
         )
+        self._xds_responses = Counter(
+            "pd_extproc_xds_responses_total", "EDS responses sent to Envoy over ADS", registry=self.registry
+        )
+        self._xds_replies = Counter(
+            "pd_extproc_xds_replies_total",
+            "Envoy's replies to EDS responses: ack (applied) or nack (rejected, error logged)",
+            ["result"],
+            registry=self.registry,
+        )
+        self.xds_streams = Gauge(
+            "pd_extproc_xds_streams", "ADS streams open (Envoys connected)", registry=self.registry
+        )
+        self.xds_version = Gauge(
+            "pd_extproc_xds_version", "Current EDS version_info served (0: none yet)", registry=self.registry
+        )
+        self.xds_pending = Gauge(
+            "pd_extproc_xds_pending_endpoints",
+            "Endpoints published to Envoy but not yet pickable by the router (waiting for ACKs)",
+            registry=self.registry,
+        )
         self.registry.register(_EndpointLoadCollector(endpoints))
         self._decision_children: dict[tuple[str, str], Counter] = {}
         self._rejected_children: dict[str, Counter] = {}
@@ -129,3 +149,11 @@ class Metrics:
     def discovery_synced(self, source: str, timestamp: float) -> None:
         """Record that ``source``'s whole view was current at ``timestamp`` (Unix seconds)."""
         self._discovery_synced.labels(source).set(timestamp)
+
+    def xds_response(self) -> None:
+        """Count one EDS response sent over ADS."""
+        self._xds_responses.inc()
+
+    def xds_reply(self, accepted: bool) -> None:
+        """Count one ACK (``accepted``) or NACK of an EDS response."""
+        self._xds_replies.labels("ack" if accepted else "nack").inc()

@@ -24,7 +24,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ext_proc.affinity import Pool
-from ext_proc.discovery.eds import ClusterEndpoints
+from ext_proc.discovery.eds import ClusterEndpoints, merge_clusters
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,6 @@ class Registry:
         self._departed: dict[tuple[Role, str], EndpointState] = {}
         self.prefill_pool: Pool[EndpointState] = Pool.of(())
         self.decode_pool: Pool[EndpointState] = Pool.of(())
-        self.version = 0
 
     def update(self, clusters: Iterable[ClusterEndpoints]) -> None:
         """Replace the endpoint set with ``clusters``; clusters with other names are ignored (logged).
@@ -130,7 +129,7 @@ class Registry:
         keeps its first entry.
         """
         fresh: dict[tuple[Role, str], EndpointState] = {}
-        for cluster in clusters:
+        for cluster in merge_clusters(clusters).values():
             role = self._roles.get(cluster.cluster_name)
             if role is None:
                 log.warning(
@@ -141,8 +140,6 @@ class Registry:
                 continue
             for spec in cluster.endpoints:
                 key = (role, spec.address)
-                if key in fresh:
-                    continue
                 state = (
                     self._current.get(key)
                     or self._departed.pop(key, None)
@@ -161,7 +158,6 @@ class Registry:
         self._current = fresh
         self.prefill_pool = _place(s for s in fresh.values() if s.role is Role.PREFILL)
         self.decode_pool = _place(s for s in fresh.values() if s.role is Role.DECODE)
-        self.version += 1
 
     @property
     def prefills(self) -> tuple[EndpointState, ...]:

@@ -1,4 +1,5 @@
-"""The gRPC shell: Envoy's ``ExternalProcessor.Process`` stream plus the gRPC health service.
+"""The gRPC shell: Envoy's ``ExternalProcessor.Process`` stream plus the gRPC health service (and,
+when pd-extproc serves EDS, the ADS service of :mod:`ext_proc.xds`).
 
 One HTTP request is one stream. The stream's messages are answered by phase:
 - ``request_headers``: a request without a body is routed here; otherwise client-supplied
@@ -25,12 +26,14 @@ import logging
 from collections.abc import AsyncIterator, Callable
 
 import grpc
+from envoy.service.discovery.v3 import ads_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ext_proc import envoy_messages as msg
 from ext_proc.handoff import Handover, Refused, RequestMeta, Routed, RoutingInstructions
 from ext_proc.router import Router
+from ext_proc.xds import AdsServer
 
 log = logging.getLogger(__name__)
 
@@ -184,8 +187,11 @@ class Health:
             await self.servicer.set(service, status)
 
 
-async def start_grpc(router: Router, listen: str, ready: bool) -> tuple[grpc.aio.Server, int, Health]:
-    """Start the ext_proc and health services on ``listen`` (``host:port``, port 0 = any).
+async def start_grpc(
+    router: Router, listen: str, ready: bool, ads: AdsServer | None = None
+) -> tuple[grpc.aio.Server, int, Health]:
+    """Start the ext_proc and health services, and ``ads`` if given, on ``listen`` (``host:port``,
+    port 0 = any).
 
     Returns the server, the bound port and its :class:`Health`. The port is never shared
     (SO_REUSEPORT off, which gRPC turns on by default): a second copy on the same port fails here
@@ -198,6 +204,8 @@ async def start_grpc(router: Router, listen: str, ready: bool) -> tuple[grpc.aio
     pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(router), server)
     server_health = Health()
     health_pb2_grpc.add_HealthServicer_to_server(server_health.servicer, server)
+    if ads is not None:
+        ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(ads, server)
     try:
         port = server.add_insecure_port(listen)
     except RuntimeError:  # grpcio reports a failed bind as RuntimeError

@@ -12,7 +12,14 @@ from backends import EchoBackend, start_backend
 from ext_proc.app import RunningServer, start_server
 from ext_proc.config import load_config
 from ext_proc.discovery.eds import EndpointSpec, write_eds_file
-from ext_proc.gateway import Gateway, free_port, render_bootstrap, start_gateway
+from ext_proc.gateway import (
+    SHIPPED_ADS_BOOTSTRAP,
+    SHIPPED_BOOTSTRAP,
+    Gateway,
+    free_port,
+    render_bootstrap,
+    start_gateway,
+)
 
 
 @dataclass
@@ -57,10 +64,12 @@ async def gateway_over(
     settings: dict[str, object] | None = None,
     response_headers: bool = False,
     edit: Callable[[dict], None] | None = None,
+    ads: bool = False,
 ) -> AsyncIterator[Gatewayed]:
     """Write the EDS files, start the server (config ``settings``, dotted keys; ``handoff.prefill_via``
     defaults to the rendered Envoy's prefill-leg listener) and the real Envoy (its rendered
-    bootstrap changed by ``edit``, if given)."""
+    bootstrap changed by ``edit``, if given). ``ads``: pd-extproc serves the endpoints it reads
+    to Envoy (``xds.serve_eds``, ``envoy/envoy-ads.yaml``) instead of Envoy reading the files."""
     prefill_eds, decode_eds = tmp_path / "prefill.yaml", tmp_path / "decode.yaml"
     write_eds_file(prefill_eds, "prefill", prefills)
     write_eds_file(decode_eds, "decode", decodes)
@@ -70,6 +79,7 @@ async def gateway_over(
         {
             "handoff.prefill_via": f"http://127.0.0.1:{prefill_leg_port}",
             **(settings or {}),
+            **({"xds.serve_eds": True} if ads else {}),
             "listen": "127.0.0.1:0",
             "metrics_listen": "127.0.0.1:0",
             "discovery.eds_files": [str(prefill_eds), str(decode_eds)],
@@ -87,6 +97,7 @@ async def gateway_over(
         prefill_eds_path=str(prefill_eds),
         prefill_leg_port=prefill_leg_port,
         response_headers=response_headers,
+        template=SHIPPED_ADS_BOOTSTRAP if ads else SHIPPED_BOOTSTRAP,
     )
     if edit is not None:
         edit(bootstrap)

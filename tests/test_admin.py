@@ -60,6 +60,7 @@ async def test_debug_endpoints_lists_every_endpoint_with_live_load(
             "group": "g1",
             "healthy": True,
             "health_status": "HEALTHY",
+            "pickable": True,
             "token_capacity": 2000.0,
             "active_tokens": 30,
             "active_requests": 1,
@@ -70,6 +71,7 @@ async def test_debug_endpoints_lists_every_endpoint_with_live_load(
             "group": "g1",
             "healthy": True,
             "health_status": "HEALTHY",
+            "pickable": True,
             "token_capacity": 4096.0,
             "active_tokens": 80,
             "active_requests": 1,
@@ -80,6 +82,7 @@ async def test_debug_endpoints_lists_every_endpoint_with_live_load(
             "group": "g2",
             "healthy": False,
             "health_status": "DRAINING",
+            "pickable": False,
             "token_capacity": 8000.0,
             "active_tokens": 0,
             "active_requests": 0,
@@ -96,7 +99,9 @@ async def test_debug_endpoints_shows_departed_endpoint_while_in_flight(
     lease = Lease(None, 0, registry.decodes[0], 5)
     registry.update([])
     rows = await (await client.get("/debug/endpoints")).json()
-    assert [(r["address"], r["active_requests"]) for r in rows] == [(D1, 1)]
+    assert [(r["address"], r["healthy"], r["pickable"], r["active_requests"]) for r in rows] == [
+        (D1, True, False, 1)
+    ]
     lease.release()
 
 

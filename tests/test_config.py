@@ -19,6 +19,7 @@ from ext_proc.config import (
     KubernetesConfig,
     LoadConfig,
     RoutingConfig,
+    XdsConfig,
     load_config,
 )
 from ext_proc.discovery import SourceKind
@@ -158,7 +159,7 @@ def test_unknown_top_level_key_is_named_with_the_allowed_keys(tmp_path: Path) ->
     message = config_error(write_yaml(tmp_path, "listn: 0.0.0.0:1\n"))
     assert message == (
         "listn: unknown key; allowed keys here: affinity, discovery, handoff, listen, load, metrics_listen, "
-        "routing"
+        "routing, xds"
     )
 
 
@@ -249,6 +250,12 @@ def test_section_that_is_not_a_mapping_is_rejected(tmp_path: Path) -> None:
         (
             {"discovery.decode_cluster": "prefill"},
             "discovery.prefill_cluster and discovery.decode_cluster must differ",
+        ),
+        ({"xds.no_envoy_delay_seconds": -0.1}, "xds.no_envoy_delay_seconds: must be a number in [0, 60]"),
+        ({"xds.no_envoy_delay_seconds": 61}, "xds.no_envoy_delay_seconds: must be a number in [0, 60]"),
+        (
+            {"xds.no_envoy_delay_seconds": float("nan")},
+            "xds.no_envoy_delay_seconds: must be a number in [0, 60]",
         ),
     ],
 )
@@ -410,6 +417,24 @@ def test_cli_relative_eds_file_resolves_against_the_working_directory(
     assert cli.started[1].discovery.eds_files == (str(config_dir / "from-config.yaml"),)
 
 
+def test_xds_is_off_by_default_and_takes_booleans_only(tmp_path: Path) -> None:
+    assert load().xds == XdsConfig(serve_eds=False, no_envoy_delay_seconds=2.0)
+    config = load(write_yaml(tmp_path, "xds:\n  serve_eds: true\n  no_envoy_delay_seconds: 0\n"))
+    assert config.xds == XdsConfig(serve_eds=True, no_envoy_delay_seconds=0.0)
+    assert config_error(overrides={"xds.serve_eds": "yes"}) == (
+        "xds.serve_eds: 'yes' is not allowed; use true or false"
+    )
+    assert (
+        config_error(overrides={"xds.serve_eds": 1}) == "xds.serve_eds: 1 is not allowed; use true or false"
+    )
+
+
+def test_cli_serve_eds_flag(cli) -> None:
+    assert cli.main(["serve", "--serve-eds"]) == 0
+    assert cli.main(["serve"]) == 0
+    assert [config.xds.serve_eds for config in cli.started] == [True, False]
+
+
 def test_the_shipped_example_config_loads_and_names_every_key() -> None:
     path = Path(__file__).resolve().parents[1] / "config" / "pd-extproc.yaml"
     config = load(path)
@@ -425,7 +450,7 @@ def test_the_shipped_example_config_loads_and_names_every_key() -> None:
             if dataclasses.is_dataclass(value):
                 check(value, f"{name}.{key}", indent + "  ")
 
-    for section in ("discovery", "affinity", "load", "routing", "handoff"):
+    for section in ("discovery", "affinity", "load", "routing", "handoff", "xds"):
         check(getattr(config, section), section, "  ")
 
 

@@ -23,7 +23,13 @@ from ext_proc.discovery import (
     eds_watch,
     load_eds_file,
 )
-from ext_proc.discovery.eds import render_eds, write_eds_file
+from ext_proc.discovery.eds import (
+    cluster_load_assignment,
+    merge_clusters,
+    parse_cluster_load_assignment,
+    render_eds,
+    write_eds_file,
+)
 from ext_proc.registry import Registry
 
 CLA = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
@@ -389,6 +395,28 @@ def test_rendered_document_round_trips_through_yaml_with_custom_namespace(tmp_pa
     assert document["resources"][0]["@type"] == CLA
     path = write_doc(tmp_path / "prefill.yaml", document)
     assert load_eds_file(path, "acme").endpoints == tuple(specs)
+
+
+def test_the_protobuf_assignment_round_trips_every_field_with_custom_namespace() -> None:
+    specs = (spec("10.1.1.1:1", "a", 5.0), spec("[::1]:2", "", None, "DRAINING"))
+    cluster = ClusterEndpoints("decode", specs, "ads")
+    cla = cluster_load_assignment(cluster, "acme")
+    assert parse_cluster_load_assignment(cla, "acme", "ads") == cluster
+
+
+def test_merge_clusters_joins_same_named_clusters_and_keeps_an_address_first_entry() -> None:
+    first, again, other = spec("10.0.0.1:1", "a"), spec("10.0.0.1:1", "b"), spec("10.0.0.2:2", "b")
+    merged = merge_clusters(
+        [
+            ClusterEndpoints("decode", (first,), "one.yaml"),
+            ClusterEndpoints("prefill", (other,), "p.yaml"),
+            ClusterEndpoints("decode", (again, other), "two.yaml"),
+        ]
+    )
+    assert merged == {
+        "decode": ClusterEndpoints("decode", (first, other), "one.yaml, two.yaml"),
+        "prefill": ClusterEndpoints("prefill", (other,), "p.yaml"),
+    }
 
 
 def test_write_eds_file_replaces_existing_file(tmp_path: Path) -> None:

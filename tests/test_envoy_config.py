@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import subprocess
 from pathlib import Path
 
@@ -11,7 +12,13 @@ import yaml
 
 from ext_proc.config import HandoffConfig
 from ext_proc.discovery.eds import load_eds_file
-from ext_proc.gateway import SHIPPED_BOOTSTRAP, find_envoy, render_bootstrap
+from ext_proc.gateway import (
+    SHIPPED_ADS_BOOTSTRAP,
+    SHIPPED_BOOTSTRAP,
+    GatewayError,
+    find_envoy,
+    render_bootstrap,
+)
 from ext_proc.handoff.kv_transfer import TIMEOUT_MARGIN_SECONDS
 from ext_proc.server import ENVOY_BODY_LIMIT_BYTES, MAX_RECEIVE_BYTES
 
@@ -38,8 +45,14 @@ def test_shipped_envoy_config_validates(config):
 
 @pytest.mark.parametrize(
     "variant",
-    [{}, {"extproc_port": None}, {"extproc_port": None, "round_robin": True}, {"response_headers": True}],
-    ids=["routed", "no-filter", "round-robin", "response-headers"],
+    [
+        {},
+        {"extproc_port": None},
+        {"extproc_port": None, "round_robin": True},
+        {"response_headers": True},
+        {"template": SHIPPED_ADS_BOOTSTRAP},
+    ],
+    ids=["routed", "no-filter", "round-robin", "response-headers", "ads"],
 )
 def test_rendered_variants_validate(tmp_path, variant):
     options = {
@@ -55,6 +68,40 @@ def test_rendered_variants_validate(tmp_path, variant):
     path.write_text(yaml.safe_dump(render_bootstrap(**options)))
     result = _validate(path)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_ads_bootstrap_is_the_file_bootstrap_with_endpoints_from_pd_extproc():
+    """envoy-ads.yaml differs from envoy.yaml only in where the prefill and decode endpoints come
+    from (every listener, filter, route and cluster setting is shared), and its ADS stream goes to
+    pd-extproc's gRPC port, the same cluster as ext_proc."""
+    files = yaml.safe_load(SHIPPED_BOOTSTRAP.read_text())
+    ads = yaml.safe_load(SHIPPED_ADS_BOOTSTRAP.read_text())
+    assert ads["dynamic_resources"] == {
+        "ads_config": {
+            "api_type": "GRPC",
+            "transport_api_version": "V3",
+            "set_node_on_first_message_only": True,
+            "grpc_services": [
+                {
+                    "envoy_grpc": {
+                        "cluster_name": "pd_extproc",
+                        "retry_policy": {"retry_back_off": {"base_interval": "0.25s", "max_interval": "1s"}},
+                    }
+                }
+            ],
+        }
+    }
+    expected = copy.deepcopy(files)
+    expected["dynamic_resources"] = ads["dynamic_resources"]
+    for cluster in expected["static_resources"]["clusters"]:
+        if cluster["name"] in ("prefill", "decode"):
+            cluster["eds_cluster_config"]["eds_config"] = {"ads": {}, "resource_api_version": "V3"}
+    assert ads == expected
+
+
+def test_a_file_bootstrap_needs_its_eds_paths():
+    with pytest.raises(GatewayError, match="reads the decode endpoints from a file"):
+        render_bootstrap(listen_port=1, admin_port=2, extproc_port=3, prefill_leg_port=4)
 
 
 def test_validate_rejects_a_broken_config(tmp_path):

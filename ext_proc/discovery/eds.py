@@ -12,6 +12,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from google.protobuf import json_format
 _CANDIDATE_STATUSES = frozenset(
     {health_check_pb2.HealthStatus.UNKNOWN, health_check_pb2.HealthStatus.HEALTHY}
 )
-_CLA_TYPE_URL = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+CLA_TYPE_URL = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
 
 
 class EdsError(ValueError):
@@ -177,15 +178,17 @@ def parse_eds(content: bytes, path: str | Path, namespace: str = "pd") -> Cluste
             f"found {len(response.resources)} resources"
         )
     resource = response.resources[0]
-    if resource.type_url != _CLA_TYPE_URL:
-        raise EdsError(f"{path}: resource type is {resource.type_url!r}, expected {_CLA_TYPE_URL!r}")
+    if resource.type_url != CLA_TYPE_URL:
+        raise EdsError(f"{path}: resource type is {resource.type_url!r}, expected {CLA_TYPE_URL!r}")
     cla = endpoint_pb2.ClusterLoadAssignment()
     resource.Unpack(cla)
     return parse_cluster_load_assignment(cla, namespace, str(path))
 
 
-def render_eds(cluster_name: str, endpoints: list[EndpointSpec], namespace: str = "pd") -> dict:
-    """The ``DiscoveryResponse`` document (a dict, JSON/YAML-ready) declaring ``endpoints``."""
+def render_cla(cluster_name: str, endpoints: Iterable[EndpointSpec], namespace: str = "pd") -> dict:
+    """The ``ClusterLoadAssignment`` (a dict, JSON/YAML-ready, without ``@type``) declaring
+    ``endpoints`` in one locality, with their health status and metadata under
+    ``filter_metadata.<namespace>``; the inverse of :func:`parse_cluster_load_assignment`."""
     lb_endpoints = []
     for spec in endpoints:
         host, _, port = spec.address.rpartition(":")
@@ -203,15 +206,39 @@ def render_eds(cluster_name: str, endpoints: list[EndpointSpec], namespace: str 
                 "metadata": {"filter_metadata": {namespace: metadata}},
             }
         )
+    return {"cluster_name": cluster_name, "endpoints": [{"lb_endpoints": lb_endpoints}]}
+
+
+def cluster_load_assignment(
+    cluster: ClusterEndpoints, namespace: str = "pd"
+) -> endpoint_pb2.ClusterLoadAssignment:
+    """``cluster`` as the protobuf Envoy takes over xDS (:func:`render_cla`)."""
+    return json_format.ParseDict(
+        render_cla(cluster.cluster_name, cluster.endpoints, namespace), endpoint_pb2.ClusterLoadAssignment()
+    )
+
+
+def render_eds(cluster_name: str, endpoints: list[EndpointSpec], namespace: str = "pd") -> dict:
+    """The ``DiscoveryResponse`` document (a dict, JSON/YAML-ready) declaring ``endpoints``."""
     return {
         "version_info": "1",
-        "resources": [
-            {
-                "@type": _CLA_TYPE_URL,
-                "cluster_name": cluster_name,
-                "endpoints": [{"lb_endpoints": lb_endpoints}],
-            }
-        ],
+        "resources": [{"@type": CLA_TYPE_URL, **render_cla(cluster_name, endpoints, namespace)}],
+    }
+
+
+def merge_clusters(clusters: Iterable[ClusterEndpoints]) -> dict[str, ClusterEndpoints]:
+    """One :class:`ClusterEndpoints` per cluster name, in first-seen order: clusters of the same name
+    (several files) are joined, an address listed twice keeps its first entry, and ``source``
+    names every contributing source."""
+    merged: dict[str, tuple[dict[str, EndpointSpec], list[str]]] = {}
+    for cluster in clusters:
+        specs, sources = merged.setdefault(cluster.cluster_name, ({}, []))
+        sources.append(cluster.source)
+        for spec in cluster.endpoints:
+            specs.setdefault(spec.address, spec)
+    return {
+        name: ClusterEndpoints(name, tuple(specs.values()), ", ".join(sources))
+        for name, (specs, sources) in merged.items()
     }
 
 
