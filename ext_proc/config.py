@@ -8,6 +8,7 @@ the CLI turns that into exit code 2.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import os
 import typing
 import urllib.parse
@@ -33,7 +34,8 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class DiscoveryConfig:
-    """Where endpoints come from. Relative ``eds_files`` resolve against the config file's folder."""
+    """Where endpoints come from. Relative ``eds_files`` resolve against the folder of the config
+    file's path as given (symlinks not followed: see :func:`load_config`)."""
 
     eds_files: tuple[str, ...] = ()
     prefill_cluster: str = "prefill"
@@ -211,6 +213,9 @@ def load_config(
     """Build the configuration: defaults < YAML ``path`` < ``environ`` < ``overrides``.
 
     ``overrides`` maps dotted keys (``"affinity.mode"``) to values, as the CLI flags give them.
+    Relative ``discovery.eds_files`` resolve against the folder ``path`` names, lexically (symlinks
+    not followed): a Kubernetes ConfigMap mount links ``config.yaml`` to ``..data/config.yaml`` and
+    swaps ``..data`` on every update, so the folder the link leads to disappears.
     """
     data: dict[str, object] = {}
     base = Path.cwd()
@@ -224,7 +229,7 @@ def load_config(
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {path}: expected a mapping at the top level")
         data = loaded or {}
-        base = Path(path).resolve().parent
+        base = Path(os.path.abspath(path)).parent
     env = os.environ if environ is None else environ
     layered: dict[str, object] = {}
     if ENV_AFFINITY_MODE in env:
@@ -250,6 +255,36 @@ def load_config(
             target = node
         target[key] = value
     config = typing.cast(Config, _build(Config, data, ""))
-    files = tuple(str(base / f) for f in config.discovery.eds_files)
+    files = tuple(os.path.normpath(base / f) for f in config.discovery.eds_files)
     config = dataclasses.replace(config, discovery=dataclasses.replace(config.discovery, eds_files=files))
     return validate(config)
+
+
+def as_dict(config: Config) -> dict[str, object]:
+    """``config`` as plain YAML data (choices as their names, lists as lists), keys in file order:
+    what ``pd-extproc check-config`` prints, and what :func:`load_config` reads back unchanged."""
+
+    def plain(value: object) -> object:
+        if dataclasses.is_dataclass(value):
+            return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        if isinstance(value, enum.Enum):
+            return value.value
+        if isinstance(value, tuple):
+            return [plain(v) for v in value]
+        return value
+
+    return typing.cast(dict[str, object], plain(config))
+
+
+@dataclass(frozen=True)
+class ConfigSource:
+    """Where a configuration comes from, to load it again when its file changes: the file, the
+    environment and the flags keep their precedence on every load (see :func:`load_config`)."""
+
+    path: str | None = None
+    overrides: Mapping[str, object] = field(default_factory=dict)
+    environ: Mapping[str, str] | None = None
+
+    def load(self) -> Config:
+        """Read and validate the configuration now; raises :class:`ConfigError`."""
+        return load_config(self.path, self.overrides, self.environ)

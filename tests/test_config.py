@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import types
 from pathlib import Path
 
 import pytest
+import yaml
 
 from ext_proc.affinity import Mode
 from ext_proc.config import (
@@ -17,6 +19,7 @@ from ext_proc.config import (
     DiscoveryConfig,
     LoadConfig,
     RoutingConfig,
+    as_dict,
     load_config,
 )
 
@@ -272,6 +275,18 @@ def test_relative_eds_files_resolve_against_the_config_folder(tmp_path: Path) ->
     assert config.discovery.eds_files == (str(folder.resolve() / "eds" / "prefill.yaml"), str(absolute))
 
 
+def test_relative_eds_files_resolve_against_the_folder_of_a_symlinked_config_path(tmp_path: Path) -> None:
+    """A Kubernetes ConfigMap mount: config.yaml -> ..data/config.yaml, ..data -> a timestamped
+    folder that the next update deletes. EDS files next to config.yaml stay where they are."""
+    mount = tmp_path / "mount"
+    (mount / "..2025_01_01_00_00_00.1").mkdir(parents=True)
+    write_yaml(mount / "..2025_01_01_00_00_00.1", "discovery:\n  eds_files: [eds/decode.yaml, ../d.yaml]\n")
+    (mount / "..data").symlink_to("..2025_01_01_00_00_00.1")
+    (mount / "config.yaml").symlink_to("..data/config.yaml")
+    config = load(mount / "config.yaml")
+    assert config.discovery.eds_files == (str(mount / "eds" / "decode.yaml"), str(tmp_path / "d.yaml"))
+
+
 def test_relative_eds_files_without_config_file_resolve_against_cwd(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -404,6 +419,23 @@ def test_cli_relative_eds_file_resolves_against_the_working_directory(
     assert cli.started[0].discovery.eds_files == (str(work_dir / "flag.yaml"),)
     assert cli.main(["serve", "--config", str(path)]) == 0
     assert cli.started[1].discovery.eds_files == (str(config_dir / "from-config.yaml"),)
+
+
+def test_as_dict_is_plain_yaml_data_that_loads_back_the_same(tmp_path: Path) -> None:
+    config = load(
+        overrides={
+            "affinity.mode": "strict",
+            "handoff.mode": "kv-transfer-params",
+            "discovery.eds_files": ["/e/p.yaml"],
+            "load.default_token_capacity": 5,
+        }
+    )
+    data = as_dict(config)
+    assert list(data) == [f.name for f in dataclasses.fields(Config)]
+    assert data["affinity"] == {"mode": "strict", "bonus": 0.3}
+    assert data["discovery"]["eds_files"] == ["/e/p.yaml"]  # type: ignore[index]
+    text = yaml.safe_dump(data, sort_keys=False)  # plain data: safe_dump refuses enums
+    assert load(write_yaml(tmp_path, text)) == config
 
 
 def test_the_shipped_example_config_loads_and_names_every_key() -> None:
