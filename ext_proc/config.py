@@ -121,7 +121,9 @@ def _coerce(key: str, tp: object, value: object) -> object:
         try:
             return tp(value)
         except ValueError:
-            raise ConfigError(f"{key}: {value!r} is not allowed; use {_allowed(tp)}") from None
+            hint = " (YAML reads an unquoted off, on, yes or no as a boolean: quote it)"
+            hint = hint if isinstance(value, bool) else ""
+            raise ConfigError(f"{key}: {value!r} is not allowed; use {_allowed(tp)}{hint}") from None
     if tp is float and isinstance(value, int | float) and not isinstance(value, bool):
         return float(value)
     if tp is int and type(value) is int:

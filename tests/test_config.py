@@ -178,6 +178,15 @@ def test_bad_mode_lists_off_prefer_and_strict(mode: object) -> None:
     assert message == f"affinity.mode: {mode!r} is not allowed; use one of off, prefer, strict"
 
 
+def test_an_unquoted_off_in_yaml_is_explained(tmp_path: Path) -> None:
+    """YAML 1.1 reads ``mode: off`` as false: the message says to quote it."""
+    assert config_error(write_yaml(tmp_path, "affinity:\n  mode: off\n")) == (
+        "affinity.mode: False is not allowed; use one of off, prefer, strict "
+        "(YAML reads an unquoted off, on, yes or no as a boolean: quote it)"
+    )
+    assert load(write_yaml(tmp_path, "affinity:\n  mode: 'off'\n")).affinity.mode is Mode.OFF
+
+
 @pytest.mark.parametrize("bonus", [-0.01, 1.01, 5])
 def test_bonus_outside_unit_interval_is_rejected(bonus: float) -> None:
     message = config_error(overrides={"affinity.bonus": bonus})
