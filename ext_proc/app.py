@@ -13,7 +13,7 @@ from aiohttp import web
 
 from ext_proc.admin import build_admin_app
 from ext_proc.affinity import Policy
-from ext_proc.config import Config
+from ext_proc.config import Config, ConfigSource
 from ext_proc.discovery import ClusterEndpoints, EdsFileSource
 from ext_proc.handoff import (
     DecodeRoute,
@@ -26,6 +26,7 @@ from ext_proc.handoff import (
 )
 from ext_proc.metrics import Metrics
 from ext_proc.registry import Registry
+from ext_proc.reload import RELOAD_INTERVAL_SECONDS, ConfigWatcher
 from ext_proc.router import Router
 from ext_proc.server import Health, start_grpc
 
@@ -39,22 +40,28 @@ def _split(listen: str) -> tuple[str, int]:
 
 @dataclass
 class RunningServer:
-    """A started server. Ports are the bound ones (useful when the config asked for port 0)."""
+    """A started server. Ports are the bound ones (useful when the config asked for port 0).
+
+    ``config`` is the configuration it started with; ``reloads`` watches the configuration file
+    (``None`` without one) and holds the configuration in force.
+    """
 
     config: Config
     router: Router
     grpc_port: int
     admin_port: int
+    reloads: ConfigWatcher | None
     _grpc: grpc.aio.Server
     _admin: web.AppRunner
-    _watcher: asyncio.Task[None]
+    _watchers: tuple[asyncio.Task[None], ...]
 
     async def stop(self, grace: float = 1.0) -> None:
         """Stop watching files, stop accepting streams, let live ones finish for ``grace`` seconds,
         then stop the handoff's background prefill legs."""
-        self._watcher.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._watcher
+        for watcher in self._watchers:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
         await self._grpc.stop(grace)
         await self.router.handoff.close()
         await self._admin.cleanup()
@@ -74,8 +81,14 @@ def build_handoff(config: Config, metrics: Metrics) -> Handoff:
     return SglangBootstrapHandoff(route, client, metrics, handoff.default_bootstrap_port)
 
 
-async def start_server(config: Config) -> RunningServer:
-    """Load the endpoints once, then start the watcher, the gRPC server and the admin endpoint."""
+async def start_server(
+    config: Config, source: ConfigSource | None = None, reload_interval: float = RELOAD_INTERVAL_SECONDS
+) -> RunningServer:
+    """Load the endpoints once, then start the watchers, the gRPC server and the admin endpoint.
+
+    ``source`` is where ``config`` came from: when it names a file, the file is watched every
+    ``reload_interval`` seconds and a changed affinity section is applied live (:mod:`ext_proc.reload`).
+    """
     registry = Registry(
         config.discovery.prefill_cluster, config.discovery.decode_cluster, config.load.default_token_capacity
     )
@@ -89,13 +102,13 @@ async def start_server(config: Config) -> RunningServer:
             health_updates.add(task)
             task.add_done_callback(health_updates.discard)
 
-    source = EdsFileSource(
+    eds_source = EdsFileSource(
         config.discovery.eds_files,
         config.discovery.metadata_namespace,
         publish,
         config.discovery.poll_interval_seconds,
     )
-    source.poll()
+    eds_source.poll()
     if registry.version == 0:
         log.warning(
             "no valid EDS file loaded yet: readiness is NOT_SERVING and requests get 503 until one is"
@@ -123,7 +136,11 @@ async def start_server(config: Config) -> RunningServer:
         await runner.cleanup()
         raise OSError(f"cannot listen on {config.metrics_listen} for metrics and admin: {exc}") from exc
     admin_port = runner.addresses[0][1]
-    watcher = asyncio.create_task(source.run(), name="eds-watcher")
+    watchers = [asyncio.create_task(eds_source.run(), name="eds-watcher")]
+    reloads = None
+    if source is not None and source.path is not None:
+        reloads = ConfigWatcher(source, config, router, metrics, reload_interval)
+        watchers.append(asyncio.create_task(reloads.run(), name="config-watcher"))
     log.info(
         "pd-extproc serving ext_proc on %s (port %d), admin on port %d; affinity %s bonus %.2f; "
         "handoff %s%s; %d prefill and %d decode endpoints healthy",
@@ -137,12 +154,12 @@ async def start_server(config: Config) -> RunningServer:
         len(registry.prefills),
         len(registry.decodes),
     )
-    return RunningServer(config, router, grpc_port, admin_port, grpc_server, runner, watcher)
+    return RunningServer(config, router, grpc_port, admin_port, reloads, grpc_server, runner, tuple(watchers))
 
 
-async def serve_forever(config: Config) -> None:
-    """Run until SIGINT/SIGTERM, then shut down gracefully."""
-    server = await start_server(config)
+async def serve_forever(config: Config, source: ConfigSource | None = None) -> None:
+    """Run until SIGINT/SIGTERM, then shut down gracefully; ``source``: as for :func:`start_server`."""
+    server = await start_server(config, source)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -79,6 +79,12 @@ class Metrics:
             ["action"],
             registry=self.registry,
         )
+        self._config_reloads = Counter(
+            "pd_extproc_config_reloads_total",
+            "Changes of the configuration file seen by the running server, by outcome (applied, rejected)",
+            ["outcome"],
+            registry=self.registry,
+        )
         self.registry.register(_EndpointLoadCollector(endpoints))
         self._decision_children: dict[tuple[str, str], Counter] = {}
         self._rejected_children: dict[str, Counter] = {}
@@ -109,3 +115,7 @@ class Metrics:
     def prefill_fallback(self, action: str) -> None:
         """Count one request whose prefill legs all failed, by ``action`` (decode-only / error)."""
         self._prefill_fallbacks.labels(action).inc()
+
+    def config_reload(self, outcome: str) -> None:
+        """Count one change of the configuration file: ``applied`` or ``rejected`` (invalid)."""
+        self._config_reloads.labels(outcome).inc()

@@ -16,6 +16,7 @@ from ext_proc.config import (
     AffinityConfig,
     Config,
     ConfigError,
+    ConfigSource,
     DiscoveryConfig,
     LoadConfig,
     RoutingConfig,
@@ -339,7 +340,8 @@ def cli(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.delenv(ENV_AFFINITY_BONUS, raising=False)
     started: list[Config] = []
 
-    async def fake_serve_forever(config: Config) -> None:  # a valid config must not start a server here
+    async def fake_serve_forever(config: Config, source: ConfigSource) -> None:  # no server started here
+        assert source.load() == config
         started.append(config)
 
     monkeypatch.setattr("ext_proc.app.serve_forever", fake_serve_forever)
