@@ -21,6 +21,7 @@ from ext_proc.affinity import Mode
 from ext_proc.app import RunningServer, start_server
 from ext_proc.config import ConfigSource
 from ext_proc.discovery.eds import EndpointSpec, write_eds_file
+from ext_proc.reload import ConfigWatcher
 
 PREFILL, SAME_GROUP, OTHER_GROUP = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
 RELOAD_INTERVAL = 0.05
@@ -249,3 +250,5 @@ async def test_a_server_without_a_config_file_watches_nothing() -> None:
     server = await start_server(source.load(), source)
     await server.stop(grace=0)
     assert server.reloads is None
+    with pytest.raises(ValueError, match="nothing to watch"):
+        ConfigWatcher(source, server.config, server.router, server.router.metrics)
