@@ -16,7 +16,7 @@ from aiohttp import web
 
 from ext_proc.admin import build_admin_app
 from ext_proc.affinity import Policy
-from ext_proc.config import Config
+from ext_proc.config import Config, ConfigSource
 from ext_proc.discovery import ClusterEndpoints, EdsFileSource, SourceKind
 from ext_proc.discovery.eds_watch import Publish
 from ext_proc.handoff import (
@@ -30,6 +30,7 @@ from ext_proc.handoff import (
 )
 from ext_proc.metrics import Metrics
 from ext_proc.registry import Registry
+from ext_proc.reload import RELOAD_INTERVAL_SECONDS, ConfigWatcher
 from ext_proc.router import Router
 from ext_proc.server import Health, start_grpc
 from ext_proc.xds import EdsPublisher
@@ -44,23 +45,30 @@ def _split(listen: str) -> tuple[str, int]:
 
 @dataclass
 class RunningServer:
-    """A started server. Ports are the bound ones (useful when the config asked for port 0)."""
+    """A started server. Ports are the bound ones (useful when the config asked for port 0).
+
+    ``config`` is the configuration it started with; ``reloads`` watches the configuration file
+    (``None`` without one) and holds the configuration in force.
+    """
 
     config: Config
     router: Router
     grpc_port: int
     admin_port: int
     publisher: EdsPublisher | None
+    reloads: ConfigWatcher | None
     _grpc: grpc.aio.Server
     _admin: web.AppRunner
-    _watcher: asyncio.Task[None]
+    _watchers: tuple[asyncio.Task[None], ...]
 
     async def stop(self, grace: float = 1.0) -> None:
-        """Stop the discovery source, end the ADS streams, stop accepting streams, let live ones finish
-        for ``grace`` seconds, then stop the handoff's background prefill legs."""
-        self._watcher.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._watcher
+        """Stop the discovery source and the config watcher, end the ADS streams, stop accepting
+        streams, let live ones finish for ``grace`` seconds, then stop the handoff's background
+        prefill legs."""
+        for watcher in self._watchers:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
         if self.publisher is not None:
             self.publisher.close()
         await self._grpc.stop(grace)
@@ -115,7 +123,9 @@ def build_handoff(config: Config, metrics: Metrics) -> Handoff:
     return SglangBootstrapHandoff(route, client, metrics, handoff.default_bootstrap_port)
 
 
-async def start_server(config: Config) -> RunningServer:
+async def start_server(
+    config: Config, source: ConfigSource | None = None, reload_interval: float = RELOAD_INTERVAL_SECONDS
+) -> RunningServer:
     """Build the discovery source (files: loaded once here), start the gRPC server and the admin
     endpoint, then the source's watcher. Raises :class:`~ext_proc.config.ConfigError` when the
     source cannot be set up, ``OSError`` when an address cannot be bound.
@@ -123,6 +133,8 @@ async def start_server(config: Config) -> RunningServer:
     With ``xds.serve_eds`` the source's endpoints go through an :class:`EdsPublisher` (Envoy
     first, then the router) and its ADS service runs on the gRPC port. Readiness turns SERVING
     once the router's view holds the source's whole set (with EDS served: once Envoy has it).
+    ``source`` is where ``config`` came from: when it names a file, the file is watched every
+    ``reload_interval`` seconds and a changed affinity section is applied live (:mod:`ext_proc.reload`).
     """
     discovery = config.discovery
     registry = Registry(
@@ -150,7 +162,7 @@ async def start_server(config: Config) -> RunningServer:
             clusters, discovery.metadata_namespace, apply, config.xds.no_envoy_delay_seconds, metrics
         )
     publish = publisher.publish if publisher is not None else functools.partial(apply, settled=True)
-    source = await SOURCES[discovery.source](config, publish, metrics)
+    endpoints = await SOURCES[discovery.source](config, publish, metrics)
     policy = Policy(config.affinity.mode, config.affinity.bonus, config.routing.fallback_count)
     handoff = build_handoff(config, metrics)
     router = Router(
@@ -179,7 +191,11 @@ async def start_server(config: Config) -> RunningServer:
         await runner.cleanup()
         raise OSError(f"cannot listen on {config.metrics_listen} for metrics and admin: {exc}") from exc
     admin_port = runner.addresses[0][1]
-    watcher = asyncio.create_task(source.run(), name="discovery")
+    watchers = [asyncio.create_task(endpoints.run(), name="discovery")]
+    reloads = None
+    if source is not None and source.path is not None:
+        reloads = ConfigWatcher(source, config, router, metrics, reload_interval)
+        watchers.append(asyncio.create_task(reloads.run(), name="config-watcher"))
     log.info(
         "pd-extproc serving ext_proc on %s (port %d), admin on port %d; affinity %s bonus %.2f; "
         "handoff %s%s; EDS served to Envoy: %s; %d prefill and %d decode endpoints healthy",
@@ -194,12 +210,14 @@ async def start_server(config: Config) -> RunningServer:
         len(registry.prefills),
         len(registry.decodes),
     )
-    return RunningServer(config, router, grpc_port, admin_port, publisher, grpc_server, runner, watcher)
+    return RunningServer(
+        config, router, grpc_port, admin_port, publisher, reloads, grpc_server, runner, tuple(watchers)
+    )
 
 
-async def serve_forever(config: Config) -> None:
-    """Run until SIGINT/SIGTERM, then shut down gracefully."""
-    server = await start_server(config)
+async def serve_forever(config: Config, source: ConfigSource | None = None) -> None:
+    """Run until SIGINT/SIGTERM, then shut down gracefully; ``source``: as for :func:`start_server`."""
+    server = await start_server(config, source)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

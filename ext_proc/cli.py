@@ -1,4 +1,5 @@
-"""``pd-extproc`` command line: ``serve`` the router, run a simulated ``sim`` engine, run the ``demo``."""
+"""``pd-extproc`` command line: ``serve`` the router, ``check-config`` a file, run a simulated ``sim``
+engine, run the ``demo``."""
 
 from __future__ import annotations
 
@@ -9,7 +10,18 @@ import logging
 import sys
 from pathlib import Path
 
-from ext_proc.config import ConfigError, load_config
+import yaml
+
+from ext_proc.config import Config, ConfigError, ConfigSource, as_dict
+
+
+def _load(source: ConfigSource) -> Config | None:
+    """The configuration, or ``None`` after printing why it is invalid."""
+    try:
+        return source.load()
+    except ConfigError as exc:
+        print(f"pd-extproc: invalid configuration: {exc}", file=sys.stderr)
+        return None
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -36,12 +48,15 @@ def _serve(args: argparse.Namespace) -> int:
         overrides["routing.pd_threshold_tokens"] = args.pd_threshold_tokens
     if args.serve_eds:
         overrides["xds.serve_eds"] = True
-    try:
-        config = load_config(args.config, overrides)
-        from ext_proc.app import serve_forever
+    source = ConfigSource(args.config, overrides)
+    config = _load(source)
+    if config is None:
+        return 2
+    from ext_proc.app import serve_forever
 
-        asyncio.run(serve_forever(config))
-    except ConfigError as exc:  # also a discovery source that cannot be set up (a bad kubeconfig)
+    try:
+        asyncio.run(serve_forever(config, source))
+    except ConfigError as exc:  # a discovery source that cannot be set up (a bad kubeconfig)
         print(f"pd-extproc: invalid configuration: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:
@@ -52,7 +67,11 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     serve = subparsers.add_parser("serve", help="run the ext_proc routing server")
-    serve.add_argument("--config", help="YAML configuration file (every key optional)")
+    serve.add_argument(
+        "--config",
+        help="YAML configuration file (every key optional); watched: a changed affinity.mode or "
+        "affinity.bonus takes effect at once",
+    )
     serve.add_argument("--listen", help="gRPC host:port (config key listen)")
     serve.add_argument("--metrics-listen", help="admin/metrics host:port (config key metrics_listen)")
     serve.add_argument(
@@ -83,6 +102,24 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     serve.set_defaults(func=_serve)
 
 
+def _check_config(args: argparse.Namespace) -> int:
+    config = _load(ConfigSource(args.config))
+    if config is None:
+        return 2
+    print(f"# {args.config} is valid. Effective configuration (defaults and environment applied):")
+    print(yaml.safe_dump(as_dict(config), sort_keys=False), end="")
+    return 0
+
+
+def _add_check_config(subparsers: argparse._SubParsersAction) -> None:
+    check = subparsers.add_parser(
+        "check-config",
+        help="validate and print the effective configuration",
+    )
+    check.add_argument("--config", required=True, help="YAML configuration file to check")
+    check.set_defaults(func=_check_config)
+
+
 _LAZY = {
     "sim": ("sim.cli", "run one simulated vLLM PD engine"),
     "demo": ("sim.demo", "compare affinity modes on a simulated PD cluster"),
@@ -101,6 +138,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_serve(subparsers)
+    _add_check_config(subparsers)
     for name, (module, help_line) in _LAZY.items():
         if name == command:
             importlib.import_module(module).add_parser(subparsers)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import os
 import re
 import types
@@ -71,8 +72,9 @@ class KubernetesConfig:
 
 @dataclass(frozen=True)
 class DiscoveryConfig:
-    """Where endpoints come from: ``source`` files (the EDS files ``eds_files``, relative to the
-    config file's folder) or kubernetes (pods, ``kubernetes``)."""
+    """Where endpoints come from: ``source`` files (the EDS files ``eds_files``) or kubernetes (pods,
+    ``kubernetes``). Relative ``eds_files`` (and ``kubernetes.kubeconfig``) resolve against the folder
+    of the config file's path as given (symlinks not followed: see :func:`load_config`)."""
 
     eds_files: tuple[str, ...] = ()
     prefill_cluster: str = "prefill"
@@ -189,7 +191,9 @@ def _coerce(key: str, tp: object, value: object) -> object:
         try:
             return tp(value)
         except ValueError:
-            raise ConfigError(f"{key}: {value!r} is not allowed; use {_allowed(tp)}") from None
+            hint = " (YAML reads an unquoted off, on, yes or no as a boolean: quote it)"
+            hint = hint if isinstance(value, bool) else ""
+            raise ConfigError(f"{key}: {value!r} is not allowed; use {_allowed(tp)}{hint}") from None
     if tp is bool and isinstance(value, bool):
         return value
     if tp is float and isinstance(value, int | float) and not isinstance(value, bool):
@@ -325,6 +329,9 @@ def load_config(
     """Build the configuration: defaults < YAML ``path`` < ``environ`` < ``overrides``.
 
     ``overrides`` maps dotted keys (``"affinity.mode"``) to values, as the CLI flags give them.
+    Relative ``discovery.eds_files`` resolve against the folder ``path`` names, lexically (symlinks
+    not followed): a Kubernetes ConfigMap mount links ``config.yaml`` to ``..data/config.yaml`` and
+    swaps ``..data`` on every update, so the folder the link leads to disappears.
     """
     data: dict[str, object] = {}
     base = Path.cwd()
@@ -338,7 +345,7 @@ def load_config(
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {path}: expected a mapping at the top level")
         data = loaded or {}
-        base = Path(path).resolve().parent
+        base = Path(os.path.abspath(path)).parent
     env = os.environ if environ is None else environ
     layered: dict[str, object] = {}
     if ENV_AFFINITY_MODE in env:
@@ -365,10 +372,42 @@ def load_config(
         target[key] = value
     config = typing.cast(Config, _build(Config, data, ""))
     discovery = config.discovery
-    kubeconfig = str(base / discovery.kubernetes.kubeconfig) if discovery.kubernetes.kubeconfig else ""
+    kubeconfig = discovery.kubernetes.kubeconfig
     discovery = dataclasses.replace(
         discovery,
-        eds_files=tuple(str(base / f) for f in discovery.eds_files),
-        kubernetes=dataclasses.replace(discovery.kubernetes, kubeconfig=kubeconfig),
+        eds_files=tuple(os.path.normpath(base / f) for f in discovery.eds_files),
+        kubernetes=dataclasses.replace(
+            discovery.kubernetes, kubeconfig=os.path.normpath(base / kubeconfig) if kubeconfig else ""
+        ),
     )
     return validate(dataclasses.replace(config, discovery=discovery))
+
+
+def as_dict(config: Config) -> dict[str, object]:
+    """``config`` as plain YAML data (choices as their names, lists as lists), keys in file order:
+    what ``pd-extproc check-config`` prints, and what :func:`load_config` reads back unchanged."""
+
+    def plain(value: object) -> object:
+        if dataclasses.is_dataclass(value):
+            return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        if isinstance(value, enum.Enum):
+            return value.value
+        if isinstance(value, tuple):
+            return [plain(v) for v in value]
+        return value
+
+    return typing.cast(dict[str, object], plain(config))
+
+
+@dataclass(frozen=True)
+class ConfigSource:
+    """Where a configuration comes from, to load it again when its file changes: the file, the
+    environment and the flags keep their precedence on every load (see :func:`load_config`)."""
+
+    path: str | None = None
+    overrides: Mapping[str, object] = field(default_factory=dict)
+    environ: Mapping[str, str] | None = None
+
+    def load(self) -> Config:
+        """Read and validate the configuration now; raises :class:`ConfigError`."""
+        return load_config(self.path, self.overrides, self.environ)

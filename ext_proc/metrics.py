@@ -111,6 +111,12 @@ class Metrics:
             "Endpoints published to Envoy but not yet pickable by the router (waiting for ACKs)",
             registry=self.registry,
         )
+        self._config_reloads = Counter(
+            "pd_extproc_config_reloads_total",
+            "Changes of the configuration file seen by the running server, by outcome (applied, rejected)",
+            ["outcome"],
+            registry=self.registry,
+        )
         self.registry.register(_EndpointLoadCollector(endpoints))
         self._decision_children: dict[tuple[str, str], Counter] = {}
         self._rejected_children: dict[str, Counter] = {}
@@ -157,3 +163,7 @@ class Metrics:
     def xds_reply(self, accepted: bool) -> None:
         """Count one ACK (``accepted``) or NACK of an EDS response."""
         self._xds_replies.labels("ack" if accepted else "nack").inc()
+
+    def config_reload(self, outcome: str) -> None:
+        """Count one change of the configuration file: ``applied`` or ``rejected`` (invalid)."""
+        self._config_reloads.labels(outcome).inc()

@@ -57,6 +57,12 @@ class Router:
         self._ticket = 0
         self._no_prefills: Pool[EndpointState] = Pool.of(())
 
+    def set_policy(self, policy: Policy) -> None:
+        """Route every later decision with ``policy`` (a live configuration reload); requests already
+        placed keep their endpoints and charges."""
+        self.policy = policy
+        self._mode = policy.mode.value
+
     def refuse(
         self, status: int, message: str, code: str, param: str | None = None, body: bytes | None = None
     ) -> Refused:

@@ -7,6 +7,7 @@ import types
 from pathlib import Path
 
 import pytest
+import yaml
 
 from ext_proc.affinity import Mode
 from ext_proc.config import (
@@ -15,11 +16,13 @@ from ext_proc.config import (
     AffinityConfig,
     Config,
     ConfigError,
+    ConfigSource,
     DiscoveryConfig,
     KubernetesConfig,
     LoadConfig,
     RoutingConfig,
     XdsConfig,
+    as_dict,
     load_config,
 )
 from ext_proc.discovery import SourceKind
@@ -180,6 +183,15 @@ def test_bad_mode_lists_off_prefer_and_strict(mode: object) -> None:
     assert message == f"affinity.mode: {mode!r} is not allowed; use one of off, prefer, strict"
 
 
+def test_an_unquoted_off_in_yaml_is_explained(tmp_path: Path) -> None:
+    """YAML 1.1 reads ``mode: off`` as false: the message says to quote it."""
+    assert config_error(write_yaml(tmp_path, "affinity:\n  mode: off\n")) == (
+        "affinity.mode: False is not allowed; use one of off, prefer, strict "
+        "(YAML reads an unquoted off, on, yes or no as a boolean: quote it)"
+    )
+    assert load(write_yaml(tmp_path, "affinity:\n  mode: 'off'\n")).affinity.mode is Mode.OFF
+
+
 @pytest.mark.parametrize("bonus", [-0.01, 1.01, 5])
 def test_bonus_outside_unit_interval_is_rejected(bonus: float) -> None:
     message = config_error(overrides={"affinity.bonus": bonus})
@@ -283,6 +295,18 @@ def test_relative_eds_files_resolve_against_the_config_folder(tmp_path: Path) ->
     assert config.discovery.eds_files == (str(folder.resolve() / "eds" / "prefill.yaml"), str(absolute))
 
 
+def test_relative_eds_files_resolve_against_the_folder_of_a_symlinked_config_path(tmp_path: Path) -> None:
+    """A Kubernetes ConfigMap mount: config.yaml -> ..data/config.yaml, ..data -> a timestamped
+    folder that the next update deletes. EDS files next to config.yaml stay where they are."""
+    mount = tmp_path / "mount"
+    (mount / "..2025_01_01_00_00_00.1").mkdir(parents=True)
+    write_yaml(mount / "..2025_01_01_00_00_00.1", "discovery:\n  eds_files: [eds/decode.yaml, ../d.yaml]\n")
+    (mount / "..data").symlink_to("..2025_01_01_00_00_00.1")
+    (mount / "config.yaml").symlink_to("..data/config.yaml")
+    config = load(mount / "config.yaml")
+    assert config.discovery.eds_files == (str(mount / "eds" / "decode.yaml"), str(tmp_path / "d.yaml"))
+
+
 def test_relative_eds_files_without_config_file_resolve_against_cwd(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -326,7 +350,8 @@ def cli(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.delenv(ENV_AFFINITY_BONUS, raising=False)
     started: list[Config] = []
 
-    async def fake_serve_forever(config: Config) -> None:  # a valid config must not start a server here
+    async def fake_serve_forever(config: Config, source: ConfigSource) -> None:  # no server started here
+        assert source.load() == config
         started.append(config)
 
     monkeypatch.setattr("ext_proc.app.serve_forever", fake_serve_forever)
@@ -433,6 +458,23 @@ def test_cli_serve_eds_flag(cli) -> None:
     assert cli.main(["serve", "--serve-eds"]) == 0
     assert cli.main(["serve"]) == 0
     assert [config.xds.serve_eds for config in cli.started] == [True, False]
+
+
+def test_as_dict_is_plain_yaml_data_that_loads_back_the_same(tmp_path: Path) -> None:
+    config = load(
+        overrides={
+            "affinity.mode": "strict",
+            "handoff.mode": "kv-transfer-params",
+            "discovery.eds_files": ["/e/p.yaml"],
+            "load.default_token_capacity": 5,
+        }
+    )
+    data = as_dict(config)
+    assert list(data) == [f.name for f in dataclasses.fields(Config)]
+    assert data["affinity"] == {"mode": "strict", "bonus": 0.3}
+    assert data["discovery"]["eds_files"] == ["/e/p.yaml"]  # type: ignore[index]
+    text = yaml.safe_dump(data, sort_keys=False)  # plain data: safe_dump refuses enums
+    assert load(write_yaml(tmp_path, text)) == config
 
 
 def test_the_shipped_example_config_loads_and_names_every_key() -> None:

@@ -9,6 +9,7 @@ import grpc
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from extproc_messages import body, headers, response_headers
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from polling import until
 
@@ -16,28 +17,6 @@ from ext_proc.app import start_server
 from ext_proc.config import load_config
 from ext_proc.discovery.eds import EndpointSpec, write_eds_file
 from ext_proc.server import ENVOY_BODY_LIMIT_BYTES, MAX_RECEIVE_BYTES
-
-BODY = json.dumps({"model": "m", "prompt": "x" * 40, "max_tokens": 10}).encode()
-
-
-def headers(end_of_stream: bool = False) -> pb.ProcessingRequest:
-    request = pb.ProcessingRequest()
-    header = request.request_headers.headers.headers.add()
-    header.key, header.raw_value = ":path", b"/v1/completions"
-    request.request_headers.end_of_stream = end_of_stream
-    return request
-
-
-def body(raw: bytes = BODY, end_of_stream: bool = True) -> pb.ProcessingRequest:
-    request = pb.ProcessingRequest()
-    request.request_body.body, request.request_body.end_of_stream = raw, end_of_stream
-    return request
-
-
-def response_headers() -> pb.ProcessingRequest:
-    request = pb.ProcessingRequest()
-    request.response_headers.headers.headers.add(key=":status", raw_value=b"200")
-    return request
 
 
 async def start_with(

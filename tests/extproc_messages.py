@@ -1,0 +1,40 @@
+"""The ext_proc messages Envoy sends for one request, built for tests that drive the gRPC server
+with a real gRPC client (no Envoy needed)."""
+
+from __future__ import annotations
+
+import json
+
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+
+BODY = json.dumps({"model": "m", "prompt": "x" * 40, "max_tokens": 10}).encode()
+"""A completions body: 10 prompt tokens, a budget of 10 output tokens."""
+
+
+def headers(end_of_stream: bool = False) -> pb.ProcessingRequest:
+    """Request headers of ``POST /v1/completions`` (``end_of_stream``: a request without a body)."""
+    request = pb.ProcessingRequest()
+    header = request.request_headers.headers.headers.add()
+    header.key, header.raw_value = ":path", b"/v1/completions"
+    request.request_headers.end_of_stream = end_of_stream
+    return request
+
+
+def body(raw: bytes = BODY, end_of_stream: bool = True) -> pb.ProcessingRequest:
+    """The request body (BUFFERED: whole, in one message)."""
+    request = pb.ProcessingRequest()
+    request.request_body.body, request.request_body.end_of_stream = raw, end_of_stream
+    return request
+
+
+def response_headers() -> pb.ProcessingRequest:
+    """The upstream's response headers (``:status 200``)."""
+    request = pb.ProcessingRequest()
+    request.response_headers.headers.headers.add(key=":status", raw_value=b"200")
+    return request
+
+
+def destination(response: pb.ProcessingResponse) -> str:
+    """The ``x-gateway-destination-endpoint`` list an answer puts in the ``envoy.lb`` metadata."""
+    lb = response.dynamic_metadata.fields["envoy.lb"].struct_value.fields
+    return lb["x-gateway-destination-endpoint"].string_value
