@@ -1,0 +1,107 @@
+"""The Kubernetes path end to end: engine pods in a (stand-in) API server, pd-extproc watching them
+through the real client library and serving their endpoints to the real Envoy over ADS
+(``envoy/envoy-ads.yaml``). Pods added, made unready, relabelled and deleted change where requests
+land within 1 s, and no request is ever sent to an address the router does not know.
+
+No Kubernetes API server can run here: ``fake_kube_api.FakeKubeApi`` speaks its list/watch wire format.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from e2e_harness import gateway_over
+from fake_kube_api import FakeKubeApi
+from kube_objects import pod
+from test_e2e_xds import LANDING_SECONDS, backends, envoy_endpoints, watched
+
+NS = "engines"
+
+
+def engine(name: str, role: str, group: str, address: str, **kwargs) -> dict:
+    """A pod of one engine serving on ``address`` (``ip:port``, its container port named as InferNex does)."""
+    ip, _, port = address.rpartition(":")
+    return pod(name, role, ip, group=group, namespace=NS, ports={f"{role}-port": int(port)}, **kwargs)
+
+
+async def test_pods_added_unready_relabelled_and_deleted_move_requests_within_a_second(
+    tmp_path: Path,
+) -> None:
+    api = FakeKubeApi()
+    await api.start()
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(api.kubeconfig(NS))
+    settings = {
+        "discovery.source": "kubernetes",
+        "discovery.kubernetes.kubeconfig": str(kubeconfig),
+        "discovery.kubernetes.namespaces": [NS],
+        "affinity.mode": "strict",
+    }
+    try:
+        async with backends(6) as (pa, pb, pc, d1, d2, d3):
+            for name, role, group, backend in (
+                ("prefill-a", "prefill", "a", pa),
+                ("prefill-b", "prefill", "b", pb),
+                ("decode-1", "decode", "a", d1),
+                ("decode-2", "decode", "b", d2),
+            ):
+                api.put(engine(name, role, group, backend.address))
+            async with (
+                gateway_over(tmp_path, [], [], settings, ads=True) as g,
+                watched(g) as watch,
+            ):
+                timings = {}
+                assert {x.served for x in await watch.send()} == {d1.address, d2.address}
+
+                since = time.monotonic()
+                api.put(engine("decode-3", "decode", "a", d3.address))
+                api.put(engine("prefill-c", "prefill", "b", pc.address))
+                timings["added"] = await watch.lands(
+                    lambda batch: (
+                        any(x.served == d3.address for x in batch)
+                        and any(x.prefill == pc.address for x in batch)
+                    ),
+                    since,
+                )
+
+                since = time.monotonic()
+                api.put(engine("decode-1", "decode", "a", d1.address, ready="False"))
+                timings["unready"] = await watch.lands(
+                    lambda batch: all(x.served != d1.address for x in batch), since
+                )
+
+                since = time.monotonic()
+                api.put(engine("decode-1", "decode", "a", d1.address))
+                timings["ready again"] = await watch.lands(
+                    lambda batch: any(x.served == d1.address for x in batch), since
+                )
+
+                since = time.monotonic()
+                api.put(engine("decode-3", "decode", "b", d3.address))
+                timings["relabelled"] = await watch.lands(
+                    lambda batch: (
+                        any(x.served == d3.address and x.prefill != pa.address for x in batch)
+                        and all(x.served == d1.address for x in batch if x.prefill == pa.address)
+                    ),
+                    since,
+                )
+
+                since = time.monotonic()
+                api.delete(NS, "decode-2")
+                api.delete(NS, "prefill-c")
+                timings["deleted"] = await watch.lands(
+                    lambda batch: all(x.served != d2.address and x.prefill != pc.address for x in batch),
+                    since,
+                )
+
+                held = await envoy_endpoints(watch)
+                assert {e.address for e in held["decode"]} == {d1.address, d3.address}
+                assert {e.address for e in held["prefill"]} == {pa.address, pb.address}
+                assert {e.group for e in held["decode"] if e.address == d3.address} == {"b"}
+            assert watch.violations == [], watch.violations
+            slow = {c: f"{s:.2f} s" for c, s in timings.items() if s > LANDING_SECONDS}
+            assert not slow, f"requests moved later than {LANDING_SECONDS} s after the pod change: {slow}"
+    finally:
+        await api.stop()
+
