@@ -1,23 +1,18 @@
 """The Helm chart ``charts/pd-extproc`` with the real Helm 4 (fetched by :mod:`helm_tool`):
 ``helm lint --strict``, ``helm template`` over several value sets, the rendered manifests against
 the Kubernetes schemas (``kubernetes-validate``), the rendered pd-extproc configuration through
-``pd-extproc check-config``, the rendered Envoy bootstrap through ``envoy --mode validate``, and
-bad values refused by ``values.schema.json`` at install time.
-
-Some configuration keys the chart renders come with other branches of issue 7 (the Kubernetes
-pod source, the xDS server). While this branch's configuration does not define them, they are
-removed before ``check-config`` (with a warning naming them); everything else is checked as is.
+``pd-extproc check-config``, the rendered Envoy bootstrap through ``envoy --mode validate`` and
+against ``envoy/envoy-ads.yaml``, and bad values refused by ``values.schema.json`` at install time.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
+import json
 import os
 import subprocess
 import sys
 import typing
-import warnings
 from pathlib import Path
 
 import kubernetes_validate
@@ -25,8 +20,9 @@ import pytest
 import yaml
 from helm_tool import HelmUnavailable, ensure_helm
 
-from ext_proc.config import Config
-from ext_proc.gateway import SHIPPED_BOOTSTRAP, find_envoy
+from ext_proc.config import MAX_PREFILL_TIMEOUT, Config, as_dict
+from ext_proc.gateway import SHIPPED_ADS_BOOTSTRAP, find_envoy
+from ext_proc.handoff.kv_transfer import TIMEOUT_MARGIN_SECONDS
 
 REPO = Path(__file__).resolve().parents[1]
 CHART = REPO / "charts" / "pd-extproc"
@@ -35,12 +31,6 @@ RELEASE = "gw"
 FULLNAME = f"{RELEASE}-pd-extproc"
 KUBE_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
 """The chart's kubeVersion floor and the newest schemas kubernetes-validate ships."""
-PENDING_KEYS = {
-    ("discovery", "source"): "the Kubernetes pod source (branch issue7-k8s)",
-    ("discovery", "kubernetes"): "the Kubernetes pod source (branch issue7-k8s)",
-    ("xds",): "the xDS server (branch issue7-xds)",
-}
-"""Keys the chart renders whose pd-extproc side comes with another branch."""
 CONFIG_ENV = {k: v for k, v in os.environ.items() if not k.startswith("PD_EXTPROC_")}
 
 
@@ -52,10 +42,6 @@ class ValueSet:
     sets: tuple[str, ...]
     expect: dict[str, object]
     """Dotted keys of the effective configuration (``check-config``'s output) and their values."""
-    kubernetes: dict[str, object] | None = dataclasses.field(
-        default_factory=lambda: {"namespaces": [NAMESPACE]}
-    )
-    """The rendered ``discovery.kubernetes`` section (``None``: no ``source``/``kubernetes`` keys)."""
 
 
 VALUE_SETS = {
@@ -73,6 +59,8 @@ VALUE_SETS = {
             "handoff.prefill_timeout_seconds=90.5",
             "load.default_token_capacity=5e4",
             "discovery.kubernetes.prefill_port=8000",
+            "discovery.kubernetes.decode_port=decode-http",
+            "xds.no_envoy_delay_seconds=0.5",
         ),
         {
             "affinity.mode": "strict",
@@ -80,8 +68,10 @@ VALUE_SETS = {
             "routing.fallback_count": 3,
             "handoff.prefill_timeout_seconds": 90.5,
             "load.default_token_capacity": 50000.0,
+            "discovery.kubernetes.prefill_port": 8000,
+            "discovery.kubernetes.decode_port": "decode-http",
+            "xds.no_envoy_delay_seconds": 0.5,
         },
-        {"namespaces": [NAMESPACE], "prefill_port": 8000},
     ),
     "namespaces-monitoring": ValueSet(
         {
@@ -89,7 +79,7 @@ VALUE_SETS = {
             "discovery": {
                 "kubernetes": {
                     "namespaces": ["engines-a", "engines-b"],
-                    "role_label": "llm-d.ai/role",
+                    "role_label": "example.com/pd-role",
                     "group_label": "pdGroupID",
                     "decode_port": 8200,
                 }
@@ -100,12 +90,55 @@ VALUE_SETS = {
             "affinity": {"bonus": 0.00001},
         },
         (),
-        {"affinity.bonus": 0.00001, "discovery.poll_interval_seconds": 0.25},
         {
-            "namespaces": ["engines-a", "engines-b"],
-            "role_label": "llm-d.ai/role",
-            "group_label": "pdGroupID",
-            "decode_port": 8200,
+            "affinity.bonus": 0.00001,
+            "discovery.poll_interval_seconds": 0.25,
+            "discovery.kubernetes.namespaces": ["engines-a", "engines-b"],
+            "discovery.kubernetes.preset": "infernex",
+            "discovery.kubernetes.role_label": "example.com/pd-role",
+            "discovery.kubernetes.group_label": "pdGroupID",
+            "discovery.kubernetes.decode_port": 8200,
+        },
+    ),
+    "llm-d": ValueSet(
+        {
+            "discovery": {
+                "kubernetes": {
+                    "namespaces": ["llm-d"],
+                    "preset": "llm-d",
+                    "role_label": "llm-d.ai/role",
+                    "prefill_role": "prefiller",
+                    "decode_role": "decoder",
+                    "both_role": "mixed",
+                    "prefill_port": "vllm",
+                    "decode_port": 8200,
+                    "group_label": "llm-d.ai/pd-group",
+                    "capacity_annotation": "example.com/token-capacity",
+                    "bootstrap_port_annotation": "example.com/bootstrap-port",
+                    "kubeconfig": "/etc/kube/config",
+                }
+            },
+            "handoff": {"mode": "kv-transfer-params", "prefill_timeout_seconds": 400.25},
+            "xds": {"no_envoy_delay_seconds": 0},
+        },
+        (),
+        {
+            "discovery.kubernetes": {
+                "kubeconfig": "/etc/kube/config",
+                "namespaces": ["llm-d"],
+                "preset": "llm-d",
+                "role_label": "llm-d.ai/role",
+                "prefill_role": "prefiller",
+                "decode_role": "decoder",
+                "both_role": "mixed",
+                "prefill_port": "vllm",
+                "decode_port": 8200,
+                "group_label": "llm-d.ai/pd-group",
+                "capacity_annotation": "example.com/token-capacity",
+                "bootstrap_port_annotation": "example.com/bootstrap-port",
+            },
+            "handoff.prefill_timeout_seconds": 400.25,
+            "xds.no_envoy_delay_seconds": 0.0,
         },
     ),
     "files": ValueSet(
@@ -117,9 +150,10 @@ VALUE_SETS = {
             "routing": {"destination_header": "x-dest", "prefill_header": "x-pre"},
             "handoff": {
                 "mode": "kv-transfer-params",
-                "prefill_timeout_seconds": 1797.5,
+                "prefill_timeout_seconds": MAX_PREFILL_TIMEOUT,
                 "on_prefill_failure": "error",
             },
+            "xds": {"no_envoy_delay_seconds": 60},
             "extraVolumes": [{"name": "eds", "configMap": {"name": "engine-eds"}}],
             "extproc": {"extraVolumeMounts": [{"name": "eds", "mountPath": "/etc/eds", "readOnly": True}]},
             "service": {"type": "NodePort"},
@@ -128,14 +162,32 @@ VALUE_SETS = {
         {
             "affinity.mode": "off",
             "listen": "0.0.0.0:9500",
+            "discovery.source": "files",
             "discovery.eds_files": ["/etc/eds/prefill.yaml", "/etc/eds/decode.yaml"],
             "routing.destination_header": "x-dest",
             "handoff.mode": "kv-transfer-params",
-            "handoff.prefill_timeout_seconds": 1797.5,
+            "handoff.prefill_timeout_seconds": MAX_PREFILL_TIMEOUT,
+            "xds.no_envoy_delay_seconds": 60.0,
         },
-        None,
     ),
 }
+"""The ``llm-d`` value set sets every key of ``discovery.kubernetes`` to another value than pd-extproc's
+default."""
+
+
+def leaf_keys(tree: dict[str, object], prefix: str = "") -> set[str]:
+    """The dotted keys of the leaves of ``tree`` (a mapping of mappings)."""
+    keys: set[str] = set()
+    for name, value in tree.items():
+        if isinstance(value, dict):
+            keys |= leaf_keys(value, f"{prefix}{name}.")
+        else:
+            keys.add(prefix + name)
+    return keys
+
+
+CONFIG_KEYS = leaf_keys(as_dict(Config()))
+"""Every key of pd-extproc's configuration, dotted."""
 
 
 @pytest.fixture(scope="session")
@@ -223,66 +275,70 @@ def test_manifests_match_the_kubernetes_schemas(rendered, version: str) -> None:
     assert problems == []
 
 
-def strip_pending_keys(config: dict) -> list[str]:
-    """Remove from ``config`` the keys of :data:`PENDING_KEYS` this branch's Config does not define."""
-    stripped = []
-    for path, reason in PENDING_KEYS.items():
-        owner: object = Config
-        for name in path:
-            hints = typing.get_type_hints(owner) if dataclasses.is_dataclass(owner) else {}
-            owner = hints.get(name)
-        node = config
-        for name in path[:-1]:
-            node = node.get(name, {})
-        if owner is None and path[-1] in node:
-            del node[path[-1]]
-            stripped.append(f"{'.'.join(path)} ({reason})")
-    return stripped
-
-
 def check_config(path: Path) -> subprocess.CompletedProcess[str]:
     """The installed ``pd-extproc check-config`` on ``path``, without PD_EXTPROC_* variables."""
     command = [str(Path(sys.executable).with_name("pd-extproc")), "check-config", "--config", str(path)]
     return subprocess.run(command, capture_output=True, text=True, timeout=60, env=CONFIG_ENV)
 
 
-def test_rendered_config_passes_check_config_with_the_values(rendered, tmp_path: Path) -> None:
-    value_set, manifests = rendered
-    config = yaml.safe_load(manifests.config)
-    stripped = strip_pending_keys(config)
-    if stripped:
-        warnings.warn(
-            f"not defined on this branch, removed before check-config: {', '.join(stripped)}", stacklevel=1
-        )
+def effective_config(manifests: Manifests, tmp_path: Path) -> dict:
+    """``pd-extproc check-config``'s effective configuration of the rendered file, as rendered."""
     path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
+    path.write_text(manifests.config)
     result = check_config(path)
     assert result.returncode == 0, result.stderr
-    effective = yaml.safe_load(result.stdout)
-    for dotted, expected in value_set.expect.items():
-        node = effective
-        for name in dotted.split("."):
-            node = node[name]
-        assert node == expected, dotted
+    return yaml.safe_load(result.stdout)
 
 
-def test_kubernetes_discovery_is_rendered_only_for_that_source(rendered) -> None:
+def lookup(tree: dict, dotted: str) -> object:
+    node: object = tree
+    for name in dotted.split("."):
+        node = typing.cast(dict, node)[name]
+    return node
+
+
+def test_rendered_config_passes_check_config_with_the_values(rendered, tmp_path: Path) -> None:
+    """Every configuration key is rendered, with its name, and pd-extproc takes the file as it is."""
     value_set, manifests = rendered
-    discovery = yaml.safe_load(manifests.config)["discovery"]
-    if value_set.kubernetes is None:
-        assert "source" not in discovery and "kubernetes" not in discovery
-    else:
-        assert discovery["source"] == "kubernetes"
-        assert discovery["kubernetes"] == value_set.kubernetes
+    assert leaf_keys(yaml.safe_load(manifests.config)) == CONFIG_KEYS
+    effective = effective_config(manifests, tmp_path)
+    for dotted, expected in value_set.expect.items():
+        assert lookup(effective, dotted) == expected, dotted
+
+
+def test_the_defaults_are_pd_extprocs_but_where_the_readme_says(helm: Path, tmp_path: Path) -> None:
+    """values.yaml holds pd-extproc's own defaults, except the ones the chart's README table lists."""
+    effective = effective_config(Manifests(template(helm, tmp_path, {})), tmp_path)
+    defaults = as_dict(Config())
+    differing = {key for key in CONFIG_KEYS if lookup(effective, key) != lookup(defaults, key)}
+    assert differing == {
+        "discovery.source",
+        "discovery.kubernetes.namespaces",
+        "handoff.prefill_via",
+        "xds.serve_eds",
+    }
+
+
+def test_values_and_schema_offer_exactly_the_configuration_keys() -> None:
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    schema = json.loads((CHART / "values.schema.json").read_text())
+
+    def schema_keys(node: dict, prefix: str = "") -> set[str]:
+        keys: set[str] = set()
+        for name, sub in node["properties"].items():
+            keys |= schema_keys(sub, f"{prefix}{name}.") if "properties" in sub else {prefix + name}
+        return keys
+
+    sections = {key.partition(".")[0] for key in CONFIG_KEYS}
+    assert leaf_keys({k: v for k, v in values.items() if k in sections}) == CONFIG_KEYS
+    assert {k for k in schema_keys(schema) if k.partition(".")[0] in sections} == CONFIG_KEYS
 
 
 def test_check_config_refuses_a_bad_rendered_value(helm: Path, tmp_path: Path) -> None:
     """The check above can fail: a value the schema lets through but pd-extproc refuses."""
     docs = template(helm, tmp_path, {"routing": {"prefill_header": "x-gateway-destination-endpoint"}})
-    config = yaml.safe_load(Manifests(docs).config)
-    strip_pending_keys(config)
     path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
+    path.write_text(Manifests(docs).config)
     result = check_config(path)
     assert result.returncode == 2
     assert "routing.destination_header and routing.prefill_header must differ" in result.stderr
@@ -409,55 +465,51 @@ def test_rbac_is_exactly_get_list_watch_on_pods_where_they_are_watched(rendered)
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": NAMESPACE}]
 
 
-def test_shared_envoy_parts_equal_the_shipped_bootstrap(helm: Path, tmp_path: Path) -> None:
-    """Listeners, filters, routes, the pd_extproc cluster and the load balancing of the chart's
-    bootstrap are envoy/envoy.yaml's; only the endpoint source of prefill/decode differs (ADS)."""
+def test_the_envoy_bootstrap_is_the_shipped_ads_one_with_a_stats_listener(helm: Path, tmp_path: Path) -> None:
+    """At the default values the chart's bootstrap is envoy/envoy-ads.yaml plus the stats listener and
+    its admin cluster; tests/test_envoy_config.py keeps envoy-ads.yaml equal to envoy/envoy.yaml but
+    for the endpoint source, so the chart follows both shipped files."""
     chart = Manifests(template(helm, tmp_path, {})).envoy
-    shipped = yaml.safe_load(SHIPPED_BOOTSTRAP.read_text())
-    assert chart["node"] == shipped["node"] and chart["admin"] == shipped["admin"]
-    chart_listeners = {entry["name"]: entry for entry in chart["static_resources"]["listeners"]}
-    for listener in shipped["static_resources"]["listeners"]:
-        assert chart_listeners[listener["name"]] == listener
-    assert set(chart_listeners) - {entry["name"] for entry in shipped["static_resources"]["listeners"]} == {
-        "stats"
-    }
-    chart_clusters = {c["name"]: c for c in chart["static_resources"]["clusters"]}
-    for cluster in shipped["static_resources"]["clusters"]:
-        mine = copy.deepcopy(chart_clusters[cluster["name"]])
-        if cluster["type"] == "EDS":
-            assert mine["eds_cluster_config"].pop("eds_config") == {"ads": {}, "resource_api_version": "V3"}
-            cluster = copy.deepcopy(cluster)
-            del cluster["eds_cluster_config"]["eds_config"]
-        assert mine == cluster
-    ads = chart["dynamic_resources"]["ads_config"]
-    assert ads["grpc_services"] == [{"envoy_grpc": {"cluster_name": "pd_extproc"}}]
+    resources = chart["static_resources"]
+    (stats,) = [entry for entry in resources["listeners"] if entry["name"] == "stats"]
+    (admin,) = [entry for entry in resources["clusters"] if entry["name"] == "envoy_admin"]
+    resources["listeners"].remove(stats)
+    resources["clusters"].remove(admin)
+    assert chart == yaml.safe_load(SHIPPED_ADS_BOOTSTRAP.read_text())
+    (endpoint,) = admin["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    assert endpoint["endpoint"]["address"] == chart["admin"]["address"]
 
 
-def test_max_message_timeout_covers_a_long_prefill_leg_and_its_retry(helm: Path, tmp_path: Path) -> None:
-    def cap(prefill_timeout: str) -> str:
-        envoy = Manifests(
-            template(helm, tmp_path, {}, (f"handoff.prefill_timeout_seconds={prefill_timeout}",))
-        ).envoy
-        hcm = envoy["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
-        (ext_proc,) = [f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc"]
-        return ext_proc["typed_config"]["max_message_timeout"]
-
-    assert cap("180") == "600s"  # the shipped cap
-    assert cap("400.25") == "805.5s"  # 2 x 400.25 + 5
-    assert cap("1797.5") == "3600s"  # the most Envoy allows
-    assert cap("3600") == "3600s"  # handoffs other than kv-transfer-params do not extend the timeout
-
-
-def test_a_prefill_timeout_envoy_cannot_wait_for_is_refused_with_kv_transfer_params(
-    helm: Path, tmp_path: Path
+@pytest.mark.parametrize("prefill_timeout", ["0.5", "120", "142.5", "400.25", f"{MAX_PREFILL_TIMEOUT:g}"])
+def test_envoy_waits_for_a_prefill_leg_and_its_retry_within_the_idle_timeouts(
+    helm: Path, tmp_path: Path, prefill_timeout: str
 ) -> None:
-    sets = ("handoff.mode=kv-transfer-params", "handoff.prefill_timeout_seconds=1800")
-    result = run_helm(helm, "template", RELEASE, str(CHART), *helm_args(tmp_path, {}, sets))
-    assert result.returncode != 0
-    assert (
-        "handoff.prefill_timeout_seconds: 1800 is too long for handoff.mode kv-transfer-params"
-        in result.stderr
-    )
+    """The kv-transfer-params handoff asks Envoy to wait 2 x prefill_timeout_seconds + margin for the
+    body answer: the rendered max_message_timeout grants it (within Envoy's 1 h), and no stream or
+    route idle timeout, of the gateway or of the prefill-leg listener, ends a request (or a prefill
+    leg) waiting that long first."""
+
+    def seconds(duration: str) -> float:
+        return float(duration.removesuffix("s"))
+
+    envoy = Manifests(
+        template(helm, tmp_path, {}, (f"handoff.prefill_timeout_seconds={prefill_timeout}",))
+    ).envoy
+    listeners = {entry["name"]: entry for entry in envoy["static_resources"]["listeners"]}
+    hcms = [
+        listeners[name]["filter_chains"][0]["filters"][0]["typed_config"]
+        for name in ("gateway", "prefill_leg")
+    ]
+    (ext_proc,) = [f for f in hcms[0]["http_filters"] if f["name"] == "envoy.filters.http.ext_proc"]
+    cap = seconds(ext_proc["typed_config"]["max_message_timeout"])
+    idle = [seconds(hcm["stream_idle_timeout"]) for hcm in hcms] + [
+        seconds(route["route"]["idle_timeout"])
+        for hcm in hcms
+        for route in hcm["route_config"]["virtual_hosts"][0]["routes"]
+        if "route" in route
+    ]
+    assert len(idle) == 4
+    assert 2 * float(prefill_timeout) + TIMEOUT_MARGIN_SECONDS <= cap <= 3600 and cap < min(idle)
 
 
 def test_an_affinity_change_keeps_the_pods_other_changes_roll_them(helm: Path, tmp_path: Path) -> None:
@@ -519,7 +571,9 @@ def test_the_bonus_is_accepted_as_users_type_it_and_rendered_as_a_number(
         (("routing.prefill_header=X-Pre",), {}, ["at '/routing/prefill_header'", "does not match pattern"]),
         (("handoff.mode=sidecars",), {}, ["at '/handoff/mode': value must be one of 'sidecar'"]),
         (("handoff.prefill_timeout_seconds=0",), {}, ["at '/handoff/prefill_timeout_seconds'"]),
-        (("handoff.prefill_timeout_seconds=3600.5",), {}, ["at '/handoff/prefill_timeout_seconds'"]),
+        (("handoff.prefill_timeout_seconds=1795.5",), {}, ["at '/handoff/prefill_timeout_seconds'"]),
+        (("handoff.prefill_timeout_seconds=1796",), {}, ["maximum: got 1,796, want 1,795"]),
+        ((), {"handoff": {"prefill_timeout_seconds": 1795.01}}, ["maximum: got 1,795.01, want 1,795"]),
         (("handoff.prefill_via=http://127.0.0.1:10001/v1",), {}, ["at '/handoff/prefill_via'"]),
         (("listen=0.0.0.0:70000",), {}, ["at '/listen'", "does not match pattern"]),
         (
@@ -529,7 +583,20 @@ def test_the_bonus_is_accepted_as_users_type_it_and_rendered_as_a_number(
         ),
         (("discovery.kubernetes.namespaces={Engines}",), {}, ["at '/discovery/kubernetes/namespaces/0'"]),
         (("discovery.kubernetes.role_lable=x",), {}, ["additional properties 'role_lable' not allowed"]),
-        (("xds.enabled=false",), {}, ["at '/xds/enabled': value must be true"]),
+        (("discovery.kubernetes.preset=llm_d",), {}, ["value must be one of 'infernex', 'llm-d'"]),
+        (("discovery.kubernetes.role_label=pd role",), {}, ["at '/discovery/kubernetes/role_label'"]),
+        (("discovery.kubernetes.group_label=",), {}, ["at '/discovery/kubernetes/group_label'"]),
+        (("discovery.kubernetes.decode_role=-decode",), {}, ["at '/discovery/kubernetes/decode_role'"]),
+        (("discovery.kubernetes.prefill_port=70000",), {}, ["at '/discovery/kubernetes/prefill_port'"]),
+        (
+            (),
+            {"discovery": {"kubernetes": {"decode_port": "8200"}}},
+            ["at '/discovery/kubernetes/decode_port'"],
+        ),
+        (("discovery.kubernetes.decode_port=Decode",), {}, ["at '/discovery/kubernetes/decode_port'"]),
+        (("xds.serve_eds=false",), {}, ["at '/xds/serve_eds': value must be true"]),
+        (("xds.no_envoy_delay_seconds=60.5",), {}, ["at '/xds/no_envoy_delay_seconds'"]),
+        ((), {"xds": {"no_envoy_delay_seconds": -1}}, ["at '/xds/no_envoy_delay_seconds'"]),
         (("affinty.mode=strict",), {}, ["additional properties 'affinty' not allowed"]),
     ],
 )

@@ -1,17 +1,19 @@
-{{/* The pod's Envoy bootstrap. Listeners, filters, routes, the pd_extproc cluster and the
-prefill/decode load balancing are envoy/envoy.yaml's, verbatim (tests/test_helm_chart.py keeps
-them equal; see envoy/envoy.yaml and the README's "Envoy wiring" for every choice). What differs:
-prefill and decode take their endpoints from pd-extproc over ADS instead of EDS files, and a
-stats listener serves /ready and /stats/prometheus (the admin stays on loopback). */}}
+{{/* The pod's Envoy bootstrap: envoy/envoy-ads.yaml (envoy/envoy.yaml with the prefill/decode
+endpoints from pd-extproc over ADS) without its comments, verbatim at the default values
+(tests/test_helm_chart.py keeps them equal; see those files and the README's "Envoy wiring" for
+every choice), plus a stats listener serving /ready and /stats/prometheus (the admin stays on
+loopback). Values set pd-extproc's port, envoy.statsPort, routing.destination_header and the
+timeouts below. */}}
 {{- define "pd-extproc.envoy" -}}
 {{- $destination := .Values.routing.destination_header -}}
 {{- $extprocPort := include "pd-extproc.port" .Values.listen -}}
-{{- /* Envoy waits for the body answer of kv-transfer-params up to 2 x handoff.prefill_timeout_seconds
-+ 5 s (a prefill leg and its retry), at least the shipped 600 s; Envoy allows at most 1 h. */ -}}
-{{- $legs := addf (mulf 2 (float64 .Values.handoff.prefill_timeout_seconds)) 5 -}}
-{{- if and (eq .Values.handoff.mode "kv-transfer-params") (gt $legs 3600.0) }}
-{{- fail (printf "handoff.prefill_timeout_seconds: %v is too long for handoff.mode kv-transfer-params: Envoy waits 2 x it + 5 s for the answer, and its max_message_timeout is at most 1 h; use at most 1797.5" .Values.handoff.prefill_timeout_seconds) }}
-{{- end -}}
+{{- /* The kv-transfer-params handoff asks Envoy to wait up to 2 x handoff.prefill_timeout_seconds + 5 s
+(a prefill leg and its retry) for the body answer: max_message_timeout is that, at least the shipped
+290 s (at most 3595 s, under Envoy's 1 h cap, as the schema bounds the timeout at 1795 s), and the
+idle timeouts of both listeners and their routes are 10 s longer, so that neither ends a request
+waiting that long nor a prefill leg (300 s at the default, as shipped). */ -}}
+{{- $maxMessage := maxf 290 (addf (mulf 2 (float64 .Values.handoff.prefill_timeout_seconds)) 5) -}}
+{{- $idle := include "pd-extproc.decimal" (addf $maxMessage 10) -}}
 node:
   id: pd-gateway
   cluster: pd-gateway
@@ -26,7 +28,10 @@ dynamic_resources:
     transport_api_version: V3
     set_node_on_first_message_only: true
     grpc_services:
-    - envoy_grpc: {cluster_name: pd_extproc}
+    - envoy_grpc:
+        cluster_name: pd_extproc
+        retry_policy:
+          retry_back_off: {base_interval: 0.25s, max_interval: 1s}
 
 static_resources:
   listeners:
@@ -41,7 +46,97 @@ static_resources:
           "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
           stat_prefix: gateway
           request_timeout: 0s
-          stream_idle_timeout: 300s
+          stream_idle_timeout: {{ $idle }}s
+          local_reply_config:
+            mappers:
+            - filter:
+                extension_filter:
+                  name: envoy.access_loggers.extension_filters.cel
+                  typed_config:
+                    "@type": type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter
+                    expression: "response.code_details.startsWith('pd_extproc_') || response.code_details == 'direct_response'"
+            - filter: {status_code_filter: {comparison: {op: EQ, value: {default_value: 413, runtime_key: local_reply.413}}}}
+              body_format_override:
+                json_format:
+                  error:
+                    message: "request body too large: the gateway buffers at most 16 MiB (16777216 bytes)"
+                    type: invalid_request_error
+                    param: null
+                    code: request_too_large
+            - filter: {status_code_filter: {comparison: {op: EQ, value: {default_value: 431, runtime_key: local_reply.431}}}}
+              body_format_override:
+                json_format:
+                  error:
+                    message: "request headers too large: the gateway accepts at most 60 KiB of headers"
+                    type: invalid_request_error
+                    param: null
+                    code: headers_too_large
+            - filter:
+                extension_filter:
+                  name: envoy.access_loggers.extension_filters.cel
+                  typed_config:
+                    "@type": type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter
+                    expression: "response.code_details == 'ext_proc_error_per-message_timeout_exceeded'"
+              body_format_override:
+                json_format:
+                  error:
+                    message: "the routing server did not answer in time; the request was not forwarded"
+                    type: gateway_timeout
+                    param: null
+                    code: routing_timeout
+            - filter:
+                extension_filter:
+                  name: envoy.access_loggers.extension_filters.cel
+                  typed_config:
+                    "@type": type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter
+                    expression: "response.code_details.startsWith('ext_proc_')"
+              body_format_override:
+                json_format:
+                  error:
+                    message: "the routing server is unavailable; the request was not forwarded (%RESPONSE_CODE_DETAILS%)"
+                    type: internal_error
+                    param: null
+                    code: routing_unavailable
+            - filter: {response_flag_filter: {flags: [UH]}}
+              body_format_override:
+                json_format:
+                  error:
+                    message: "no healthy upstream: the gateway knows no decode endpoint"
+                    type: service_unavailable
+                    param: null
+                    code: no_healthy_upstream
+            - filter: {status_code_filter: {comparison: {op: EQ, value: {default_value: 503, runtime_key: local_reply.503}}}}
+              body_format_override:
+                json_format:
+                  error:
+                    message: "upstream unavailable: %LOCAL_REPLY_BODY%"
+                    type: service_unavailable
+                    param: null
+                    code: upstream_unavailable
+            - filter: {status_code_filter: {comparison: {op: EQ, value: {default_value: 504, runtime_key: local_reply.504}}}}
+              body_format_override:
+                json_format:
+                  error:
+                    message: "upstream timeout: %LOCAL_REPLY_BODY%"
+                    type: gateway_timeout
+                    param: null
+                    code: upstream_timeout
+            - filter: {status_code_filter: {comparison: {op: LE, value: {default_value: 499, runtime_key: local_reply.4xx}}}}
+              body_format_override:
+                json_format:
+                  error:
+                    message: "the gateway refused the HTTP request: %LOCAL_REPLY_BODY% (%RESPONSE_CODE_DETAILS%)"
+                    type: invalid_request_error
+                    param: null
+                    code: bad_http_request
+            - filter: {status_code_filter: {comparison: {op: GE, value: {default_value: 500, runtime_key: local_reply.5xx}}}}
+              body_format_override:
+                json_format:
+                  error:
+                    message: "gateway error: %LOCAL_REPLY_BODY% (%RESPONSE_CODE_DETAILS%)"
+                    type: server_error
+                    param: null
+                    code: gateway_error
           route_config:
             name: inference
             virtual_hosts:
@@ -52,7 +147,7 @@ static_resources:
                 route:
                   cluster: decode
                   timeout: 0s
-                  idle_timeout: 300s
+                  idle_timeout: {{ $idle }}s
                   retry_policy:
                     retry_on: connect-failure,refused-stream,reset-before-request
                     num_retries: 2
@@ -77,7 +172,7 @@ static_resources:
                 envoy_grpc: {cluster_name: pd_extproc}
               failure_mode_allow: false
               message_timeout: 5s
-              max_message_timeout: {{ include "pd-extproc.decimal" (minf 3600 (maxf 600 $legs)) }}s
+              max_message_timeout: {{ include "pd-extproc.decimal" $maxMessage }}s
               processing_mode:
                 request_header_mode: SEND
                 request_body_mode: BUFFERED
@@ -106,7 +201,7 @@ static_resources:
           "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
           stat_prefix: prefill_leg
           request_timeout: 0s
-          stream_idle_timeout: 300s
+          stream_idle_timeout: {{ $idle }}s
           preserve_external_request_id: true
           route_config:
             name: prefill_leg
@@ -118,7 +213,7 @@ static_resources:
                 route:
                   cluster: prefill
                   timeout: 0s
-                  idle_timeout: 300s
+                  idle_timeout: {{ $idle }}s
                 response_headers_to_add:
                 - header: {key: x-gateway-prefill-upstream, value: "%UPSTREAM_REMOTE_ADDRESS%"}
                   append_action: OVERWRITE_IF_EXISTS_OR_ADD

@@ -50,28 +50,33 @@ string (1e-05), and at most 9 decimals (the grid affinity compares on). */}}
 {{- .Values.discovery.kubernetes.namespaces | default (list .Release.Namespace) | toJson }}
 {{- end }}
 
-{{/* The pd-extproc configuration file. Every key of config/pd-extproc.yaml, from the values of the
-same name. discovery.source and discovery.kubernetes are written only for source kubernetes, the
-optional discovery.kubernetes keys only when set. The last key switches on pd-extproc's xDS server
-(EDS over ADS for the pod's Envoy): its name here, xds.enabled, must match the xDS branch's. */}}
+{{/* The pd-extproc configuration file: every key of config/pd-extproc.yaml, from the value of the
+same name (tests/test_helm_chart.py keeps the two key sets equal). */}}
 {{- define "pd-extproc.config" -}}
 {{- $v := .Values -}}
+{{- $k := $v.discovery.kubernetes -}}
 listen: {{ $v.listen | toJson }}
 metrics_listen: {{ $v.metrics_listen | toJson }}
 discovery:
-{{- if eq $v.discovery.source "kubernetes" }}
-  source: kubernetes
-  kubernetes:
-    namespaces: {{ include "pd-extproc.namespaces" . }}
-    {{- range $key, $value := omit $v.discovery.kubernetes "namespaces" }}
-    {{ $key }}: {{ $value | toJson }}
-    {{- end }}
-{{- end }}
   eds_files: {{ $v.discovery.eds_files | toJson }}
   prefill_cluster: {{ $v.discovery.prefill_cluster | toJson }}
   decode_cluster: {{ $v.discovery.decode_cluster | toJson }}
   metadata_namespace: {{ $v.discovery.metadata_namespace | toJson }}
   poll_interval_seconds: {{ include "pd-extproc.decimal" $v.discovery.poll_interval_seconds }}
+  source: {{ $v.discovery.source | toJson }}
+  kubernetes:
+    kubeconfig: {{ $k.kubeconfig | toJson }}
+    namespaces: {{ include "pd-extproc.namespaces" . }}
+    preset: {{ $k.preset | toJson }}
+    role_label: {{ $k.role_label | toJson }}
+    prefill_role: {{ $k.prefill_role | toJson }}
+    decode_role: {{ $k.decode_role | toJson }}
+    both_role: {{ $k.both_role | toJson }}
+    prefill_port: {{ $k.prefill_port | toJson }}
+    decode_port: {{ $k.decode_port | toJson }}
+    group_label: {{ $k.group_label | toJson }}
+    capacity_annotation: {{ $k.capacity_annotation | toJson }}
+    bootstrap_port_annotation: {{ $k.bootstrap_port_annotation | toJson }}
 affinity:
   mode: {{ ternary "off" $v.affinity.mode (eq (toString $v.affinity.mode) "false") | toJson }}
   bonus: {{ include "pd-extproc.decimal" $v.affinity.bonus }}
@@ -89,8 +94,7 @@ handoff:
   prefill_timeout_seconds: {{ include "pd-extproc.decimal" $v.handoff.prefill_timeout_seconds }}
   on_prefill_failure: {{ $v.handoff.on_prefill_failure | toJson }}
   default_bootstrap_port: {{ int64 $v.handoff.default_bootstrap_port }}
-{{- if $v.xds.enabled }}
 xds:
-  enabled: true
-{{- end }}
+  serve_eds: {{ $v.xds.serve_eds | toJson }}
+  no_envoy_delay_seconds: {{ include "pd-extproc.decimal" $v.xds.no_envoy_delay_seconds }}
 {{- end }}
