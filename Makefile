@@ -34,6 +34,7 @@ format: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/decision_scaling.py --json bench/results/decision_scaling.json --png bench/results/decision_scaling.png
 	$(BIN)/python bench/overhead.py --json bench/results/overhead.json
+	$(BIN)/python bench/handoff.py --json bench/results/handoff.json --png bench/results/handoff.png
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis build dist *.egg-info

@@ -423,7 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--tpot-tolerance",
         type=float,
-        default=0.05,
+        default=0.02,
         help="TPOT p99 increase over threshold 0 a recommended threshold may cost (default %(default)s)",
     )
     parser.add_argument("--json", help="write all results as JSON")

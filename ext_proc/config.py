@@ -106,13 +106,14 @@ class RoutingConfig:
     """What the answer to Envoy looks like, and which requests are disaggregated.
 
     ``pd_threshold_tokens``: prompts estimated below it are routed decode-only (the decode engine
-    prefills them itself); 0 disaggregates every prompt.
+    prefills them itself); 0 disaggregates every prompt. The default, 512, comes from
+    ``bench/handoff.py`` (README "Conditional disaggregation").
     """
 
     fallback_count: int = 2
     destination_header: str = "x-gateway-destination-endpoint"
     prefill_header: str = "x-prefiller-host-port"
-    pd_threshold_tokens: int = 0
+    pd_threshold_tokens: int = 512
 
 
 @dataclass(frozen=True)

@@ -78,6 +78,7 @@ async def gateway_over(
         None,
         {
             "handoff.prefill_via": f"http://127.0.0.1:{prefill_leg_port}",
+            "routing.pd_threshold_tokens": 0,  # the tests' short prompts are disaggregated too
             **(settings or {}),
             **({"xds.serve_eds": True} if ads else {}),
             "listen": "127.0.0.1:0",

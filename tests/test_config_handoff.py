@@ -16,8 +16,9 @@ def error(overrides: dict[str, object]) -> str:
     return str(info.value)
 
 
-def test_defaults_keep_the_sidecar_and_disaggregate_every_prompt():
+def test_defaults_keep_the_sidecar_and_disaggregate_prompts_from_512_tokens():
     config = load_config(None, {}, environ={})
+    assert config.routing.pd_threshold_tokens == 512
     assert config.handoff.mode is HandoffMode.SIDECAR
     assert config.handoff.on_prefill_failure is FailurePolicy.DECODE_ONLY
     assert (config.handoff.prefill_via, config.handoff.prefill_timeout_seconds) == ("", 120.0)

@@ -104,4 +104,3 @@ async def test_pods_added_unready_relabelled_and_deleted_move_requests_within_a_
             assert not slow, f"requests moved later than {LANDING_SECONDS} s after the pod change: {slow}"
     finally:
         await api.stop()
-

@@ -64,7 +64,7 @@ def config_text(eds: list[Path], mode: str, bonus: float = 0.3, fallback_count: 
         "listen: 127.0.0.1:0\nmetrics_listen: 127.0.0.1:0\n"
         f"discovery:\n  eds_files: [{eds[0]}, {eds[1]}]\n  poll_interval_seconds: 0.05\n"
         f"affinity:\n  mode: '{mode}'\n  bonus: {bonus}\n"
-        f"routing:\n  fallback_count: {fallback_count}\n"
+        f"routing:\n  fallback_count: {fallback_count}\n  pd_threshold_tokens: 0\n"
     )
 
 

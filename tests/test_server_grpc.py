@@ -31,6 +31,7 @@ async def start_with(
         "listen": listen,
         "metrics_listen": metrics_listen,
         "discovery.eds_files": [str(tmp_path / "p.json"), str(tmp_path / "d.json")],
+        "routing.pd_threshold_tokens": 0,  # the short test prompts are disaggregated too
     }
     return await start_server(load_config(None, overrides, environ={}))
 

@@ -26,6 +26,7 @@ async def test_a_stream_cancelled_during_the_prefill_leg_releases_everything(tmp
         "discovery.eds_files": [str(tmp_path / "p.json"), str(tmp_path / "d.json")],
         "handoff.mode": "kv-transfer-params",
         "handoff.prefill_timeout_seconds": 60.0,
+        "routing.pd_threshold_tokens": 0,
     }
     server = await start_server(load_config(None, overrides, environ={}))
     try:
