@@ -213,7 +213,7 @@ async def test_a_dead_decode_and_a_dead_pd_extproc_get_json_errors(tmp_path):
         assert error["type"] == "service_unavailable" and "connection failure" in error["message"]
         await s.server.stop(grace=0.1)
         status, headers, answer = await _post(session, s.gateway.url, chat_of_size(200))
-        error = _envoy_error(status, headers, answer, 500, "routing_unavailable")
+        error = _envoy_error(status, headers, answer, 503, "routing_unavailable")
         assert "not forwarded" in error["message"]
 
 

@@ -90,11 +90,12 @@ static_resources:
                   typed_config:
                     "@type": type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter
                     expression: "response.code_details.startsWith('ext_proc_')"
+              status_code: 503
               body_format_override:
                 json_format:
                   error:
                     message: "the routing server is unavailable; the request was not forwarded (%RESPONSE_CODE_DETAILS%)"
-                    type: internal_error
+                    type: service_unavailable
                     param: null
                     code: routing_unavailable
             - filter: {response_flag_filter: {flags: [UH]}}
