@@ -374,6 +374,17 @@ def build_app(engine: Engine) -> web.Application:
     return app
 
 
+async def drop_connections(runner: web.AppRunner) -> None:
+    """Stop listening and reset every open connection of ``runner``: what a crashed node looks like
+    to its clients (a graceful stop would let in-flight requests finish)."""
+    for site in list(runner.sites):
+        await site.stop()
+    server = runner.server
+    for handler in list(server.connections if server is not None else ()):
+        if handler.transport is not None:
+            handler.transport.abort()
+
+
 @dataclass
 class RunningEngine:
     """A started engine: its :class:`Engine` and HTTP runner. ``address`` is ``"host:port"``."""
@@ -402,12 +413,7 @@ class RunningEngine:
 
     async def kill(self) -> None:
         """Die like a crashed node: refuse new connections, reset open ones, fail what is in flight."""
-        for site in list(self.runner.sites):
-            await site.stop()
-        server = self.runner.server
-        for handler in list(server.connections if server is not None else ()):
-            if handler.transport is not None:
-                handler.transport.abort()
+        await drop_connections(self.runner)
         await self.engine.stop()
         await self.runner.cleanup()
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from sim.server import drop_connections
+
 BACKEND = web.AppKey("backend", "EchoBackend")
 MAX_BODY_BYTES = 64 * 1024 * 1024
 """Largest request body a backend reads (aiohttp's default is 1 MiB; engines take long-context bodies)."""
@@ -132,12 +134,7 @@ class ScriptedPrefill:
 
     async def kill(self) -> None:
         """Die like a crashed node: stop listening and reset every open connection."""
-        for site in list(self.runner.sites):
-            await site.stop()
-        server = self.runner.server
-        for handler in list(server.connections if server is not None else ()):
-            if handler.transport is not None:
-                handler.transport.abort()
+        await drop_connections(self.runner)
 
 
 SCRIPTED = web.AppKey("scripted", ScriptedPrefill)

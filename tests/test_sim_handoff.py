@@ -16,6 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ext_proc.discovery.eds import load_eds_file, write_eds_file
+from ext_proc.handoff.body import PREFILL_REQUEST_PARAMS
 from sim.cli import add_parser, config_from_args
 from sim.cluster import EngineSpec, endpoint_specs, start_cluster, stop_cluster
 from sim.cluster_process import EngineInfo, write_cluster_eds
@@ -23,14 +24,9 @@ from sim.config import KvConfig, TimingConfig
 from sim.server import RunningEngine
 
 FAST = TimingConfig(time_scale=0.01)  # 1 model second = 10 wall ms
-PREFILL_LEG = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
+PREFILL_LEG = (
+    PREFILL_REQUEST_PARAMS  # what the gateway's prefill leg asks (tests/test_e2e_handoff.py spells it out)
+)
 PROMPT = [7] * 40  # 40 prompt tokens: 3 blocks of 16
 DEADLINE_S = 10.0
 
