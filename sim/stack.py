@@ -99,11 +99,11 @@ class Stack:
         bonus: float = 0.3,
         handoff: str = "sidecar",
         via_envoy: bool = True,
-        pd_threshold_tokens: int = 0,
+        pd_threshold_tokens: int | None = None,
     ) -> str:
-        """(Re)start pd-extproc with ``mode``/``bonus``/``handoff``/``pd_threshold_tokens`` (prefill
-        legs through Envoy's prefill-leg listener, or straight to the engine without ``via_envoy``)
-        and the routed Envoy; return the gateway URL."""
+        """(Re)start pd-extproc with ``mode``/``bonus``/``handoff``/``pd_threshold_tokens`` (``None``:
+        pd-extproc's default) (prefill legs through Envoy's prefill-leg listener, or straight to the
+        engine without ``via_envoy``) and the routed Envoy; return the gateway URL."""
         self._stop_server()
         via = f"http://127.0.0.1:{self.prefill_leg_port}" if via_envoy else ""
         name = (
@@ -117,7 +117,7 @@ class Stack:
             (
                 *("--affinity-mode", mode, "--affinity-bonus", str(bonus)),
                 *("--handoff", handoff, "--prefill-via", via),
-                *("--pd-threshold-tokens", str(pd_threshold_tokens)),
+                *(() if pd_threshold_tokens is None else ("--pd-threshold-tokens", str(pd_threshold_tokens))),
             ),
         )
         try:
