@@ -5,7 +5,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
 
-.PHONY: install demo test lint format bench clean
+.PHONY: install demo test test-compose lint format bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,11 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/pytest -q
+
+# The image and docker-compose.yml for real (tests/compose/compose_e2e.py): as root it installs Docker,
+# debootstrap and starts dockerd itself; otherwise it skips with a message. About 5-10 minutes.
+test-compose: $(STAMP)
+	$(BIN)/python tests/compose/compose_e2e.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -29,6 +29,7 @@ from ext_proc.request import MAX_OUTPUT_BUDGET
 
 ENV_AFFINITY_MODE = "PD_EXTPROC_AFFINITY_MODE"
 ENV_AFFINITY_BONUS = "PD_EXTPROC_AFFINITY_BONUS"
+ENV_HANDOFF = "PD_EXTPROC_HANDOFF"
 MAX_PREFILL_TIMEOUT = 1795.0
 """Upper bound of ``handoff.prefill_timeout_seconds`` (seconds): Envoy caps ``max_message_timeout`` at one
 hour, and the kv-transfer-params handoff asks Envoy to wait 2 x this + 5 s (a leg and its retry)."""
@@ -359,6 +360,8 @@ def load_config(
             raise ConfigError(
                 f"{ENV_AFFINITY_BONUS} (affinity.bonus): {bad!r} is not a number in [0, 1]"
             ) from None
+    if ENV_HANDOFF in env:
+        layered["handoff.mode"] = env[ENV_HANDOFF]
     layered.update(overrides or {})
     for dotted, value in layered.items():
         *sections, key = dotted.split(".")

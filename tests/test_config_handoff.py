@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from ext_proc.cli import main
-from ext_proc.config import MAX_PREFILL_TIMEOUT, ConfigError, load_config
+from ext_proc.config import ENV_HANDOFF, MAX_PREFILL_TIMEOUT, ConfigError, load_config
 from ext_proc.handoff import FailurePolicy, HandoffMode
 
 
@@ -28,6 +28,22 @@ def test_defaults_keep_the_sidecar_and_disaggregate_prompts_from_512_tokens():
 @pytest.mark.parametrize("mode", [m.value for m in HandoffMode])
 def test_every_handoff_mode_is_accepted(mode):
     assert load_config(None, {"handoff.mode": mode}, environ={}).handoff.mode.value == mode
+
+
+def test_environment_selects_the_handoff_over_the_file_and_under_the_flag(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("handoff:\n  mode: sglang-bootstrap\n", encoding="utf-8")
+    env = {ENV_HANDOFF: "kv-transfer-params"}
+    assert load_config(str(path), {}, environ=env).handoff.mode is HandoffMode.KV_TRANSFER_PARAMS
+    assert load_config(None, {}, environ=env).handoff.mode is HandoffMode.KV_TRANSFER_PARAMS
+    flag = {"handoff.mode": "sidecar"}
+    assert load_config(str(path), flag, environ=env).handoff.mode is HandoffMode.SIDECAR
+
+
+def test_environment_handoff_that_is_not_a_mode_is_refused_naming_the_key():
+    with pytest.raises(ConfigError) as info:
+        load_config(None, {}, environ={ENV_HANDOFF: "vllm"})
+    assert "handoff.mode: 'vllm' is not allowed" in str(info.value)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,443 @@
+"""``make test-compose``: the container image and docker-compose.yml, for real.
+
+Builds the image (Dockerfile) on a base image made here with debootstrap (no registry is needed;
+the base image is cached between runs on one machine), starts docker-compose.yml, sends streaming
+and non-streaming OpenAI SDK requests through the published gateway port and checks, from the
+simulator's ``x-sim-*`` headers, that each lands on a decode of its prefill's pdGroup; then
+recreates pd-extproc with ``PD_EXTPROC_AFFINITY_MODE=strict`` and each engine handoff
+(``PD_EXTPROC_HANDOFF``), checks ``/metrics``, and ends with ``docker-compose down -v``.
+
+Run as root it installs what it lacks (Debian's docker.io, docker-compose, debootstrap) and starts
+``dockerd --storage-driver=vfs`` if no engine answers, stopping it again at the end. Not root: it
+prints why it skips and exits 0. pip inside ``docker build`` uses the machine's own pip settings
+(index, extra indexes, find-links, CA bundle, from ``pip config list`` and ``PIP_*``): local paths
+and file:// indexes are served on 127.0.0.1 for the build (``--network host``), the CA bundle as
+``PIP_CERT_URL``; none of it reaches the final image. Not collected by ``pytest`` (no ``test_``
+file name).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import functools
+import hashlib
+import http.server
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+
+ROOT = Path(__file__).resolve().parents[2]
+PROJECT = "pdxcomposetest"
+IMAGE = "pd-extproc:compose-test"
+BASE_PACKAGES = ("python3", "python3-venv")
+MODEL = "sim-llama-3-8b"
+LONG_PROMPT = "Summarise the following notes. " + "the quick brown fox jumps over the lazy dog " * 150
+"""About 1,400 estimated tokens: above routing.pd_threshold_tokens (512), so every request is
+disaggregated and the simulator reports its prefill."""
+PHASES = (
+    ("prefer", "sidecar"),
+    ("strict", "kv-transfer-params"),
+    ("strict", "sglang-bootstrap"),
+)
+REQUESTS_PER_KIND = 6
+BURST = 24
+"""Concurrent streaming requests per strict phase: enough load to use both groups' prefills."""
+PIP_SERVER_PORT = 38765
+
+
+def log(message: str) -> None:
+    print(f"[test-compose {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def run(cmd: list[str], *, check: bool = True, env: dict[str, str] | None = None, **kw) -> str:
+    result = subprocess.run(
+        cmd, check=False, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, **kw
+    )
+    if check and result.returncode != 0:
+        raise SystemExit(f"FAILED ({result.returncode}): {shlex.join(cmd)}\n{result.stdout[-4000:]}")
+    return result.stdout
+
+
+# --- the engine -------------------------------------------------------------------------------
+
+
+def ensure_tools() -> None:
+    missing = [
+        pkg
+        for tool, pkg in (
+            ("dockerd", "docker.io"),
+            ("docker-compose", "docker-compose"),
+            ("debootstrap", "debootstrap"),
+        )
+        if shutil.which(tool) is None and not Path(f"/usr/sbin/{tool}").exists()
+    ]
+    if not missing:
+        return
+    log(f"installing {' '.join(missing)} with apt-get")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *missing]
+    if subprocess.run(install, check=False, env=env, stdout=subprocess.DEVNULL).returncode != 0:
+        run(["apt-get", "update", "-q"], env=env)
+        run(install, env=env)
+
+
+@contextlib.contextmanager
+def docker_engine() -> Iterator[None]:
+    """A running Docker engine: the one already answering, else a ``dockerd`` started (and stopped) here."""
+    if subprocess.run(["docker", "info"], check=False, capture_output=True).returncode == 0:
+        yield
+        return
+    log_file = open(Path(tempfile.gettempdir()) / "pd-extproc-test-dockerd.log", "w")  # noqa: SIM115
+    dockerd = shutil.which("dockerd") or "/usr/sbin/dockerd"
+    proc = subprocess.Popen([dockerd, "--storage-driver=vfs"], stdout=log_file, stderr=subprocess.STDOUT)
+    log(f"started dockerd (pid {proc.pid}, vfs storage driver, log {log_file.name})")
+    try:
+        deadline = time.monotonic() + 90
+        while subprocess.run(["docker", "info"], check=False, capture_output=True).returncode != 0:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"dockerd did not come up; see {log_file.name}")
+            time.sleep(0.5)
+        yield
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log_file.close()
+        log(f"stopped dockerd (pid {proc.pid})")
+
+
+# --- the base image -------------------------------------------------------------------------
+
+
+def debian_mirror() -> tuple[str, str]:
+    """The machine's configured Debian mirror and its release codename."""
+    release = dict(
+        line.split("=", 1) for line in Path("/etc/os-release").read_text().splitlines() if "=" in line
+    )
+    suite = release.get("VERSION_CODENAME", "bookworm").strip('"')
+    uris: list[str] = []
+    sources = Path("/etc/apt/sources.list.d")
+    for path in [
+        *sorted(sources.glob("*.sources")),
+        Path("/etc/apt/sources.list"),
+        *sorted(sources.glob("*.list")),
+    ]:
+        if not path.is_file():
+            continue
+        for line in path.read_text().splitlines():
+            words = line.split()
+            if line.startswith("URIs:"):
+                uris += words[1:]
+            elif words[:1] == ["deb"]:
+                uris += [w for w in words[1:] if "://" in w][:1]
+    for uri in uris:
+        if uri.rstrip("/").endswith("/debian"):
+            return uri, suite
+    return "http://deb.debian.org/debian", suite
+
+
+def base_image() -> str:
+    """A minimal Debian with python3 and venv, made with debootstrap and cached by its inputs."""
+    mirror, suite = debian_mirror()
+    key = hashlib.sha256(f"{mirror} {suite} {' '.join(BASE_PACKAGES)}".encode()).hexdigest()[:12]
+    tag = f"pd-extproc-test-base:{suite}-{key}"
+    if run(["docker", "images", "-q", tag]).strip():
+        log(f"base image {tag} (cached)")
+        return tag
+    log(f"debootstrap {suite} from {mirror} (+ {', '.join(BASE_PACKAGES)})")
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="pd-extproc-rootfs-") as tmp:
+        rootfs = Path(tmp) / "rootfs"
+        run(
+            [
+                "debootstrap",
+                "--variant=minbase",
+                f"--include={','.join(BASE_PACKAGES)}",
+                suite,
+                str(rootfs),
+                mirror,
+            ]
+        )
+        for junk in ("var/cache/apt/archives", "var/lib/apt/lists"):
+            for item in (rootfs / junk).glob("*"):
+                if item.is_file():
+                    item.unlink()
+        tar = subprocess.Popen(["tar", "-C", str(rootfs), "-c", "."], stdout=subprocess.PIPE)
+        run(["docker", "import", "-c", 'CMD ["python3"]', "-", tag], stdin=tar.stdout)
+        tar.wait()
+    log(f"base image {tag} made in {time.monotonic() - started:.0f} s")
+    return tag
+
+
+# --- pip settings for the build -------------------------------------------------------------
+
+
+def pip_settings() -> dict[str, str]:
+    """index-url, extra-index-url, find-links and cert as the machine's pip sees them (env wins)."""
+    settings: dict[str, str] = {}
+    out = run([sys.executable, "-m", "pip", "config", "list"], check=False)
+    for line in out.splitlines():
+        if "=" not in line:
+            continue
+        name, value = line.split("=", 1)
+        key = name.rsplit(".", 1)[-1]
+        settings.setdefault(key, value.strip().strip("'\""))
+        if name.startswith(":env:"):
+            settings[key] = value.strip().strip("'\"")
+    return {
+        k: v for k, v in settings.items() if k in ("index-url", "extra-index-url", "find-links", "cert") and v
+    }
+
+
+class _Quiet(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args) -> None:  # keep the build log readable
+        pass
+
+
+@contextlib.contextmanager
+def pip_build_args() -> Iterator[list[str]]:
+    """``--build-arg`` flags giving the build the machine's pip settings; local ones served on loopback."""
+    settings = pip_settings()
+    with tempfile.TemporaryDirectory(prefix="pd-extproc-pip-") as served:
+        handler = functools.partial(_Quiet, directory=served)
+        try:  # a fixed port keeps the build arguments, and so Docker's layer cache, the same
+            server = http.server.ThreadingHTTPServer(("127.0.0.1", PIP_SERVER_PORT), handler)
+        except OSError:
+            server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        links: list[Path] = []
+
+        def serve(location: str, index: bool = False) -> str:
+            parsed = urllib.parse.urlsplit(location)
+            if parsed.scheme in ("http", "https"):
+                return location
+            path = Path(urllib.parse.unquote(parsed.path) if parsed.scheme == "file" else location)
+            if not path.exists():
+                return ""
+            # An index's pages link to their files relatively (../../files/x.whl): serve its parent.
+            target = path.parent if index else path
+            link = Path(served) / f"d{len(links)}"
+            link.symlink_to(target)
+            links.append(link)
+            url = f"{base}/{link.name}/{path.name}" if index else f"{base}/{link.name}"
+            return f"{url}/" if path.is_dir() else url
+
+        args: list[str] = []
+        if settings.get("index-url"):
+            args += ["--build-arg", f"PIP_INDEX_URL={serve(settings['index-url'], index=True)}"]
+        for key, arg in (("extra-index-url", "PIP_EXTRA_INDEX_URL"), ("find-links", "PIP_FIND_LINKS")):
+            values = [serve(v, index=key == "extra-index-url") for v in settings.get(key, "").split()]
+            if any(values):
+                args += ["--build-arg", f"{arg}={' '.join(v for v in values if v)}"]
+        if settings.get("cert") and Path(settings["cert"]).is_file():
+            args += ["--build-arg", f"PIP_CERT_URL={serve(settings['cert'])}"]
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        log("pip in the build: " + (" ".join(a for a in args if a != "--build-arg") or "defaults"))
+        try:
+            yield args
+        finally:
+            server.shutdown()
+            server.server_close()
+
+
+def build_image(base: str) -> None:
+    started = time.monotonic()
+    with pip_build_args() as pip_args:
+        run(
+            [
+                "docker",
+                "build",
+                "--network",
+                "host",
+                "--build-arg",
+                f"BASE_IMAGE={base}",
+                *pip_args,
+                "-t",
+                IMAGE,
+                str(ROOT),
+            ]
+        )
+    size = int(run(["docker", "image", "inspect", "-f", "{{.Size}}", IMAGE]).strip())
+    log(f"image {IMAGE}: {size / 1e6:.0f} MB, built in {time.monotonic() - started:.0f} s")
+
+
+# --- compose ----------------------------------------------------------------------------------
+
+
+def free_port(preferred: int) -> int:
+    for port in (preferred, 0):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+            return sock.getsockname()[1]
+    raise SystemExit("no free port")
+
+
+class Compose:
+    def __init__(self) -> None:
+        self.gateway_port = free_port(8080)
+        self.metrics_port = free_port(9090)
+        self.base_env = {
+            **os.environ,
+            "PD_EXTPROC_IMAGE": IMAGE,
+            "PD_EXTPROC_GATEWAY_PORT": str(self.gateway_port),
+            "PD_EXTPROC_METRICS_PORT": str(self.metrics_port),
+            "COMPOSE_PROJECT_NAME": PROJECT,
+        }
+
+    def __call__(self, *args: str, env: dict[str, str] | None = None) -> str:
+        return run(
+            ["docker-compose", "-f", str(ROOT / "docker-compose.yml"), *args],
+            env={**self.base_env, **(env or {})},
+            cwd=ROOT,
+        )
+
+    def containers(self) -> list[str]:
+        out = run(["docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={PROJECT}"])
+        return out.split()
+
+    def wait_ready(self, timeout: float = 120) -> None:
+        """Every container healthy, and the gateway routing through pd-extproc."""
+        deadline = time.monotonic() + timeout
+        while True:
+            ids = self.containers()
+            states = run(["docker", "inspect", "-f", "{{.Name}} {{.State.Health.Status}}", *ids]).split("\n")
+            unhealthy = [s for s in states if s.strip() and not s.endswith(" healthy")]
+            if ids and not unhealthy and self.gateway_answers():
+                return
+            if time.monotonic() > deadline:
+                print(self("logs", "--tail", "30"))
+                raise SystemExit(f"compose stack not ready after {timeout:.0f} s: {unhealthy}")
+            time.sleep(0.5)
+
+    def gateway_answers(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.gateway_port}/v1/models", timeout=3) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
+            return r.read().decode()
+
+
+def check_requests(compose: Compose, mode: str, handoff: str) -> None:
+    client = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{compose.gateway_port}/v1", api_key="unused", max_retries=0, timeout=60
+    )
+    seen: list[tuple[str, str, str]] = []
+    for i in range(REQUESTS_PER_KIND):
+        messages = [{"role": "user", "content": f"{i} {LONG_PROMPT}"}]
+        raw = client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, max_tokens=16)
+        completion = raw.parse()
+        assert completion.choices[0].message.content, completion
+        assert completion.usage and completion.usage.completion_tokens == 16, completion.usage
+        seen.append(("non-streaming", raw.headers.get("x-sim-group"), raw.headers.get("x-sim-prefill-group")))
+        assert raw.headers.get("x-sim-kv-transfer") == "same_group", dict(raw.headers)
+
+        raw = client.chat.completions.with_raw_response.create(
+            model=MODEL, messages=messages, max_tokens=16, stream=True, stream_options={"include_usage": True}
+        )
+        text, usage = "", None
+        for chunk in raw.parse():
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+            usage = chunk.usage or usage
+        assert text and usage and usage.completion_tokens == 16, (text, usage)
+        seen.append(("streaming", raw.headers.get("x-sim-group"), raw.headers.get("x-sim-prefill-group")))
+        assert raw.headers.get("x-sim-kv-transfer") == "same_group", dict(raw.headers)
+    if mode == "strict":
+
+        def one(i: int) -> tuple[str, str, str]:
+            messages = [{"role": "user", "content": f"burst {i} {LONG_PROMPT}"}]
+            raw = client.chat.completions.with_raw_response.create(
+                model=MODEL, messages=messages, max_tokens=64, stream=True
+            )
+            assert "".join(c.choices[0].delta.content or "" for c in raw.parse() if c.choices)
+            return ("burst", raw.headers.get("x-sim-group"), raw.headers.get("x-sim-prefill-group"))
+
+        with concurrent.futures.ThreadPoolExecutor(BURST) as pool:
+            seen += pool.map(one, range(BURST))
+    wrong = [s for s in seen if s[1] is None or s[1] != s[2]]
+    assert not wrong, f"requests not on a decode of their prefill's group: {wrong}"
+    groups = sorted({s[2] for s in seen})
+    log(
+        f"{mode}/{handoff}: {len(seen)} requests (streaming and not) each on a decode of its prefill's "
+        f"group (prefill groups used: {', '.join(groups)})"
+    )
+
+    metrics = compose.metrics()
+    decisions = [
+        line for line in metrics.splitlines() if line.startswith("pd_extproc_route_decisions_total{")
+    ]
+    assert any(f'mode="{mode}"' in line and 'locality="same_group"' in line for line in decisions), decisions
+    assert not any('locality="cross_group"' in line for line in decisions), decisions
+    if handoff != "sidecar":
+        legs = [line for line in metrics.splitlines() if line.startswith("pd_extproc_prefill_leg_total{")]
+        ok = sum(float(line.rsplit(" ", 1)[1]) for line in legs if 'outcome="ok"' in line)
+        assert ok >= 2 * REQUESTS_PER_KIND, legs
+    log(f"/metrics on :{compose.metrics_port}: {'; '.join(decisions)}")
+
+
+def main() -> int:
+    if os.geteuid() != 0:
+        print(
+            "make test-compose: SKIPPED: needs root to install Docker (docker.io, docker-compose, "
+            "debootstrap) and to start dockerd; run it as root (CI does)."
+        )
+        return 0
+    started = time.monotonic()
+    ensure_tools()
+    with docker_engine():
+        compose = Compose()
+        try:
+            build_image(base_image())
+            compose("down", "-v", "--remove-orphans")
+            t0 = time.monotonic()
+            compose("up", "-d", "--no-build")
+            up_returned = time.monotonic() - t0
+            compose.wait_ready()
+            log(
+                f"cold `docker-compose up -d`: returned in {up_returned:.1f} s, every service healthy and "
+                f"the gateway routing after {time.monotonic() - t0:.1f} s"
+            )
+            for mode, handoff in PHASES:
+                env = {"PD_EXTPROC_AFFINITY_MODE": mode, "PD_EXTPROC_HANDOFF": handoff}
+                if (mode, handoff) != PHASES[0]:
+                    t0 = time.monotonic()
+                    out = compose("up", "-d", "--no-build", env=env)
+                    assert "Recreating" in out and "pd-extproc" in out, out
+                    compose.wait_ready()
+                    log(f"pd-extproc recreated with {env} in {time.monotonic() - t0:.1f} s")
+                check_requests(compose, mode, handoff)
+        finally:
+            compose("down", "-v", "--remove-orphans")
+            left = compose.containers()
+            log("docker-compose down -v: " + (f"LEFT {left}" if left else "no container left"))
+    log(f"PASSED in {time.monotonic() - started:.0f} s")
+    return 0 if not left else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
