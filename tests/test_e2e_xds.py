@@ -108,6 +108,27 @@ class Watch:
             assert time.monotonic() < end, f"requests did not land as expected within {DEADLINE} s"
 
 
+Change = tuple[str, Callable[[], None], Callable[[list[Landing]], bool]]
+"""One step of a scenario: its name, what it changes at the source, and how requests land after it."""
+
+
+async def timed_changes(watch: Watch, changes: list[Change]) -> dict[str, float]:
+    """Apply each change in turn and wait until requests land as it says; return, per change, how long
+    after it that happened (seconds)."""
+    timings = {}
+    for name, change, check in changes:
+        since = time.monotonic()
+        change()
+        timings[name] = await watch.lands(check, since)
+    return timings
+
+
+def assert_moved_in_time(timings: dict[str, float]) -> None:
+    """Every change moved requests within :data:`LANDING_SECONDS`."""
+    slow = {change: f"{seconds:.2f} s" for change, seconds in timings.items() if seconds > LANDING_SECONDS}
+    assert not slow, f"requests moved later than {LANDING_SECONDS} s after the change: {slow}"
+
+
 @contextlib.asynccontextmanager
 async def watched(g: Gatewayed) -> AsyncIterator[Watch]:
     async with aiohttp.ClientSession() as session:
@@ -161,64 +182,58 @@ async def test_endpoints_added_unhealthy_healthy_regrouped_and_removed_move_requ
             gateway_over(tmp_path, prefills, decodes, {"affinity.mode": "strict"}, ads=True) as g,
             watched(g) as watch,
         ):
-            timings = {}
             assert {x.served for x in await watch.send()} == {d1.address, d2.address}
-
-            # added: a decode in group a and a prefill in group b
-            since = time.monotonic()
-            write_eds_file(g.prefill_eds, "prefill", [*prefills, spec(pc, "b")])
-            write_eds_file(g.decode_eds, "decode", [*decodes, spec(d3, "a")])
-            timings["added"] = await watch.lands(
-                lambda batch: (
-                    any(x.served == d3.address for x in batch) and any(x.prefill == pc.address for x in batch)
-                ),
-                since,
-            )
-
-            # made unhealthy: group a's requests all go to d3
-            since = time.monotonic()
-            decodes = [spec(d1, "a", "UNHEALTHY"), spec(d2, "b"), spec(d3, "a")]
-            write_eds_file(g.decode_eds, "decode", decodes)
-            timings["unhealthy"] = await watch.lands(
-                lambda batch: all(x.served != d1.address for x in batch), since
-            )
-
-            # healthy again: d1 serves group a again
-            since = time.monotonic()
-            decodes = [spec(d1, "a"), spec(d2, "b"), spec(d3, "a")]
-            write_eds_file(g.decode_eds, "decode", decodes)
-            timings["healthy again"] = await watch.lands(
-                lambda batch: any(x.served == d1.address for x in batch), since
-            )
-
-            # relabelled: d3 moves to group b
-            since = time.monotonic()
-            decodes = [spec(d1, "a"), spec(d2, "b"), spec(d3, "b")]
-            write_eds_file(g.decode_eds, "decode", decodes)
-            timings["relabelled"] = await watch.lands(
-                lambda batch: (
-                    any(x.served == d3.address and x.prefill != pa.address for x in batch)
-                    and all(x.served == d1.address for x in batch if x.prefill == pa.address)
-                ),
-                since,
-            )
-
-            # removed: d2 and the prefill pc
-            since = time.monotonic()
             decodes = [spec(d1, "a"), spec(d3, "b")]
-            write_eds_file(g.prefill_eds, "prefill", prefills)
-            write_eds_file(g.decode_eds, "decode", decodes)
-            timings["removed"] = await watch.lands(
-                lambda batch: all(x.served != d2.address and x.prefill != pc.address for x in batch), since
+
+            def files(prefill: list[EndpointSpec] | None, decode: list[EndpointSpec]) -> Callable[[], None]:
+                def write() -> None:
+                    if prefill is not None:
+                        write_eds_file(g.prefill_eds, "prefill", prefill)
+                    write_eds_file(g.decode_eds, "decode", decode)
+
+                return write
+
+            timings = await timed_changes(
+                watch,
+                [
+                    (
+                        "added",  # a decode in group a and a prefill in group b
+                        files([*prefills, spec(pc, "b")], [spec(d1, "a"), spec(d2, "b"), spec(d3, "a")]),
+                        lambda batch: (
+                            any(x.served == d3.address for x in batch)
+                            and any(x.prefill == pc.address for x in batch)
+                        ),
+                    ),
+                    (
+                        "unhealthy",  # group a's requests all go to d3
+                        files(None, [spec(d1, "a", "UNHEALTHY"), spec(d2, "b"), spec(d3, "a")]),
+                        lambda batch: all(x.served != d1.address for x in batch),
+                    ),
+                    (
+                        "healthy again",
+                        files(None, [spec(d1, "a"), spec(d2, "b"), spec(d3, "a")]),
+                        lambda batch: any(x.served == d1.address for x in batch),
+                    ),
+                    (
+                        "relabelled",  # d3 moves to group b
+                        files(None, [spec(d1, "a"), spec(d2, "b"), spec(d3, "b")]),
+                        lambda batch: (
+                            any(x.served == d3.address and x.prefill != pa.address for x in batch)
+                            and all(x.served == d1.address for x in batch if x.prefill == pa.address)
+                        ),
+                    ),
+                    (
+                        "removed",  # d2 and the prefill pc
+                        files(prefills, decodes),
+                        lambda batch: all(x.served != d2.address and x.prefill != pc.address for x in batch),
+                    ),
+                ],
             )
 
             assert await envoy_endpoints(watch) == {"prefill": set(prefills), "decode": set(decodes)}
         assert watch.violations == [], watch.violations
         assert watch.samples >= 10, watch.samples
-        slow = {
-            change: f"{seconds:.2f} s" for change, seconds in timings.items() if seconds > LANDING_SECONDS
-        }
-        assert not slow, f"requests moved later than {LANDING_SECONDS} s after the change: {slow}"
+        assert_moved_in_time(timings)
 
 
 async def test_the_checks_catch_an_envoy_that_lacks_an_endpoint_the_router_picks(tmp_path: Path) -> None:
