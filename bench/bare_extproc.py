@@ -1,7 +1,8 @@
 """The floor a Python ext_proc server cannot go below: grpc.aio answering every message unchanged.
 
 Same phases as pd-extproc (Envoy sends request headers and the buffered body), no parsing, no
-decision: the override_host policy then falls back to least-request. The overhead benchmark
+decision: the overhead benchmark renders its Envoy with the fail-open edit (the decode route does not
+require a routing header), and the override_host policy falls back to least-request. The overhead benchmark
 runs it side by side with pd-extproc to separate Python gRPC's own cost from ours.
 Run: ``python bench/bare_extproc.py PORT``; prints the bound port.
 """

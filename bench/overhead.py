@@ -166,6 +166,7 @@ async def measure(requests: int, concurrencies: list[int], throughput_seconds: f
                 decode_eds_path=eds[1],
                 prefill_eds_path=eds[0],
                 prefill_leg_port=free_port(),
+                fail_open=name == "bare_ext_proc",  # it names no decode: Envoy's fallback policy picks
             )
             gateways.append(await start_gateway(bootstrap, listen, admin, concurrency=1))
             urls[name] = f"{gateways[-1].url}/v1/chat/completions"

@@ -74,6 +74,7 @@ def render_bootstrap(
     prefill_eds_path: str | None = None,
     round_robin: bool = False,
     response_headers: bool = False,
+    fail_open: bool = False,
     template: Path = SHIPPED_BOOTSTRAP,
 ) -> dict:
     """The shipped bootstrap (``template``) bound to local ports and files (the prefill-leg
@@ -81,9 +82,12 @@ def render_bootstrap(
     clusters read files (``envoy.yaml``) and unused by one served over ADS (``envoy-ads.yaml``).
 
     ``extproc_port=None`` removes the ext_proc filter (the "same route without the filter"
-    baseline); ``round_robin=True`` also replaces the decode cluster's override_host policy by
-    plain round robin (the "plain Envoy" baseline); ``response_headers=True`` turns on the
-    optional ext_proc response-headers phase.
+    baseline: the decode route then takes every ``/v1/`` request, as with ``fail_open``);
+    ``round_robin=True`` also replaces the decode cluster's override_host policy by plain round
+    robin (the "plain Envoy" baseline); ``response_headers=True`` turns on the optional ext_proc
+    response-headers phase; ``fail_open=True`` makes the documented fail-open edit (README
+    "Reliability"): the decode route no longer requires pd-extproc's routing header, so a request
+    pd-extproc did not answer goes to a decode chosen by the cluster's fallback policy.
     """
     try:
         config = copy.deepcopy(yaml.safe_load(template.read_text(encoding="utf-8")))
@@ -115,6 +119,10 @@ def render_bootstrap(
             ext_proc["typed_config"]["processing_mode"]["response_header_mode"] = "SEND"
         endpoint = clusters["pd_extproc"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
         endpoint["address"] = _socket(extproc_port)
+    if fail_open or extproc_port is None:
+        routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+        routed = next(route for route in routes if route.get("route", {}).get("cluster") == "decode")
+        del routed["match"]["headers"]
     if round_robin:
         decode.pop("load_balancing_policy", None)
         decode["lb_policy"] = "ROUND_ROBIN"

@@ -18,6 +18,7 @@ import pytest
 import yaml
 from backends import EchoBackend, ScriptedPrefill, start_backend, start_scripted_prefill
 from e2e_harness import Gatewayed, gateway_over, stack
+from polling import until
 
 from ext_proc.discovery.eds import EndpointSpec
 from ext_proc.envoy_messages import error_body
@@ -146,7 +147,7 @@ async def test_deeply_nested_json_is_a_400_without_a_traceback(tmp_path, caplog)
 def _shipped_404_body() -> bytes:
     routes = yaml.safe_load(SHIPPED_BOOTSTRAP.read_text())["static_resources"]["listeners"][0]
     routes = routes["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]["virtual_hosts"][0]
-    (direct,) = [r for r in routes["routes"] if "direct_response" in r]
+    (direct,) = [r for r in routes["routes"] if r.get("direct_response", {}).get("status") == 404]
     return direct["direct_response"]["body"]["inline_string"].encode()
 
 
@@ -223,13 +224,16 @@ def _short_ext_proc_timeouts(bootstrap: dict) -> None:
     ext_proc["typed_config"].update(message_timeout="0.2s", max_message_timeout="0.4s")
 
 
-async def test_pd_extproc_answering_too_late_is_a_json_504(tmp_path):
-    """A prefill leg longer than the filter's max_message_timeout: Envoy gives up on the answer."""
+async def test_pd_extproc_answering_too_late_is_a_json_503_and_nothing_is_forwarded(tmp_path):
+    """A prefill leg longer than the filter's max_message_timeout: Envoy gives up on the answer, lets the
+    request through without a routing decision (failure_mode_allow) and the route without pd-extproc's
+    header refuses it; pd-extproc sees its stream end and cancels the leg."""
     slow = json.dumps({"kv_transfer_params": PARAMS}).encode()
     async with kv_gateway(tmp_path, body=slow, edit=_short_ext_proc_timeouts) as (g, prefill, decode):
         prefill.delay = 2.0
         async with aiohttp.ClientSession() as session:
             status, headers, answer = await _post(session, g.gateway.url, chat_of_size(200))
-        error = _envoy_error(status, headers, answer, 504, "routing_timeout")
-        assert error["type"] == "gateway_timeout"
+        error = _envoy_error(status, headers, answer, 503, "routing_unavailable")
+        assert "did not answer in time" in error["message"]
         assert decode.requests == []
+        await until(lambda: prefill.cancelled == 1)

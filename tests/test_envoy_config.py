@@ -51,8 +51,10 @@ def test_shipped_envoy_config_validates(config):
         {"extproc_port": None, "round_robin": True},
         {"response_headers": True},
         {"template": SHIPPED_ADS_BOOTSTRAP},
+        {"fail_open": True},
+        {"fail_open": True, "template": SHIPPED_ADS_BOOTSTRAP},
     ],
-    ids=["routed", "no-filter", "round-robin", "response-headers", "ads"],
+    ids=["routed", "no-filter", "round-robin", "response-headers", "ads", "fail-open", "ads-fail-open"],
 )
 def test_rendered_variants_validate(tmp_path, variant):
     options = {

@@ -47,6 +47,13 @@ static_resources:
           stat_prefix: gateway
           request_timeout: 0s
           stream_idle_timeout: {{ $idle }}s
+          early_header_mutation_extensions:
+          - name: envoy.http.early_header_mutation.header_mutation
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.http.early_header_mutation.header_mutation.v3.HeaderMutation
+              mutations:
+              - remove: {{ $destination }}
+              - remove: {{ .Values.routing.prefill_header }}
           local_reply_config:
             mappers:
             - filter:
@@ -71,33 +78,6 @@ static_resources:
                     type: invalid_request_error
                     param: null
                     code: headers_too_large
-            - filter:
-                extension_filter:
-                  name: envoy.access_loggers.extension_filters.cel
-                  typed_config:
-                    "@type": type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter
-                    expression: "response.code_details == 'ext_proc_error_per-message_timeout_exceeded'"
-              body_format_override:
-                json_format:
-                  error:
-                    message: "the routing server did not answer in time; the request was not forwarded"
-                    type: gateway_timeout
-                    param: null
-                    code: routing_timeout
-            - filter:
-                extension_filter:
-                  name: envoy.access_loggers.extension_filters.cel
-                  typed_config:
-                    "@type": type.googleapis.com/envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter
-                    expression: "response.code_details.startsWith('ext_proc_')"
-              status_code: 503
-              body_format_override:
-                json_format:
-                  error:
-                    message: "the routing server is unavailable; the request was not forwarded (%RESPONSE_CODE_DETAILS%)"
-                    type: service_unavailable
-                    param: null
-                    code: routing_unavailable
             - filter: {response_flag_filter: {flags: [UH]}}
               body_format_override:
                 json_format:
@@ -144,7 +124,9 @@ static_resources:
             - name: inference
               domains: ["*"]
               routes:
-              - match: {prefix: "/v1/"}
+              - match:
+                  prefix: "/v1/"
+                  headers: [{name: {{ $destination }}, present_match: true}]
                 route:
                   cluster: decode
                   timeout: 0s
@@ -153,6 +135,14 @@ static_resources:
                     retry_on: connect-failure,refused-stream,reset-before-request
                     num_retries: 2
                     per_try_timeout: 0s
+              - match: {prefix: "/v1/"}
+                direct_response:
+                  status: 503
+                  body:
+                    inline_string: '{"error":{"message":"the routing server is unavailable or did not answer in time; the request was not forwarded","type":"service_unavailable","param":null,"code":"routing_unavailable"}}'
+                response_headers_to_add:
+                - header: {key: content-type, value: application/json}
+                  append_action: OVERWRITE_IF_EXISTS_OR_ADD
               - match: {prefix: "/"}
                 direct_response:
                   status: 404
@@ -171,7 +161,8 @@ static_resources:
               "@type": type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor
               grpc_service:
                 envoy_grpc: {cluster_name: pd_extproc}
-              failure_mode_allow: false
+              failure_mode_allow: true
+              route_cache_action: CLEAR
               message_timeout: 5s
               max_message_timeout: {{ include "pd-extproc.decimal" $maxMessage }}s
               processing_mode:
