@@ -153,6 +153,8 @@ async def test_a_router_crash_leaves_routed_generations_running_and_a_restart_co
         await stack.start_router()
         old = [asyncio.create_task(generate(session, stack.gateway.url, 2500)) for _ in range(STREAMS)]
         await until(lambda: _count(session, stack, STREAMS))
+        # every generation has reached its decode (routed and forwarded) before the crash
+        await until(lambda: sum(len(b.requests) for b in stack.decodes.values()) == STREAMS)
         assert stack.signal_router(signal.SIGKILL) == -signal.SIGKILL
         # Down: nothing is routed, a spoofed destination included, and no backend sees the request.
         served = sum(len(b.requests) for b in stack.decodes.values())
