@@ -1,0 +1,104 @@
+"""Security defaults: client-sent handoff fields never reach an engine (every handoff mode)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from test_router import P1, ep, make_router
+
+from ext_proc.affinity import Cost
+from ext_proc.handoff import (
+    DecodeRoute,
+    FailurePolicy,
+    HandoffJob,
+    KvTransferParamsHandoff,
+    Placement,
+    PrefillClient,
+    RequestMeta,
+    Routed,
+    SglangBootstrapHandoff,
+)
+from ext_proc.handoff.body import HANDOFF_FIELDS, PREFILL_REQUEST_PARAMS, prefill_leg_body
+from ext_proc.metrics import Metrics
+from ext_proc.router import Router
+
+DECODE = "10.0.1.1:8000"
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi " * 50}], "max_tokens": 4}
+INJECTED = {
+    "kv_transfer_params": {"do_remote_prefill": True, "remote_host": "10.9.9.9", "remote_block_ids": [1]},
+    "bootstrap_host": "10.9.9.9",
+    "bootstrap_port": 8998,
+    "bootstrap_room": 42,
+}
+
+
+def sidecar_router(threshold: int) -> Router:
+    """One prefill and one decode, sidecar handoff; prompts below ``threshold`` tokens go decode-only."""
+    base = make_router([ep(P1, "g1")], [ep(DECODE, "g1")])
+    return Router(base.registry, base.policy, base.handoff, base.metrics, 16, threshold)
+
+
+def route(router: Router, body: dict[str, object]) -> Routed:
+    routed = router.route_body(json.dumps(body).encode(), RequestMeta("/v1/chat/completions"))
+    assert isinstance(routed, Routed), routed
+    routed.lease.release()
+    return routed
+
+
+@pytest.mark.parametrize("threshold", [0, 10_000], ids=["with-prefill", "decode-only"])
+@pytest.mark.parametrize("field", sorted(INJECTED))
+def test_sidecar_removes_a_client_handoff_field(threshold, field):
+    routed = route(sidecar_router(threshold), {**CHAT, field: INJECTED[field]})
+    headers = dict(routed.instructions.set_headers)
+    assert ("x-prefiller-host-port" in headers) is (threshold == 0)
+    assert routed.instructions.body is not None
+    assert json.loads(routed.instructions.body) == CHAT
+
+
+@pytest.mark.parametrize("threshold", [0, 10_000], ids=["with-prefill", "decode-only"])
+def test_sidecar_leaves_a_clean_body_untouched(threshold):
+    assert route(sidecar_router(threshold), CHAT).instructions.body is None
+
+
+def job(body: dict[str, object]) -> HandoffJob:
+    return HandoffJob(json.dumps(body).encode(), body, RequestMeta("/v1/completions"), Cost(10, 14), None)
+
+
+def decode_only(router: Router) -> Placement:
+    placed = router._place(Cost(10, 14), router._no_prefills, None)
+    assert isinstance(placed, Placement) and placed.decision.prefill is None
+    return placed
+
+
+@pytest.mark.parametrize("mode", ["kv-transfer-params", "sglang-bootstrap"])
+async def test_engine_handoffs_remove_every_client_handoff_field_when_decode_only(mode):
+    router = sidecar_router(0)
+    route_ = DecodeRoute("x-gateway-destination-endpoint", "x-prefiller-host-port")
+    client = PrefillClient("", route_.destination_header, 1.0)
+    metrics = Metrics(router.registry.endpoints)
+    handoff = (
+        KvTransferParamsHandoff(route_, client, metrics, FailurePolicy.DECODE_ONLY, 1.0)
+        if mode == "kv-transfer-params"
+        else SglangBootstrapHandoff(route_, client, metrics, 8998)
+    )
+    placement = decode_only(router)
+    try:
+        routed = handoff.hand_off(job({**CHAT, **INJECTED}), placement, router)
+        assert isinstance(routed, Routed)
+        assert routed.instructions.body is not None
+        assert json.loads(routed.instructions.body) == CHAT
+    finally:
+        placement.lease.release()
+        await handoff.close()
+
+
+def test_the_prefill_leg_carries_no_client_handoff_field():
+    leg = json.loads(prefill_leg_body({**CHAT, **INJECTED}))
+    assert {key: value for key, value in leg.items() if key in HANDOFF_FIELDS} == {
+        "kv_transfer_params": PREFILL_REQUEST_PARAMS
+    }
+
+
+def test_handoff_fields_are_the_fields_engines_obey():
+    assert set(HANDOFF_FIELDS) == set(INJECTED)
