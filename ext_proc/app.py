@@ -178,7 +178,7 @@ async def start_server(
     )
     if loaded and not health.ready:  # the publisher settled while the gRPC server was starting
         await health.set_ready(True)
-    runner = web.AppRunner(build_admin_app(registry, metrics), access_log=None)
+    runner = web.AppRunner(build_admin_app(registry, metrics, config.admin.debug_endpoints), access_log=None)
     await runner.setup()
     host, port = _split(config.metrics_listen)
     site = web.TCPSite(runner, host, port)

@@ -148,11 +148,24 @@ class XdsConfig:
 
 
 @dataclass(frozen=True)
+class AdminConfig:
+    """The admin HTTP endpoint on ``metrics_listen``.
+
+    ``debug_endpoints``: serve ``/debug/endpoints`` (every endpoint's address, health and live
+    load); ``False`` answers it 404. ``/metrics`` and ``/healthz`` are always served.
+    """
+
+    debug_endpoints: bool = True
+
+
+@dataclass(frozen=True)
 class Config:
-    """The whole configuration. ``listen``/``metrics_listen`` are ``host:port``."""
+    """The whole configuration. ``listen``/``metrics_listen`` are ``host:port``; the admin endpoint
+    (``metrics_listen``) listens on loopback unless configured otherwise."""
 
     listen: str = "0.0.0.0:9002"
-    metrics_listen: str = "0.0.0.0:9090"
+    metrics_listen: str = "127.0.0.1:9090"
+    admin: AdminConfig = field(default_factory=AdminConfig)
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     affinity: AffinityConfig = field(default_factory=AffinityConfig)
     load: LoadConfig = field(default_factory=LoadConfig)

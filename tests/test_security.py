@@ -1,13 +1,19 @@
-"""Security defaults: client-sent handoff fields never reach an engine (every handoff mode)."""
+"""Security defaults: client-sent handoff fields never reach an engine (every handoff mode); the admin
+endpoint listens on loopback unless configured, and ``/debug/endpoints`` can be switched off."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from test_admin import D1, D2, make_registry
+from test_admin import P1 as ADMIN_P1
 from test_router import P1, ep, make_router
 
+from ext_proc.admin import build_admin_app
 from ext_proc.affinity import Cost
+from ext_proc.config import ConfigError, load_config
 from ext_proc.handoff import (
     DecodeRoute,
     FailurePolicy,
@@ -102,3 +108,30 @@ def test_the_prefill_leg_carries_no_client_handoff_field():
 
 def test_handoff_fields_are_the_fields_engines_obey():
     assert set(HANDOFF_FIELDS) == set(INJECTED)
+
+
+# --- the admin endpoint ---------------------------------------------------------------------------
+
+
+def test_debug_endpoints_takes_only_a_boolean() -> None:
+    assert load_config(None, {"admin.debug_endpoints": False}, environ={}).admin.debug_endpoints is False
+    with pytest.raises(ConfigError, match=r"admin\.debug_endpoints: 'no' is not allowed; use true or false"):
+        load_config(None, {"admin.debug_endpoints": "no"}, environ={})
+
+
+@pytest.mark.parametrize("debug_endpoints", [True, False])
+async def test_debug_endpoints_can_be_switched_off(debug_endpoints: bool) -> None:
+    registry = make_registry()
+    app = build_admin_app(registry, Metrics(registry.endpoints), debug_endpoints)
+    async with TestClient(TestServer(app, host="127.0.0.1", port=0)) as client:
+        response = await client.get("/debug/endpoints")
+        assert response.content_type == "application/json"
+        if debug_endpoints:
+            assert response.status == 200
+            assert [row["address"] for row in await response.json()] == [ADMIN_P1, D1, D2]
+        else:
+            assert response.status == 404
+            error = (await response.json())["error"]
+            assert error["code"] == "disabled" and "admin.debug_endpoints" in error["message"]
+        assert (await client.get("/metrics")).status == 200
+        assert (await client.get("/healthz")).status == 200

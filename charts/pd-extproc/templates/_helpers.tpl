@@ -57,6 +57,8 @@ same name (tests/test_helm_chart.py keeps the two key sets equal). */}}
 {{- $k := $v.discovery.kubernetes -}}
 listen: {{ $v.listen | toJson }}
 metrics_listen: {{ $v.metrics_listen | toJson }}
+admin:
+  debug_endpoints: {{ $v.admin.debug_endpoints | toJson }}
 discovery:
   eds_files: {{ $v.discovery.eds_files | toJson }}
   prefill_cluster: {{ $v.discovery.prefill_cluster | toJson }}
