@@ -606,6 +606,8 @@ def test_the_bonus_is_accepted_as_users_type_it_and_rendered_as_a_number(
         (("xds.serve_eds=false",), {}, ["at '/xds/serve_eds': value must be true"]),
         (("xds.no_envoy_delay_seconds=60.5",), {}, ["at '/xds/no_envoy_delay_seconds'"]),
         ((), {"xds": {"no_envoy_delay_seconds": -1}}, ["at '/xds/no_envoy_delay_seconds'"]),
+        (("tls.cert_file=/etc/tls/tls.crt",), {}, ["at '/tls/cert_file'"]),
+        (("admin.debug_endpoints=yes",), {}, ["at '/admin/debug_endpoints'"]),
         (("affinty.mode=strict",), {}, ["additional properties 'affinty' not allowed"]),
     ],
 )

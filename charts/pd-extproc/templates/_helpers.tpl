@@ -99,4 +99,8 @@ handoff:
 xds:
   serve_eds: {{ $v.xds.serve_eds | toJson }}
   no_envoy_delay_seconds: {{ include "pd-extproc.decimal" $v.xds.no_envoy_delay_seconds }}
+tls:
+  cert_file: {{ $v.tls.cert_file | toJson }}
+  key_file: {{ $v.tls.key_file | toJson }}
+  client_ca_file: {{ $v.tls.client_ca_file | toJson }}
 {{- end }}
