@@ -1,19 +1,28 @@
 """Security defaults: client-sent handoff fields never reach an engine (every handoff mode); the admin
-endpoint listens on loopback unless configured, and ``/debug/endpoints`` can be switched off."""
+endpoint listens on loopback unless configured, and ``/debug/endpoints`` can be switched off; TLS and
+mutual TLS on the gRPC port."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import AsyncIterator
+from pathlib import Path
 
+import grpc
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
+from certs import Certificates, Pair, make_certificates
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from test_admin import D1, D2, make_registry
 from test_admin import P1 as ADMIN_P1
 from test_router import P1, ep, make_router
 
 from ext_proc.admin import build_admin_app
 from ext_proc.affinity import Cost
-from ext_proc.config import ConfigError, load_config
+from ext_proc.app import RunningServer, start_server
+from ext_proc.config import ConfigError, TlsConfig, load_config
+from ext_proc.discovery.eds import EndpointSpec, write_eds_file
 from ext_proc.handoff import (
     DecodeRoute,
     FailurePolicy,
@@ -28,6 +37,7 @@ from ext_proc.handoff import (
 from ext_proc.handoff.body import HANDOFF_FIELDS, PREFILL_REQUEST_PARAMS, prefill_leg_body
 from ext_proc.metrics import Metrics
 from ext_proc.router import Router
+from ext_proc.server import server_credentials, tls_mode
 
 DECODE = "10.0.1.1:8000"
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi " * 50}], "max_tokens": 4}
@@ -135,3 +145,119 @@ async def test_debug_endpoints_can_be_switched_off(debug_endpoints: bool) -> Non
             assert error["code"] == "disabled" and "admin.debug_endpoints" in error["message"]
         assert (await client.get("/metrics")).status == 200
         assert (await client.get("/healthz")).status == 200
+
+
+# --- TLS on the gRPC port ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def certificates(tmp_path_factory: pytest.TempPathFactory) -> Certificates:
+    return make_certificates(tmp_path_factory.mktemp("certs"))
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"tls.cert_file": "s.crt"}, "tls.cert_file and tls.key_file: set both"),
+        ({"tls.key_file": "s.key"}, "tls.cert_file and tls.key_file: set both"),
+        ({"tls.client_ca_file": "ca.crt"}, "tls.client_ca_file: needs tls.cert_file"),
+    ],
+)
+def test_tls_settings_must_be_complete(settings: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, settings, environ={})
+
+
+def test_tls_paths_resolve_against_the_config_files_folder(tmp_path: Path) -> None:
+    path = tmp_path / "conf" / "pd-extproc.yaml"
+    path.parent.mkdir()
+    path.write_text("tls: {cert_file: tls/s.crt, key_file: /abs/s.key}\n")
+    tls = load_config(str(path), {}, environ={}).tls
+    assert (tls.cert_file, tls.key_file, tls.client_ca_file) == (
+        str(tmp_path / "conf/tls/s.crt"),
+        "/abs/s.key",
+        "",
+    )
+    assert tls_mode(tls) == "TLS"
+
+
+def test_an_unreadable_tls_file_is_a_config_error(certificates: Certificates, tmp_path: Path) -> None:
+    tls = TlsConfig(str(certificates.server.cert), str(tmp_path / "missing.key"))
+    with pytest.raises(ConfigError, match=r"tls\.key_file: cannot read .*missing\.key"):
+        server_credentials(tls)
+    assert server_credentials(TlsConfig()) is None
+
+
+@contextlib.asynccontextmanager
+async def tls_server(tmp_path: Path, tls: dict[str, object]) -> AsyncIterator[RunningServer]:
+    """pd-extproc with one prefill and one decode (EDS files) and the ``tls`` settings (dotted keys)."""
+    files = [tmp_path / "p.yaml", tmp_path / "d.yaml"]
+    write_eds_file(files[0], "prefill", [EndpointSpec("10.0.0.1:8000", "a", None, True, "HEALTHY")])
+    write_eds_file(files[1], "decode", [EndpointSpec("10.0.1.1:8000", "a", None, True, "HEALTHY")])
+    overrides = {
+        "listen": "127.0.0.1:0",
+        "metrics_listen": "127.0.0.1:0",
+        "discovery.eds_files": [str(f) for f in files],
+        **tls,
+    }
+    server = await start_server(load_config(None, overrides, environ={}))
+    try:
+        yield server
+    finally:
+        await server.stop(grace=0.1)
+
+
+def channel_credentials(certificates: Certificates, client: Pair | None) -> grpc.ChannelCredentials:
+    """Trust ``certificates.ca``; present ``client`` if given."""
+    return grpc.ssl_channel_credentials(
+        certificates.ca.cert.read_bytes(),
+        client.key.read_bytes() if client is not None else None,
+        client.cert.read_bytes() if client is not None else None,
+    )
+
+
+async def liveness(target: str, credentials: grpc.ChannelCredentials | None) -> bool:
+    """Whether a health check over this channel is answered (``False``: the connection was refused)."""
+    channel = (
+        grpc.aio.insecure_channel(target)
+        if credentials is None
+        else grpc.aio.secure_channel(target, credentials)
+    )
+    async with channel:
+        try:
+            await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="liveness"), timeout=3
+            )
+        except grpc.aio.AioRpcError as exc:
+            assert exc.code() is grpc.StatusCode.UNAVAILABLE, exc
+            return False
+    return True
+
+
+async def test_mutual_tls_admits_only_clients_with_a_certificate_from_the_ca(
+    tmp_path: Path, certificates: Certificates
+) -> None:
+    c = certificates
+    tls = {
+        "tls.cert_file": str(c.server.cert),
+        "tls.key_file": str(c.server.key),
+        "tls.client_ca_file": str(c.ca.cert),
+    }
+    async with tls_server(tmp_path, tls) as server:
+        target = f"127.0.0.1:{server.grpc_port}"
+        assert await liveness(target, channel_credentials(c, c.client))
+        assert not await liveness(target, channel_credentials(c, None))
+        assert not await liveness(target, channel_credentials(c, c.stranger))
+        assert not await liveness(target, None)
+
+
+async def test_tls_without_a_client_ca_needs_no_client_certificate(
+    tmp_path: Path, certificates: Certificates
+) -> None:
+    c = certificates
+    async with tls_server(
+        tmp_path, {"tls.cert_file": str(c.server.cert), "tls.key_file": str(c.server.key)}
+    ) as server:
+        target = f"127.0.0.1:{server.grpc_port}"
+        assert await liveness(target, channel_credentials(c, None))
+        assert not await liveness(target, None)
