@@ -45,25 +45,26 @@ def readme_transport_socket(certificates: Certificates, client: Pair) -> dict:
     return json.loads(rendered)
 
 
-def over_tls(transport_socket: dict | None) -> Callable[[dict], None]:
-    """A bootstrap edit giving the ``pd_extproc`` cluster ``transport_socket`` (``None``: plaintext)."""
+def over_tls(transport_socket: dict) -> Callable[[dict], None]:
+    """A bootstrap edit giving the ``pd_extproc`` cluster ``transport_socket``."""
 
     def edit(bootstrap: dict) -> None:
         (cluster,) = [c for c in bootstrap["static_resources"]["clusters"] if c["name"] == "pd_extproc"]
-        if transport_socket is not None:
-            cluster.update(transport_socket)
+        cluster.update(transport_socket)
 
     return edit
 
 
-@pytest.mark.parametrize("client", ["envoy", "plaintext", "other-ca"])
+@pytest.mark.parametrize("client", ["envoy", "envoy-ads", "plaintext", "other-ca"])
 async def test_envoy_reaches_pd_extproc_only_over_mutual_tls_with_a_certificate_from_its_ca(tmp_path, client):
     c = make_certificates(tmp_path / "certs")
     socket = {
         "envoy": readme_transport_socket(c, c.client),
+        "envoy-ads": readme_transport_socket(c, c.client),  # the endpoints too come over that cluster
         "plaintext": None,
         "other-ca": readme_transport_socket(c, c.stranger),
     }[client]
+    admitted = client.startswith("envoy")
     settings = {
         "tls.cert_file": str(c.server.cert),
         "tls.key_file": str(c.server.key),
@@ -74,19 +75,26 @@ async def test_envoy_reaches_pd_extproc_only_over_mutual_tls_with_a_certificate_
     specs = [EndpointSpec(b.address, "a", None, True, "HEALTHY") for b in (prefill, decode)]
     try:
         async with (
-            gateway_over(tmp_path, specs[:1], specs[1:], settings, edit=over_tls(socket)) as g,
+            gateway_over(
+                tmp_path,
+                specs[:1],
+                specs[1:],
+                settings,
+                edit=over_tls(socket) if socket else None,
+                ads=client == "envoy-ads",
+            ) as g,
             aiohttp.ClientSession() as session,
             session.post(f"{g.gateway.url}/v1/chat/completions", json=CHAT) as response,
         ):
             answer = await response.json()
-            if client == "envoy":
+            if admitted:
                 assert response.status == 200, answer
                 assert response.headers["x-served-by"] == decode.address
                 assert response.headers["x-seen-prefiller"] == prefill.address
             else:
                 assert response.status == 503, answer
                 assert answer["error"]["code"] == "routing_unavailable"
-        assert len(decode.requests) == (1 if client == "envoy" else 0)
+        assert len(decode.requests) == (1 if admitted else 0)
     finally:
         await decode.stop()
         await prefill.stop()
