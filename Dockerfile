@@ -64,6 +64,7 @@ ENV PATH=/opt/pd-extproc/bin:$PATH \
 # Envoy and pd-extproc read envoy/... and config/... relative to here (README "Running it").
 WORKDIR /app
 USER 10001:10001
-# 8080 gateway, 9090 pd-extproc metrics, 9002 pd-extproc gRPC (ext_proc + health).
+# 8080 gateway, 9090 pd-extproc metrics, 9002 pd-extproc gRPC (ext_proc + health). The metrics port
+# listens on every address of the container (pd-extproc's own default is loopback only).
 EXPOSE 8080 9090 9002
-CMD ["pd-extproc", "serve", "--config", "config/pd-extproc.yaml"]
+CMD ["pd-extproc", "serve", "--config", "config/pd-extproc.yaml", "--metrics-listen", "0.0.0.0:9090"]

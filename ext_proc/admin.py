@@ -1,4 +1,5 @@
-"""The admin HTTP endpoint: ``/metrics`` (Prometheus), ``/debug/endpoints`` (JSON), ``/healthz``."""
+"""The admin HTTP endpoint: ``/metrics`` (Prometheus), ``/debug/endpoints`` (JSON, unless switched
+off), ``/healthz``."""
 
 from __future__ import annotations
 
@@ -29,8 +30,9 @@ def endpoint_rows(registry: Registry) -> list[dict[str, object]]:
     ]
 
 
-def build_admin_app(registry: Registry, metrics: Metrics) -> web.Application:
-    """The aiohttp application serving the admin routes."""
+def build_admin_app(registry: Registry, metrics: Metrics, debug_endpoints: bool = True) -> web.Application:
+    """The aiohttp application serving the admin routes; without ``debug_endpoints``,
+    ``/debug/endpoints`` answers 404 with a JSON error (config ``admin.debug_endpoints``)."""
 
     async def metrics_handler(_: web.Request) -> web.Response:
         return web.Response(
@@ -40,6 +42,10 @@ def build_admin_app(registry: Registry, metrics: Metrics) -> web.Application:
     async def endpoints_handler(_: web.Request) -> web.Response:
         return web.json_response(endpoint_rows(registry))
 
+    async def endpoints_off_handler(_: web.Request) -> web.Response:
+        error = {"message": "/debug/endpoints is switched off (admin.debug_endpoints)", "code": "disabled"}
+        return web.json_response({"error": error}, status=404)
+
     async def healthz_handler(_: web.Request) -> web.Response:
         return web.json_response(
             {"status": "ok", "prefills": len(registry.prefills), "decodes": len(registry.decodes)}
@@ -47,6 +53,6 @@ def build_admin_app(registry: Registry, metrics: Metrics) -> web.Application:
 
     app = web.Application()
     app.router.add_get("/metrics", metrics_handler)
-    app.router.add_get("/debug/endpoints", endpoints_handler)
+    app.router.add_get("/debug/endpoints", endpoints_handler if debug_endpoints else endpoints_off_handler)
     app.router.add_get("/healthz", healthz_handler)
     return app

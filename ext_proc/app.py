@@ -32,7 +32,7 @@ from ext_proc.metrics import Metrics
 from ext_proc.registry import Registry
 from ext_proc.reload import RELOAD_INTERVAL_SECONDS, ConfigWatcher
 from ext_proc.router import Router
-from ext_proc.server import Health, start_grpc
+from ext_proc.server import Health, server_credentials, start_grpc, tls_mode
 from ext_proc.xds import EdsPublisher
 
 log = logging.getLogger(__name__)
@@ -127,8 +127,8 @@ async def start_server(
     config: Config, source: ConfigSource | None = None, reload_interval: float = RELOAD_INTERVAL_SECONDS
 ) -> RunningServer:
     """Build the discovery source (files: loaded once here), start the gRPC server and the admin
-    endpoint, then the source's watcher. Raises :class:`~ext_proc.config.ConfigError` when the
-    source cannot be set up, ``OSError`` when an address cannot be bound.
+    endpoint, then the source's watcher. Raises :class:`~ext_proc.config.ConfigError` when a TLS file
+    cannot be read or the source cannot be set up, ``OSError`` when an address cannot be bound.
 
     With ``xds.serve_eds`` the source's endpoints go through an :class:`EdsPublisher` (Envoy
     first, then the router) and its ADS service runs on the gRPC port. Readiness turns SERVING
@@ -136,6 +136,7 @@ async def start_server(
     ``source`` is where ``config`` came from: when it names a file, the file is watched every
     ``reload_interval`` seconds and a changed affinity section is applied live (:mod:`ext_proc.reload`).
     """
+    credentials = server_credentials(config.tls)
     discovery = config.discovery
     registry = Registry(
         discovery.prefill_cluster, discovery.decode_cluster, config.load.default_token_capacity
@@ -174,11 +175,11 @@ async def start_server(
         config.routing.pd_threshold_tokens,
     )
     grpc_server, grpc_port, health = await start_grpc(
-        router, config.listen, loaded, publisher.ads if publisher is not None else None
+        router, config.listen, loaded, publisher.ads if publisher is not None else None, credentials
     )
     if loaded and not health.ready:  # the publisher settled while the gRPC server was starting
         await health.set_ready(True)
-    runner = web.AppRunner(build_admin_app(registry, metrics), access_log=None)
+    runner = web.AppRunner(build_admin_app(registry, metrics, config.admin.debug_endpoints), access_log=None)
     await runner.setup()
     host, port = _split(config.metrics_listen)
     site = web.TCPSite(runner, host, port)
@@ -197,10 +198,11 @@ async def start_server(
         reloads = ConfigWatcher(source, config, router, metrics, reload_interval)
         watchers.append(asyncio.create_task(reloads.run(), name="config-watcher"))
     log.info(
-        "pd-extproc serving ext_proc on %s (port %d), admin on port %d; affinity %s bonus %.2f; "
+        "pd-extproc serving ext_proc on %s (port %d, %s), admin on port %d; affinity %s bonus %.2f; "
         "handoff %s%s; EDS served to Envoy: %s; %d prefill and %d decode endpoints healthy",
         config.listen,
         grpc_port,
+        tls_mode(config.tls),
         admin_port,
         policy.mode.value,
         policy.bonus,

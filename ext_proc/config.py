@@ -148,17 +148,45 @@ class XdsConfig:
 
 
 @dataclass(frozen=True)
+class AdminConfig:
+    """The admin HTTP endpoint on ``metrics_listen``.
+
+    ``debug_endpoints``: serve ``/debug/endpoints`` (every endpoint's address, health and live
+    load); ``False`` answers it 404. ``/metrics`` and ``/healthz`` are always served.
+    """
+
+    debug_endpoints: bool = True
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    """TLS on the gRPC port (``listen``; README "TLS between Envoy and pd-extproc").
+
+    ``cert_file`` and ``key_file`` (PEM; both or neither): pd-extproc's certificate chain and key;
+    ``""`` serves plaintext. ``client_ca_file`` (PEM): with it, every client must present a
+    certificate signed by one of its CAs (mutual TLS). Relative paths resolve like ``eds_files``.
+    """
+
+    cert_file: str = ""
+    key_file: str = ""
+    client_ca_file: str = ""
+
+
+@dataclass(frozen=True)
 class Config:
-    """The whole configuration. ``listen``/``metrics_listen`` are ``host:port``."""
+    """The whole configuration. ``listen``/``metrics_listen`` are ``host:port``; the admin endpoint
+    (``metrics_listen``) listens on loopback unless configured otherwise."""
 
     listen: str = "0.0.0.0:9002"
-    metrics_listen: str = "0.0.0.0:9090"
+    metrics_listen: str = "127.0.0.1:9090"
+    admin: AdminConfig = field(default_factory=AdminConfig)
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     affinity: AffinityConfig = field(default_factory=AffinityConfig)
     load: LoadConfig = field(default_factory=LoadConfig)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     handoff: HandoffConfig = field(default_factory=HandoffConfig)
     xds: XdsConfig = field(default_factory=XdsConfig)
+    tls: TlsConfig = field(default_factory=TlsConfig)
 
 
 _CHOICES = (Mode, HandoffMode, FailurePolicy, SourceKind, Preset)
@@ -261,6 +289,7 @@ def validate(config: Config) -> Config:
     if config.routing.pd_threshold_tokens < 0:
         raise ConfigError("routing.pd_threshold_tokens: must be an integer >= 0")
     _check_handoff(config.handoff)
+    _check_tls(config.tls)
     _check_kubernetes(config.discovery.kubernetes)
     if not 0 <= config.xds.no_envoy_delay_seconds <= MAX_NO_ENVOY_DELAY:
         raise ConfigError(f"xds.no_envoy_delay_seconds: must be a number in [0, {MAX_NO_ENVOY_DELAY:g}]")
@@ -282,6 +311,13 @@ def _check_handoff(handoff: HandoffConfig) -> None:
         )
     if not 0 < handoff.default_bootstrap_port <= 65535:
         raise ConfigError("handoff.default_bootstrap_port: must be a port in 1..65535")
+
+
+def _check_tls(tls: TlsConfig) -> None:
+    if bool(tls.cert_file) != bool(tls.key_file):
+        raise ConfigError("tls.cert_file and tls.key_file: set both (TLS) or neither (plaintext)")
+    if tls.client_ca_file and not tls.cert_file:
+        raise ConfigError("tls.client_ca_file: needs tls.cert_file and tls.key_file (mutual TLS is TLS)")
 
 
 def _check_kubernetes(kubernetes: KubernetesConfig) -> None:
@@ -331,9 +367,10 @@ def load_config(
     """Build the configuration: defaults < YAML ``path`` < ``environ`` < ``overrides``.
 
     ``overrides`` maps dotted keys (``"affinity.mode"``) to values, as the CLI flags give them.
-    Relative ``discovery.eds_files`` resolve against the folder ``path`` names, lexically (symlinks
-    not followed): a Kubernetes ConfigMap mount links ``config.yaml`` to ``..data/config.yaml`` and
-    swaps ``..data`` on every update, so the folder the link leads to disappears.
+    Relative ``discovery.eds_files`` (and ``discovery.kubernetes.kubeconfig`` and the ``tls`` files)
+    resolve against the folder ``path`` names, lexically (symlinks not followed): a Kubernetes
+    ConfigMap mount links ``config.yaml`` to ``..data/config.yaml`` and swaps ``..data`` on every
+    update, so the folder the link leads to disappears.
     """
     data: dict[str, object] = {}
     base = Path.cwd()
@@ -377,14 +414,18 @@ def load_config(
     config = typing.cast(Config, _build(Config, data, ""))
     discovery = config.discovery
     kubeconfig = discovery.kubernetes.kubeconfig
+
+    def resolve(name: str) -> str:
+        return os.path.normpath(base / name) if name else ""
+
+    tls = config.tls
+    tls = TlsConfig(resolve(tls.cert_file), resolve(tls.key_file), resolve(tls.client_ca_file))
     discovery = dataclasses.replace(
         discovery,
         eds_files=tuple(os.path.normpath(base / f) for f in discovery.eds_files),
-        kubernetes=dataclasses.replace(
-            discovery.kubernetes, kubeconfig=os.path.normpath(base / kubeconfig) if kubeconfig else ""
-        ),
+        kubernetes=dataclasses.replace(discovery.kubernetes, kubeconfig=resolve(kubeconfig)),
     )
-    return validate(dataclasses.replace(config, discovery=discovery))
+    return validate(dataclasses.replace(config, discovery=discovery, tls=tls))
 
 
 def as_dict(config: Config) -> dict[str, object]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc
@@ -31,6 +32,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ext_proc import envoy_messages as msg
+from ext_proc.config import ConfigError, TlsConfig
 from ext_proc.handoff import Handover, Refused, RequestMeta, Routed, RoutingInstructions
 from ext_proc.router import Router
 from ext_proc.xds import AdsServer
@@ -187,11 +189,42 @@ class Health:
             await self.servicer.set(service, status)
 
 
+def server_credentials(tls: TlsConfig) -> grpc.ServerCredentials | None:
+    """The gRPC port's TLS credentials (``None``: plaintext); with ``client_ca_file``, clients must
+    present a certificate it signed. Raises :class:`ConfigError` when a file cannot be read."""
+    if not tls.cert_file:
+        return None
+    contents: dict[str, bytes | None] = {}
+    for key in ("cert_file", "key_file", "client_ca_file"):
+        path = getattr(tls, key)
+        try:
+            contents[key] = Path(path).read_bytes() if path else None
+        except OSError as exc:
+            raise ConfigError(f"tls.{key}: cannot read {path}: {exc}") from None
+    ca = contents["client_ca_file"]
+    return grpc.ssl_server_credentials(
+        [(contents["key_file"], contents["cert_file"])],
+        root_certificates=ca,
+        require_client_auth=ca is not None,
+    )
+
+
+def tls_mode(tls: TlsConfig) -> str:
+    """How the gRPC port is served, for the start-up log line."""
+    if not tls.cert_file:
+        return "plaintext"
+    return "mutual TLS" if tls.client_ca_file else "TLS"
+
+
 async def start_grpc(
-    router: Router, listen: str, ready: bool, ads: AdsServer | None = None
+    router: Router,
+    listen: str,
+    ready: bool,
+    ads: AdsServer | None = None,
+    credentials: grpc.ServerCredentials | None = None,
 ) -> tuple[grpc.aio.Server, int, Health]:
     """Start the ext_proc and health services, and ``ads`` if given, on ``listen`` (``host:port``,
-    port 0 = any).
+    port 0 = any), over TLS with ``credentials`` (else plaintext).
 
     Returns the server, the bound port and its :class:`Health`. The port is never shared
     (SO_REUSEPORT off, which gRPC turns on by default): a second copy on the same port fails here
@@ -207,7 +240,11 @@ async def start_grpc(
     if ads is not None:
         ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(ads, server)
     try:
-        port = server.add_insecure_port(listen)
+        port = (
+            server.add_insecure_port(listen)
+            if credentials is None
+            else server.add_secure_port(listen, credentials)
+        )
     except RuntimeError:  # grpcio reports a failed bind as RuntimeError
         port = 0
     if port == 0:

@@ -62,7 +62,8 @@ def test_defaults_without_file_env_or_overrides() -> None:
     config = load()
     assert config == Config()
     assert config.listen == "0.0.0.0:9002"
-    assert config.metrics_listen == "0.0.0.0:9090"
+    assert config.metrics_listen == "127.0.0.1:9090"  # the admin endpoint: loopback unless set
+    assert config.admin.debug_endpoints is True
     assert config.discovery == DiscoveryConfig((), "prefill", "decode", "pd", 0.25)
     assert config.affinity == AffinityConfig(Mode.PREFER, 0.3)
     assert config.load == LoadConfig(256, 100_000.0)
@@ -161,8 +162,8 @@ def test_environment_mode_is_validated_like_yaml() -> None:
 def test_unknown_top_level_key_is_named_with_the_allowed_keys(tmp_path: Path) -> None:
     message = config_error(write_yaml(tmp_path, "listn: 0.0.0.0:1\n"))
     assert message == (
-        "listn: unknown key; allowed keys here: affinity, discovery, handoff, listen, load, metrics_listen, "
-        "routing, xds"
+        "listn: unknown key; allowed keys here: admin, affinity, discovery, handoff, listen, load, "
+        "metrics_listen, routing, tls, xds"
     )
 
 

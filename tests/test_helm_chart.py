@@ -48,7 +48,13 @@ VALUE_SETS = {
     "defaults": ValueSet(
         {},
         (),
-        {"affinity.mode": "prefer", "affinity.bonus": 0.3, "handoff.prefill_via": "http://127.0.0.1:10001"},
+        {
+            "affinity.mode": "prefer",
+            "affinity.bonus": 0.3,
+            "handoff.prefill_via": "http://127.0.0.1:10001",
+            "metrics_listen": "0.0.0.0:9090",
+            "admin.debug_endpoints": True,
+        },
     ),
     "cli-set": ValueSet(
         {},
@@ -61,6 +67,7 @@ VALUE_SETS = {
             "discovery.kubernetes.prefill_port=8000",
             "discovery.kubernetes.decode_port=decode-http",
             "xds.no_envoy_delay_seconds=0.5",
+            "admin.debug_endpoints=false",
         ),
         {
             "affinity.mode": "strict",
@@ -71,6 +78,7 @@ VALUE_SETS = {
             "discovery.kubernetes.prefill_port": 8000,
             "discovery.kubernetes.decode_port": "decode-http",
             "xds.no_envoy_delay_seconds": 0.5,
+            "admin.debug_endpoints": False,
         },
     ),
     "namespaces-monitoring": ValueSet(
@@ -312,6 +320,7 @@ def test_the_defaults_are_pd_extprocs_but_where_the_readme_says(helm: Path, tmp_
     defaults = as_dict(Config())
     differing = {key for key in CONFIG_KEYS if lookup(effective, key) != lookup(defaults, key)}
     assert differing == {
+        "metrics_listen",
         "discovery.source",
         "discovery.kubernetes.namespaces",
         "handoff.prefill_via",
@@ -597,6 +606,8 @@ def test_the_bonus_is_accepted_as_users_type_it_and_rendered_as_a_number(
         (("xds.serve_eds=false",), {}, ["at '/xds/serve_eds': value must be true"]),
         (("xds.no_envoy_delay_seconds=60.5",), {}, ["at '/xds/no_envoy_delay_seconds'"]),
         ((), {"xds": {"no_envoy_delay_seconds": -1}}, ["at '/xds/no_envoy_delay_seconds'"]),
+        (("tls.cert_file=/etc/tls/tls.crt",), {}, ["at '/tls/cert_file'"]),
+        (("admin.debug_endpoints=yes",), {}, ["at '/admin/debug_endpoints'"]),
         (("affinty.mode=strict",), {}, ["additional properties 'affinty' not allowed"]),
     ],
 )

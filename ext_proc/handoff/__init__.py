@@ -1,6 +1,7 @@
 """Handoff protocols: turn a routing decision into what Envoy and the engines need.
 
-- :class:`SidecarHandoff`: headers only, for an llm-d style decode sidecar that runs the prefill;
+- :class:`SidecarHandoff`: headers (and the body only to drop a client's handoff fields), for an
+  llm-d style decode sidecar that runs the prefill;
 - :class:`KvTransferParamsHandoff`: vLLM / vllm-ascend ``kv_transfer_params``, prefill leg first;
 - :class:`SglangBootstrapHandoff`: SGLang bootstrap fields, prefill leg alongside the decode.
 

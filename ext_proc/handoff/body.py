@@ -1,9 +1,10 @@
 """Request bodies for the engines' handoffs: pure functions of the client's body.
 
-The client's fields reach the decode unchanged: the gateway only adds the fields its handoff owns
-(replacing any a client sent, which could otherwise point an engine at another request's KV cache).
-When the client sent none of them, the addition is spliced into the client's own bytes, so the
-body is not re-serialised.
+The client's fields reach the decode unchanged, except the handoff fields (:data:`HANDOFF_FIELDS`):
+whatever a client sent there is removed in every handoff mode, since it could point an engine at
+another request's KV cache; the gateway then adds the fields its own handoff sets. When the client
+sent none of them, the addition is spliced into the client's own bytes, so the body is not
+re-serialised (and with nothing to add, the body is not touched at all).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ PREFILL_REQUEST_PARAMS: dict[str, object] = {
 """``kv_transfer_params`` of a prefill leg (vLLM NixlConnector / vllm-ascend MooncakeConnector)."""
 BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 """The body fields of SGLang's PD handoff."""
+HANDOFF_FIELDS = (KV_TRANSFER_PARAMS, *BOOTSTRAP_FIELDS)
+"""Every body field an engine reads as a handoff instruction: never taken from a client."""
 _MIN_TOKENS = ("min_tokens", "min_completion_tokens")
 
 
@@ -58,11 +61,12 @@ def without_fields(raw: bytes, body: dict[str, object], owned: tuple[str, ...]) 
 def prefill_leg_body(body: dict[str, object]) -> bytes:
     """The prefill leg of the kv-transfer-params handoff: the client's body asking for one token.
 
-    ``kv_transfer_params`` asks the prefill to keep the KV cache for a remote decode; ``stream``
-    false; ``max_tokens`` 1 (and ``max_completion_tokens`` 1 when the client set it);
-    ``stream_options`` removed; ``min_tokens``/``min_completion_tokens`` at most 1.
+    The client's handoff fields are dropped; ``kv_transfer_params`` asks the prefill to keep the KV
+    cache for a remote decode; ``stream`` false; ``max_tokens`` 1 (and ``max_completion_tokens`` 1
+    when the client set it); ``stream_options`` removed; ``min_tokens``/``min_completion_tokens`` at
+    most 1.
     """
-    leg = dict(body)
+    leg = {key: value for key, value in body.items() if key not in HANDOFF_FIELDS}
     leg.pop("stream_options", None)
     leg[KV_TRANSFER_PARAMS] = dict(PREFILL_REQUEST_PARAMS)
     leg["stream"] = False

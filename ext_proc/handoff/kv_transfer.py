@@ -30,7 +30,13 @@ from ext_proc.handoff.base import (
     Routed,
     new_request_id,
 )
-from ext_proc.handoff.body import KV_TRANSFER_PARAMS, prefill_leg_body, with_fields, without_fields
+from ext_proc.handoff.body import (
+    HANDOFF_FIELDS,
+    KV_TRANSFER_PARAMS,
+    prefill_leg_body,
+    with_fields,
+    without_fields,
+)
 from ext_proc.handoff.leg import LegError, LegOutcome, LegReply, PrefillClient
 from ext_proc.load import Lease
 from ext_proc.metrics import Metrics
@@ -41,7 +47,6 @@ log = logging.getLogger(__name__)
 TIMEOUT_MARGIN_SECONDS = 5.0
 """Added to the legs' worst case when asking Envoy to wait for the body answer."""
 _RETRYABLE_4XX = frozenset({408, 429})
-_OWNED = (KV_TRANSFER_PARAMS,)
 _MAX_DETAIL = 300
 
 
@@ -105,7 +110,7 @@ class KvTransferParamsHandoff:
     def hand_off(self, job: HandoffJob, placement: Placement, router: Rerouter) -> Routed | PrefillFirst:
         """Decode-only at once when no prefill was chosen; else the prefill leg first."""
         if placement.decision.prefill is None:
-            plain = without_fields(job.raw, job.body, _OWNED)
+            plain = without_fields(job.raw, job.body, HANDOFF_FIELDS)
             return Routed(self.route.instructions(placement.decision, None, plain), placement.lease)
         return PrefillFirst(self, job, placement, router)
 
@@ -177,7 +182,7 @@ class PrefillFirst:
             outcome, reply, params, detail = await self._leg(prefill, leg_body)
             self.lease.release_prefill()
             if outcome is LegOutcome.OK:
-                body = with_fields(job.raw, job.body, {KV_TRANSFER_PARAMS: params}, _OWNED)
+                body = with_fields(job.raw, job.body, {KV_TRANSFER_PARAMS: params}, HANDOFF_FIELDS)
                 return Routed(handoff.route.instructions(decision, self._request_id, body), self.lease)
             if outcome is LegOutcome.CLIENT_ERROR:
                 assert reply is not None
@@ -197,7 +202,7 @@ class PrefillFirst:
             self._placement, self.lease = retry, retry.lease
 
     def _decode_only(self, decision: Decision[EndpointState]) -> Routed:
-        plain = without_fields(self._job.raw, self._job.body, _OWNED)
+        plain = without_fields(self._job.raw, self._job.body, HANDOFF_FIELDS)
         return Routed(self._handoff.route.instructions(decision, self._request_id, plain), self.lease)
 
     def _give_up(

@@ -25,7 +25,7 @@ from ext_proc.handoff.base import (
     Routed,
     new_request_id,
 )
-from ext_proc.handoff.body import BOOTSTRAP_FIELDS, with_fields, without_fields
+from ext_proc.handoff.body import HANDOFF_FIELDS, with_fields, without_fields
 from ext_proc.handoff.leg import LegError, LegOutcome, PrefillClient
 from ext_proc.load import Lease
 from ext_proc.metrics import Metrics
@@ -57,14 +57,14 @@ class SglangBootstrapHandoff:
         decision, lease = placement.decision, placement.lease
         prefill = decision.prefill
         if prefill is None:
-            plain = without_fields(job.raw, job.body, BOOTSTRAP_FIELDS)
+            plain = without_fields(job.raw, job.body, HANDOFF_FIELDS)
             return Routed(self.route.instructions(decision, None, plain), lease)
         fields: dict[str, object] = {
             "bootstrap_host": bootstrap_host(prefill.address),
             "bootstrap_port": prefill.bootstrap_port or self.default_bootstrap_port,
             "bootstrap_room": secrets.randbits(63),
         }
-        body = with_fields(job.raw, job.body, fields, BOOTSTRAP_FIELDS)
+        body = with_fields(job.raw, job.body, fields, HANDOFF_FIELDS)
         request_id = new_request_id()
         headers = {REQUEST_ID_HEADER: request_id}
         if job.meta.authorization is not None:

@@ -4,6 +4,10 @@ Envoy forwards the request to the decode endpoint named in ``x-gateway-destinati
 (header and ``envoy.lb`` metadata: ``"ip:port[,fallback...]"``). A sidecar in front of the
 decode engine reads ``x-prefiller-host-port``, runs the prefill there, and hands the KV cache
 to its engine. Without a prefill the header is removed, so the decode engine prefills locally.
+
+The sidecar and its engine read the handoff body fields (``kv_transfer_params``, SGLang's
+``bootstrap_*``) as instructions, so a client's are removed: the body is rewritten only when it
+has one, otherwise it passes through untouched.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from ext_proc.handoff.base import (
     RoutingInstructions,
     destination_list,
 )
+from ext_proc.handoff.body import HANDOFF_FIELDS, without_fields
 from ext_proc.registry import EndpointState
 
 
@@ -28,22 +33,20 @@ class SidecarHandoff:
         self._prefill = prefill_header
         self.routing_headers = (destination_header, prefill_header)
 
-    def instructions(self, decision: Decision[EndpointState]) -> RoutingInstructions:
-        """Destination list = decode then fallbacks; the prefill header only when a prefill was chosen."""
+    def instructions(self, decision: Decision[EndpointState], body: bytes | None) -> RoutingInstructions:
+        """Destination list = decode then fallbacks; the prefill header only when a prefill was chosen;
+        ``body``, when not ``None``, replaces the client's."""
         destination = destination_list(decision)
+        metadata = ((self._destination, destination),)
         if decision.prefill is None:
-            return RoutingInstructions(
-                ((self._destination, destination),), (self._prefill,), ((self._destination, destination),)
-            )
-        return RoutingInstructions(
-            ((self._destination, destination), (self._prefill, decision.prefill.address)),
-            (),
-            ((self._destination, destination),),
-        )
+            return RoutingInstructions(((self._destination, destination),), (self._prefill,), metadata, body)
+        headers = ((self._destination, destination), (self._prefill, decision.prefill.address))
+        return RoutingInstructions(headers, (), metadata, body)
 
     def hand_off(self, job: HandoffJob, placement: Placement, router: Rerouter) -> Routed:
-        """Headers only: the sidecar does the rest."""
-        return Routed(self.instructions(placement.decision), placement.lease)
+        """Routing headers, and the client's body without its handoff fields if it had any."""
+        plain = without_fields(job.raw, job.body, HANDOFF_FIELDS)
+        return Routed(self.instructions(placement.decision, plain), placement.lease)
 
     async def close(self) -> None:
         """Nothing runs in the background."""

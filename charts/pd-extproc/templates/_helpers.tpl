@@ -57,6 +57,8 @@ same name (tests/test_helm_chart.py keeps the two key sets equal). */}}
 {{- $k := $v.discovery.kubernetes -}}
 listen: {{ $v.listen | toJson }}
 metrics_listen: {{ $v.metrics_listen | toJson }}
+admin:
+  debug_endpoints: {{ $v.admin.debug_endpoints | toJson }}
 discovery:
   eds_files: {{ $v.discovery.eds_files | toJson }}
   prefill_cluster: {{ $v.discovery.prefill_cluster | toJson }}
@@ -97,4 +99,8 @@ handoff:
 xds:
   serve_eds: {{ $v.xds.serve_eds | toJson }}
   no_envoy_delay_seconds: {{ include "pd-extproc.decimal" $v.xds.no_envoy_delay_seconds }}
+tls:
+  cert_file: {{ $v.tls.cert_file | toJson }}
+  key_file: {{ $v.tls.key_file | toJson }}
+  client_ca_file: {{ $v.tls.client_ca_file | toJson }}
 {{- end }}
