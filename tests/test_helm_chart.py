@@ -61,6 +61,8 @@ VALUE_SETS = {
             "discovery.kubernetes.prefill_port=8000",
             "discovery.kubernetes.decode_port=decode-http",
             "xds.no_envoy_delay_seconds=0.5",
+            "limits.max_inflight_requests=64",
+            "limits.retry_after_seconds=5",
         ),
         {
             "affinity.mode": "strict",
@@ -71,6 +73,8 @@ VALUE_SETS = {
             "discovery.kubernetes.prefill_port": 8000,
             "discovery.kubernetes.decode_port": "decode-http",
             "xds.no_envoy_delay_seconds": 0.5,
+            "limits.max_inflight_requests": 64,
+            "limits.retry_after_seconds": 5,
         },
     ),
     "namespaces-monitoring": ValueSet(

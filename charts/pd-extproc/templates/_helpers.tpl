@@ -97,4 +97,7 @@ handoff:
 xds:
   serve_eds: {{ $v.xds.serve_eds | toJson }}
   no_envoy_delay_seconds: {{ include "pd-extproc.decimal" $v.xds.no_envoy_delay_seconds }}
+limits:
+  max_inflight_requests: {{ int64 $v.limits.max_inflight_requests }}
+  retry_after_seconds: {{ int64 $v.limits.retry_after_seconds }}
 {{- end }}
