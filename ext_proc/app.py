@@ -173,6 +173,8 @@ async def start_server(
         metrics,
         config.load.default_max_tokens,
         config.routing.pd_threshold_tokens,
+        config.limits.max_inflight_requests,
+        config.limits.retry_after_seconds,
     )
     grpc_server, grpc_port, health = await start_grpc(
         router, config.listen, loaded, publisher.ads if publisher is not None else None, credentials

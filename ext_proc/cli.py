@@ -48,6 +48,8 @@ def _serve(args: argparse.Namespace) -> int:
         overrides["routing.pd_threshold_tokens"] = args.pd_threshold_tokens
     if args.serve_eds:
         overrides["xds.serve_eds"] = True
+    if args.max_inflight_requests is not None:
+        overrides["limits.max_inflight_requests"] = args.max_inflight_requests
     source = ConfigSource(args.config, overrides)
     config = _load(source)
     if config is None:
@@ -93,6 +95,12 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         "--pd-threshold-tokens",
         type=int,
         help="prompts below this many tokens go decode-only (routing.pd_threshold_tokens)",
+    )
+    serve.add_argument(
+        "--max-inflight-requests",
+        type=int,
+        help="requests in flight beyond which new ones get 429 overloaded; 0 = unlimited "
+        "(limits.max_inflight_requests)",
     )
     serve.add_argument(
         "--serve-eds",

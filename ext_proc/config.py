@@ -33,6 +33,8 @@ ENV_HANDOFF = "PD_EXTPROC_HANDOFF"
 MAX_PREFILL_TIMEOUT = 1795.0
 """Upper bound of ``handoff.prefill_timeout_seconds`` (seconds): Envoy caps ``max_message_timeout`` at one
 hour, and the kv-transfer-params handoff asks Envoy to wait 2 x this + 5 s (a leg and its retry)."""
+MAX_RETRY_AFTER = 3600
+"""Upper bound of ``limits.retry_after_seconds`` (seconds)."""
 MAX_NO_ENVOY_DELAY = 60.0
 """Upper bound of ``xds.no_envoy_delay_seconds`` (seconds)."""
 
@@ -173,6 +175,20 @@ class TlsConfig:
 
 
 @dataclass(frozen=True)
+class LimitsConfig:
+    """Admission control (README "Overload").
+
+    ``max_inflight_requests``: the most requests this server has routed and not yet seen end (their
+    ext_proc stream open) at once; beyond it a request is answered 429 ``overloaded`` at once. 0 (the
+    default) = unlimited, as before the key existed: the right limit depends on the cluster's
+    capacity, so it is the operator's to set. ``retry_after_seconds``: the ``Retry-After`` of that 429.
+    """
+
+    max_inflight_requests: int = 0
+    retry_after_seconds: int = 1
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole configuration. ``listen``/``metrics_listen`` are ``host:port``; the admin endpoint
     (``metrics_listen``) listens on loopback unless configured otherwise."""
@@ -187,6 +203,7 @@ class Config:
     handoff: HandoffConfig = field(default_factory=HandoffConfig)
     xds: XdsConfig = field(default_factory=XdsConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
 
 
 _CHOICES = (Mode, HandoffMode, FailurePolicy, SourceKind, Preset)
@@ -288,6 +305,10 @@ def validate(config: Config) -> Config:
         raise ConfigError("discovery.prefill_cluster and discovery.decode_cluster must differ")
     if config.routing.pd_threshold_tokens < 0:
         raise ConfigError("routing.pd_threshold_tokens: must be an integer >= 0")
+    if config.limits.max_inflight_requests < 0:
+        raise ConfigError("limits.max_inflight_requests: must be an integer >= 0 (0 = unlimited)")
+    if not 1 <= config.limits.retry_after_seconds <= MAX_RETRY_AFTER:
+        raise ConfigError(f"limits.retry_after_seconds: must be an integer in [1, {MAX_RETRY_AFTER}]")
     _check_handoff(config.handoff)
     _check_tls(config.tls)
     _check_kubernetes(config.discovery.kubernetes)

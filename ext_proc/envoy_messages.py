@@ -143,19 +143,24 @@ def error_body(status: int, message: str, code: str, param: str | None = None) -
 
 
 def immediate_error(
-    status: int, message: str, code: str, param: str | None = None, body: bytes | None = None
+    status: int,
+    message: str,
+    code: str,
+    param: str | None = None,
+    body: bytes | None = None,
+    retry_after: int | None = None,
 ) -> pb.ProcessingResponse:
     """Answer any message by ending the HTTP exchange with ``status`` and a JSON error body
-    (``body`` when given, e.g. an engine's own error; else built from the other arguments)."""
+    (``body`` when given, e.g. an engine's own error; else built from the other arguments), plus a
+    ``retry-after`` header of ``retry_after`` seconds when given."""
     response = pb.ProcessingResponse()
     immediate = response.immediate_response
     immediate.status.code = status  # type: ignore[assignment]
     immediate.body = body if body is not None else error_body(status, message, code, param)
     immediate.details = f"pd_extproc_{code}"
-    header = immediate.headers.set_headers.add()
-    header.header.key = "content-type"
-    header.header.raw_value = b"application/json"
-    header.append_action = _OVERWRITE
+    _set_header(immediate.headers, "content-type", b"application/json")
+    if retry_after is not None:
+        _set_header(immediate.headers, "retry-after", str(retry_after).encode())
     return response
 
 

@@ -1,4 +1,5 @@
-"""Local in-flight load accounting: what each routed request charges, and its release.
+"""Local in-flight load accounting: what each routed request charges, and its release; and the
+admission limit on how many requests are in flight at once.
 
 The load signal is the in-flight token sum per endpoint, charged when a request is routed and
 released when Envoy is done with it, through :class:`~ext_proc.registry.EndpointState` (which writes
@@ -41,3 +42,31 @@ class Lease:
         if decode is not None:
             self._decode = None
             decode.release(self._decode_tokens)
+
+
+class Admission:
+    """Admission control: the count of requests in flight against ``limit`` (0 = unlimited).
+
+    A request takes a slot (:meth:`admit`) when it is about to be routed and gives it back
+    (:meth:`release`) when its ext_proc stream ends or it is refused; the caller holds at most one
+    slot per request and releases each once. O(1); the asyncio loop is the only caller, so no lock.
+    ``retry_after_seconds`` is what a refused client is told to wait (``Retry-After``, seconds).
+    """
+
+    __slots__ = ("inflight", "limit", "retry_after_seconds")
+
+    def __init__(self, limit: int = 0, retry_after_seconds: int = 1) -> None:
+        self.limit = limit
+        self.retry_after_seconds = retry_after_seconds
+        self.inflight = 0
+
+    def admit(self) -> bool:
+        """Take a slot and return ``True``; ``False`` (nothing taken) when all ``limit`` are taken."""
+        if self.limit and self.inflight >= self.limit:
+            return False
+        self.inflight += 1
+        return True
+
+    def release(self) -> None:
+        """Give back one slot taken by :meth:`admit`."""
+        self.inflight -= 1

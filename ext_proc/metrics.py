@@ -117,6 +117,11 @@ class Metrics:
             ["outcome"],
             registry=self.registry,
         )
+        self._inflight = Gauge(
+            "pd_extproc_inflight_requests",
+            "Requests admitted and routed whose ext_proc stream has not ended (limits.max_inflight_requests)",
+            registry=self.registry,
+        )
         self.registry.register(_EndpointLoadCollector(endpoints))
         self._decision_children: dict[tuple[str, str], Counter] = {}
         self._rejected_children: dict[str, Counter] = {}
@@ -130,6 +135,11 @@ class Metrics:
             child = self._decision_children[key] = self._decisions.labels(mode, locality)
         child.inc()
         self._decision_seconds.observe(seconds)
+
+    def count_inflight(self, count: Callable[[], float]) -> None:
+        """Report ``count()`` (the router's requests in flight) as ``pd_extproc_inflight_requests``,
+        read at scrape time."""
+        self._inflight.set_function(count)
 
     def rejected(self, reason: str) -> None:
         """Count one request answered with an error, by machine-readable reason."""

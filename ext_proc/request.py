@@ -5,11 +5,18 @@ Token counts are estimates the load accounting can trust to be monotone in reque
 exact for token-id prompts, ``ceil(chars / 4)`` for text. Nothing here recurses with the body's
 nesting (the prompt walk reads a fixed few levels); Python's ``json`` does, so bodies nesting
 deeper than :data:`MAX_JSON_DEPTH` are refused as bad input.
+
+The body must be strict JSON (RFC 8259): ``NaN``, ``Infinity`` and ``-Infinity``, which Python's
+``json`` accepts by default, are refused, and so is a number beyond a 64-bit float (``1e400``, which
+would become infinity) or an integer of more than 4,300 digits (Python's conversion limit): engines
+would refuse them or read something else, and a re-serialised body would carry them on as invalid
+JSON. Duplicate keys are accepted, the last one wins, as in the engines' own (Python) parsers.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 
 MAX_OUTPUT_BUDGET = 2**40
@@ -147,12 +154,24 @@ def _nests_deeper(body: dict[str, object], limit: int) -> bool:
     return True
 
 
+def _no_constant(name: str) -> object:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(literal: str) -> float:
+    value = float(literal)
+    if math.isinf(value):
+        raise ValueError(f"the number {literal[:40]} is beyond the range of a 64-bit float")
+    return value
+
+
 def parse_body(raw: bytes) -> dict[str, object]:
-    """The request's JSON object, parsed once; raise :class:`RequestError` when it is not one, or
-    when it nests arrays and objects deeper than :data:`MAX_JSON_DEPTH` levels."""
+    """The request's strict JSON object (see the module docstring), parsed once; raise
+    :class:`RequestError` when it is not one, or when it nests arrays and objects deeper than
+    :data:`MAX_JSON_DEPTH` levels."""
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        body = json.loads(raw, parse_constant=_no_constant, parse_float=_finite_float)
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, the hooks', too many digits
         raise RequestError(f"request body is not valid JSON: {exc}") from None
     except RecursionError:  # deeper than the interpreter's recursion limit (about 1,000 levels)
         raise RequestError(_TOO_DEEP) from None
@@ -202,8 +221,8 @@ def describe(body: dict[str, object], default_max_tokens: int) -> RequestInfo:
         else:
             field = "n" if n >= best_of else "best_of"
         raise RequestError(
-            f"'{field}' is too large: the request may generate {output_budget} tokens, "
-            f"more than the {MAX_OUTPUT_BUDGET} one request may reserve",
+            f"'{field}' is too large: the request may generate more than the {MAX_OUTPUT_BUDGET} "
+            "tokens one request may reserve (max_tokens or max_completion_tokens, times n or best_of)",
             field,
         )
     return RequestInfo(model, stream, prompt_tokens, output_budget)

@@ -21,7 +21,7 @@ from ext_proc.handoff import (
     RequestMeta,
     Routed,
 )
-from ext_proc.load import Lease
+from ext_proc.load import Admission, Lease
 from ext_proc.metrics import Metrics
 from ext_proc.registry import EndpointState, Registry
 from ext_proc.request import RequestError, describe, parse_body
@@ -33,9 +33,12 @@ DISAGGREGATED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
 
 class Router:
-    """Routes requests over ``registry`` with ``policy``; owns the round-robin tie-break counter.
+    """Routes requests over ``registry`` with ``policy``; owns the round-robin tie-break counter and the
+    :class:`Admission` count of requests in flight (exposed as ``pd_extproc_inflight_requests``).
 
     ``pd_threshold_tokens``: prompts estimated below it are routed decode-only.
+    ``max_inflight_requests``: the most requests in flight at once (0 = unlimited); beyond it
+    :meth:`admit` answers 429 ``overloaded`` with ``Retry-After: retry_after_seconds``.
     """
 
     def __init__(
@@ -46,6 +49,8 @@ class Router:
         metrics: Metrics,
         default_max_tokens: int,
         pd_threshold_tokens: int = 0,
+        max_inflight_requests: int = 0,
+        retry_after_seconds: int = 1,
     ) -> None:
         self.registry = registry
         self.policy = policy
@@ -56,6 +61,8 @@ class Router:
         self._mode = policy.mode.value
         self._ticket = 0
         self._no_prefills: Pool[EndpointState] = Pool.of(())
+        self.admission = Admission(max_inflight_requests, retry_after_seconds)
+        metrics.count_inflight(lambda: self.admission.inflight)
 
     def set_policy(self, policy: Policy) -> None:
         """Route every later decision with ``policy`` (a live configuration reload); requests already
@@ -64,14 +71,37 @@ class Router:
         self._mode = policy.mode.value
 
     def refuse(
-        self, status: int, message: str, code: str, param: str | None = None, body: bytes | None = None
+        self,
+        status: int,
+        message: str,
+        code: str,
+        param: str | None = None,
+        body: bytes | None = None,
+        retry_after: int | None = None,
     ) -> Refused:
-        """Count, log and describe an error answer (``body``: an exact error body to send)."""
+        """Count, log and describe an error answer (``body``: an exact error body to send;
+        ``retry_after``: seconds for a ``retry-after`` header)."""
         self.metrics.rejected(code)
         log.log(
             logging.INFO if status < 500 else logging.WARNING, "answered %d %s: %s", status, code, message
         )
-        return Refused(status, message, code, param, body)
+        return Refused(status, message, code, param, body, retry_after)
+
+    def admit(self) -> Refused | None:
+        """Take an in-flight slot for a request about to be routed: ``None`` when taken (the caller
+        gives it back with ``admission.release()`` exactly once, when the request is refused or its
+        stream ends), or a 429 ``overloaded`` when all ``max_inflight_requests`` are taken (nothing taken).
+        """
+        admission = self.admission
+        if admission.admit():
+            return None
+        return self.refuse(
+            429,
+            f"the gateway is overloaded: {admission.limit} requests are in flight, the most it admits "
+            f"(limits.max_inflight_requests); retry after {admission.retry_after_seconds} s",
+            "overloaded",
+            retry_after=admission.retry_after_seconds,
+        )
 
     def route_body(
         self, raw: bytes, meta: RequestMeta, subset: frozenset[str] | None = None

@@ -14,10 +14,13 @@ One HTTP request is one stream. The stream's messages are answered by phase:
   in a way that would silently bypass routing: answered 500 ``ext_proc_misconfigured``.
 - ``response_headers``: the prefill has finished; its charge is released.
 - anything else passes through unchanged.
+Admission control: a request about to be routed (headers without a body, or the body) first takes an
+in-flight slot (:meth:`Router.admit`); when all ``limits.max_inflight_requests`` are taken it is
+answered 429 ``overloaded`` with ``retry-after``. A refused request gives its slot back at once.
 Whatever ends the stream (completion, upstream error, client abort, cancellation, even in the
-middle of a prefill leg, which is then cancelled), the request's charges are released and its
-background prefill leg cancelled in a ``finally``. No exception escapes a stream: an unexpected
-one becomes a logged 500 answer.
+middle of a prefill leg, which is then cancelled), the request's charges and its in-flight slot are
+released and its background prefill leg cancelled in a ``finally``. No exception escapes a stream:
+an unexpected one becomes a logged 500 answer.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from ext_proc import envoy_messages as msg
 from ext_proc.config import ConfigError, TlsConfig
 from ext_proc.handoff import Handover, Refused, RequestMeta, Routed, RoutingInstructions
+from ext_proc.load import Admission
 from ext_proc.router import Router
 from ext_proc.xds import AdsServer
 
@@ -53,24 +57,39 @@ the request headers come in their own message, at most Envoy's 60 KiB default). 
 
 
 def _refusal(refused: Refused) -> msg.ProcessingResponse:
-    return msg.immediate_error(refused.status, refused.message, refused.code, refused.param, refused.body)
+    return msg.immediate_error(
+        refused.status, refused.message, refused.code, refused.param, refused.body, refused.retry_after
+    )
 
 
 class _Stream:
     """Per-stream state: the routed request (charges, background prefill leg) or the handover in
-    progress, whether Envoy sent the request headers, what they said, and the data plane's
-    endpoint-subset hint if any."""
+    progress, whether it holds an in-flight slot of ``admission``, whether Envoy sent the request
+    headers, what they said, and the data plane's endpoint-subset hint if any."""
 
-    __slots__ = ("handover", "meta", "routed", "saw_headers", "subset")
+    __slots__ = ("admission", "admitted", "handover", "meta", "routed", "saw_headers", "subset")
 
-    def __init__(self) -> None:
+    def __init__(self, admission: Admission) -> None:
+        self.admission = admission
+        self.admitted = False
         self.routed: Routed | None = None
         self.handover: Handover | None = None
         self.saw_headers = False
         self.meta = RequestMeta()
         self.subset: frozenset[str] | None = None
 
+    def release_slot(self) -> None:
+        """Give back the stream's in-flight slot if it holds one (idempotent)."""
+        if self.admitted:
+            self.admitted = False
+            self.admission.release()
+
     def close(self) -> None:
+        """The stream has ended: give back its in-flight slot and release its charges (idempotent)."""
+        self.release_slot()
+        self.release_charges()
+
+    def release_charges(self) -> None:
         """Release every charge and cancel a background prefill leg (idempotent)."""
         if self.handover is not None:
             self.handover.lease.release()
@@ -102,10 +121,19 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         stream: _Stream,
     ) -> msg.ProcessingResponse:
         if isinstance(outcome, Refused):
+            stream.release_slot()  # not routed: no longer in flight
             return _refusal(outcome)
-        stream.close()  # a stream is routed once; never leak an earlier charge
+        stream.release_charges()  # a stream is routed once; never leak an earlier charge
         stream.routed = outcome
         return build(outcome.instructions)
+
+    def _admit(self, stream: _Stream) -> Refused | None:
+        """Take an in-flight slot for ``stream`` unless it holds one: ``None``, or the 429 to answer."""
+        if stream.admitted:
+            return None
+        overloaded = self._router.admit()
+        stream.admitted = overloaded is None
+        return overloaded
 
     def _answer(self, request: msg.ProcessingRequest, stream: _Stream) -> msg.ProcessingResponse | Handover:
         kind = request.WhichOneof("request")
@@ -116,7 +144,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             if not request.request_headers.end_of_stream:
                 stream.meta = msg.request_meta(request.request_headers)
                 return self._strip
-            return self._routed(self._router.route_bodiless(stream.subset), msg.route_on_headers, stream)
+            overloaded = self._admit(stream)
+            outcome = self._router.route_bodiless(stream.subset) if overloaded is None else overloaded
+            return self._routed(outcome, msg.route_on_headers, stream)
         if kind == "request_body":
             if not stream.saw_headers:
                 return self._misconfigured(
@@ -125,6 +155,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                 )
             if not request.request_body.end_of_stream:
                 return self._misconfigured("ext_proc request_body_mode must be BUFFERED")
+            overloaded = self._admit(stream)
+            if overloaded is not None:
+                return _refusal(overloaded)
             outcome = self._router.route_body(request.request_body.body, stream.meta, stream.subset)
             if isinstance(outcome, Routed | Refused):
                 return self._routed(outcome, msg.route_on_body, stream)
@@ -145,7 +178,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         self, request_iterator: AsyncIterator[msg.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[msg.ProcessingResponse]:
         """Serve one HTTP request's ext_proc stream; see the module docstring for the phases."""
-        stream = _Stream()
+        stream = _Stream(self._router.admission)
         try:
             async for request in request_iterator:
                 try:

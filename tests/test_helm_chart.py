@@ -68,6 +68,8 @@ VALUE_SETS = {
             "discovery.kubernetes.decode_port=decode-http",
             "xds.no_envoy_delay_seconds=0.5",
             "admin.debug_endpoints=false",
+            "limits.max_inflight_requests=64",
+            "limits.retry_after_seconds=5",
         ),
         {
             "affinity.mode": "strict",
@@ -79,6 +81,8 @@ VALUE_SETS = {
             "discovery.kubernetes.decode_port": "decode-http",
             "xds.no_envoy_delay_seconds": 0.5,
             "admin.debug_endpoints": False,
+            "limits.max_inflight_requests": 64,
+            "limits.retry_after_seconds": 5,
         },
     ),
     "namespaces-monitoring": ValueSet(

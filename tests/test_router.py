@@ -38,6 +38,8 @@ def make_router(
     mode: Mode = Mode.PREFER,
     bonus: float = 0.3,
     fallback_count: int = 2,
+    max_inflight_requests: int = 0,
+    retry_after_seconds: int = 1,
 ) -> Router:
     registry = Registry("prefill", "decode", 10_000.0)
     registry.update(
@@ -52,6 +54,8 @@ def make_router(
         SidecarHandoff(DEST, PREFILL),
         Metrics(registry.endpoints),
         DEFAULT_MAX_TOKENS,
+        max_inflight_requests=max_inflight_requests,
+        retry_after_seconds=retry_after_seconds,
     )
 
 

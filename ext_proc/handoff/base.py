@@ -101,6 +101,7 @@ class Refused:
     """The request is answered with an error. ``code`` is also the ``rejected_total`` reason.
 
     ``body``, when set, is the exact JSON error body to send (an engine's own error, passed through).
+    ``retry_after``, when set, is sent as the ``retry-after`` header (seconds).
     """
 
     status: int
@@ -108,6 +109,7 @@ class Refused:
     code: str
     param: str | None = None
     body: bytes | None = None
+    retry_after: int | None = None
 
 
 class Handover(Protocol):

@@ -29,7 +29,12 @@ _MIN_TOKENS = ("min_tokens", "min_completion_tokens")
 
 
 def _dumps(body: dict[str, object]) -> bytes:
-    return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+    """``body`` as compact UTF-8 JSON; when a string holds a lone surrogate (a client's ``"\\ud800"``,
+    which UTF-8 cannot encode), with every non-ASCII character escaped instead, as the client sent it."""
+    try:
+        return json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        return json.dumps(body, separators=(",", ":")).encode()
 
 
 def with_fields(

@@ -103,4 +103,7 @@ tls:
   cert_file: {{ $v.tls.cert_file | toJson }}
   key_file: {{ $v.tls.key_file | toJson }}
   client_ca_file: {{ $v.tls.client_ca_file | toJson }}
+limits:
+  max_inflight_requests: {{ int64 $v.limits.max_inflight_requests }}
+  retry_after_seconds: {{ int64 $v.limits.retry_after_seconds }}
 {{- end }}
