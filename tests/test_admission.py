@@ -14,16 +14,13 @@ from collections.abc import AsyncIterator
 
 import grpc
 import pytest
-from backends import start_scripted_prefill
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from extproc_messages import body, headers, response_headers
 from polling import until
 from test_router import D_SAME_IDLE, P1, ep, make_router, refused, value
+from test_server_handover import hanging_prefill_server
 
-from ext_proc.app import start_server
-from ext_proc.config import load_config
-from ext_proc.discovery.eds import EndpointSpec, write_eds_file
 from ext_proc.load import Admission
 from ext_proc.router import Router
 from ext_proc.server import ExternalProcessor
@@ -186,39 +183,24 @@ async def test_zero_is_unlimited() -> None:
 async def test_a_stream_cancelled_during_the_prefill_leg_gives_its_slot_back(tmp_path) -> None:
     """kv-transfer-params, over real gRPC: the slot is held while the prefill leg runs (a second
     request is refused), and the cancelled stream gives it back."""
-    prefill = await start_scripted_prefill(delay=30.0)
-    write_eds_file(
-        tmp_path / "p.json", "prefill", [EndpointSpec(prefill.address, "a", None, True, "HEALTHY")]
-    )
-    write_eds_file(tmp_path / "d.json", "decode", [EndpointSpec("10.0.0.2:8000", "a", None, True, "HEALTHY")])
-    overrides = {
-        "listen": "127.0.0.1:0",
-        "metrics_listen": "127.0.0.1:0",
-        "discovery.eds_files": [str(tmp_path / "p.json"), str(tmp_path / "d.json")],
-        "handoff.mode": "kv-transfer-params",
-        "routing.pd_threshold_tokens": 0,
-        "limits.max_inflight_requests": 1,
-        "limits.retry_after_seconds": 7,
-    }
-    server = await start_server(load_config(None, overrides, environ={}))
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
-            stub = pb_grpc.ExternalProcessorStub(channel)
-            call = stub.Process()
-            await call.write(headers())
-            await call.read()
-            await call.write(body())
-            assert (await call.read()).HasField("override_message_timeout")  # the leg runs
-            other = stub.Process()
-            await other.write(headers())
-            await other.read()
-            await other.write(body())
-            overloaded(await other.read())
-            await other.done_writing()
-            assert server.router.admission.inflight == 1
-            call.cancel()
-            await until(lambda: server.router.admission.inflight == 0)
-            await until(lambda: prefill.cancelled == 1)
-    finally:
-        await server.stop(grace=0)
-        await prefill.stop()
+    limits = {"limits.max_inflight_requests": 1, "limits.retry_after_seconds": 7}
+    async with (
+        hanging_prefill_server(tmp_path, **limits) as (server, prefill),
+        grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel,
+    ):
+        stub = pb_grpc.ExternalProcessorStub(channel)
+        call = stub.Process()
+        await call.write(headers())
+        await call.read()
+        await call.write(body())
+        assert (await call.read()).HasField("override_message_timeout")  # the leg runs
+        other = stub.Process()
+        await other.write(headers())
+        await other.read()
+        await other.write(body())
+        overloaded(await other.read())
+        await other.done_writing()
+        assert server.router.admission.inflight == 1
+        call.cancel()
+        await until(lambda: server.router.admission.inflight == 0)
+        await until(lambda: prefill.cancelled == 1)

@@ -3,18 +3,27 @@ and a stream that ends while the leg runs cancels it and leaves no charge behind
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
 import grpc
-from backends import start_scripted_prefill
+from backends import ScriptedPrefill, start_scripted_prefill
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from polling import until
 from test_server_grpc import body, headers, load
 
-from ext_proc.app import start_server
+from ext_proc.app import RunningServer, start_server
 from ext_proc.config import load_config
 from ext_proc.discovery.eds import EndpointSpec, write_eds_file
 
+Prefilled = tuple[RunningServer, ScriptedPrefill]
 
-async def test_a_stream_cancelled_during_the_prefill_leg_releases_everything(tmp_path):
+
+@contextlib.asynccontextmanager
+async def hanging_prefill_server(tmp_path: Path, **settings: object) -> AsyncIterator[Prefilled]:
+    """A kv-transfer-params server (more ``settings``: dotted keys) whose only prefill never answers
+    (30 s), and one decode; yields the server and the scripted prefill."""
     prefill = await start_scripted_prefill(delay=30.0)
     write_eds_file(
         tmp_path / "p.json", "prefill", [EndpointSpec(prefill.address, "a", None, True, "HEALTHY")]
@@ -25,28 +34,33 @@ async def test_a_stream_cancelled_during_the_prefill_leg_releases_everything(tmp
         "metrics_listen": "127.0.0.1:0",
         "discovery.eds_files": [str(tmp_path / "p.json"), str(tmp_path / "d.json")],
         "handoff.mode": "kv-transfer-params",
-        "handoff.prefill_timeout_seconds": 60.0,
         "routing.pd_threshold_tokens": 0,
+        **settings,
     }
     server = await start_server(load_config(None, overrides, environ={}))
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
-            call = pb_grpc.ExternalProcessorStub(channel).Process()
-            await call.write(headers())
-            await call.read()  # the headers answer
-            await call.write(body())
-            extend = await call.read()
-            assert extend.WhichOneof("response") is None
-            assert extend.override_message_timeout.seconds == 2 * 60 + 5  # leg, retry, margin
-            await until(lambda: len(prefill.legs) == 1)
-            assert sorted(load(server)) == [
-                ("decode", 20, 1),
-                ("prefill", 10, 1),
-            ]  # prompt 10 + max_tokens 10
-            call.cancel()
-            await until(lambda: prefill.cancelled == 1)
-            await until(lambda: all(requests == 0 for _, _, requests in load(server)))
-            assert all(tokens == 0 for _, tokens, _ in load(server))
+        yield server, prefill
     finally:
         await server.stop(grace=0)
         await prefill.stop()
+
+
+async def test_a_stream_cancelled_during_the_prefill_leg_releases_everything(tmp_path):
+    timeout = {"handoff.prefill_timeout_seconds": 60.0}
+    async with (
+        hanging_prefill_server(tmp_path, **timeout) as (server, prefill),
+        grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel,
+    ):
+        call = pb_grpc.ExternalProcessorStub(channel).Process()
+        await call.write(headers())
+        await call.read()  # the headers answer
+        await call.write(body())
+        extend = await call.read()
+        assert extend.WhichOneof("response") is None
+        assert extend.override_message_timeout.seconds == 2 * 60 + 5  # leg, retry, margin
+        await until(lambda: len(prefill.legs) == 1)
+        assert sorted(load(server)) == [("decode", 20, 1), ("prefill", 10, 1)]  # prompt 10 + 10 tokens
+        call.cancel()
+        await until(lambda: prefill.cancelled == 1)
+        await until(lambda: all(requests == 0 for _, _, requests in load(server)))
+        assert all(tokens == 0 for _, tokens, _ in load(server))
