@@ -70,6 +70,9 @@ VALUE_SETS = {
             "admin.debug_endpoints=false",
             "limits.max_inflight_requests=64",
             "limits.retry_after_seconds=5",
+            "engine_metrics.interval_seconds=0.05",
+            "engine_metrics.engine=sglang",
+            "engine_metrics.port=9100",
         ),
         {
             "affinity.mode": "strict",
@@ -83,6 +86,9 @@ VALUE_SETS = {
             "admin.debug_endpoints": False,
             "limits.max_inflight_requests": 64,
             "limits.retry_after_seconds": 5,
+            "engine_metrics.interval_seconds": 0.05,
+            "engine_metrics.engine": "sglang",
+            "engine_metrics.port": 9100,
         },
     ),
     "namespaces-monitoring": ValueSet(
@@ -329,6 +335,7 @@ def test_the_defaults_are_pd_extprocs_but_where_the_readme_says(helm: Path, tmp_
         "discovery.kubernetes.namespaces",
         "handoff.prefill_via",
         "xds.serve_eds",
+        "engine_metrics.enabled",
     }
 
 
