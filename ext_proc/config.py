@@ -214,7 +214,7 @@ class EngineMetricsConfig:
     path: str = "/metrics"
     port: int = 0
     max_bytes: int = 4 * 1024 * 1024
-    queue_weight: float = 1.0
+    queue_weight: float = 0.0
     queued_request_tokens: int = 2048
 
     @property
