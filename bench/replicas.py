@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_json
 from routing_quality import FIRST_SEED, SCENARIOS, across_seeds
 
+from ext_proc.config import EngineMetricsConfig
 from sim.experiment import measure
 from sim.report import format_table
 from sim.stack import Stack, start_stack
@@ -163,7 +164,10 @@ def main(argv: list[str] | None = None) -> int:
         help="requests per run (default %(default)s)",
     )
     parser.add_argument(
-        "--interval", type=float, default=0.1, help="engine_metrics.interval_seconds (default %(default)s)"
+        "--interval",
+        type=float,
+        default=EngineMetricsConfig.interval_seconds,
+        help="engine_metrics.interval_seconds (default %(default)s)",
     )
     parser.add_argument(
         "--settings", default=",".join(SETTINGS), help="comma-separated subset of the settings"

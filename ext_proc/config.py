@@ -207,9 +207,9 @@ class EngineMetricsConfig:
     """
 
     enabled: bool = False
-    interval_seconds: float = 0.1
+    interval_seconds: float = 0.25
     timeout_seconds: float = 1.0
-    stale_after_intervals: int = 5
+    stale_after_intervals: int = 4
     engine: EngineKind = EngineKind.AUTO
     path: str = "/metrics"
     port: int = 0
