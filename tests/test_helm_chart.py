@@ -423,7 +423,7 @@ def test_pod_wiring(rendered) -> None:
     app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
     assert extproc["image"] == proxy["image"] == f"pd-extproc:{app_version}"
     assert manifests.pod["securityContext"]["runAsNonRoot"] is True
-    assert manifests.one("Deployment")["spec"]["replicas"] == value_set.values.get("replicaCount", 1)
+    assert manifests.one("Deployment")["spec"]["replicas"] == value_set.values.get("replicaCount", 2)
 
 
 def test_services_and_monitoring(rendered) -> None:
@@ -634,7 +634,8 @@ def test_bad_values_are_refused_at_install_time(
 
 
 def test_notes_say_how_to_reach_the_gateway(helm: Path, tmp_path: Path) -> None:
-    args = ["install", RELEASE, str(CHART), "--dry-run=client", *helm_args(tmp_path, {}, ("replicaCount=2",))]
+    sets = ("replicaCount=2", "engine_metrics.enabled=false")
+    args = ["install", RELEASE, str(CHART), "--dry-run=client", *helm_args(tmp_path, {}, sets)]
     result = run_helm(helm, *args)
     assert result.returncode == 0, result.stderr
     notes = result.stdout.partition("NOTES:")[2]
@@ -642,4 +643,4 @@ def test_notes_say_how_to_reach_the_gateway(helm: Path, tmp_path: Path) -> None:
     assert f"http://{FULLNAME}.{NAMESPACE}.svc:8080/v1/" in notes
     assert "curl http://$GATEWAY/v1/chat/completions" in notes
     assert f"kubectl edit configmap --namespace {NAMESPACE} {FULLNAME}-config" in notes
-    assert "2 replicas" in notes
+    assert "2 replicas and engine_metrics.enabled false" in notes
