@@ -54,6 +54,8 @@ SETTINGS: dict[str, tuple[int, bool]] = {  # name: (replicas, engine metrics)
 }
 RESTART_AFTER = 3.0
 """Seconds of traffic through replica 0 before replica 1's pd-extproc restarts."""
+RESTART_REQUESTS = 80
+"""Requests (at 10 req/s) flowing through replica 0 around the restart: they must outlast it."""
 
 
 async def _debug(session: aiohttp.ClientSession, admin_url: str) -> list[dict]:
@@ -68,7 +70,7 @@ def _decode_view(rows: list[dict]) -> float:
 
 async def measure_restart(stack: Stack, interval: float) -> dict:
     """Restart replica 1's pd-extproc under traffic through replica 0; see the module docstring."""
-    plans = plan_workload(80, 10.0, SCENARIOS[SCENARIO].prompt_tokens, seed=99)
+    plans = plan_workload(RESTART_REQUESTS, 10.0, SCENARIOS[SCENARIO].prompt_tokens, seed=99)
     traffic = asyncio.create_task(run_workload(stack.replicas[0].gateway.url, plans))  # type: ignore[union-attr]
     try:
         await asyncio.sleep(RESTART_AFTER)

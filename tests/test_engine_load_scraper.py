@@ -201,7 +201,9 @@ async def test_a_chunked_page_within_max_bytes_is_read_whole(engine: Engine) -> 
     engine.chunked = True
     registry = registry_of([engine.address])
     async with scraping(registry):
-        await until(lambda: registry.decodes[0].blended_tokens == 53_220)  # mean usage 0.5322 (queue weight 0)
+        await until(
+            lambda: registry.decodes[0].blended_tokens == 53_220
+        )  # mean usage 0.5322 (queue weight 0)
 
 
 async def test_a_hanging_engine_times_out_without_delaying_the_others(engine: Engine) -> None:
