@@ -68,6 +68,7 @@ class KubernetesConfig:
     group_label: str = "openfuyao.com/pdGroupID"
     capacity_annotation: str = "pd-extproc/token-capacity"
     bootstrap_port_annotation: str = "pd-extproc/bootstrap-port"
+    metrics_port_annotation: str = "pd-extproc/metrics-port"
 
     def scheme(self) -> RoleScheme:
         """The preset's role scheme with each role and port key that is set here in its place."""
@@ -413,6 +414,7 @@ def _check_kubernetes(kubernetes: KubernetesConfig) -> None:
         "group_label": kubernetes.group_label,
         "capacity_annotation": kubernetes.capacity_annotation,
         "bootstrap_port_annotation": kubernetes.bootstrap_port_annotation,
+        "metrics_port_annotation": kubernetes.metrics_port_annotation,
     }
     for name, value in keys.items():
         prefix, slash, label = value.rpartition("/")

@@ -133,6 +133,7 @@ VALUE_SETS = {
                     "group_label": "llm-d.ai/pd-group",
                     "capacity_annotation": "example.com/token-capacity",
                     "bootstrap_port_annotation": "example.com/bootstrap-port",
+                    "metrics_port_annotation": "example.com/metrics-port",
                     "kubeconfig": "/etc/kube/config",
                 }
             },
@@ -154,6 +155,7 @@ VALUE_SETS = {
                 "group_label": "llm-d.ai/pd-group",
                 "capacity_annotation": "example.com/token-capacity",
                 "bootstrap_port_annotation": "example.com/bootstrap-port",
+                "metrics_port_annotation": "example.com/metrics-port",
             },
             "handoff.prefill_timeout_seconds": 400.25,
             "xds.no_envoy_delay_seconds": 0.0,

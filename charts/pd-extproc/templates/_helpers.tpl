@@ -79,6 +79,7 @@ discovery:
     group_label: {{ $k.group_label | toJson }}
     capacity_annotation: {{ $k.capacity_annotation | toJson }}
     bootstrap_port_annotation: {{ $k.bootstrap_port_annotation | toJson }}
+    metrics_port_annotation: {{ $k.metrics_port_annotation | toJson }}
 affinity:
   mode: {{ ternary "off" $v.affinity.mode (eq (toString $v.affinity.mode) "false") | toJson }}
   bonus: {{ include "pd-extproc.decimal" $v.affinity.bonus }}
