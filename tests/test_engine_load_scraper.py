@@ -237,14 +237,14 @@ async def test_unreachable_and_foreign_pages_are_errors(engine: Engine) -> None:
 async def test_prefills_are_scraped_and_a_departed_engine_loses_its_offset(engine: Engine) -> None:
     registry = registry_of([], prefills=(engine.address,))
     state = registry.prefills[0]
-    lease = Lease(state, 10, registry_of([engine.address]).decodes[0], 0)
+    state.charge(10)  # one request in flight on it
     async with scraping(registry) as (scraper, _):
         await until(lambda: state.blended_tokens == 25_000)
         registry.update([])  # it leaves discovery while a request is still charged to it
         await until(lambda: state.engine_offset == 0)
         assert state.blended_tokens == state.active_tokens == 10
         assert scraper.ages() == {}
-    lease.release()
+    state.release(10)
 
 
 async def test_the_metrics_port_and_path_come_from_metadata_and_config(engine: Engine) -> None:
