@@ -152,11 +152,11 @@ async def run_scenario(
     return results
 
 
-def across_seeds(runs: dict[int, dict[str, dict]]) -> dict[str, dict]:
+def across_seeds(runs: dict[int, dict[str, dict]], base: str = "off") -> dict[str, dict]:
     """Per setting run in every seed: each :data:`ACROSS_SEEDS` metric's median/min/max over
     seeds (``None`` values skipped), the median over seeds of each :data:`RATIO_TO_OFF` metric
-    divided by ``off``'s in the same seed (``<metric>_vs_off``; only where both are known and off's
-    is non-zero), and total errors."""
+    divided by setting ``base``'s in the same seed (``<metric>_vs_<base>``; only where both are known
+    and the base's is non-zero), and total errors."""
     settings = [s for s in next(iter(runs.values())) if all(s in run for run in runs.values())]
     stats: dict[str, dict] = {}
     for setting in settings:
@@ -170,13 +170,13 @@ def across_seeds(runs: dict[int, dict[str, dict]]) -> dict[str, dict]:
             )
         for key in RATIO_TO_OFF:
             ratios = [
-                mine / base
+                mine / theirs
                 for seed in runs
-                if "off" in runs[seed]
+                if base in runs[seed]
                 and (mine := runs[seed][setting][key]) is not None
-                and (base := runs[seed]["off"][key])
+                and (theirs := runs[seed][base][key])
             ]
-            row[f"{key}_vs_off"] = statistics.median(ratios) if ratios else None
+            row[f"{key}_vs_{base}"] = statistics.median(ratios) if ratios else None
         stats[setting] = row
     return stats
 

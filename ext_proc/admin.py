@@ -3,16 +3,23 @@ off), ``/healthz``."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ext_proc.metrics import Metrics
-from ext_proc.registry import Registry
+from ext_proc.registry import EndpointState, Registry
+
+EngineView = Callable[[EndpointState], dict[str, object]]
+"""What the engine load signal knows of an endpoint (:meth:`ext_proc.engine_load.EngineScraper.describe`)."""
 
 
-def endpoint_rows(registry: Registry) -> list[dict[str, object]]:
+def endpoint_rows(registry: Registry, engine_view: EngineView | None = None) -> list[dict[str, object]]:
     """One row per known endpoint: identity, health, whether the router may pick it now (healthy
-    and still listed: not a departed endpoint finishing its requests), capacity (tokens) and live load."""
+    and still listed: not a departed endpoint finishing its requests), capacity (tokens) and live load:
+    ``active_tokens`` (local accounting), ``blended_tokens`` (what the decision reads) and, with
+    ``engine_view`` (engine metrics enabled), ``engine``: the last engine sample, its age and freshness."""
     pickable = {id(s) for s in (*registry.prefills, *registry.decodes)}
     return [
         {
@@ -25,14 +32,19 @@ def endpoint_rows(registry: Registry) -> list[dict[str, object]]:
             "token_capacity": s.token_capacity,
             "active_tokens": s.active_tokens,
             "active_requests": s.active_requests,
+            "blended_tokens": s.blended_tokens,
         }
+        | ({"engine": engine_view(s)} if engine_view is not None else {})
         for s in registry.endpoints()
     ]
 
 
-def build_admin_app(registry: Registry, metrics: Metrics, debug_endpoints: bool = True) -> web.Application:
+def build_admin_app(
+    registry: Registry, metrics: Metrics, debug_endpoints: bool = True, engine_view: EngineView | None = None
+) -> web.Application:
     """The aiohttp application serving the admin routes; without ``debug_endpoints``,
-    ``/debug/endpoints`` answers 404 with a JSON error (config ``admin.debug_endpoints``)."""
+    ``/debug/endpoints`` answers 404 with a JSON error (config ``admin.debug_endpoints``);
+    ``engine_view``: see :func:`endpoint_rows`."""
 
     async def metrics_handler(_: web.Request) -> web.Response:
         return web.Response(
@@ -40,7 +52,7 @@ def build_admin_app(registry: Registry, metrics: Metrics, debug_endpoints: bool 
         )
 
     async def endpoints_handler(_: web.Request) -> web.Response:
-        return web.json_response(endpoint_rows(registry))
+        return web.json_response(endpoint_rows(registry, engine_view))
 
     async def endpoints_off_handler(_: web.Request) -> web.Response:
         error = {"message": "/debug/endpoints is switched off (admin.debug_endpoints)", "code": "disabled"}

@@ -19,6 +19,7 @@ from ext_proc.affinity import Policy
 from ext_proc.config import Config, ConfigSource
 from ext_proc.discovery import ClusterEndpoints, EdsFileSource, SourceKind
 from ext_proc.discovery.eds_watch import Publish
+from ext_proc.engine_load import EngineScraper
 from ext_proc.handoff import (
     DecodeRoute,
     Handoff,
@@ -127,7 +128,8 @@ async def start_server(
     config: Config, source: ConfigSource | None = None, reload_interval: float = RELOAD_INTERVAL_SECONDS
 ) -> RunningServer:
     """Build the discovery source (files: loaded once here), start the gRPC server and the admin
-    endpoint, then the source's watcher. Raises :class:`~ext_proc.config.ConfigError` when a TLS file
+    endpoint, then the source's watcher (and, with ``engine_metrics.enabled``, the engine scraper).
+    Raises :class:`~ext_proc.config.ConfigError` when a TLS file
     cannot be read or the source cannot be set up, ``OSError`` when an address cannot be bound.
 
     With ``xds.serve_eds`` the source's endpoints go through an :class:`EdsPublisher` (Envoy
@@ -181,7 +183,13 @@ async def start_server(
     )
     if loaded and not health.ready:  # the publisher settled while the gRPC server was starting
         await health.set_ready(True)
-    runner = web.AppRunner(build_admin_app(registry, metrics, config.admin.debug_endpoints), access_log=None)
+    scraper = (
+        EngineScraper(registry, config.engine_metrics, metrics) if config.engine_metrics.enabled else None
+    )
+    admin = build_admin_app(
+        registry, metrics, config.admin.debug_endpoints, scraper.describe if scraper is not None else None
+    )
+    runner = web.AppRunner(admin, access_log=None)
     await runner.setup()
     host, port = _split(config.metrics_listen)
     site = web.TCPSite(runner, host, port)
@@ -195,13 +203,16 @@ async def start_server(
         raise OSError(f"cannot listen on {config.metrics_listen} for metrics and admin: {exc}") from exc
     admin_port = runner.addresses[0][1]
     watchers = [asyncio.create_task(endpoints.run(), name="discovery")]
+    if scraper is not None:
+        watchers.append(asyncio.create_task(scraper.run(), name="engine-metrics"))
     reloads = None
     if source is not None and source.path is not None:
         reloads = ConfigWatcher(source, config, router, metrics, reload_interval)
         watchers.append(asyncio.create_task(reloads.run(), name="config-watcher"))
     log.info(
         "pd-extproc serving ext_proc on %s (port %d, %s), admin on port %d; affinity %s bonus %.2f; "
-        "handoff %s%s; EDS served to Envoy: %s; %d prefill and %d decode endpoints healthy",
+        "handoff %s%s; EDS served to Envoy: %s; engine metrics: %s; "
+        "%d prefill and %d decode endpoints healthy",
         config.listen,
         grpc_port,
         tls_mode(config.tls),
@@ -211,6 +222,7 @@ async def start_server(
         config.handoff.mode.value,
         f" via {config.handoff.prefill_via}" if config.handoff.prefill_via else "",
         "yes" if publisher is not None else "no",
+        f"every {config.engine_metrics.interval_seconds:g} s" if scraper is not None else "off",
         len(registry.prefills),
         len(registry.decodes),
     )

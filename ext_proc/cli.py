@@ -50,6 +50,10 @@ def _serve(args: argparse.Namespace) -> int:
         overrides["xds.serve_eds"] = True
     if args.max_inflight_requests is not None:
         overrides["limits.max_inflight_requests"] = args.max_inflight_requests
+    if args.engine_metrics:
+        overrides["engine_metrics.enabled"] = True
+    if args.engine_metrics_interval is not None:
+        overrides["engine_metrics.interval_seconds"] = args.engine_metrics_interval
     source = ConfigSource(args.config, overrides)
     config = _load(source)
     if config is None:
@@ -101,6 +105,16 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         help="requests in flight beyond which new ones get 429 overloaded; 0 = unlimited "
         "(limits.max_inflight_requests)",
+    )
+    serve.add_argument(
+        "--engine-metrics",
+        action="store_true",
+        help="scrape the engines' /metrics and blend their load into routing (engine_metrics.enabled)",
+    )
+    serve.add_argument(
+        "--engine-metrics-interval",
+        type=float,
+        help="seconds between scrapes of one engine (engine_metrics.interval_seconds)",
     )
     serve.add_argument(
         "--serve-eds",

@@ -24,6 +24,7 @@ import yaml
 from ext_proc.affinity import Mode
 from ext_proc.discovery import SourceKind
 from ext_proc.discovery.pods import PRESETS, Preset, RoleScheme
+from ext_proc.engine_load import EngineKind
 from ext_proc.handoff import FailurePolicy, HandoffMode
 from ext_proc.request import MAX_OUTPUT_BUDGET
 
@@ -37,6 +38,8 @@ MAX_RETRY_AFTER = 3600
 """Upper bound of ``limits.retry_after_seconds`` (seconds)."""
 MAX_NO_ENVOY_DELAY = 60.0
 """Upper bound of ``xds.no_envoy_delay_seconds`` (seconds)."""
+MIN_SCRAPE_INTERVAL = 0.01
+"""Lower bound of ``engine_metrics.interval_seconds`` (seconds)."""
 
 
 class ConfigError(ValueError):
@@ -65,6 +68,7 @@ class KubernetesConfig:
     group_label: str = "openfuyao.com/pdGroupID"
     capacity_annotation: str = "pd-extproc/token-capacity"
     bootstrap_port_annotation: str = "pd-extproc/bootstrap-port"
+    metrics_port_annotation: str = "pd-extproc/metrics-port"
 
     def scheme(self) -> RoleScheme:
         """The preset's role scheme with each role and port key that is set here in its place."""
@@ -189,6 +193,38 @@ class LimitsConfig:
 
 
 @dataclass(frozen=True)
+class EngineMetricsConfig:
+    """The engine load signal (README "Engine load signal"): every pickable engine's Prometheus page,
+    scraped and blended into the load the decision reads.
+
+    ``enabled``: scrape at all (off: local accounting alone, as before the section existed).
+    ``interval_seconds``: time between scrapes of one engine. ``timeout_seconds``: bound of one
+    scrape. ``stale_after_intervals``: a sample older than this many intervals counts as unknown
+    (local accounting alone). ``engine``: the engines' metric names (``auto``: vLLM's, which the
+    simulator uses, or SGLang's, whichever the page has). ``path`` and ``port`` (0: the endpoint's
+    ``metrics_port`` metadata, else its serving port) locate the page; ``max_bytes`` caps what is read
+    of it. ``queue_weight`` scales the queue term; ``queued_request_tokens`` is what one queued request
+    counts (tokens) when the gateway has no request in flight to take the mean of.
+    """
+
+    enabled: bool = False
+    interval_seconds: float = 0.25
+    timeout_seconds: float = 1.0
+    stale_after_intervals: int = 4
+    engine: EngineKind = EngineKind.AUTO
+    path: str = "/metrics"
+    port: int = 0
+    max_bytes: int = 4 * 1024 * 1024
+    queue_weight: float = 0.0
+    queued_request_tokens: int = 2048
+
+    @property
+    def stale_after_seconds(self) -> float:
+        """Age (seconds) beyond which a sample counts as unknown."""
+        return self.stale_after_intervals * self.interval_seconds
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole configuration. ``listen``/``metrics_listen`` are ``host:port``; the admin endpoint
     (``metrics_listen``) listens on loopback unless configured otherwise."""
@@ -204,9 +240,10 @@ class Config:
     xds: XdsConfig = field(default_factory=XdsConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    engine_metrics: EngineMetricsConfig = field(default_factory=EngineMetricsConfig)
 
 
-_CHOICES = (Mode, HandoffMode, FailurePolicy, SourceKind, Preset)
+_CHOICES = (Mode, HandoffMode, FailurePolicy, SourceKind, Preset, EngineKind)
 _NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 _DNS_SUBDOMAIN = re.compile(r"(?=.{1,253}$)[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
 _LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
@@ -310,6 +347,7 @@ def validate(config: Config) -> Config:
     if not 1 <= config.limits.retry_after_seconds <= MAX_RETRY_AFTER:
         raise ConfigError(f"limits.retry_after_seconds: must be an integer in [1, {MAX_RETRY_AFTER}]")
     _check_handoff(config.handoff)
+    _check_engine_metrics(config.engine_metrics)
     _check_tls(config.tls)
     _check_kubernetes(config.discovery.kubernetes)
     if not 0 <= config.xds.no_envoy_delay_seconds <= MAX_NO_ENVOY_DELAY:
@@ -334,6 +372,28 @@ def _check_handoff(handoff: HandoffConfig) -> None:
         raise ConfigError("handoff.default_bootstrap_port: must be a port in 1..65535")
 
 
+def _check_engine_metrics(engine: EngineMetricsConfig) -> None:
+    key = "engine_metrics"
+    if not MIN_SCRAPE_INTERVAL <= engine.interval_seconds <= 60:
+        raise ConfigError(f"{key}.interval_seconds: must be a number in [{MIN_SCRAPE_INTERVAL}, 60]")
+    if not 0 < engine.timeout_seconds <= 60:
+        raise ConfigError(f"{key}.timeout_seconds: must be a number in (0, 60]")
+    if not 1 <= engine.stale_after_intervals <= 1000:
+        raise ConfigError(f"{key}.stale_after_intervals: must be an integer in [1, 1000]")
+    if not engine.path.startswith("/") or any(c.isspace() for c in engine.path):
+        raise ConfigError(
+            f"{key}.path: {engine.path!r} is not allowed; use an absolute URL path such as /metrics"
+        )
+    if not 0 <= engine.port <= 65535:
+        raise ConfigError(f"{key}.port: must be 0 (metadata or serving port) or a port in 1..65535")
+    if not 1024 <= engine.max_bytes <= 256 * 1024 * 1024:
+        raise ConfigError(f"{key}.max_bytes: must be an integer in [1024, 268435456]")
+    if not 0 <= engine.queue_weight <= 100:
+        raise ConfigError(f"{key}.queue_weight: must be a number in [0, 100]")
+    if not 0 <= engine.queued_request_tokens <= MAX_OUTPUT_BUDGET:
+        raise ConfigError(f"{key}.queued_request_tokens: must be an integer in [0, {MAX_OUTPUT_BUDGET}]")
+
+
 def _check_tls(tls: TlsConfig) -> None:
     if bool(tls.cert_file) != bool(tls.key_file):
         raise ConfigError("tls.cert_file and tls.key_file: set both (TLS) or neither (plaintext)")
@@ -354,6 +414,7 @@ def _check_kubernetes(kubernetes: KubernetesConfig) -> None:
         "group_label": kubernetes.group_label,
         "capacity_annotation": kubernetes.capacity_annotation,
         "bootstrap_port_annotation": kubernetes.bootstrap_port_annotation,
+        "metrics_port_annotation": kubernetes.metrics_port_annotation,
     }
     for name, value in keys.items():
         prefix, slash, label = value.rpartition("/")

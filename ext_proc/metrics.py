@@ -15,6 +15,7 @@ from prometheus_client.registry import Collector
 from ext_proc.registry import EndpointState
 
 DECISION_BUCKETS = (5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2)
+SCRAPE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 LEG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 180.0)
 
 
@@ -30,12 +31,41 @@ class _EndpointLoadCollector(Collector):
         requests = GaugeMetricFamily(
             "pd_extproc_endpoint_active_requests", "In-flight requests routed to the endpoint", labels=labels
         )
+        blended = GaugeMetricFamily(
+            "pd_extproc_endpoint_blended_tokens",
+            "Tokens the decision reads for the endpoint: local in-flight tokens blended with the engine's "
+            "own load (equal to active_tokens without a fresh engine sample)",
+            labels=labels,
+        )
         for state in self._endpoints():
             values = [state.role.value, state.group, state.address]
             tokens.add_metric(values, state.active_tokens)
             requests.add_metric(values, state.active_requests)
+            blended.add_metric(values, state.blended_tokens)
         yield tokens
         yield requests
+        yield blended
+
+
+class _EngineScrapeCollector(Collector):
+    def __init__(self, ages: Callable[[], dict[str, float]], stale: Callable[[], int]) -> None:
+        self._ages = ages
+        self._stale = stale
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        ages = GaugeMetricFamily(
+            "pd_extproc_engine_sample_age_seconds",
+            "Seconds since the engine's last good /metrics sample",
+            labels=["endpoint"],
+        )
+        for address, age in self._ages().items():
+            ages.add_metric([address], age)
+        yield ages
+        yield GaugeMetricFamily(
+            "pd_extproc_engine_stale_endpoints",
+            "Pickable endpoints without a fresh engine sample (their load is local accounting alone)",
+            value=self._stale(),
+        )
 
 
 class Metrics:
@@ -122,6 +152,19 @@ class Metrics:
             "Requests admitted and routed whose ext_proc stream has not ended (limits.max_inflight_requests)",
             registry=self.registry,
         )
+        self._engine_scrapes = Counter(
+            "pd_extproc_engine_scrapes_total",
+            "Scrapes of engines' /metrics by outcome: ok, or the error (timeout, connect, status, too_large, "
+            "parse, missing)",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self._engine_scrape_seconds = Histogram(
+            "pd_extproc_engine_scrape_seconds",
+            "Duration of one scrape of an engine's /metrics (fetch and parse), in seconds",
+            buckets=SCRAPE_BUCKETS,
+            registry=self.registry,
+        )
         self.registry.register(_EndpointLoadCollector(endpoints))
         self._decision_children: dict[tuple[str, str], Counter] = {}
         self._rejected_children: dict[str, Counter] = {}
@@ -140,6 +183,16 @@ class Metrics:
         """Report ``count()`` (the router's requests in flight) as ``pd_extproc_inflight_requests``,
         read at scrape time."""
         self._inflight.set_function(count)
+
+    def watch_engine_scrapes(self, ages: Callable[[], dict[str, float]], stale: Callable[[], int]) -> None:
+        """Expose ``ages()`` (seconds since each engine's last good sample, by address) and ``stale()``
+        (pickable endpoints without a fresh one), read at scrape time."""
+        self.registry.register(_EngineScrapeCollector(ages, stale))
+
+    def engine_scrape(self, outcome: str, seconds: float) -> None:
+        """Count one scrape of an engine's ``/metrics`` by ``outcome`` and record its ``seconds``."""
+        self._engine_scrapes.labels(outcome).inc()
+        self._engine_scrape_seconds.observe(seconds)
 
     def rejected(self, reason: str) -> None:
         """Count one request answered with an error, by machine-readable reason."""

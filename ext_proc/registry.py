@@ -5,7 +5,10 @@ Load lives in per-role numpy arrays (struct of arrays) that the registry owns: `
 healthy prefix is what :func:`ext_proc.affinity.choose` reads (:attr:`Registry.prefill_pool`,
 :attr:`Registry.decode_pool`, views of those arrays). Each endpoint is one mutable
 :class:`EndpointState` that knows its slot: the load accounting charges and releases through it,
-in place, so routing reads loads without copying anything.
+in place, so routing reads loads without copying anything. The ``tokens`` slot holds the *blended*
+load: the local in-flight tokens plus the endpoint's ``engine_offset``, which the engine load signal
+(:mod:`ext_proc.engine_load`) sets when a scrape lands (0 without one), so a charge or release stays
+one in-place addition and the decision reads one number per endpoint.
 
 Updates from a discovery source keep the same object for an endpoint that stays (same role and
 address) and rebuild the arrays with every live value carried over: in-flight accounting survives
@@ -41,8 +44,10 @@ class EndpointState:
 
     Satisfies :class:`ext_proc.affinity.Endpoint` (``address``, ``group``, ``token_capacity`` in
     tokens, ``active_tokens``, ``active_requests``); ``bootstrap_port`` is the SGLang bootstrap port
-    its metadata declares, if any. The two loads are properties over the
-    endpoint's slot in its role's arrays (a private one-slot pair until the registry places it).
+    its metadata declares, if any, ``metrics_port`` the port of its ``/metrics`` if not the serving port.
+    The loads are properties over the endpoint's slot in its role's arrays (a private one-slot pair
+    until the registry places it): ``active_tokens`` is the local accounting alone, ``blended_tokens``
+    what the decision reads, ``active_tokens + engine_offset``.
     """
 
     __slots__ = (
@@ -51,9 +56,11 @@ class EndpointState:
         "_tokens",
         "address",
         "bootstrap_port",
+        "engine_offset",
         "group",
         "health_status",
         "healthy",
+        "metrics_port",
         "role",
         "token_capacity",
     )
@@ -66,18 +73,30 @@ class EndpointState:
         self.healthy = False
         self.health_status = "UNKNOWN"
         self.bootstrap_port: int | None = None
+        self.metrics_port: int | None = None
+        self.engine_offset = 0
         self._tokens: NDArray[np.int64] = np.zeros(1, dtype=np.int64)
         self._requests: NDArray[np.int64] = np.zeros(1, dtype=np.int64)
         self._slot = 0
 
     @property
     def active_tokens(self) -> int:
-        """In-flight tokens charged to this endpoint."""
-        return int(self._tokens[self._slot])
+        """In-flight tokens charged to this endpoint by this gateway (the local accounting)."""
+        return int(self._tokens[self._slot]) - self.engine_offset
 
     @active_tokens.setter
     def active_tokens(self, value: int) -> None:
-        self._tokens[self._slot] = value
+        self._tokens[self._slot] = value + self.engine_offset
+
+    @property
+    def blended_tokens(self) -> int:
+        """The load the decision reads, in tokens: :attr:`active_tokens` + :attr:`engine_offset`."""
+        return int(self._tokens[self._slot])
+
+    def set_engine_offset(self, offset: int) -> None:
+        """Make the decision read ``active_tokens + offset`` (tokens, >= 0) from now on."""
+        self._tokens[self._slot] += offset - self.engine_offset
+        self.engine_offset = offset
 
     @property
     def active_requests(self) -> int:
@@ -150,6 +169,7 @@ class Registry:
                 state.healthy = spec.healthy
                 state.health_status = spec.health_status
                 state.bootstrap_port = spec.bootstrap_port
+                state.metrics_port = spec.metrics_port
                 fresh[key] = state
         for key, state in self._current.items():
             if key not in fresh and state.active_requests:

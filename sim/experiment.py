@@ -39,13 +39,15 @@ async def measure(
     **routing: object,
 ) -> dict:
     """Route with ``mode`` (``off``/``prefer``/``strict``, or :data:`BASELINE`), ``handoff``
-    (pd-extproc's ``handoff.mode``) and more ``routing`` options of :meth:`Stack.route_with`, run
-    ``plans``; return the summary (see :func:`sim.report.summarize`)."""
+    (pd-extproc's ``handoff.mode``) and more ``routing`` options of :meth:`Stack.route_with` (with
+    several ``replicas``, the requests go round robin over their gateways), run ``plans``; return the
+    summary (see :func:`sim.report.summarize`)."""
     if mode == BASELINE:
-        url = await stack.round_robin()
+        await stack.round_robin()
     else:
-        url = await stack.route_with(mode, bonus, handoff, **routing)  # type: ignore[arg-type]
-    await run_workload(url, WARMUP)
+        await stack.route_with(mode, bonus, handoff, **routing)  # type: ignore[arg-type]
+    urls = stack.urls
+    await run_workload(urls, WARMUP)
     capacities = stack.decode_capacities()
     task = None
     if disruption is not None:
@@ -56,7 +58,7 @@ async def measure(
 
         task = asyncio.create_task(disrupt())
     try:
-        records, duration = await run_workload(url, plans, progress=progress)
+        records, duration = await run_workload(urls, plans, progress=progress)
     finally:
         if task is not None:
             await task

@@ -3,7 +3,8 @@
 Each piece runs in its own process (the machine has two cores; a shared GIL would distort
 timings): the cluster in a child process, ``pd-extproc serve`` as a subprocess restarted per
 affinity setting, Envoy from the shipped bootstrap. :meth:`Stack.route_with` switches the
-affinity mode; :meth:`Stack.round_robin` gives the plain-Envoy baseline on the same cluster.
+affinity mode (and runs one or several gateway replicas, each a pd-extproc behind its own Envoy);
+:meth:`Stack.round_robin` gives the plain-Envoy baseline on the same cluster.
 """
 
 from __future__ import annotations
@@ -35,30 +36,88 @@ class StackError(RuntimeError):
 
 
 @dataclass
-class Stack:
-    """The running stack. ``url`` is the current gateway's base URL (``None`` before routing)."""
+class Replica:
+    """One gateway replica: a ``pd-extproc serve`` process and the Envoy in front of it, on ports of its
+    own (``server``/``gateway`` are ``None`` while stopped; a plain-Envoy baseline has no server)."""
 
-    cluster: ClusterProcess
-    workdir: Path
-    prefill_eds: Path
-    decode_eds: Path
     grpc_port: int = field(default_factory=free_port)
     admin_port: int = field(default_factory=free_port)
     prefill_leg_port: int = field(default_factory=free_port)
     server: subprocess.Popen | None = None
     gateway: Gateway | None = None
-    removed: set[str] = field(default_factory=set)
     gateway_routed: bool = False
-
-    @property
-    def url(self) -> str:
-        if self.gateway is None:
-            raise StackError("no gateway is running")
-        return self.gateway.url
+    args: tuple[str, ...] = ()
 
     @property
     def admin_url(self) -> str:
         return f"http://127.0.0.1:{self.admin_port}"
+
+    def stop_server(self) -> None:
+        if self.server is not None:
+            terminate(self.server, grace=10.0)
+        self.server = None
+
+    def stop_gateway(self) -> None:
+        if self.gateway is not None:
+            self.gateway.stop()
+        self.gateway = None
+
+    async def start_server(self, eds: list[str], log: Path, args: tuple[str, ...]) -> None:
+        """(Re)start pd-extproc over the ``eds`` files with ``args`` and wait until it routes."""
+        self.stop_server()
+        self.args = args
+        self.server = start_router_process(self.grpc_port, self.admin_port, eds, log, args)
+        try:
+            await wait_router_ready(self.server, self.admin_port)
+        except GatewayError as exc:
+            raise StackError(f"{exc}; see {log.parent}") from None
+
+    async def start_gateway(self, prefill_eds: Path, decode_eds: Path, extproc: bool) -> None:
+        """(Re)start Envoy: through this replica's pd-extproc, or plain round robin without ``extproc``."""
+        self.stop_gateway()
+        listen, admin = free_port(), free_port()
+        bootstrap = render_bootstrap(
+            listen_port=listen,
+            admin_port=admin,
+            extproc_port=self.grpc_port if extproc else None,
+            decode_eds_path=str(decode_eds),
+            prefill_eds_path=str(prefill_eds),
+            prefill_leg_port=self.prefill_leg_port,
+            round_robin=not extproc,
+        )
+        self.gateway = await start_gateway(bootstrap, listen, admin, concurrency=1)
+        self.gateway_routed = extproc
+
+    def stop(self) -> None:
+        self.stop_gateway()
+        self.stop_server()
+
+
+@dataclass
+class Stack:
+    """The running stack: the cluster and one or more gateway replicas (``replicas[0]`` first).
+    ``url`` is the first replica's gateway base URL, ``urls`` every replica's."""
+
+    cluster: ClusterProcess
+    workdir: Path
+    prefill_eds: Path
+    decode_eds: Path
+    replicas: list[Replica] = field(default_factory=lambda: [Replica()])
+    removed: set[str] = field(default_factory=set)
+
+    @property
+    def url(self) -> str:
+        return self.urls[0]
+
+    @property
+    def urls(self) -> list[str]:
+        if any(r.gateway is None for r in self.replicas):
+            raise StackError("no gateway is running")
+        return [r.gateway.url for r in self.replicas if r.gateway is not None]
+
+    @property
+    def admin_url(self) -> str:
+        return self.replicas[0].admin_url
 
     def decode_capacities(self) -> dict[str, float]:
         """Decode engines still in EDS → their KV capacity in tokens (what EDS declares)."""
@@ -68,30 +127,11 @@ class Stack:
             if e.role in ("decode", "both") and e.address not in self.removed
         }
 
-    def _stop_server(self) -> None:
-        if self.server is not None:
-            terminate(self.server, grace=10.0)
-        self.server = None
-
-    def _stop_gateway(self) -> None:
-        if self.gateway is not None:
-            self.gateway.stop()
-        self.gateway = None
-
-    async def _start_gateway(self, extproc: bool) -> None:
-        self._stop_gateway()
-        listen, admin = free_port(), free_port()
-        bootstrap = render_bootstrap(
-            listen_port=listen,
-            admin_port=admin,
-            extproc_port=self.grpc_port if extproc else None,
-            decode_eds_path=str(self.decode_eds),
-            prefill_eds_path=str(self.prefill_eds),
-            prefill_leg_port=self.prefill_leg_port,
-            round_robin=not extproc,
-        )
-        self.gateway = await start_gateway(bootstrap, listen, admin, concurrency=1)
-        self.gateway_routed = extproc
+    def _scale(self, count: int) -> None:
+        """Keep exactly ``count`` replicas (the first ones stay)."""
+        for replica in self.replicas[count:]:
+            replica.stop()
+        self.replicas = self.replicas[:count] + [Replica() for _ in range(count - len(self.replicas))]
 
     async def route_with(
         self,
@@ -100,38 +140,48 @@ class Stack:
         handoff: str = "sidecar",
         via_envoy: bool = True,
         pd_threshold_tokens: int | None = None,
+        replicas: int = 1,
+        engine_metrics: float | None = None,
     ) -> str:
-        """(Re)start pd-extproc with ``mode``/``bonus``/``handoff``/``pd_threshold_tokens`` (``None``:
-        pd-extproc's default) (prefill legs through Envoy's prefill-leg listener, or straight to the
-        engine without ``via_envoy``) and the routed Envoy; return the gateway URL."""
-        self._stop_server()
-        via = f"http://127.0.0.1:{self.prefill_leg_port}" if via_envoy else ""
-        name = (
-            f"pd-extproc-{mode}-{bonus}-{handoff}-{'envoy' if via_envoy else 'direct'}-{pd_threshold_tokens}"
-        )
-        self.server = start_router_process(
-            self.grpc_port,
-            self.admin_port,
-            [str(self.prefill_eds), str(self.decode_eds)],
-            self.workdir / f"{name}.log",
-            (
+        """(Re)start ``replicas`` pd-extprocs with ``mode``/``bonus``/``handoff``/``pd_threshold_tokens``
+        (``None``: pd-extproc's default) (prefill legs through each Envoy's prefill-leg listener, or
+        straight to the engine without ``via_envoy``), scraping the engines every ``engine_metrics``
+        seconds when given, each behind its own routed Envoy; return the first gateway's URL."""
+        self._scale(replicas)
+        eds = [str(self.prefill_eds), str(self.decode_eds)]
+        for index, replica in enumerate(self.replicas):
+            via = f"http://127.0.0.1:{replica.prefill_leg_port}" if via_envoy else ""
+            name = (
+                f"pd-extproc-{mode}-{bonus}-{handoff}-{'envoy' if via_envoy else 'direct'}"
+                f"-{pd_threshold_tokens}-{engine_metrics}-{index}"
+            )
+            args = (
                 *("--affinity-mode", mode, "--affinity-bonus", str(bonus)),
                 *("--handoff", handoff, "--prefill-via", via),
                 *(() if pd_threshold_tokens is None else ("--pd-threshold-tokens", str(pd_threshold_tokens))),
-            ),
-        )
-        try:
-            await wait_router_ready(self.server, self.admin_port)
-        except GatewayError as exc:
-            raise StackError(f"{exc}; see {self.workdir}") from None
-        if self.gateway is None or not self.gateway_routed:
-            await self._start_gateway(extproc=True)
+                *(
+                    ()
+                    if engine_metrics is None
+                    else ("--engine-metrics", "--engine-metrics-interval", str(engine_metrics))
+                ),
+            )
+            await replica.start_server(eds, self.workdir / f"{name}.log", args)
+            if replica.gateway is None or not replica.gateway_routed:
+                await replica.start_gateway(self.prefill_eds, self.decode_eds, extproc=True)
         return self.url
+
+    async def restart_router(self, index: int) -> None:
+        """Restart replica ``index``'s pd-extproc with the same arguments (its Envoy stays)."""
+        replica = self.replicas[index]
+        await replica.start_server(
+            [str(self.prefill_eds), str(self.decode_eds)], self.workdir / f"restart-{index}.log", replica.args
+        )
 
     async def round_robin(self) -> str:
         """Stop pd-extproc and run plain Envoy (round robin over the decodes); return its URL."""
-        self._stop_server()
-        await self._start_gateway(extproc=False)
+        self._scale(1)
+        self.replicas[0].stop_server()
+        await self.replicas[0].start_gateway(self.prefill_eds, self.decode_eds, extproc=False)
         return self.url
 
     async def kill_engine(self, address: str) -> None:
@@ -148,8 +198,8 @@ class Stack:
 
     def stop(self) -> None:
         """Tear everything down (idempotent)."""
-        self._stop_gateway()
-        self._stop_server()
+        for replica in self.replicas:
+            replica.stop()
         self.cluster.stop()
         shutil.rmtree(self.workdir, ignore_errors=True)
 

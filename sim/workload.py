@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import openai
@@ -134,25 +134,31 @@ async def _one(client: openai.AsyncOpenAI, model: str, record: Record, t0: float
 
 
 async def run_workload(
-    base_url: str,
+    base_url: str | Sequence[str],
     plans: list[RequestPlan],
     model: str = "sim-llama-3-8b",
     progress: Callable[[], None] | None = None,
     timeout_s: float = 120.0,
 ) -> tuple[list[Record], float]:
-    """Send every planned request through ``base_url`` (the gateway); return the records and the
-    wall-clock duration in seconds from the first send to the last completion."""
-    client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=timeout_s)
+    """Send every planned request through ``base_url`` (the gateway; several gateway replicas: request
+    ``i`` through the ``i % n``-th, round robin); return the records and the wall-clock duration in
+    seconds from the first send to the last completion."""
+    urls = [base_url] if isinstance(base_url, str) else list(base_url)
+    clients = [
+        openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=timeout_s)
+        for url in urls
+    ]
     records = [Record(plan) for plan in plans]
     t0 = time.perf_counter()
 
-    async def tracked(record: Record) -> None:
-        await _one(client, model, record, t0)
+    async def tracked(index: int, record: Record) -> None:
+        await _one(clients[index % len(clients)], model, record, t0)
         if progress is not None:
             progress()
 
     try:
-        await asyncio.gather(*(tracked(r) for r in records))
+        await asyncio.gather(*(tracked(i, r) for i, r in enumerate(records)))
     finally:
-        await client.close()
+        for client in clients:
+            await client.close()
     return records, time.perf_counter() - t0

@@ -64,6 +64,7 @@ async def test_debug_endpoints_lists_every_endpoint_with_live_load(
             "token_capacity": 2000.0,
             "active_tokens": 30,
             "active_requests": 1,
+            "blended_tokens": 30,
         },
         D1: {
             "address": D1,
@@ -75,6 +76,7 @@ async def test_debug_endpoints_lists_every_endpoint_with_live_load(
             "token_capacity": 4096.0,
             "active_tokens": 80,
             "active_requests": 1,
+            "blended_tokens": 80,
         },
         D2: {
             "address": D2,
@@ -86,6 +88,7 @@ async def test_debug_endpoints_lists_every_endpoint_with_live_load(
             "token_capacity": 8000.0,
             "active_tokens": 0,
             "active_requests": 0,
+            "blended_tokens": 0,
         },
     }
     lease.release()

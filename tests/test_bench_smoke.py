@@ -193,3 +193,43 @@ def test_threshold_recommendation_respects_the_tpot_tolerance():
     assert handoff_bench.recommend(stats, tolerance=0.25)["label"] == "decode-only"
     assert handoff_bench.recommend(stats, tolerance=0.01)["label"] == "0"
     assert handoff_bench.threshold_of("decode-only") > 32768
+
+
+replicas_bench = load_bench("replicas")
+
+
+def test_replicas_benchmark_end_to_end(tmp_path, monkeypatch):
+    """One and two gateway replicas (the second pair scraping the engines) with a handful of requests,
+    and a restarted replica: every request is served, and the restarted replica's view is fresh."""
+    monkeypatch.setattr(replicas_bench, "RESTART_AFTER", 0.5)
+    monkeypatch.setattr(replicas_bench, "RESTART_REQUESTS", 30)
+    out = tmp_path / "replicas.json"
+    argv = [
+        "--seeds",
+        "1",
+        "--requests",
+        "6",
+        "--settings",
+        "1-replica,2-replicas-scraped",
+        "--json",
+        str(out),
+    ]
+    assert replicas_bench.main(argv) == 0
+    output = json.loads(out.read_text())
+    runs = output["runs"][str(routing.FIRST_SEED)]
+    assert list(runs) == ["1-replica", "2-replicas-scraped"]
+    for summary in runs.values():
+        assert summary["requests"] == 6 and summary["errors"] == 0, summary["error_kinds"]
+    stats = output["across_seeds"]
+    assert stats["1-replica"]["decode_load_cv_vs_1-replica"] == pytest.approx(1.0)
+    restart = output["restart"]
+    assert restart["endpoints"] == 10 and restart["traffic_errors"] == 0
+    assert restart["recovered_after_ready_s"] >= 0 and restart["restarted_decode_tokens"] >= 0
+    assert output["settings"]["2-replicas-scraped"] == {"replicas": 2, "engine_metrics": True}
+
+
+def test_replicas_benchmark_refuses_unknown_settings_and_a_restart_without_scraping():
+    for argv in (["--settings", "3-replicas"], ["--settings", "1-replica"]):
+        with pytest.raises(SystemExit) as exit_info:
+            replicas_bench.main(argv)
+        assert exit_info.value.code == 2

@@ -162,8 +162,8 @@ def test_environment_mode_is_validated_like_yaml() -> None:
 def test_unknown_top_level_key_is_named_with_the_allowed_keys(tmp_path: Path) -> None:
     message = config_error(write_yaml(tmp_path, "listn: 0.0.0.0:1\n"))
     assert message == (
-        "listn: unknown key; allowed keys here: admin, affinity, discovery, handoff, limits, listen, load, "
-        "metrics_listen, routing, tls, xds"
+        "listn: unknown key; allowed keys here: admin, affinity, discovery, engine_metrics, handoff, limits, "
+        "listen, load, metrics_listen, routing, tls, xds"
     )
 
 
@@ -512,6 +512,7 @@ def test_kubernetes_defaults_follow_the_infernex_preset() -> None:
     assert kubernetes.group_label == "openfuyao.com/pdGroupID"
     assert kubernetes.capacity_annotation == "pd-extproc/token-capacity"
     assert kubernetes.bootstrap_port_annotation == "pd-extproc/bootstrap-port"
+    assert kubernetes.metrics_port_annotation == "pd-extproc/metrics-port"
 
 
 def test_the_llm_d_preset_and_keys_set_over_it(tmp_path: Path) -> None:
@@ -635,7 +636,14 @@ def test_a_port_name_must_be_a_container_port_name(port: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "key", ["role_label", "group_label", "capacity_annotation", "bootstrap_port_annotation"]
+    "key",
+    [
+        "role_label",
+        "group_label",
+        "capacity_annotation",
+        "bootstrap_port_annotation",
+        "metrics_port_annotation",
+    ],
 )
 @pytest.mark.parametrize("value", ["has space", "/name", "Example.com/name", "example.com/", "a/b/c", "-x"])
 def test_label_and_annotation_keys_must_be_kubernetes_keys(key: str, value: str) -> None:

@@ -326,23 +326,23 @@ def test_token_capacity_must_be_a_positive_number(tmp_path: Path, capacity: obje
     )
 
 
-def test_bootstrap_port_is_read_and_written_back(tmp_path: Path) -> None:
-    entry = lb_endpoint("10.0.0.1", 30000, metadata={"pdGroupID": "g", "bootstrap_port": 8998})
-    path = write_doc(tmp_path / "p.yaml", response(cla("prefill", entry)))
-    spec = EndpointSpec("10.0.0.1:30000", "g", None, True, "HEALTHY", 8998)
+def test_bootstrap_and_metrics_ports_are_read_and_written_back(tmp_path: Path) -> None:
+    metadata = {"pdGroupID": "g", "bootstrap_port": 8998, "metrics_port": 9100}
+    path = write_doc(
+        tmp_path / "p.yaml", response(cla("prefill", lb_endpoint("10.0.0.1", 30000, metadata=metadata)))
+    )
+    spec = EndpointSpec("10.0.0.1:30000", "g", None, True, "HEALTHY", 8998, 9100)
     assert load_eds_file(path).endpoints == (spec,)
     write_eds_file(tmp_path / "again.json", "prefill", [spec])
     assert load_eds_file(tmp_path / "again.json").endpoints == (spec,)
 
 
+@pytest.mark.parametrize("key", ["bootstrap_port", "metrics_port"])
 @pytest.mark.parametrize("port", [0, 65536, 8998.5, "8998", True, None])
-def test_bootstrap_port_must_be_an_integer_port(tmp_path: Path, port: object) -> None:
-    path = write_doc(
-        tmp_path / "d.yaml", response(cla("prefill", lb_endpoint(metadata={"bootstrap_port": port})))
-    )
+def test_ports_must_be_integer_ports(tmp_path: Path, key: str, port: object) -> None:
+    path = write_doc(tmp_path / "d.yaml", response(cla("prefill", lb_endpoint(metadata={key: port}))))
     assert eds_error(path) == (
-        f"{path}: endpoints[0].lb_endpoints[0]: "
-        "metadata pd.bootstrap_port must be an integer port in 1..65535"
+        f"{path}: endpoints[0].lb_endpoints[0]: metadata pd.{key} must be an integer port in 1..65535"
     )
 
 

@@ -70,6 +70,9 @@ VALUE_SETS = {
             "admin.debug_endpoints=false",
             "limits.max_inflight_requests=64",
             "limits.retry_after_seconds=5",
+            "engine_metrics.interval_seconds=0.05",
+            "engine_metrics.engine=sglang",
+            "engine_metrics.port=9100",
         ),
         {
             "affinity.mode": "strict",
@@ -83,6 +86,9 @@ VALUE_SETS = {
             "admin.debug_endpoints": False,
             "limits.max_inflight_requests": 64,
             "limits.retry_after_seconds": 5,
+            "engine_metrics.interval_seconds": 0.05,
+            "engine_metrics.engine": "sglang",
+            "engine_metrics.port": 9100,
         },
     ),
     "namespaces-monitoring": ValueSet(
@@ -127,6 +133,7 @@ VALUE_SETS = {
                     "group_label": "llm-d.ai/pd-group",
                     "capacity_annotation": "example.com/token-capacity",
                     "bootstrap_port_annotation": "example.com/bootstrap-port",
+                    "metrics_port_annotation": "example.com/metrics-port",
                     "kubeconfig": "/etc/kube/config",
                 }
             },
@@ -148,6 +155,7 @@ VALUE_SETS = {
                 "group_label": "llm-d.ai/pd-group",
                 "capacity_annotation": "example.com/token-capacity",
                 "bootstrap_port_annotation": "example.com/bootstrap-port",
+                "metrics_port_annotation": "example.com/metrics-port",
             },
             "handoff.prefill_timeout_seconds": 400.25,
             "xds.no_envoy_delay_seconds": 0.0,
@@ -329,6 +337,7 @@ def test_the_defaults_are_pd_extprocs_but_where_the_readme_says(helm: Path, tmp_
         "discovery.kubernetes.namespaces",
         "handoff.prefill_via",
         "xds.serve_eds",
+        "engine_metrics.enabled",
     }
 
 
@@ -416,7 +425,7 @@ def test_pod_wiring(rendered) -> None:
     app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
     assert extproc["image"] == proxy["image"] == f"pd-extproc:{app_version}"
     assert manifests.pod["securityContext"]["runAsNonRoot"] is True
-    assert manifests.one("Deployment")["spec"]["replicas"] == value_set.values.get("replicaCount", 1)
+    assert manifests.one("Deployment")["spec"]["replicas"] == value_set.values.get("replicaCount", 2)
 
 
 def test_services_and_monitoring(rendered) -> None:
@@ -627,7 +636,8 @@ def test_bad_values_are_refused_at_install_time(
 
 
 def test_notes_say_how_to_reach_the_gateway(helm: Path, tmp_path: Path) -> None:
-    args = ["install", RELEASE, str(CHART), "--dry-run=client", *helm_args(tmp_path, {}, ("replicaCount=2",))]
+    sets = ("replicaCount=2", "engine_metrics.enabled=false")
+    args = ["install", RELEASE, str(CHART), "--dry-run=client", *helm_args(tmp_path, {}, sets)]
     result = run_helm(helm, *args)
     assert result.returncode == 0, result.stderr
     notes = result.stdout.partition("NOTES:")[2]
@@ -635,4 +645,4 @@ def test_notes_say_how_to_reach_the_gateway(helm: Path, tmp_path: Path) -> None:
     assert f"http://{FULLNAME}.{NAMESPACE}.svc:8080/v1/" in notes
     assert "curl http://$GATEWAY/v1/chat/completions" in notes
     assert f"kubectl edit configmap --namespace {NAMESPACE} {FULLNAME}-config" in notes
-    assert "2 replicas" in notes
+    assert "2 replicas and engine_metrics.enabled false" in notes

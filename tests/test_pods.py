@@ -191,10 +191,23 @@ def test_an_invalid_bootstrap_port_annotation_is_ignored_with_a_problem(text: st
 
 
 def test_the_annotation_names_come_from_the_rules() -> None:
-    rules = dataclasses.replace(INFERNEX, capacity_annotation="cap", bootstrap_port_annotation="boot")
-    annotations = {"cap": "10", "boot": "9", "pd-extproc/token-capacity": "20"}
+    rules = dataclasses.replace(
+        INFERNEX, capacity_annotation="cap", bootstrap_port_annotation="boot", metrics_port_annotation="mp"
+    )
+    annotations = {"cap": "10", "boot": "9", "mp": "9100", "pd-extproc/token-capacity": "20"}
     view = view_pod(pod("p", "prefill", annotations=annotations), rules)
-    assert view.endpoints == (("prefill", endpoint("10.0.0.1:8000", capacity=10.0, bootstrap=9)),)
+    spec = dataclasses.replace(endpoint("10.0.0.1:8000", capacity=10.0, bootstrap=9), metrics_port=9100)
+    assert view.endpoints == (("prefill", spec),)
+
+
+def test_a_metrics_port_annotation_sets_the_metrics_port_and_a_bad_one_is_a_problem() -> None:
+    view = view_pod(pod(annotations={"pd-extproc/metrics-port": "9100"}), INFERNEX)
+    assert view == PodView((("decode", dataclasses.replace(endpoint("10.0.0.1:8200"), metrics_port=9100)),))
+    view = view_pod(pod(annotations={"pd-extproc/metrics-port": "http"}), INFERNEX)
+    assert view == PodView(
+        (("decode", endpoint("10.0.0.1:8200")),),
+        ("annotation pd-extproc/metrics-port='http' is not a port in 1..65535; ignored",),
+    )
 
 
 def test_annotations_of_a_pod_that_is_not_routable_raise_no_problem() -> None:

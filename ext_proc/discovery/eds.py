@@ -4,7 +4,8 @@ The files are the very ones Envoy reads for its EDS clusters, so they are valida
 own protobuf schema (``xds-protos``) and with Envoy's own rule that a path-based EDS file holds
 exactly one resource. Our extra data lives in the endpoint metadata under
 ``filter_metadata.<namespace>``: ``pdGroupID`` (string), ``token_capacity`` (tokens, > 0) and
-``bootstrap_port`` (the port of an SGLang prefill engine's KV bootstrap server, 1..65535).
+``bootstrap_port`` (the port of an SGLang prefill engine's KV bootstrap server, 1..65535) and
+``metrics_port`` (the port of the engine's Prometheus ``/metrics`` when it is not the serving port).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import yaml
 from envoy.config.core.v3 import health_check_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.service.discovery.v3 import discovery_pb2
-from google.protobuf import json_format
+from google.protobuf import json_format, struct_pb2
 
 _CANDIDATE_STATUSES = frozenset(
     {health_check_pb2.HealthStatus.UNKNOWN, health_check_pb2.HealthStatus.HEALTHY}
@@ -36,9 +37,9 @@ class EdsError(ValueError):
 class EndpointSpec:
     """One endpoint as an EDS file declares it.
 
-    ``address`` is ``"ip:port"`` (IPv6 as ``"[ip]:port"``); ``token_capacity`` and
-    ``bootstrap_port`` are ``None`` when the metadata does not set them; ``healthy`` is true for
-    ``HEALTHY`` and ``UNKNOWN`` health status.
+    ``address`` is ``"ip:port"`` (IPv6 as ``"[ip]:port"``); ``token_capacity``,
+    ``bootstrap_port`` and ``metrics_port`` are ``None`` when the metadata does not set them;
+    ``healthy`` is true for ``HEALTHY`` and ``UNKNOWN`` health status.
     """
 
     address: str
@@ -47,6 +48,7 @@ class EndpointSpec:
     healthy: bool
     health_status: str
     bootstrap_port: int | None = None
+    metrics_port: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,9 +74,20 @@ def _host_port(lb_endpoint: endpoint_pb2.LbEndpoint) -> str:
     return f"{host}:{socket.port_value}"
 
 
+def _port(fields: Mapping[str, struct_pb2.Value], name: str, namespace: str) -> int | None:
+    """The integer port in 1..65535 under ``name``, ``None`` when absent; raises ``ValueError``."""
+    if name not in fields:
+        return None
+    value = fields[name]
+    number = value.number_value if value.WhichOneof("kind") == "number_value" else -1.0
+    if not (number.is_integer() and 0 < number <= 65535):
+        raise ValueError(f"metadata {namespace}.{name} must be an integer port in 1..65535")
+    return int(number)
+
+
 def _pd_metadata(
     lb_endpoint: endpoint_pb2.LbEndpoint, namespace: str
-) -> tuple[str, float | None, int | None]:
+) -> tuple[str, float | None, int | None, int | None]:
     fields = (
         lb_endpoint.metadata.filter_metadata[namespace].fields
         if namespace in (lb_endpoint.metadata.filter_metadata)
@@ -94,14 +107,12 @@ def _pd_metadata(
         ):
             raise ValueError(f"metadata {namespace}.token_capacity must be a finite number > 0")
         capacity = value.number_value
-    bootstrap_port: int | None = None
-    if "bootstrap_port" in fields:
-        value = fields["bootstrap_port"]
-        number = value.number_value if value.WhichOneof("kind") == "number_value" else -1.0
-        if not (number.is_integer() and 0 < number <= 65535):
-            raise ValueError(f"metadata {namespace}.bootstrap_port must be an integer port in 1..65535")
-        bootstrap_port = int(number)
-    return group, capacity, bootstrap_port
+    return (
+        group,
+        capacity,
+        _port(fields, "bootstrap_port", namespace),
+        _port(fields, "metrics_port", namespace),
+    )
 
 
 def parse_cluster_load_assignment(
@@ -117,7 +128,7 @@ def parse_cluster_load_assignment(
             where = f"{source}: endpoints[{locality_index}].lb_endpoints[{index}]"
             try:
                 address = _host_port(lb_endpoint)
-                group, capacity, bootstrap_port = _pd_metadata(lb_endpoint, namespace)
+                group, capacity, bootstrap_port, metrics_port = _pd_metadata(lb_endpoint, namespace)
             except ValueError as exc:
                 raise EdsError(f"{where}: {exc}") from None
             if address in seen:
@@ -132,6 +143,7 @@ def parse_cluster_load_assignment(
                     healthy=status in _CANDIDATE_STATUSES,
                     health_status=health_check_pb2.HealthStatus.Name(status),
                     bootstrap_port=bootstrap_port,
+                    metrics_port=metrics_port,
                 )
             )
     return ClusterEndpoints(cla.cluster_name, tuple(endpoints), source)
@@ -197,6 +209,8 @@ def render_cla(cluster_name: str, endpoints: Iterable[EndpointSpec], namespace: 
             metadata["token_capacity"] = spec.token_capacity
         if spec.bootstrap_port is not None:
             metadata["bootstrap_port"] = spec.bootstrap_port
+        if spec.metrics_port is not None:
+            metadata["metrics_port"] = spec.metrics_port
         lb_endpoints.append(
             {
                 "endpoint": {

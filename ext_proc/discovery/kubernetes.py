@@ -149,6 +149,7 @@ class KubernetesSource:
             kubernetes.bootstrap_port_annotation,
             discovery.prefill_cluster,
             discovery.decode_cluster,
+            kubernetes.metrics_port_annotation,
         )
         namespaces = kubernetes.namespaces or (own_namespace,)
         log.info(

@@ -78,6 +78,7 @@ class PodRules:
     bootstrap_port_annotation: str
     prefill_cluster: str
     decode_cluster: str
+    metrics_port_annotation: str = "pd-extproc/metrics-port"
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,8 +107,11 @@ def view_pod(pod: Mapping[str, Any], rules: PodRules) -> PodView:
     problems: list[str] = []
     annotations = metadata.get("annotations") or {}
     capacity = _capacity(annotations.get(rules.capacity_annotation), rules.capacity_annotation, problems)
-    bootstrap = _bootstrap_port(
+    bootstrap = _port(
         annotations.get(rules.bootstrap_port_annotation), rules.bootstrap_port_annotation, problems
+    )
+    metrics_port = _port(
+        annotations.get(rules.metrics_port_annotation), rules.metrics_port_annotation, problems
     )
     ip = status["podIP"]
     host = f"[{ip}]" if ":" in ip else ip
@@ -118,7 +122,7 @@ def view_pod(pod: Mapping[str, Any], rules: PodRules) -> PodView:
         if number is None:
             problems.append(f"no container port named {port!r} (the {cluster} port)")
             continue
-        spec = EndpointSpec(f"{host}:{number}", group, capacity, True, "HEALTHY", bootstrap)
+        spec = EndpointSpec(f"{host}:{number}", group, capacity, True, "HEALTHY", bootstrap, metrics_port)
         endpoints.append((cluster, spec))
     return PodView(tuple(endpoints), tuple(problems))
 
@@ -173,7 +177,7 @@ def _capacity(text: str | None, name: str, problems: list[str]) -> float | None:
     return None
 
 
-def _bootstrap_port(text: str | None, name: str, problems: list[str]) -> int | None:
+def _port(text: str | None, name: str, problems: list[str]) -> int | None:
     if text is None:
         return None
     if _PORT_NUMBER.fullmatch(text) and 0 < int(text) <= 65535:

@@ -79,6 +79,7 @@ discovery:
     group_label: {{ $k.group_label | toJson }}
     capacity_annotation: {{ $k.capacity_annotation | toJson }}
     bootstrap_port_annotation: {{ $k.bootstrap_port_annotation | toJson }}
+    metrics_port_annotation: {{ $k.metrics_port_annotation | toJson }}
 affinity:
   mode: {{ ternary "off" $v.affinity.mode (eq (toString $v.affinity.mode) "false") | toJson }}
   bonus: {{ include "pd-extproc.decimal" $v.affinity.bonus }}
@@ -106,4 +107,15 @@ tls:
 limits:
   max_inflight_requests: {{ int64 $v.limits.max_inflight_requests }}
   retry_after_seconds: {{ int64 $v.limits.retry_after_seconds }}
+engine_metrics:
+  enabled: {{ $v.engine_metrics.enabled | toJson }}
+  interval_seconds: {{ include "pd-extproc.decimal" $v.engine_metrics.interval_seconds }}
+  timeout_seconds: {{ include "pd-extproc.decimal" $v.engine_metrics.timeout_seconds }}
+  stale_after_intervals: {{ int64 $v.engine_metrics.stale_after_intervals }}
+  engine: {{ $v.engine_metrics.engine | toJson }}
+  path: {{ $v.engine_metrics.path | toJson }}
+  port: {{ int64 $v.engine_metrics.port }}
+  max_bytes: {{ int64 $v.engine_metrics.max_bytes }}
+  queue_weight: {{ include "pd-extproc.decimal" $v.engine_metrics.queue_weight }}
+  queued_request_tokens: {{ int64 $v.engine_metrics.queued_request_tokens }}
 {{- end }}

@@ -1,0 +1,71 @@
+"""Turn an engine's Prometheus ``/metrics`` page into an :class:`EngineSample`.
+
+A real engine's page is 50-200 KB (histograms with many buckets, per-LoRA series, process
+metrics) of which we need three gauges. Parsing it all with ``prometheus_client``'s text parser
+costs milliseconds of the event loop per page (README "Engine load signal" has the measurement), so
+one compiled regular expression first picks the sample lines of the wanted names out of the bytes
+(C speed, no Python loop per line), and only those few lines go through the real parser, which
+checks their syntax and values.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from functools import cache
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from ext_proc.engine_load.blend import EngineSample
+from ext_proc.engine_load.names import EngineKind, Fact, names_for
+
+
+class ScrapeError(Exception):
+    """A scrape that gave no sample; ``reason`` is the metric label (timeout, connect, status,
+    too_large, parse, missing)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@cache
+def _lines(kind: EngineKind) -> re.Pattern[bytes]:
+    """Sample lines (not ``#`` comments) of ``kind``'s names, each after a newline: the name, then
+    labels or a blank, then the rest of the line (the parser checks it). A literal ``\\n`` rather than
+    ``^`` with ``re.MULTILINE`` lets the regex engine skip ahead between newlines: 8 times faster on a
+    75 KB vLLM page (60 µs against 460 µs)."""
+    names = sorted({n for listed in names_for(kind).values() for n in listed})
+    alternatives = b"|".join(re.escape(n.encode()) for n in names)
+    return re.compile(rb"\n((?:" + alternatives + rb")[{ \t][^\n]*)")
+
+
+def parse_page(page: bytes, kind: EngineKind) -> EngineSample:
+    """The sample a page holds for engine type ``kind``; raises :class:`ScrapeError` (``parse`` for
+    malformed lines or values that are not finite, ``missing`` when no name for waiting requests or
+    KV usage is there)."""
+    found = b"\n".join(_lines(kind).findall(b"\n" + page))  # the first line has no newline before it
+    values: dict[str, list[float]] = {}
+    try:
+        for family in text_string_to_metric_families(found.decode("utf-8")):
+            for sample in family.samples:
+                values.setdefault(sample.name, []).append(sample.value)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ScrapeError("parse", f"malformed metric line: {exc}") from None
+    for name, listed in values.items():
+        if not all(math.isfinite(v) and v >= 0 for v in listed):
+            raise ScrapeError("parse", f"{name}: values must be finite and >= 0, got {listed}")
+    names = names_for(kind)
+
+    def first(fact: Fact) -> list[float] | None:
+        return next((values[n] for n in names[fact] if n in values), None)
+
+    waiting, usage, running = first("waiting"), first("kv_usage"), first("running")
+    if waiting is None or usage is None:
+        wanted = " and ".join(" or ".join(names[f]) for f in ("waiting", "kv_usage"))
+        raise ScrapeError("missing", f"the page lacks {wanted}")
+    return EngineSample(
+        running=sum(running) if running is not None else None,
+        waiting=sum(waiting),
+        kv_usage=min(1.0, sum(usage) / len(usage)),
+    )

@@ -1,0 +1,85 @@
+"""Parsing engines' /metrics pages: real vLLM (v1 and v0 names), SGLang and simulator pages."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ext_proc.engine_load import EngineKind, EngineSample, ScrapeError, parse_page
+from sim.metrics import EngineMetrics
+
+FIXTURES = Path(__file__).parent / "fixtures"
+VLLM = (FIXTURES / "vllm_metrics.txt").read_bytes()  # vLLM v1, two data-parallel engines, ~75 KB
+VLLM_V0 = (FIXTURES / "vllm_v0_metrics.txt").read_bytes()  # vLLM v0: gpu_cache_usage_perc
+SGLANG = (FIXTURES / "sglang_metrics.txt").read_bytes()
+
+
+def test_vllm_page_sums_requests_and_averages_kv_usage_over_engines() -> None:
+    # engine 0: 14 running, 3 waiting, 0.6234 usage; engine 1: 11, 0, 0.4410
+    sample = parse_page(VLLM, EngineKind.AUTO)
+    assert sample == EngineSample(running=25.0, waiting=3.0, kv_usage=pytest.approx(0.5322))
+    assert parse_page(VLLM, EngineKind.VLLM) == sample
+
+
+def test_older_vllm_names_are_read() -> None:
+    assert parse_page(VLLM_V0, EngineKind.VLLM) == EngineSample(running=7.0, waiting=2.0, kv_usage=0.35)
+
+
+def test_sglang_page() -> None:
+    expected = EngineSample(running=22.0, waiting=5.0, kv_usage=0.28)
+    assert parse_page(SGLANG, EngineKind.SGLANG) == expected
+    assert parse_page(SGLANG, EngineKind.AUTO) == expected
+
+
+def test_the_simulators_own_page() -> None:
+    metrics = EngineMetrics("sim-llama-3-8b", lambda: 4, lambda: 1, lambda: 0.25)
+    assert parse_page(metrics.render(), EngineKind.AUTO) == EngineSample(4.0, 1.0, 0.25)
+
+
+@pytest.mark.parametrize(("page", "kind"), [(SGLANG, EngineKind.VLLM), (VLLM, EngineKind.SGLANG)])
+def test_another_engines_page_lacks_the_names(page: bytes, kind: EngineKind) -> None:
+    with pytest.raises(ScrapeError) as error:
+        parse_page(page, kind)
+    assert error.value.reason == "missing"
+
+
+def test_newer_kv_name_wins_and_the_first_line_counts() -> None:
+    page = b"vllm:gpu_cache_usage_perc 0.9\nvllm:kv_cache_usage_perc 0.2\nvllm:num_requests_waiting 0\n"
+    assert parse_page(page, EngineKind.VLLM) == EngineSample(running=None, waiting=0.0, kv_usage=0.2)
+
+
+def test_names_that_only_start_like_a_wanted_one_are_not_read() -> None:
+    page = (
+        b'vllm:num_requests_waiting_by_reason{reason="capacity"} 50\n'
+        b"vllm:num_requests_waiting 1\nvllm:kv_cache_usage_perc 0.5\n# vllm:num_requests_waiting 99\n"
+    )
+    assert parse_page(page, EngineKind.VLLM).waiting == 1.0
+
+
+def test_usage_above_one_is_clamped() -> None:
+    page = b"sglang:token_usage 1.2\nsglang:num_queue_reqs 0\n"
+    assert parse_page(page, EngineKind.SGLANG).kv_usage == 1.0
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        b"vllm:num_requests_waiting NaN",
+        b"vllm:num_requests_waiting -1",
+        b"vllm:num_requests_waiting +Inf",
+        b'vllm:num_requests_waiting{engine="0" 3',
+        b"vllm:num_requests_waiting three",
+    ],
+)
+def test_bad_values_and_lines_are_parse_errors(line: bytes) -> None:
+    with pytest.raises(ScrapeError) as error:
+        parse_page(b"vllm:kv_cache_usage_perc 0.5\n" + line + b"\n", EngineKind.VLLM)
+    assert error.value.reason == "parse"
+
+
+def test_an_empty_or_foreign_page_is_missing_metrics() -> None:
+    for page in (b"", b"<html>not metrics</html>", b"\x00\xff" * 100):
+        with pytest.raises(ScrapeError) as error:
+            parse_page(page, EngineKind.AUTO)
+        assert error.value.reason == "missing"
