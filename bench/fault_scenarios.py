@@ -51,6 +51,8 @@ class Scenario:
     setup: Setup
     router_args: tuple[str, ...] = ()
     body: Callable[[], dict] = field(default=lambda: chat_body(max_tokens=40))
+    max_failed_share: float = 1.0
+    """The most requests, as a share, whose outcome may be an allowed one other than ``200``."""
 
 
 def _cluster(prefills: int, decodes: int) -> list[EngineSpec]:
@@ -209,10 +211,12 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario(
             "prefill-killed-sglang",
             "sglang-bootstrap: a prefill engine dies with requests in flight: the requests it was "
-            "prefilling fail with a JSON error or a cut stream, later ones are served; nothing hangs",
-            frozenset({"200", "200 cut", "502 upstream_error", "503 upstream_unavailable"}),
+            "prefilling fail with the decode engine's own JSON 502 (the decode has them already), the "
+            "failed legs eject it so at most 15% fail; nothing hangs",
+            frozenset({"200", "502 502"}),
             _prefill_killed,
             router_args=("--handoff", "sglang-bootstrap"),
+            max_failed_share=0.15,
             body=lambda: chat_body(max_tokens=20, prompt_words=1000),
         ),
         Scenario(

@@ -54,12 +54,12 @@ async def run_scenario(scenario: Scenario, size: Size) -> dict:
         await until_ok(rig.url, scenario.body())
         assert rig.router is not None
         pid = rig.router.pid
-        before = {"rss": rss_mib(pid), "fds": open_fds(pid)}
+        before = {"rss": rss_mib(pid), "fds": await open_fds(pid)}
         outcomes = await run_load(rig.url, size.requests, size.rate, scenario.body, plan.faults)
         alive = rig.router.poll() is None
         load = await rig.settle() if alive else None
         pid = rig.router.pid  # a scenario may have restarted it
-        after = {"rss": rss_mib(pid), "fds": open_fds(pid)} if alive else {"rss": None, "fds": None}
+        after = {"rss": rss_mib(pid), "fds": await open_fds(pid)} if alive else {"rss": None, "fds": None}
         lines, outside = await rig.named_outside(size.requests)
         extra = await plan.check() if alive and plan.check else None
     return verdict(scenario, outcomes, load, before, after, lines, outside, extra)
@@ -86,6 +86,9 @@ def verdict(
         failures.append(f"{outside} access-log lines name an address outside the discovered set")
     if not counts["200"]:
         failures.append("no request served")
+    failed = len(outcomes) - counts["200"]
+    if failed > scenario.max_failed_share * len(outcomes):
+        failures.append(f"{failed} of {len(outcomes)} not served (at most {scenario.max_failed_share:.0%})")
     if extra:
         failures.append(extra)
     return {

@@ -68,7 +68,7 @@ async def _drive(url: str, requests: int, rng: random.Random) -> list[Outcome]:
 async def _measure(rig: Rig) -> dict:
     assert rig.router is not None
     load = await rig.settle()
-    return {"load": load, "rss": rss_mib(rig.router.pid), "fds": open_fds(rig.router.pid)}
+    return {"load": load, "rss": rss_mib(rig.router.pid), "fds": await open_fds(rig.router.pid)}
 
 
 async def run_soak(quick: bool = False, requests: int | None = None, seed: int = 9) -> dict:
