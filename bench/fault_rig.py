@@ -243,7 +243,7 @@ class Rig:
         await wait_router_ready(self.router, self.admin_port)
 
     async def start_gateway(self) -> None:
-        """Start Envoy from the shipped bootstrap (``envoy-ads.yaml`` with ``ads``), edited by :func:`_edit`."""
+        """Start Envoy from the shipped bootstrap (``envoy-ads.yaml`` if :attr:`ads`), with :func:`_edit`."""
         listen, admin = free_port(), free_port()
         bootstrap = render_bootstrap(
             listen_port=listen,

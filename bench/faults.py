@@ -116,7 +116,10 @@ def _cell(value: object, fmt: str) -> str:
 
 def format_rows(rows: list[dict]) -> str:
     """The table, then each scenario's expectation and (if it failed) why."""
-    head = f"{'scenario':24}{'req':>5}{'hung':>5}{'load left':>11}{'RSS MiB':>14}{'fds':>9}{'outside':>8}  verdict"
+    head = (
+        f"{'scenario':24}{'req':>5}{'hung':>5}{'load left':>11}{'RSS MiB':>14}{'fds':>9}{'outside':>8}"
+        "  verdict"
+    )
     lines = [head, "-" * len(head)]
     for row in rows:
         load = f"{_cell(row['load_left_requests'], '{}')}/{_cell(row['load_left_tokens'], '{:g}')}"

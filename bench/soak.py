@@ -115,9 +115,9 @@ def soak_verdict(outcomes: list[Outcome], before: dict, after: dict, lines: int,
     return {
         "scenario": "soak",
         "expectation": (
-            f"{len(outcomes)} streaming requests after a warm-up, {ABORT_SHARE:.0%} of the clients aborting at "
-            f"random points: the others get a complete 200, load back to 0, RSS growth < {MAX_RSS_GROWTH:.0%}, "
-            "no file-descriptor growth"
+            f"{len(outcomes)} streaming requests after a warm-up, {ABORT_SHARE:.0%} of the clients "
+            "aborting at random points: the others get a complete 200, load back to 0, RSS growth < "
+            f"{MAX_RSS_GROWTH:.0%}, no file-descriptor growth"
         ),
         "requests": len(outcomes),
         "outcomes": dict(sorted(counts.items(), key=lambda kv: -kv[1])),

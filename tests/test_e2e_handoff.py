@@ -294,7 +294,7 @@ async def test_a_prefill_4xx_goes_back_to_the_client_without_retry(tmp_path):
 async def test_on_prefill_failure_error_answers_502_or_504_after_the_retry(tmp_path, broken, status, code):
     settings = {"handoff.on_prefill_failure": "error", "handoff.prefill_timeout_seconds": 0.5}
     async with (
-        scripted_gateway(tmp_path, [broken, broken], settings) as (g, prefills, _),
+        scripted_gateway(tmp_path, [broken, broken], settings) as (g, prefills, decode),
         aiohttp.ClientSession() as s,
     ):
         answered, _, text = await _post(s, g)
