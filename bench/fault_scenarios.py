@@ -15,11 +15,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fault_rig import Rig, chat_body, start_fault_engine
+from fault_rig import Rig, chat_body
 
 from sim.cluster import EngineSpec
+from sim.cluster_process import EngineInfo
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' stand-ins, shared
+from backends import start_broken_engine
 from fake_kube_api import FakeKubeApi
 from kube_objects import pod
 
@@ -92,10 +94,10 @@ async def _prefill_killed(rig: Rig, cleanup: contextlib.AsyncExitStack, duration
 def _broken_decode(kind: str) -> Setup:
     async def setup(rig: Rig, cleanup: contextlib.AsyncExitStack, duration: float) -> Plan:
         rig.start_cluster(_cluster(1, 2))
-        broken = await start_fault_engine(kind)
+        broken = await start_broken_engine(kind)
         cleanup.push_async_callback(broken.stop)
         assert rig.cluster is not None
-        rig.write_eds([*rig.cluster.engines, broken.info("a")])
+        rig.write_eds([*rig.cluster.engines, EngineInfo(broken.address, "decode", "a", 262144)])
         return Plan()
 
     return setup
@@ -228,8 +230,9 @@ SCENARIOS: dict[str, Scenario] = {
         ),
         Scenario(
             "engine-garbage",
-            "a decode answers bytes that are not HTTP: its requests get a JSON 502/503, the rest 200",
-            frozenset({"200", "502 gateway_error", "503 upstream_unavailable"}),
+            "a decode answers bytes that are not HTTP: its requests get a JSON 502 upstream_bad_response, "
+            "the rest 200",
+            frozenset({"200", "502 upstream_bad_response"}),
             _broken_decode("garbage"),
         ),
         Scenario(
