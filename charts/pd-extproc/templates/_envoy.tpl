@@ -135,7 +135,9 @@ static_resources:
               routes:
               - match:
                   prefix: "/v1/"
+                  {{- if not .Values.envoy.failOpen }}
                   headers: [{name: {{ $destination }}, present_match: true}]
+                  {{- end }}
                 route:
                   cluster: decode
                   timeout: 0s
