@@ -18,11 +18,13 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+from common import rss_mib
 
 from ext_proc.gateway import (
     SHIPPED_ADS_BOOTSTRAP,
@@ -156,6 +158,57 @@ async def open_fds(pid: int) -> int:
     return min(counts)
 
 
+async def usage(pid: int) -> dict[str, float]:
+    """``rss`` (MiB) and ``fds`` (:func:`open_fds`) of process ``pid``."""
+    return {"rss": rss_mib(pid), "fds": await open_fds(pid)}
+
+
+@dataclass
+class Measured:
+    """One run as measured: every client's outcome; pd-extproc's load after it settled (``None``: it
+    had exited) and its :func:`usage` before and after (``None`` values: exited); Envoy's access-log
+    lines and those naming an address outside the discovered set."""
+
+    outcomes: list[Outcome]
+    load: tuple[int, float] | None
+    before: dict[str, float]
+    after: dict[str, float | None]
+    lines: int
+    outside: int
+
+
+def table_row(
+    name: str, expectation: str, allowed: frozenset[str], run: Measured, failures: list[str]
+) -> dict:
+    """A row of the fault table: counts, measurements, ``failures`` (``failures`` given, plus outcomes
+    not in ``allowed``, pd-extproc exited, load left, addresses outside the set) and ``passed``."""
+    counts = Counter(o.label for o in run.outcomes)
+    failures = [f"{n} x {label}" for label, n in counts.items() if label not in allowed] + failures
+    if run.load is None:
+        failures.append("pd-extproc exited")
+    elif run.load != (0, 0):
+        failures.append(f"load left {run.load[0]} requests / {run.load[1]:g} tokens")
+    if run.outside:
+        failures.append(f"{run.outside} access-log lines name an address outside the discovered set")
+    return {
+        "scenario": name,
+        "expectation": expectation,
+        "requests": len(run.outcomes),
+        "outcomes": dict(sorted(counts.items(), key=lambda kv: -kv[1])),
+        "hung": counts["hung"],
+        "load_left_requests": None if run.load is None else run.load[0],
+        "load_left_tokens": None if run.load is None else run.load[1],
+        "rss_mib_before": run.before["rss"],
+        "rss_mib_after": run.after["rss"],
+        "fds_before": run.before["fds"],
+        "fds_after": run.after["fds"],
+        "access_log_lines": run.lines,
+        "outside_discovered": run.outside,
+        "passed": not failures,
+        "failures": failures,
+    }
+
+
 def _edit(bootstrap: dict, access_log: Path) -> None:
     """Add the access log to both listeners; shorten the gateway's idle timeouts to :data:`IDLE_TIMEOUT_S`."""
     idle = f"{IDLE_TIMEOUT_S:g}s"
@@ -203,6 +256,10 @@ class Rig:
     @property
     def decode_eds(self) -> Path:
         return self.workdir / "decode.json"
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://127.0.0.1:{self.admin_port}"
 
     @property
     def access_log(self) -> Path:
@@ -259,7 +316,7 @@ class Rig:
 
     async def endpoints(self) -> list[dict]:
         """The running pd-extproc's ``/debug/endpoints`` rows."""
-        url = f"http://127.0.0.1:{self.admin_port}/debug/endpoints"
+        url = f"{self.admin_url}/debug/endpoints"
         async with aiohttp.ClientSession() as session, session.get(url) as response:
             return await response.json()
 

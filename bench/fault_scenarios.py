@@ -15,7 +15,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import aiohttp
 from fault_rig import Rig, chat_body
+from prometheus_client.parser import text_string_to_metric_families
 
 from sim.cluster import EngineSpec
 from sim.cluster_process import EngineInfo
@@ -55,6 +57,8 @@ class Scenario:
     body: Callable[[], dict] = field(default=lambda: chat_body(max_tokens=40))
     max_failed_share: float = 1.0
     """The most requests, as a share, whose outcome may be an allowed one other than ``200``."""
+    min_seconds: float = 0.0
+    """The load is spread over at least this long (seconds), whatever the size."""
 
 
 def _cluster(prefills: int, decodes: int) -> list[EngineSpec]:
@@ -71,7 +75,18 @@ async def _router_sigkill(rig: Rig, cleanup: contextlib.AsyncExitStack, duration
         rig.router.send_signal(signal.SIGKILL)
         await asyncio.to_thread(rig.router.wait)
 
-    return Plan([(0.3 * duration, kill), (0.55 * duration, rig.start_router)])
+    async def restarted_routed() -> str | None:
+        async with aiohttp.ClientSession() as session, session.get(f"{rig.admin_url}/metrics") as response:
+            text = await response.text()
+        routed = sum(
+            s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+            if s.name == "pd_extproc_route_decisions_total"
+        )
+        return None if routed else "the restarted pd-extproc routed no request"
+
+    return Plan([(0.25 * duration, kill), (0.4 * duration, rig.start_router)], restarted_routed)
 
 
 def _kill_engine(rig: Rig, role: str, at: float) -> Plan:
@@ -192,6 +207,7 @@ SCENARIOS: dict[str, Scenario] = {
             frozenset({"200", "503 routing_unavailable"}),
             _router_sigkill,
             body=lambda: chat_body(max_tokens=120),
+            min_seconds=5.0,
         ),
         Scenario(
             "decode-killed",

@@ -19,13 +19,12 @@ import argparse
 import asyncio
 import contextlib
 import sys
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import rss_mib, write_json
-from fault_rig import Outcome, new_rig, open_fds, run_load, until_ok
+from common import write_json
+from fault_rig import Measured, new_rig, run_load, table_row, until_ok, usage
 from fault_scenarios import SCENARIOS, Scenario
 from soak import run_soak
 
@@ -46,68 +45,37 @@ async def run_scenario(scenario: Scenario, size: Size) -> dict:
     rig = new_rig(scenario.router_args)
     async with contextlib.AsyncExitStack() as cleanup:
         cleanup.callback(rig.stop)
-        duration = size.requests / size.rate
+        rate = min(size.rate, size.requests / scenario.min_seconds) if scenario.min_seconds else size.rate
+        duration = size.requests / rate
         plan = await scenario.setup(rig, cleanup, duration)
         if rig.router is None:
             await rig.start_router()
         await rig.start_gateway()
         await until_ok(rig.url, scenario.body())
         assert rig.router is not None
-        pid = rig.router.pid
-        before = {"rss": rss_mib(pid), "fds": await open_fds(pid)}
-        outcomes = await run_load(rig.url, size.requests, size.rate, scenario.body, plan.faults)
-        alive = rig.router.poll() is None
+        before = await usage(rig.router.pid)
+        outcomes = await run_load(rig.url, size.requests, rate, scenario.body, plan.faults)
+        alive = rig.router.poll() is None  # (a scenario may have restarted it: the new one)
         load = await rig.settle() if alive else None
-        pid = rig.router.pid  # a scenario may have restarted it
-        after = {"rss": rss_mib(pid), "fds": await open_fds(pid)} if alive else {"rss": None, "fds": None}
+        after = await usage(rig.router.pid) if alive else {"rss": None, "fds": None}
         lines, outside = await rig.named_outside(size.requests)
         extra = await plan.check() if alive and plan.check else None
-    return verdict(scenario, outcomes, load, before, after, lines, outside, extra)
+    return verdict(scenario, Measured(outcomes, load, before, after, lines, outside), extra)
 
 
-def verdict(
-    scenario: Scenario,
-    outcomes: list[Outcome],
-    load: tuple[int, float] | None,
-    before: dict,
-    after: dict,
-    lines: int,
-    outside: int,
-    extra: str | None,
-) -> dict:
-    """The row: counts and measurements, ``passed`` and the ``failures`` (empty when it passed)."""
-    counts = Counter(o.label for o in outcomes)
-    failures = [f"{n} x {label}" for label, n in counts.items() if label not in scenario.allowed]
-    if load is None:
-        failures.append("pd-extproc exited")
-    elif load != (0, 0):
-        failures.append(f"load left {load[0]} requests / {load[1]:g} tokens")
-    if outside:
-        failures.append(f"{outside} access-log lines name an address outside the discovered set")
-    if not counts["200"]:
-        failures.append("no request served")
-    failed = len(outcomes) - counts["200"]
-    if failed > scenario.max_failed_share * len(outcomes):
-        failures.append(f"{failed} of {len(outcomes)} not served (at most {scenario.max_failed_share:.0%})")
+def verdict(scenario: Scenario, run: Measured, extra: str | None) -> dict:
+    """The scenario's row (:func:`fault_rig.table_row`): also failed when no request was served, more than
+    ``max_failed_share`` were not, or the scenario's final check said ``extra``."""
+    served = sum(o.label == "200" for o in run.outcomes)
+    failures = [] if served else ["no request served"]
+    failed = len(run.outcomes) - served
+    if failed > scenario.max_failed_share * len(run.outcomes):
+        failures.append(
+            f"{failed} of {len(run.outcomes)} not served (at most {scenario.max_failed_share:.0%})"
+        )
     if extra:
         failures.append(extra)
-    return {
-        "scenario": scenario.name,
-        "expectation": scenario.expectation,
-        "requests": len(outcomes),
-        "outcomes": dict(sorted(counts.items(), key=lambda kv: -kv[1])),
-        "hung": counts["hung"],
-        "load_left_requests": None if load is None else load[0],
-        "load_left_tokens": None if load is None else load[1],
-        "rss_mib_before": before["rss"],
-        "rss_mib_after": after["rss"],
-        "fds_before": before["fds"],
-        "fds_after": after["fds"],
-        "access_log_lines": lines,
-        "outside_discovered": outside,
-        "passed": not failures,
-        "failures": failures,
-    }
+    return table_row(scenario.name, scenario.expectation, scenario.allowed, run, failures)
 
 
 def _cell(value: object, fmt: str) -> str:

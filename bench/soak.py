@@ -17,14 +17,13 @@ import asyncio
 import contextlib
 import random
 import sys
-from collections import Counter
 from pathlib import Path
 
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import first_line, rss_mib, spawn_python
-from fault_rig import Outcome, Rig, chat_body, new_rig, open_fds, request, until_ok
+from common import first_line, spawn_python
+from fault_rig import Measured, Outcome, chat_body, new_rig, request, table_row, until_ok, usage
 
 from ext_proc.gateway import terminate
 from sim.cluster_process import EngineInfo
@@ -65,12 +64,6 @@ async def _drive(url: str, requests: int, rng: random.Random) -> list[Outcome]:
     return outcomes
 
 
-async def _measure(rig: Rig) -> dict:
-    assert rig.router is not None
-    load = await rig.settle()
-    return {"load": load, "rss": rss_mib(rig.router.pid), "fds": await open_fds(rig.router.pid)}
-
-
 async def run_soak(quick: bool = False, requests: int | None = None, seed: int = 9) -> dict:
     """The soak as one row of the fault table (``bench/faults.py``'s :func:`verdict` keys), with
     ``rss_growth`` (fraction) and ``fd_growth`` added."""
@@ -89,50 +82,37 @@ async def run_soak(quick: bool = False, requests: int | None = None, seed: int =
         await rig.start_gateway()
         await until_ok(rig.url, chat_body(max_tokens=8))
         warm = await _drive(rig.url, QUICK_REQUESTS // 10 if quick else WARMUP, rng)
-        before = await _measure(rig)
+        assert rig.router is not None
+        await rig.settle()
+        before = await usage(rig.router.pid)
         outcomes = await _drive(rig.url, requests, rng)
-        after = await _measure(rig)
+        load = await rig.settle()
+        after = await usage(rig.router.pid)
         lines, outside = await rig.named_outside(requests + len(warm))
     finally:
         rig.stop()
         terminate(*backends)
-    return soak_verdict(outcomes, before, after, lines, outside)
+    return soak_verdict(Measured(outcomes, load, before, after, lines, outside), int(before["fds"]))
 
 
-def soak_verdict(outcomes: list[Outcome], before: dict, after: dict, lines: int, outside: int) -> dict:
-    """The soak's row: counts, measurements, ``passed`` and ``failures``."""
-    counts = Counter(o.label for o in outcomes)
-    growth = after["rss"] / before["rss"] - 1
-    failures = [f"{n} x {label}" for label, n in counts.items() if label not in ("200", "aborted")]
-    if after["load"] != (0, 0):
-        failures.append(f"load left {after['load'][0]} requests / {after['load'][1]:g} tokens")
+def soak_verdict(run: Measured, fds_before: int) -> dict:
+    """The soak's row (:func:`fault_rig.table_row`), with ``rss_growth`` (fraction); also failed on RSS growth
+    of :data:`MAX_RSS_GROWTH` or more, or more file descriptors than ``fds_before``."""
+    assert run.after["rss"] is not None and run.after["fds"] is not None
+    growth = run.after["rss"] / run.before["rss"] - 1
+    failures = []
     if growth >= MAX_RSS_GROWTH:
         failures.append(f"RSS grew {growth:.1%} (limit {MAX_RSS_GROWTH:.0%})")
-    if after["fds"] > before["fds"]:
-        failures.append(f"file descriptors grew {before['fds']} -> {after['fds']}")
-    if outside:
-        failures.append(f"{outside} access-log lines name an address outside the discovered set")
+    if run.after["fds"] > fds_before:
+        failures.append(f"file descriptors grew {fds_before} -> {run.after['fds']:.0f}")
+    expectation = (
+        f"{len(run.outcomes)} streaming requests after a warm-up, {ABORT_SHARE:.0%} of the clients "
+        "aborting at random points: the others get a complete 200, load back to 0, RSS growth < "
+        f"{MAX_RSS_GROWTH:.0%}, no file-descriptor growth"
+    )
     return {
-        "scenario": "soak",
-        "expectation": (
-            f"{len(outcomes)} streaming requests after a warm-up, {ABORT_SHARE:.0%} of the clients "
-            "aborting at random points: the others get a complete 200, load back to 0, RSS growth < "
-            f"{MAX_RSS_GROWTH:.0%}, no file-descriptor growth"
-        ),
-        "requests": len(outcomes),
-        "outcomes": dict(sorted(counts.items(), key=lambda kv: -kv[1])),
-        "hung": counts["hung"],
-        "load_left_requests": after["load"][0],
-        "load_left_tokens": after["load"][1],
-        "rss_mib_before": before["rss"],
-        "rss_mib_after": after["rss"],
+        **table_row("soak", expectation, frozenset({"200", "aborted"}), run, failures),
         "rss_growth": growth,
-        "fds_before": before["fds"],
-        "fds_after": after["fds"],
-        "access_log_lines": lines,
-        "outside_discovered": outside,
-        "passed": not failures,
-        "failures": failures,
     }
 
 
