@@ -171,9 +171,15 @@ class Gateway:
 
 
 async def start_gateway(
-    config: dict, listen_port: int, admin_port: int, concurrency: int = 1, timeout: float = 20.0
+    config: dict,
+    listen_port: int,
+    admin_port: int,
+    concurrency: int = 1,
+    timeout: float = 20.0,
+    extra_args: tuple[str, ...] = (),
 ) -> Gateway:
-    """Start Envoy on ``config`` (from :func:`render_bootstrap`) and wait until its admin says LIVE."""
+    """Start Envoy on ``config`` (from :func:`render_bootstrap`), with ``extra_args`` on its command
+    line, and wait until its admin says LIVE."""
     workdir = Path(tempfile.mkdtemp(prefix="pd-gateway-"))
     path = workdir / "envoy.yaml"
     path.write_text(yaml.safe_dump(config), encoding="utf-8")
@@ -187,6 +193,7 @@ async def start_gateway(
         "--disable-hot-restart",
         "--log-level",
         "warning",
+        *extra_args,
     ]
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     log.close()
