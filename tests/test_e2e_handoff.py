@@ -83,16 +83,20 @@ async def _idle(session: aiohttp.ClientSession, g: Gatewayed, deadline: float = 
         await asyncio.sleep(0.05)
 
 
-async def _legs(session: aiohttp.ClientSession, g: Gatewayed) -> dict[str, float]:
+async def _by_outcome(session: aiohttp.ClientSession, g: Gatewayed, counter: str) -> dict[str, float]:
+    """The samples of pd-extproc's counter ``counter`` (``..._total``), by their ``outcome`` label."""
     async with session.get(f"{g.admin_url}/metrics") as response:
         text = await response.text()
     return {
         sample.labels["outcome"]: sample.value
         for family in text_string_to_metric_families(text)
-        if family.name == "pd_extproc_prefill_leg"
         for sample in family.samples
-        if sample.name == "pd_extproc_prefill_leg_total"
+        if sample.name == counter
     }
+
+
+async def _legs(session: aiohttp.ClientSession, g: Gatewayed) -> dict[str, float]:
+    return await _by_outcome(session, g, "pd_extproc_prefill_leg_total")
 
 
 async def _post(
@@ -431,14 +435,7 @@ async def test_sglang_bootstrap_a_dead_prefill_is_ejected_after_its_first_failed
 
 
 async def _ejections(session: aiohttp.ClientSession, g: Gatewayed) -> dict[str, float]:
-    async with session.get(f"{g.admin_url}/metrics") as response:
-        text = await response.text()
-    return {
-        sample.labels["outcome"]: sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == "pd_extproc_prefill_ejections_total"
-    }
+    return await _by_outcome(session, g, "pd_extproc_prefill_ejections_total")
 
 
 async def test_kv_transfer_params_ejects_a_failing_prefill_until_its_time_is_over(tmp_path):
