@@ -211,8 +211,9 @@ SCENARIOS: dict[str, Scenario] = {
         ),
         Scenario(
             "decode-killed",
-            "a decode engine dies mid-stream (still in EDS): only its streams are cut; new requests go to "
-            "the fallback decodes (Envoy retries connect failures) or get 503 upstream_unavailable",
+            "a decode engine dies mid-stream (still in EDS): the streams in flight on it are cut (200 cut); "
+            "new requests go to the fallback decodes (Envoy retries connect failures) or get 503 "
+            "upstream_unavailable",
             frozenset({"200", "200 cut", "503 upstream_unavailable"}),
             _decode_killed,
             body=lambda: chat_body(max_tokens=100),

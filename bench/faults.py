@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import contextlib
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,8 +86,8 @@ def _cell(value: object, fmt: str) -> str:
 def format_rows(rows: list[dict]) -> str:
     """The table, then each scenario's expectation and (if it failed) why."""
     head = (
-        f"{'scenario':24}{'req':>5}{'hung':>5}{'load left':>11}{'RSS MiB':>14}{'fds':>9}{'outside':>8}"
-        "  verdict"
+        f"{'scenario':24}{'req':>6}{'hung':>5}{'load left':>11}{'RSS MiB':>14}{'fds':>9}{'outside':>8}"
+        f"{'s':>5}  verdict"
     )
     lines = [head, "-" * len(head)]
     for row in rows:
@@ -94,8 +95,8 @@ def format_rows(rows: list[dict]) -> str:
         rss = f"{_cell(row['rss_mib_before'], '{:.0f}')}->{_cell(row['rss_mib_after'], '{:.0f}')}"
         fds = f"{_cell(row['fds_before'], '{}')}->{_cell(row['fds_after'], '{}')}"
         lines.append(
-            f"{row['scenario']:24}{row['requests']:>5}{row['hung']:>5}{load:>11}{rss:>14}{fds:>9}"
-            f"{row['outside_discovered']:>8}  {'PASS' if row['passed'] else 'FAIL'}"
+            f"{row['scenario']:24}{row['requests']:>6}{row['hung']:>5}{load:>11}{rss:>14}{fds:>9}"
+            f"{row['outside_discovered']:>8}{row['seconds']:>5.0f}  {'PASS' if row['passed'] else 'FAIL'}"
         )
         outcomes = ", ".join(f"{label} x{n}" for label, n in row["outcomes"].items())
         lines.append(f"{'':24}outcomes: {outcomes}")
@@ -112,10 +113,12 @@ async def run_all(names: list[str], quick: bool, soak_requests: int | None) -> l
     rows = []
     for name in names:
         print(f"... {name}", file=sys.stderr, flush=True)
+        started = time.monotonic()
         if name == "soak":
-            rows.append(await run_soak(quick=quick, requests=soak_requests))
+            row = await run_soak(quick=quick, requests=soak_requests)
         else:
-            rows.append(await run_scenario(SCENARIOS[name], QUICK if quick else FULL))
+            row = await run_scenario(SCENARIOS[name], QUICK if quick else FULL)
+        rows.append({**row, "seconds": time.monotonic() - started})
     return rows
 
 
