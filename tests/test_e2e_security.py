@@ -36,7 +36,8 @@ async def test_sidecar_mode_delivers_the_body_without_client_handoff_fields(tmp_
 async def test_requests_sharing_client_ids_keep_their_own_transfer_ids_and_charges(tmp_path, mode):
     """Two clients send the same ``X-Request-Id`` and ``bootstrap_room``: each request's legs carry ids
     the gateway made, distinct from each other and from the client's, and the second request's end
-    releases only its own charge (charges belong to the ext_proc stream, not to any client value)."""
+    releases one charge (charges belong to the ext_proc stream, not to any client value: keyed by the
+    client's id, the two would have been one)."""
     params = {"kv_transfer_params": {"do_remote_prefill": True, "remote_block_ids": [1]}}
     prefill = await start_scripted_prefill(200, json.dumps(params).encode())
     decode = await start_backend()
@@ -54,18 +55,22 @@ async def test_requests_sharing_client_ids_keep_their_own_transfer_ids_and_charg
                 async with session.get(f"{g.admin_url}/debug/endpoints") as response:
                     return sum(r["active_requests"] for r in await response.json() if r["role"] == "decode")
 
-            async def idle() -> bool:
-                return await load() == 0
+            async def load_is(expected: int) -> bool:
+                return await load() == expected
 
-            slow = {**sent, "x-test-delay-ms": "300"}
-            first = asyncio.create_task(session.post(url, json={**body, "stream": True}, headers=slow))
-            await until(lambda: len(decode.requests) == 1)
-            async with session.post(url, json=body, headers=sent) as response:
-                assert response.status == 200, await response.text()
-            assert await load() == 1  # the first request's charge is still there
-            async with await first as response:
-                assert response.status == 200 and (await response.read()).endswith(b"data: [DONE]\n\n")
-            await until(idle)
+            async def stream(delay_ms: int) -> bytes:
+                sent_slowly = {**sent, "x-test-delay-ms": str(delay_ms)}  # before each of 3 chunks
+                async with session.post(url, json={**body, "stream": True}, headers=sent_slowly) as response:
+                    assert response.status == 200, await response.text()
+                    return await response.read()
+
+            first = asyncio.create_task(stream(400))
+            second = asyncio.create_task(stream(100))
+            await until(lambda: load_is(2))  # two charges: nothing merged them by the client's ids
+            assert (await second).endswith(b"data: [DONE]\n\n")
+            await until(lambda: load_is(1))
+            assert (await first).endswith(b"data: [DONE]\n\n")
+            await until(lambda: load_is(0))
             await until(lambda: len(prefill.legs) == 2)
     finally:
         await prefill.stop()
