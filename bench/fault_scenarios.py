@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import signal
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,34 +77,62 @@ async def _router_sigkill(rig: Rig, cleanup: contextlib.AsyncExitStack, duration
         await asyncio.to_thread(rig.router.wait)
 
     async def restarted_routed() -> str | None:
-        async with aiohttp.ClientSession() as session, session.get(f"{rig.admin_url}/metrics") as response:
-            text = await response.text()
-        routed = sum(
-            s.value
-            for family in text_string_to_metric_families(text)
-            for s in family.samples
-            if s.name == "pd_extproc_route_decisions_total"
-        )
+        routed = sum((await _samples(rig, "pd_extproc_route_decisions_total")).values())
         return None if routed else "the restarted pd-extproc routed no request"
 
     return Plan([(0.25 * duration, kill), (0.4 * duration, rig.start_router)], restarted_routed)
 
 
-def _kill_engine(rig: Rig, role: str, at: float) -> Plan:
+async def _samples(rig: Rig, name: str) -> dict[str, float]:
+    """The running pd-extproc's samples of metric ``name``, by their labels' values (joined by ``,``)."""
+    async with aiohttp.ClientSession() as session, session.get(f"{rig.admin_url}/metrics") as response:
+        text = await response.text()
+    return {
+        ",".join(s.labels.values()): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name
+    }
+
+
+async def _busy(rig: Rig, address: str) -> bool:
+    """Whether pd-extproc counts a request in flight on ``address`` (for a prefill: a leg)."""
+    return any(r["address"] == address and r["active_requests"] for r in await rig.endpoints())
+
+
+def _kill_busy_engine(rig: Rig, role: str, at: float) -> Plan:
+    """Kill the first engine of ``role`` at ``at`` s, or as soon after as pd-extproc counts a request
+    in flight on it (up to 5 s): for a prefill, with a leg in flight."""
+
     async def kill() -> None:
-        await rig.kill_engine(rig.engines(role)[0].address)
+        address = rig.engines(role)[0].address
+        end = time.monotonic() + 5
+        while not await _busy(rig, address) and time.monotonic() < end:
+            await asyncio.sleep(0.005)
+        await rig.kill_engine(address)
 
     return Plan([(at, kill)])
 
 
 async def _decode_killed(rig: Rig, cleanup: contextlib.AsyncExitStack, duration: float) -> Plan:
     rig.start_cluster(_cluster(1, 3))
-    return _kill_engine(rig, "decode", 0.4 * duration)
+    return _kill_busy_engine(rig, "decode", 0.4 * duration)
 
 
 async def _prefill_killed(rig: Rig, cleanup: contextlib.AsyncExitStack, duration: float) -> Plan:
     rig.start_cluster(_cluster(3, 2))
-    return _kill_engine(rig, "prefill", 0.4 * duration)
+    plan = _kill_busy_engine(rig, "prefill", 0.4 * duration)
+
+    async def legs_failed() -> str | None:
+        failed = sum(
+            n
+            for outcome, n in (await _samples(rig, "pd_extproc_prefill_leg_total")).items()
+            if outcome != "ok"
+        )
+        return None if failed else "no prefill leg failed: the kill hit no leg"
+
+    plan.check = legs_failed
+    return plan
 
 
 def _broken_decode(kind: str) -> Setup:

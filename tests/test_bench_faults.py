@@ -12,11 +12,11 @@ fault_rig = load_bench("fault_rig")
 
 def test_two_scenarios_and_a_short_soak_pass_and_write_json(tmp_path, capsys):
     out = tmp_path / "faults.json"
-    argv = ["--quick", "--scenarios", "eds-deleted,engine-garbage,soak", "--soak-requests", "200"]
+    argv = ["--quick", "--scenarios", "prefill-killed-kv,engine-garbage,soak", "--soak-requests", "200"]
     assert faults.main([*argv, "--json", str(out)]) == 0
     rows = {row["scenario"]: row for row in json.loads(out.read_text())}
-    assert list(rows) == ["eds-deleted", "engine-garbage", "soak"]
-    assert rows["eds-deleted"]["outcomes"] == {"200": faults.QUICK.requests}
+    assert list(rows) == ["prefill-killed-kv", "engine-garbage", "soak"]
+    assert rows["prefill-killed-kv"]["outcomes"] == {"200": faults.QUICK.requests}  # a leg was cut
     garbage = rows["engine-garbage"]["outcomes"]
     assert garbage["502 upstream_bad_response"] > 0 and sum(garbage.values()) == faults.QUICK.requests
     soak = rows["soak"]
