@@ -2,16 +2,20 @@
 
 For each named scenario a simulated cluster is started once and the same seeded streaming
 workload is sent through the real Envoy with pd-extproc in ``off``, ``prefer`` (several bonus
-values) and ``strict``, and through plain Envoy round robin (no ext_proc) as the baseline.
+values), ``strict`` and ``auto``, and through plain Envoy round robin (no ext_proc) as the baseline.
+``auto`` is told the fabric the simulator simulates (:func:`auto_keys`); ``auto:bw10x`` believes the
+cross-group link 10x faster than it is (a mis-configured router).
 Reported per run: cross-group KV transfer share, decode TTFT p50/p99, TPOT p50, decode load CV,
 throughput, errors. A bonus sweep on ``one-hot-group`` (where keeping transfers in-group and
 balancing decodes really pull apart) gives the trade-off curve users need to choose ``bonus``.
 
 ``--seeds N`` repeats every scenario with N different workload seeds (arrivals and lengths) and adds,
 per setting, the median and range over seeds and the median of the per-seed ratios to ``off``
-(paired: both ran the same workload), so one lucky workload cannot carry a conclusion.
+(paired: both ran the same workload), so one lucky workload cannot carry a conclusion, and a verdict of
+``auto`` against issue 11's targets (:func:`verdicts`).
 
-Run: ``python bench/routing_quality.py [--quick] [--seeds N] [--scenarios a,b] [--json FILE] [--png FILE]``.
+Run: ``python bench/routing_quality.py [--quick] [--seeds N] [--scenarios a,b] [--settings s,t]
+[--json FILE] [--png FILE]``.
 """
 
 from __future__ import annotations
@@ -22,14 +26,14 @@ import logging
 import statistics
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_json
 
 from sim.cluster import EngineSpec
-from sim.config import TimingConfig
+from sim.config import KvConfig, TimingConfig
 from sim.demo import BIG, SMALL
 from sim.experiment import BASELINE, Disruption, measure
 from sim.report import format_table
@@ -40,8 +44,21 @@ SWEEP_BONUSES = (0.0, 0.005, 0.01, 0.02, 0.05, 0.1, 0.3, 1.0)
 SWEEP_SCENARIO = "one-hot-group"
 PREFER_BONUSES = (0.05, 0.3)
 FIRST_SEED = 7  # the workload seed of a single-seed run; --seeds N uses FIRST_SEED .. FIRST_SEED + N - 1
-ACROSS_SEEDS = ("cross_group_share", "decode_ttft_p50_ms", "decode_load_cv", "throughput_rps")
-RATIO_TO_OFF = ("decode_ttft_p50_ms", "decode_ttft_p99_ms", "decode_load_cv", "throughput_rps")
+ACROSS_SEEDS = (
+    "cross_group_share",
+    "decode_ttft_p50_ms",
+    "decode_ttft_p99_ms",
+    "tpot_p50_ms",
+    "decode_load_cv",
+    "throughput_rps",
+)
+RATIO_TO_OFF = ("decode_ttft_p50_ms", "decode_ttft_p99_ms", "tpot_p50_ms", "decode_load_cv", "throughput_rps")
+AUTO, MISCONFIGURED = "auto", "auto:bw10x"
+"""``auto`` told the simulated fabric; and told a cross-group bandwidth 10x the real one."""
+SATURATED = replace(BIG, max_batch=4, decode_step_per_seq_ms=3.0, kv_capacity_tokens=16384)
+"""A decode whose batch fills at the benchmark's rates: 4 sequences, 3 ms more per step for each (a
+full batch steps in 24 ms, twice an empty one's), and a KV cache (16k tokens, what pd-extproc sees as
+its capacity) of about 4 requests."""
 
 
 def _engines(group: str, prefills: int, decodes: int, timing: TimingConfig = BIG) -> list[EngineSpec]:
@@ -69,14 +86,38 @@ class Scenario:
     rate: float = 10.0
     burst: int = 1
     prompt_tokens: tuple[int, int] = (1024, 6144)
+    output_tokens: tuple[int, int] = (16, 96)
     disruption: Callable[[float], Disruption] | None = None
     settings: tuple[str, ...] = field(
-        default=("off", *(f"prefer@{b}" for b in PREFER_BONUSES), "strict", BASELINE)
+        default=("off", *(f"prefer@{b}" for b in PREFER_BONUSES), "strict", AUTO, BASELINE)
     )
+    kv: KvConfig = field(default_factory=KvConfig)
 
     def plans(self, quick: bool, seed: int = FIRST_SEED) -> list[RequestPlan]:
         requests = 10 if quick else self.requests
-        return plan_workload(requests, self.rate, self.prompt_tokens, seed=seed, burst=self.burst)
+        return plan_workload(
+            requests, self.rate, self.prompt_tokens, self.output_tokens, seed=seed, burst=self.burst
+        )
+
+
+def auto_keys(scenario: Scenario, bandwidth_error: float = 1.0) -> dict[str, object]:
+    """pd-extproc's ``affinity.auto`` configuration for ``scenario``: the simulator's KV model, the
+    cross-group bandwidth times ``bandwidth_error`` (capped at the in-group one, as the config
+    requires), and as the wait scale one decode step at half batch of the median decode engine."""
+    kv = scenario.kv
+    steps = sorted(
+        (e.timing or BIG).decode_ms((e.timing or BIG).max_batch // 2)
+        for e in scenario.engines
+        if e.role == "decode"
+    )
+    auto = {
+        "kv_bytes_per_token": kv.kv_bytes_per_token,
+        "same_group_gbps": kv.same_group_gbps,
+        "cross_group_gbps": min(kv.cross_group_gbps * bandwidth_error, kv.same_group_gbps),
+        "base_latency_ms": kv.kv_base_latency_ms,
+        "wait_scale_ms": statistics.median(steps),
+    }
+    return {"affinity": {"auto": auto}}
 
 
 SCENARIOS = {
@@ -117,6 +158,35 @@ SCENARIOS = {
             requests=80,
             rate=2.0,
             prompt_tokens=(16384, 30720),
+            settings=(
+                "off",
+                *(f"prefer@{b}" for b in PREFER_BONUSES),
+                "strict",
+                AUTO,
+                MISCONFIGURED,
+                BASELINE,
+            ),
+        ),
+        Scenario(
+            "fast-fabric",
+            "two equal groups; the cross-group link as fast as a group's own (100 GB/s)",
+            _engines("a", 2, 3) + _engines("b", 2, 3),
+            kv=KvConfig(cross_group_gbps=100.0),
+        ),
+        Scenario(
+            "saturated",
+            "two equal groups of small decodes (batch 4, 16k-token KV) whose batches fill at 8 req/s",
+            _engines("a", 2, 3, SATURATED) + _engines("b", 2, 3, SATURATED),
+            rate=8.0,
+            output_tokens=(48, 144),
+            settings=(
+                "off",
+                *(f"prefer@{b}" for b in PREFER_BONUSES),
+                "strict",
+                AUTO,
+                MISCONFIGURED,
+                BASELINE,
+            ),
         ),
     )
 }
@@ -124,7 +194,14 @@ SCENARIOS = {
 
 def _mode_and_bonus(setting: str) -> tuple[str, float]:
     mode, _, bonus = setting.partition("@")
-    return mode, float(bonus) if bonus else 0.3
+    return mode.partition(":")[0], float(bonus) if bonus else 0.3
+
+
+def _config(scenario: Scenario, setting: str) -> dict[str, object] | None:
+    """The configuration file of ``setting``: ``auto``'s fabric (see :data:`MISCONFIGURED`), else none."""
+    if _mode_and_bonus(setting)[0] != AUTO:
+        return None
+    return auto_keys(scenario, 10.0 if setting == MISCONFIGURED else 1.0)
 
 
 async def run_scenario(
@@ -133,7 +210,7 @@ async def run_scenario(
     """Every setting of one scenario (plus the bonus sweep if asked) on one cluster, one workload seed."""
     plans = scenario.plans(quick, seed)
     duration = plans[-1].at
-    stack = start_stack(scenario.engines)
+    stack = start_stack(scenario.engines, kv=scenario.kv)
     results: dict[str, dict] = {}
     try:
         settings = list(scenario.settings)
@@ -144,8 +221,9 @@ async def run_scenario(
             disruption = scenario.disruption(duration) if scenario.disruption else None
             if disruption is not None and results:  # each run loses a decode: start from a whole cluster
                 stack.stop()
-                stack = start_stack(scenario.engines)
-            results[setting] = await measure(stack, mode, plans, bonus, disruption=disruption)
+                stack = start_stack(scenario.engines, kv=scenario.kv)
+            config = _config(scenario, setting)
+            results[setting] = await measure(stack, mode, plans, bonus, disruption=disruption, config=config)
             print(f"  {scenario.name} {setting}: done", file=sys.stderr, flush=True)
     finally:
         stack.stop()
@@ -263,6 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--seeds", type=int, default=1, help="workload seeds per scenario (default 1); > 1 adds medians"
     )
+    parser.add_argument(
+        "--settings", help="comma-separated subset of each scenario's settings to run (default: all of them)"
+    )
     parser.add_argument("--no-sweep", action="store_true", help=f"skip the bonus sweep on {SWEEP_SCENARIO}")
     parser.add_argument("--json", help="write all results as JSON")
     parser.add_argument(
@@ -279,8 +360,11 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     seeds = list(range(FIRST_SEED, FIRST_SEED + args.seeds))
     output: dict = {"seeds": seeds, "scenarios": {}}
+    chosen = None if args.settings is None else [s for s in args.settings.split(",") if s]
     for name in names:
         scenario = SCENARIOS[name]
+        if chosen is not None:
+            scenario = replace(scenario, settings=tuple(s for s in scenario.settings if s in chosen))
         sweep = name == SWEEP_SCENARIO and not args.no_sweep
         runs: dict[int, dict[str, dict]] = {}
         for seed in seeds:

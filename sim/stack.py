@@ -9,6 +9,7 @@ affinity mode; :meth:`Stack.round_robin` gives the plain-Envoy baseline on the s
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import subprocess
 import tempfile
@@ -100,15 +101,23 @@ class Stack:
         handoff: str = "sidecar",
         via_envoy: bool = True,
         pd_threshold_tokens: int | None = None,
+        config: dict[str, object] | None = None,
     ) -> str:
         """(Re)start pd-extproc with ``mode``/``bonus``/``handoff``/``pd_threshold_tokens`` (``None``:
         pd-extproc's default) (prefill legs through Envoy's prefill-leg listener, or straight to the
-        engine without ``via_envoy``) and the routed Envoy; return the gateway URL."""
+        engine without ``via_envoy``), with ``config`` as its configuration file (e.g. the
+        ``affinity.auto`` keys; the flags above take precedence), and the routed Envoy; return the
+        gateway URL."""
         self._stop_server()
         via = f"http://127.0.0.1:{self.prefill_leg_port}" if via_envoy else ""
         name = (
             f"pd-extproc-{mode}-{bonus}-{handoff}-{'envoy' if via_envoy else 'direct'}-{pd_threshold_tokens}"
         )
+        config_args: tuple[str, ...] = ()
+        if config is not None:
+            path = self.workdir / f"{name}-{len(list(self.workdir.glob('*.config.json')))}.config.json"
+            path.write_text(json.dumps(config), encoding="utf-8")  # JSON is YAML
+            config_args = ("--config", str(path))
         self.server = start_router_process(
             self.grpc_port,
             self.admin_port,
@@ -117,6 +126,7 @@ class Stack:
             (
                 *("--affinity-mode", mode, "--affinity-bonus", str(bonus)),
                 *("--handoff", handoff, "--prefill-via", via),
+                *config_args,
                 *(() if pd_threshold_tokens is None else ("--pd-threshold-tokens", str(pd_threshold_tokens))),
             ),
         )
