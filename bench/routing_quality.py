@@ -175,9 +175,9 @@ SCENARIOS = {
         ),
         Scenario(
             "saturated",
-            "two equal groups of small decodes (batch 4, 16k-token KV) whose batches fill at 8 req/s",
+            "two equal groups of small decodes (batch 4, 16k-token KV) whose batches fill at 6 req/s",
             _engines("a", 2, 3, SATURATED) + _engines("b", 2, 3, SATURATED),
-            rate=8.0,
+            rate=6.0,
             output_tokens=(48, 144),
             settings=(
                 "off",
@@ -271,7 +271,8 @@ def format_across_seeds(stats: dict[str, dict], seeds: int) -> str:
     """A fixed-width table of :func:`across_seeds`: medians with [min-max], and ratios to off."""
     head = (
         f"{'run':<16}{'cross-group KV':>24}{'decode load CV':>26}"
-        f"{'dTTFT p50/off':>15}{'p99/off':>9}{'load CV/off':>13}{'req/s/off':>11}{'errors':>8}"
+        f"{'dTTFT p50/off':>15}{'p99/off':>9}{'TPOT/off':>10}"
+        f"{'load CV/off':>13}{'req/s/off':>11}{'errors':>8}"
     )
     title = f"across {seeds} workload seeds: median [min-max]; ratios are medians of per-seed ratios"
     lines = [title, head, "-" * len(head)]
@@ -279,15 +280,114 @@ def format_across_seeds(stats: dict[str, dict], seeds: int) -> str:
         lines.append(
             f"{setting:<16}{_spread(row['cross_group_share'], '.1%'):>24}"
             f"{_spread(row['decode_load_cv'], '.3f'):>26}{_ratio(row['decode_ttft_p50_ms_vs_off']):>15}"
-            f"{_ratio(row['decode_ttft_p99_ms_vs_off']):>9}"
+            f"{_ratio(row['decode_ttft_p99_ms_vs_off']):>9}{_ratio(row['tpot_p50_ms_vs_off']):>10}"
             f"{_ratio(row['decode_load_cv_vs_off']):>13}{_ratio(row['throughput_rps_vs_off']):>11}"
             f"{row['errors']:>8}"
         )
     return "\n".join(lines)
 
 
-def _plot(sweep: dict[str, dict], path: str) -> None:
-    """Two panels: cross-group share and load CV against bonus; and the trade-off curve itself."""
+TOLERANCE = 0.05
+"""Issue 11's targets: auto's dTTFT within 5% of the best fixed bonus's, TPOT within 5% of off's."""
+MIN_THROUGHPUT = 0.98
+"""... and at least 98% of off's throughput."""
+FAST_FABRIC = "fast-fabric"
+
+
+def _median(stats: dict[str, dict], setting: str, key: str) -> float | None:
+    value = stats[setting][key]
+    return None if value is None else value["median"]
+
+
+def verdict(scenario: str, stats: dict[str, dict]) -> dict | None:
+    """``auto`` against issue 11's targets from :func:`across_seeds` ``stats`` (medians over seeds; one
+    seed is its own median), or ``None`` without ``auto``, ``off`` and a ``prefer`` bonus.
+
+    Ratios: auto's dTTFT p50 and p99 to the best fixed bonus's (the ``prefer@b`` with the lowest
+    median, per percentile), TPOT p50 and throughput to off's; in ``fast-fabric`` also the decode
+    load CV and dTTFT p50/p99 to off's. ``met`` maps each target to whether it holds.
+    """
+    bonuses = [s for s in stats if s.startswith("prefer@")]
+    if AUTO not in stats or "off" not in stats or not bonuses:
+        return None
+
+    def ratio(key: str, base: str | None = None) -> tuple[float | None, str]:
+        mine = _median(stats, AUTO, key)
+        if base is None:  # the best fixed bonus
+            known = [(m, b) for b in bonuses if (m := _median(stats, b, key)) is not None]
+            best, base = min(known) if known else (None, "n/a")
+        else:
+            best = _median(stats, base, key)
+        return (mine / best if mine is not None and best else None), base
+
+    ratios = {
+        "dttft_p50_vs_best_bonus": ratio("decode_ttft_p50_ms"),
+        "dttft_p99_vs_best_bonus": ratio("decode_ttft_p99_ms"),
+        "tpot_p50_vs_off": ratio("tpot_p50_ms", "off"),
+        "throughput_vs_off": ratio("throughput_rps", "off"),
+    }
+    if scenario == FAST_FABRIC:
+        ratios |= {
+            "load_cv_vs_off": ratio("decode_load_cv", "off"),
+            "dttft_p50_vs_off": ratio("decode_ttft_p50_ms", "off"),
+            "dttft_p99_vs_off": ratio("decode_ttft_p99_ms", "off"),
+        }
+    met = {}
+    for key, (value, _) in ratios.items():
+        if key == "throughput_vs_off":
+            met[key] = value is not None and value >= MIN_THROUGHPUT
+        elif key.endswith("_vs_off") and scenario == FAST_FABRIC and key != "tpot_p50_vs_off":
+            met[key] = value is not None and abs(value - 1.0) <= TOLERANCE
+        else:
+            met[key] = value is not None and value <= 1.0 + TOLERANCE
+    return {
+        "cross_group_share": _median(stats, AUTO, "cross_group_share"),
+        "ratios": {key: value for key, (value, _) in ratios.items()},
+        "best_bonus": {key: base for key, (_, base) in ratios.items() if key.endswith("best_bonus")},
+        "met": met,
+    }
+
+
+def format_verdicts(verdicts: dict[str, dict]) -> str:
+    """One row per scenario: auto's cross-group share, each target's ratio and whether it is met."""
+    head = (
+        f"{'scenario':<18}{'auto cross':>11}{'p50/best':>10}{'p99/best':>10}{'TPOT/off':>10}"
+        f"{'req/s/off':>11}{'CV/off':>8}{'p50/off':>9}{'p99/off':>9}  verdict"
+    )
+    lines = [
+        "auto vs issue 11's targets (medians over seeds; best = the best prefer bonus)",
+        head,
+        "-" * len(head),
+    ]
+    for name, row in verdicts.items():
+        r = row["ratios"]
+        cells = [
+            _ratio(r.get(k))
+            for k in (
+                "dttft_p50_vs_best_bonus",
+                "dttft_p99_vs_best_bonus",
+                "tpot_p50_vs_off",
+                "throughput_vs_off",
+            )
+        ]
+        fast = [
+            _ratio(r[k]) if k in r else "-"
+            for k in ("load_cv_vs_off", "dttft_p50_vs_off", "dttft_p99_vs_off")
+        ]
+        missed = [k for k, ok in row["met"].items() if not ok]
+        cross = "n/a" if row["cross_group_share"] is None else f"{row['cross_group_share']:.1%}"
+        lines.append(
+            f"{name:<18}{cross:>11}{cells[0]:>10}{cells[1]:>10}{cells[2]:>10}{cells[3]:>11}"
+            f"{fast[0]:>8}{fast[1]:>9}{fast[2]:>9}  "
+            + ("all met" if not missed else "missed: " + ", ".join(missed))
+        )
+    return "\n".join(lines)
+
+
+def _plot(sweep: dict[str, dict], path: str, medians: dict[str, dict[str, dict]] | None = None) -> None:
+    """Three panels: cross-group share and load CV against bonus; the trade-off curve itself, with
+    ``auto``'s point; and, from ``medians`` (scenario → setting → :func:`across_seeds` row), every
+    scenario's fixed settings and ``auto`` on the same axes."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -297,7 +397,7 @@ def _plot(sweep: dict[str, dict], path: str) -> None:
     bonuses = [b for b, _ in points]
     cross = [100 * (v["cross_group_share"] or 0.0) for _, v in points]
     cv = [v["decode_load_cv"] for _, v in points]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (left, right, every) = plt.subplots(1, 3, figsize=(16.5, 4.6))
     left.plot(bonuses, cross, "o-", color="tab:red", label="cross-group KV transfers (%)")
     left.set_xscale("symlog", linthresh=0.005)
     left.set_xticks(bonuses, [f"{b:g}" for b in bonuses], fontsize=8)
@@ -312,7 +412,7 @@ def _plot(sweep: dict[str, dict], path: str) -> None:
     right.plot(cv, cross, "o-", color="tab:purple", label="prefer")
     for bonus, x, y in zip(bonuses, cv, cross, strict=True):
         right.annotate(f"{bonus:g}", (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
-    for name, marker in (("off", "s"), ("strict", "^")):  # round robin has no disaggregation: no KV share
+    for name, marker in (("off", "s"), ("strict", "^"), (AUTO, "*")):  # round robin: no disaggregation
         if name in sweep:
             right.plot(
                 sweep[name]["decode_load_cv"], 100 * sweep[name]["cross_group_share"], marker, label=name
@@ -322,6 +422,31 @@ def _plot(sweep: dict[str, dict], path: str) -> None:
     right.set_title("the trade-off (labels: bonus)")
     right.grid(alpha=0.3)
     right.legend()
+    markers = {
+        "off": "s",
+        "prefer@0.05": "v",
+        "prefer@0.3": "o",
+        "strict": "^",
+        AUTO: "*",
+        MISCONFIGURED: "x",
+    }
+    for index, (scenario, rows) in enumerate((medians or {}).items()):
+        color = f"C{index}"
+        for setting, marker in markers.items():
+            row = rows.get(setting)
+            if row is None or row["decode_load_cv"] is None or row["cross_group_share"] is None:
+                continue
+            size = 14 if setting == AUTO else 7
+            x, y = row["decode_load_cv"]["median"], 100 * row["cross_group_share"]["median"]
+            every.plot(
+                x, y, marker, color=color, markersize=size, label=scenario if setting == AUTO else None
+            )
+    every.set_xscale("log")
+    every.set_xlabel("decode load CV (median over seeds, log)")
+    every.set_ylabel("cross-group KV transfers (%)")
+    every.set_title("every scenario: ★ auto, ■ off, ▼ 0.05, ● 0.3, ▲ strict, x bw10x", fontsize=9)
+    every.grid(alpha=0.3)
+    every.legend(fontsize=7)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -372,13 +497,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n{name} (workload seed {seed}): {scenario.description}")
             print(format_table(runs[seed]))
         entry: dict = {"description": scenario.description, "runs": runs}
+        stats = across_seeds(runs)
         if len(seeds) > 1:
-            entry["across_seeds"] = across_seeds(runs)
-            print(f"\n{name}: " + format_across_seeds(entry["across_seeds"], len(seeds)))
+            entry["across_seeds"] = stats
+            print(f"\n{name}: " + format_across_seeds(stats, len(seeds)))
+        if (judged := verdict(name, stats)) is not None:
+            entry["verdict"] = judged
         output["scenarios"][name] = entry
+    verdicts = {n: e["verdict"] for n, e in output["scenarios"].items() if "verdict" in e}
+    if verdicts:
+        print("\n" + format_verdicts(verdicts))
     write_json(args.json, output)
     if args.png and SWEEP_SCENARIO in output["scenarios"]:
-        _plot(output["scenarios"][SWEEP_SCENARIO]["runs"][seeds[0]], args.png)
+        medians = {n: across_seeds(e["runs"]) for n, e in output["scenarios"].items()}
+        _plot(output["scenarios"][SWEEP_SCENARIO]["runs"][seeds[0]], args.png, medians)
     return 0
 
 
