@@ -55,6 +55,8 @@ ACROSS_SEEDS = (
 RATIO_TO_OFF = ("decode_ttft_p50_ms", "decode_ttft_p99_ms", "tpot_p50_ms", "decode_load_cv", "throughput_rps")
 AUTO, MISCONFIGURED = "auto", "auto:bw10x"
 """``auto`` told the simulated fabric; and told a cross-group bandwidth 10x the real one."""
+SETTINGS = ("off", *(f"prefer@{b}" for b in PREFER_BONUSES), "strict", AUTO, BASELINE)
+"""A scenario's settings unless it names others."""
 SATURATED = replace(BIG, max_batch=4, decode_step_per_seq_ms=3.0, kv_capacity_tokens=16384)
 """A decode whose batch fills at the benchmark's rates: 4 sequences, 3 ms more per step for each (a
 full batch steps in 24 ms, twice an empty one's), and a KV cache (16k tokens, what pd-extproc sees as
@@ -88,9 +90,7 @@ class Scenario:
     prompt_tokens: tuple[int, int] = (1024, 6144)
     output_tokens: tuple[int, int] = (16, 96)
     disruption: Callable[[float], Disruption] | None = None
-    settings: tuple[str, ...] = field(
-        default=("off", *(f"prefer@{b}" for b in PREFER_BONUSES), "strict", AUTO, BASELINE)
-    )
+    settings: tuple[str, ...] = SETTINGS
     kv: KvConfig = field(default_factory=KvConfig)
 
     def plans(self, quick: bool, seed: int = FIRST_SEED) -> list[RequestPlan]:
@@ -158,14 +158,7 @@ SCENARIOS = {
             requests=80,
             rate=2.0,
             prompt_tokens=(16384, 30720),
-            settings=(
-                "off",
-                *(f"prefer@{b}" for b in PREFER_BONUSES),
-                "strict",
-                AUTO,
-                MISCONFIGURED,
-                BASELINE,
-            ),
+            settings=(*SETTINGS, MISCONFIGURED),
         ),
         Scenario(
             "fast-fabric",
@@ -179,14 +172,7 @@ SCENARIOS = {
             _engines("a", 2, 3, SATURATED) + _engines("b", 2, 3, SATURATED),
             rate=6.0,
             output_tokens=(48, 144),
-            settings=(
-                "off",
-                *(f"prefer@{b}" for b in PREFER_BONUSES),
-                "strict",
-                AUTO,
-                MISCONFIGURED,
-                BASELINE,
-            ),
+            settings=(*SETTINGS, MISCONFIGURED),
         ),
     )
 }
