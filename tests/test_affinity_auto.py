@@ -85,8 +85,8 @@ def test_wait_is_mm1_up_to_the_knee_then_its_tangent() -> None:
 
 def test_wait_over_an_array_is_the_scalars_bit_for_bit() -> None:
     model = AutoModel(wait_scale_ms=13.7)
-    u = np.array([0.0, 1e-9, 0.3, 0.949999, KNEE, 0.96, 1.0, 7.25])
-    assert model.wait_s(u).tolist() == [float(model.wait_s(float(x))) for x in u]
+    for u in (np.array([0.0, 1e-9, 0.3, 0.949999, KNEE, 0.96, 1.0, 7.25]), np.array([0.0, 0.1, 0.7, KNEE])):
+        assert model.wait_s(u).tolist() == [float(model.wait_s(float(x))) for x in u]
 
 
 def test_long_prompts_stay_home_short_ones_spill_to_the_idle_group() -> None:

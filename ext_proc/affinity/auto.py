@@ -72,5 +72,8 @@ class AutoModel:
         """Expected wait in seconds at utilisation ``u`` (>= 0; a float or an array, element-wise):
         ``scale * u / (1 - u)`` up to :data:`KNEE`, its tangent beyond. Strictly increasing when the
         scale is > 0; an array gives bit for bit the floats a scalar gives."""
+        scale = self.wait_scale_ms / 1e3
+        if isinstance(u, np.ndarray) and u.max() <= KNEE:  # the usual case: the same floats, fewer ops
+            return scale * (u / (1.0 - u))  # type: ignore[no-any-return]  # u - m == 0, and x + 0.0 == x
         m = np.minimum(u, KNEE)
-        return self.wait_scale_ms / 1e3 * (m / (1.0 - m) + (u - m) * _BEYOND)  # type: ignore[no-any-return]
+        return scale * (m / (1.0 - m) + (u - m) * _BEYOND)  # type: ignore[no-any-return]

@@ -189,8 +189,9 @@ def _choose_auto(
     home = decode.group == group
     margin = None
     if same is not None:
-        others = delay[(same == 0.0) if home else (same == 1.0)]
-        margin = float(others.min() - delay[first])
+        outside = decodes.outside[group]
+        others = delay.min(where=outside if home else ~outside, initial=np.inf)
+        margin = float(others - delay[first])
     estimate = Estimate(model.transfer_s(prompt_tokens, home), float(wait[first]), margin)
     return Decision(prefill, decode, tuple(picked[1:]), _SAME if home else _CROSS, estimate)
 
