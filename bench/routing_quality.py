@@ -233,16 +233,23 @@ def across_seeds(runs: dict[int, dict[str, dict]]) -> dict[str, dict]:
                 else None
             )
         for key in RATIO_TO_OFF:
-            ratios = [
-                mine / base
-                for seed in runs
-                if "off" in runs[seed]
-                and (mine := runs[seed][setting][key]) is not None
-                and (base := runs[seed]["off"][key])
-            ]
-            row[f"{key}_vs_off"] = statistics.median(ratios) if ratios else None
+            row[f"{key}_vs_off"] = paired_ratio(runs, setting, "off", key)
         stats[setting] = row
     return stats
+
+
+def paired_ratio(runs: dict[int, dict[str, dict]], setting: str, base: str, key: str) -> float | None:
+    """The median over seeds of ``setting``'s ``key`` divided by ``base``'s in the same seed (paired: the
+    same workload), over the seeds where both ran and are known and ``base``'s is non-zero."""
+    ratios = [
+        mine / theirs
+        for run in runs.values()
+        if setting in run
+        and base in run
+        and (mine := run[setting][key]) is not None
+        and (theirs := run[base][key])
+    ]
+    return statistics.median(ratios) if ratios else None
 
 
 def _spread(value: dict | None, fmt: str) -> str:
@@ -285,26 +292,25 @@ def _median(stats: dict[str, dict], setting: str, key: str) -> float | None:
     return None if value is None else value["median"]
 
 
-def verdict(scenario: str, stats: dict[str, dict]) -> dict | None:
-    """``auto`` against issue 11's targets from :func:`across_seeds` ``stats`` (medians over seeds; one
-    seed is its own median), or ``None`` without ``auto``, ``off`` and a ``prefer`` bonus.
+def verdict(scenario: str, runs: dict[int, dict[str, dict]]) -> dict | None:
+    """``auto`` against issue 11's targets over the seeds of ``runs`` (seed → setting → summary), or
+    ``None`` without ``auto``, ``off`` and a ``prefer`` bonus in every seed.
 
-    Ratios: auto's dTTFT p50 and p99 to the best fixed bonus's (the ``prefer@b`` with the lowest
-    median, per percentile), TPOT p50 and throughput to off's; in ``fast-fabric`` also the decode
-    load CV and dTTFT p50/p99 to off's. ``met`` maps each target to whether it holds.
+    Every ratio is paired (:func:`paired_ratio`: the median over seeds of per-seed ratios): auto's
+    dTTFT p50 and p99 to the best fixed bonus's (the ``prefer@b`` with the lowest median over seeds,
+    per percentile), TPOT p50 and throughput to off's; in ``fast-fabric`` also the decode load CV and
+    dTTFT p50/p99 to off's. ``met`` maps each target to whether it holds.
     """
+    stats = across_seeds(runs)
     bonuses = [s for s in stats if s.startswith("prefer@")]
     if AUTO not in stats or "off" not in stats or not bonuses:
         return None
 
     def ratio(key: str, base: str | None = None) -> tuple[float | None, str]:
-        mine = _median(stats, AUTO, key)
         if base is None:  # the best fixed bonus
             known = [(m, b) for b in bonuses if (m := _median(stats, b, key)) is not None]
-            best, base = min(known) if known else (None, "n/a")
-        else:
-            best = _median(stats, base, key)
-        return (mine / best if mine is not None and best else None), base
+            base = min(known)[1] if known else bonuses[0]
+        return paired_ratio(runs, AUTO, base, key), base
 
     ratios = {
         "dttft_p50_vs_best_bonus": ratio("decode_ttft_p50_ms"),
@@ -341,7 +347,7 @@ def format_verdicts(verdicts: dict[str, dict]) -> str:
         f"{'req/s/off':>11}{'CV/off':>8}{'p50/off':>9}{'p99/off':>9}  verdict"
     )
     lines = [
-        "auto vs issue 11's targets (medians over seeds; best = the best prefer bonus)",
+        "auto vs issue 11's targets (medians of per-seed ratios; best = the prefer bonus of lowest median)",
         head,
         "-" * len(head),
     ]
@@ -483,11 +489,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n{name} (workload seed {seed}): {scenario.description}")
             print(format_table(runs[seed]))
         entry: dict = {"description": scenario.description, "runs": runs}
-        stats = across_seeds(runs)
         if len(seeds) > 1:
-            entry["across_seeds"] = stats
-            print(f"\n{name}: " + format_across_seeds(stats, len(seeds)))
-        if (judged := verdict(name, stats)) is not None:
+            entry["across_seeds"] = across_seeds(runs)
+            print(f"\n{name}: " + format_across_seeds(entry["across_seeds"], len(seeds)))
+        if (judged := verdict(name, runs)) is not None:
             entry["verdict"] = judged
         output["scenarios"][name] = entry
     verdicts = {n: e["verdict"] for n, e in output["scenarios"].items() if "verdict" in e}

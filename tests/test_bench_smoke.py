@@ -67,15 +67,8 @@ def test_the_router_is_told_the_simulated_fabric():
     assert loaded.affinity.auto.bytes_per_token() == kv.kv_bytes_per_token
 
 
-def _stats(**medians: dict[str, float]) -> dict[str, dict]:
-    """across_seeds-shaped rows holding only medians."""
-    return {
-        setting: {key: {"median": value, "min": value, "max": value} for key, value in row.items()}
-        for setting, row in medians.items()
-    }
-
-
-def _row(p50: float, p99: float, tpot: float = 13.0, rps: float = 10.0, cv: float = 0.1) -> dict[str, float]:
+def _row(p50: float, p99: float, tpot: float = 13.0, rps: float = 10.0, cv: float = 0.1) -> dict:
+    """A run's summary with the keys the across-seeds statistics and the verdict read."""
     return {
         "decode_ttft_p50_ms": p50,
         "decode_ttft_p99_ms": p99,
@@ -83,16 +76,20 @@ def _row(p50: float, p99: float, tpot: float = 13.0, rps: float = 10.0, cv: floa
         "throughput_rps": rps,
         "decode_load_cv": cv,
         "cross_group_share": 0.1,
+        "errors": 0,
     }
 
 
 def test_verdict_compares_auto_with_the_best_bonus_per_percentile_and_with_off():
-    stats = _stats(
-        off=_row(60, 200),
-        **{"prefer@0.05": _row(40, 100), "prefer@0.3": _row(42, 80)},
-        auto=_row(41, 85, tpot=13.5, rps=9.7),
-    )
-    judged = routing.verdict("one-hot-group", stats)
+    runs = {
+        7: {
+            "off": _row(60, 200),
+            "prefer@0.05": _row(40, 100),
+            "prefer@0.3": _row(42, 80),
+            "auto": _row(41, 85, tpot=13.5, rps=9.7),
+        }
+    }
+    judged = routing.verdict("one-hot-group", runs)
     assert judged["best_bonus"] == {
         "dttft_p50_vs_best_bonus": "prefer@0.05",
         "dttft_p99_vs_best_bonus": "prefer@0.3",
@@ -107,14 +104,27 @@ def test_verdict_compares_auto_with_the_best_bonus_per_percentile_and_with_off()
     }
     table = routing.format_verdicts({"one-hot-group": judged})
     assert "missed: dttft_p99_vs_best_bonus, throughput_vs_off" in table and "10.0%" in table
-    assert routing.verdict("x", _stats(off=_row(1, 1), auto=_row(1, 1))) is None  # no bonus to compare
+    assert routing.verdict("x", {7: {"off": _row(1, 1), "auto": _row(1, 1)}}) is None  # no bonus
+
+
+def test_verdict_ratios_are_paired_by_seed():
+    # Seed 8's workload is twice as slow for everyone: per-seed ratios see auto 10% behind off in
+    # both seeds, where the ratio of the medians (55 / 45) would not.
+    runs = {
+        7: {"off": _row(30, 90), "prefer@0.3": _row(30, 90), "auto": _row(33, 99)},
+        8: {"off": _row(60, 180), "prefer@0.3": _row(60, 180), "auto": _row(66, 198)},
+    }
+    judged = routing.verdict("fast-fabric", runs)
+    assert judged["ratios"]["dttft_p50_vs_off"] == pytest.approx(1.1)
+    assert judged["ratios"]["dttft_p99_vs_best_bonus"] == pytest.approx(1.1)
+    assert not judged["met"]["dttft_p50_vs_off"] and judged["met"]["load_cv_vs_off"]
 
 
 def test_fast_fabric_verdict_wants_auto_within_five_percent_of_off_both_ways():
-    stats = _stats(off=_row(40, 100, cv=0.10), **{"prefer@0.3": _row(50, 120)}, auto=_row(39, 94, cv=0.09))
-    met = routing.verdict("fast-fabric", stats)["met"]
+    runs = {7: {"off": _row(40, 100, cv=0.10), "prefer@0.3": _row(50, 120), "auto": _row(39, 94, cv=0.09)}}
+    met = routing.verdict("fast-fabric", runs)["met"]
     assert met["dttft_p50_vs_off"] and not met["dttft_p99_vs_off"] and not met["load_cv_vs_off"]
-    assert "all met" in routing.format_verdicts({"x": routing.verdict("x", stats)})
+    assert "all met" in routing.format_verdicts({"x": routing.verdict("x", runs)})
 
 
 def test_trade_off_plot_is_drawn_from_a_sweep(tmp_path):
@@ -122,7 +132,10 @@ def test_trade_off_plot_is_drawn_from_a_sweep(tmp_path):
     sweep = {f"prefer@{b}": summary for b in routing.SWEEP_BONUSES} | {"off": summary, "strict": summary}
     sweep |= {"auto": summary}
     png = tmp_path / "tradeoff.png"
-    medians = {"a": _stats(off=_row(1, 1), auto=_row(1, 1)), "b": _stats(strict=_row(1, 1))}
+    medians = {
+        "a": routing.across_seeds({7: {"off": _row(1, 1), "auto": _row(1, 1)}}),
+        "b": routing.across_seeds({7: {"strict": _row(1, 1)}}),
+    }
     routing._plot(sweep, str(png), medians)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
