@@ -407,7 +407,11 @@ def _plot(sweep: dict[str, dict], path: str, medians: dict[str, dict[str, dict]]
     for name, marker in (("off", "s"), ("strict", "^"), (AUTO, "*")):  # round robin: no disaggregation
         if name in sweep:
             right.plot(
-                sweep[name]["decode_load_cv"], 100 * sweep[name]["cross_group_share"], marker, label=name
+                sweep[name]["decode_load_cv"],
+                100 * sweep[name]["cross_group_share"],
+                marker,
+                markersize=14 if name == AUTO else 7,
+                label=name,
             )
     right.set_xlabel("decode load CV (lower = better balanced)")
     right.set_ylabel("cross-group KV transfers (%)")
