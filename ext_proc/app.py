@@ -15,7 +15,6 @@ import grpc
 from aiohttp import web
 
 from ext_proc.admin import build_admin_app
-from ext_proc.affinity import Policy
 from ext_proc.config import Config, ConfigSource
 from ext_proc.discovery import ClusterEndpoints, EdsFileSource, SourceKind
 from ext_proc.discovery.eds_watch import Publish
@@ -166,7 +165,7 @@ async def start_server(
         )
     publish = publisher.publish if publisher is not None else functools.partial(apply, settled=True)
     endpoints = await SOURCES[discovery.source](config, publish, metrics)
-    policy = Policy(config.affinity.mode, config.affinity.bonus, config.routing.fallback_count)
+    policy = config.affinity.policy(config.routing.fallback_count)
     handoff = build_handoff(config, metrics)
     router = Router(
         registry,

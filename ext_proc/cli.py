@@ -75,8 +75,8 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     serve = subparsers.add_parser("serve", help="run the ext_proc routing server")
     serve.add_argument(
         "--config",
-        help="YAML configuration file (every key optional); watched: a changed affinity.mode or "
-        "affinity.bonus takes effect at once",
+        help="YAML configuration file (every key optional); watched: a changed affinity section "
+        "(mode, bonus, auto) takes effect at once",
     )
     serve.add_argument("--listen", help="gRPC host:port (config key listen)")
     serve.add_argument("--metrics-listen", help="admin/metrics host:port (config key metrics_listen)")
@@ -87,7 +87,7 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument(
         "--kubeconfig", help="kubeconfig file for --discovery kubernetes (discovery.kubernetes.kubeconfig)"
     )
-    serve.add_argument("--affinity-mode", help="off | prefer | strict (affinity.mode)")
+    serve.add_argument("--affinity-mode", help="off | prefer | strict | auto (affinity.mode)")
     serve.add_argument("--affinity-bonus", type=float, help="prefer-mode slack in [0, 1] (affinity.bonus)")
     serve.add_argument("--handoff", help="sidecar | kv-transfer-params | sglang-bootstrap (handoff.mode)")
     serve.add_argument(

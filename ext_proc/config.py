@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from ext_proc.affinity import Mode
+from ext_proc.affinity import AutoModel, Mode, Policy
 from ext_proc.discovery import SourceKind
 from ext_proc.discovery.pods import PRESETS, Preset, RoleScheme
 from ext_proc.engine_load import EngineKind
@@ -93,11 +93,55 @@ class DiscoveryConfig:
 
 
 @dataclass(frozen=True)
+class AutoConfig:
+    """The ``auto`` mode's delay model (README "Affinity modes"; :mod:`ext_proc.affinity.auto`).
+
+    KV cache per prompt token: ``kv_bytes_per_token`` bytes, or when it is 0 (the default) the model
+    shape's ``2 * num_layers * num_kv_heads * head_dim * dtype_bytes`` (K and V per layer; defaults:
+    Llama-3-8B in bf16, 131072 bytes). ``same_group_gbps`` / ``cross_group_gbps``: KV transfer
+    bandwidth within a ``pdGroupID`` group / across groups, GB/s (10^9 bytes/s), cross <= same.
+    ``base_latency_ms``: fixed cost of one transfer. ``wait_scale_ms``: the wait model's service time,
+    ms (about one decode step): a decode at utilisation u waits ``wait_scale_ms * u / (1 - u)``.
+    """
+
+    kv_bytes_per_token: int = 0
+    num_layers: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    dtype_bytes: int = 2
+    same_group_gbps: float = 100.0
+    cross_group_gbps: float = 10.0
+    base_latency_ms: float = 1.0
+    wait_scale_ms: float = 15.0
+
+    def bytes_per_token(self) -> int:
+        """KV bytes per prompt token: ``kv_bytes_per_token``, or the model shape's when that is 0."""
+        shape = 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        return self.kv_bytes_per_token or shape
+
+    def model(self) -> AutoModel:
+        """The pure decision's view of these keys."""
+        return AutoModel(
+            self.bytes_per_token(),
+            self.same_group_gbps,
+            self.cross_group_gbps,
+            self.base_latency_ms,
+            self.wait_scale_ms,
+        )
+
+
+@dataclass(frozen=True)
 class AffinityConfig:
-    """``mode``: off | prefer | strict. ``bonus``: utilisation slack in [0, 1] for ``prefer``."""
+    """``mode``: off | prefer | strict | auto. ``bonus``: utilisation slack in [0, 1] for ``prefer``.
+    ``auto``: the delay model of ``auto``. The whole section applies live (:mod:`ext_proc.reload`)."""
 
     mode: Mode = Mode.PREFER
     bonus: float = 0.3
+    auto: AutoConfig = field(default_factory=AutoConfig)
+
+    def policy(self, fallback_count: int) -> Policy:
+        """The decision's policy for this section, with ``fallback_count`` (``routing.fallback_count``)."""
+        return Policy(self.mode, self.bonus, fallback_count, self.auto.model())
 
 
 @dataclass(frozen=True)
@@ -349,6 +393,7 @@ def validate(config: Config) -> Config:
         raise ConfigError("limits.max_inflight_requests: must be an integer >= 0 (0 = unlimited)")
     if not 1 <= config.limits.retry_after_seconds <= MAX_RETRY_AFTER:
         raise ConfigError(f"limits.retry_after_seconds: must be an integer in [1, {MAX_RETRY_AFTER}]")
+    _check_auto(config.affinity.auto)
     _check_handoff(config.handoff)
     _check_engine_metrics(config.engine_metrics)
     _check_tls(config.tls)
@@ -356,6 +401,35 @@ def validate(config: Config) -> Config:
     if not 0 <= config.xds.no_envoy_delay_seconds <= MAX_NO_ENVOY_DELAY:
         raise ConfigError(f"xds.no_envoy_delay_seconds: must be a number in [0, {MAX_NO_ENVOY_DELAY:g}]")
     return config
+
+
+MAX_KV_BYTES_PER_TOKEN = 1 << 30
+"""Upper bound of ``affinity.auto.kv_bytes_per_token`` and of the shape's product (1 GiB a token)."""
+
+
+def _check_auto(auto: AutoConfig) -> None:
+    key = "affinity.auto"
+    if not 0 <= auto.kv_bytes_per_token <= MAX_KV_BYTES_PER_TOKEN:
+        raise ConfigError(
+            f"{key}.kv_bytes_per_token: must be an integer in [0, {MAX_KV_BYTES_PER_TOKEN}] "
+            "(0 = from num_layers, num_kv_heads, head_dim and dtype_bytes)"
+        )
+    for name in ("num_layers", "num_kv_heads", "head_dim", "dtype_bytes"):
+        if not 1 <= getattr(auto, name) <= 65536:
+            raise ConfigError(f"{key}.{name}: must be an integer in [1, 65536]")
+    if auto.bytes_per_token() > MAX_KV_BYTES_PER_TOKEN:
+        raise ConfigError(f"{key}: the model shape gives more than {MAX_KV_BYTES_PER_TOKEN} KV bytes a token")
+    for name in ("same_group_gbps", "cross_group_gbps"):
+        if not 1e-3 <= getattr(auto, name) <= 1e6:
+            raise ConfigError(f"{key}.{name}: must be a number in [0.001, 1000000] (GB/s)")
+    if auto.cross_group_gbps > auto.same_group_gbps:
+        raise ConfigError(
+            f"{key}.cross_group_gbps ({auto.cross_group_gbps:g}) must not exceed same_group_gbps "
+            f"({auto.same_group_gbps:g}): a group's own fabric is the fast one"
+        )
+    for name in ("base_latency_ms", "wait_scale_ms"):
+        if not 0 <= getattr(auto, name) <= 1e6:
+            raise ConfigError(f"{key}.{name}: must be a number in [0, 1000000] (ms)")
 
 
 def _check_handoff(handoff: HandoffConfig) -> None:

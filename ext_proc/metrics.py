@@ -12,10 +12,13 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from ext_proc.affinity import Estimate
 from ext_proc.registry import EndpointState
 
 DECISION_BUCKETS = (5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2)
 SCRAPE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+ESTIMATE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+"""Seconds: ``auto``'s estimates, from a short in-group transfer to a queue several seconds deep."""
 LEG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 180.0)
 
 
@@ -91,6 +94,25 @@ class Metrics:
             buckets=DECISION_BUCKETS,
             registry=self.registry,
         )
+        self._auto = tuple(
+            Histogram(
+                f"pd_extproc_auto_{name}_seconds",
+                f"affinity auto: {what}, in seconds, by the chosen decode's locality",
+                ["locality"],
+                buckets=ESTIMATE_BUCKETS,
+                registry=self.registry,
+            )
+            for name, what in (
+                ("transfer", "estimated KV transfer time from the prefill to the chosen decode"),
+                ("wait", "estimated wait at the chosen decode (its load)"),
+                (
+                    "margin",
+                    "the best decode of the other locality's estimated delay minus the chosen one's "
+                    "(the delay crossing, or staying in the group, saved)",
+                ),
+            )
+        )
+        self._auto_children: dict[str, tuple[Histogram, Histogram, Histogram]] = {}
         self._prefill_legs = Counter(
             "pd_extproc_prefill_leg_total",
             "Prefill legs sent by the gateway (handoffs kv-transfer-params, sglang-bootstrap), by outcome",
@@ -184,6 +206,17 @@ class Metrics:
             child = self._decision_children[key] = self._decisions.labels(mode, locality)
         child.inc()
         self._decision_seconds.observe(seconds)
+
+    def estimated(self, locality: str, estimate: Estimate) -> None:
+        """Record the parts of one ``auto`` decision's estimate (a margin only when there is one)."""
+        children = self._auto_children.get(locality)
+        if children is None:
+            transfer, wait, margin = (h.labels(locality) for h in self._auto)
+            children = self._auto_children[locality] = (transfer, wait, margin)
+        children[0].observe(estimate.transfer_s)
+        children[1].observe(estimate.wait_s)
+        if estimate.margin_s is not None:
+            children[2].observe(estimate.margin_s)
 
     def count_inflight(self, count: Callable[[], float]) -> None:
         """Report ``count()`` (the router's requests in flight) as ``pd_extproc_inflight_requests``,

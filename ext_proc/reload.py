@@ -1,4 +1,4 @@
-"""Live reload of the configuration file: ``affinity.mode`` and ``affinity.bonus`` without a restart.
+"""Live reload of the configuration file: the ``affinity`` section (mode, bonus, auto) without a restart.
 
 The server polls its ``--config`` file and compares the bytes it reads with the last version seen.
 Kubernetes updates a mounted ConfigMap by writing a new timestamped folder and swapping the
@@ -95,10 +95,7 @@ class ConfigWatcher:
         before, after = _flatten(as_dict(old)), _flatten(as_dict(new))
         changed = [key for key in after if after[key] != before[key]]
         if new.affinity != old.affinity:
-            policy = self._router.policy
-            self._router.set_policy(
-                dataclasses.replace(policy, mode=new.affinity.mode, bonus=new.affinity.bonus)
-            )
+            self._router.set_policy(new.affinity.policy(self._router.policy.fallback_count))
             self.running = dataclasses.replace(old, affinity=new.affinity)
         self._metrics.config_reload("applied")
         live = [f"{key} {before[key]} -> {after[key]}" for key in changed if key.startswith("affinity.")]
@@ -110,7 +107,7 @@ class ConfigWatcher:
         restart = [key for key in changed if not key.startswith("affinity.")]
         if restart:
             log.warning(
-                "config file %s changes %s: only affinity.mode and affinity.bonus apply live; "
+                "config file %s changes %s: only the affinity keys apply live; "
                 "restart pd-extproc for the others (running with the old values)",
                 self._path,
                 ", ".join(restart),

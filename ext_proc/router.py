@@ -182,5 +182,8 @@ class Router:
         if isinstance(result, Rejection):
             return self.refuse(503, result.message, result.reason.value)
         lease = Lease(result.prefill, cost.prefill_tokens, result.decode, cost.decode_tokens)
-        self.metrics.decided(self._mode, result.locality.value, seconds)
+        locality = result.locality.value
+        self.metrics.decided(self._mode, locality, seconds)
+        if result.estimate is not None:
+            self.metrics.estimated(locality, result.estimate)
         return Placement(result, lease)

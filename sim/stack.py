@@ -10,6 +10,7 @@ affinity mode (and runs one or several gateway replicas, each a pd-extproc behin
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import subprocess
 import tempfile
@@ -142,13 +143,21 @@ class Stack:
         pd_threshold_tokens: int | None = None,
         replicas: int = 1,
         engine_metrics: float | None = None,
+        config: dict[str, object] | None = None,
     ) -> str:
         """(Re)start ``replicas`` pd-extprocs with ``mode``/``bonus``/``handoff``/``pd_threshold_tokens``
         (``None``: pd-extproc's default) (prefill legs through each Envoy's prefill-leg listener, or
         straight to the engine without ``via_envoy``), scraping the engines every ``engine_metrics``
-        seconds when given, each behind its own routed Envoy; return the first gateway's URL."""
+        seconds when given, with ``config`` as their configuration file (e.g. the ``affinity.auto``
+        keys; the flags above take precedence), each behind its own routed Envoy; return the first
+        gateway's URL."""
         self._scale(replicas)
         eds = [str(self.prefill_eds), str(self.decode_eds)]
+        config_args: tuple[str, ...] = ()
+        if config is not None:
+            path = self.workdir / f"config-{len(list(self.workdir.glob('*.config.json')))}.config.json"
+            path.write_text(json.dumps(config), encoding="utf-8")  # JSON is YAML
+            config_args = ("--config", str(path))
         for index, replica in enumerate(self.replicas):
             via = f"http://127.0.0.1:{replica.prefill_leg_port}" if via_envoy else ""
             name = (
@@ -158,6 +167,7 @@ class Stack:
             args = (
                 *("--affinity-mode", mode, "--affinity-bonus", str(bonus)),
                 *("--handoff", handoff, "--prefill-via", via),
+                *config_args,
                 *(() if pd_threshold_tokens is None else ("--pd-threshold-tokens", str(pd_threshold_tokens))),
                 *(
                     ()

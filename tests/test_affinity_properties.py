@@ -104,6 +104,23 @@ def prefer_key(cost: int, group: str, bonus: float) -> Callable[[Candidate], tup
     return key
 
 
+def auto_key(cost: Cost, group: str, decodes: Sequence[Candidate], policy: Policy) -> Callable:
+    """``auto``'s documented key: ``prefer``'s on the wait estimate, with the transfer penalty as the
+    bonus; ``off``'s when the penalty is 0 on the grid or the decodes are all in one group."""
+    model, dc = policy.auto, cost.decode_tokens
+    penalty = model.penalty_s(cost.prefill_tokens)
+    groups = {d.group for d in decodes}
+    if ticks(penalty) == 0 or len(groups) == 1 or group not in groups:
+        return by_u(dc)
+
+    def key(c: Candidate) -> tuple:
+        w = ticks(model.wait_s(c.utilisation(dc)))
+        same = c.group == group
+        return (w - ticks(penalty) if same else w, not same, c.active_requests)
+
+    return key
+
+
 def expected_prefill(cost: Cost, prefills: list[Candidate], decodes: list[Candidate], policy: Policy, t: int):
     pool = prefills
     if policy.mode is Mode.STRICT:
@@ -223,6 +240,8 @@ def assert_follows_documented_ranking(scenario: tuple) -> None:
     dc = cost.decode_tokens
     if result.prefill is not None and policy.mode is Mode.PREFER:
         key = prefer_key(dc, result.prefill.group, policy.bonus)
+    elif result.prefill is not None and policy.mode is Mode.AUTO:
+        key = auto_key(cost, result.prefill.group, decodes, policy)
     else:
         key = by_u(dc)
     ranked = naive_rank(eligible_decodes(result, decodes, policy), key, tiebreak)

@@ -27,7 +27,7 @@ def test_quick_run_covers_every_valid_combination(rows: list[dict]) -> None:
         for n in (8, 64, 512, 4096)
         for g in (1, 4, 16, 64)
         if g <= n // 2
-        for m in ("off", "prefer", "strict")
+        for m in ("off", "prefer", "strict", "auto")
     }
     assert combos == expected
     assert len(rows) == len(expected)
@@ -50,6 +50,6 @@ def test_main_writes_json_and_png(
     assert bench.main(["--quick", "--json", str(out_json), "--png", str(out_png)]) == 0
     data = json.loads(out_json.read_text())
     assert data["meta"]["quick"] is True
-    assert {r["mode"] for r in data["results"]} == {"off", "prefer", "strict"}
+    assert {r["mode"] for r in data["results"]} == {"off", "prefer", "strict", "auto"}
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "median" in capsys.readouterr().out

@@ -8,6 +8,8 @@ import json
 import pytest
 from conftest import load_bench
 
+from ext_proc.config import load_config
+
 routing = load_bench("routing_quality")
 
 
@@ -32,16 +34,109 @@ def test_reference_scenario_end_to_end_writes_json(tmp_path):
     assert output["seeds"] == [routing.FIRST_SEED]
     results = output["scenarios"]["two-equal-groups"]["runs"][str(routing.FIRST_SEED)]
     assert "across_seeds" not in output["scenarios"]["two-equal-groups"]
-    assert set(results) == {"off", "prefer@0.05", "prefer@0.3", "strict", "round-robin"}
+    assert set(results) == {"off", "prefer@0.05", "prefer@0.3", "strict", "auto", "round-robin"}
+    assert results["auto"]["errors"] == 0
+    assert output["scenarios"]["two-equal-groups"]["verdict"]["best_bonus"]
     assert results["round-robin"]["cross_group_share"] is None  # no disaggregation without ext_proc
     assert results["strict"]["cross_group_share"] == 0.0
+
+
+async def test_auto_runs_with_the_simulated_fabric_and_a_misconfigured_one():
+    scenario = dataclasses.replace(routing.SCENARIOS["saturated"], settings=("auto", "auto:bw10x"))
+    results = await routing.run_scenario(scenario, quick=True, sweep=False)
+    assert list(results) == ["auto", "auto:bw10x"]
+    assert all(r["errors"] == 0 and r["requests"] == 10 for r in results.values())
+
+
+def test_the_router_is_told_the_simulated_fabric():
+    scenario = routing.SCENARIOS["long-context"]
+    auto = routing.auto_keys(scenario)["affinity"]["auto"]
+    kv = scenario.kv
+    assert (auto["kv_bytes_per_token"], auto["same_group_gbps"]) == (
+        kv.kv_bytes_per_token,
+        kv.same_group_gbps,
+    )
+    assert (auto["cross_group_gbps"], auto["base_latency_ms"]) == (kv.cross_group_gbps, kv.kv_base_latency_ms)
+    assert auto["wait_scale_ms"] == pytest.approx(12.0 + 0.1 * 32)  # one step at half batch: 32 of 64
+    wrong = routing._config(scenario, "auto:bw10x")["affinity"]["auto"]
+    assert wrong["cross_group_gbps"] == 10 * kv.cross_group_gbps
+    fast = routing.auto_keys(routing.SCENARIOS["fast-fabric"], 10.0)["affinity"]["auto"]
+    assert fast["cross_group_gbps"] == fast["same_group_gbps"]  # capped: the config requires cross <= same
+    assert routing._config(scenario, "prefer@0.3") is None
+    loaded = load_config(overrides={f"affinity.auto.{k}": v for k, v in auto.items()}, environ={})
+    assert loaded.affinity.auto.bytes_per_token() == kv.kv_bytes_per_token
+
+
+def _row(p50: float, p99: float, tpot: float = 13.0, rps: float = 10.0, cv: float = 0.1) -> dict:
+    """A run's summary with the keys the across-seeds statistics and the verdict read."""
+    return {
+        "decode_ttft_p50_ms": p50,
+        "decode_ttft_p99_ms": p99,
+        "tpot_p50_ms": tpot,
+        "throughput_rps": rps,
+        "decode_load_cv": cv,
+        "cross_group_share": 0.1,
+        "errors": 0,
+    }
+
+
+def test_verdict_compares_auto_with_the_best_bonus_per_percentile_and_with_off():
+    runs = {
+        7: {
+            "off": _row(60, 200),
+            "prefer@0.05": _row(40, 100),
+            "prefer@0.3": _row(42, 80),
+            "auto": _row(41, 85, tpot=13.5, rps=9.7),
+        }
+    }
+    judged = routing.verdict("one-hot-group", runs)
+    assert judged["best_bonus"] == {
+        "dttft_p50_vs_best_bonus": "prefer@0.05",
+        "dttft_p99_vs_best_bonus": "prefer@0.3",
+    }
+    assert judged["ratios"]["dttft_p50_vs_best_bonus"] == pytest.approx(41 / 40)
+    assert judged["ratios"]["dttft_p99_vs_best_bonus"] == pytest.approx(85 / 80)
+    assert judged["met"] == {
+        "dttft_p50_vs_best_bonus": True,
+        "dttft_p99_vs_best_bonus": False,  # 1.0625
+        "tpot_p50_vs_off": True,  # 1.038
+        "throughput_vs_off": False,  # 0.97
+    }
+    table = routing.format_verdicts({"one-hot-group": judged})
+    assert "missed: dttft_p99_vs_best_bonus, throughput_vs_off" in table and "10.0%" in table
+    assert routing.verdict("x", {7: {"off": _row(1, 1), "auto": _row(1, 1)}}) is None  # no bonus
+
+
+def test_verdict_ratios_are_paired_by_seed():
+    # Seed 8's workload is twice as slow for everyone: per-seed ratios see auto 10% behind off in
+    # both seeds, where the ratio of the medians (55 / 45) would not.
+    runs = {
+        7: {"off": _row(30, 90), "prefer@0.3": _row(30, 90), "auto": _row(33, 99)},
+        8: {"off": _row(60, 180), "prefer@0.3": _row(60, 180), "auto": _row(66, 198)},
+    }
+    judged = routing.verdict("fast-fabric", runs)
+    assert judged["ratios"]["dttft_p50_vs_off"] == pytest.approx(1.1)
+    assert judged["ratios"]["dttft_p99_vs_best_bonus"] == pytest.approx(1.1)
+    assert not judged["met"]["dttft_p50_vs_off"] and judged["met"]["load_cv_vs_off"]
+
+
+def test_fast_fabric_verdict_wants_auto_within_five_percent_of_off_both_ways():
+    runs = {7: {"off": _row(40, 100, cv=0.10), "prefer@0.3": _row(50, 120), "auto": _row(39, 94, cv=0.09)}}
+    met = routing.verdict("fast-fabric", runs)["met"]
+    assert met["dttft_p50_vs_off"] and not met["dttft_p99_vs_off"] and not met["load_cv_vs_off"]
+    assert "all met" in routing.format_verdicts({"x": routing.verdict("x", runs)})
 
 
 def test_trade_off_plot_is_drawn_from_a_sweep(tmp_path):
     summary = {"cross_group_share": 0.25, "decode_load_cv": 0.1}
     sweep = {f"prefer@{b}": summary for b in routing.SWEEP_BONUSES} | {"off": summary, "strict": summary}
+    sweep |= {"auto": summary}
     png = tmp_path / "tradeoff.png"
-    routing._plot(sweep, str(png))
+    medians = {
+        "a": routing.across_seeds({7: {"off": _row(1, 1), "auto": _row(1, 1)}}),
+        "b": routing.across_seeds({7: {"strict": _row(1, 1)}}),
+    }
+    routing._plot(sweep, str(png), medians)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
@@ -50,6 +145,7 @@ def _summary(cross: float | None, ttft: float, cv: float, rps: float, errors: in
         "cross_group_share": cross,
         "decode_ttft_p50_ms": ttft,
         "decode_ttft_p99_ms": 3 * ttft,
+        "tpot_p50_ms": 13.0,
         "decode_load_cv": cv,
         "throughput_rps": rps,
         "errors": errors,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +11,7 @@ import pytest
 import yaml
 
 from ext_proc.cli import main
-from ext_proc.config import ENV_AFFINITY_BONUS, ENV_AFFINITY_MODE, load_config
+from ext_proc.config import ENV_AFFINITY_BONUS, ENV_AFFINITY_MODE, AutoConfig, load_config
 
 SHIPPED_CONFIG = Path(__file__).resolve().parents[1] / "config" / "pd-extproc.yaml"
 
@@ -87,7 +88,7 @@ def test_check_config_prints_the_effective_configuration_that_loads_back_the_sam
     assert captured.err == ""
     assert captured.out.startswith(f"# {SHIPPED_CONFIG} is valid. Effective configuration")
     printed = yaml.safe_load(captured.out)
-    assert printed["affinity"] == {"mode": "prefer", "bonus": 0.3}
+    assert printed["affinity"] == {"mode": "prefer", "bonus": 0.3, "auto": dataclasses.asdict(AutoConfig())}
     assert printed["handoff"]["on_prefill_failure"] == "decode-only"
     assert [Path(p).name for p in printed["discovery"]["eds_files"]] == ["prefill.yaml", "decode.yaml"]
     effective = tmp_path / "effective.yaml"
@@ -102,7 +103,8 @@ def test_check_config_shows_the_environment_it_would_run_with(
     path.write_text("affinity:\n  mode: strict\n")
     clean_env.setenv(ENV_AFFINITY_BONUS, "0.05")
     assert main(["check-config", "--config", str(path)]) == 0
-    assert yaml.safe_load(capsys.readouterr().out)["affinity"] == {"mode": "strict", "bonus": 0.05}
+    printed = yaml.safe_load(capsys.readouterr().out)["affinity"]
+    assert (printed["mode"], printed["bonus"]) == ("strict", 0.05)
 
 
 @pytest.mark.parametrize(
@@ -110,7 +112,7 @@ def test_check_config_shows_the_environment_it_would_run_with(
     [
         (
             "affinity:\n  mode: sometimes\n",
-            "affinity.mode: 'sometimes' is not allowed; use one of off, prefer, strict",
+            "affinity.mode: 'sometimes' is not allowed; use one of off, prefer, strict, auto",
         ),
         ("affinity:\n  bonus: 2\n", "affinity.bonus: 2.0 is not allowed; use a number in [0, 1]"),
         (

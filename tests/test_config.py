@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ext_proc.affinity import Mode
+from ext_proc.affinity import AutoModel, Mode, Policy
 from ext_proc.config import (
     ENV_AFFINITY_BONUS,
     ENV_AFFINITY_MODE,
     AffinityConfig,
+    AutoConfig,
     Config,
     ConfigError,
     ConfigSource,
@@ -169,7 +170,7 @@ def test_unknown_top_level_key_is_named_with_the_allowed_keys(tmp_path: Path) ->
 
 def test_unknown_nested_key_is_named_with_its_section(tmp_path: Path) -> None:
     message = config_error(write_yaml(tmp_path, "affinity:\n  bouns: 0.2\n"))
-    assert message == "affinity.bouns: unknown key; allowed keys here: bonus, mode"
+    assert message == "affinity.bouns: unknown key; allowed keys here: auto, bonus, mode"
 
 
 def test_unknown_override_key_is_rejected() -> None:
@@ -181,13 +182,13 @@ def test_unknown_override_key_is_rejected() -> None:
 @pytest.mark.parametrize("mode", ["sideways", "Strict", 1, None])
 def test_bad_mode_lists_off_prefer_and_strict(mode: object) -> None:
     message = config_error(overrides={"affinity.mode": mode})
-    assert message == f"affinity.mode: {mode!r} is not allowed; use one of off, prefer, strict"
+    assert message == f"affinity.mode: {mode!r} is not allowed; use one of off, prefer, strict, auto"
 
 
 def test_an_unquoted_off_in_yaml_is_explained(tmp_path: Path) -> None:
     """YAML 1.1 reads ``mode: off`` as false: the message says to quote it."""
     assert config_error(write_yaml(tmp_path, "affinity:\n  mode: off\n")) == (
-        "affinity.mode: False is not allowed; use one of off, prefer, strict "
+        "affinity.mode: False is not allowed; use one of off, prefer, strict, auto "
         "(YAML reads an unquoted off, on, yes or no as a boolean: quote it)"
     )
     assert load(write_yaml(tmp_path, "affinity:\n  mode: 'off'\n")).affinity.mode is Mode.OFF
@@ -210,6 +211,47 @@ def test_bonus_of_wrong_type_says_a_number(bonus: object) -> None:
     assert config_error(overrides={"affinity.bonus": bonus}) == (
         f"affinity.bonus: {bonus!r} is not allowed; use a number"
     )
+
+
+def test_auto_defaults_are_the_simulators_fabric_and_llama_3_8b() -> None:
+    auto = load().affinity.auto
+    assert auto == AutoConfig() and auto.bytes_per_token() == 131_072
+    assert load().affinity.policy(2) == Policy(Mode.PREFER, 0.3, 2, AutoModel())
+
+
+def test_auto_kv_bytes_come_from_the_model_shape_unless_given() -> None:
+    shape = {"affinity.auto.num_layers": 80, "affinity.auto.num_kv_heads": 8, "affinity.auto.dtype_bytes": 1}
+    assert load(overrides=shape).affinity.auto.bytes_per_token() == 2 * 80 * 8 * 128 * 1
+    given = load(overrides={**shape, "affinity.auto.kv_bytes_per_token": 4096}).affinity
+    assert given.auto.bytes_per_token() == 4096
+    assert given.policy(0).auto.kv_bytes_per_token == 4096
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        (
+            {"kv_bytes_per_token": -1},
+            "affinity.auto.kv_bytes_per_token: must be an integer in [0, 10737",
+        ),
+        ({"head_dim": 0}, "affinity.auto.head_dim: must be an integer in [1, 65536]"),
+        ({"num_layers": 65536, "head_dim": 65536}, "affinity.auto: the model shape gives more than"),
+        ({"same_group_gbps": 0}, "affinity.auto.same_group_gbps: must be a number in [0.001, 1000000]"),
+        ({"cross_group_gbps": 200}, "affinity.auto.cross_group_gbps (200) must not exceed same_group_gbps"),
+        ({"base_latency_ms": -1}, "affinity.auto.base_latency_ms: must be a number in [0, 1000000] (ms)"),
+        ({"wait_scale_ms": float("nan")}, "affinity.auto.wait_scale_ms: must be a number in [0, 1000000]"),
+        ({"wait_scale_ms": "fast"}, "affinity.auto.wait_scale_ms: 'fast' is not allowed; use a number"),
+    ],
+)
+def test_bad_auto_values_are_named(override: dict[str, object], expected: str) -> None:
+    message = config_error(overrides={f"affinity.auto.{k}": v for k, v in override.items()})
+    assert message.startswith(expected)
+
+
+def test_equal_bandwidths_and_zero_wait_scale_are_allowed() -> None:
+    keys = {"affinity.auto.cross_group_gbps": 100, "affinity.auto.wait_scale_ms": 0, "affinity.mode": "auto"}
+    config = load(overrides=keys)
+    assert config.affinity.mode is Mode.AUTO and config.affinity.auto.cross_group_gbps == 100.0
 
 
 @pytest.mark.parametrize("key", ["listen", "metrics_listen"])
@@ -373,7 +415,7 @@ def test_cli_serve_with_bad_config_key_exits_2_naming_the_key(
 def test_cli_serve_with_bad_affinity_mode_flag_exits_2(cli, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["serve", "--affinity-mode", "sideways"]) == 2
     err = capsys.readouterr().err
-    assert "affinity.mode: 'sideways' is not allowed; use one of off, prefer, strict" in err
+    assert "affinity.mode: 'sideways' is not allowed; use one of off, prefer, strict, auto" in err
 
 
 def test_cli_flag_overrides_environment_and_is_validated(
@@ -472,7 +514,7 @@ def test_as_dict_is_plain_yaml_data_that_loads_back_the_same(tmp_path: Path) -> 
     )
     data = as_dict(config)
     assert list(data) == [f.name for f in dataclasses.fields(Config)]
-    assert data["affinity"] == {"mode": "strict", "bonus": 0.3}
+    assert data["affinity"] == {"mode": "strict", "bonus": 0.3, "auto": dataclasses.asdict(AutoConfig())}
     assert data["discovery"]["eds_files"] == ["/e/p.yaml"]  # type: ignore[index]
     text = yaml.safe_dump(data, sort_keys=False)  # plain data: safe_dump refuses enums
     assert load(write_yaml(tmp_path, text)) == config

@@ -39,7 +39,7 @@ async def _wait_idle(session: aiohttp.ClientSession, s: Stack, deadline: float =
     return busy
 
 
-@pytest.mark.parametrize("mode", ["off", "prefer", "strict"])
+@pytest.mark.parametrize("mode", ["off", "prefer", "strict", "auto"])
 async def test_requests_land_on_the_decode_the_decision_names(tmp_path, mode):
     async with (
         stack(tmp_path, ["a", "b"], ["a", "a", "b", "b"], mode=mode) as s,
@@ -58,9 +58,14 @@ async def test_requests_land_on_the_decode_the_decision_names(tmp_path, mode):
             localities.append(s.group_of[prefill] == s.group_of[headers["x-served-by"]])
             if mode == "strict":
                 assert {s.group_of[d] for d in destination} == {s.group_of[prefill]}
-        if mode != "off":
+        if mode != "off":  # auto: idle decodes, so the transfer decides: the prefill's group
             assert all(localities)
         assert await _wait_idle(session, s) == []
+        if mode == "auto":  # the estimate's parts, per decision
+            async with session.get(f"{s.admin_url}/metrics") as response:
+                text = await response.text()
+            for part in ("transfer", "wait", "margin"):
+                assert f'pd_extproc_auto_{part}_seconds_count{{locality="same_group"}} 12.0' in text
 
 
 async def test_off_mode_spreads_decode_load_across_groups(tmp_path):

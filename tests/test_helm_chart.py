@@ -74,6 +74,10 @@ VALUE_SETS = {
             "engine_metrics.engine=sglang",
             "engine_metrics.port=9100",
             "envoy.failOpen=true",
+            "affinity.auto.num_layers=80",
+            "affinity.auto.cross_group_gbps=25",
+            "affinity.auto.wait_scale_ms=20.5",
+            "affinity.auto.base_latency_ms=0",
         ),
         {
             "affinity.mode": "strict",
@@ -90,6 +94,11 @@ VALUE_SETS = {
             "engine_metrics.interval_seconds": 0.05,
             "engine_metrics.engine": "sglang",
             "engine_metrics.port": 9100,
+            "affinity.auto.num_layers": 80,
+            "affinity.auto.kv_bytes_per_token": 0,
+            "affinity.auto.cross_group_gbps": 25.0,
+            "affinity.auto.wait_scale_ms": 20.5,
+            "affinity.auto.base_latency_ms": 0.0,
         },
     ),
     "namespaces-monitoring": ValueSet(
@@ -561,7 +570,7 @@ def test_an_affinity_change_keeps_the_pods_other_changes_roll_them(helm: Path, t
         return Manifests(template(helm, tmp_path, {}, sets))
 
     base = render()
-    live = render("affinity.mode=strict", "affinity.bonus=0.05")
+    live = render("affinity.mode=auto", "affinity.bonus=0.05", "affinity.auto.cross_group_gbps=40")
     assert live.config != base.config
     assert live.one("Deployment") == base.one("Deployment")
     for change in (
@@ -608,6 +617,11 @@ def test_the_bonus_is_accepted_as_users_type_it_and_rendered_as_a_number(
         (("affinity.bonus=-0.1",), {}, ["at '/affinity/bonus'", "'-0.1' does not match pattern"]),
         (("affinity.bonus=lots",), {}, ["at '/affinity/bonus'", "'lots' does not match pattern"]),
         (("affinity.bouns=0.1",), {}, ["at '/affinity': additional properties 'bouns' not allowed"]),
+        (("affinity.auto.same_group_gbps=0",), {}, ["at '/affinity/auto/same_group_gbps'"]),
+        (("affinity.auto.wait_scale_ms=-1",), {}, ["at '/affinity/auto/wait_scale_ms'"]),
+        (("affinity.auto.kv_bytes_per_token=-1",), {}, ["at '/affinity/auto/kv_bytes_per_token'"]),
+        (("affinity.auto.head_dim=1.5",), {}, ["at '/affinity/auto/head_dim'"]),
+        (("affinity.auto.gbps=10",), {}, ["at '/affinity/auto': additional properties 'gbps' not allowed"]),
         (("routing.fallback_count=17",), {}, ["at '/routing/fallback_count': maximum: got 17, want 16"]),
         (("routing.prefill_header=X-Pre",), {}, ["at '/routing/prefill_header'", "does not match pattern"]),
         (("handoff.mode=sidecars",), {}, ["at '/handoff/mode': value must be one of 'sidecar'"]),

@@ -59,11 +59,13 @@ class ConfigMapMount:
         shutil.rmtree(self.root / old)
 
 
-def config_text(eds: list[Path], mode: str, bonus: float = 0.3, fallback_count: int = 2) -> str:
+def config_text(
+    eds: list[Path], mode: str, bonus: float = 0.3, fallback_count: int = 2, auto: str = "{}"
+) -> str:
     return (
         "listen: 127.0.0.1:0\nmetrics_listen: 127.0.0.1:0\n"
         f"discovery:\n  eds_files: [{eds[0]}, {eds[1]}]\n  poll_interval_seconds: 0.05\n"
-        f"affinity:\n  mode: '{mode}'\n  bonus: {bonus}\n"
+        f"affinity:\n  mode: '{mode}'\n  bonus: {bonus}\n  auto: {auto}\n"
         f"routing:\n  fallback_count: {fallback_count}\n  pd_threshold_tokens: 0\n"
     )
 
@@ -164,6 +166,30 @@ async def test_a_changed_bonus_applies_live(tmp_path: Path, eds: list[Path]) -> 
         await server.stop(grace=0)
 
 
+async def test_a_changed_auto_fabric_applies_live_and_the_estimates_are_counted(
+    tmp_path: Path, eds: list[Path]
+) -> None:
+    # A 1 GB KV cache a token: crossing groups at 1 GB/s costs seconds, at 100 GB/s (as fast as in
+    # the group) nothing, so auto balances as off does and picks the 100x larger decode of group b.
+    fabric = "{{kv_bytes_per_token: 1073741824, same_group_gbps: 100, cross_group_gbps: {}}}"
+    mount = ConfigMapMount(tmp_path / "mount", config_text(eds, "auto", auto=fabric.format(100)))
+    server = await serve(mount)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+            stub = pb_grpc.ExternalProcessorStub(channel)
+            assert await route(stub) == OTHER_GROUP
+            mount.update(config_text(eds, "auto", auto=fabric.format(1)))
+            await until(lambda: server.router.policy.auto.cross_group_gbps == 1.0)
+            assert await route(stub) == SAME_GROUP
+    finally:
+        await server.stop(grace=0)
+    for locality in ("cross_group", "same_group"):
+        for part in ("transfer", "wait", "margin"):
+            assert sample(server, f"pd_extproc_auto_{part}_seconds_count", locality=locality) == 1
+    # Staying home saved over a second of transfer: the margin landed in the top buckets.
+    assert sample(server, "pd_extproc_auto_margin_seconds_bucket", locality="same_group", le="0.5") == 0
+
+
 async def test_an_in_place_rewrite_of_the_same_size_is_seen(tmp_path: Path, eds: list[Path]) -> None:
     """Outside Kubernetes an editor may rewrite the file in place; ``strict`` and ``prefer`` have
     the same length, so only the content tells the two files apart within one mtime tick."""
@@ -202,7 +228,7 @@ async def test_an_invalid_file_is_logged_once_and_the_running_config_stays(
     errors = [r for r in caplog.records if r.name == "ext_proc.reload" and r.levelno == logging.ERROR]
     assert [r.getMessage() for r in errors] == [
         f"rejected the changed config file {mount.path}: affinity.mode: 'sometimes' is not allowed; "
-        "use one of off, prefer, strict (the running configuration stays)"
+        "use one of off, prefer, strict, auto (the running configuration stays)"
     ]
     assert (reloads(server, "rejected"), reloads(server, "applied")) == (1, 1)
 

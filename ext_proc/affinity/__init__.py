@@ -1,11 +1,13 @@
 """pdGroupID affinity: the pure prefill/decode routing decision and its value types."""
 
+from ext_proc.affinity.auto import AutoModel
 from ext_proc.affinity.decide import choose
 from ext_proc.affinity.model import (
     Candidate,
     Cost,
     Decision,
     Endpoint,
+    Estimate,
     Locality,
     Mode,
     Policy,
@@ -15,10 +17,12 @@ from ext_proc.affinity.model import (
 from ext_proc.affinity.pool import Pool
 
 __all__ = [
+    "AutoModel",
     "Candidate",
     "Cost",
     "Decision",
     "Endpoint",
+    "Estimate",
     "Locality",
     "Mode",
     "Policy",

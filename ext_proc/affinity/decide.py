@@ -11,10 +11,17 @@ sum is exact and converted to float64 once; ``cost`` is ``Cost.prefill_tokens`` 
 same units.
 
 Ranking. Every pool of endpoints is ranked by the ascending key
-``(ticks(u) - bonus_ticks * same, not same, active_requests)``, where ``same`` says the endpoint is
-in the chosen prefill's ``pdGroupID`` group (only used in ``prefer`` mode; it is 0 otherwise).
+``(ticks(v) - bonus_ticks * same, not same, active_requests)``, where ``v`` is ``u`` (``auto``: the
+wait estimate in seconds, see below) and ``same`` says the endpoint is in the chosen prefill's
+``pdGroupID`` group (only used in ``prefer`` and ``auto`` modes; it is 0 otherwise).
 Endpoints whose keys are equal form a tie class; a class is taken in input order and rotated left by
 ``tiebreak % len(class)``, so a round-robin ``tiebreak`` spreads picks over every tied endpoint.
+
+``auto`` (:mod:`ext_proc.affinity.auto`). The decodes are ranked by ``v = wait_s(u)`` with the
+request's transfer penalty ``penalty_s(prompt_tokens)`` as the bonus: the key orders decodes by the
+estimated delay ``transfer + wait`` (both in seconds), on a grid of 1 ns. When the penalty is 0 on that
+grid (equal bandwidths, an empty prompt) or every decode is in one group, transfers cannot tell the
+decodes apart and the order is exactly ``off``'s.
 
 Float robustness. Utilisations and the bonus are compared on a grid of ``EPS = 1e-9``:
 ``ticks(x) = round(x * SCALE)`` with ``SCALE = 1e9`` turns them into integers before any tie or
@@ -42,6 +49,7 @@ from ext_proc.affinity.model import (
     Cost,
     Decision,
     E,
+    Estimate,
     Locality,
     Mode,
     Policy,
@@ -58,7 +66,7 @@ _SCALE_F = float(SCALE)  # the same product as ``x * SCALE`` for a float x; a fl
 _SLACK = 4 * EPS  # pre-selection margin; covers the two roundings and float error of a score
 _LIST_MAX = 128  # up to this many endpoints, sorting a Python list beats numpy partition + scan
 # Enum members bound once: attribute access on an Enum class costs ~0.25 µs per lookup on CPython 3.11.
-_STRICT, _PREFER = Mode.STRICT, Mode.PREFER
+_STRICT, _PREFER, _AUTO = Mode.STRICT, Mode.PREFER, Mode.AUTO
 _SAME, _CROSS, _DECODE_ONLY = Locality.SAME_GROUP, Locality.CROSS_GROUP, Locality.DECODE_ONLY
 
 Floats = NDArray[np.float64]
@@ -89,9 +97,11 @@ def choose(
       (none → ``Rejection(NO_SAME_GROUP_DECODE)``).
     * Decode, with S = decodes in the prefill's group and A = all decodes: ``off`` → best of A;
       ``strict`` → best of S (empty → ``Rejection(NO_SAME_GROUP_DECODE)``); ``prefer`` → the best of
-      S if ``u(best S) <= u(best A) + bonus``, else the best of A.
+      S if ``u(best S) <= u(best A) + bonus``, else the best of A; ``auto`` → the decode of A with the
+      least estimated delay ``transfer + wait`` (``policy.auto``), with its :class:`Estimate`.
     * Fallbacks: the next ``policy.fallback_count`` decodes of the same ranking (``strict``: within
-      S; ``prefer``: same-group endpoints scored ``u - bonus`` and winning ties), all distinct.
+      S; ``prefer``: same-group endpoints scored ``u - bonus`` and winning ties; ``auto``: by
+      estimated delay, same-group endpoints winning ties), all distinct.
 
     ``tiebreak`` (e.g. a round-robin counter) rotates among endpoints tied on ``u`` and
     ``active_requests``; see the module docstring for the exact ranking and float handling.
@@ -145,11 +155,45 @@ def choose(
                 f"of prefill {prefill.address}",
             )
         ranked = _rank(u[sub], want, tiebreak, u, requests, None, 0.0, sub)
+    elif mode is _AUTO:
+        return _choose_auto(cost.prefill_tokens, prefill, decodes, u, want, tiebreak, policy)
     else:
         ranked = _rank(u, want, tiebreak, u, requests)
     picked = [out[i] for i in ranked]
     decode = picked[0]
     return Decision(prefill, decode, tuple(picked[1:]), _SAME if decode.group == group else _CROSS)
+
+
+def _choose_auto(
+    prompt_tokens: int, prefill: E, decodes: Pool[E], u: Floats, want: int, tiebreak: int, policy: Policy
+) -> Decision[E]:
+    """``auto``'s decode and fallbacks for ``prefill`` (see the module docstring), with the estimate.
+
+    ``u`` holds the decodes' utilisations with the request placed; ``want`` = 1 + fallbacks.
+    """
+    model = policy.auto
+    group = prefill.group
+    wait = model.wait_s(u)
+    penalty = model.penalty_s(prompt_tokens)
+    same = decodes.in_group.get(group) if len(decodes.members) > 1 else None
+    if same is None or ticks(penalty) == 0:  # every decode costs the same transfer: off's order
+        ranked = _rank(u, want, tiebreak, u, decodes.requests)
+        delay = wait
+    else:
+        delay = wait - penalty * same  # the estimate minus the cross-group transfer time
+        ranked = _rank(delay, want, tiebreak, wait, decodes.requests, same, penalty)
+    out = decodes.endpoints
+    picked = [out[i] for i in ranked]
+    first = ranked[0]
+    decode = picked[0]
+    home = decode.group == group
+    margin = None
+    if same is not None:
+        outside = decodes.outside[group]
+        others = delay.min(where=outside if home else ~outside, initial=np.inf)
+        margin = float(others - delay[first])
+    estimate = Estimate(model.transfer_s(prompt_tokens, home), float(wait[first]), margin)
+    return Decision(prefill, decode, tuple(picked[1:]), _SAME if home else _CROSS, estimate)
 
 
 def _rank(

@@ -8,8 +8,10 @@ and turns the result into headers; tests build pools of :class:`Candidate` value
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, NamedTuple, Protocol, TypeVar
+
+from ext_proc.affinity.auto import AutoModel
 
 
 class Mode(enum.StrEnum):
@@ -18,6 +20,7 @@ class Mode(enum.StrEnum):
     OFF = "off"
     PREFER = "prefer"
     STRICT = "strict"
+    AUTO = "auto"
 
 
 class Locality(enum.StrEnum):
@@ -94,16 +97,34 @@ class Policy:
     """The affinity knobs. ``bonus`` is in utilisation units, within [0, 1] (checked by the config).
 
     Utilisations and the bonus are compared on a grid of 1e-9, so a decode exactly ``bonus``
-    above the best counts as within it whatever the float rounding.
+    above the best counts as within it whatever the float rounding. ``auto``: the delay model of
+    ``Mode.AUTO`` (read in that mode only).
     """
 
     mode: Mode = Mode.PREFER
     bonus: float = 0.3
     fallback_count: int = 2
+    auto: AutoModel = field(default_factory=AutoModel)
+
+
+class Estimate(NamedTuple):
+    """Why ``auto`` chose its decode, in seconds (:mod:`ext_proc.affinity.auto`).
+
+    ``transfer_s``: the KV transfer estimate from the prefill to the chosen decode; ``wait_s``: the
+    wait estimate at the chosen decode; ``margin_s``: the best estimate among decodes of the other
+    locality (cross-group when the choice is in the group, in-group when it crossed) minus the
+    chosen one's — the delay the choice saves, >= 0 up to the 1e-9 s grid — or ``None`` when every
+    decode has the chosen locality.
+    """
+
+    transfer_s: float
+    wait_s: float
+    margin_s: float | None
 
 
 class Decision(NamedTuple, Generic[E]):
-    """Where one request goes. ``prefill`` is ``None`` for decode-only routing.
+    """Where one request goes. ``prefill`` is ``None`` for decode-only routing; ``estimate`` is set by
+    ``auto`` decisions with a prefill (``None`` otherwise).
 
     The endpoints are the very objects of the pools passed to :func:`~ext_proc.affinity.choose`. A named
     tuple: immutable, and several times cheaper to build than a frozen dataclass.
@@ -113,6 +134,7 @@ class Decision(NamedTuple, Generic[E]):
     decode: E
     fallbacks: tuple[E, ...]
     locality: Locality
+    estimate: Estimate | None = None
 
 
 @dataclass(frozen=True, slots=True)

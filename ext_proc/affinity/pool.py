@@ -26,10 +26,21 @@ class Pool(Generic[E]):
     change between decisions (never during one); ``capacity`` is float64 and, like the endpoints and
     their groups, fixed for the pool's lifetime. Derived at construction, by ``pdGroupID``, in order
     of first appearance: ``members[g]`` the positions of group ``g`` (ascending) and ``in_group[g]``
-    a float64 mask, 1.0 at those positions and 0.0 elsewhere.
+    a float64 mask, 1.0 at those positions and 0.0 elsewhere; ``outside[g]`` a boolean mask, true at
+    the positions of every other group.
     """
 
-    __slots__ = ("_bonuses", "capacity", "endpoints", "in_group", "members", "requests", "size", "tokens")
+    __slots__ = (
+        "_bonuses",
+        "capacity",
+        "endpoints",
+        "in_group",
+        "members",
+        "outside",
+        "requests",
+        "size",
+        "tokens",
+    )
 
     def __init__(
         self,
@@ -52,10 +63,12 @@ class Pool(Generic[E]):
             g: np.array(p, dtype=np.intp) for g, p in positions.items()
         }
         self.in_group: dict[str, NDArray[np.float64]] = {}
+        self.outside: dict[str, NDArray[np.bool_]] = {}
         for g, p in self.members.items():
             mask = np.zeros(self.size)
             mask[p] = 1.0
             self.in_group[g] = mask
+            self.outside[g] = mask == 0.0
         self._bonuses: dict[tuple[str, float], NDArray[np.float64]] = {}
 
     @classmethod

@@ -83,6 +83,17 @@ discovery:
 affinity:
   mode: {{ ternary "off" $v.affinity.mode (eq (toString $v.affinity.mode) "false") | toJson }}
   bonus: {{ include "pd-extproc.decimal" $v.affinity.bonus }}
+  auto:
+    {{- $a := $v.affinity.auto }}
+    kv_bytes_per_token: {{ int64 $a.kv_bytes_per_token }}
+    num_layers: {{ int64 $a.num_layers }}
+    num_kv_heads: {{ int64 $a.num_kv_heads }}
+    head_dim: {{ int64 $a.head_dim }}
+    dtype_bytes: {{ int64 $a.dtype_bytes }}
+    same_group_gbps: {{ include "pd-extproc.decimal" $a.same_group_gbps }}
+    cross_group_gbps: {{ include "pd-extproc.decimal" $a.cross_group_gbps }}
+    base_latency_ms: {{ include "pd-extproc.decimal" $a.base_latency_ms }}
+    wait_scale_ms: {{ include "pd-extproc.decimal" $a.wait_scale_ms }}
 load:
   default_max_tokens: {{ int64 $v.load.default_max_tokens }}
   default_token_capacity: {{ include "pd-extproc.decimal" $v.load.default_token_capacity }}

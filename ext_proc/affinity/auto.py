@@ -1,0 +1,79 @@
+"""The ``auto`` mode's delay model: what a decode endpoint costs one request, in seconds.
+
+``auto`` ranks the decodes by an estimate of the request's decode-side delay,
+
+    delay(d) = transfer(prefill → d) + wait(u(d))
+
+* ``transfer``: moving the prompt's KV cache from the prefill to ``d``:
+  ``base_latency_ms / 1e3 + prompt_tokens * kv_bytes_per_token / (gbps * 1e9)`` s, with ``gbps`` the
+  same-group or the cross-group bandwidth (GB/s, 10^9 bytes/s) — the simulator's model
+  (:class:`sim.config.KvConfig`). The base latency is paid by every transfer, so only the bandwidth
+  term tells decodes apart: a cross-group decode costs ``penalty_s(prompt_tokens)`` more.
+* ``wait``: the expected wait at a decode whose utilisation, with the request placed, is ``u``
+  (dimensionless, 1.0 = its token capacity full; the number the pool gives, so an engine-metrics load
+  signal blended into it is used as is). A continuously batching engine (vLLM, SGLang, the simulator)
+  runs every admitted sequence in each step, so while it has room, load only lengthens the step a
+  little; near full, requests queue for KV blocks and batch slots. The model is the mean queueing wait
+  of a single-server queue at utilisation ``u`` (M/M/1): ``wait_scale_ms * u / (1 - u)`` ms, with
+  ``wait_scale_ms`` the service time unit (default: about one decode step). Flat at light load
+  (``u = 0.05`` costs 5% of a step), it doubles the scale at ``u = 2/3`` and grows without bound
+  near 1. Above ``KNEE`` it continues as the straight line tangent at ``KNEE``, so over-full decodes
+  (``u >= 1``, possible: load is charged before it is admitted) still rank by load, never divide by ~0.
+
+Equivalently, ``auto`` is ``prefer`` on the wait scale with a per-request bonus ``penalty_s``: long
+prompts (large penalty) stay in the prefill's group, short ones spill to a less loaded group once the
+home decode's extra wait exceeds what their transfer would cost. With equal bandwidths the penalty is
+zero and ``auto`` ranks exactly as ``off``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TypeVar
+
+import numpy as np
+from numpy.typing import NDArray
+
+KNEE = 0.95
+"""Utilisation above which :meth:`AutoModel.wait_s` grows linearly (slope ``1 / (1 - KNEE)**2``)."""
+_BEYOND = 1.0 / (1.0 - KNEE) ** 2
+
+U = TypeVar("U", float, NDArray[np.float64])
+
+
+@dataclass(frozen=True, slots=True)
+class AutoModel:
+    """The fabric and wait parameters of ``auto`` (validated by the configuration).
+
+    ``kv_bytes_per_token``: bytes of KV cache per prompt token (>= 0); ``same_group_gbps`` >=
+    ``cross_group_gbps`` > 0: KV transfer bandwidths in GB/s within a ``pdGroupID`` group and across
+    groups; ``base_latency_ms`` >= 0: fixed cost of one transfer; ``wait_scale_ms`` >= 0: the wait
+    model's service time (ms). Defaults: Llama-3-8B in bf16 (128 KiB/token), 100 GB/s in a group,
+    10 GB/s across, 1 ms per transfer (the simulator's defaults) and a 15 ms decode step.
+    """
+
+    kv_bytes_per_token: int = 131_072
+    same_group_gbps: float = 100.0
+    cross_group_gbps: float = 10.0
+    base_latency_ms: float = 1.0
+    wait_scale_ms: float = 15.0
+
+    def transfer_s(self, prompt_tokens: int, same_group: bool) -> float:
+        """Seconds to move ``prompt_tokens`` tokens of KV cache within (``same_group``) or across groups."""
+        gbps = self.same_group_gbps if same_group else self.cross_group_gbps
+        return self.base_latency_ms / 1e3 + prompt_tokens * self.kv_bytes_per_token / (gbps * 1e9)
+
+    def penalty_s(self, prompt_tokens: int) -> float:
+        """How many seconds longer a cross-group transfer of ``prompt_tokens`` takes (>= 0; exactly 0
+        when the two bandwidths are equal)."""
+        return self.transfer_s(prompt_tokens, False) - self.transfer_s(prompt_tokens, True)
+
+    def wait_s(self, u: U) -> U:
+        """Expected wait in seconds at utilisation ``u`` (>= 0; a float or an array, element-wise):
+        ``scale * u / (1 - u)`` up to :data:`KNEE`, its tangent beyond. Strictly increasing when the
+        scale is > 0; an array gives bit for bit the floats a scalar gives."""
+        scale = self.wait_scale_ms / 1e3
+        if isinstance(u, np.ndarray) and u.max() <= KNEE:  # the usual case: the same floats, fewer ops
+            return scale * (u / (1.0 - u))  # type: ignore[no-any-return]  # u - m == 0, and x + 0.0 == x
+        m = np.minimum(u, KNEE)
+        return scale * (m / (1.0 - m) + (u - m) * _BEYOND)  # type: ignore[no-any-return]
