@@ -177,6 +177,7 @@ async def start_server(
         config.routing.pd_threshold_tokens,
         config.limits.max_inflight_requests,
         config.limits.retry_after_seconds,
+        config.handoff.eject_failed_prefill_seconds,
     )
     grpc_server, grpc_port, health = await start_grpc(
         router, config.listen, loaded, publisher.ads if publisher is not None else None, credentials

@@ -130,6 +130,8 @@ class HandoffConfig:
     ``prefill_via``: base URL of the Envoy listener that forwards prefill legs (``""``: connect to
     the prefill endpoint directly). ``prefill_timeout_seconds`` bounds one prefill leg.
     ``default_bootstrap_port``: SGLang bootstrap port of a prefill without ``bootstrap_port`` metadata.
+    ``eject_failed_prefill_seconds``: after a prefill leg fails (not a 4xx), that prefill is no candidate
+    for this long (seconds; 0 = never ejected; see ``ext_proc/ejection.py``).
     """
 
     mode: HandoffMode = HandoffMode.SIDECAR
@@ -137,6 +139,7 @@ class HandoffConfig:
     prefill_timeout_seconds: float = 120.0
     on_prefill_failure: FailurePolicy = FailurePolicy.DECODE_ONLY
     default_bootstrap_port: int = 8998
+    eject_failed_prefill_seconds: float = 5.0
 
 
 @dataclass(frozen=True)
@@ -370,6 +373,10 @@ def _check_handoff(handoff: HandoffConfig) -> None:
         )
     if not 0 < handoff.default_bootstrap_port <= 65535:
         raise ConfigError("handoff.default_bootstrap_port: must be a port in 1..65535")
+    if not 0 <= handoff.eject_failed_prefill_seconds <= MAX_PREFILL_TIMEOUT:
+        raise ConfigError(
+            f"handoff.eject_failed_prefill_seconds: must be a number in [0, {MAX_PREFILL_TIMEOUT:g}]"
+        )
 
 
 def _check_engine_metrics(engine: EngineMetricsConfig) -> None:

@@ -120,13 +120,24 @@ def render_bootstrap(
         endpoint = clusters["pd_extproc"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
         endpoint["address"] = _socket(extproc_port)
     if fail_open or extproc_port is None:
-        routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
-        routed = next(route for route in routes if route.get("route", {}).get("cluster") == "decode")
-        del routed["match"]["headers"]
+        make_fail_open(config)
     if round_robin:
         decode.pop("load_balancing_policy", None)
         decode["lb_policy"] = "ROUND_ROBIN"
     return config
+
+
+def make_fail_open(bootstrap: dict) -> None:
+    """The documented fail-open edit (README "Reliability"), in place: the gateway listener's decode
+    route no longer requires pd-extproc's routing header, so a request pd-extproc did not answer goes
+    to a decode chosen by the decode cluster's fallback policy (the Helm chart's ``envoy.failOpen``)."""
+    listener = next(
+        entry for entry in bootstrap["static_resources"]["listeners"] if entry["name"] == "gateway"
+    )
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    routed = next(route for route in routes if route.get("route", {}).get("cluster") == "decode")
+    del routed["match"]["headers"]
 
 
 @dataclass
@@ -160,9 +171,15 @@ class Gateway:
 
 
 async def start_gateway(
-    config: dict, listen_port: int, admin_port: int, concurrency: int = 1, timeout: float = 20.0
+    config: dict,
+    listen_port: int,
+    admin_port: int,
+    concurrency: int = 1,
+    timeout: float = 20.0,
+    extra_args: tuple[str, ...] = (),
 ) -> Gateway:
-    """Start Envoy on ``config`` (from :func:`render_bootstrap`) and wait until its admin says LIVE."""
+    """Start Envoy on ``config`` (from :func:`render_bootstrap`), with ``extra_args`` on its command
+    line, and wait until its admin says LIVE."""
     workdir = Path(tempfile.mkdtemp(prefix="pd-gateway-"))
     path = workdir / "envoy.yaml"
     path.write_text(yaml.safe_dump(config), encoding="utf-8")
@@ -176,6 +193,7 @@ async def start_gateway(
         "--disable-hot-restart",
         "--log-level",
         "warning",
+        *extra_args,
     ]
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     log.close()

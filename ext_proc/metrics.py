@@ -109,6 +109,12 @@ class Metrics:
             ["action"],
             registry=self.registry,
         )
+        self._prefill_ejections = Counter(
+            "pd_extproc_prefill_ejections_total",
+            "Prefill endpoints left out of the candidates after a failed prefill leg, by the leg's outcome",
+            ["outcome"],
+            registry=self.registry,
+        )
         self._discovery_errors = Counter(
             "pd_extproc_discovery_errors_total",
             "Failed exchanges of a discovery source with where it learns endpoints, by source and reason",
@@ -210,6 +216,10 @@ class Metrics:
     def prefill_fallback(self, action: str) -> None:
         """Count one request whose prefill legs all failed, by ``action`` (decode-only / error)."""
         self._prefill_fallbacks.labels(action).inc()
+
+    def prefill_ejected(self, outcome: str) -> None:
+        """Count one prefill ejected (``handoff.eject_failed_prefill_seconds``) after a leg's ``outcome``."""
+        self._prefill_ejections.labels(outcome).inc()
 
     def discovery_error(self, source: str, reason: str) -> None:
         """Count one failed exchange of discovery ``source`` (e.g. ``kubernetes``), by ``reason``."""

@@ -12,6 +12,7 @@ import time
 from urllib.parse import urlsplit
 
 from ext_proc.affinity import Cost, Decision, Mode, Policy, Pool, Rejection, choose
+from ext_proc.ejection import Ejections
 from ext_proc.handoff import (
     Handoff,
     HandoffJob,
@@ -39,6 +40,7 @@ class Router:
     ``pd_threshold_tokens``: prompts estimated below it are routed decode-only.
     ``max_inflight_requests``: the most requests in flight at once (0 = unlimited); beyond it
     :meth:`admit` answers 429 ``overloaded`` with ``Retry-After: retry_after_seconds``.
+    ``eject_seconds``: how long a prefill whose leg failed (:meth:`leg_failed`) is no candidate.
     """
 
     def __init__(
@@ -51,6 +53,7 @@ class Router:
         pd_threshold_tokens: int = 0,
         max_inflight_requests: int = 0,
         retry_after_seconds: int = 1,
+        eject_seconds: float = 0.0,
     ) -> None:
         self.registry = registry
         self.policy = policy
@@ -62,6 +65,7 @@ class Router:
         self._ticket = 0
         self._no_prefills: Pool[EndpointState] = Pool.of(())
         self.admission = Admission(max_inflight_requests, retry_after_seconds)
+        self.ejections = Ejections(eject_seconds, metrics)
         metrics.count_inflight(lambda: self.admission.inflight)
 
     def set_policy(self, policy: Policy) -> None:
@@ -120,7 +124,8 @@ class Router:
         prompt = info.prompt_tokens
         cost = Cost(prompt, prompt + info.output_budget)
         disaggregated = prompt >= self._pd_threshold and urlsplit(meta.path).path in DISAGGREGATED_PATHS
-        placed = self._place(cost, self.registry.prefill_pool if disaggregated else self._no_prefills, subset)
+        prefills = self.ejections.keep(self.registry.prefill_pool) if disaggregated else self._no_prefills
+        placed = self._place(cost, prefills, subset)
         if isinstance(placed, Refused):
             return placed
         return self.handoff.hand_off(HandoffJob(raw, body, meta, cost, subset), placed, self)
@@ -142,7 +147,7 @@ class Router:
         prefill's group), with the decode chosen again by the same rule; ``None`` when there is none."""
         group = failed.prefill.group if failed.prefill is not None else ""
         strict = self.policy.mode is Mode.STRICT
-        pool = self.registry.prefill_pool
+        pool = self.ejections.keep(self.registry.prefill_pool)
         keep = {
             e.address for e in pool.endpoints if e.address not in exclude and (not strict or e.group == group)
         }
@@ -154,6 +159,10 @@ class Router:
                 placed.lease.release()
             return None
         return placed
+
+    def leg_failed(self, address: str, outcome: str) -> None:
+        """A prefill leg to ``address`` failed with ``outcome`` (not a 4xx): eject that prefill."""
+        self.ejections.eject(address, outcome)
 
     def _place(
         self, cost: Cost, prefills: Pool[EndpointState], subset: frozenset[str] | None

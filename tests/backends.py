@@ -48,7 +48,13 @@ async def _completion(request: web.Request) -> web.StreamResponse:
     body = await request.json()
     seen = _seen(request)
     backend.requests.append(
-        {"path": request.path, **seen, "x-request-id": request.headers.get("x-request-id"), "body": body}
+        {
+            "path": request.path,
+            **seen,
+            "x-request-id": request.headers.get("x-request-id"),
+            "body": body,
+            "headers": dict(request.headers),
+        }
     )
     delay = float(request.headers.get("x-test-delay-ms", "0")) / 1000
     chat = request.path.endswith("chat/completions")
@@ -165,3 +171,41 @@ async def start_scripted_prefill(
     await web.TCPSite(prefill.runner, "127.0.0.1", 0).start()
     prefill.address = f"127.0.0.1:{prefill.runner.addresses[0][1]}"
     return prefill
+
+
+@dataclass
+class BrokenEngine:
+    """A TCP server standing in for a broken engine (see :func:`start_broken_engine`)."""
+
+    server: asyncio.Server
+    address: str
+
+    async def stop(self) -> None:
+        self.server.close()
+        await self.server.wait_closed()
+
+
+GARBAGE = b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03 this is not HTTP \xff\xfe\r\n\r\n"
+"""What a ``garbage`` engine answers: bytes no HTTP parser accepts (a TLS hello's start, then noise)."""
+
+
+async def start_broken_engine(kind: str) -> BrokenEngine:
+    """Start a :class:`BrokenEngine` on an ephemeral loopback port: ``hang`` reads each request head and
+    never answers (until the peer closes); ``garbage`` answers :data:`GARBAGE` and closes."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            if kind == "garbage":
+                writer.write(GARBAGE)
+                await writer.drain()
+            else:
+                while await reader.read(65536):  # until the peer gives up
+                    pass
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return BrokenEngine(server, f"127.0.0.1:{server.sockets[0].getsockname()[1]}")

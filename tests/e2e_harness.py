@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import socket
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -155,3 +156,16 @@ async def stack(
     finally:
         for backend in prefills + decodes:
             await backend.stop()
+
+
+def raw_http(port: int, request: bytes) -> tuple[int, bytes]:
+    """Send ``request`` as is on a new loopback connection to ``port``; the status and body of the
+    answer, which must be JSON (the connection must be closed after it)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(request)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert b"content-type: application/json" in head.lower(), head
+    return int(head.split()[1]), body

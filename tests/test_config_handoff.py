@@ -23,6 +23,7 @@ def test_defaults_keep_the_sidecar_and_disaggregate_prompts_from_512_tokens():
     assert config.handoff.on_prefill_failure is FailurePolicy.DECODE_ONLY
     assert (config.handoff.prefill_via, config.handoff.prefill_timeout_seconds) == ("", 120.0)
     assert config.handoff.default_bootstrap_port == 8998
+    assert config.handoff.eject_failed_prefill_seconds == 5.0
 
 
 @pytest.mark.parametrize("mode", [m.value for m in HandoffMode])
@@ -63,6 +64,8 @@ def test_environment_handoff_that_is_not_a_mode_is_refused_naming_the_key():
         ("handoff.prefill_timeout_seconds", MAX_PREFILL_TIMEOUT + 1, "must be a number in (0, 1795]"),
         ("handoff.default_bootstrap_port", 0, "must be a port in 1..65535"),
         ("handoff.default_bootstrap_port", 70000, "must be a port in 1..65535"),
+        ("handoff.eject_failed_prefill_seconds", -1, "must be a number in [0, 1795]"),
+        ("handoff.eject_failed_prefill_seconds", MAX_PREFILL_TIMEOUT + 1, "must be a number in [0, 1795]"),
         ("routing.pd_threshold_tokens", -1, "routing.pd_threshold_tokens: must be an integer >= 0"),
         ("routing.pd_threshold_tokens", 1.5, "routing.pd_threshold_tokens: 1.5 is not allowed"),
     ],

@@ -16,6 +16,7 @@ import openai
 import pytest
 from backends import start_backend, start_scripted_prefill
 from e2e_harness import Gatewayed, gateway_over
+from polling import until
 from prometheus_client.parser import text_string_to_metric_families
 
 from ext_proc.discovery.eds import EndpointSpec, write_eds_file
@@ -82,16 +83,20 @@ async def _idle(session: aiohttp.ClientSession, g: Gatewayed, deadline: float = 
         await asyncio.sleep(0.05)
 
 
-async def _legs(session: aiohttp.ClientSession, g: Gatewayed) -> dict[str, float]:
+async def _by_outcome(session: aiohttp.ClientSession, g: Gatewayed, counter: str) -> dict[str, float]:
+    """The samples of pd-extproc's counter ``counter`` (``..._total``), by their ``outcome`` label."""
     async with session.get(f"{g.admin_url}/metrics") as response:
         text = await response.text()
     return {
         sample.labels["outcome"]: sample.value
         for family in text_string_to_metric_families(text)
-        if family.name == "pd_extproc_prefill_leg"
         for sample in family.samples
-        if sample.name == "pd_extproc_prefill_leg_total"
+        if sample.name == counter
     }
+
+
+async def _legs(session: aiohttp.ClientSession, g: Gatewayed) -> dict[str, float]:
+    return await _by_outcome(session, g, "pd_extproc_prefill_leg_total")
 
 
 async def _post(
@@ -401,6 +406,56 @@ async def test_sglang_bootstrap_dead_prefill_ends_in_the_decodes_error(tmp_path)
         assert headers["x-sim-engine"] in c.addresses("decode")  # the decode engine answered
         assert await _wait_legs(session, c.g, {"server_error": 1.0}) == {"server_error": 1.0}
         assert await _idle(session, c.g) == []
+
+
+async def test_sglang_bootstrap_a_dead_prefill_is_ejected_after_its_first_failed_leg(tmp_path):
+    """Found by ``bench/faults.py``: a dead prefill still listed never carries load, so without ejection
+    it ranked first for every request and each one failed on its decode. After its first failed leg
+    the live prefill serves every request."""
+    dead = await start_scripted_prefill()
+    await dead.stop()
+    kv = KvConfig(bootstrap_timeout_s=1.0)
+    specs = [EngineSpec("decode", "a"), EngineSpec("prefill", "a")]
+    async with (
+        sim_gateway(tmp_path, specs, {"handoff.mode": SGLANG}, [dead.address], kv) as c,
+        aiohttp.ClientSession() as session,
+    ):
+        good = next(iter(c.addresses("prefill")))
+        ranked_first = EndpointSpec(dead.address, "a", 1e12, True, "HEALTHY")  # far more capacity
+        write_eds_file(c.g.prefill_eds, "prefill", [ranked_first, *endpoint_specs(c.engines, ["prefill"])])
+        await _wait_prefills(session, c.g, 2)
+        assert (await _post(session, c.g))[0] >= 500  # ranked first, it fails once
+        assert await _wait_legs(session, c.g, {"server_error": 1.0}) == {"server_error": 1.0}
+        for _ in range(3):
+            status, headers, text = await _post(session, c.g)
+            assert status == 200, text
+            assert headers["x-sim-prefill-engine"] == good
+        assert await _ejections(session, c.g) == {"server_error": 1.0}
+        assert await _idle(session, c.g) == []
+
+
+async def _ejections(session: aiohttp.ClientSession, g: Gatewayed) -> dict[str, float]:
+    return await _by_outcome(session, g, "pd_extproc_prefill_ejections_total")
+
+
+async def test_kv_transfer_params_ejects_a_failing_prefill_until_its_time_is_over(tmp_path):
+    settings = {"handoff.eject_failed_prefill_seconds": 0.5}
+    async with (
+        scripted_gateway(tmp_path, [(500, b"{}", 0.0), GOOD], settings) as (g, prefills, _),
+        aiohttp.ClientSession() as s,
+    ):
+        for _ in range(3):  # the first request's leg fails and is retried; then only the good one
+            status, _, text = await _post(s, g)
+            assert status == 200, text
+        assert [len(p.legs) for p in prefills] == [1, 3]
+
+        async def tried_again() -> bool:
+            assert (await _post(s, g))[0] == 200
+            return len(prefills[0].legs) == 2
+
+        await until(tried_again)  # ranked first again once its ejection is over
+        assert await _ejections(s, g) == {"server_error": 2.0}
+        assert await _idle(s, g) == []
 
 
 async def test_prefill_leg_without_envoy_goes_straight_to_the_engine(tmp_path):

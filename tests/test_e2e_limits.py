@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -17,7 +16,7 @@ import openai
 import pytest
 import yaml
 from backends import EchoBackend, ScriptedPrefill, start_backend, start_scripted_prefill
-from e2e_harness import Gatewayed, gateway_over, stack
+from e2e_harness import Gatewayed, gateway_over, raw_http, stack
 from polling import until
 
 from ext_proc.discovery.eds import EndpointSpec
@@ -151,18 +150,6 @@ def _shipped_404_body() -> bytes:
     return direct["direct_response"]["body"]["inline_string"].encode()
 
 
-def _raw_http(port: int, request: bytes) -> tuple[int, bytes]:
-    """Send ``request`` as is on a new connection; Envoy's status and body (it closes the connection)."""
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
-        sock.sendall(request)
-        data = b""
-        while chunk := sock.recv(65536):
-            data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    assert b"content-type: application/json" in head.lower(), head
-    return int(head.split()[1]), body
-
-
 async def test_pd_extproc_answers_reach_the_client_byte_for_byte(tmp_path):
     """The local-reply mappers leave pd-extproc's ImmediateResponse errors and the 404 route alone,
     including statuses the mappers rewrite for Envoy's own answers (503, 413)."""
@@ -199,7 +186,7 @@ async def test_envoys_refusals_of_the_http_request_are_json(tmp_path):
         assert "60 KiB" in _envoy_error(status, headers, answer, 431, "headers_too_large")["message"]
         port = s.gateway.listen_port
         for request, expected in ((b"GET /v1/models HTTP/1.0\r\n\r\n", 426), (b"NOT HTTP\r\n\r\n", 400)):
-            status, answer = await asyncio.to_thread(_raw_http, port, request)
+            status, answer = await asyncio.to_thread(raw_http, port, request)
             assert status == expected
             assert json.loads(answer)["error"]["code"] == "bad_http_request"
         assert all(backend.requests == [] for backend in s.decodes.values())

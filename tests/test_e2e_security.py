@@ -3,6 +3,7 @@ Envoy reaches pd-extproc over mutual TLS with the README's cluster settings, and
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -10,9 +11,10 @@ from pathlib import Path
 import aiohttp
 import pytest
 import yaml
-from backends import start_backend
+from backends import start_backend, start_scripted_prefill
 from certs import Certificates, Pair, make_certificates
 from e2e_harness import gateway_over, stack
+from polling import until
 from test_security import CHAT, INJECTED
 
 from ext_proc.discovery.eds import EndpointSpec
@@ -28,6 +30,61 @@ async def test_sidecar_mode_delivers_the_body_without_client_handoff_fields(tmp_
                 assert response.status == 200, await response.text()
                 assert response.headers["x-seen-prefiller"] in s.prefills
         assert [seen["body"] for seen in decode.requests] == [CHAT, CHAT]
+
+
+@pytest.mark.parametrize("mode", ["kv-transfer-params", "sglang-bootstrap"])
+async def test_requests_sharing_client_ids_keep_their_own_transfer_ids_and_charges(tmp_path, mode):
+    """Two clients send the same ``X-Request-Id`` and ``bootstrap_room``: each request's legs carry ids
+    the gateway made, distinct from each other and from the client's, and the second request's end
+    releases one charge (charges belong to the ext_proc stream, not to any client value: keyed by the
+    client's id, the two would have been one)."""
+    params = {"kv_transfer_params": {"do_remote_prefill": True, "remote_block_ids": [1]}}
+    prefill = await start_scripted_prefill(200, json.dumps(params).encode())
+    decode = await start_backend()
+    specs = ([EndpointSpec(prefill.address, "a", None, True, "HEALTHY")], [_healthy(decode.address)])
+    sent = {"x-request-id": "client-chosen"}
+    body = {**CHAT, "bootstrap_room": 7}
+    try:
+        async with (
+            gateway_over(tmp_path, *specs, {"handoff.mode": mode}) as g,
+            aiohttp.ClientSession() as session,
+        ):
+            url = f"{g.gateway.url}/v1/chat/completions"
+
+            async def load() -> int:
+                async with session.get(f"{g.admin_url}/debug/endpoints") as response:
+                    return sum(r["active_requests"] for r in await response.json() if r["role"] == "decode")
+
+            async def load_is(expected: int) -> bool:
+                return await load() == expected
+
+            async def stream(delay_ms: int) -> bytes:
+                sent_slowly = {**sent, "x-test-delay-ms": str(delay_ms)}  # before each of 3 chunks
+                async with session.post(url, json={**body, "stream": True}, headers=sent_slowly) as response:
+                    assert response.status == 200, await response.text()
+                    return await response.read()
+
+            first = asyncio.create_task(stream(400))
+            second = asyncio.create_task(stream(100))
+            await until(lambda: load_is(2))  # two charges: nothing merged them by the client's ids
+            assert (await second).endswith(b"data: [DONE]\n\n")
+            await until(lambda: load_is(1))
+            assert (await first).endswith(b"data: [DONE]\n\n")
+            await until(lambda: load_is(0))
+            await until(lambda: len(prefill.legs) == 2)
+    finally:
+        await prefill.stop()
+        await decode.stop()
+    ids = {seen["x-request-id"] for seen in decode.requests} | {h["x-request-id"] for h, _ in prefill.legs}
+    assert len(ids) == 2 and "client-chosen" not in ids
+    if mode == "sglang-bootstrap":
+        rooms = [seen["body"]["bootstrap_room"] for seen in decode.requests]
+        assert len(set(rooms)) == 2 and 7 not in rooms
+        assert sorted(rooms) == sorted(leg["bootstrap_room"] for _, leg in prefill.legs)
+
+
+def _healthy(address: str) -> EndpointSpec:
+    return EndpointSpec(address, "a", None, True, "HEALTHY")
 
 
 def readme_transport_socket(certificates: Certificates, client: Pair) -> dict:

@@ -21,7 +21,7 @@ import yaml
 from helm_tool import HelmUnavailable, ensure_helm
 
 from ext_proc.config import MAX_PREFILL_TIMEOUT, Config, as_dict
-from ext_proc.gateway import SHIPPED_ADS_BOOTSTRAP, find_envoy
+from ext_proc.gateway import SHIPPED_ADS_BOOTSTRAP, find_envoy, make_fail_open
 from ext_proc.handoff.kv_transfer import TIMEOUT_MARGIN_SECONDS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -73,6 +73,7 @@ VALUE_SETS = {
             "engine_metrics.interval_seconds=0.05",
             "engine_metrics.engine=sglang",
             "engine_metrics.port=9100",
+            "envoy.failOpen=true",
         ),
         {
             "affinity.mode": "strict",
@@ -492,14 +493,32 @@ def test_the_envoy_bootstrap_is_the_shipped_ads_one_with_a_stats_listener(helm: 
     its admin cluster; tests/test_envoy_config.py keeps envoy-ads.yaml equal to envoy/envoy.yaml but
     for the endpoint source, so the chart follows both shipped files."""
     chart = Manifests(template(helm, tmp_path, {})).envoy
-    resources = chart["static_resources"]
+    admin = _without_stats(chart)
+    assert chart == yaml.safe_load(SHIPPED_ADS_BOOTSTRAP.read_text())
+    (endpoint,) = admin["load_assignment"]["endpoints"][0]["lb_endpoints"]
+    assert endpoint["endpoint"]["address"] == chart["admin"]["address"]
+
+
+def _without_stats(bootstrap: dict) -> dict:
+    """Remove the chart's stats listener and admin cluster from ``bootstrap`` (in place); the cluster."""
+    resources = bootstrap["static_resources"]
     (stats,) = [entry for entry in resources["listeners"] if entry["name"] == "stats"]
     (admin,) = [entry for entry in resources["clusters"] if entry["name"] == "envoy_admin"]
     resources["listeners"].remove(stats)
     resources["clusters"].remove(admin)
-    assert chart == yaml.safe_load(SHIPPED_ADS_BOOTSTRAP.read_text())
-    (endpoint,) = admin["load_assignment"]["endpoints"][0]["lb_endpoints"]
-    assert endpoint["endpoint"]["address"] == chart["admin"]["address"]
+    return admin
+
+
+@pytest.mark.parametrize("fail_open", [False, True])
+def test_envoy_fail_open_is_the_documented_edit(helm: Path, tmp_path: Path, fail_open: bool) -> None:
+    """``envoy.failOpen`` renders exactly what ``render_bootstrap(fail_open=True)`` does to the shipped
+    file (the cli-set value set validates it with ``envoy --mode validate``)."""
+    chart = Manifests(template(helm, tmp_path, {}, (f"envoy.failOpen={str(fail_open).lower()}",))).envoy
+    _without_stats(chart)
+    expected = yaml.safe_load(SHIPPED_ADS_BOOTSTRAP.read_text())
+    if fail_open:
+        make_fail_open(expected)
+    assert chart == expected
 
 
 @pytest.mark.parametrize("prefill_timeout", ["0.5", "120", "142.5", "400.25", f"{MAX_PREFILL_TIMEOUT:g}"])

@@ -145,6 +145,11 @@ class Rerouter(Protocol):
         """Count, log and describe an error answer (``body``: an exact error body to send)."""
         ...
 
+    def leg_failed(self, address: str, outcome: str) -> None:
+        """A prefill leg to ``address`` failed with ``outcome`` (a connect error, 5xx, timeout or
+        unusable answer; not a 4xx): the router leaves that prefill out for a while."""
+        ...
+
 
 class Handoff(Protocol):
     """Turns a :class:`Placement` into what Envoy and the engines need.

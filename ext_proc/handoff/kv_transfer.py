@@ -194,6 +194,7 @@ class PrefillFirst:
                 self._log(logging.INFO, prefill, outcome, "the decode prefills locally")
                 return self._decode_only(decision)
             self._log(logging.WARNING, prefill, outcome, detail)
+            self._router.leg_failed(prefill.address, outcome.value)
             tried |= {prefill.address}
             retry = self._router.retry(job, decision, tried) if len(tried) == 1 else None
             if retry is None:

@@ -6,8 +6,9 @@ rendezvous key: no client can choose or predict it). Envoy forwards it to the de
 body goes to the prefill through the prefill-leg listener, concurrently: the prefill waits for the
 decode to connect before it sends the KV cache, so waiting for the prefill first would deadlock.
 The prefill leg is drained in the background; its charge is released when it returns, and it is
-cancelled if the client's exchange ends first. A failed prefill leg is logged and counted; the decode
-engine then fails the request itself once its bootstrap wait times out (README "Handoff modes").
+cancelled if the client's exchange ends first. A failed prefill leg is logged and counted, and (unless a
+4xx) ejects that prefill for a while (``ext_proc/ejection.py``); the decode engine then fails the
+request itself once its bootstrap wait times out (README "Handoff modes").
 """
 
 from __future__ import annotations
@@ -70,16 +71,24 @@ class SglangBootstrapHandoff:
         if job.meta.authorization is not None:
             headers["authorization"] = job.meta.authorization
         leg = asyncio.get_running_loop().create_task(
-            self._drain(prefill, job.meta.path, body, headers, lease), name=f"prefill-leg-{request_id}"
+            self._drain(prefill, job.meta.path, body, headers, lease, router),
+            name=f"prefill-leg-{request_id}",
         )
         self._legs.add(leg)
         leg.add_done_callback(self._legs.discard)
         return Routed(self.route.instructions(decision, request_id, body), lease, leg)
 
     async def _drain(
-        self, prefill: EndpointState, path: str, body: bytes, headers: dict[str, str], lease: Lease
+        self,
+        prefill: EndpointState,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        lease: Lease,
+        router: Rerouter,
     ) -> None:
-        """Send the prefill leg, read its answer to the end, count it, release the prefill charge."""
+        """Send the prefill leg, read its answer to the end, count it, release the prefill charge; a
+        failure other than a 4xx ejects the prefill (``router.leg_failed``)."""
         try:
             reply = await self.client.send(prefill.address, path, body, headers)
         except LegError as exc:
@@ -98,6 +107,8 @@ class SglangBootstrapHandoff:
         finally:
             lease.release_prefill()
         self.metrics.prefill_leg(outcome.value, seconds)
+        if outcome not in (LegOutcome.OK, LegOutcome.CLIENT_ERROR):
+            router.leg_failed(prefill.address, outcome.value)
         if outcome is not LegOutcome.OK:
             log.warning(
                 "prefill leg to %s: %s (%s); request %s: its decode fails once its bootstrap wait ends",

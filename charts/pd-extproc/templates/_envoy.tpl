@@ -74,7 +74,7 @@ static_resources:
               body_format_override:
                 json_format:
                   error:
-                    message: "request headers too large: the gateway accepts at most 60 KiB of headers"
+                    message: "request headers too large: the gateway accepts at most 100 headers and 60 KiB of headers in all (%RESPONSE_CODE_DETAILS%)"
                     type: invalid_request_error
                     param: null
                     code: headers_too_large
@@ -86,6 +86,15 @@ static_resources:
                     type: service_unavailable
                     param: null
                     code: no_healthy_upstream
+            # The decode engine answered something that is not HTTP (Envoy: upstream protocol error).
+            - filter: {status_code_filter: {comparison: {op: EQ, value: {default_value: 502, runtime_key: local_reply.502}}}}
+              body_format_override:
+                json_format:
+                  error:
+                    message: "bad upstream response: %LOCAL_REPLY_BODY% (%RESPONSE_CODE_DETAILS%)"
+                    type: bad_gateway
+                    param: null
+                    code: upstream_bad_response
             - filter: {status_code_filter: {comparison: {op: EQ, value: {default_value: 503, runtime_key: local_reply.503}}}}
               body_format_override:
                 json_format:
@@ -126,7 +135,9 @@ static_resources:
               routes:
               - match:
                   prefix: "/v1/"
+                  {{- if not .Values.envoy.failOpen }}
                   headers: [{name: {{ $destination }}, present_match: true}]
+                  {{- end }}
                 route:
                   cluster: decode
                   timeout: 0s

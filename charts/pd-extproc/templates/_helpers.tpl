@@ -97,6 +97,7 @@ handoff:
   prefill_timeout_seconds: {{ include "pd-extproc.decimal" $v.handoff.prefill_timeout_seconds }}
   on_prefill_failure: {{ $v.handoff.on_prefill_failure | toJson }}
   default_bootstrap_port: {{ int64 $v.handoff.default_bootstrap_port }}
+  eject_failed_prefill_seconds: {{ include "pd-extproc.decimal" $v.handoff.eject_failed_prefill_seconds }}
 xds:
   serve_eds: {{ $v.xds.serve_eds | toJson }}
   no_envoy_delay_seconds: {{ include "pd-extproc.decimal" $v.xds.no_envoy_delay_seconds }}

@@ -1,0 +1,65 @@
+"""Passive ejection of prefill endpoints whose prefill leg failed (Envoy's outlier detection in miniature).
+
+A dead prefill that discovery still lists answers every leg at once with a failure, so it never carries
+load and the least-loaded rule would pick it first for every request: each request then pays a failed
+leg and a retry (``kv-transfer-params``) or fails on its decode (``sglang-bootstrap``, whose decode
+is already on its way). After a failed leg the prefill is left out of the candidates for
+``seconds``; a later failure restarts its time. Ejection never empties the candidates: when every
+prefill is ejected, all are candidates again (as Envoy's panic threshold does), so a cluster-wide
+blip cannot turn into decode-only routing for everyone.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from ext_proc.affinity import Pool
+from ext_proc.metrics import Metrics
+from ext_proc.registry import EndpointState
+
+log = logging.getLogger(__name__)
+
+
+class Ejections:
+    """Prefill addresses ejected until a ``clock()`` time (seconds; monotonic by default).
+
+    ``seconds`` = 0 turns ejection off. Cost while nothing is ejected: one dict test per decision.
+    """
+
+    def __init__(self, seconds: float, metrics: Metrics, clock: Callable[[], float] = time.monotonic) -> None:
+        self.seconds = seconds
+        self._metrics = metrics
+        self._clock = clock
+        self._until: dict[str, float] = {}
+
+    def eject(self, address: str, outcome: str) -> None:
+        """A leg to ``address`` failed with ``outcome``: leave it out for :attr:`seconds` from now."""
+        if self.seconds <= 0:
+            return
+        self._until[address] = self._clock() + self.seconds
+        self._metrics.prefill_ejected(outcome)
+        log.warning(
+            "prefill %s ejected for %g s after a failed prefill leg (%s)", address, self.seconds, outcome
+        )
+
+    def ejected(self) -> frozenset[str]:
+        """The addresses ejected now (expired ones are forgotten)."""
+        if not self._until:
+            return frozenset()
+        now = self._clock()
+        for address in [a for a, until in self._until.items() if until <= now]:
+            del self._until[address]
+        return frozenset(self._until)
+
+    def keep(self, pool: Pool[EndpointState]) -> Pool[EndpointState]:
+        """``pool`` without the ejected prefills, or ``pool`` itself when none of its endpoints is
+        ejected or all of them are."""
+        out = self.ejected()
+        if not out:
+            return pool
+        kept = {e.address for e in pool.endpoints if e.address not in out}
+        if not kept or len(kept) == pool.size:
+            return pool
+        return pool.only(kept)
