@@ -53,7 +53,8 @@ async def _post(session: aiohttp.ClientSession, g: Gatewayed) -> int:
 
 async def _envoy_ejected(session: aiohttp.ClientSession, g: Gatewayed) -> int:
     """Hosts of the decode cluster Envoy's outlier detection holds ejected now."""
-    async with session.get(f"{g.gateway.admin_url}/stats?filter=decode.outlier_detection.ejections_active") as r:
+    stat = "decode.outlier_detection.ejections_active"
+    async with session.get(f"{g.gateway.admin_url}/stats?filter={stat}") as r:
         return int((await r.text()).split(":")[1])
 
 
@@ -77,7 +78,7 @@ async def test_a_garbage_decode_is_ejected_and_the_healthy_one_serves_the_rest(t
             return garbage.address in ejections.ejected()
 
         await until(held)
-        assert 3 <= failures
+        assert failures >= 3
         served = len(good.requests)
         assert [await _post(s, g) for _ in range(20)] == [200] * 20
         assert len(good.requests) == served + 20
