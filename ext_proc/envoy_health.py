@@ -85,9 +85,11 @@ class EnvoyHealth:
         self._error: str | None = None
 
     async def run(self) -> None:
-        """Poll every ``interval_seconds`` until cancelled."""
+        """Poll every ``interval_seconds`` until cancelled. Each poll opens and closes its own loopback
+        connection: no descriptor is held between polls (the fault bench counts them)."""
         timeout = aiohttp.ClientTimeout(total=self._config.timeout_seconds)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
+        connector = aiohttp.TCPConnector(force_close=True)
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
             while True:
                 await self.poll(session)
                 await asyncio.sleep(self._config.interval_seconds)
