@@ -65,7 +65,7 @@ class Ejections:
         return self._held.union(self._until)
 
     def keep(self, pool: Pool[EndpointState]) -> Pool[EndpointState]:
-        """``pool`` without the ejected prefills, or ``pool`` itself when none of its endpoints is
+        """``pool`` without the ejected endpoints, or ``pool`` itself when none of its endpoints is
         ejected or all of them are."""
         out = self.ejected()
         if not out:
