@@ -246,6 +246,7 @@ class Rig:
     known: set[str] = field(default_factory=set)
     grpc_port: int = field(default_factory=free_port)
     admin_port: int = field(default_factory=free_port)
+    envoy_admin_port: int = field(default_factory=free_port)
     prefill_leg_port: int = field(default_factory=free_port)
     restarts: int = 0
 
@@ -294,14 +295,20 @@ class Rig:
         """Start pd-extproc (on the same ports as any earlier one) and wait until it has decodes."""
         eds = [] if self.ads else [str(self.prefill_eds), str(self.decode_eds)]
         log = self.workdir / f"router-{self.restarts}.log"
-        args = (*self.router_args, "--prefill-via", f"http://127.0.0.1:{self.prefill_leg_port}")
+        args = (
+            *self.router_args,
+            "--prefill-via",
+            f"http://127.0.0.1:{self.prefill_leg_port}",
+            "--envoy-admin-url",  # as the chart ships it: Envoy's ejections reach the routing
+            f"http://127.0.0.1:{self.envoy_admin_port}",
+        )
         self.router = start_router_process(self.grpc_port, self.admin_port, eds, log, args)
         self.restarts += 1
         await wait_router_ready(self.router, self.admin_port)
 
     async def start_gateway(self) -> None:
         """Start Envoy from the shipped bootstrap (``envoy-ads.yaml`` if :attr:`ads`), with :func:`_edit`."""
-        listen, admin = free_port(), free_port()
+        listen, admin = free_port(), self.envoy_admin_port
         bootstrap = render_bootstrap(
             listen_port=listen,
             admin_port=admin,

@@ -19,6 +19,7 @@ from ext_proc.config import Config, ConfigSource
 from ext_proc.discovery import ClusterEndpoints, EdsFileSource, SourceKind
 from ext_proc.discovery.eds_watch import Publish
 from ext_proc.engine_load import EngineScraper
+from ext_proc.envoy_health import EnvoyHealth
 from ext_proc.handoff import (
     DecodeRoute,
     Handoff,
@@ -205,13 +206,21 @@ async def start_server(
     watchers = [asyncio.create_task(endpoints.run(), name="discovery")]
     if scraper is not None:
         watchers.append(asyncio.create_task(scraper.run(), name="engine-metrics"))
+    if config.envoy_health.admin_url:
+        envoy_health = EnvoyHealth(
+            config.envoy_health,
+            {discovery.prefill_cluster: router.ejections, discovery.decode_cluster: router.decode_ejections},
+            {discovery.prefill_cluster: "prefill", discovery.decode_cluster: "decode"},
+            metrics,
+        )
+        watchers.append(asyncio.create_task(envoy_health.run(), name="envoy-health"))
     reloads = None
     if source is not None and source.path is not None:
         reloads = ConfigWatcher(source, config, router, metrics, reload_interval)
         watchers.append(asyncio.create_task(reloads.run(), name="config-watcher"))
     log.info(
         "pd-extproc serving ext_proc on %s (port %d, %s), admin on port %d; affinity %s bonus %.2f; "
-        "handoff %s%s; EDS served to Envoy: %s; engine metrics: %s; "
+        "handoff %s%s; EDS served to Envoy: %s; engine metrics: %s; Envoy host health: %s; "
         "%d prefill and %d decode endpoints healthy",
         config.listen,
         grpc_port,
@@ -223,6 +232,7 @@ async def start_server(
         f" via {config.handoff.prefill_via}" if config.handoff.prefill_via else "",
         "yes" if publisher is not None else "no",
         f"every {config.engine_metrics.interval_seconds:g} s" if scraper is not None else "off",
+        config.envoy_health.admin_url or "off",
         len(registry.prefills),
         len(registry.decodes),
     )

@@ -54,6 +54,8 @@ def _serve(args: argparse.Namespace) -> int:
         overrides["engine_metrics.enabled"] = True
     if args.engine_metrics_interval is not None:
         overrides["engine_metrics.interval_seconds"] = args.engine_metrics_interval
+    if args.envoy_admin_url is not None:
+        overrides["envoy_health.admin_url"] = args.envoy_admin_url
     source = ConfigSource(args.config, overrides)
     config = _load(source)
     if config is None:
@@ -115,6 +117,11 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         "--engine-metrics-interval",
         type=float,
         help="seconds between scrapes of one engine (engine_metrics.interval_seconds)",
+    )
+    serve.add_argument(
+        "--envoy-admin-url",
+        help="poll this Envoy admin's /clusters and leave out the hosts it marks failed, e.g. "
+        "http://127.0.0.1:9901; empty = off (envoy_health.admin_url)",
     )
     serve.add_argument(
         "--serve-eds",

@@ -272,6 +272,21 @@ class EngineMetricsConfig:
 
 
 @dataclass(frozen=True)
+class EnvoyHealthConfig:
+    """Envoy's own view of endpoint health (README "Decode ejection"): its admin ``/clusters``, polled.
+
+    ``admin_url``: the base URL of the admin of the Envoy this server answers (``""``: off; the chart
+    sets ``http://127.0.0.1:9901``, its Envoy's loopback admin in the same pod). Every
+    ``interval_seconds`` one GET bounded by ``timeout_seconds``; a host Envoy marks as failed (outlier
+    ejection, active health check, EDS unhealthy) is left out of the candidates until Envoy takes it back.
+    """
+
+    admin_url: str = ""
+    interval_seconds: float = 1.0
+    timeout_seconds: float = 1.0
+
+
+@dataclass(frozen=True)
 class Config:
     """The whole configuration. ``listen``/``metrics_listen`` are ``host:port``; the admin endpoint
     (``metrics_listen``) listens on loopback unless configured otherwise."""
@@ -288,6 +303,7 @@ class Config:
     tls: TlsConfig = field(default_factory=TlsConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     engine_metrics: EngineMetricsConfig = field(default_factory=EngineMetricsConfig)
+    envoy_health: EnvoyHealthConfig = field(default_factory=EnvoyHealthConfig)
 
 
 _CHOICES = (Mode, HandoffMode, FailurePolicy, SourceKind, Preset, EngineKind)
@@ -396,6 +412,7 @@ def validate(config: Config) -> Config:
     _check_auto(config.affinity.auto)
     _check_handoff(config.handoff)
     _check_engine_metrics(config.engine_metrics)
+    _check_envoy_health(config.envoy_health)
     _check_tls(config.tls)
     _check_kubernetes(config.discovery.kubernetes)
     if not 0 <= config.xds.no_envoy_delay_seconds <= MAX_NO_ENVOY_DELAY:
@@ -473,6 +490,19 @@ def _check_engine_metrics(engine: EngineMetricsConfig) -> None:
         raise ConfigError(f"{key}.queue_weight: must be a number in [0, 100]")
     if not 0 <= engine.queued_request_tokens <= MAX_OUTPUT_BUDGET:
         raise ConfigError(f"{key}.queued_request_tokens: must be an integer in [0, {MAX_OUTPUT_BUDGET}]")
+
+
+def _check_envoy_health(health: EnvoyHealthConfig) -> None:
+    key = "envoy_health"
+    if health.admin_url and not re.fullmatch(r"https?://[^\s/]+", health.admin_url):
+        raise ConfigError(
+            f"{key}.admin_url: {health.admin_url!r} is not a base URL such as http://127.0.0.1:9901 "
+            "(empty: off)"
+        )
+    if not 0.05 <= health.interval_seconds <= 60:
+        raise ConfigError(f"{key}.interval_seconds: must be a number in [0.05, 60]")
+    if not 0 < health.timeout_seconds <= 60:
+        raise ConfigError(f"{key}.timeout_seconds: must be a number in (0, 60]")
 
 
 def _check_tls(tls: TlsConfig) -> None:

@@ -7,6 +7,11 @@ is already on its way). After a failed leg the prefill is left out of the candid
 ``seconds``; a later failure restarts its time. Ejection never empties the candidates: when every
 prefill is ejected, all are candidates again (as Envoy's panic threshold does), so a cluster-wide
 blip cannot turn into decode-only routing for everyone.
+
+The same set also holds the endpoints Envoy itself marks as failed (:meth:`Ejections.hold`, fed by
+:mod:`ext_proc.envoy_health`): Envoy's override_host policy forwards to the host pd-extproc names even
+when Envoy's outlier detection ejected it, so only pd-extproc can stop naming it. The router keeps
+one instance per role; the decode one is fed by Envoy alone.
 """
 
 from __future__ import annotations
@@ -23,9 +28,10 @@ log = logging.getLogger(__name__)
 
 
 class Ejections:
-    """Prefill addresses ejected until a ``clock()`` time (seconds; monotonic by default).
+    """Addresses ejected until a ``clock()`` time (seconds; monotonic by default), plus those held out
+    by :meth:`hold` until the next call.
 
-    ``seconds`` = 0 turns ejection off. Cost while nothing is ejected: one dict test per decision.
+    ``seconds`` = 0 turns timed ejection off. Cost while nothing is ejected: two tests per decision.
     """
 
     def __init__(self, seconds: float, metrics: Metrics, clock: Callable[[], float] = time.monotonic) -> None:
@@ -33,6 +39,11 @@ class Ejections:
         self._metrics = metrics
         self._clock = clock
         self._until: dict[str, float] = {}
+        self._held: frozenset[str] = frozenset()
+
+    def hold(self, addresses: frozenset[str]) -> None:
+        """Leave exactly ``addresses`` out (besides the timed ejections) until the next call."""
+        self._held = addresses
 
     def eject(self, address: str, outcome: str) -> None:
         """A leg to ``address`` failed with ``outcome``: leave it out for :attr:`seconds` from now."""
@@ -45,16 +56,16 @@ class Ejections:
         )
 
     def ejected(self) -> frozenset[str]:
-        """The addresses ejected now (expired ones are forgotten)."""
+        """The addresses ejected or held out now (expired ejections are forgotten)."""
         if not self._until:
-            return frozenset()
+            return self._held
         now = self._clock()
         for address in [a for a, until in self._until.items() if until <= now]:
             del self._until[address]
-        return frozenset(self._until)
+        return self._held.union(self._until)
 
     def keep(self, pool: Pool[EndpointState]) -> Pool[EndpointState]:
-        """``pool`` without the ejected prefills, or ``pool`` itself when none of its endpoints is
+        """``pool`` without the ejected endpoints, or ``pool`` itself when none of its endpoints is
         ejected or all of them are."""
         out = self.ejected()
         if not out:

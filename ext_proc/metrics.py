@@ -131,6 +131,19 @@ class Metrics:
             ["action"],
             registry=self.registry,
         )
+        self._envoy_health_changes = Counter(
+            "pd_extproc_envoy_health_changes_total",
+            "Endpoints Envoy marked as failed (change=ejected, no candidate any more) or took back "
+            "(change=returned), as seen in its admin /clusters, by role",
+            ["role", "change"],
+            registry=self.registry,
+        )
+        self._envoy_health_polls = Counter(
+            "pd_extproc_envoy_health_polls_total",
+            "Polls of Envoy's admin /clusters (envoy_health), by outcome (ok or the failure's reason)",
+            ["outcome"],
+            registry=self.registry,
+        )
         self._prefill_ejections = Counter(
             "pd_extproc_prefill_ejections_total",
             "Prefill endpoints left out of the candidates after a failed prefill leg, by the leg's outcome",
@@ -249,6 +262,14 @@ class Metrics:
     def prefill_fallback(self, action: str) -> None:
         """Count one request whose prefill legs all failed, by ``action`` (decode-only / error)."""
         self._prefill_fallbacks.labels(action).inc()
+
+    def envoy_health_changed(self, role: str, change: str, count: int) -> None:
+        """Count ``count`` endpoints of ``role`` Envoy ``ejected`` or ``returned`` since the last poll."""
+        self._envoy_health_changes.labels(role, change).inc(count)
+
+    def envoy_health_polled(self, outcome: str) -> None:
+        """Count one poll of Envoy's ``/clusters`` by ``outcome`` (``ok`` or a failure reason)."""
+        self._envoy_health_polls.labels(outcome).inc()
 
     def prefill_ejected(self, outcome: str) -> None:
         """Count one prefill ejected (``handoff.eject_failed_prefill_seconds``) after a leg's ``outcome``."""

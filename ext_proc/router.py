@@ -41,6 +41,8 @@ class Router:
     ``max_inflight_requests``: the most requests in flight at once (0 = unlimited); beyond it
     :meth:`admit` answers 429 ``overloaded`` with ``Retry-After: retry_after_seconds``.
     ``eject_seconds``: how long a prefill whose leg failed (:meth:`leg_failed`) is no candidate.
+    ``ejections`` / ``decode_ejections``: the prefills / decodes left out of the candidates (failed legs,
+    and what Envoy marks as failed: :mod:`ext_proc.envoy_health`).
     """
 
     def __init__(
@@ -66,6 +68,7 @@ class Router:
         self._no_prefills: Pool[EndpointState] = Pool.of(())
         self.admission = Admission(max_inflight_requests, retry_after_seconds)
         self.ejections = Ejections(eject_seconds, metrics)
+        self.decode_ejections = Ejections(0.0, metrics)
         metrics.count_inflight(lambda: self.admission.inflight)
 
     def set_policy(self, policy: Policy) -> None:
@@ -175,6 +178,7 @@ class Router:
                     f"none of the {len(subset)} endpoints in the data plane's subset hint is a healthy decode"
                 )
                 return self.refuse(503, message, "no_endpoint_in_subset")
+        decodes = self.decode_ejections.keep(decodes)
         self._ticket += 1
         started = time.perf_counter()
         result = choose(cost, prefills, decodes, self.policy, self._ticket)

@@ -163,8 +163,8 @@ def test_environment_mode_is_validated_like_yaml() -> None:
 def test_unknown_top_level_key_is_named_with_the_allowed_keys(tmp_path: Path) -> None:
     message = config_error(write_yaml(tmp_path, "listn: 0.0.0.0:1\n"))
     assert message == (
-        "listn: unknown key; allowed keys here: admin, affinity, discovery, engine_metrics, handoff, limits, "
-        "listen, load, metrics_listen, routing, tls, xds"
+        "listn: unknown key; allowed keys here: admin, affinity, discovery, engine_metrics, envoy_health, "
+        "handoff, limits, listen, load, metrics_listen, routing, tls, xds"
     )
 
 

@@ -62,3 +62,14 @@ def test_zero_seconds_ejects_nothing():
     ejections = Ejections(0.0, Metrics(lambda: ()), Clock())
     ejections.eject("p1", "timeout")
     assert ejections.ejected() == frozenset()
+
+
+def test_held_addresses_are_left_out_but_never_all():
+    ejections = Ejections(0.0, Metrics(lambda: ()))
+    pool = _pool("a:1", "b:1", "c:1")
+    ejections.hold(frozenset({"b:1"}))
+    assert [e.address for e in ejections.keep(pool).endpoints] == ["a:1", "c:1"]
+    ejections.hold(frozenset({"a:1", "b:1", "c:1"}))
+    assert ejections.keep(pool) is pool
+    ejections.hold(frozenset())
+    assert ejections.keep(pool) is pool

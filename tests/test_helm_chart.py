@@ -348,6 +348,7 @@ def test_the_defaults_are_pd_extprocs_but_where_the_readme_says(helm: Path, tmp_
         "handoff.prefill_via",
         "xds.serve_eds",
         "engine_metrics.enabled",
+        "envoy_health.admin_url",
     }
 
 

@@ -281,6 +281,22 @@ static_resources:
     circuit_breakers:
       thresholds:
       - {max_connections: 100000, max_pending_requests: 100000, max_requests: 100000, max_retries: 1000}
+    # Passive health (README "Decode ejection"): a host failing 3 requests in a row at the gateway level
+    # (502/503/504: refused or reset connections, answers that are not HTTP) or 5 with any 5xx is ejected
+    # for 10 s (longer after each new ejection, at most 60 s), at most half the hosts at once. Local-origin
+    # errors count as 5xx (split off, Envoy 1.40 counts a non-HTTP answer nowhere). override_host still
+    # forwards to a host pd-extproc names, ejected or not: pd-extproc reads the ejection from this
+    # Envoy's admin /clusters (envoy_health.admin_url) and stops naming the host.
+    outlier_detection:
+      consecutive_5xx: 5
+      consecutive_gateway_failure: 3
+      enforcing_consecutive_gateway_failure: 100
+      split_external_local_origin_errors: false
+      interval: 1s
+      base_ejection_time: 10s
+      max_ejection_time: 60s
+      max_ejection_percent: 50
+      enforcing_success_rate: 0
     load_balancing_policy:
       policies:
       - typed_extension_config:
@@ -309,6 +325,22 @@ static_resources:
     circuit_breakers:
       thresholds:
       - {max_connections: 100000, max_pending_requests: 100000, max_requests: 100000, max_retries: 1000}
+    # Passive health (README "Decode ejection"): a host failing 3 requests in a row at the gateway level
+    # (502/503/504: refused or reset connections, answers that are not HTTP) or 5 with any 5xx is ejected
+    # for 10 s (longer after each new ejection, at most 60 s), at most half the hosts at once. Local-origin
+    # errors count as 5xx (split off, Envoy 1.40 counts a non-HTTP answer nowhere). override_host still
+    # forwards to a host pd-extproc names, ejected or not: pd-extproc reads the ejection from this
+    # Envoy's admin /clusters (envoy_health.admin_url) and stops naming the host.
+    outlier_detection:
+      consecutive_5xx: 5
+      consecutive_gateway_failure: 3
+      enforcing_consecutive_gateway_failure: 100
+      split_external_local_origin_errors: false
+      interval: 1s
+      base_ejection_time: 10s
+      max_ejection_time: 60s
+      max_ejection_percent: 50
+      enforcing_success_rate: 0
     load_balancing_policy:
       policies:
       - typed_extension_config:

@@ -130,4 +130,8 @@ engine_metrics:
   max_bytes: {{ int64 $v.engine_metrics.max_bytes }}
   queue_weight: {{ include "pd-extproc.decimal" $v.engine_metrics.queue_weight }}
   queued_request_tokens: {{ int64 $v.engine_metrics.queued_request_tokens }}
+envoy_health:
+  admin_url: {{ $v.envoy_health.admin_url | toJson }}
+  interval_seconds: {{ include "pd-extproc.decimal" $v.envoy_health.interval_seconds }}
+  timeout_seconds: {{ include "pd-extproc.decimal" $v.envoy_health.timeout_seconds }}
 {{- end }}
