@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import aiohttp
 from backends import EchoBackend, start_backend
 
 from ext_proc.app import RunningServer, start_server
@@ -169,3 +172,18 @@ def raw_http(port: int, request: bytes) -> tuple[int, bytes]:
     head, _, body = data.partition(b"\r\n\r\n")
     assert b"content-type: application/json" in head.lower(), head
     return int(head.split()[1]), body
+
+
+async def busy_endpoints(session: aiohttp.ClientSession, admin_url: str) -> list[dict]:
+    """The ``/debug/endpoints`` rows of pd-extproc at ``admin_url`` that still carry load."""
+    async with session.get(f"{admin_url}/debug/endpoints") as response:
+        return [row for row in await response.json() if row["active_tokens"] or row["active_requests"]]
+
+
+async def wait_idle(session: aiohttp.ClientSession, admin_url: str, deadline: float = 10.0) -> list[dict]:
+    """Poll until no endpoint has load left (Envoy closes ext_proc streams asynchronously, after the
+    client has its answer); return the rows still busy after ``deadline`` seconds (``[]`` when idle)."""
+    end = time.monotonic() + deadline
+    while (busy := await busy_endpoints(session, admin_url)) and time.monotonic() < end:
+        await asyncio.sleep(0.05)
+    return busy

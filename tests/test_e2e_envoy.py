@@ -8,7 +8,7 @@ import time
 import aiohttp
 import openai
 import pytest
-from e2e_harness import Stack, stack
+from e2e_harness import Stack, busy_endpoints, stack, wait_idle
 
 from ext_proc.discovery.eds import EndpointSpec
 
@@ -24,19 +24,6 @@ async def _post(
 ) -> tuple[int, dict, str]:
     async with session.post(f"{s.gateway.url}/v1/chat/completions", json=body, **kwargs) as response:
         return response.status, dict(response.headers), await response.text()
-
-
-async def _active(session: aiohttp.ClientSession, s: Stack) -> list[dict]:
-    async with session.get(f"{s.admin_url}/debug/endpoints") as response:
-        return [row for row in await response.json() if row["active_tokens"] or row["active_requests"]]
-
-
-async def _wait_idle(session: aiohttp.ClientSession, s: Stack, deadline: float = 5.0) -> list[dict]:
-    """Poll until no endpoint has load left (Envoy closes ext_proc streams asynchronously)."""
-    end = time.monotonic() + deadline
-    while (busy := await _active(session, s)) and time.monotonic() < end:
-        await asyncio.sleep(0.05)
-    return busy
 
 
 @pytest.mark.parametrize("mode", ["off", "prefer", "strict", "auto"])
@@ -60,7 +47,7 @@ async def test_requests_land_on_the_decode_the_decision_names(tmp_path, mode):
                 assert {s.group_of[d] for d in destination} == {s.group_of[prefill]}
         if mode != "off":  # auto: idle decodes, so the transfer decides: the prefill's group
             assert all(localities)
-        assert await _wait_idle(session, s) == []
+        assert await wait_idle(session, s.admin_url) == []
         if mode == "auto":  # the estimate's parts, per decision
             async with session.get(f"{s.admin_url}/metrics") as response:
                 text = await response.text()
@@ -116,7 +103,7 @@ async def test_openai_sdk_works_unchanged_streaming_included(tmp_path):
         finally:
             await client.close()
         async with aiohttp.ClientSession() as session:
-            assert await _wait_idle(session, s) == []
+            assert await wait_idle(session, s.admin_url) == []
 
 
 async def _decode_retries(session: aiohttp.ClientSession, s: Stack) -> int:
@@ -143,7 +130,7 @@ async def test_a_killed_decode_backend_is_retried_on_the_fallback(tmp_path):
                 assert headers["x-served-by"] == destination[0]
         assert victim_first >= 1
         assert await _decode_retries(session, s) == victim_first
-        assert await _wait_idle(session, s) == []
+        assert await wait_idle(session, s.admin_url) == []
 
 
 @pytest.mark.parametrize("response_headers", [False, True], ids=["shipped-phases", "response-headers-phase"])
@@ -158,7 +145,7 @@ async def test_load_is_charged_while_streaming_and_released_after_completion_and
         slow = {"x-test-delay-ms": "300"}
         async with session.post(f"{s.gateway.url}/v1/chat/completions", json=body, headers=slow) as response:
             await response.content.readline()
-            busy = {row["role"]: row for row in await _active(session, s)}
+            busy = {row["role"]: row for row in await busy_endpoints(session, s.admin_url)}
             assert busy["decode"]["active_requests"] == 1
             assert busy["decode"]["active_tokens"] == 120 + 16  # ceil(480 chars / 4) prompt + max_tokens
             if response_headers:  # the decode answered: the prefill is done and released
@@ -166,21 +153,22 @@ async def test_load_is_charged_while_streaming_and_released_after_completion_and
             else:  # without that phase the prefill charge lasts until the exchange ends
                 assert busy["prefill"]["active_tokens"] == 120
             await response.read()
-        assert await _wait_idle(session, s) == []
+        assert await wait_idle(session, s.admin_url) == []
         response = await session.post(f"{s.gateway.url}/v1/chat/completions", json=body, headers=slow)
         await response.content.readline()
-        assert await _active(session, s) != []
+        assert await busy_endpoints(session, s.admin_url) != []
         response.close()
-        assert await _wait_idle(session, s) == []
+        assert await wait_idle(session, s.admin_url) == []
 
 
 async def test_bodiless_requests_go_to_the_least_loaded_decode(tmp_path):
     async with stack(tmp_path, ["a"], ["a", "b"]) as s, aiohttp.ClientSession() as session:
         slow = {"x-test-delay-ms": "500"}
         busy = asyncio.create_task(_post(session, s, {**CHAT, "stream": True}, headers=slow))
-        while not await _active(session, s):
+        while not await busy_endpoints(session, s.admin_url):
             await asyncio.sleep(0.02)
-        loaded = next(row["address"] for row in await _active(session, s) if row["role"] == "decode")
+        rows = await busy_endpoints(session, s.admin_url)
+        loaded = next(row["address"] for row in rows if row["role"] == "decode")
         spoof = {"x-gateway-destination-endpoint": loaded, "x-prefiller-host-port": "10.9.9.9:2"}
         for _ in range(3):
             async with session.get(f"{s.gateway.url}/v1/models", headers=spoof) as response:
@@ -209,7 +197,7 @@ async def test_bad_input_gets_openai_style_errors(tmp_path):
             assert (await response.json())["error"]["code"] == "unknown_path"
         for backend in s.decodes.values():
             assert backend.requests == []
-        assert await _wait_idle(session, s) == []
+        assert await wait_idle(session, s.admin_url) == []
 
 
 async def test_clients_cannot_pick_hosts_with_spoofed_routing_headers(tmp_path):

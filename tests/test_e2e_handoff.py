@@ -15,7 +15,7 @@ import aiohttp
 import openai
 import pytest
 from backends import start_backend, start_scripted_prefill
-from e2e_harness import Gatewayed, gateway_over
+from e2e_harness import Gatewayed, gateway_over, wait_idle
 from polling import until
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -70,17 +70,6 @@ async def sim_gateway(
             yield Cluster(g, engines)
     finally:
         await stop_cluster(engines)
-
-
-async def _idle(session: aiohttp.ClientSession, g: Gatewayed, deadline: float = 10.0) -> list[dict]:
-    """Poll ``/debug/endpoints`` until no endpoint has load left; return what is still busy."""
-    end = time.monotonic() + deadline
-    while True:
-        async with session.get(f"{g.admin_url}/debug/endpoints") as response:
-            busy = [r for r in await response.json() if r["active_tokens"] or r["active_requests"]]
-        if not busy or time.monotonic() > end:
-            return busy
-        await asyncio.sleep(0.05)
 
 
 async def _by_outcome(session: aiohttp.ClientSession, g: Gatewayed, counter: str) -> dict[str, float]:
@@ -138,7 +127,7 @@ async def test_kv_transfer_params_with_the_openai_sdk_keeps_kv_in_the_group(tmp_
                 assert headers["x-sim-engine"] in c.addresses("decode")
                 assert float(headers["x-sim-remote-prefill-ms"]) > 0  # the prefill's time, passed through
         assert await _legs(session, c.g) == {"ok": 8.0}
-        assert await _idle(session, c.g) == []
+        assert await wait_idle(session, c.g.admin_url) == []
 
 
 async def test_prefill_leg_carries_the_handoff_fields_and_the_decode_gets_the_params(tmp_path):
@@ -177,7 +166,7 @@ async def test_prefill_leg_carries_the_handoff_fields_and_the_decode_gets_the_pa
             assert seen["x-request-id"] == request_id
             assert seen["x-seen-prefiller"] == ""
             assert seen["body"] == {**body, "kv_transfer_params": PARAMS}  # the client's own fields kept
-            assert await _idle(s, g) == []
+            assert await wait_idle(s, g.admin_url) == []
     finally:
         await prefill.stop()
         await decode.stop()
@@ -198,7 +187,7 @@ async def test_prefill_without_kv_transfer_params_sends_the_plain_body(tmp_path)
             assert status == 200
             assert seen["x-sim-kv-transfer"] == "none"  # the decode prefilled locally
             assert await _legs(session, c.g) == {"no_kv_transfer_params": 1.0}
-            assert await _idle(session, c.g) == []
+            assert await wait_idle(session, c.g.admin_url) == []
     finally:
         await prefill.stop()
 
@@ -230,7 +219,7 @@ async def test_failed_prefill_is_retried_on_the_next_ranked_prefill(tmp_path, fa
             assert seen["x-sim-kv-transfer"] == "same_group"
             assert seen["x-sim-prefill-engine"] == good
             assert await _legs(session, c.g) == {outcome: 1.0, "ok": 1.0}
-            assert await _idle(session, c.g) == []
+            assert await wait_idle(session, c.g.admin_url) == []
     finally:
         await broken.stop()
 
@@ -287,7 +276,7 @@ async def test_a_prefill_4xx_goes_back_to_the_client_without_retry(tmp_path):
         assert headers["Content-Type"] == "application/json"
         assert [len(p.legs) for p in prefills] == [1, 0] and decode.requests == []
         assert await _legs(s, g) == {"client_error": 1.0}
-        assert await _idle(s, g) == []
+        assert await wait_idle(s, g.admin_url) == []
 
 
 @pytest.mark.parametrize(
@@ -305,7 +294,7 @@ async def test_on_prefill_failure_error_answers_502_or_504_after_the_retry(tmp_p
         assert answered == status
         assert json.loads(text)["error"]["code"] == code
         assert [len(p.legs) for p in prefills] == [1, 1] and decode.requests == []
-        assert await _idle(s, g) == []
+        assert await wait_idle(s, g.admin_url) == []
 
 
 async def test_dead_prefill_falls_back_to_decode_only_with_the_plain_body(tmp_path):
@@ -318,7 +307,7 @@ async def test_dead_prefill_falls_back_to_decode_only_with_the_plain_body(tmp_pa
             (seen,) = decode.requests
             assert seen["body"] == CHAT  # no kv_transfer_params: the decode prefills locally
             assert await _legs(s, g) == {"server_error": 1.0}
-            assert await _idle(s, g) == []
+            assert await wait_idle(s, g.admin_url) == []
 
 
 async def test_client_abort_during_the_prefill_leg_cancels_it_and_forwards_nothing(tmp_path):
@@ -332,7 +321,7 @@ async def test_client_abort_during_the_prefill_leg_cancels_it_and_forwards_nothi
         while not prefills[0].cancelled and time.monotonic() < end:
             await asyncio.sleep(0.05)
         assert prefills[0].cancelled == 1
-        assert await _idle(s, g) == []
+        assert await wait_idle(s, g.admin_url) == []
         assert await _legs(s, g) == {"cancelled": 1.0}
         assert decode.requests == []
 
@@ -388,7 +377,7 @@ async def test_sglang_bootstrap_rendezvous_in_the_group_with_the_openai_sdk(tmp_
             assert raw.headers["x-sim-prefill-engine"] in c.addresses("prefill")
             assert float(raw.headers["x-sim-remote-prefill-ms"]) > 0  # the decode's wait for the KV
         assert await _wait_legs(session, c.g, {"ok": 6.0}) == {"ok": 6.0}
-        assert await _idle(session, c.g) == []
+        assert await wait_idle(session, c.g.admin_url) == []
 
 
 async def test_sglang_bootstrap_dead_prefill_ends_in_the_decodes_error(tmp_path):
@@ -405,7 +394,7 @@ async def test_sglang_bootstrap_dead_prefill_ends_in_the_decodes_error(tmp_path)
         assert status >= 500 and "error" in json.loads(text)
         assert headers["x-sim-engine"] in c.addresses("decode")  # the decode engine answered
         assert await _wait_legs(session, c.g, {"server_error": 1.0}) == {"server_error": 1.0}
-        assert await _idle(session, c.g) == []
+        assert await wait_idle(session, c.g.admin_url) == []
 
 
 async def test_sglang_bootstrap_a_dead_prefill_is_ejected_after_its_first_failed_leg(tmp_path):
@@ -431,7 +420,7 @@ async def test_sglang_bootstrap_a_dead_prefill_is_ejected_after_its_first_failed
             assert status == 200, text
             assert headers["x-sim-prefill-engine"] == good
         assert await _ejections(session, c.g) == {"server_error": 1.0}
-        assert await _idle(session, c.g) == []
+        assert await wait_idle(session, c.g.admin_url) == []
 
 
 async def _ejections(session: aiohttp.ClientSession, g: Gatewayed) -> dict[str, float]:
@@ -455,7 +444,7 @@ async def test_kv_transfer_params_ejects_a_failing_prefill_until_its_time_is_ove
 
         await until(tried_again)  # ranked first again once its ejection is over
         assert await _ejections(s, g) == {"server_error": 2.0}
-        assert await _idle(s, g) == []
+        assert await wait_idle(s, g.admin_url) == []
 
 
 async def test_prefill_leg_without_envoy_goes_straight_to_the_engine(tmp_path):
@@ -484,7 +473,7 @@ async def test_the_prefill_charge_ends_with_the_leg_and_the_decode_charge_with_t
             load = {(row["role"], row["address"]): row["active_requests"] for row in await response.json()}
         assert load == {("prefill", prefills[0].address): 0, ("decode", decode.requests[0]["x-served-by"]): 1}
         assert (await streaming)[0] == 200
-        assert await _idle(s, g) == []
+        assert await wait_idle(s, g.admin_url) == []
 
 
 async def test_a_prefill_killed_mid_leg_is_retried_on_the_next(tmp_path):
@@ -503,7 +492,7 @@ async def test_a_prefill_killed_mid_leg_is_retried_on_the_next(tmp_path):
         assert decode.requests[0]["body"]["kv_transfer_params"] == PARAMS
         legs = await _legs(s, g)
         assert legs["ok"] == 1.0 and sum(legs.values()) == 2.0  # one failed leg (how it failed varies)
-        assert await _idle(s, g) == []
+        assert await wait_idle(s, g.admin_url) == []
 
 
 async def test_without_a_healthy_prefill_kv_transfer_params_routes_decode_only(tmp_path):
