@@ -15,6 +15,7 @@ from pathlib import Path
 import aiohttp
 from backends import EchoBackend, start_backend, start_broken_engine
 from e2e_harness import Gatewayed, gateway_over, raw_http
+from polling import until
 
 from ext_proc.discovery.eds import EndpointSpec
 
@@ -117,7 +118,11 @@ async def test_a_decode_answering_garbage_gets_a_json_502(tmp_path):
             assert (status, headers["content-type"]) == (502, "application/json")
             assert (error["code"], error["type"]) == ("upstream_bad_response", "bad_gateway")
             assert "protocol_error" in error["message"]
-            rows = await (await session.get(f"{g.admin_url}/debug/endpoints")).json()
-            assert [(r["active_requests"], r["active_tokens"]) for r in rows] == [(0, 0)]
+
+            async def released() -> bool:  # the lease ends with the ext_proc stream, after Envoy's reply
+                rows = await (await session.get(f"{g.admin_url}/debug/endpoints")).json()
+                return [(r["active_requests"], r["active_tokens"]) for r in rows] == [(0, 0)]
+
+            await until(released)
     finally:
         await garbage.stop()
