@@ -101,7 +101,8 @@ class AutoConfig:
     Llama-3-8B in bf16, 131072 bytes). ``same_group_gbps`` / ``cross_group_gbps``: KV transfer
     bandwidth within a ``pdGroupID`` group / across groups, GB/s (10^9 bytes/s), cross <= same.
     ``base_latency_ms``: fixed cost of one transfer. ``wait_scale_ms``: the wait model's service time,
-    ms (about one decode step): a decode at utilisation u waits ``wait_scale_ms * u / (1 - u)``.
+    ms (about one decode step at half batch): a decode at utilisation u waits ``wait_scale_ms * u`` while
+    it has room (u <= 0.8), plus ``wait_scale_ms * (u - 0.8) / (1 - u)`` above (see ``affinity.auto``).
     """
 
     kv_bytes_per_token: int = 0

@@ -22,7 +22,7 @@ from test_affinity_properties import (
 )
 
 from ext_proc.affinity import AutoModel, Candidate, Cost, Decision, Locality, Mode, Policy
-from ext_proc.affinity.auto import KNEE
+from ext_proc.affinity.auto import KNEE, ROOM
 
 GRID = 1e-9  # seconds: auto compares delays on this grid
 
@@ -72,28 +72,49 @@ def test_transfer_is_the_simulators_model() -> None:
     assert AutoModel(same_group_gbps=25.0, cross_group_gbps=25.0).penalty_s(123_456) == 0.0
 
 
-def test_wait_is_mm1_up_to_the_knee_then_its_tangent() -> None:
+def test_wait_is_the_step_below_room_then_queueing_then_its_tangent() -> None:
     model = AutoModel(wait_scale_ms=20.0)
     assert model.wait_s(0.0) == 0.0
-    assert model.wait_s(0.5) == pytest.approx(0.020)
-    assert model.wait_s(0.8) == pytest.approx(0.020 * 4)
+    assert model.wait_s(0.5) == pytest.approx(0.020 * 0.5)  # room: only a longer step
+    assert model.wait_s(ROOM) == pytest.approx(0.020 * ROOM)
+    assert model.wait_s(0.9) == pytest.approx(0.020 * (0.9 + (0.9 - ROOM) / 0.1))
     at_knee = model.wait_s(KNEE)
-    slope = 0.020 / (1 - KNEE) ** 2
+    slope = 0.020 * (1 + (1 - ROOM) / (1 - KNEE) ** 2)
     assert model.wait_s(KNEE + 0.5) == pytest.approx(at_knee + 0.5 * slope)
     assert model.wait_s(3.0) > model.wait_s(2.0) > model.wait_s(1.0) > at_knee
 
 
+def _mm1(u: float) -> float:
+    """The plain M/M/1 ``u / (1 - u)`` continued as its tangent above KNEE (the wait ``auto`` used first)."""
+    m = min(u, KNEE)
+    return m / (1 - m) + (u - m) / (1 - KNEE) ** 2
+
+
+@given(st.floats(0.0, 3.0), st.floats(0.0, 3.0))
+def test_wait_differences_are_never_larger_than_mm1s(a: float, b: float) -> None:
+    # So for a given pool, auto crosses groups only where the M/M/1 wait would have.
+    lo, hi = min(a, b), max(a, b)
+    model = AutoModel(wait_scale_ms=1e3)
+    assert model.wait_s(hi) - model.wait_s(lo) <= _mm1(hi) - _mm1(lo) + 1e-9
+    assert model.wait_s(hi) >= model.wait_s(lo)
+
+
 def test_wait_over_an_array_is_the_scalars_bit_for_bit() -> None:
     model = AutoModel(wait_scale_ms=13.7)
-    for u in (np.array([0.0, 1e-9, 0.3, 0.949999, KNEE, 0.96, 1.0, 7.25]), np.array([0.0, 0.1, 0.7, KNEE])):
+    for u in (
+        np.array([0.0, 1e-9, 0.3, ROOM, 0.81, 0.949999, KNEE, 0.96, 1.0, 7.25]),
+        np.array([0.0, 0.1, 0.7, ROOM]),
+        np.array([0.0, 0.1, 0.7, KNEE]),
+    ):
         assert model.wait_s(u).tolist() == [float(model.wait_s(float(x))) for x in u]
 
 
 def test_long_prompts_stay_home_short_ones_spill_to_the_idle_group() -> None:
-    # The home decode is at u ~ 0.8 (wait ~ 60 ms at 15 ms scale), the other group's at ~ 0.2 (~ 4 ms):
-    # crossing saves ~ 56 ms of wait. A 1k-token prompt's transfer penalty is 12 ms, a 16k one's 189 ms.
+    # The home decode is at u ~ 0.9 (wait ~ 27 ms at 15 ms scale: its batch is about full), the other
+    # group's at ~ 0.2 (~ 3 ms): crossing saves ~ 24 ms of wait. A 1k-token prompt's transfer penalty is
+    # 12 ms, a 16k one's 189 ms.
     prefill = Candidate("p", "a", 1000.0, 0, 0)
-    home = Candidate("home", "a", 1e6, 800_000, 3)
+    home = Candidate("home", "a", 1e6, 900_000, 3)
     away = Candidate("away", "b", 1e6, 200_000, 1)
     policy = Policy(Mode.AUTO, fallback_count=1)
     model = policy.auto

@@ -12,13 +12,17 @@
 * ``wait``: the expected wait at a decode whose utilisation, with the request placed, is ``u``
   (dimensionless, 1.0 = its token capacity full; the number the pool gives, so an engine-metrics load
   signal blended into it is used as is). A continuously batching engine (vLLM, SGLang, the simulator)
-  runs every admitted sequence in each step, so while it has room, load only lengthens the step a
-  little; near full, requests queue for KV blocks and batch slots. The model is the mean queueing wait
-  of a single-server queue at utilisation ``u`` (M/M/1): ``wait_scale_ms * u / (1 - u)`` ms, with
-  ``wait_scale_ms`` the service time unit (default: about one decode step). Flat at light load
-  (``u = 0.05`` costs 5% of a step), it doubles the scale at ``u = 2/3`` and grows without bound
-  near 1. Above ``KNEE`` it continues as the straight line tangent at ``KNEE``, so over-full decodes
-  (``u >= 1``, possible: load is charged before it is admitted) still rank by load, never divide by ~0.
+  admits a request at once while it has a free batch slot and free KV blocks, and runs every admitted
+  sequence in each step: below full, load only lengthens the step (the simulator's
+  ``decode_step_per_seq_ms``); requests queue only once the batch or the KV cache is exhausted. The
+  model, in units of ``wait_scale_ms`` (about one decode step at half batch), is batch-aware:
+  ``u`` up to :data:`ROOM` (the step lengthening: one scale from empty to full), plus above ``ROOM``
+  a queueing term ``(u - ROOM) / (1 - u)`` that is 0 at ``ROOM`` and grows without bound near 1
+  (the M/M/1 wait on the headroom left past ``ROOM``). Above ``KNEE`` it continues as the straight
+  line tangent at ``KNEE``, so over-full decodes (``u >= 1``, possible: load is charged before it is
+  admitted) still rank by load, never divide by ~0. Strictly increasing, and nowhere steeper than the
+  plain M/M/1 ``u / (1 - u)`` (continued the same way): a wait difference between two decodes is never
+  larger than M/M/1's, so for a given pool ``auto`` crosses groups only where M/M/1 would have.
 
 Equivalently, ``auto`` is ``prefer`` on the wait scale with a per-request bonus ``penalty_s``: long
 prompts (large penalty) stay in the prefill's group, short ones spill to a less loaded group once the
@@ -34,9 +38,13 @@ from typing import TypeVar
 import numpy as np
 from numpy.typing import NDArray
 
+ROOM = 0.8
+"""Utilisation up to which :meth:`AutoModel.wait_s` assumes a decode has batch slots and KV blocks
+free (no queueing, only a longer step). The router charges each request its whole output budget, so
+its ``u`` overstates the KV a decode really holds; 0.8 leaves room for batch slots that fill first."""
 KNEE = 0.95
-"""Utilisation above which :meth:`AutoModel.wait_s` grows linearly (slope ``1 / (1 - KNEE)**2``)."""
-_BEYOND = 1.0 / (1.0 - KNEE) ** 2
+"""Utilisation above which :meth:`AutoModel.wait_s` grows linearly (its slope at ``KNEE``)."""
+_BEYOND = 1.0 + (1.0 - ROOM) / (1.0 - KNEE) ** 2
 
 U = TypeVar("U", float, NDArray[np.float64])
 
@@ -70,10 +78,11 @@ class AutoModel:
 
     def wait_s(self, u: U) -> U:
         """Expected wait in seconds at utilisation ``u`` (>= 0; a float or an array, element-wise):
-        ``scale * u / (1 - u)`` up to :data:`KNEE`, its tangent beyond. Strictly increasing when the
-        scale is > 0; an array gives bit for bit the floats a scalar gives."""
+        ``scale * (u + max(u - ROOM, 0) / (1 - u))`` up to :data:`KNEE`, its tangent beyond. Strictly
+        increasing when the scale is > 0; an array gives bit for bit the floats a scalar gives."""
         scale = self.wait_scale_ms / 1e3
-        if isinstance(u, np.ndarray) and u.max() <= KNEE:  # the usual case: the same floats, fewer ops
-            return scale * (u / (1.0 - u))  # type: ignore[no-any-return]  # u - m == 0, and x + 0.0 == x
+        if isinstance(u, np.ndarray) and u.max() <= ROOM:  # the usual case: the same floats, fewer ops
+            return scale * u  # type: ignore[no-any-return]  # q == 0, u - m == 0, and x + 0.0 == x
         m = np.minimum(u, KNEE)
-        return scale * (m / (1.0 - m) + (u - m) * _BEYOND)  # type: ignore[no-any-return]
+        q = np.maximum(m - ROOM, 0.0)
+        return scale * (u + q / (1.0 - m) + (u - m) * (_BEYOND - 1.0))  # type: ignore[no-any-return]
