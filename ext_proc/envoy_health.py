@@ -24,6 +24,7 @@ from typing import Any
 import aiohttp
 
 from ext_proc.config import EnvoyHealthConfig
+from ext_proc.discovery.eds import endpoint_address
 from ext_proc.ejection import Ejections
 from ext_proc.metrics import Metrics
 
@@ -58,8 +59,7 @@ def failed_hosts(clusters: Any, cluster: str) -> frozenset[str]:
                     health.get("eds_health_status") in UNHEALTHY_EDS
                 ):
                     socket = host["address"]["socket_address"]
-                    ip = socket["address"]
-                    out.add(f"[{ip}]:{socket['port_value']}" if ":" in ip else f"{ip}:{socket['port_value']}")
+                    out.add(endpoint_address(socket["address"], socket["port_value"]))
         return frozenset(out)
     except (AttributeError, KeyError, TypeError) as exc:
         raise EnvoyHealthError("parse", f"unexpected /clusters document: {exc!r}") from None

@@ -60,6 +60,11 @@ class ClusterEndpoints:
     source: str
 
 
+def endpoint_address(ip: str, port: int) -> str:
+    """The ``ip:port`` form pd-extproc names endpoints by (IPv6 in brackets: ``[ip]:port``)."""
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
+
 def _host_port(lb_endpoint: endpoint_pb2.LbEndpoint) -> str:
     socket = lb_endpoint.endpoint.address.socket_address
     if not socket.address or not socket.port_value:
@@ -70,8 +75,7 @@ def _host_port(lb_endpoint: endpoint_pb2.LbEndpoint) -> str:
         ipaddress.ip_address(socket.address)
     except ValueError:
         raise ValueError(f"address {socket.address!r} is not an IP address (EDS endpoints must be)") from None
-    host = f"[{socket.address}]" if ":" in socket.address else socket.address
-    return f"{host}:{socket.port_value}"
+    return endpoint_address(socket.address, socket.port_value)
 
 
 def _port(fields: Mapping[str, struct_pb2.Value], name: str, namespace: str) -> int | None:

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ext_proc.discovery.eds import ClusterEndpoints, EndpointSpec
+from ext_proc.discovery.eds import ClusterEndpoints, EndpointSpec, endpoint_address
 
 LWS_WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
 """Label LeaderWorkerSet puts on every pod of a group: ``"0"`` on the leader."""
@@ -114,7 +114,6 @@ def view_pod(pod: Mapping[str, Any], rules: PodRules) -> PodView:
         annotations.get(rules.metrics_port_annotation), rules.metrics_port_annotation, problems
     )
     ip = status["podIP"]
-    host = f"[{ip}]" if ":" in ip else ip
     group = labels.get(rules.group_label, "")
     endpoints: list[tuple[str, EndpointSpec]] = []
     for cluster, port in roles:
@@ -122,7 +121,8 @@ def view_pod(pod: Mapping[str, Any], rules: PodRules) -> PodView:
         if number is None:
             problems.append(f"no container port named {port!r} (the {cluster} port)")
             continue
-        spec = EndpointSpec(f"{host}:{number}", group, capacity, True, "HEALTHY", bootstrap, metrics_port)
+        address = endpoint_address(ip, number)
+        spec = EndpointSpec(address, group, capacity, True, "HEALTHY", bootstrap, metrics_port)
         endpoints.append((cluster, spec))
     return PodView(tuple(endpoints), tuple(problems))
 
