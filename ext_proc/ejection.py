@@ -45,6 +45,11 @@ class Ejections:
         """Leave exactly ``addresses`` out (besides the timed ejections) until the next call."""
         self._held = addresses
 
+    @property
+    def held(self) -> frozenset[str]:
+        """The addresses the last :meth:`hold` left out."""
+        return self._held
+
     def eject(self, address: str, outcome: str) -> None:
         """A leg to ``address`` failed with ``outcome``: leave it out for :attr:`seconds` from now."""
         if self.seconds <= 0:

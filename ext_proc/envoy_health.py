@@ -81,7 +81,6 @@ class EnvoyHealth:
         self._ejections = ejections
         self._roles = roles
         self._metrics = metrics
-        self._held: dict[str, frozenset[str]] = dict.fromkeys(ejections, frozenset())
         self._error: str | None = None
 
     async def run(self) -> None:
@@ -118,7 +117,8 @@ class EnvoyHealth:
             self._apply(cluster, hosts)
 
     def _apply(self, cluster: str, hosts: frozenset[str]) -> None:
-        before = self._held[cluster]
+        ejections = self._ejections[cluster]
+        before = ejections.held
         if hosts == before:
             return
         role = self._roles[cluster]
@@ -128,8 +128,7 @@ class EnvoyHealth:
             log.info("%s %s: Envoy takes it back; a candidate again", role, address)
         self._metrics.envoy_health_changed(role, "ejected", len(hosts - before))
         self._metrics.envoy_health_changed(role, "returned", len(before - hosts))
-        self._held[cluster] = hosts
-        self._ejections[cluster].hold(hosts)
+        ejections.hold(hosts)
 
     async def _fetch(self, session: aiohttp.ClientSession) -> Any:
         url = f"{self._config.admin_url}/clusters?format=json"
