@@ -4,8 +4,20 @@ from __future__ import annotations
 
 from typing import Any
 
+from ext_proc.discovery.pods import PRESETS, PodRules, Preset
+
 ROLE = "openfuyao.com/pdRole"
 GROUP = "openfuyao.com/pdGroupID"
+
+INFERNEX_RULES = PodRules(
+    PRESETS[Preset.INFERNEX],
+    GROUP,
+    "pd-extproc/token-capacity",
+    "pd-extproc/bootstrap-port",
+    "prefill",
+    "decode",
+)
+"""The pod rules of the ``infernex`` preset with the default annotations and cluster names."""
 
 
 def pod(

@@ -16,6 +16,7 @@ import grpc
 import pytest
 from fake_kube_api import FakeKubeApi
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from kube_objects import INFERNEX_RULES as RULES
 from kube_objects import pod
 from polling import until
 
@@ -23,17 +24,8 @@ from ext_proc.app import start_server
 from ext_proc.config import ConfigError, DiscoveryConfig, KubernetesConfig, load_config
 from ext_proc.discovery import ClusterEndpoints
 from ext_proc.discovery.kubernetes import KubernetesSource, backoff_delay, client_settings
-from ext_proc.discovery.pods import PRESETS, PodRules, Preset
 from ext_proc.metrics import Metrics
 
-RULES = PodRules(
-    PRESETS[Preset.INFERNEX],
-    "openfuyao.com/pdGroupID",
-    "pd-extproc/token-capacity",
-    "pd-extproc/bootstrap-port",
-    "prefill",
-    "decode",
-)
 NS = "team-a"
 SELECTOR = "openfuyao.com/pdRole in (prefill,decode)"
 

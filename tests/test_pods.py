@@ -5,27 +5,19 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from kube_objects import INFERNEX_RULES as INFERNEX
 from kube_objects import pod
 
 from ext_proc.discovery import ClusterEndpoints, EndpointSpec
 from ext_proc.discovery.pods import (
     LWS_WORKER_INDEX,
     PRESETS,
-    PodRules,
     PodView,
     Preset,
     cluster_endpoints,
     view_pod,
 )
 
-INFERNEX = PodRules(
-    PRESETS[Preset.INFERNEX],
-    "openfuyao.com/pdGroupID",
-    "pd-extproc/token-capacity",
-    "pd-extproc/bootstrap-port",
-    "prefill",
-    "decode",
-)
 LLM_D = dataclasses.replace(INFERNEX, scheme=PRESETS[Preset.LLM_D])
 
 
