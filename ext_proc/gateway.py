@@ -25,6 +25,8 @@ from pathlib import Path
 import aiohttp
 import yaml
 
+from ext_proc.handoff.base import KV_HANDOFF_HEADER
+
 SHIPPED_BOOTSTRAP = Path(__file__).resolve().parents[1] / "envoy" / "envoy.yaml"
 SHIPPED_ADS_BOOTSTRAP = SHIPPED_BOOTSTRAP.with_name("envoy-ads.yaml")
 """The same gateway with the prefill and decode endpoints served by pd-extproc over ADS."""
@@ -130,13 +132,19 @@ def render_bootstrap(
 def make_fail_open(bootstrap: dict) -> None:
     """The documented fail-open edit (README "Reliability"), in place: the gateway listener's decode
     route no longer requires pd-extproc's routing header, so a request pd-extproc did not answer goes
-    to a decode chosen by the decode cluster's fallback policy (the Helm chart's ``envoy.failOpen``)."""
+    to a decode chosen by the decode cluster's fallback policy (the Helm chart's ``envoy.failOpen``).
+    The route of requests carrying a KV handoff keeps its headers: only pd-extproc sends those."""
     listener = next(
         entry for entry in bootstrap["static_resources"]["listeners"] if entry["name"] == "gateway"
     )
     hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
     routes = hcm["route_config"]["virtual_hosts"][0]["routes"]
-    routed = next(route for route in routes if route.get("route", {}).get("cluster") == "decode")
+    routed = next(
+        route
+        for route in routes
+        if route.get("route", {}).get("cluster") == "decode"
+        and all(h["name"] != KV_HANDOFF_HEADER for h in route["match"]["headers"])
+    )
     del routed["match"]["headers"]
 
 

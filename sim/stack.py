@@ -16,6 +16,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from ext_proc.gateway import (
     Gateway,
@@ -28,12 +29,27 @@ from ext_proc.gateway import (
     wait_router_ready,
 )
 from sim.cluster import EngineSpec
-from sim.cluster_process import ClusterProcess, spawn_cluster, write_cluster_eds
+from sim.cluster_process import EngineInfo, spawn_cluster, write_cluster_eds
 from sim.config import KvConfig, TimingConfig
 
 
 class StackError(RuntimeError):
     """A piece of the stack failed to start; the message says which and why."""
+
+
+class Cluster(Protocol):
+    """The engines a stack routes to: the simulated cluster (:class:`~sim.cluster_process.ClusterProcess`)
+    or real vLLM engines (:class:`rig.cluster.VllmCluster`)."""
+
+    engines: list[EngineInfo]
+
+    def stop_engine(self, address: str) -> None:
+        """Kill one engine like a crashed node (EDS is left to the caller)."""
+        ...
+
+    def stop(self) -> None:
+        """Stop every engine."""
+        ...
 
 
 @dataclass
@@ -99,7 +115,7 @@ class Stack:
     """The running stack: the cluster and one or more gateway replicas (``replicas[0]`` first).
     ``url`` is the first replica's gateway base URL, ``urls`` every replica's."""
 
-    cluster: ClusterProcess
+    cluster: Cluster
     workdir: Path
     prefill_eds: Path
     decode_eds: Path

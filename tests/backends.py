@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import struct
 import time
 from dataclasses import dataclass, field
 
@@ -209,3 +211,69 @@ async def start_broken_engine(kind: str) -> BrokenEngine:
 
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
     return BrokenEngine(server, f"127.0.0.1:{server.sockets[0].getsockname()[1]}")
+
+
+@dataclass
+class KeepAliveEngine:
+    """An HTTP/1.1 engine stand-in that keeps idle connections like uvicorn (vLLM's and SGLang's HTTP
+    server): ``keepalive`` seconds after its last answer on a connection it is done with it.
+
+    The race it reproduces: uvicorn closes the idle connection at that moment while a client that
+    pooled it writes its next request; the request meets a closed socket and the client sees the
+    connection reset, with no answer. On loopback the close usually wins by a hair, so to make the
+    crossing happen every time the engine does not close at expiry: it resets the connection when a
+    request arrives on it after ``keepalive`` seconds (the kernel answers data for a closed socket
+    with a reset too). Every answer is ``body`` (JSON, status 200). ``served`` and ``resets`` count
+    answered and reset requests; ``connections`` the connections accepted.
+    """
+
+    server: asyncio.Server
+    address: str
+    keepalive: float
+    body: bytes
+    served: int = 0
+    resets: int = 0
+    connections: int = 0
+
+    async def stop(self) -> None:
+        self.server.close()
+        await self.server.wait_closed()
+
+
+async def start_keepalive_engine(keepalive: float, body: bytes) -> KeepAliveEngine:
+    """Start a :class:`KeepAliveEngine` on an ephemeral loopback port."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        engine.connections += 1
+        answered_at: float | None = None
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                if answered_at is not None and time.monotonic() - answered_at >= keepalive:
+                    engine.resets += 1
+                    sock = writer.get_extra_info("socket")
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    writer.transport.abort()
+                    return
+                length = next(
+                    (
+                        int(line.split(b":", 1)[1])
+                        for line in head.split(b"\r\n")
+                        if line.lower().startswith(b"content-length:")
+                    ),
+                    0,
+                )
+                await reader.readexactly(length)
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                    % (len(engine.body), engine.body)
+                )
+                await writer.drain()
+                engine.served += 1
+                answered_at = time.monotonic()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    engine = KeepAliveEngine(server, f"127.0.0.1:{server.sockets[0].getsockname()[1]}", keepalive, body)
+    return engine

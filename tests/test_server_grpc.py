@@ -64,6 +64,7 @@ async def test_headers_then_body_routes_and_charges_until_the_stream_ends(server
     assert list(first.request_headers.response.header_mutation.remove_headers) == [
         "x-gateway-destination-endpoint",
         "x-prefiller-host-port",
+        "x-gateway-kv-handoff",
     ]
     await call.write(body())
     routed = await call.read()

@@ -169,6 +169,10 @@ class Handoff(Protocol):
 
 
 REQUEST_ID_HEADER = "x-request-id"
+KV_HANDOFF_HEADER = "x-gateway-kv-handoff"
+"""Set (to ``1``) on a decode request whose body carries a KV handoff (``kv_transfer_params``,
+SGLang's bootstrap fields): the shipped Envoy routes it with a retry policy that never sends it to a
+second decode once the first may have pulled the KV, and removes the header before forwarding."""
 
 
 def new_request_id() -> str:
@@ -185,18 +189,27 @@ class DecodeRoute:
     prefill_header: str
 
     @property
-    def routing_headers(self) -> tuple[str, str]:
+    def routing_headers(self) -> tuple[str, str, str]:
         """The headers this routing owns (clients may not supply them)."""
-        return (self.destination_header, self.prefill_header)
+        return (self.destination_header, self.prefill_header, KV_HANDOFF_HEADER)
 
     def instructions(
-        self, decision: Decision[EndpointState], request_id: str | None, body: bytes | None
+        self,
+        decision: Decision[EndpointState],
+        request_id: str | None,
+        body: bytes | None,
+        *,
+        kv_handoff: bool,
     ) -> RoutingInstructions:
-        """Route to the decode (and fallbacks); ``request_id`` and ``body`` replace the client's."""
+        """Route to the decode (and fallbacks); ``request_id`` and ``body`` replace the client's;
+        ``kv_handoff``: the body tells the decode where to pull the KV from (marked with
+        :data:`KV_HANDOFF_HEADER`)."""
         destination = destination_list(decision)
         headers = ((self.destination_header, destination),)
         if request_id is not None:
             headers += ((REQUEST_ID_HEADER, request_id),)
+        if kv_handoff:
+            headers += ((KV_HANDOFF_HEADER, "1"),)
         metadata = ((self.destination_header, destination),)
         return RoutingInstructions(headers, (self.prefill_header,), metadata, body)
 

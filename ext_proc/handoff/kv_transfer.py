@@ -111,7 +111,9 @@ class KvTransferParamsHandoff:
         """Decode-only at once when no prefill was chosen; else the prefill leg first."""
         if placement.decision.prefill is None:
             plain = without_fields(job.raw, job.body, HANDOFF_FIELDS)
-            return Routed(self.route.instructions(placement.decision, None, plain), placement.lease)
+            return Routed(
+                self.route.instructions(placement.decision, None, plain, kv_handoff=False), placement.lease
+            )
         return PrefillFirst(self, job, placement, router)
 
     async def close(self) -> None:
@@ -183,7 +185,9 @@ class PrefillFirst:
             self.lease.release_prefill()
             if outcome is LegOutcome.OK:
                 body = with_fields(job.raw, job.body, {KV_TRANSFER_PARAMS: params}, HANDOFF_FIELDS)
-                return Routed(handoff.route.instructions(decision, self._request_id, body), self.lease)
+                return Routed(
+                    handoff.route.instructions(decision, self._request_id, body, kv_handoff=True), self.lease
+                )
             if outcome is LegOutcome.CLIENT_ERROR:
                 assert reply is not None
                 self._log(logging.INFO, prefill, outcome, detail)
@@ -204,7 +208,9 @@ class PrefillFirst:
 
     def _decode_only(self, decision: Decision[EndpointState]) -> Routed:
         plain = without_fields(self._job.raw, self._job.body, HANDOFF_FIELDS)
-        return Routed(self._handoff.route.instructions(decision, self._request_id, plain), self.lease)
+        return Routed(
+            self._handoff.route.instructions(decision, self._request_id, plain, kv_handoff=False), self.lease
+        )
 
     def _give_up(
         self, decision: Decision[EndpointState], outcome: LegOutcome, prefill: EndpointState, detail: str

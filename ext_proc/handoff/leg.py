@@ -20,6 +20,10 @@ MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 """Largest prefill answer read (a one-token completion, unless the client asked for prompt logprobs)."""
 UPSTREAM_HEADER = "x-gateway-prefill-upstream"
 """Response header the shipped prefill-leg listener sets to the address that served."""
+IDLE_CONNECTION_SECONDS = 3.0
+"""A pooled connection idle this long is closed: below the engines' HTTP keep-alive (vLLM's and
+SGLang's uvicorn end an idle connection after 5 s), so a leg is never written on a connection the
+engine is closing at that moment. The shipped Envoy clusters use the same ``idle_timeout``."""
 
 
 class LegOutcome(enum.StrEnum):
@@ -68,7 +72,9 @@ class PrefillClient:
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None:
-            connector = aiohttp.TCPConnector(limit=0, use_dns_cache=True)
+            connector = aiohttp.TCPConnector(
+                limit=0, use_dns_cache=True, keepalive_timeout=IDLE_CONNECTION_SECONDS
+            )
             self._session = aiohttp.ClientSession(
                 connector=connector, timeout=self._timeout, auto_decompress=False
             )

@@ -59,7 +59,7 @@ class SglangBootstrapHandoff:
         prefill = decision.prefill
         if prefill is None:
             plain = without_fields(job.raw, job.body, HANDOFF_FIELDS)
-            return Routed(self.route.instructions(decision, None, plain), lease)
+            return Routed(self.route.instructions(decision, None, plain, kv_handoff=False), lease)
         fields: dict[str, object] = {
             "bootstrap_host": bootstrap_host(prefill.address),
             "bootstrap_port": prefill.bootstrap_port or self.default_bootstrap_port,
@@ -76,7 +76,7 @@ class SglangBootstrapHandoff:
         )
         self._legs.add(leg)
         leg.add_done_callback(self._legs.discard)
-        return Routed(self.route.instructions(decision, request_id, body), lease, leg)
+        return Routed(self.route.instructions(decision, request_id, body, kv_handoff=True), lease, leg)
 
     async def _drain(
         self,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from ext_proc.affinity import Decision
 from ext_proc.handoff.base import (
+    KV_HANDOFF_HEADER,
     HandoffJob,
     Placement,
     Rerouter,
@@ -31,7 +32,7 @@ class SidecarHandoff:
     def __init__(self, destination_header: str, prefill_header: str) -> None:
         self._destination = destination_header
         self._prefill = prefill_header
-        self.routing_headers = (destination_header, prefill_header)
+        self.routing_headers = (destination_header, prefill_header, KV_HANDOFF_HEADER)
 
     def instructions(self, decision: Decision[EndpointState], body: bytes | None) -> RoutingInstructions:
         """Destination list = decode then fallbacks; the prefill header only when a prefill was chosen;

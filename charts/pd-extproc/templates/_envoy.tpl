@@ -54,6 +54,7 @@ static_resources:
               mutations:
               - remove: {{ $destination }}
               - remove: {{ .Values.routing.prefill_header }}
+              - remove: x-gateway-kv-handoff
           local_reply_config:
             mappers:
             - filter:
@@ -135,6 +136,20 @@ static_resources:
               routes:
               - match:
                   prefix: "/v1/"
+                  headers:
+                  - {name: {{ $destination }}, present_match: true}
+                  - {name: x-gateway-kv-handoff, present_match: true}
+                route:
+                  cluster: decode
+                  timeout: 0s
+                  idle_timeout: {{ $idle }}s
+                  retry_policy:
+                    retry_on: connect-failure,refused-stream,reset-before-request
+                    num_retries: 2
+                    per_try_timeout: 0s
+                request_headers_to_remove: [x-gateway-kv-handoff]
+              - match:
+                  prefix: "/v1/"
                   {{- if not .Values.envoy.failOpen }}
                   headers: [{name: {{ $destination }}, present_match: true}]
                   {{- end }}
@@ -143,7 +158,7 @@ static_resources:
                   timeout: 0s
                   idle_timeout: {{ $idle }}s
                   retry_policy:
-                    retry_on: connect-failure,refused-stream,reset-before-request
+                    retry_on: connect-failure,refused-stream,reset
                     num_retries: 2
                     per_try_timeout: 0s
               - match: {prefix: "/v1/"}
@@ -274,6 +289,11 @@ static_resources:
   - name: decode
     type: EDS
     connect_timeout: 2s
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        common_http_protocol_options: {idle_timeout: 3s}
+        explicit_http_config: {http_protocol_options: {}}
     eds_cluster_config:
       eds_config:
         ads: {}
@@ -318,6 +338,11 @@ static_resources:
   - name: prefill
     type: EDS
     connect_timeout: 2s
+    typed_extension_protocol_options:
+      envoy.extensions.upstreams.http.v3.HttpProtocolOptions:
+        "@type": type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions
+        common_http_protocol_options: {idle_timeout: 3s}
+        explicit_http_config: {http_protocol_options: {}}
     eds_cluster_config:
       eds_config:
         ads: {}

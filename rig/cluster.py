@@ -1,0 +1,171 @@
+"""pdGroups of real vLLM engines, each a NixlConnector prefill (``kv_producer``) and decode
+(``kv_consumer``), as a cluster the gateway stack of :mod:`sim.stack` runs in front of.
+
+:func:`start_vllm_stack` checks the memory, writes the model, starts every engine at once, waits
+for all of them, writes the EDS files (``token_capacity`` = the engine's KV cache in tokens) and
+warms every (prefill, decode) pair up (:meth:`VllmCluster.warm_up`) before anything is measured:
+vLLM's NIXL handshake, done on a pair's first transfer, gives up after a fixed 5 s, and on a
+loaded machine the first transfer of a pair sometimes takes longer; the warm-up retries it
+directly (not through the gateway), so the gateway's counters and the engines' transfer counters
+start from pairs that have shaken hands. Route with :meth:`sim.stack.Stack.route_with` (handoff
+``kv-transfer-params``), exactly as on the simulator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+from ext_proc.gateway import free_port
+from rig.engine import KV_CACHE_GIB, MODEL_NAME, Engine, EngineError, EngineSpec, start_engine
+from rig.model import HEAD_DIM, HIDDEN_SIZE, LAYERS, write_tiny_llama
+from rig.venv import VllmUnavailable, venv_python
+from sim.cluster_process import EngineInfo, write_cluster_eds
+from sim.stack import Stack
+
+ENGINE_MEMORY_BYTES = int(2.6 * 2**30)
+"""Memory one engine takes, measured (PSS of its three processes, 1 GiB of KV cache included)."""
+KV_TOKENS = KV_CACHE_GIB * 2**30 // (2 * LAYERS * HIDDEN_SIZE * 2)
+"""KV cache capacity of one engine in tokens: bf16 K and V of every layer (``HIDDEN_SIZE`` =
+heads x ``HEAD_DIM``) per token."""
+WARM_UP_ATTEMPTS = 4
+WARM_UP_PROMPT = " ".join(["w1"] * 20)
+assert HIDDEN_SIZE % HEAD_DIM == 0
+
+
+def available_memory() -> int:
+    """``MemAvailable`` of ``/proc/meminfo``, in bytes."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise OSError("/proc/meminfo has no MemAvailable")
+
+
+def check_memory(engines: int) -> None:
+    """Raise :class:`VllmUnavailable` when ``engines`` engines do not fit in the available memory."""
+    need, have = engines * ENGINE_MEMORY_BYTES, available_memory()
+    if need > have:
+        raise VllmUnavailable(
+            f"{engines} vLLM engines need about {need / 2**30:.1f} GiB of memory "
+            f"({ENGINE_MEMORY_BYTES / 2**30:.1f} GiB each); {have / 2**30:.1f} GiB is available"
+        )
+
+
+@dataclass
+class VllmCluster:
+    """The running engines, in the shape :class:`sim.stack.Stack` drives (``engines``, ``stop_engine``,
+    ``stop``); ``running`` maps each live engine's address to its :class:`~rig.engine.Engine`."""
+
+    engines: list[EngineInfo]
+    running: dict[str, Engine]
+    workdir: Path
+    dead: dict[str, Engine] = field(default_factory=dict)
+
+    def engine(self, address: str) -> Engine:
+        return self.running[address]
+
+    def of_role(self, role: str) -> list[Engine]:
+        return [e for e in self.running.values() if e.spec.role == role]
+
+    def group_of(self, address: str) -> str:
+        return next(e.group for e in self.engines if e.address == address)
+
+    def stop_engine(self, address: str) -> None:
+        """Kill one engine like a lost node (its process group, at once); EDS is left to the caller."""
+        engine = self.running.pop(address)
+        engine.kill()
+        self.dead[address] = engine
+
+    def stop(self) -> None:
+        """Stop every engine (SIGTERM, then SIGKILL)."""
+        for engine in self.running.values():
+            engine.stop()
+        self.dead.update(self.running)
+        self.running.clear()
+
+    async def warm_up(self, session: aiohttp.ClientSession) -> dict[tuple[str, str], int]:
+        """One KV transfer for every (prefill, decode) pair, sent straight to the engines; returns
+        the attempts each pair took. Raises :class:`EngineError` when a pair never succeeds."""
+        attempts: dict[tuple[str, str], int] = {}
+        for prefill in self.of_role("prefill"):
+            for decode in self.of_role("decode"):
+                for attempt in range(1, WARM_UP_ATTEMPTS + 1):
+                    if await transfer(session, prefill, decode):
+                        attempts[prefill.address, decode.address] = attempt
+                        break
+                else:
+                    raise EngineError(
+                        f"no KV transfer from {prefill.address} to {decode.address} in "
+                        f"{WARM_UP_ATTEMPTS} attempts:\n{decode.log_tail()}"
+                    )
+        return attempts
+
+
+async def transfer(session: aiohttp.ClientSession, prefill: Engine, decode: Engine) -> bool:
+    """A prefill leg on ``prefill`` and the decode of its ``kv_transfer_params`` on ``decode``, as
+    pd-extproc sends them: whether the decode answered 200 with text."""
+    leg = {
+        "model": MODEL_NAME,
+        "prompt": WARM_UP_PROMPT,
+        "max_tokens": 1,
+        "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False},
+    }
+    async with session.post(f"{prefill.url}/v1/completions", json=leg) as response:
+        if response.status != 200:
+            return False
+        params = (await response.json()).get("kv_transfer_params")
+    body = {"model": MODEL_NAME, "prompt": WARM_UP_PROMPT, "max_tokens": 2, "kv_transfer_params": params}
+    async with session.post(f"{decode.url}/v1/completions", json=body) as response:
+        return response.status == 200 and bool((await response.json())["choices"][0]["text"])
+
+
+async def start_vllm_cluster(
+    groups: list[str], workdir: Path, kv_load_failure_policy: str = "fail"
+) -> VllmCluster:
+    """One prefill and one decode engine per entry of ``groups`` (their pdGroupIDs), started at once
+    and waited for, with ``kv_load_failure_policy`` on the decodes; logs under ``workdir``. Raises
+    :class:`~rig.venv.VllmUnavailable` (no environment, too little memory) or
+    :class:`~rig.engine.EngineError`; nothing is left running then."""
+    python = venv_python()
+    if python is None:
+        raise VllmUnavailable("vLLM for CPU is not installed: run `make vllm-env` (about 3.7 GB, 10-15 min)")
+    check_memory(2 * len(groups))
+    model = write_tiny_llama(workdir / "model")
+    specs = [
+        EngineSpec(
+            role, group, free_port(), free_port(), kv_load_failure_policy if role == "decode" else "fail"
+        )
+        for group in groups
+        for role in ("prefill", "decode")
+    ]
+    running: dict[str, Engine] = {}
+    try:
+        for spec in specs:
+            running[spec.address] = start_engine(python, model, spec, workdir)
+        await asyncio.gather(*(engine.wait_ready() for engine in running.values()))
+    except BaseException:
+        for engine in running.values():
+            engine.stop()
+        raise
+    infos = [EngineInfo(s.address, s.role, s.group, KV_TOKENS) for s in specs]
+    return VllmCluster(infos, running, workdir)
+
+
+async def start_vllm_stack(groups: list[str], kv_load_failure_policy: str = "fail") -> Stack:
+    """:func:`start_vllm_cluster` with its EDS files written and every pair warmed up, as a
+    :class:`~sim.stack.Stack` (no gateway yet: :meth:`~sim.stack.Stack.route_with` starts one)."""
+    workdir = Path(tempfile.mkdtemp(prefix="pd-vllm-"))
+    cluster = await start_vllm_cluster(groups, workdir, kv_load_failure_policy)
+    prefill_eds, decode_eds = workdir / "prefill.json", workdir / "decode.json"
+    try:
+        write_cluster_eds(cluster.engines, prefill_eds, decode_eds)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+            await cluster.warm_up(session)
+    except BaseException:
+        cluster.stop()
+        raise
+    return Stack(cluster, workdir, prefill_eds, decode_eds)

