@@ -5,7 +5,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
 
-.PHONY: install demo test test-compose lint format bench clean
+.PHONY: install demo test test-compose vllm-env test-vllm lint format bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,15 @@ test: $(STAMP)
 # debootstrap and starts dockerd itself; otherwise it skips with a message. About 5-10 minutes.
 test-compose: $(STAMP)
 	$(BIN)/python tests/compose/compose_e2e.py
+
+# vLLM for CPU in its own cached environment (.cache/vllm/, ~3.7 GB, 10-15 min the first time; rig/venv.py).
+vllm-env: $(STAMP)
+	$(BIN)/python -m rig.venv
+
+# Real vLLM engines (two pdGroups of NixlConnector prefill/decode pairs) behind the shipped Envoy and
+# pd-extproc: about 10.5 GiB of memory and 10-15 minutes on 2 cores (README "Real vLLM engines").
+test-vllm: vllm-env
+	$(BIN)/pytest -q -s tests/vllm
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

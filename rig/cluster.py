@@ -63,7 +63,11 @@ class VllmCluster:
     engines: list[EngineInfo]
     running: dict[str, Engine]
     workdir: Path
+    python: Path
+    model: Path
     dead: dict[str, Engine] = field(default_factory=dict)
+    warm_up_attempts: dict[tuple[str, str], int] = field(default_factory=dict)
+    """Attempts each (prefill, decode) pair's last warm-up took (1 = its first transfer worked)."""
 
     def engine(self, address: str) -> Engine:
         return self.running[address]
@@ -71,14 +75,27 @@ class VllmCluster:
     def of_role(self, role: str) -> list[Engine]:
         return [e for e in self.running.values() if e.spec.role == role]
 
+    def info(self, address: str) -> EngineInfo:
+        """What discovery says of the engine at ``address`` (live or dead)."""
+        return next(e for e in self.engines if e.address == address)
+
     def group_of(self, address: str) -> str:
-        return next(e.group for e in self.engines if e.address == address)
+        return self.info(address).group
 
     def stop_engine(self, address: str) -> None:
         """Kill one engine like a lost node (its process group, at once); EDS is left to the caller."""
         engine = self.running.pop(address)
         engine.kill()
         self.dead[address] = engine
+
+    async def restart(self, address: str, session: aiohttp.ClientSession) -> Engine:
+        """Start a killed engine again (same ports and role; a new NIXL engine id), wait for it and
+        warm up every pair it belongs to."""
+        engine = start_engine(self.python, self.model, self.dead.pop(address).spec, self.workdir)
+        self.running[address] = engine
+        await engine.wait_ready()
+        await self.warm_up(session, only=address)
+        return engine
 
     def stop(self) -> None:
         """Stop every engine (SIGTERM, then SIGKILL)."""
@@ -87,15 +104,21 @@ class VllmCluster:
         self.dead.update(self.running)
         self.running.clear()
 
-    async def warm_up(self, session: aiohttp.ClientSession) -> dict[tuple[str, str], int]:
-        """One KV transfer for every (prefill, decode) pair, sent straight to the engines; returns
-        the attempts each pair took. Raises :class:`EngineError` when a pair never succeeds."""
+    async def warm_up(
+        self, session: aiohttp.ClientSession, only: str | None = None
+    ) -> dict[tuple[str, str], int]:
+        """One KV transfer for every (prefill, decode) pair (with ``only``: every pair that engine is
+        in), sent straight to the engines; returns the attempts each pair took. Raises
+        :class:`EngineError` when a pair never succeeds."""
         attempts: dict[tuple[str, str], int] = {}
         for prefill in self.of_role("prefill"):
             for decode in self.of_role("decode"):
+                if only is not None and only not in (prefill.address, decode.address):
+                    continue
                 for attempt in range(1, WARM_UP_ATTEMPTS + 1):
                     if await transfer(session, prefill, decode):
                         attempts[prefill.address, decode.address] = attempt
+                        self.warm_up_attempts[prefill.address, decode.address] = attempt
                         break
                 else:
                     raise EngineError(
@@ -152,7 +175,7 @@ async def start_vllm_cluster(
             engine.stop()
         raise
     infos = [EngineInfo(s.address, s.role, s.group, KV_TOKENS) for s in specs]
-    return VllmCluster(infos, running, workdir)
+    return VllmCluster(infos, running, workdir, python, model)
 
 
 async def start_vllm_stack(groups: list[str], kv_load_failure_policy: str = "fail") -> Stack:

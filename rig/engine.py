@@ -32,6 +32,8 @@ from pathlib import Path
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from sim.stack import StackError
+
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 MODEL_NAME = "tiny"
 """The name the engines serve the model under (``--served-model-name``)."""
@@ -42,7 +44,7 @@ START_TIMEOUT_SECONDS = 240.0
 """Start-up bound: 20-35 s alone, over a minute when four engines start at once on 2 cores."""
 
 
-class EngineError(RuntimeError):
+class EngineError(StackError):
     """An engine did not start or answer; the message names it and quotes its log's end."""
 
 
@@ -86,7 +88,7 @@ def engine_command(python: Path, model: Path, spec: EngineSpec, nice: int = DEFA
         *("--model", str(model), "--served-model-name", MODEL_NAME),
         *("--load-format", "dummy", "--enforce-eager"),
         *("--host", "127.0.0.1", "--port", str(spec.port)),
-        *("--max-model-len", "2048", "--enable-request-id-headers"),
+        *("--max-model-len", "2048", "--enable-request-id-headers", "--enable-log-requests"),
         *("--kv-transfer-config", json.dumps(kv_transfer_config(spec))),
     ]
 
@@ -168,6 +170,24 @@ class Engine:
                 self.process.wait(grace)
         self.kill()
 
+    def pause(self) -> None:
+        """Freeze the engine (SIGSTOP to its process group): it accepts connections, answers nothing."""
+        os.killpg(self.process.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """Let a paused engine run again (SIGCONT)."""
+        os.killpg(self.process.pid, signal.SIGCONT)
+
+    def pss_bytes(self) -> int:
+        """Proportional set size of the engine's processes (shared pages split among their users)."""
+        total = 0
+        for pid in _group_members(self.process.pid):
+            with contextlib.suppress(OSError):
+                for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+                    if line.startswith("Pss:"):
+                        total += int(line.split()[1]) * 1024
+        return total
+
     async def metrics(self, session: aiohttp.ClientSession) -> dict[str, float]:
         """The engine's ``/metrics`` samples, each name with its labels except ``engine`` and
         ``model_name`` (e.g. ``vllm:prompt_tokens_by_source_total{source=external_kv_transfer}``)."""
@@ -175,6 +195,18 @@ class Engine:
             response.raise_for_status()
             text = await response.text()
         return parse_metrics(text)
+
+
+def _group_members(pgid: int) -> list[int]:
+    """The processes of process group ``pgid`` (from ``/proc``)."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                if int(fields[2]) == pgid:
+                    members.append(int(entry.name))
+    return members
 
 
 def parse_metrics(text: str) -> dict[str, float]:

@@ -29,6 +29,8 @@ import venv
 from collections.abc import Iterator
 from pathlib import Path
 
+from sim.stack import StackError
+
 VLLM_VERSION = "0.32.0"
 INSTALL_STEPS: tuple[tuple[str, ...], ...] = (
     ("install", "--upgrade", "pip"),
@@ -41,7 +43,7 @@ CACHE = Path(__file__).resolve().parents[1] / ".cache" / "vllm"
 INSTALL_TIMEOUT_SECONDS = 3600
 
 
-class VllmUnavailable(RuntimeError):
+class VllmUnavailable(StackError):
     """vLLM could not be installed or found; the message says why and what to do."""
 
 

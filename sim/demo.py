@@ -27,6 +27,9 @@ from sim.stack import StackError, start_stack
 from sim.workload import plan_workload
 
 MODES = ("off", "prefer", "strict")
+SIM_REQUESTS = 150
+VLLM_REQUESTS = 40
+"""Requests per mode on real engines: a CPU engine decodes tens of tokens a second."""
 HANDOFFS = ("kv-transfer-params", "sidecar", "sglang-bootstrap")
 PROMPT_TOKENS = (512, 4096)
 """Prompt lengths of the demo workload (tokens, uniform): chat with history / RAG sized."""
@@ -92,22 +95,49 @@ def _bonus(text: str) -> float:
     return value
 
 
+async def run_vllm(requests: int, modes: list[str], rate: float, bonus: float) -> dict[str, dict]:
+    """:func:`rig.demo.run_vllm_demo` with a progress bar (imported here: ``serve`` and the simulated
+    demo never load the real-engine rig)."""
+    from rig.demo import run_vllm_demo
+
+    with tqdm(total=requests * len(modes), unit="req", desc="demo on vLLM", leave=False) as bar:
+        return await run_vllm_demo(requests, modes, rate, bonus, progress=lambda: bar.update(1))
+
+
 def _run(args: argparse.Namespace) -> int:
     for noisy in ("httpx", "httpx2", "openai"):  # one INFO line per request would drown the progress bar
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    vllm = args.engines == "vllm"
+    requests = args.requests or (VLLM_REQUESTS if vllm else SIM_REQUESTS)
+    if vllm and args.handoff != HANDOFFS[0]:
+        print("pd-extproc demo: --engines vllm runs the kv-transfer-params handoff only", file=sys.stderr)
+        return 2
     try:
-        results = asyncio.run(run_demo(args.requests, args.modes, args.rate, args.bonus, args.handoff))
+        if vllm:
+            results = asyncio.run(run_vllm(requests, args.modes, args.rate, args.bonus))
+        else:
+            results = asyncio.run(run_demo(requests, args.modes, args.rate, args.bonus, args.handoff))
     except StackError as exc:
         print(f"pd-extproc demo: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("pd-extproc demo: interrupted; everything was stopped", file=sys.stderr)
         return 130
-    print(
-        f"\n{args.requests} streaming requests per mode at {args.rate:g} req/s through Envoy + pd-extproc "
-        f"(bonus {args.bonus:g}, handoff {args.handoff}); cluster rack-a 2P+3D large, rack-b 1P+2D small\n"
+    cluster = (
+        "real vLLM engines (CPU, tiny Llama, NixlConnector): rack-a 1P+1D, rack-b 1P+1D"
+        if vllm
+        else "cluster rack-a 2P+3D large, rack-b 1P+2D small"
     )
-    print(format_table(results))
+    print(
+        f"\n{requests} streaming requests per mode at {args.rate:g} req/s through Envoy + pd-extproc "
+        f"(bonus {args.bonus:g}, handoff {args.handoff}); {cluster}\n"
+    )
+    if vllm:
+        from rig.demo import COLUMNS_VLLM
+
+        print(format_table(results, COLUMNS_VLLM))
+    else:
+        print(format_table(results))
     if args.json:
         try:
             Path(args.json).write_text(json.dumps(results, indent=2), encoding="utf-8")
@@ -124,7 +154,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "demo", help="compare affinity modes on a simulated PD cluster", description=__doc__
     )
     parser.add_argument(
-        "--requests", type=_positive_int, default=150, help="requests per mode (default %(default)s)"
+        "--requests",
+        type=_positive_int,
+        default=None,
+        help=f"requests per mode (default {SIM_REQUESTS}, {VLLM_REQUESTS} with --engines vllm)",
     )
     parser.add_argument(
         "--modes", type=_modes, default=list(MODES), help="comma-separated, default off,prefer,strict"
@@ -141,6 +174,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         choices=HANDOFFS,
         default=HANDOFFS[0],
         help="how the engines receive the prefill (default %(default)s)",
+    )
+    parser.add_argument(
+        "--engines",
+        choices=("sim", "vllm"),
+        default="sim",
+        help="simulated engines (default), or real vLLM engines for CPU: needs `make vllm-env` and "
+        "about 10.5 GiB of free memory",
     )
     parser.add_argument("--json", help="also write the results to this JSON file")
     parser.set_defaults(func=_run)

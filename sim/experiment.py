@@ -11,9 +11,10 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from sim.config import DEFAULT_MODEL
 from sim.report import summarize
 from sim.stack import Stack
-from sim.workload import RequestPlan, plan_workload, run_workload
+from sim.workload import Record, RequestPlan, plan_workload, run_workload
 
 WARMUP = plan_workload(4, 20.0, prompt_tokens=(64, 64), output_tokens=(4, 4), seed=1)
 BASELINE = "round-robin"
@@ -36,18 +37,22 @@ async def measure(
     progress: Callable[[], None] | None = None,
     disruption: Disruption | None = None,
     handoff: str = "sidecar",
+    model: str = DEFAULT_MODEL,
+    ground_truth: Callable[[list[Record]], None] | None = None,
     **routing: object,
 ) -> dict:
     """Route with ``mode`` (``off``/``prefer``/``strict``, or :data:`BASELINE`), ``handoff``
     (pd-extproc's ``handoff.mode``) and more ``routing`` options of :meth:`Stack.route_with` (with
-    several ``replicas``, the requests go round robin over their gateways), run ``plans``; return the
-    summary (see :func:`sim.report.summarize`)."""
+    several ``replicas``, the requests go round robin over their gateways), run ``plans`` asking for
+    ``model``; return the summary (see :func:`sim.report.summarize`). ``ground_truth``, when given,
+    fills in the records' engines and KV transfer before the summary (real engines send none of the
+    simulator's response headers)."""
     if mode == BASELINE:
         await stack.round_robin()
     else:
         await stack.route_with(mode, bonus, handoff, **routing)  # type: ignore[arg-type]
     urls = stack.urls
-    await run_workload(urls, WARMUP)
+    await run_workload(urls, WARMUP, model)
     capacities = stack.decode_capacities()
     task = None
     if disruption is not None:
@@ -58,8 +63,10 @@ async def measure(
 
         task = asyncio.create_task(disrupt())
     try:
-        records, duration = await run_workload(urls, plans, progress=progress)
+        records, duration = await run_workload(urls, plans, model, progress=progress)
     finally:
         if task is not None:
             await task
+    if ground_truth is not None:
+        ground_truth(records)
     return summarize(records, duration, capacities)

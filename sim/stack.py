@@ -160,13 +160,15 @@ class Stack:
         replicas: int = 1,
         engine_metrics: float | None = None,
         config: dict[str, object] | None = None,
+        prefill_via: str | None = None,
     ) -> str:
         """(Re)start ``replicas`` pd-extprocs with ``mode``/``bonus``/``handoff``/``pd_threshold_tokens``
         (``None``: pd-extproc's default) (prefill legs through each Envoy's prefill-leg listener, or
         straight to the engine without ``via_envoy``), scraping the engines every ``engine_metrics``
         seconds when given, with ``config`` as their configuration file (e.g. the ``affinity.auto``
         keys; the flags above take precedence), each behind its own routed Envoy; return the first
-        gateway's URL."""
+        gateway's URL. ``prefill_via`` (one replica only) sends the legs to that URL instead (a
+        test's interposer in front of the replica's prefill-leg listener)."""
         self._scale(replicas)
         eds = [str(self.prefill_eds), str(self.decode_eds)]
         config_args: tuple[str, ...] = ()
@@ -176,6 +178,8 @@ class Stack:
             config_args = ("--config", str(path))
         for index, replica in enumerate(self.replicas):
             via = f"http://127.0.0.1:{replica.prefill_leg_port}" if via_envoy else ""
+            if prefill_via is not None:
+                via = prefill_via
             name = (
                 f"pd-extproc-{mode}-{bonus}-{handoff}-{'envoy' if via_envoy else 'direct'}"
                 f"-{pd_threshold_tokens}-{engine_metrics}-{index}"

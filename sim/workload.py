@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import openai
 
+from sim.config import DEFAULT_MODEL
+
 WORDS = ("the", "cache", "prefill", "decode", "token", "group", "router", "envoy", "batch", "latency")
 
 
@@ -65,6 +67,8 @@ class Record:
     kv_transfer: str | None = None
     kv_transfer_ms: float | None = None
     remote_prefill_ms: float | None = None
+    response_id: str | None = None
+    """The ``id`` of the answer's chunks (vLLM derives it from the request's ``X-Request-Id``)."""
 
     @property
     def decode_ttft_ms(self) -> float | None:
@@ -113,6 +117,7 @@ async def _one(client: openai.AsyncOpenAI, model: str, record: Record, t0: float
         record.kv_transfer_ms = _float_header(headers, "x-sim-kv-transfer-ms")
         record.remote_prefill_ms = _float_header(headers, "x-sim-remote-prefill-ms")
         async for chunk in stream:
+            record.response_id = record.response_id or chunk.id
             if chunk.choices and chunk.choices[0].delta.content:
                 stamps.append(time.perf_counter())
             if chunk.usage is not None:
@@ -136,7 +141,7 @@ async def _one(client: openai.AsyncOpenAI, model: str, record: Record, t0: float
 async def run_workload(
     base_url: str | Sequence[str],
     plans: list[RequestPlan],
-    model: str = "sim-llama-3-8b",
+    model: str = DEFAULT_MODEL,
     progress: Callable[[], None] | None = None,
     timeout_s: float = 120.0,
 ) -> tuple[list[Record], float]:

@@ -1,0 +1,48 @@
+"""The real-engine suite (``make test-vllm``): one cluster of real vLLM engines for the session.
+
+Two pdGroups, ``rack-a`` and ``rack-b``, each a NixlConnector prefill and decode (4 engines,
+:mod:`rig.cluster`), every pair warmed up before the first test. The tests route through the
+shipped Envoy bootstrap and ``pd-extproc serve --handoff kv-transfer-params`` started by
+:meth:`sim.stack.Stack.route_with`. A test that kills an engine starts it again before it ends, so
+every test begins with four live, warmed-up engines.
+
+Not collected by ``make test`` (``norecursedirs``): the engines need the cached vLLM environment
+(``make vllm-env``) and about 10.5 GiB of memory. Without the environment the suite fails with the
+command that installs it; without the memory, with how much it needs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from rig.cluster import VllmCluster, start_vllm_stack
+from sim.stack import Stack
+
+GROUPS = ["rack-a", "rack-b"]
+
+
+@pytest.fixture(scope="session")
+def vllm_stack() -> Iterator[Stack]:
+    """The session's cluster as a :class:`~sim.stack.Stack` (no gateway until a test routes)."""
+    started = time.monotonic()
+    stack = asyncio.run(start_vllm_stack(GROUPS))
+    cluster = stack.cluster
+    assert isinstance(cluster, VllmCluster)
+    print(
+        f"\nvLLM cluster: {len(cluster.running)} engines ready and every pair warmed up in "
+        f"{time.monotonic() - started:.0f} s (start-up "
+        + ", ".join(f"{e.spec.name} {e.ready_seconds:.0f} s" for e in cluster.running.values())
+        + "); warm-up attempts per (prefill, decode) pair: "
+        + ", ".join(f"{p}->{d} {n}" for (p, d), n in cluster.warm_up_attempts.items())
+        + "; PSS "
+        + ", ".join(f"{e.pss_bytes() / 2**30:.2f} GiB" for e in cluster.running.values()),
+        flush=True,
+    )
+    try:
+        yield stack
+    finally:
+        stack.stop()

@@ -1,0 +1,286 @@
+"""Real vLLM engines behind the shipped Envoy and ``pd-extproc serve --handoff kv-transfer-params``.
+
+Every claim is checked on the engines' own ``/metrics``: a request's prompt was computed by exactly
+one prefill (``vllm:prompt_tokens_by_source_total{source=local_compute}``), its decode pulled it
+(``vllm:nixl_xfer_time_seconds_count`` and ``...{source=external_kv_transfer}`` rose, nothing was
+computed locally), and the two are in the same pdGroupID group. Faults are real: engines killed
+with SIGKILL (their whole process group, as a lost node) or frozen with SIGSTOP. After each test
+pd-extproc holds no load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+from collections.abc import AsyncIterator
+
+import aiohttp
+import openai
+import pytest
+from e2e_harness import wait_idle
+from interposer import start_interposer
+from polling import until
+from prometheus_client.parser import text_string_to_metric_families
+
+from rig.cluster import VllmCluster
+from rig.engine import MODEL_NAME, Engine
+from rig.model import prompt
+from sim.stack import Stack
+
+pytestmark = pytest.mark.timeout(900)  # the first test waits for four engines to start (1-4 min)
+
+KV = "kv-transfer-params"
+XFER = "vllm:nixl_xfer_time_seconds_count"
+PULLED = "vllm:prompt_tokens_by_source_total{source=external_kv_transfer}"
+COMPUTED = "vllm:prompt_tokens_by_source_total{source=local_compute}"
+PROMPT_TOKENS = 200
+_SEEDS = itertools.count(1000)
+
+
+def fresh_prompt() -> str:
+    """A prompt of :data:`PROMPT_TOKENS` tokens no engine has seen (no prefix-cache hit anywhere)."""
+    return prompt(PROMPT_TOKENS, next(_SEEDS))
+
+
+def cluster_of(stack: Stack) -> VllmCluster:
+    assert isinstance(stack.cluster, VllmCluster)
+    return stack.cluster
+
+
+async def snapshot(cluster: VllmCluster, session: aiohttp.ClientSession) -> dict[str, dict[str, float]]:
+    """Every live engine's metrics, by address."""
+    engines = list(cluster.running.values())
+    pages = await asyncio.gather(*(e.metrics(session) for e in engines))
+    return {e.address: page for e, page in zip(engines, pages, strict=True)}
+
+
+def rose(
+    before: dict[str, dict[str, float]], after: dict[str, dict[str, float]], key: str
+) -> dict[str, float]:
+    """The engines whose ``key`` rose, with how much."""
+    deltas = {a: after[a].get(key, 0.0) - before.get(a, {}).get(key, 0.0) for a in after}
+    return {a: d for a, d in deltas.items() if d}
+
+
+async def pd_extproc_counter(admin_url: str, name: str, **labels: str) -> float:
+    """The value of pd-extproc's counter ``name`` with ``labels`` (0 when absent)."""
+    async with aiohttp.ClientSession() as session, session.get(f"{admin_url}/metrics") as response:
+        text = await response.text()
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+async def ask(url: str, api: str, stream: bool, text: str, max_tokens: int = 4) -> str:
+    """One request through the gateway with the OpenAI SDK; the generated text."""
+    async with openai.AsyncOpenAI(
+        base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120
+    ) as client:
+        if api == "completions":
+            if not stream:
+                answer = await client.completions.create(model=MODEL_NAME, prompt=text, max_tokens=max_tokens)
+                return answer.choices[0].text
+            chunks = await client.completions.create(
+                model=MODEL_NAME, prompt=text, max_tokens=max_tokens, stream=True
+            )
+            return "".join([c.choices[0].text async for c in chunks if c.choices])
+        messages = [{"role": "user", "content": text}]
+        if not stream:
+            reply = await client.chat.completions.create(
+                model=MODEL_NAME, messages=messages, max_tokens=max_tokens
+            )
+            return reply.choices[0].message.content or ""
+        deltas = await client.chat.completions.create(
+            model=MODEL_NAME, messages=messages, max_tokens=max_tokens, stream=True
+        )
+        return "".join([c.choices[0].delta.content or "" async for c in deltas if c.choices])
+
+
+async def served_in_group(
+    cluster: VllmCluster, session: aiohttp.ClientSession, before: dict[str, dict[str, float]]
+) -> tuple[str, str]:
+    """Wait for the engines' counters of one request: exactly one prefill computed the prompt,
+    exactly one decode pulled it (and computed nothing); returns (prefill, decode)."""
+    after: dict[str, dict[str, float]] = {}
+
+    async def counted() -> bool:
+        nonlocal after
+        after = await snapshot(cluster, session)
+        return bool(rose(before, after, XFER)) and bool(rose(before, after, COMPUTED))
+
+    await until(counted)
+    computed, pulled = rose(before, after, COMPUTED), rose(before, after, XFER)
+    prefills = {a for a in computed if cluster.engine(a).spec.role == "prefill"}
+    assert len(prefills) == 1 and len(pulled) == 1, (computed, pulled)
+    (prefill,), (decode,) = prefills, pulled
+    assert cluster.engine(decode).spec.role == "decode"
+    assert decode not in computed, f"the decode computed part of the prompt itself: {computed}"
+    assert rose(before, after, PULLED)[decode] >= PROMPT_TOKENS
+    return prefill, decode
+
+
+@contextlib.asynccontextmanager
+async def engines_session() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        yield session
+
+
+@pytest.mark.parametrize("mode", ["prefer", "strict"])
+async def test_completions_and_chat_streamed_or_not_move_the_kv_inside_the_group(vllm_stack, mode):
+    cluster = cluster_of(vllm_stack)
+    url = await vllm_stack.route_with(mode, handoff=KV, pd_threshold_tokens=0)
+    async with engines_session() as session:
+        pairs = []
+        for api, stream in [("completions", False), ("completions", True), ("chat", False), ("chat", True)]:
+            before = await snapshot(cluster, session)
+            text = await ask(url, api, stream, fresh_prompt())
+            assert text.strip(), f"{api} stream={stream}: no text"
+            prefill, decode = await served_in_group(cluster, session, before)
+            assert cluster.group_of(prefill) == cluster.group_of(decode)
+            pairs.append((prefill, decode))
+        assert await wait_idle(session, vllm_stack.admin_url) == []
+    assert len({p for p, _ in pairs}) == 2, f"both groups' prefills take turns: {pairs}"
+
+
+async def test_a_client_abort_during_the_prefill_leg_cancels_it_and_forwards_nothing(vllm_stack):
+    """Both prefills frozen: the leg waits; the client gives up; nothing reaches a decode."""
+    cluster = cluster_of(vllm_stack)
+    url = await vllm_stack.route_with("prefer", handoff=KV, pd_threshold_tokens=0)
+    admin = vllm_stack.admin_url
+    prefills = cluster.of_role("prefill")
+    async with engines_session() as session:
+        before = await snapshot(cluster, session)
+        cancelled = await pd_extproc_counter(admin, "pd_extproc_prefill_leg_total", outcome="cancelled")
+        for engine in prefills:
+            engine.pause()
+        try:
+            request = asyncio.create_task(ask(url, "chat", True, fresh_prompt()))
+
+            async def leg_in_flight() -> bool:
+                async with session.get(f"{admin}/debug/endpoints") as response:
+                    rows = await response.json()
+                return any(r["role"] == "prefill" and r["active_requests"] for r in rows)
+
+            await until(leg_in_flight)
+            request.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await request
+            assert await wait_idle(session, admin) == []
+            await until(lambda: pd_extproc_counter_grew(admin, cancelled), deadline=15)
+        finally:
+            for engine in prefills:
+                engine.resume()
+        await asyncio.sleep(2)  # let the thawed prefill see the closed connection
+        after = await snapshot(cluster, session)
+        assert rose(before, after, XFER) == {}, "a decode pulled KV for a request nobody waits for"
+        text = await ask(url, "completions", False, fresh_prompt())
+        assert text.strip()
+
+
+async def pd_extproc_counter_grew(admin: str, cancelled_before: float) -> bool:
+    now = await pd_extproc_counter(admin, "pd_extproc_prefill_leg_total", outcome="cancelled")
+    return now > cancelled_before
+
+
+async def test_a_dead_prefill_still_listed_is_retried_on_the_other_and_ejected(vllm_stack):
+    cluster = cluster_of(vllm_stack)
+    url = await vllm_stack.route_with("prefer", handoff=KV, pd_threshold_tokens=0)
+    admin = vllm_stack.admin_url
+    dead, alive = cluster.of_role("prefill")
+    ejections = await pd_extproc_counter(admin, "pd_extproc_prefill_ejections_total")
+    vllm_stack.cluster.stop_engine(dead.address)  # EDS still lists it
+    async with engines_session() as session:
+        try:
+            for turn in range(3):
+                before = await snapshot(cluster, session)
+                assert (await ask(url, "chat", turn % 2 == 0, fresh_prompt())).strip()
+                prefill, decode = await served_in_group(cluster, session, before)
+                assert prefill == alive.address
+                assert cluster.group_of(decode) == cluster.group_of(alive.address)
+            assert await pd_extproc_counter(admin, "pd_extproc_prefill_ejections_total") > ejections
+            assert await wait_idle(session, admin) == []
+        finally:
+            await cluster.restart(dead.address, session)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_a_prefill_killed_after_its_leg_answered_is_a_kv_transfer_failed_error(vllm_stack, stream):
+    """The decode is handed KV held by a dead engine and cannot pull it (vLLM's default
+    ``kv_load_failure_policy: fail``): the client gets an OpenAI-style error naming the cause, not
+    the decode's bare 500; pd-extproc counts it and leaves the dead prefill out afterwards."""
+    cluster = cluster_of(vllm_stack)
+    leg_listener = f"http://127.0.0.1:{vllm_stack.replicas[0].prefill_leg_port}"
+    interposer = await start_interposer(leg_listener, cluster.stop_engine)
+    async with engines_session() as session:
+        try:
+            url = await vllm_stack.route_with(
+                "prefer", handoff=KV, pd_threshold_tokens=0, prefill_via=interposer.url
+            )
+            admin = vllm_stack.admin_url
+            failures = await pd_extproc_counter(admin, "pd_extproc_kv_transfer_failures_total")
+            before = await snapshot(cluster, session)
+            interposer.armed = True
+            with pytest.raises(openai.APIError) as raised:
+                await ask(url, "chat", stream, fresh_prompt())
+            (dead,) = interposer.killed
+            error = raised.value
+            assert error.code == "kv_transfer_failed", error
+            assert dead in error.message
+            if not stream:
+                assert isinstance(error, openai.APIStatusError) and error.status_code == 502
+            after = await snapshot(cluster, session)
+            decode = next(iter(rose(before, after, "vllm:request_success_total{finished_reason=error}")))
+            assert cluster.group_of(decode) == cluster.group_of(dead)
+            assert await pd_extproc_counter(admin, "pd_extproc_kv_transfer_failures_total") == failures + 1
+            assert await wait_idle(session, admin) == []
+            before = await snapshot(cluster, session)
+            assert (await ask(url, "completions", False, fresh_prompt())).strip()
+            prefill, _ = await served_in_group(cluster, session, before)
+            assert prefill != dead
+        finally:
+            await interposer.stop()
+            for address in interposer.killed:
+                await cluster.restart(address, session)
+
+
+async def test_a_decode_killed_mid_stream_ends_the_stream_and_the_next_request_is_served(vllm_stack):
+    cluster = cluster_of(vllm_stack)
+    url = await vllm_stack.route_with("prefer", handoff=KV, pd_threshold_tokens=0)
+    admin = vllm_stack.admin_url
+    async with engines_session() as session:
+        before = await snapshot(cluster, session)
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        victim: Engine | None = None
+        received = 0
+        started = time.monotonic()
+        try:
+            stream = await client.completions.create(
+                model=MODEL_NAME,
+                prompt=fresh_prompt(),
+                max_tokens=1500,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            with pytest.raises(openai.APIError):
+                async for chunk in stream:
+                    received += bool(chunk.choices and chunk.choices[0].text)
+                    if received == 3 and victim is None:
+                        after = await snapshot(cluster, session)
+                        (address,) = rose(before, after, XFER)
+                        victim = cluster.engine(address)
+                        cluster.stop_engine(address)
+            assert victim is not None, "the stream ended before the decode was killed"
+            assert time.monotonic() - started < 60, "the client was left hanging"
+            assert await wait_idle(session, admin) == []
+            # Still listed, now dead: Envoy's connect failure moves the next request to a fallback.
+            assert (await ask(url, "chat", True, fresh_prompt())).strip()
+            assert await wait_idle(session, admin) == []
+        finally:
+            await client.close()
+            if victim is not None:
+                await cluster.restart(victim.address, session)
