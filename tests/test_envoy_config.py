@@ -176,3 +176,46 @@ def _status_of(mapper: dict) -> int | None:
     """The one status a local-reply mapper's filter matches (``None`` for other filters)."""
     comparison = mapper["filter"].get("status_code_filter", {}).get("comparison", {})
     return comparison["value"]["default_value"] if comparison.get("op") == "EQ" else None
+
+
+NIXL_LEASE_SECONDS = 30
+"""vLLM 0.32 NixlConnector: a prefill frees a finished leg's KV blocks this long after the leg
+(``kv_connector_extra_config.kv_lease_duration``) unless its decode renews the lease."""
+NIXL_HEARTBEAT_SECONDS = NIXL_LEASE_SECONDS // 6
+"""How often a decode that has the request renews the lease (vLLM: a sixth of the lease)."""
+SGLANG_BOOTSTRAP_TIMEOUT_SECONDS = 300
+"""SGLang's ``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT``: how long each side waits for the other."""
+ENVOY_RETRY_BACKOFF_MAX_SECONDS = 0.25
+"""Envoy's default retry back-off cap (25 ms base, ten times that at most)."""
+
+
+@pytest.mark.parametrize("template", [SHIPPED_BOOTSTRAP, SHIPPED_ADS_BOOTSTRAP], ids=lambda p: p.name)
+def test_a_kv_handoff_reaches_its_decode_well_within_the_prefills_kv_lease(template):
+    """Between a prefill leg's answer and the decode having the request, the gateway spends at most
+    Envoy's connect attempts on the decodes (pd-extproc answers Envoy as the leg returns); that plus
+    one heartbeat interval must stay under the NIXL lease, or the prefill frees blocks the decode
+    then reads (README "KV holds and the gateway's timeouts"), with at least half the lease left for
+    the decode engine's own intake (HTTP server, tokenizer, queue). A reset retry could wait a whole
+    generation first: the KV handoff route has none."""
+    config = yaml.safe_load(template.read_text())
+    clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
+    listener = next(entry for entry in config["static_resources"]["listeners"] if entry["name"] == "gateway")
+    routes = listener["filter_chains"][0]["filters"][0]["typed_config"]["route_config"]["virtual_hosts"][0][
+        "routes"
+    ]
+    (kv_route,) = [
+        r for r in routes if any(h["name"] == "x-gateway-kv-handoff" for h in r["match"].get("headers", []))
+    ]
+    retry = kv_route["route"]["retry_policy"]
+    assert "reset" not in retry["retry_on"].split(",")
+    attempts = 1 + retry["num_retries"]
+    worst = attempts * _seconds(clusters["decode"]["connect_timeout"]) + retry["num_retries"] * (
+        ENVOY_RETRY_BACKOFF_MAX_SECONDS
+    )
+    assert worst + NIXL_HEARTBEAT_SECONDS < NIXL_LEASE_SECONDS / 2
+
+
+def test_an_sglang_prefill_leg_gives_up_before_its_decode_stops_waiting():
+    """With sglang-bootstrap the decode waits for its prefill's KV for SGLang's bootstrap timeout; a
+    leg pd-extproc still waits for after that is lost work holding a prefill charge."""
+    assert HandoffConfig().prefill_timeout_seconds < SGLANG_BOOTSTRAP_TIMEOUT_SECONDS
