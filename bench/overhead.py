@@ -50,6 +50,7 @@ BENCH = Path(__file__).resolve().parent
 
 
 BODY_SIZES = {"1KB": 1_000, "64KB": 64_000, "1MB": 1_000_000}
+BODY_MODE_GATEWAYS = ("bare_buffered", "bare_full_duplex", "buffered", "full_duplex")
 """The request body sizes of the body-mode comparison, in bytes (approximately: the JSON around the
 prompt adds a few dozen)."""
 
@@ -146,9 +147,11 @@ async def _in_flight_memory(url: str, admin_port: int, server_pid: int, streams:
 
 
 async def _body_modes(urls: dict[str, str], requests: int, server_pid: int) -> dict:
-    """Per body size, ``requests`` sequential requests per gateway (``without_filter``, ``buffered``,
-    ``full_duplex``: the same pd-extproc), rotating gateways request by request; the latency, the
-    added latency p50 of each mode and its pd-extproc CPU per request (µs), and FDS / BUFFERED."""
+    """Per body size, ``requests`` sequential requests per gateway (``without_filter``; the bare
+    Python processor and pd-extproc, each ``buffered`` and ``full_duplex``), rotating gateways request
+    by request; the latency, the added latency p50 of each, pd-extproc's CPU per request (µs), and the
+    FDS / BUFFERED ratio of the added p50, for pd-extproc and for the bare processor (Python gRPC's
+    own cost of the mode's extra messages)."""
     results: dict = {}
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         for label, size in BODY_SIZES.items():
@@ -198,6 +201,7 @@ async def measure(
             ("bare_ext_proc", bare_port),
             ("pd_extproc", grpc_port),
             ("full_duplex", grpc_port),
+            ("bare_full_duplex", bare_port),
         ):
             listen, admin = free_port(), free_port()
             bootstrap = render_bootstrap(
@@ -207,13 +211,18 @@ async def measure(
                 decode_eds_path=eds[1],
                 prefill_eds_path=eds[0],
                 prefill_leg_port=free_port(),
-                fail_open=name == "bare_ext_proc",  # it names no decode: Envoy's fallback policy picks
-                full_duplex=name == "full_duplex",
+                fail_open=name.startswith("bare_"),  # it names no decode: Envoy's fallback policy picks
+                full_duplex=name.endswith("full_duplex"),
             )
             gateways.append(await start_gateway(bootstrap, listen, admin, concurrency=1))
             urls[name] = f"{gateways[-1].url}/v1/chat/completions"
-        modes = {"without_filter": urls["without_filter"], "buffered": urls["pd_extproc"]}
-        modes["full_duplex"] = urls.pop("full_duplex")
+        modes = {
+            "without_filter": urls["without_filter"],
+            "bare_buffered": urls["bare_ext_proc"],
+            "bare_full_duplex": urls.pop("bare_full_duplex"),
+            "buffered": urls["pd_extproc"],
+            "full_duplex": urls.pop("full_duplex"),
+        }
         await _side_by_side(urls, 200, 1, server.pid)  # warm-up
         results: dict = {"body_bytes": len(str(BODY)), "latency": {}}
         for concurrency in concurrencies:
