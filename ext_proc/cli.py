@@ -36,6 +36,12 @@ def _serve(args: argparse.Namespace) -> int:
         overrides["discovery.source"] = args.discovery
     if args.kubeconfig is not None:
         overrides["discovery.kubernetes.kubeconfig"] = str(Path(args.kubeconfig).resolve())
+    if args.pool_name is not None:
+        overrides["discovery.inferencepool.name"] = args.pool_name
+    if args.pool_namespace is not None:
+        overrides["discovery.inferencepool.namespace"] = args.pool_namespace
+    if args.health_listen is not None:
+        overrides["health_listen"] = args.health_listen
     if args.affinity_mode is not None:
         overrides["affinity.mode"] = args.affinity_mode
     if args.affinity_bonus is not None:
@@ -83,11 +89,29 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--listen", help="gRPC host:port (config key listen)")
     serve.add_argument("--metrics-listen", help="admin/metrics host:port (config key metrics_listen)")
     serve.add_argument(
+        "--health-listen",
+        help="host:port of a second, plaintext gRPC port serving only health (GIE's --grpc-health-port); "
+        "'' = off (health_listen)",
+    )
+    serve.add_argument(
         "--eds-file", action="append", help="EDS file to watch; repeatable (discovery.eds_files)"
     )
-    serve.add_argument("--discovery", help="files | kubernetes: where endpoints come from (discovery.source)")
     serve.add_argument(
-        "--kubeconfig", help="kubeconfig file for --discovery kubernetes (discovery.kubernetes.kubeconfig)"
+        "--discovery",
+        help="files | kubernetes | inferencepool: where endpoints come from (discovery.source)",
+    )
+    serve.add_argument(
+        "--kubeconfig",
+        help="kubeconfig file for --discovery kubernetes or inferencepool (discovery.kubernetes.kubeconfig)",
+    )
+    serve.add_argument(
+        "--pool-name",
+        help="the InferencePool whose pods are the endpoints, for --discovery inferencepool "
+        "(discovery.inferencepool.name)",
+    )
+    serve.add_argument(
+        "--pool-namespace",
+        help="its namespace; '' = pd-extproc's own (discovery.inferencepool.namespace)",
     )
     serve.add_argument("--affinity-mode", help="off | prefer | strict | auto (affinity.mode)")
     serve.add_argument("--affinity-bonus", type=float, help="prefer-mode slack in [0, 1] (affinity.bonus)")
