@@ -165,7 +165,7 @@ def test_unknown_top_level_key_is_named_with_the_allowed_keys(tmp_path: Path) ->
     message = config_error(write_yaml(tmp_path, "listn: 0.0.0.0:1\n"))
     assert message == (
         "listn: unknown key; allowed keys here: admin, affinity, discovery, engine_metrics, envoy_health, "
-        "handoff, limits, listen, load, metrics_listen, routing, tls, xds"
+        "handoff, health_listen, limits, listen, load, metrics_listen, routing, tls, xds"
     )
 
 
@@ -738,7 +738,7 @@ def test_the_inferencepool_source_and_its_keys(tmp_path: Path) -> None:
     discovery = load(path).discovery
     assert discovery.source is SourceKind.INFERENCEPOOL
     assert (discovery.inferencepool.name, discovery.inferencepool.namespace) == (
-        "vllm-llama3.pool",
+        "llama3.pool",
         "serving",
     )
     assert load().discovery.inferencepool == InferencePoolConfig("", "")
