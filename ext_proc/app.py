@@ -205,12 +205,19 @@ async def start_server(
         router, config.listen, health, publisher.ads if publisher is not None else None, credentials
     )
     servers = [grpc_server]
+
+    async def abandon() -> None:
+        """Stop what was started, when a later port cannot be bound."""
+        if publisher is not None:
+            publisher.close()
+        await asyncio.gather(*(server.stop(None) for server in servers))
+
     health_port = 0
     if config.health_listen:
         try:
             health_server, health_port = await start_health_grpc(health, config.health_listen)
         except OSError:
-            await grpc_server.stop(None)
+            await abandon()
             raise
         servers.append(health_server)
     scraper = (
@@ -226,9 +233,7 @@ async def start_server(
     try:
         await site.start()
     except OSError as exc:
-        if publisher is not None:
-            publisher.close()
-        await asyncio.gather(*(server.stop(None) for server in servers))
+        await abandon()
         await runner.cleanup()
         raise OSError(f"cannot listen on {config.metrics_listen} for metrics and admin: {exc}") from exc
     admin_port = runner.addresses[0][1]

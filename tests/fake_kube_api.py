@@ -199,7 +199,8 @@ class FakeKubeApi:
             path = f"{resource.prefix}/namespaces/{{namespace}}/{resource.plural}"
             app.router.add_get(path, self._handler(resource, self._collection))
             app.router.add_get(path + "/{name}", self._handler(resource, self._get))
-        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
+        # handler_cancellation: a watch whose client went away ends, as the API server's does
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True)
         await site.start()

@@ -15,6 +15,10 @@ from ext_proc.discovery.pods import (
     PodView,
     Preset,
     cluster_endpoints,
+    has_role,
+    is_label_key,
+    is_label_value,
+    is_object_name,
     view_pod,
 )
 
@@ -143,6 +147,87 @@ def test_a_both_pod_missing_one_port_keeps_the_other_role() -> None:
     view = view_pod(both, rules)
     assert endpoints(view) == [("decode", "10.0.0.1:8000")]
     assert view.problems == ("no container port named 'p-port' (the prefill port)",)
+
+
+# --- target ports (an InferencePool's) ----------------------------------------------------------
+
+
+def test_target_ports_replace_the_schemes_port_one_endpoint_each_in_their_order() -> None:
+    rules = dataclasses.replace(INFERNEX, target_ports=(8002, 8000))
+    assert endpoints(view_pod(pod(ports={}), rules)) == [
+        ("decode", "10.0.0.1:8002"),
+        ("decode", "10.0.0.1:8000"),
+    ]
+
+
+def test_target_ports_of_a_both_pod_are_in_both_clusters() -> None:
+    rules = dataclasses.replace(LLM_D, target_ports=(8000, 8001))
+    both = pod(
+        "b0", "both", "10.0.0.3", role_label="llm-d.ai/role", annotations={"pd-extproc/token-capacity": "9"}
+    )
+    view = view_pod(both, rules)
+    assert endpoints(view) == [
+        ("prefill", "10.0.0.3:8000"),
+        ("prefill", "10.0.0.3:8001"),
+        ("decode", "10.0.0.3:8000"),
+        ("decode", "10.0.0.3:8001"),
+    ]
+    assert {spec.token_capacity for _, spec in view.endpoints} == {9.0}  # each rank: the pod's annotation
+    assert view.problems == ()
+
+
+def test_target_ports_still_need_a_routable_pod_with_a_role() -> None:
+    rules = dataclasses.replace(INFERNEX, target_ports=(8000,))
+    assert view_pod(pod(ready="False"), rules) == PodView(())
+    assert view_pod(pod(role="router"), rules) == PodView(())
+
+
+@pytest.mark.parametrize(
+    ("role", "known"), [("prefill", True), ("decode", True), ("both", False), (None, False)]
+)
+def test_has_role_is_about_the_label_alone(role: str | None, known: bool) -> None:
+    assert has_role(pod(role=role, ready="False"), INFERNEX) is known
+    assert has_role({}, INFERNEX) is False
+
+
+@pytest.mark.parametrize(
+    ("key", "valid"),
+    [
+        ("app", True),
+        ("example.com/app", True),
+        ("a.b-c_d", True),
+        ("Example.com/app", False),
+        ("example.com/", False),
+        ("/app", False),
+        ("a/b/c", False),
+        ("has space", False),
+        ("x" * 64, False),
+    ],
+)
+def test_label_key_syntax(key: str, valid: bool) -> None:
+    assert is_label_key(key) is valid
+
+
+@pytest.mark.parametrize(
+    ("value", "valid"), [("", True), ("v1.2_x-y", True), ("-v", False), ("a b", False), ("x" * 64, False)]
+)
+def test_label_value_syntax(value: str, valid: bool) -> None:
+    assert is_label_value(value) is valid
+
+
+@pytest.mark.parametrize(
+    ("name", "valid"),
+    [
+        ("pool", True),
+        ("llama3.pool-1", True),
+        ("Pool", False),
+        ("pool.", False),
+        ("", False),
+        ("a" * 254, False),
+    ],
+)
+def test_object_name_syntax(name: str, valid: bool) -> None:
+    assert is_object_name(name) is valid
 
 
 # --- group and annotations -------------------------------------------------------------------
