@@ -51,7 +51,7 @@ class RunningServer:
     ``health_port`` is 0 without ``health_listen``.
 
     ``config`` is the configuration it started with; ``reloads`` watches the configuration file
-    (``None`` without one) and holds the configuration in force; ``health`` is its gRPC health.
+    (``None`` without one) and holds the configuration in force.
     """
 
     config: Config
@@ -59,7 +59,6 @@ class RunningServer:
     grpc_port: int
     admin_port: int
     health_port: int
-    health: Health
     publisher: EdsPublisher | None
     reloads: ConfigWatcher | None
     _grpc: tuple[grpc.aio.Server, ...]
@@ -278,7 +277,6 @@ async def start_server(
         grpc_port,
         admin_port,
         health_port,
-        health,
         publisher,
         reloads,
         tuple(servers),

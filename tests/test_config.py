@@ -777,6 +777,51 @@ def test_cli_pool_and_health_flags(cli) -> None:
     assert config.health_listen == "0.0.0.0:9003"
 
 
+def test_every_serve_flag_sets_its_key(cli, tmp_path: Path) -> None:
+    argv = [
+        "serve",
+        *("--listen", "127.0.0.1:9102", "--metrics-listen", "127.0.0.1:9190"),
+        *("--health-listen", "127.0.0.1:9103", "--discovery", "inferencepool"),
+        *("--pool-name", "pool", "--pool-namespace", "models", "--kubeconfig", str(tmp_path / "kube")),
+        *("--affinity-mode", "strict", "--affinity-bonus", "0.5", "--handoff", "kv-transfer-params"),
+        *("--prefill-via", "http://127.0.0.1:10001", "--pd-threshold-tokens", "7", "--serve-eds"),
+        *("--max-inflight-requests", "9", "--engine-metrics", "--engine-metrics-interval", "0.5"),
+        *("--envoy-admin-url", "http://127.0.0.1:9901", "--eds-file", str(tmp_path / "d.yaml")),
+    ]
+    assert cli.main(argv) == 0
+    (config,) = cli.started
+    assert (config.listen, config.metrics_listen, config.health_listen) == (
+        "127.0.0.1:9102",
+        "127.0.0.1:9190",
+        "127.0.0.1:9103",
+    )
+    discovery = config.discovery
+    assert (discovery.source, discovery.inferencepool) == (
+        SourceKind.INFERENCEPOOL,
+        InferencePoolConfig("pool", "models"),
+    )
+    assert (discovery.kubernetes.kubeconfig, discovery.eds_files) == (
+        str(tmp_path / "kube"),
+        (str(tmp_path / "d.yaml"),),
+    )
+    assert (config.affinity.mode, config.affinity.bonus) == (Mode.STRICT, 0.5)
+    assert (config.handoff.mode.value, config.handoff.prefill_via) == (
+        "kv-transfer-params",
+        "http://127.0.0.1:10001",
+    )
+    assert (config.routing.pd_threshold_tokens, config.xds.serve_eds) == (7, True)
+    assert (config.limits.max_inflight_requests, config.engine_metrics.enabled) == (9, True)
+    assert config.engine_metrics.interval_seconds == 0.5
+    assert config.envoy_health.admin_url == "http://127.0.0.1:9901"
+
+
+def test_switches_left_out_keep_the_files_values(cli, tmp_path: Path) -> None:
+    path = write_yaml(tmp_path, "xds:\n  serve_eds: true\nengine_metrics:\n  enabled: true\n")
+    assert cli.main(["serve", "--config", str(path)]) == 0
+    (config,) = cli.started
+    assert (config.xds.serve_eds, config.engine_metrics.enabled) == (True, True)
+
+
 def test_cli_inferencepool_without_pool_name_exits_2(cli, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["serve", "--discovery", "inferencepool"]) == 2
     assert "discovery.inferencepool.name: required with discovery.source inferencepool" in (

@@ -22,6 +22,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kube_objects import INFERNEX_RULES as RULES
 from kube_objects import inference_pool, pod
 from polling import until
+from source_run import Run
+from source_run import running as run_source
 
 from ext_proc.app import start_server
 from ext_proc.config import DiscoveryConfig, InferencePoolConfig, KubernetesConfig, load_config
@@ -36,21 +38,6 @@ POOL = "llama"
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-@pytest.fixture
-async def api() -> AsyncIterator[FakeKubeApi]:
-    server = FakeKubeApi()
-    await server.start()
-    yield server
-    await server.stop()
-
-
-@pytest.fixture
-def kubeconfig(api: FakeKubeApi, tmp_path: Path) -> Path:
-    path = tmp_path / "kubeconfig"
-    path.write_text(api.kubeconfig(NS))
-    return path
-
-
 def engine(name: str, role: str, ip: str, **kwargs) -> dict:
     """A pod of the pool (label ``app: vllm`` unless ``labels`` say otherwise)."""
     labels = kwargs.pop("labels", {"app": "vllm"})
@@ -61,48 +48,28 @@ def pool(**kwargs) -> dict:
     return inference_pool(POOL, namespace=NS, **kwargs)
 
 
-class Run:
-    """A running source: what it published and its availability, its metrics."""
-
-    def __init__(self, source: InferencePoolSource, metrics: Metrics):
-        self.source, self.metrics = source, metrics
-        self.published: list[list[ClusterEndpoints]] = []
-        self.available: list[bool] = []
-
-    def view(self) -> dict[str, list[str]]:
-        """The last published view: cluster name → addresses."""
-        return {c.cluster_name: [e.address for e in c.endpoints] for c in self.published[-1]}
-
-    def sample(self, name: str, **labels: str) -> float | None:
-        return self.metrics.registry.get_sample_value(name, labels)
-
-    def errors(self, reason: str) -> float:
-        labels = {"source": "inferencepool", "reason": reason}
-        return self.sample("pd_extproc_discovery_errors_total", **labels) or 0.0
-
-
-@contextlib.asynccontextmanager
-async def running(kubeconfig: Path) -> AsyncIterator[Run]:
+def fast_source(kubeconfig: Path):
     """The source on ``kubeconfig`` for the pool ``NS/POOL``, retrying after 50-100 ms."""
-    metrics = Metrics(lambda: ())
-    settings, _ = await client_settings(str(kubeconfig), {})
-    run: Run
 
-    def publish(clusters: list[ClusterEndpoints]) -> None:
-        run.published.append(clusters)
+    async def build(publish, available, metrics) -> InferencePoolSource:
+        settings, _ = await client_settings(str(kubeconfig), {})
+        return InferencePoolSource(settings, NS, POOL, RULES, publish, available, metrics, backoff=(0.1, 0.2))
 
-    def available(now: bool) -> None:
-        run.available.append(now)
+    return build
 
-    source = InferencePoolSource(settings, NS, POOL, RULES, publish, available, metrics, backoff=(0.1, 0.2))
-    run = Run(source, metrics)
-    task = asyncio.create_task(source.run())
-    try:
+
+def running(kubeconfig: Path):
+    return run_source(fast_source(kubeconfig), "inferencepool")
+
+
+@pytest.fixture
+async def followed(api: FakeKubeApi, kubeconfig: Path) -> AsyncIterator[Run]:
+    """The source following the pool (``app: vllm`` at port 8000) and its decode ``d0`` (10.0.0.2)."""
+    api.put(pool())
+    api.put(engine("d0", "decode", "10.0.0.2"))
+    async with running(kubeconfig) as run:
+        await until(lambda: run.published and api.watching(NS, "pods") == 1)
         yield run
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
 
 
 def requests(api: FakeKubeApi, kind: str, resource: str) -> list[dict[str, str]]:
@@ -154,21 +121,18 @@ async def test_the_pool_then_the_pods_it_selects_at_its_target_ports(
 
 
 async def test_pod_events_are_applied_and_a_pod_relabelled_out_of_the_pool_leaves(
-    api: FakeKubeApi, kubeconfig: Path
+    api: FakeKubeApi, followed: Run
 ) -> None:
-    api.put(pool())
-    api.put(engine("d0", "decode", "10.0.0.2"))
-    async with running(kubeconfig) as run:
-        await until(lambda: run.published and api.watching(NS, "pods") == 1)
-        api.put(engine("d1", "decode", "10.0.0.3"))  # ADDED
-        await until(lambda: run.view()["decode"] == ["10.0.0.2:8000", "10.0.0.3:8000"])
-        api.put(engine("d0", "decode", "10.0.0.2", ready="False"))  # MODIFIED: unready
-        await until(lambda: run.view()["decode"] == ["10.0.0.3:8000"])
-        api.put(engine("d1", "decode", "10.0.0.3", labels={"app": "retired"}))  # DELETED for this watch
-        await until(lambda: run.view()["decode"] == [])
-        api.put(engine("d1", "decode", "10.0.0.3"))  # back: ADDED
-        api.delete(NS, "d0")
-        await until(lambda: run.view()["decode"] == ["10.0.0.3:8000"])
+    run = followed
+    api.put(engine("d1", "decode", "10.0.0.3"))  # ADDED
+    await until(lambda: run.view()["decode"] == ["10.0.0.2:8000", "10.0.0.3:8000"])
+    api.put(engine("d0", "decode", "10.0.0.2", ready="False"))  # MODIFIED: unready
+    await until(lambda: run.view()["decode"] == ["10.0.0.3:8000"])
+    api.put(engine("d1", "decode", "10.0.0.3", labels={"app": "retired"}))  # DELETED for this watch
+    await until(lambda: run.view()["decode"] == [])
+    api.put(engine("d1", "decode", "10.0.0.3"))  # back: ADDED
+    api.delete(NS, "d0")
+    await until(lambda: run.view()["decode"] == ["10.0.0.3:8000"])
     assert all(a != b for a, b in zip(run.published, run.published[1:], strict=False))  # only changes
     assert len(requests(api, "list", "pods")) == 1
     assert run.available == [True]
@@ -236,26 +200,23 @@ async def test_a_pool_absent_at_start_publishes_nothing_until_it_appears(
 
 
 async def test_a_deleted_pool_leaves_no_endpoints_and_comes_back(
-    api: FakeKubeApi, kubeconfig: Path, caplog: pytest.LogCaptureFixture
+    api: FakeKubeApi, followed: Run, caplog: pytest.LogCaptureFixture
 ) -> None:
+    run = followed
+    with caplog.at_level(logging.WARNING, logger="ext_proc.discovery.inferencepool"):
+        api.delete(NS, POOL, kind="InferencePool")
+        await until(lambda: run.view() == {"prefill": [], "decode": []})
+        assert run.available == [True, False]
+        await until(lambda: api.watching(NS, "pods") == 0)  # the pods are no longer followed
+    assert messages(caplog) == [
+        f"inferencepool discovery: InferencePool {NS}/{POOL} was deleted: no endpoints, readiness "
+        "NOT_SERVING until it exists"
+    ]
+    assert run.sample("pd_extproc_inferencepool_usable") == 0.0
     api.put(pool())
-    api.put(engine("d0", "decode", "10.0.0.2"))
-    async with running(kubeconfig) as run:
-        await until(lambda: run.published and api.watching(NS, "pods") == 1)
-        with caplog.at_level(logging.WARNING, logger="ext_proc.discovery.inferencepool"):
-            api.delete(NS, POOL, kind="InferencePool")
-            await until(lambda: run.view() == {"prefill": [], "decode": []})
-            assert run.available == [True, False]
-            await until(lambda: api.watching(NS, "pods") == 0)  # the pods are no longer followed
-        assert messages(caplog) == [
-            f"inferencepool discovery: InferencePool {NS}/{POOL} was deleted: no endpoints, readiness "
-            "NOT_SERVING until it exists"
-        ]
-        assert run.sample("pd_extproc_inferencepool_usable") == 0.0
-        api.put(pool())
-        await until(lambda: run.view()["decode"] == ["10.0.0.2:8000"])
-        assert run.available == [True, False, True]
-        assert run.sample("pd_extproc_inferencepool_usable") == 1.0
+    await until(lambda: run.view()["decode"] == ["10.0.0.2:8000"])
+    assert run.available == [True, False, True]
+    assert run.sample("pd_extproc_inferencepool_usable") == 1.0
     assert len(requests(api, "list", "inferencepools")) == 1  # the pool's watch saw it all
 
 
@@ -268,24 +229,19 @@ async def test_a_deleted_pool_leaves_no_endpoints_and_comes_back(
     ],
 )
 async def test_an_unusable_pool_is_like_a_deleted_one(
-    api: FakeKubeApi, kubeconfig: Path, caplog: pytest.LogCaptureFixture, change: dict, problem: str
+    api: FakeKubeApi, followed: Run, caplog: pytest.LogCaptureFixture, change: dict, problem: str
 ) -> None:
-    api.put(pool())
-    api.put(engine("d0", "decode", "10.0.0.2"))
-    async with running(kubeconfig) as run:
-        await until(lambda: run.published)
-        broken = pool()
-        for section, values in change.items():
-            broken[section].update(values)
-        with caplog.at_level(logging.WARNING, logger="ext_proc.discovery.inferencepool"):
-            api.put(broken)
-            await until(lambda: run.view() == {"prefill": [], "decode": []})
-        assert run.available == [True, False]
-        (logged,) = messages(caplog)
-        assert logged.startswith(
-            f"inferencepool discovery: InferencePool {NS}/{POOL} is not usable ({problem}"
-        )
-        assert logged.endswith("): no endpoints, readiness NOT_SERVING")
+    run = followed
+    broken = pool()
+    for section, values in change.items():
+        broken[section].update(values)
+    with caplog.at_level(logging.WARNING, logger="ext_proc.discovery.inferencepool"):
+        api.put(broken)
+        await until(lambda: run.view() == {"prefill": [], "decode": []})
+    assert run.available == [True, False]
+    (logged,) = messages(caplog)
+    assert logged.startswith(f"inferencepool discovery: InferencePool {NS}/{POOL} is not usable ({problem}")
+    assert logged.endswith("): no endpoints, readiness NOT_SERVING")
 
 
 async def test_a_selected_pod_without_a_role_is_warned_about_once(
@@ -309,21 +265,18 @@ async def test_a_selected_pod_without_a_role_is_warned_about_once(
 
 
 async def test_a_410_on_the_pool_watch_lists_the_pool_again_and_the_pods_go_on(
-    api: FakeKubeApi, kubeconfig: Path
+    api: FakeKubeApi, followed: Run
 ) -> None:
-    api.put(pool())
-    api.put(engine("d0", "decode", "10.0.0.2"))
-    async with running(kubeconfig) as run:
-        await until(lambda: run.published and api.watching(NS, "pods") == 1)
-        api.put(pool(ports=[9000]), silent=True)  # lost to compaction: only a new list shows it
-        api.expire()  # every watch, the pods' too
-        await until(lambda: run.view()["decode"] == ["10.0.0.2:9000"])
-        assert run.errors("gone") >= 1
-        await until(lambda: api.watching(NS, "pods") == 1 and api.watching(NS, "inferencepools") == 1)
-        assert len(requests(api, "list", "inferencepools")) == 2
-        assert len(requests(api, "list", "pods")) == 2  # its watch expired too
-        api.put(engine("d1", "decode", "10.0.0.3"))
-        await until(lambda: run.view()["decode"] == ["10.0.0.2:9000", "10.0.0.3:9000"])
+    run = followed
+    api.put(pool(ports=[9000]), silent=True)  # lost to compaction: only a new list shows it
+    api.expire()  # every watch, the pods' too
+    await until(lambda: run.view()["decode"] == ["10.0.0.2:9000"])
+    assert run.errors("gone") >= 1
+    await until(lambda: api.watching(NS, "pods") == 1 and api.watching(NS, "inferencepools") == 1)
+    assert len(requests(api, "list", "inferencepools")) == 2
+    assert len(requests(api, "list", "pods")) == 2  # its watch expired too
+    api.put(engine("d1", "decode", "10.0.0.3"))
+    await until(lambda: run.view()["decode"] == ["10.0.0.2:9000", "10.0.0.3:9000"])
 
 
 async def test_a_pool_watch_the_server_ends_resumes_from_its_last_version(
@@ -359,22 +312,19 @@ async def test_without_the_crd_the_source_retries_and_says_why(
             await until(lambda: run.published and run.view()["decode"] == ["10.0.0.2:8000"])
 
 
-async def test_while_the_api_server_is_down_the_last_view_stays(api: FakeKubeApi, kubeconfig: Path) -> None:
-    api.put(pool())
-    api.put(engine("d0", "decode", "10.0.0.2"))
-    async with running(kubeconfig) as run:
-        await until(lambda: run.published and api.watching(NS, "pods") == 1)
-        publishes = len(run.published)
-        await api.stop()
-        await until(lambda: run.errors("connection") >= 4)  # both watches retried with backoff
-        assert len(run.published) == publishes
-        assert run.available == [True]
-        api.delete(NS, "d0")  # history both watches resume through once the server is back
-        api.put(pool(ports=[8100]))
-        api.put(engine("d1", "decode", "10.0.0.3"))
-        await api.start()
-        await until(lambda: run.view()["decode"] == ["10.0.0.3:8100"])
-        assert len(requests(api, "list", "pods")) == 1
+async def test_while_the_api_server_is_down_the_last_view_stays(api: FakeKubeApi, followed: Run) -> None:
+    run = followed
+    publishes = len(run.published)
+    await api.stop()
+    await until(lambda: run.errors("connection") >= 4)  # both watches retried with backoff
+    assert len(run.published) == publishes
+    assert run.available == [True]
+    api.delete(NS, "d0")  # history both watches resume through once the server is back
+    api.put(pool(ports=[8100]))
+    api.put(engine("d1", "decode", "10.0.0.3"))
+    await api.start()
+    await until(lambda: run.view()["decode"] == ["10.0.0.3:8100"])
+    assert len(requests(api, "list", "pods")) == 1
 
 
 # --- through the server --------------------------------------------------------------------------

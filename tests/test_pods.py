@@ -190,44 +190,22 @@ def test_has_role_is_about_the_label_alone(role: str | None, known: bool) -> Non
     assert has_role({}, INFERNEX) is False
 
 
-@pytest.mark.parametrize(
-    ("key", "valid"),
-    [
-        ("app", True),
-        ("example.com/app", True),
-        ("a.b-c_d", True),
-        ("Example.com/app", False),
-        ("example.com/", False),
-        ("/app", False),
-        ("a/b/c", False),
-        ("has space", False),
-        ("x" * 64, False),
-    ],
-)
-def test_label_key_syntax(key: str, valid: bool) -> None:
-    assert is_label_key(key) is valid
+SYNTAX = [
+    *((is_label_key, key, True) for key in ("app", "example.com/app", "a.b-c_d")),
+    *(
+        (is_label_key, key, False)
+        for key in ("Example.com/app", "example.com/", "/app", "a/b/c", "has space", "x" * 64)
+    ),
+    *((is_label_value, value, True) for value in ("", "v1.2_x-y")),
+    *((is_label_value, value, False) for value in ("-v", "a b", "x" * 64)),
+    *((is_object_name, name, True) for name in ("pool", "llama3.pool-1")),
+    *((is_object_name, name, False) for name in ("Pool", "pool.", "", "a" * 254)),
+]
 
 
-@pytest.mark.parametrize(
-    ("value", "valid"), [("", True), ("v1.2_x-y", True), ("-v", False), ("a b", False), ("x" * 64, False)]
-)
-def test_label_value_syntax(value: str, valid: bool) -> None:
-    assert is_label_value(value) is valid
-
-
-@pytest.mark.parametrize(
-    ("name", "valid"),
-    [
-        ("pool", True),
-        ("llama3.pool-1", True),
-        ("Pool", False),
-        ("pool.", False),
-        ("", False),
-        ("a" * 254, False),
-    ],
-)
-def test_object_name_syntax(name: str, valid: bool) -> None:
-    assert is_object_name(name) is valid
+@pytest.mark.parametrize(("check", "text", "valid"), SYNTAX)
+def test_kubernetes_name_syntax(check, text: str, valid: bool) -> None:
+    assert check(text) is valid
 
 
 # --- group and annotations -------------------------------------------------------------------

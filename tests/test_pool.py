@@ -56,24 +56,35 @@ def test_a_pool_without_a_valid_target_port_is_not_usable() -> None:
     )
 
 
-@pytest.mark.parametrize("ports", [None, [], "8000"])
-def test_a_pool_without_target_ports_is_not_usable(ports: object) -> None:
-    pool = inference_pool()
-    pool["spec"]["targetPorts"] = ports
-    view = view_pool(pool)
-    assert view.spec is None
-    assert view.problems == ("spec.targetPorts is missing or empty",)
+TARGET_PORTS_MISSING = "spec.targetPorts is missing or empty"
+MATCH_LABELS_MISSING = "spec.selector.matchLabels is missing or empty (it would select every pod)"
 
 
 @pytest.mark.parametrize(
-    "selector", [None, {}, {"matchLabels": {}}, {"matchLabels": None}, {"matchLabels": ["a"]}, "app=x"]
+    ("field", "value", "problem"),
+    [
+        *(("targetPorts", ports, TARGET_PORTS_MISSING) for ports in (None, [], "8000")),
+        *(
+            ("selector", selector, MATCH_LABELS_MISSING)
+            for selector in (
+                None,
+                {},
+                {"matchLabels": {}},
+                {"matchLabels": None},
+                {"matchLabels": ["a"]},
+                "app=x",
+            )
+        ),
+    ],
 )
-def test_a_pool_without_match_labels_is_not_usable(selector: object) -> None:
+def test_a_pool_without_target_ports_or_match_labels_is_not_usable(
+    field: str, value: object, problem: str
+) -> None:
     pool = inference_pool()
-    pool["spec"]["selector"] = selector
+    pool["spec"][field] = value
     view = view_pool(pool)
     assert view.spec is None
-    assert view.problems == ("spec.selector.matchLabels is missing or empty (it would select every pod)",)
+    assert view.problems == (problem,)
 
 
 @pytest.mark.parametrize(
