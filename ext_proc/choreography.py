@@ -6,9 +6,10 @@ the same way in every mode. Only the translation between Envoy's messages and th
 ``(raw body, meta, subset) → outcome`` differs:
 
 - :data:`BUFFERED` (the shipped ``envoy/envoy.yaml``): the request headers are answered at once
-  (client routing headers stripped), the whole body comes in one message and its answer carries the
-  routing (headers, ``envoy.lb`` metadata, a rewritten body). Response messages, where Envoy sends
-  them, are passed through unchanged.
+  (client routing headers stripped; with a handoff that hands KV, the answer also asks for the
+  response headers), the whole body comes in one message and its answer carries the routing
+  (headers, ``envoy.lb`` metadata, a rewritten body). Response messages, where Envoy sends them,
+  are passed through unchanged (the server inspects a KV handoff's answer first).
 - :data:`FULL_DUPLEX` (``FULL_DUPLEX_STREAMED``, what the Gateway API Inference Extension gateways
   configure): Envoy sends the headers and every body chunk without waiting. The headers answer is
   held until the body's ``end_of_stream`` (or the request trailers); then it goes out with the
@@ -126,10 +127,12 @@ class BodyCollector:
 class Choreographies:
     """The choreographies of a server whose handoff owns ``routing_headers`` (a client may not send
     them), built once: one per request body mode (BUFFERED, FULL_DUPLEX_STREAMED) and response body
-    handling (echoed in FULL_DUPLEX_STREAMED, else passed through)."""
+    handling (echoed in FULL_DUPLEX_STREAMED, else passed through). ``response_headers``: the
+    BUFFERED strip answer also asks for the response headers (the shipped phases skip them), which
+    the KV handoffs read to tell a decode's failed pull."""
 
-    def __init__(self, routing_headers: tuple[str, ...]) -> None:
-        hold = (msg.strip_on_headers(routing_headers),)
+    def __init__(self, routing_headers: tuple[str, ...], response_headers: bool = False) -> None:
+        hold = (msg.strip_on_headers(routing_headers, response_headers),)
         self.buffered = Choreography("buffered", False, hold, False, routing_headers)
         self._by_modes = {
             (False, False): self.buffered,

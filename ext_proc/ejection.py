@@ -51,14 +51,13 @@ class Ejections:
         return self._held
 
     def eject(self, address: str, outcome: str) -> None:
-        """A leg to ``address`` failed with ``outcome``: leave it out for :attr:`seconds` from now."""
+        """A leg to ``address`` failed with ``outcome`` (or a decode could not pull its KV): leave it
+        out for :attr:`seconds` from now."""
         if self.seconds <= 0:
             return
         self._until[address] = self._clock() + self.seconds
         self._metrics.prefill_ejected(outcome)
-        log.warning(
-            "prefill %s ejected for %g s after a failed prefill leg (%s)", address, self.seconds, outcome
-        )
+        log.warning("prefill %s ejected for %g s after a failure (%s)", address, self.seconds, outcome)
 
     def ejected(self) -> frozenset[str]:
         """The addresses ejected or held out now (expired ejections are forgotten)."""

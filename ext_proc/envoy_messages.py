@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from ext_proc.handoff import RequestMeta, RoutingInstructions
@@ -21,6 +22,8 @@ SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 SERVED_KEY = "x-gateway-destination-endpoint-served"
 _OVERWRITE = base_pb2.HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
+_HeaderSendMode = processing_mode_pb2.ProcessingMode.HeaderSendMode
+_BodySendMode = processing_mode_pb2.ProcessingMode.BodySendMode
 _ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -45,6 +48,7 @@ PHASES = (
 ProcessingRequest = pb.ProcessingRequest
 ProcessingResponse = pb.ProcessingResponse
 HttpBody = pb.HttpBody
+HttpHeaders = pb.HttpHeaders
 
 
 def subset_hint(request: pb.ProcessingRequest) -> frozenset[str] | None:
@@ -100,6 +104,20 @@ def request_meta(headers: pb.HttpHeaders) -> RequestMeta:
         elif key == "authorization":
             authorization = _header_value(header)
     return RequestMeta(path, request_id, authorization)
+
+
+def response_status(headers: pb.HttpHeaders) -> tuple[int, str]:
+    """The ``:status`` (0 when missing or not a number) and ``content-type`` of a
+    ``response_headers`` message."""
+    status, content_type = 0, ""
+    for header in headers.headers.headers:
+        key = header.key
+        if key == ":status":
+            value = _header_value(header)
+            status = int(value) if value.isdigit() else 0
+        elif key == "content-type":
+            content_type = _header_value(header)
+    return status, content_type
 
 
 def _set_header(mutation: pb.HeaderMutation, name: str, value: bytes) -> None:
@@ -176,10 +194,37 @@ def streamed_chunk(kind: str, body: bytes, end_of_stream: bool) -> pb.Processing
     return response
 
 
-def strip_on_headers(headers: tuple[str, ...]) -> pb.ProcessingResponse:
-    """Answer a ``request_headers`` message by removing client-supplied routing headers."""
+def stream_response_body() -> pb.ProcessingResponse:
+    """Answer a ``response_headers`` message unchanged, asking Envoy to send this response's body
+    chunk by chunk (``mode_override``: ``response_body_mode: STREAMED``; the filter must allow
+    mode overrides, ``allow_mode_override``)."""
+    response = pb.ProcessingResponse()
+    response.response_headers.SetInParent()
+    response.mode_override.response_body_mode = _BodySendMode.STREAMED
+    return response
+
+
+def replace_body(body: bytes) -> pb.ProcessingResponse:
+    """Answer a (BUFFERED or STREAMED) ``response_body`` message by sending ``body`` in its place."""
+    response = pb.ProcessingResponse()
+    response.response_body.response.body_mutation.body = body
+    return response
+
+
+def strip_on_headers(headers: tuple[str, ...], response_headers: bool = False) -> pb.ProcessingResponse:
+    """Answer a ``request_headers`` message by removing client-supplied routing headers; with
+    ``response_headers``, also ask Envoy to send this request's response headers (``mode_override``
+    of the shipped BUFFERED phases with response headers ``SEND``; needs ``allow_mode_override``)."""
     response = pb.ProcessingResponse()
     response.request_headers.response.header_mutation.remove_headers.extend(headers)
+    if response_headers:
+        mode = response.mode_override
+        mode.request_header_mode = _HeaderSendMode.SEND
+        mode.request_body_mode = _BodySendMode.BUFFERED
+        mode.response_header_mode = _HeaderSendMode.SEND
+        mode.response_body_mode = _BodySendMode.NONE
+        mode.request_trailer_mode = _HeaderSendMode.SKIP
+        mode.response_trailer_mode = _HeaderSendMode.SKIP
     return response
 
 

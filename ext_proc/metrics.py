@@ -125,6 +125,13 @@ class Metrics:
             buckets=LEG_BUCKETS,
             registry=self.registry,
         )
+        self._kv_transfer_failures = Counter(
+            "pd_extproc_kv_transfer_failures_total",
+            "Decodes that could not pull the KV cache of their prefill leg (answered as kv_transfer_failed), "
+            "by whether the answer was streamed",
+            ["stream"],
+            registry=self.registry,
+        )
         self._prefill_fallbacks = Counter(
             "pd_extproc_prefill_fallback_total",
             "Requests whose prefill legs all failed, by what followed (decode-only or error)",
@@ -146,7 +153,8 @@ class Metrics:
         )
         self._prefill_ejections = Counter(
             "pd_extproc_prefill_ejections_total",
-            "Prefill endpoints left out of the candidates after a failed prefill leg, by the leg's outcome",
+            "Prefill endpoints left out of the candidates after a failed prefill leg (by the leg's "
+            "outcome) or a decode's failed pull of its KV (kv_transfer_failed)",
             ["outcome"],
             registry=self.registry,
         )
@@ -281,6 +289,10 @@ class Metrics:
     def stream_started(self, body_mode: str) -> None:
         """Count one ext_proc stream by its request ``body_mode`` (buffered, full_duplex_streamed)."""
         self._stream_children[body_mode].inc()
+
+    def kv_transfer_failed(self, stream: bool) -> None:
+        """Count one decode that could not pull its prefill's KV cache."""
+        self._kv_transfer_failures.labels("true" if stream else "false").inc()
 
     def prefill_leg(self, outcome: str, seconds: float | None) -> None:
         """Count one prefill leg by outcome; ``seconds`` when it got an HTTP answer."""

@@ -21,6 +21,7 @@ from ext_proc.handoff import (
     Refused,
     RequestMeta,
     Routed,
+    kv_failure,
 )
 from ext_proc.load import Admission, Lease
 from ext_proc.metrics import Metrics
@@ -191,6 +192,13 @@ class Router:
     def leg_failed(self, address: str, outcome: str) -> None:
         """A prefill leg to ``address`` failed with ``outcome`` (not a 4xx): eject that prefill."""
         self.ejections.eject(address, outcome)
+
+    def kv_transfer_failed(self, prefill: str, decode: str, stream: bool) -> str:
+        """``decode`` could not pull the KV cache ``prefill`` computed: count it and eject that prefill
+        (it died, or was too loaded to answer the handshake); the message for the client."""
+        self.metrics.kv_transfer_failed(stream)
+        self.ejections.eject(prefill, kv_failure.CODE)
+        return kv_failure.message(decode, prefill)
 
     def _place(
         self, cost: Cost, prefills: Pool[EndpointState], subset: frozenset[str] | None

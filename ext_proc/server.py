@@ -47,7 +47,7 @@ from grpc_health.v1 import health_pb2_grpc
 from ext_proc import envoy_messages as msg
 from ext_proc.choreography import BODY_LIMIT_BYTES, Answers, BodyCollector, Choreographies, Choreography
 from ext_proc.config import ConfigError, TlsConfig
-from ext_proc.handoff import Handover, Refused, RequestMeta, Routed, RoutingInstructions
+from ext_proc.handoff import Handover, Refused, RequestMeta, Routed, RoutingInstructions, kv_failure
 from ext_proc.health import Health
 from ext_proc.load import Admission
 from ext_proc.router import Router
@@ -84,8 +84,8 @@ class _Stream:
     background prefill leg) or the handover in progress, whether it holds an in-flight slot of
     ``admission``, whether Envoy sent the request headers, what they said, the data plane's
     endpoint-subset hint if any, the FULL_DUPLEX_STREAMED body collected so far, how a handover's
-    outcome becomes answers, and whether the stream was answered with an error (later messages get
-    no answer)."""
+    outcome becomes answers, whether the stream was answered with an error (later messages get
+    no answer), and whether the first chunk of a streamed answer to a KV handoff is still to come."""
 
     __slots__ = (
         "admission",
@@ -99,6 +99,7 @@ class _Stream:
         "routed",
         "saw_headers",
         "subset",
+        "watch_stream",
     )
 
     def __init__(self, admission: Admission) -> None:
@@ -113,6 +114,7 @@ class _Stream:
         self.body: BodyCollector | None = None
         self.build: Build | None = None
         self.ended = False
+        self.watch_stream = False
 
     def release_slot(self) -> None:
         """Give back the stream's in-flight slot if it holds one (idempotent)."""
@@ -142,8 +144,9 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     def __init__(self, router: Router) -> None:
         self._router = router
         # Constant answers, built once and shared by every stream: never modified after this.
-        self._choreographies = Choreographies(router.handoff.routing_headers)
+        self._choreographies = Choreographies(router.handoff.routing_headers, router.handoff.hands_kv)
         self._passthrough = {kind: msg.passthrough(kind) for kind in msg.PHASES}
+        self._stream_body = msg.stream_response_body()
 
     def _refuse(self, stream: _Stream, refused: Refused) -> Answers:
         """End ``stream`` with the error answer ``refused``; Envoy sends nothing more that needs one."""
@@ -220,9 +223,54 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             if served is not None:
                 self._router.served_by(stream.routed.lease, served)
             stream.routed.lease.release_prefill()
+            if stream.routed.kv_source is not None:
+                return self._kv_answer_headers(request.response_headers, stream, choreography)
         if kind == "response_body":
+            if stream.watch_stream:
+                return (self._kv_first_chunk(request.response_body, stream, choreography),)
             return (choreography.response_body(request.response_body, self._passthrough[kind]),)
         return (self._passthrough[kind],)
+
+    def _kv_names(self, stream: _Stream) -> tuple[str, str]:
+        """(prefill, decode) of a routed KV handoff: the prefill that holds the KV, the decode charged
+        (the one that served, once the data plane said so)."""
+        routed = stream.routed
+        assert routed is not None and routed.kv_source is not None
+        decode = routed.lease.decode
+        return routed.kv_source, decode.address if decode is not None else "(released)"
+
+    def _kv_answer_headers(
+        self, headers: msg.HttpHeaders, stream: _Stream, choreography: Choreography
+    ) -> Answers:
+        """The decode's answer to a KV handoff starts (``handoff/kv_failure.py``): its 500 is a failed
+        pull, answered ``502 kv_transfer_failed``; a streamed answer's first chunk is inspected (in
+        BUFFERED mode Envoy is asked to send that body chunk by chunk)."""
+        status, content_type = msg.response_status(headers)
+        if status == kv_failure.FAILED_STATUS:
+            prefill, decode = self._kv_names(stream)
+            message = self._router.kv_transfer_failed(prefill, decode, stream=False)
+            return self._refuse(stream, self._router.refuse(kv_failure.STATUS, message, kv_failure.CODE))
+        if status == 200 and content_type.startswith(kv_failure.EVENT_STREAM):
+            stream.watch_stream = True
+            if not choreography.streams_response_body:
+                return (self._stream_body,)
+        return (self._passthrough["response_headers"],)
+
+    def _kv_first_chunk(
+        self, body: msg.HttpBody, stream: _Stream, choreography: Choreography
+    ) -> msg.ProcessingResponse:
+        """The first chunk of a streamed answer to a KV handoff: an error event (the failed pull) is
+        replaced by one naming the cause; anything else passes as it came."""
+        stream.watch_stream = False
+        prefill, decode = self._kv_names(stream)
+        rewritten = kv_failure.rewrite_stream_error(body.body, decode, prefill)
+        if rewritten is None:
+            return choreography.response_body(body, self._passthrough["response_body"])
+        message = self._router.kv_transfer_failed(prefill, decode, stream=True)
+        log.warning("streamed %s instead of the decode's error: %s", kv_failure.CODE, message)
+        if choreography.streams_response_body:
+            return msg.streamed_chunk("response_body", rewritten, body.end_of_stream)
+        return msg.replace_body(rewritten)
 
     def _request_body(self, body: msg.HttpBody, stream: _Stream) -> Answers | Handover:
         if not stream.saw_headers:

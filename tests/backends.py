@@ -109,9 +109,10 @@ async def _models(request: web.Request) -> web.Response:
     return web.json_response(data, headers=seen)
 
 
-async def start_backend() -> EchoBackend:
-    """Start a backend on an ephemeral loopback port."""
-    app = web.Application(client_max_size=MAX_BODY_BYTES)
+async def start_backend(middlewares: tuple = ()) -> EchoBackend:
+    """Start a backend on an ephemeral loopback port (``middlewares``: aiohttp middlewares in front
+    of its handlers)."""
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=list(middlewares))
     backend = EchoBackend(web.AppRunner(app, access_log=None), "")
     app[BACKEND] = backend
     app.router.add_post("/v1/completions", _completion)
@@ -279,3 +280,37 @@ async def start_keepalive_engine(keepalive: float, body: bytes) -> KeepAliveEngi
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
     engine = KeepAliveEngine(server, f"127.0.0.1:{server.sockets[0].getsockname()[1]}", keepalive, body)
     return engine
+
+
+VLLM_GENERATION_ERROR = {
+    "error": {"message": "Internal server error", "type": "InternalServerError", "param": None, "code": 500}
+}
+"""What vLLM 0.32 answers when its decode cannot load the KV cache (``kv_load_failure_policy:
+fail``), measured on real engines (``bench/vllm_kv_failure.py``)."""
+
+
+@web.middleware
+async def _fail_kv_pulls(request: web.Request, handler) -> web.StreamResponse:  # type: ignore[no-untyped-def]
+    if request.method != "POST":
+        return await handler(request)
+    body = await request.json()
+    if "kv_transfer_params" not in body:
+        return await handler(request)
+    request.app[BACKEND].requests.append(
+        {"path": request.path, "body": body, "headers": dict(request.headers)}
+    )
+    if not body.get("stream"):
+        return web.json_response(VLLM_GENERATION_ERROR, status=500)
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+    await response.prepare(request)
+    await response.write(b"data: " + json.dumps(VLLM_GENERATION_ERROR).encode() + b"\n\n")
+    await response.write(b"data: [DONE]\n\n")
+    return response
+
+
+async def start_kv_failing_decode() -> EchoBackend:
+    """A decode that cannot load any KV cache, answering as vLLM 0.32 does: a request carrying
+    ``kv_transfer_params`` gets HTTP 500 with :data:`VLLM_GENERATION_ERROR` (non-streaming) or HTTP 200
+    whose only event is that error, then ``[DONE]`` (streaming); any other request is served as by
+    :func:`start_backend`. Its ``requests`` record every request."""
+    return await start_backend((_fail_kv_pulls,))

@@ -94,6 +94,9 @@ class Routed:
     instructions: RoutingInstructions
     lease: Lease
     background: asyncio.Task[None] | None = None
+    kv_source: str | None = None
+    """The prefill whose KV cache the body tells the decode to pull (the engine handoffs), else
+    ``None``: names the engines when the decode answers that its pull failed."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,9 +158,12 @@ class Handoff(Protocol):
     """Turns a :class:`Placement` into what Envoy and the engines need.
 
     ``routing_headers`` names every request header the handoff owns: clients may not supply them.
+    ``hands_kv``: the handoff tells decodes to pull a KV cache (its answers are watched for a failed
+    pull, :mod:`ext_proc.handoff.kv_failure`).
     """
 
     routing_headers: tuple[str, ...]
+    hands_kv: bool
 
     def hand_off(self, job: HandoffJob, placement: Placement, router: Rerouter) -> Routed | Handover:
         """Answer at once, or return the :class:`Handover` that will."""
@@ -193,25 +199,28 @@ class DecodeRoute:
         """The headers this routing owns (clients may not supply them)."""
         return (self.destination_header, self.prefill_header, KV_HANDOFF_HEADER)
 
-    def instructions(
+    def routed(
         self,
         decision: Decision[EndpointState],
         request_id: str | None,
         body: bytes | None,
+        lease: Lease,
         *,
-        kv_handoff: bool,
-    ) -> RoutingInstructions:
+        kv_source: str | None,
+        background: asyncio.Task[None] | None = None,
+    ) -> Routed:
         """Route to the decode (and fallbacks); ``request_id`` and ``body`` replace the client's;
-        ``kv_handoff``: the body tells the decode where to pull the KV from (marked with
-        :data:`KV_HANDOFF_HEADER`)."""
+        ``kv_source``: the prefill whose KV the body tells the decode to pull (the request is then
+        marked with :data:`KV_HANDOFF_HEADER`), ``None`` when the decode computes the prompt itself."""
         destination = destination_list(decision)
         headers = ((self.destination_header, destination),)
         if request_id is not None:
             headers += ((REQUEST_ID_HEADER, request_id),)
-        if kv_handoff:
+        if kv_source is not None:
             headers += ((KV_HANDOFF_HEADER, "1"),)
         metadata = ((self.destination_header, destination),)
-        return RoutingInstructions(headers, (self.prefill_header,), metadata, body)
+        instructions = RoutingInstructions(headers, (self.prefill_header,), metadata, body)
+        return Routed(instructions, lease, background, kv_source)
 
 
 def destination_list(decision: Decision[EndpointState]) -> str:

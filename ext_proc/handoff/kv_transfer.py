@@ -106,14 +106,13 @@ class KvTransferParamsHandoff:
         self.on_failure = on_failure
         self.answer_timeout = 2 * leg_timeout_seconds + TIMEOUT_MARGIN_SECONDS
         self.routing_headers = route.routing_headers
+        self.hands_kv = True
 
     def hand_off(self, job: HandoffJob, placement: Placement, router: Rerouter) -> Routed | PrefillFirst:
         """Decode-only at once when no prefill was chosen; else the prefill leg first."""
         if placement.decision.prefill is None:
             plain = without_fields(job.raw, job.body, HANDOFF_FIELDS)
-            return Routed(
-                self.route.instructions(placement.decision, None, plain, kv_handoff=False), placement.lease
-            )
+            return self.route.routed(placement.decision, None, plain, placement.lease, kv_source=None)
         return PrefillFirst(self, job, placement, router)
 
     async def close(self) -> None:
@@ -185,8 +184,8 @@ class PrefillFirst:
             self.lease.release_prefill()
             if outcome is LegOutcome.OK:
                 body = with_fields(job.raw, job.body, {KV_TRANSFER_PARAMS: params}, HANDOFF_FIELDS)
-                return Routed(
-                    handoff.route.instructions(decision, self._request_id, body, kv_handoff=True), self.lease
+                return handoff.route.routed(
+                    decision, self._request_id, body, self.lease, kv_source=prefill.address
                 )
             if outcome is LegOutcome.CLIENT_ERROR:
                 assert reply is not None
@@ -208,9 +207,7 @@ class PrefillFirst:
 
     def _decode_only(self, decision: Decision[EndpointState]) -> Routed:
         plain = without_fields(self._job.raw, self._job.body, HANDOFF_FIELDS)
-        return Routed(
-            self._handoff.route.instructions(decision, self._request_id, plain, kv_handoff=False), self.lease
-        )
+        return self._handoff.route.routed(decision, self._request_id, plain, self.lease, kv_source=None)
 
     def _give_up(
         self, decision: Decision[EndpointState], outcome: LegOutcome, prefill: EndpointState, detail: str

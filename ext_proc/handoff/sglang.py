@@ -51,6 +51,7 @@ class SglangBootstrapHandoff:
         self.metrics = metrics
         self.default_bootstrap_port = default_bootstrap_port
         self.routing_headers = route.routing_headers
+        self.hands_kv = True
         self._legs: set[asyncio.Task[None]] = set()
 
     def hand_off(self, job: HandoffJob, placement: Placement, router: Rerouter) -> Routed:
@@ -59,7 +60,7 @@ class SglangBootstrapHandoff:
         prefill = decision.prefill
         if prefill is None:
             plain = without_fields(job.raw, job.body, HANDOFF_FIELDS)
-            return Routed(self.route.instructions(decision, None, plain, kv_handoff=False), lease)
+            return self.route.routed(decision, None, plain, lease, kv_source=None)
         fields: dict[str, object] = {
             "bootstrap_host": bootstrap_host(prefill.address),
             "bootstrap_port": prefill.bootstrap_port or self.default_bootstrap_port,
@@ -76,7 +77,7 @@ class SglangBootstrapHandoff:
         )
         self._legs.add(leg)
         leg.add_done_callback(self._legs.discard)
-        return Routed(self.route.instructions(decision, request_id, body, kv_handoff=True), lease, leg)
+        return self.route.routed(decision, request_id, body, lease, kv_source=prefill.address, background=leg)
 
     async def _drain(
         self,

@@ -198,6 +198,7 @@ static_resources:
                 response_body_mode: NONE
                 request_trailer_mode: SKIP
                 response_trailer_mode: SKIP
+              allow_mode_override: true
               metadata_options:
                 receiving_namespaces:
                   untyped: [envoy.lb]
