@@ -180,10 +180,12 @@ async def start_scripted_prefill(
 
 @dataclass
 class BrokenEngine:
-    """A TCP server standing in for a broken engine (see :func:`start_broken_engine`)."""
+    """A TCP server standing in for a broken engine (see :func:`start_broken_engine`); ``requests``
+    counts the request heads it read."""
 
     server: asyncio.Server
     address: str
+    requests: int = 0
 
     async def stop(self) -> None:
         self.server.close()
@@ -201,6 +203,7 @@ async def start_broken_engine(kind: str) -> BrokenEngine:
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             await reader.readuntil(b"\r\n\r\n")
+            engine.requests += 1
             if kind == "garbage":
                 writer.write(GARBAGE)
                 await writer.drain()
@@ -213,7 +216,8 @@ async def start_broken_engine(kind: str) -> BrokenEngine:
             writer.close()
 
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    return BrokenEngine(server, f"127.0.0.1:{server.sockets[0].getsockname()[1]}")
+    engine = BrokenEngine(server, f"127.0.0.1:{server.sockets[0].getsockname()[1]}")
+    return engine
 
 
 @dataclass

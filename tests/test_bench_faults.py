@@ -17,8 +17,7 @@ def test_two_scenarios_and_a_short_soak_pass_and_write_json(tmp_path, capsys):
     rows = {row["scenario"]: row for row in json.loads(out.read_text())}
     assert list(rows) == ["prefill-killed-kv", "engine-garbage", "soak"]
     assert rows["prefill-killed-kv"]["outcomes"] == {"200": faults.QUICK.requests}  # a leg was cut
-    garbage = rows["engine-garbage"]["outcomes"]
-    assert garbage["502 upstream_bad_response"] > 0 and sum(garbage.values()) == faults.QUICK.requests
+    assert rows["engine-garbage"]["outcomes"] == {"200": faults.QUICK.requests}  # each retried elsewhere
     soak = rows["soak"]
     assert soak["requests"] == 200 and soak["outcomes"]["aborted"] > 0 and soak["fds_after"] > 0
     for row in rows.values():

@@ -1,0 +1,169 @@
+"""What watching a KV handoff's streamed answer costs: per chunk, pd-extproc CPU and added latency.
+
+In the shipped BUFFERED phases the engine handoffs ask Envoy for a streamed answer's body chunk by
+chunk (README "KV-load failure after a successful leg"): every chunk then crosses pd-extproc. This
+measures that with the real Envoy and pd-extproc as a process, over one backend process acting as a
+prefill (its leg answer carries ``kv_transfer_params``) and a decode streaming ``N`` chunks as fast as
+it can. The same streams go through pd-extproc in ``kv-transfer-params`` mode (watched) and in
+``sidecar`` mode (the same route, nothing watched), for a short and a long stream: the slope between
+the two lengths is the per-chunk cost, so the prefill leg and everything per request cancel out.
+
+Run: ``python bench/kv_stream_watch.py [--streams S] [--short N] [--long N] [--json FILE]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import cpu_seconds, first_line, spawn_python, write_json
+
+from ext_proc.discovery.eds import EndpointSpec, write_eds_file
+from ext_proc.gateway import (
+    free_port,
+    render_bootstrap,
+    start_gateway,
+    start_router_process,
+    terminate,
+    wait_router_ready,
+)
+
+CHUNK = b'data: {"id":"cmpl-bench","object":"text_completion","choices":[{"index":0,"text":" ok"}]}\n\n'
+LEG = json.dumps({"choices": [{"text": "x"}], "kv_transfer_params": {"do_remote_prefill": True}}).encode()
+
+
+async def _serve_backend() -> None:
+    """Prefill on one port, decode on another; prints ``prefill_port decode_port``."""
+
+    async def prefill(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=LEG, content_type="application/json")
+
+    async def decode(request: web.Request) -> web.StreamResponse:
+        chunks = int(json.loads(await request.read())["max_tokens"])
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for _ in range(chunks):
+            await response.write(CHUNK)
+            await asyncio.sleep(0)
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    ports = []
+    for handler in (prefill, decode):
+        app = web.Application()
+        app.router.add_post("/v1/completions", handler)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        ports.append(runner.addresses[0][1])
+    print(*ports, flush=True)
+    await asyncio.Event().wait()
+
+
+async def _streams(url: str, count: int, chunks: int) -> float:
+    """Send ``count`` streams of ``chunks`` chunks one after another; the median seconds each."""
+    body = {"model": "m", "prompt": "x", "max_tokens": chunks, "stream": True}
+    seconds = []
+    async with aiohttp.ClientSession() as session:
+        for _ in range(count):
+            started = time.perf_counter()
+            async with session.post(f"{url}/v1/completions", json=body) as response:
+                assert response.status == 200, await response.text()
+                received = await response.read()
+            assert received.count(b"data: ") == chunks + 1, received[-200:]
+            seconds.append(time.perf_counter() - started)
+    return statistics.median(seconds)
+
+
+async def _measure(mode: str, eds: list[str], workdir: Path, args: argparse.Namespace) -> dict:
+    grpc_port, admin_port, leg_port, listen = free_port(), free_port(), free_port(), free_port()
+    router = start_router_process(
+        grpc_port,
+        admin_port,
+        eds,
+        workdir / f"{mode}.log",
+        ("--handoff", mode, "--prefill-via", f"http://127.0.0.1:{leg_port}", "--pd-threshold-tokens", "0"),
+    )
+    gateway = None
+    try:
+        await wait_router_ready(router, admin_port)
+        bootstrap = render_bootstrap(
+            listen_port=listen,
+            admin_port=free_port(),
+            extproc_port=grpc_port,
+            prefill_leg_port=leg_port,
+            prefill_eds_path=eds[0],
+            decode_eds_path=eds[1],
+        )
+        gateway = await start_gateway(
+            bootstrap, listen, int(bootstrap["admin"]["address"]["socket_address"]["port_value"])
+        )
+        await _streams(gateway.url, 3, args.short)  # warm-up
+        row: dict[str, float] = {}
+        for name, chunks in (("short", args.short), ("long", args.long)):
+            before = cpu_seconds(router.pid)
+            row[f"{name}_seconds"] = await _streams(gateway.url, args.streams, chunks)
+            row[f"{name}_cpu_seconds"] = (cpu_seconds(router.pid) - before) / args.streams
+        extra = args.long - args.short
+        row["per_chunk_latency_us"] = (row["long_seconds"] - row["short_seconds"]) / extra * 1e6
+        row["per_chunk_cpu_us"] = (row["long_cpu_seconds"] - row["short_cpu_seconds"]) / extra * 1e6
+        return row
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        terminate(router)
+
+
+async def _main(args: argparse.Namespace) -> dict:
+    backend = spawn_python([__file__, "--backend"])
+    try:
+        prefill_port, decode_port = map(int, first_line(backend).split())
+        workdir = Path(tempfile.mkdtemp(prefix="kv-stream-watch-"))
+        eds = [str(workdir / "prefill.json"), str(workdir / "decode.json")]
+        write_eds_file(
+            eds[0], "prefill", [EndpointSpec(f"127.0.0.1:{prefill_port}", "g", None, True, "HEALTHY")]
+        )
+        write_eds_file(
+            eds[1], "decode", [EndpointSpec(f"127.0.0.1:{decode_port}", "g", None, True, "HEALTHY")]
+        )
+        return {mode: await _measure(mode, eds, workdir, args) for mode in ("sidecar", "kv-transfer-params")}
+    finally:
+        terminate(backend)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backend", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--streams", type=int, default=20, help="streams per length and mode")
+    parser.add_argument("--short", type=int, default=10, help="chunks of the short streams")
+    parser.add_argument("--long", type=int, default=1000, help="chunks of the long streams")
+    parser.add_argument("--json", help="write the results to this JSON file")
+    args = parser.parse_args()
+    if args.backend:
+        asyncio.run(_serve_backend())
+        return 0
+    result = asyncio.run(_main(args))
+    for mode, row in result.items():
+        print(
+            f"{mode:<20} per chunk: {row['per_chunk_latency_us']:7.1f} us latency, "
+            f"{row['per_chunk_cpu_us']:7.1f} us pd-extproc CPU "
+            f"({args.long}-chunk stream {row['long_seconds'] * 1e3:.0f} ms)"
+        )
+    write_json(args.json, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
