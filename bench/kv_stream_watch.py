@@ -3,12 +3,14 @@
 In the shipped BUFFERED phases the engine handoffs ask Envoy for a streamed answer's body chunk by
 chunk (README "KV-load failure after a successful leg"): every chunk then crosses pd-extproc. This
 measures that with the real Envoy and pd-extproc as a process, over one backend process acting as a
-prefill (its leg answer carries ``kv_transfer_params``) and a decode streaming ``N`` chunks as fast as
-it can. The same streams go through pd-extproc in ``kv-transfer-params`` mode (watched) and in
-``sidecar`` mode (the same route, nothing watched), for a short and a long stream: the slope between
-the two lengths is the per-chunk cost, so the prefill leg and everything per request cancel out.
+prefill (its leg answer carries ``kv_transfer_params``) and a decode streaming ``N`` chunks with a
+pause between two (``--gap-ms``, so that each chunk reaches Envoy on its own, as tokens do). The same
+streams go through pd-extproc in ``kv-transfer-params`` mode (watched) and in ``sidecar`` mode (the
+same route, nothing watched), for a short and a long stream: the slope between the two lengths is the
+per-chunk time and pd-extproc CPU, so the prefill leg and everything per request cancel out; the
+watched mode's slope minus the sidecar's is what the watch adds per chunk.
 
-Run: ``python bench/kv_stream_watch.py [--streams S] [--short N] [--long N] [--json FILE]``.
+Run: ``python bench/kv_stream_watch.py [--streams S] [--short N] [--long N] [--gap-ms G] [--json FILE]``.
 """
 
 from __future__ import annotations
@@ -29,21 +31,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import cpu_seconds, first_line, spawn_python, write_json
 
 from ext_proc.discovery.eds import EndpointSpec, write_eds_file
-from ext_proc.gateway import (
-    free_port,
-    render_bootstrap,
-    start_gateway,
-    start_router_process,
-    terminate,
-    wait_router_ready,
-)
+from ext_proc.gateway import terminate
+from sim.stack import Replica
 
 CHUNK = b'data: {"id":"cmpl-bench","object":"text_completion","choices":[{"index":0,"text":" ok"}]}\n\n'
 LEG = json.dumps({"choices": [{"text": "x"}], "kv_transfer_params": {"do_remote_prefill": True}}).encode()
 
 
-async def _serve_backend() -> None:
-    """Prefill on one port, decode on another; prints ``prefill_port decode_port``."""
+async def _serve_backend(gap: float) -> None:
+    """Prefill on one port, decode on another (``gap`` seconds between two chunks, so that each
+    reaches Envoy on its own, as tokens do); prints ``prefill_port decode_port``."""
 
     async def prefill(request: web.Request) -> web.Response:
         await request.read()
@@ -55,7 +52,7 @@ async def _serve_backend() -> None:
         await response.prepare(request)
         for _ in range(chunks):
             await response.write(CHUNK)
-            await asyncio.sleep(0)
+            await asyncio.sleep(gap)
         await response.write(b"data: [DONE]\n\n")
         return response
 
@@ -88,46 +85,33 @@ async def _streams(url: str, count: int, chunks: int) -> float:
 
 
 async def _measure(mode: str, eds: list[str], workdir: Path, args: argparse.Namespace) -> dict:
-    grpc_port, admin_port, leg_port, listen = free_port(), free_port(), free_port(), free_port()
-    router = start_router_process(
-        grpc_port,
-        admin_port,
-        eds,
-        workdir / f"{mode}.log",
-        ("--handoff", mode, "--prefill-via", f"http://127.0.0.1:{leg_port}", "--pd-threshold-tokens", "0"),
-    )
-    gateway = None
+    replica = Replica()
     try:
-        await wait_router_ready(router, admin_port)
-        bootstrap = render_bootstrap(
-            listen_port=listen,
-            admin_port=free_port(),
-            extproc_port=grpc_port,
-            prefill_leg_port=leg_port,
-            prefill_eds_path=eds[0],
-            decode_eds_path=eds[1],
+        via = f"http://127.0.0.1:{replica.prefill_leg_port}"
+        await replica.start_server(
+            eds,
+            workdir / f"{mode}.log",
+            ("--handoff", mode, "--prefill-via", via, "--pd-threshold-tokens", "0"),
         )
-        gateway = await start_gateway(
-            bootstrap, listen, int(bootstrap["admin"]["address"]["socket_address"]["port_value"])
-        )
-        await _streams(gateway.url, 3, args.short)  # warm-up
+        await replica.start_gateway(Path(eds[0]), Path(eds[1]), extproc=True)
+        assert replica.server is not None and replica.gateway is not None
+        url, pid = replica.gateway.url, replica.server.pid
+        await _streams(url, 3, args.short)  # warm-up
         row: dict[str, float] = {}
         for name, chunks in (("short", args.short), ("long", args.long)):
-            before = cpu_seconds(router.pid)
-            row[f"{name}_seconds"] = await _streams(gateway.url, args.streams, chunks)
-            row[f"{name}_cpu_seconds"] = (cpu_seconds(router.pid) - before) / args.streams
+            before = cpu_seconds(pid)
+            row[f"{name}_seconds"] = await _streams(url, args.streams, chunks)
+            row[f"{name}_cpu_seconds"] = (cpu_seconds(pid) - before) / args.streams
         extra = args.long - args.short
         row["per_chunk_latency_us"] = (row["long_seconds"] - row["short_seconds"]) / extra * 1e6
         row["per_chunk_cpu_us"] = (row["long_cpu_seconds"] - row["short_cpu_seconds"]) / extra * 1e6
         return row
     finally:
-        if gateway is not None:
-            gateway.stop()
-        terminate(router)
+        replica.stop()
 
 
 async def _main(args: argparse.Namespace) -> dict:
-    backend = spawn_python([__file__, "--backend"])
+    backend = spawn_python([__file__, "--backend", "--gap-ms", str(args.gap_ms)])
     try:
         prefill_port, decode_port = map(int, first_line(backend).split())
         workdir = Path(tempfile.mkdtemp(prefix="kv-stream-watch-"))
@@ -148,19 +132,26 @@ def main() -> int:
     parser.add_argument("--backend", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--streams", type=int, default=20, help="streams per length and mode")
     parser.add_argument("--short", type=int, default=10, help="chunks of the short streams")
-    parser.add_argument("--long", type=int, default=1000, help="chunks of the long streams")
+    parser.add_argument("--long", type=int, default=200, help="chunks of the long streams")
+    parser.add_argument("--gap-ms", type=float, default=2.0, help="the decode's pause between chunks, ms")
     parser.add_argument("--json", help="write the results to this JSON file")
     args = parser.parse_args()
     if args.backend:
-        asyncio.run(_serve_backend())
+        asyncio.run(_serve_backend(args.gap_ms / 1000))
         return 0
     result = asyncio.run(_main(args))
     for mode, row in result.items():
         print(
-            f"{mode:<20} per chunk: {row['per_chunk_latency_us']:7.1f} us latency, "
-            f"{row['per_chunk_cpu_us']:7.1f} us pd-extproc CPU "
-            f"({args.long}-chunk stream {row['long_seconds'] * 1e3:.0f} ms)"
+            f"{mode:<20} per chunk: {row['per_chunk_latency_us']:8.1f} us (the decode's {args.gap_ms:g} ms "
+            f"gap included), {row['per_chunk_cpu_us']:6.1f} us pd-extproc CPU"
         )
+    watched, plain = result["kv-transfer-params"], result["sidecar"]
+    added = watched["per_chunk_latency_us"] - plain["per_chunk_latency_us"]
+    cpu = watched["per_chunk_cpu_us"] - plain["per_chunk_cpu_us"]
+    result["watch_per_chunk"] = {"latency_us": added, "cpu_us": cpu}
+    print(
+        f"watching a KV handoff's stream adds per chunk: {added:.1f} us latency, {cpu:.1f} us pd-extproc CPU"
+    )
     write_json(args.json, result)
     return 0
 

@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_json
 
 from ext_proc.gateway import free_port
-from rig.cluster import check_memory, transfer
+from rig.cluster import check_memory, prefill_leg, transfer
 from rig.engine import MODEL_NAME, Engine, EngineSpec, start_engine
 from rig.model import prompt, write_tiny_llama
 from rig.venv import VllmUnavailable, venv_python
@@ -60,15 +60,9 @@ WATCHED = (
 
 async def leg(session: aiohttp.ClientSession, prefill: Engine, text: str) -> dict:
     """A prefill leg as pd-extproc sends it; its ``kv_transfer_params``."""
-    body = {
-        "model": MODEL_NAME,
-        "prompt": text,
-        "max_tokens": 1,
-        "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False},
-    }
-    async with session.post(f"{prefill.url}/v1/completions", json=body) as response:
-        assert response.status == 200, await response.text()
-        return (await response.json())["kv_transfer_params"]
+    params = await prefill_leg(session, prefill, text)
+    assert params is not None, f"the prefill leg on {prefill.address} failed"
+    return params
 
 
 async def decode(

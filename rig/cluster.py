@@ -128,19 +128,28 @@ class VllmCluster:
         return attempts
 
 
-async def transfer(session: aiohttp.ClientSession, prefill: Engine, decode: Engine) -> bool:
-    """A prefill leg on ``prefill`` and the decode of its ``kv_transfer_params`` on ``decode``, as
-    pd-extproc sends them: whether the decode answered 200 with text."""
+async def prefill_leg(session: aiohttp.ClientSession, prefill: Engine, text: str) -> dict[str, object] | None:
+    """A prefill leg of ``text`` on ``prefill``, as pd-extproc sends it: the answer's
+    ``kv_transfer_params``, or ``None`` when it did not answer 200 with them."""
     leg = {
         "model": MODEL_NAME,
-        "prompt": WARM_UP_PROMPT,
+        "prompt": text,
         "max_tokens": 1,
         "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False},
     }
     async with session.post(f"{prefill.url}/v1/completions", json=leg) as response:
         if response.status != 200:
-            return False
+            return None
         params = (await response.json()).get("kv_transfer_params")
+    return params if isinstance(params, dict) else None
+
+
+async def transfer(session: aiohttp.ClientSession, prefill: Engine, decode: Engine) -> bool:
+    """A prefill leg on ``prefill`` and the decode of its ``kv_transfer_params`` on ``decode``, as
+    pd-extproc sends them: whether the decode answered 200 with text."""
+    params = await prefill_leg(session, prefill, WARM_UP_PROMPT)
+    if params is None:
+        return False
     body = {"model": MODEL_NAME, "prompt": WARM_UP_PROMPT, "max_tokens": 2, "kv_transfer_params": params}
     async with session.post(f"{decode.url}/v1/completions", json=body) as response:
         return response.status == 200 and bool((await response.json())["choices"][0]["text"])

@@ -10,13 +10,22 @@ KV handoff is not relabelled.
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import AsyncIterator
+from pathlib import Path
 
 import aiohttp
 import openai
 import pytest
-from backends import start_backend, start_kv_failing_decode, start_scripted_prefill
-from e2e_harness import gateway_over, wait_idle
+from backends import (
+    EchoBackend,
+    ScriptedPrefill,
+    start_backend,
+    start_kv_failing_decode,
+    start_scripted_prefill,
+)
+from e2e_harness import Gatewayed, gateway_over, wait_idle
 from prometheus_client.parser import text_string_to_metric_families
 
 from ext_proc.discovery.eds import EndpointSpec
@@ -51,56 +60,54 @@ async def chat(url: str, stream: bool) -> str:
         return "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices])
 
 
+@contextlib.asynccontextmanager
+async def kv_handoff_to(
+    tmp_path: Path, decode: EchoBackend, full_duplex: bool
+) -> AsyncIterator[tuple[Gatewayed, ScriptedPrefill]]:
+    """pd-extproc (kv-transfer-params) and Envoy over a prefill whose legs answer ``PARAMS`` and
+    ``decode``; both engines are stopped afterwards, and pd-extproc must hold no load then."""
+    prefill = await start_scripted_prefill(200, LEG_ANSWER)
+    try:
+        async with gateway_over(
+            tmp_path, [endpoint(prefill.address)], [endpoint(decode.address)], KV, full_duplex=full_duplex
+        ) as g:
+            yield g, prefill
+            async with aiohttp.ClientSession() as session:
+                assert await wait_idle(session, g.admin_url) == []
+    finally:
+        await prefill.stop()
+        await decode.stop()
+
+
 @pytest.mark.parametrize("full_duplex", [False, True], ids=["buffered", "full-duplex"])
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
 async def test_a_failed_kv_pull_is_a_kv_transfer_failed_error_naming_both_engines(
     tmp_path, stream, full_duplex
 ):
-    prefill = await start_scripted_prefill(200, LEG_ANSWER)
     decode = await start_kv_failing_decode()
-    try:
-        async with gateway_over(
-            tmp_path, [endpoint(prefill.address)], [endpoint(decode.address)], KV, full_duplex=full_duplex
-        ) as g:
-            with pytest.raises(openai.APIError) as raised:
-                await chat(g.gateway.url, stream)
-            error = raised.value
-            assert error.code == "kv_transfer_failed"
-            assert prefill.address in error.message and decode.address in error.message
-            assert "kv_load_failure_policy=recompute" in error.message
-            if not stream:
-                assert isinstance(error, openai.APIStatusError) and error.status_code == 502
-            seen = await counters(g.admin_url)
-            label = "true" if stream else "false"
-            assert seen[f"pd_extproc_kv_transfer_failures_total[('stream', '{label}')]"] == 1
-            assert seen["pd_extproc_prefill_ejections_total[('outcome', 'kv_transfer_failed')]"] == 1
-            (pulled,) = decode.requests
-            assert pulled["body"]["kv_transfer_params"] == PARAMS
-            async with aiohttp.ClientSession() as session:
-                assert await wait_idle(session, g.admin_url) == []
-    finally:
-        await prefill.stop()
-        await decode.stop()
+    async with kv_handoff_to(tmp_path, decode, full_duplex) as (g, prefill):
+        with pytest.raises(openai.APIError) as raised:
+            await chat(g.gateway.url, stream)
+        error = raised.value
+        assert error.code == "kv_transfer_failed"
+        assert prefill.address in error.message and decode.address in error.message
+        assert "kv_load_failure_policy=recompute" in error.message
+        if not stream:
+            assert isinstance(error, openai.APIStatusError) and error.status_code == 502
+        seen = await counters(g.admin_url)
+        label = "true" if stream else "false"
+        assert seen[f"pd_extproc_kv_transfer_failures_total[('stream', '{label}')]"] == 1
+        assert seen["pd_extproc_prefill_ejections_total[('outcome', 'kv_transfer_failed')]"] == 1
+        (pulled,) = decode.requests
+        assert pulled["body"]["kv_transfer_params"] == PARAMS
 
 
 @pytest.mark.parametrize("full_duplex", [False, True], ids=["buffered", "full-duplex"])
 async def test_a_kv_handoff_whose_pull_worked_streams_unchanged(tmp_path, full_duplex):
-    prefill = await start_scripted_prefill(200, LEG_ANSWER)
     decode = await start_backend()
-    try:
-        async with gateway_over(
-            tmp_path, [endpoint(prefill.address)], [endpoint(decode.address)], KV, full_duplex=full_duplex
-        ) as g:
-            text = await chat(g.gateway.url, stream=True)
-            assert text == f"Hello from {decode.address}"
-            assert not any(
-                k.startswith("pd_extproc_kv_transfer_failures") for k in await counters(g.admin_url)
-            )
-            async with aiohttp.ClientSession() as session:
-                assert await wait_idle(session, g.admin_url) == []
-    finally:
-        await prefill.stop()
-        await decode.stop()
+    async with kv_handoff_to(tmp_path, decode, full_duplex) as (g, _):
+        assert await chat(g.gateway.url, stream=True) == f"Hello from {decode.address}"
+        assert not any(k.startswith("pd_extproc_kv_transfer_failures") for k in await counters(g.admin_url))
 
 
 async def test_a_decode_500_without_a_kv_handoff_is_the_engines_own(tmp_path):

@@ -43,6 +43,27 @@ def test_anything_but_a_complete_error_event_first_is_left_alone(chunk):
     assert kv_failure.rewrite_stream_error(chunk, DECODE, PREFILL) is None
 
 
+def test_keep_alive_comments_before_the_error_are_kept_and_skipped():
+    chunk = b": keep-alive\n\n" + event(VLLM_GENERATION_ERROR)
+    rewritten = kv_failure.rewrite_stream_error(chunk, DECODE, PREFILL)
+    assert rewritten is not None and rewritten.startswith(b": keep-alive\n\ndata: ")
+    assert b"kv_transfer_failed" in rewritten
+
+
+@pytest.mark.parametrize(
+    ("chunk", "comments"),
+    [
+        (b": keep-alive\n\n", True),
+        (b": a\n: b\n\n: c\n\n", True),
+        (b": cut", False),
+        (b"", False),
+        (b": keep-alive\n\n" + event({"id": 1}), False),
+    ],
+)
+def test_a_chunk_of_comments_only_keeps_the_watch_on(chunk, comments):
+    assert kv_failure.only_comments(chunk) is comments
+
+
 def test_an_error_event_over_several_data_lines_is_recognised():
     body = json.dumps(VLLM_GENERATION_ERROR)
     chunk = b"data: " + body[:20].encode() + b"\ndata: " + body[20:].encode() + b"\n\n"

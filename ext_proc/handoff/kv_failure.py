@@ -42,17 +42,34 @@ def error_event(decode: str, prefill: str) -> bytes:
 def rewrite_stream_error(chunk: bytes, decode: str, prefill: str) -> bytes | None:
     """``chunk``, the first body chunk of a streamed answer, with its first event replaced by
     :func:`error_event` when that event is an error (what vLLM streams when the pull failed);
-    ``None`` when the first event is anything else (tokens: the pull worked). The rest of the
-    chunk (vLLM's ``[DONE]``) is kept. A first event not complete in the chunk is not an error."""
-    end = chunk.find(b"\n\n")
-    if end < 0:
-        return None
-    event = chunk[:end]
-    data = b"".join(line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:"))
+    ``None`` when the first event is anything else (tokens: the pull worked). Comment events before
+    it (SSE keep-alives) and the rest of the chunk (vLLM's ``[DONE]``) are kept. A first event not
+    complete in the chunk is not an error."""
+    start = 0
+    while True:
+        end = chunk.find(b"\n\n", start)
+        if end < 0:
+            return None
+        lines = chunk[start:end].split(b"\n")
+        if not all(line.startswith(b":") for line in lines):
+            break
+        start = end + 2
+    data = b"".join(line[5:].strip() for line in lines if line.startswith(b"data:"))
     try:
         parsed = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         return None
     if not isinstance(parsed, dict) or not isinstance(parsed.get("error"), dict):
         return None
-    return error_event(decode, prefill) + chunk[end + 2 :]
+    return chunk[:start] + error_event(decode, prefill) + chunk[end + 2 :]
+
+
+def only_comments(chunk: bytes) -> bool:
+    """Whether ``chunk`` holds nothing but complete SSE comment events (keep-alives): the first event
+    that says something is still to come."""
+    events = chunk.split(b"\n\n")
+    return (
+        bool(chunk)
+        and events[-1] == b""
+        and all(line.startswith(b":") for event in events[:-1] for line in event.split(b"\n"))
+    )
