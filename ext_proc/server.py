@@ -259,12 +259,11 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
     def _kv_first_chunk(
         self, body: msg.HttpBody, stream: _Stream, choreography: Choreography
     ) -> msg.ProcessingResponse:
-        """The first chunk of a streamed answer to a KV handoff (keep-alive comments do not count): an
-        error event (the failed pull) is replaced by one naming the cause; anything else passes as it
-        came, and ends the watch."""
-        stream.watch_stream = kv_failure.only_comments(body.body)
+        """A chunk of a streamed answer to a KV handoff before it said anything (``kv_failure.watch_chunk``):
+        an error event (the failed pull) is replaced by one naming the cause; anything else passes as
+        it came, and text ends the watch."""
         prefill, decode = self._kv_names(stream)
-        rewritten = kv_failure.rewrite_stream_error(body.body, decode, prefill)
+        rewritten, stream.watch_stream = kv_failure.watch_chunk(body.body, decode, prefill)
         if rewritten is None:
             return choreography.response_body(body, self._passthrough["response_body"])
         message = self._router.kv_transfer_failed(prefill, decode, stream=True)

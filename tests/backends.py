@@ -307,6 +307,9 @@ async def _fail_kv_pulls(request: web.Request, handler) -> web.StreamResponse:  
         return web.json_response(VLLM_GENERATION_ERROR, status=500)
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
     await response.prepare(request)
+    if request.path.endswith("chat/completions"):  # vLLM announces the role before it fails
+        role = {"id": "chatcmpl-1", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+        await response.write(b"data: " + json.dumps(role).encode() + b"\n\n")
     await response.write(b"data: " + json.dumps(VLLM_GENERATION_ERROR).encode() + b"\n\n")
     await response.write(b"data: [DONE]\n\n")
     return response
@@ -315,6 +318,6 @@ async def _fail_kv_pulls(request: web.Request, handler) -> web.StreamResponse:  
 async def start_kv_failing_decode() -> EchoBackend:
     """A decode that cannot load any KV cache, answering as vLLM 0.32 does: a request carrying
     ``kv_transfer_params`` gets HTTP 500 with :data:`VLLM_GENERATION_ERROR` (non-streaming) or HTTP 200
-    whose only event is that error, then ``[DONE]`` (streaming); any other request is served as by
-    :func:`start_backend`. Its ``requests`` record every request."""
+    whose events are that error, then ``[DONE]`` (streaming; a chat stream announces the role first);
+    any other request is served as by :func:`start_backend`. Its ``requests`` record every request."""
     return await start_backend((_fail_kv_pulls,))

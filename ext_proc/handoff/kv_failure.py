@@ -4,11 +4,12 @@ What vLLM 0.32 does with its default ``kv_load_failure_policy: fail`` (measured 
 ``bench/vllm_kv_failure.py``: the prefill killed after its leg answered, a NIXL handshake that timed
 out or was refused): a non-streaming request is answered ``500`` with vLLM's generic
 ``{"error": {"message": "Internal server error", "type": "InternalServerError", "param": null,
-"code": 500}}``; a streaming one ``200``, and its only event is that error, then ``[DONE]``. Nothing
+"code": 500}}``; a streaming one ``200``, and its only event is that error (a chat stream announces
+the role first), then ``[DONE]``. Nothing
 in either says the KV pull failed. The gateway knows it handed that decode a KV cache to pull, so
-it answers with the cause instead: :func:`failed_answer` is what a non-streaming client gets
-(``502 kv_transfer_failed``), :func:`rewrite_stream_error` turns the stream's error event into one
-carrying the same. Pure: bytes in, bytes out.
+it answers with the cause instead: :func:`message` is what a non-streaming client gets (``502
+kv_transfer_failed``), :func:`watch_chunk` turns the stream's error event into one carrying the same.
+Pure: bytes in, bytes out.
 """
 
 from __future__ import annotations
@@ -39,37 +40,53 @@ def error_event(decode: str, prefill: str) -> bytes:
     return b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
 
 
-def rewrite_stream_error(chunk: bytes, decode: str, prefill: str) -> bytes | None:
-    """``chunk``, the first body chunk of a streamed answer, with its first event replaced by
-    :func:`error_event` when that event is an error (what vLLM streams when the pull failed);
-    ``None`` when the first event is anything else (tokens: the pull worked). Comment events before
-    it (SSE keep-alives) and the rest of the chunk (vLLM's ``[DONE]``) are kept. A first event not
-    complete in the chunk is not an error."""
+def watch_chunk(chunk: bytes, decode: str, prefill: str) -> tuple[bytes | None, bool]:
+    """Scan a chunk of a streamed answer whose pull is not known to have worked yet, event by event:
+    ``(rewritten, keep_watching)``. ``rewritten`` is ``chunk`` with its first error event (what vLLM
+    streams when the pull failed) replaced by :func:`error_event`, everything around it kept (vLLM's
+    ``[DONE]``), or ``None`` when no error comes first. Events that say nothing yet come before it:
+    SSE comments (keep-alives) and a chat answer's role announcement (vLLM sends
+    ``{"delta": {"role": "assistant", "content": ""}}`` before it fails). ``keep_watching``: the chunk
+    held nothing but such events, so the next one decides. An event with text, or one not complete in
+    the chunk, ends the watch: the pull worked (or, for an event split across chunks, nothing is
+    rewritten)."""
     start = 0
-    while True:
-        end = chunk.find(b"\n\n", start)
-        if end < 0:
-            return None
-        lines = chunk[start:end].split(b"\n")
-        if not all(line.startswith(b":") for line in lines):
-            break
+    while (end := chunk.find(b"\n\n", start)) >= 0:
+        kind = _event_kind(chunk[start:end])
+        if kind == "error":
+            return chunk[:start] + error_event(decode, prefill) + chunk[end + 2 :], False
+        if kind == "said":
+            return None, False
         start = end + 2
+    return None, start == len(chunk) and start > 0
+
+
+def _event_kind(event: bytes) -> str:
+    """``quiet`` (a comment, or choices without text yet), ``error`` (an OpenAI-style error), or
+    ``said`` (anything else: text, a finish, ``[DONE]``, what is not JSON)."""
+    lines = event.split(b"\n")
+    if all(line.startswith(b":") for line in lines):
+        return "quiet"
     data = b"".join(line[5:].strip() for line in lines if line.startswith(b"data:"))
     try:
         parsed = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
-        return None
-    if not isinstance(parsed, dict) or not isinstance(parsed.get("error"), dict):
-        return None
-    return chunk[:start] + error_event(decode, prefill) + chunk[end + 2 :]
+        return "said"
+    if not isinstance(parsed, dict):
+        return "said"
+    if isinstance(parsed.get("error"), dict):
+        return "error"
+    choices = parsed.get("choices")
+    if isinstance(choices, list) and choices and all(_quiet_choice(c) for c in choices):
+        return "quiet"
+    return "said"
 
 
-def only_comments(chunk: bytes) -> bool:
-    """Whether ``chunk`` holds nothing but complete SSE comment events (keep-alives): the first event
-    that says something is still to come."""
-    events = chunk.split(b"\n\n")
-    return (
-        bool(chunk)
-        and events[-1] == b""
-        and all(line.startswith(b":") for event in events[:-1] for line in event.split(b"\n"))
-    )
+def _quiet_choice(choice: object) -> bool:
+    """A streamed choice that generated nothing yet: no text, no tool call, no finish."""
+    if not isinstance(choice, dict) or choice.get("finish_reason") is not None:
+        return False
+    delta = choice.get("delta")
+    if isinstance(delta, dict):
+        return not delta.get("content") and not delta.get("tool_calls") and not delta.get("reasoning_content")
+    return "text" in choice and not choice["text"]
