@@ -107,6 +107,9 @@ async def test_a_kv_handoff_whose_pull_worked_streams_unchanged(tmp_path, full_d
     decode = await start_backend()
     async with kv_handoff_to(tmp_path, decode, full_duplex) as (g, _):
         assert await chat(g.gateway.url, stream=True) == f"Hello from {decode.address}"
+        (served,) = decode.requests
+        assert served["body"]["kv_transfer_params"] == PARAMS
+        assert "x-gateway-kv-handoff" not in {k.lower() for k in served["headers"]}  # Envoy removed it
         assert not any(k.startswith("pd_extproc_kv_transfer_failures") for k in await counters(g.admin_url))
 
 
