@@ -135,9 +135,16 @@ def build_handoff(config: Config, metrics: Metrics) -> Handoff:
     route = DecodeRoute(routing.destination_header, routing.prefill_header)
     if handoff.mode is HandoffMode.KV_TRANSFER_PARAMS:
         return KvTransferParamsHandoff(
-            route, client, metrics, handoff.on_prefill_failure, handoff.prefill_timeout_seconds
+            route,
+            client,
+            metrics,
+            handoff.on_prefill_failure,
+            handoff.prefill_timeout_seconds,
+            handoff.watch_streamed_answers,
         )
-    return SglangBootstrapHandoff(route, client, metrics, handoff.default_bootstrap_port)
+    return SglangBootstrapHandoff(
+        route, client, metrics, handoff.default_bootstrap_port, handoff.watch_streamed_answers
+    )
 
 
 async def start_server(

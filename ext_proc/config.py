@@ -216,6 +216,10 @@ class HandoffConfig:
     ``default_bootstrap_port``: SGLang bootstrap port of a prefill without ``bootstrap_port`` metadata.
     ``eject_failed_prefill_seconds``: after a prefill leg fails (not a 4xx), that prefill is no candidate
     for this long (seconds; 0 = never ejected; see ``ext_proc/ejection.py``).
+    ``watch_streamed_answers``: with the BUFFERED phases, the engine handoffs have Envoy send a
+    streamed answer chunk by chunk to tell a decode's failed KV pull (README "KV-load failure after a
+    successful leg"); ``False`` spares that per-chunk cost (a failed pull then streams the engine's own
+    error).
     """
 
     mode: HandoffMode = HandoffMode.SIDECAR
@@ -224,6 +228,7 @@ class HandoffConfig:
     on_prefill_failure: FailurePolicy = FailurePolicy.DECODE_ONLY
     default_bootstrap_port: int = 8998
     eject_failed_prefill_seconds: float = 5.0
+    watch_streamed_answers: bool = True
 
 
 @dataclass(frozen=True)

@@ -243,16 +243,19 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         self, headers: msg.HttpHeaders, stream: _Stream, choreography: Choreography
     ) -> Answers:
         """The decode's answer to a KV handoff starts (``handoff/kv_failure.py``): its 500 is a failed
-        pull, answered ``502 kv_transfer_failed``; a streamed answer's first chunk is inspected (in
-        BUFFERED mode Envoy is asked to send that body chunk by chunk)."""
+        pull, answered ``502 kv_transfer_failed``; a streamed answer's first chunks are inspected (in
+        BUFFERED mode, with ``handoff.watch_streamed_answers``, Envoy is asked to send that body chunk
+        by chunk)."""
         status, content_type = msg.response_status(headers)
         if status == kv_failure.FAILED_STATUS:
             prefill, decode = self._kv_names(stream)
             message = self._router.kv_transfer_failed(prefill, decode, stream=False)
             return self._refuse(stream, self._router.refuse(kv_failure.STATUS, message, kv_failure.CODE))
         if status == 200 and content_type.startswith(kv_failure.EVENT_STREAM):
-            stream.watch_stream = True
-            if not choreography.streams_response_body:
+            if choreography.streams_response_body:
+                stream.watch_stream = True  # the chunks come anyway
+            elif self._router.handoff.watch_streams:
+                stream.watch_stream = True
                 return (self._stream_body,)
         return (self._passthrough["response_headers"],)
 

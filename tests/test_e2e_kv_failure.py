@@ -62,14 +62,20 @@ async def chat(url: str, stream: bool) -> str:
 
 @contextlib.asynccontextmanager
 async def kv_handoff_to(
-    tmp_path: Path, decode: EchoBackend, full_duplex: bool
+    tmp_path: Path, decode: EchoBackend, full_duplex: bool, watch_streams: bool = True
 ) -> AsyncIterator[tuple[Gatewayed, ScriptedPrefill]]:
-    """pd-extproc (kv-transfer-params) and Envoy over a prefill whose legs answer ``PARAMS`` and
-    ``decode``; both engines are stopped afterwards, and pd-extproc must hold no load then."""
+    """pd-extproc (kv-transfer-params, ``handoff.watch_streamed_answers``) and Envoy over a prefill
+    whose legs answer ``PARAMS`` and ``decode``; both engines are stopped afterwards, and pd-extproc
+    must hold no load then."""
     prefill = await start_scripted_prefill(200, LEG_ANSWER)
+    settings = {**KV, "handoff.watch_streamed_answers": watch_streams}
     try:
         async with gateway_over(
-            tmp_path, [endpoint(prefill.address)], [endpoint(decode.address)], KV, full_duplex=full_duplex
+            tmp_path,
+            [endpoint(prefill.address)],
+            [endpoint(decode.address)],
+            settings,
+            full_duplex=full_duplex,
         ) as g:
             yield g, prefill
             async with aiohttp.ClientSession() as session:
@@ -111,6 +117,22 @@ async def test_a_kv_handoff_whose_pull_worked_streams_unchanged(tmp_path, full_d
         assert served["body"]["kv_transfer_params"] == PARAMS
         assert "x-gateway-kv-handoff" not in {k.lower() for k in served["headers"]}  # Envoy removed it
         assert not any(k.startswith("pd_extproc_kv_transfer_failures") for k in await counters(g.admin_url))
+
+
+async def test_without_the_stream_watch_a_streamed_failure_is_the_engines_own_error(tmp_path):
+    """``handoff.watch_streamed_answers: false`` in BUFFERED: the chunks do not cross pd-extproc, the
+    decode's error event reaches the client as vLLM sent it; a non-streamed failure is still named."""
+    decode = await start_kv_failing_decode()
+    async with kv_handoff_to(tmp_path, decode, full_duplex=False, watch_streams=False) as (g, _):
+        with pytest.raises(openai.APIError) as streamed:
+            await chat(g.gateway.url, stream=True)
+        assert streamed.value.code == "500" and streamed.value.message == "Internal server error"
+        with pytest.raises(openai.APIStatusError) as answered:
+            await chat(g.gateway.url, stream=False)
+        assert answered.value.code == "kv_transfer_failed"
+        seen = await counters(g.admin_url)
+        assert seen["pd_extproc_kv_transfer_failures_total[('stream', 'false')]"] == 1
+        assert "pd_extproc_kv_transfer_failures_total[('stream', 'true')]" not in seen
 
 
 async def test_a_decode_500_without_a_kv_handoff_is_the_engines_own(tmp_path):

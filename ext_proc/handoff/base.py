@@ -159,11 +159,13 @@ class Handoff(Protocol):
 
     ``routing_headers`` names every request header the handoff owns: clients may not supply them.
     ``hands_kv``: the handoff tells decodes to pull a KV cache (its answers are watched for a failed
-    pull, :mod:`ext_proc.handoff.kv_failure`).
+    pull, :mod:`ext_proc.handoff.kv_failure`); ``watch_streams``: a streamed answer's chunks are
+    watched too where that costs a message per chunk (``handoff.watch_streamed_answers``).
     """
 
     routing_headers: tuple[str, ...]
     hands_kv: bool
+    watch_streams: bool
 
     def hand_off(self, job: HandoffJob, placement: Placement, router: Rerouter) -> Routed | Handover:
         """Answer at once, or return the :class:`Handover` that will."""

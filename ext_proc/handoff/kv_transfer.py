@@ -99,6 +99,7 @@ class KvTransferParamsHandoff:
         metrics: Metrics,
         on_failure: FailurePolicy,
         leg_timeout_seconds: float,
+        watch_streams: bool = True,
     ) -> None:
         self.route = route
         self.client = client
@@ -107,6 +108,7 @@ class KvTransferParamsHandoff:
         self.answer_timeout = 2 * leg_timeout_seconds + TIMEOUT_MARGIN_SECONDS
         self.routing_headers = route.routing_headers
         self.hands_kv = True
+        self.watch_streams = watch_streams
 
     def hand_off(self, job: HandoffJob, placement: Placement, router: Rerouter) -> Routed | PrefillFirst:
         """Decode-only at once when no prefill was chosen; else the prefill leg first."""

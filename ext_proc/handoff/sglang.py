@@ -44,7 +44,12 @@ class SglangBootstrapHandoff:
     """The concurrent handoff; see the module docstring."""
 
     def __init__(
-        self, route: DecodeRoute, client: PrefillClient, metrics: Metrics, default_bootstrap_port: int
+        self,
+        route: DecodeRoute,
+        client: PrefillClient,
+        metrics: Metrics,
+        default_bootstrap_port: int,
+        watch_streams: bool = True,
     ) -> None:
         self.route = route
         self.client = client
@@ -52,6 +57,7 @@ class SglangBootstrapHandoff:
         self.default_bootstrap_port = default_bootstrap_port
         self.routing_headers = route.routing_headers
         self.hands_kv = True
+        self.watch_streams = watch_streams
         self._legs: set[asyncio.Task[None]] = set()
 
     def hand_off(self, job: HandoffJob, placement: Placement, router: Rerouter) -> Routed:

@@ -34,6 +34,7 @@ class SidecarHandoff:
         self._prefill = prefill_header
         self.routing_headers = (destination_header, prefill_header, KV_HANDOFF_HEADER)
         self.hands_kv = False
+        self.watch_streams = False
 
     def instructions(self, decision: Decision[EndpointState], body: bytes | None) -> RoutingInstructions:
         """Destination list = decode then fallbacks; the prefill header only when a prefill was chosen;

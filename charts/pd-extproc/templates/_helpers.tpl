@@ -113,6 +113,7 @@ handoff:
   on_prefill_failure: {{ $v.handoff.on_prefill_failure | toJson }}
   default_bootstrap_port: {{ int64 $v.handoff.default_bootstrap_port }}
   eject_failed_prefill_seconds: {{ include "pd-extproc.decimal" $v.handoff.eject_failed_prefill_seconds }}
+  watch_streamed_answers: {{ $v.handoff.watch_streamed_answers | toJson }}
 xds:
   serve_eds: {{ $v.xds.serve_eds | toJson }}
   no_envoy_delay_seconds: {{ include "pd-extproc.decimal" $v.xds.no_envoy_delay_seconds }}
