@@ -88,14 +88,16 @@ class VllmCluster:
         engine.kill()
         self.dead[address] = engine
 
-    async def restart(self, address: str, session: aiohttp.ClientSession) -> Engine:
-        """Start a killed engine again (same ports and role; a new NIXL engine id), wait for it and
-        warm up every pair it belongs to."""
-        engine = start_engine(self.python, self.model, self.dead.pop(address).spec, self.workdir)
-        self.running[address] = engine
-        await engine.wait_ready()
-        await self.warm_up(session, only=address)
-        return engine
+    async def restart(self, addresses: list[str], session: aiohttp.ClientSession) -> None:
+        """Start killed engines again, all at once (same ports and roles; new NIXL engine ids), wait
+        for them and warm up every pair they belong to."""
+        engines = [
+            start_engine(self.python, self.model, self.dead.pop(a).spec, self.workdir) for a in addresses
+        ]
+        self.running.update((e.address, e) for e in engines)
+        await asyncio.gather(*(e.wait_ready() for e in engines))
+        for address in addresses:
+            await self.warm_up(session, only=address)
 
     def stop(self) -> None:
         """Stop every engine (SIGTERM, then SIGKILL)."""

@@ -205,14 +205,15 @@ async def test_a_dead_prefill_still_listed_is_retried_on_the_other_and_ejected(v
             assert await pd_extproc_counter(admin, "pd_extproc_prefill_ejections_total") > ejections
             assert await wait_idle(session, admin) == []
         finally:
-            await cluster.restart(dead.address, session)
+            await cluster.restart([dead.address], session)
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
-async def test_a_prefill_killed_after_its_leg_answered_is_a_kv_transfer_failed_error(vllm_stack, stream):
+async def test_a_prefill_killed_after_its_leg_answered_is_a_kv_transfer_failed_error(vllm_stack):
     """The decode is handed KV held by a dead engine and cannot pull it (vLLM's default
     ``kv_load_failure_policy: fail``): the client gets an OpenAI-style error naming the cause, not
-    the decode's bare 500; pd-extproc counts it and leaves the dead prefill out afterwards."""
+    the decode's bare 500 (a 502, or the error event of a chat stream); pd-extproc counts it and
+    leaves the dead prefill out, so the next request is served by the other one. Both prefills die
+    here, one per kind of answer, and start again together."""
     cluster = cluster_of(vllm_stack)
     leg_listener = f"http://127.0.0.1:{vllm_stack.replicas[0].prefill_leg_port}"
     interposer = await start_interposer(leg_listener, cluster.stop_engine)
@@ -222,30 +223,37 @@ async def test_a_prefill_killed_after_its_leg_answered_is_a_kv_transfer_failed_e
                 "prefer", handoff=KV, pd_threshold_tokens=0, prefill_via=interposer.url
             )
             admin = vllm_stack.admin_url
-            failures = await pd_extproc_counter(admin, "pd_extproc_kv_transfer_failures_total")
-            before = await snapshot(cluster, session)
-            interposer.armed = True
-            with pytest.raises(openai.APIError) as raised:
-                await ask(url, "chat", stream, fresh_prompt())
-            (dead,) = interposer.killed
-            error = raised.value
-            assert error.code == "kv_transfer_failed", error
-            assert dead in error.message
-            if not stream:
-                assert isinstance(error, openai.APIStatusError) and error.status_code == 502
-            after = await snapshot(cluster, session)
-            decode = next(iter(rose(before, after, "vllm:request_success_total{finished_reason=error}")))
-            assert cluster.group_of(decode) == cluster.group_of(dead)
-            assert await pd_extproc_counter(admin, "pd_extproc_kv_transfer_failures_total") == failures + 1
-            assert await wait_idle(session, admin) == []
-            before = await snapshot(cluster, session)
-            assert (await ask(url, "completions", False, fresh_prompt())).strip()
-            prefill, _ = await served_in_group(cluster, session, before)
-            assert prefill != dead
+            for stream in (False, True):
+                failures = await pd_extproc_counter(
+                    admin, "pd_extproc_kv_transfer_failures_total", stream=str(stream).lower()
+                )
+                before = await snapshot(cluster, session)
+                interposer.armed = True
+                with pytest.raises(openai.APIError) as raised:
+                    await ask(url, "chat", stream, fresh_prompt())
+                dead = interposer.killed[-1]
+                error = raised.value
+                assert error.code == "kv_transfer_failed", error
+                assert dead in error.message
+                if not stream:
+                    assert isinstance(error, openai.APIStatusError) and error.status_code == 502
+                after = await snapshot(cluster, session)
+                (decode,) = rose(before, after, "vllm:request_success_total{finished_reason=error}")
+                assert cluster.group_of(decode) == cluster.group_of(dead)
+                counted = await pd_extproc_counter(
+                    admin, "pd_extproc_kv_transfer_failures_total", stream=str(stream).lower()
+                )
+                assert counted == failures + 1
+                assert await wait_idle(session, admin) == []
+                if not stream:  # the dead prefill is left out: the other one serves the next request
+                    before = await snapshot(cluster, session)
+                    assert (await ask(url, "completions", False, fresh_prompt())).strip()
+                    prefill, _ = await served_in_group(cluster, session, before)
+                    assert prefill != dead
+            assert len(set(interposer.killed)) == 2
         finally:
             await interposer.stop()
-            for address in interposer.killed:
-                await cluster.restart(address, session)
+            await cluster.restart(interposer.killed, session)
 
 
 async def test_a_decode_killed_mid_stream_ends_the_stream_and_the_next_request_is_served(vllm_stack):
@@ -283,4 +291,4 @@ async def test_a_decode_killed_mid_stream_ends_the_stream_and_the_next_request_i
         finally:
             await client.close()
             if victim is not None:
-                await cluster.restart(victim.address, session)
+                await cluster.restart([victim.address], session)
