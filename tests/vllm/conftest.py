@@ -14,6 +14,7 @@ command that installs it; without the memory, with how much it needs.
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 from collections.abc import Iterator
 
@@ -23,6 +24,12 @@ from rig.cluster import VllmCluster, start_vllm_stack
 from sim.stack import Stack
 
 GROUPS = ["rack-a", "rack-b"]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A SIGTERM (a CI timeout, a stopped job) ends the run as Ctrl-C does: the session's fixtures are
+    torn down, so the engines stop and their files go (the engines would die with the run anyway)."""
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
