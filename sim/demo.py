@@ -28,8 +28,11 @@ from sim.workload import plan_workload
 
 MODES = ("off", "prefer", "strict")
 SIM_REQUESTS = 150
+SIM_RATE = 10.0
 VLLM_REQUESTS = 40
-"""Requests per mode on real engines: a CPU engine decodes tens of tokens a second."""
+VLLM_RATE = 1.0
+"""Requests per mode and arrivals per second on real engines: a CPU engine decodes tens of tokens a
+second, and at the simulator's rate the requests mostly queue."""
 HANDOFFS = ("kv-transfer-params", "sidecar", "sglang-bootstrap")
 PROMPT_TOKENS = (512, 4096)
 """Prompt lengths of the demo workload (tokens, uniform): chat with history / RAG sized."""
@@ -109,14 +112,15 @@ def _run(args: argparse.Namespace) -> int:
         logging.getLogger(noisy).setLevel(logging.WARNING)
     vllm = args.engines == "vllm"
     requests = args.requests or (VLLM_REQUESTS if vllm else SIM_REQUESTS)
+    rate = args.rate or (VLLM_RATE if vllm else SIM_RATE)
     if vllm and args.handoff != HANDOFFS[0]:
         print("pd-extproc demo: --engines vllm runs the kv-transfer-params handoff only", file=sys.stderr)
         return 2
     try:
         if vllm:
-            results = asyncio.run(run_vllm(requests, args.modes, args.rate, args.bonus))
+            results = asyncio.run(run_vllm(requests, args.modes, rate, args.bonus))
         else:
-            results = asyncio.run(run_demo(requests, args.modes, args.rate, args.bonus, args.handoff))
+            results = asyncio.run(run_demo(requests, args.modes, rate, args.bonus, args.handoff))
     except StackError as exc:
         print(f"pd-extproc demo: {exc}", file=sys.stderr)
         return 1
@@ -129,7 +133,7 @@ def _run(args: argparse.Namespace) -> int:
         else "cluster rack-a 2P+3D large, rack-b 1P+2D small"
     )
     print(
-        f"\n{requests} streaming requests per mode at {args.rate:g} req/s through Envoy + pd-extproc "
+        f"\n{requests} streaming requests per mode at {rate:g} req/s through Envoy + pd-extproc "
         f"(bonus {args.bonus:g}, handoff {args.handoff}); {cluster}\n"
     )
     if vllm:
@@ -165,8 +169,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--rate",
         type=_positive_float,
-        default=10.0,
-        help="mean arrival rate, requests/s (default %(default)s)",
+        default=None,
+        help=f"mean arrival rate, requests/s (default {SIM_RATE:g}, {VLLM_RATE:g} with --engines vllm)",
     )
     parser.add_argument("--bonus", type=_bonus, default=0.3, help="prefer-mode bonus (default %(default)s)")
     parser.add_argument(

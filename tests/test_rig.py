@@ -1,0 +1,133 @@
+"""The real-engine rig's own logic, without engines: the tiny model, the engine command, metrics
+parsing, the memory check, who served what from the engines' request logs, and the demo's refusals.
+(The engines themselves run in ``make test-vllm``.)"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rig import cluster as rig_cluster
+from rig.cluster import KV_TOKENS, VllmCluster, check_memory
+from rig.demo import RequestLogs
+from rig.engine import Engine, EngineSpec, engine_command, engine_environment, parse_metrics
+from rig.model import WORDS, prompt, vocabulary, write_tiny_llama
+from rig.venv import VllmUnavailable
+from sim.cluster_process import EngineInfo
+from sim.workload import Record, RequestPlan
+
+
+def test_a_prompt_of_n_words_is_n_tokens_of_the_vocabulary(tmp_path):
+    folder = write_tiny_llama(tmp_path / "model")
+    tokenizer = json.loads((folder / "tokenizer.json").read_text())
+    config = json.loads((folder / "config.json").read_text())
+    vocab = tokenizer["model"]["vocab"]
+    assert vocab == vocabulary() and config["vocab_size"] == len(vocab)
+    assert config["hidden_size"] // config["num_attention_heads"] == config["head_dim"] == 64
+    words = prompt(300, seed=3).split()
+    assert len(words) == 300 and set(words) <= set(WORDS) and prompt(300, 3) != prompt(300, 4)
+    assert all(word in vocab for word in ("user", "assistant", ":"))  # the chat template's words
+
+
+def test_an_engine_starts_as_a_user_starts_vllm_with_its_own_nixl_role_and_port(tmp_path):
+    spec = EngineSpec("decode", "rack-a", 8201, 5701, "recompute")
+    command = engine_command(Path("/venv/bin/python"), tmp_path, spec, nice=19)
+    assert command[:3] == ["nice", "-n", "19"]
+    assert command[3:6] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    assert {"--load-format", "dummy", "--enforce-eager"} <= set(command)
+    kv = json.loads(command[command.index("--kv-transfer-config") + 1])
+    assert kv == {
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_consumer",
+        "kv_load_failure_policy": "recompute",
+    }
+    env = engine_environment(spec, base={})
+    assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5701" and env["UCX_NET_DEVICES"] == "lo"
+    assert env["UCX_TLS"] == "tcp,self,sm" and env["HF_HUB_OFFLINE"] == "1"
+    assert engine_command(Path("p"), tmp_path, spec, nice=0)[0] == "p"
+
+
+def test_metrics_are_keyed_by_name_and_labels_without_engine_and_model():
+    page = (
+        "# TYPE vllm:prompt_tokens_by_source counter\n"
+        'vllm:prompt_tokens_by_source_total{engine="0",model_name="tiny",source="local_compute"} 21.0\n'
+        "# TYPE vllm:nixl_xfer_time_seconds histogram\n"
+        'vllm:nixl_xfer_time_seconds_count{engine="0",model_name="tiny"} 3.0\n'
+    )
+    assert parse_metrics(page) == {
+        "vllm:prompt_tokens_by_source_total{source=local_compute}": 21.0,
+        "vllm:nixl_xfer_time_seconds_count": 3.0,
+    }
+
+
+def test_too_little_memory_is_refused_with_how_much_is_needed(monkeypatch):
+    monkeypatch.setattr(rig_cluster, "available_memory", lambda: 4 * 2**30)
+    with pytest.raises(
+        VllmUnavailable, match=r"4 vLLM engines need about 10\.4 GiB .* 4\.0 GiB is available"
+    ):
+        check_memory(4)
+    check_memory(1)
+
+
+async def test_without_the_environment_the_cluster_says_how_to_install_it(monkeypatch, tmp_path):
+    monkeypatch.setattr(rig_cluster, "venv_python", lambda: None)
+    with pytest.raises(VllmUnavailable, match="make vllm-env"):
+        await rig_cluster.start_vllm_cluster(["a"], tmp_path)
+
+
+def test_the_engines_request_logs_say_which_prefill_and_decode_served(tmp_path):
+    """Both legs carry the gateway's X-Request-Id; vLLM logs it on receipt and puts it in the answer's id."""
+    done = subprocess.Popen([sys.executable, "-c", ""])
+    done.wait()
+    specs = [
+        EngineSpec(r, g, port, port + 1)
+        for r, g, port in [("prefill", "a", 1), ("decode", "a", 3), ("decode", "b", 5)]
+    ]
+    engines = {s.address: Engine(s, done, tmp_path / f"{s.name}.log") for s in specs}
+    for engine in engines.values():
+        engine.log.write_text("INFO start-up\n")
+    cluster = VllmCluster(
+        [EngineInfo(s.address, s.role, s.group, KV_TOKENS) for s in specs],
+        engines,
+        tmp_path,
+        Path("p"),
+        Path("m"),
+    )
+    logs = RequestLogs(cluster)  # only what is logged from now on counts
+    same, cross, local = (
+        "11111111-2222-3333-4444-555555555555",
+        "aaaaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee",
+        ("99999999-8888-7777-6666-555555555555"),
+    )
+    received = (
+        "(APIServer pid=1) INFO [logger.py:1] Received request cmpl-{}-0: params: SamplingParams(...).\n"
+    )
+    with engines["127.0.0.1:1"].log.open("a") as log:
+        log.write(received.format(same) + received.format(cross))
+    with engines["127.0.0.1:3"].log.open("a") as log:
+        log.write(received.format(same) + received.format(local))
+    with engines["127.0.0.1:5"].log.open("a") as log:
+        log.write(received.format(cross))
+    plan = RequestPlan(0.0, 10, 4)
+    records = [Record(plan, response_id=f"chatcmpl-{u}") for u in (same, cross, local)] + [Record(plan)]
+    logs.fill(records)
+    assert [(r.prefill_engine, r.decode_engine, r.kv_transfer) for r in records] == [
+        ("127.0.0.1:1", "127.0.0.1:3", "same_group"),
+        ("127.0.0.1:1", "127.0.0.1:5", "cross_group"),
+        (None, "127.0.0.1:3", "none"),
+        (None, None, "none"),
+    ]
+
+
+def test_the_demo_on_vllm_runs_the_kv_transfer_params_handoff_only():
+    done = subprocess.run(
+        [sys.executable, "-m", "ext_proc.cli", "demo", "--engines", "vllm", "--handoff", "sidecar"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "kv-transfer-params handoff only" in done.stderr
