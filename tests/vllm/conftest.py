@@ -18,6 +18,7 @@ import signal
 import time
 from collections.abc import Iterator
 
+import aiohttp
 import pytest
 
 from rig.cluster import VllmCluster, start_vllm_stack
@@ -53,3 +54,18 @@ def vllm_stack() -> Iterator[Stack]:
         yield stack
     finally:
         stack.stop()
+
+
+@pytest.fixture(autouse=True)
+def live_engines(vllm_stack: Stack) -> None:
+    """Start the engines an earlier test killed again (same ports, new NIXL engine ids) and warm up
+    their pairs before this test."""
+    cluster = vllm_stack.cluster
+    assert isinstance(cluster, VllmCluster)
+    if cluster.dead:
+        asyncio.run(_restart(cluster))
+
+
+async def _restart(cluster: VllmCluster) -> None:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        await cluster.restart(list(cluster.dead), session)
