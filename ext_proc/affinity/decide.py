@@ -72,7 +72,9 @@ EPS = 1e-9
 SCALE = 1_000_000_000
 """``1 / EPS``: ticks per unit."""
 _SCALE_F = float(SCALE)  # the same product as ``x * SCALE`` for a float x; a float scalar is cheaper in numpy
-_EXACT = 2.0**51  # below this, sums of two ticks and 2 * key + 1 are exact in float64
+_EXACT = 2.0**50  # keys below this in magnitude: their sums and ``2 * key + 1`` are exact in float64
+_SAFE_U = _EXACT / 4 / _SCALE_F  # utilisations, weights and bonuses adding up below this give such keys
+_LIST_MAX = 128  # up to this many endpoints, ranking Python lists beats numpy partition + lexsort
 _WINDOW = 64  # sorted keys copied (beyond n) to Python lists to delimit tie classes
 # Enum members bound once: attribute access on an Enum class costs ~0.25 µs per lookup on CPython 3.11.
 _OFF, _STRICT, _PREFER, _AUTO = Mode.OFF, Mode.STRICT, Mode.PREFER, Mode.AUTO
@@ -89,16 +91,11 @@ def ticks(x: float) -> int:
     return round(x * SCALE)
 
 
-def _ticks(x: Floats) -> Floats:
-    """:func:`ticks` of every element, as integral float64 (``np.rint`` rounds half to even, as ``round``)."""
-    return np.rint(x * _SCALE_F)
-
-
-def _add(a: Keys, b: Keys) -> Keys:
-    """``a + b`` exactly: in float64 while every term is below 2**51, else on Python ints."""
-    if a.dtype != object and b.dtype != object and max(np.abs(a).max(), np.abs(b).max()) < _EXACT:
-        return a + b
-    return _ints(a) + _ints(b)
+def _ticks(x: Floats, exact: bool = True) -> Keys:
+    """:func:`ticks` of every element (``np.rint`` rounds half to even, as ``round``): integral float64
+    when ``exact`` (the caller checked the magnitudes), else Python ints."""
+    t = np.rint(x * _SCALE_F)
+    return t if exact else _ints(t)
 
 
 def _ints(a: Keys) -> NDArray[np.object_]:
@@ -106,11 +103,11 @@ def _ints(a: Keys) -> NDArray[np.object_]:
     return a if a.dtype == object else np.array([int(x) for x in a.tolist()], dtype=object)
 
 
-def _credited(key: Floats, hits: Ints | None, prompt: int, weight: float) -> Keys:
-    """``key - credit(hits)`` (see the module docstring), exact."""
+def _credit(hits: Ints | None, prompt: int, weight: float, exact: bool) -> Keys | int:
+    """``credit(hits)`` of the module docstring, per endpoint (0 when nothing is credited)."""
     if hits is None or weight <= 0.0 or prompt <= 0:
-        return key
-    return _add(key, -_ticks(hits * (weight / prompt)))
+        return 0
+    return _ticks(hits * (weight / prompt), exact)
 
 
 def choose(
@@ -143,26 +140,29 @@ def choose(
     prompt = cost.prefill_tokens
     u = (decodes.tokens + cost.decode_tokens) / decodes.capacity
     out = decodes.endpoints
-    dhits = None if hits is None else hits.decode
     mode = policy.mode
-    if not prefills.size or mode is not _AUTO:
-        dkey = _credited(_ticks(u), dhits, prompt, policy.prefix_weight)
-        if not prefills.size:
-            picked = [out[i] for i in _top(dkey, want, tiebreak, decodes.requests)]
-            return Decision(None, picked[0], tuple(picked[1:]), _DECODE_ONLY)
-    phits = None if hits is None else hits.prefill
+    phits, dhits = (None, None) if hits is None else hits
     backlog = prefills.tokens + (prompt if phits is None else prompt - phits)
-    slots = prefills.slots_in(decodes)
-    groups = len(decodes.groups)
-    if mode is _AUTO:
+    if mode is _AUTO and prefills.size:
+        slots = prefills.slots_in(decodes)
         return _choose_auto(prompt, prefills, decodes, u, dhits, backlog, slots, want, tiebreak, policy)
-    pkey = _credited(_ticks(backlog / prefills.capacity), phits, prompt, policy.prefix_weight)
+    weight = policy.prefix_weight
+    pu = backlog / prefills.capacity
+    top = float(u.max()) + (float(pu.max()) if prefills.size else 0.0)
+    exact = top + 2.0 * weight + policy.bonus < _SAFE_U
+    dkey = _ticks(u, exact) - _credit(dhits, prompt, weight, exact)
+    if not prefills.size:
+        picked = [out[i] for i in _top(dkey, want, tiebreak, decodes.requests)]
+        return Decision(None, picked[0], tuple(picked[1:]), _DECODE_ONLY)
+    keys = _ticks(pu, exact) - _credit(phits, prompt, weight, exact)
+    groups = len(decodes.groups)
     eligible = None
-    if mode is _OFF:
-        keys = pkey
-    else:
+    if mode is not _OFF:  # off: the decode does not depend on the prefill's group
+        slots = prefills.slots_in(decodes)
+        pair = np.empty(groups + 1, dtype=dkey.dtype)  # the last: a prefill group without decodes
         best = np.minimum.reduceat(dkey[decodes.group_order], decodes.group_starts)
         if mode is _STRICT:
+            pair[:groups], pair[groups] = best, 0
             if slots.max() >= groups:  # some prefill group has no decode: only the others may serve
                 eligible = np.flatnonzero(slots < groups)
                 if not len(eligible):
@@ -172,24 +172,25 @@ def choose(
                         f"strict pdGroupID affinity: no healthy decode endpoint in the group of any of "
                         f"the {prefills.size} healthy prefill endpoints (prefill groups: {names})",
                     )
-            pair = np.append(best, 0.0) if best.dtype != object else np.append(best, 0)
         else:
             spill = best.min() + ticks(policy.bonus)
-            pair = np.append(np.minimum(best, spill), spill)
-        keys = _add(pkey, pair[slots])
+            pair[:groups], pair[groups] = np.minimum(best, spill), spill
+        keys = keys + pair[slots]
     if eligible is None:
         first = _top(keys, 1, tiebreak, prefills.requests)[0]
     else:
-        first = _top(keys[eligible], 1, tiebreak, prefills.requests, None, eligible)[0]
+        first = _top(keys[eligible], 1, tiebreak, prefills.requests, eligible)[0]
     prefill = prefills.endpoints[first]
     group = prefill.group
     requests = decodes.requests
     if mode is _PREFER and groups > 1 and group in decodes.in_group:
-        same = decodes.in_group[group]
-        ranked = _top(_add(dkey, -ticks(policy.bonus) * same), want, tiebreak, requests, 1.0 - same)
+        # (key - bonus * same, not same) as one integer, order-preserving: 2 * key - (2 * bonus + 1) * same
+        step = 2 * ticks(policy.bonus) + 1
+        same = decodes.in_group[group] if exact else decodes.in_group[group].astype(np.int64).astype(object)
+        ranked = _top(dkey + dkey - step * same, want, tiebreak, requests)
     elif mode is _STRICT and groups > 1:
         sub = decodes.members[group]
-        ranked = _top(dkey[sub], want, tiebreak, requests, None, sub)
+        ranked = _top(dkey[sub], want, tiebreak, requests, sub)
     else:  # off, or every decode in one group: the bonus is for none or all
         ranked = _top(dkey, want, tiebreak, requests)
     picked = [out[i] for i in ranked]
@@ -218,40 +219,46 @@ def _choose_auto(
     model = policy.auto
     wait = model.wait_s(u)
     lack = prompt if dhits is None else prompt - dhits
-    same_key = _ticks(wait + lack * model.seconds_per_token(True))
-    cross_key = _ticks(wait + lack * model.seconds_per_token(False))
-    order, starts = decodes.group_order, decodes.group_starts
-    home = np.minimum.reduceat(same_key[order], starts)  # per decode group: its best from a prefill in it
-    away = np.minimum.reduceat(cross_key[order], starts)  # ... and its best from any other group
-    groups = len(away)
-    if groups == 1:
-        elsewhere = np.array([np.inf])
-    else:  # the best cross-group decode for a prefill of each group: the least ``away`` of the others
-        low = int(away.argmin())
-        elsewhere = np.full(groups, away[low])
-        elsewhere[low] = np.delete(away, low).min()
-    pair = np.append(np.minimum(home, elsewhere), away.min())  # the last: a prefill group without decodes
+    same_s = wait + lack * model.seconds_per_token(True)
+    cross_s = wait + lack * model.seconds_per_token(False)
     prefill_s = model.prefill_s(backlog)
-    first = _top(_add(_ticks(prefill_s), pair[slots]), 1, tiebreak, prefills.requests)[0]
+    exact = max(float(cross_s.max()), float(same_s.max()), float(prefill_s.max())) < _EXACT / 4 / _SCALE_F
+    same_key, cross_key = _ticks(same_s, exact), _ticks(cross_s, exact)
+    order, starts = decodes.group_order, decodes.group_starts
+    groups = len(starts)
+    pair = np.empty(groups + 1, dtype=same_key.dtype)  # per group of the prefill; the last: no decodes
+    home = np.minimum.reduceat(same_key[order], starts)  # per decode group: its best from a prefill in it
+    if groups == 1:
+        pair[0], pair[1] = home[0], cross_key.min()
+    else:  # from a prefill of group g, the best cross-group decode is the least ``away`` of the others
+        away = np.minimum.reduceat(cross_key[order], starts)
+        low = int(away.argmin())
+        least = away[low]
+        second = np.partition(away, 1)[1] if exact else sorted(away.tolist())[1]  # == least on a tie
+        pair[:groups] = np.minimum(home, least)
+        pair[low] = min(home[low], second)
+        pair[groups] = least
+    first = _top(_ticks(prefill_s, exact) + pair[slots], 1, tiebreak, prefills.requests)[0]
     prefill = prefills.endpoints[first]
     group = prefill.group
     same = decodes.in_group.get(group)
     if same is None:
-        keys, notsame = cross_key, None
+        keys = ranked_keys = cross_key
     elif groups == 1:
-        keys, notsame = same_key, None
-    else:
-        keys, notsame = np.where(same > 0.0, same_key, cross_key), 1.0 - same
-    ranked = _top(keys, want, tiebreak, decodes.requests, notsame)
+        keys = ranked_keys = same_key
+    else:  # (S or C, not same) as one integer, order-preserving: 2 * key + not same
+        keys = np.where(same > 0.0, same_key, cross_key)
+        ranked_keys = keys + keys + (1.0 - same if exact else (1 - same).astype(np.int64).astype(object))
+    ranked = _top(ranked_keys, want, tiebreak, decodes.requests)
     out = decodes.endpoints
     picked = [out[i] for i in ranked]
     chosen = ranked[0]
     decode = picked[0]
     home_pick = decode.group == group
     margin = None
-    if notsame is not None:
+    if same is not None and groups > 1:
         outside = decodes.outside[group]
-        others = keys.min(where=outside if home_pick else ~outside, initial=np.inf)
+        others = keys[outside if home_pick else ~outside].min()
         margin = float(others - keys[chosen]) / _SCALE_F
     moved = lack if dhits is None else int(lack[chosen])
     estimate = Estimate(
@@ -260,60 +267,53 @@ def _choose_auto(
     return Decision(prefill, decode, tuple(picked[1:]), _SAME if home_pick else _CROSS, estimate)
 
 
-def _top(
-    keys: Keys,
-    n: int,
-    tiebreak: int,
-    requests: Ints,
-    notsame: Floats | None = None,
-    index: Positions | None = None,
-) -> list[int]:
+def _top(keys: Keys, n: int, tiebreak: int, requests: Ints, index: Positions | None = None) -> list[int]:
     """The pool positions of the first ``min(n, m)`` of m (>= 1) ranked endpoints, in ranking order.
 
     ``keys[j]`` is the exact integer key (integral float64 or Python int) of the endpoint at pool
-    position ``index[j]`` (``j`` when ``index`` is ``None``; ``index`` ascends); ``requests`` and
-    ``notsame`` (1.0 outside the prefill's group: a secondary key; ``None``: none) are indexed by pool
-    position. Only the endpoints at or below the n-th key can be in the answer; those are ranked by
-    :func:`_exact`.
+    position ``index[j]`` (``j`` when ``index`` is ``None``; ``index`` ascends); ``requests`` (the
+    secondary key) is indexed by pool position. Only the endpoints at or below the n-th key can be in
+    the answer: when the n best keys are distinct and below the rest, they are it (no request count is
+    read); otherwise :func:`_exact` ranks the endpoints at or below the n-th key.
     """
     m = len(keys)
     if m == 1:
         return [0 if index is None else int(index[0])]
     n = min(n, m)
-    if keys.dtype == object:
-        near = np.arange(m, dtype=np.intp)
+    if m <= _LIST_MAX or keys.dtype == object:
+        listed = keys.tolist()
+        if n == 1:
+            low = min(listed)
+            if listed.count(low) == 1:
+                j = listed.index(low)
+                return [j if index is None else int(index[j])]
+            high = low
+        else:
+            ordered = sorted(listed)
+            high = ordered[n - 1]
+            if (n == m or ordered[n] > high) and all(a < b for a, b in zip(ordered, ordered[1:n])):
+                best = [listed.index(k) for k in ordered[:n]]
+                return best if index is None else [int(index[j]) for j in best]
+        near = np.array([j for j, k in enumerate(listed) if k <= high], dtype=np.intp)
     elif n == 1:
         near = np.flatnonzero(keys == keys.min())
         if len(near) == 1:
             return [int(near[0]) if index is None else int(index[near[0]])]
-    elif n == m:
-        near = np.arange(m, dtype=np.intp)
     else:
         near = np.flatnonzero(keys <= np.partition(keys, n - 1)[n - 1])
     picked = keys[near]
-    if index is not None:
-        near = index[near]
-    return _exact(near, picked, None if notsame is None else notsame[near], requests, n, tiebreak)
+    return _exact(near if index is None else index[near], picked, requests, n, tiebreak)
 
 
-def _exact(
-    near: Positions, keys: Keys, notsame: Floats | None, requests: Ints, n: int, tiebreak: int
-) -> list[int]:
-    """The first ``n`` of the ``near`` pool positions (ascending) by ``(keys, notsame, requests)``,
-    tie classes rotated.
+def _exact(near: Positions, keys: Keys, requests: Ints, n: int, tiebreak: int) -> list[int]:
+    """The first ``n`` of the ``near`` pool positions (ascending) by ``(keys, requests)``, tie classes
+    rotated.
 
-    With ``notsame``, the first two keys are encoded order-preservingly as the integer
-    ``2 * key + notsame`` (exact in float64 below 2**51, else on Python ints). One ``np.lexsort``
-    orders the keys; each tie class needed (at most n) is then delimited by bisection, in a short
-    Python window of the sorted keys or, for a class running past it, in the arrays themselves, so
-    no step but the sort grows with the number of tied endpoints.
+    One ``np.lexsort`` orders the keys; each tie class needed (at most n) is then delimited by
+    bisection, in a short Python window of the sorted keys or, for a class running past it, in the
+    arrays themselves, so no step but the sort grows with the number of tied endpoints.
     """
     t = keys
-    if notsame is not None:
-        if t.dtype != object and np.abs(t).max() < _EXACT:
-            t = t + t + notsame
-        else:
-            t = 2 * _ints(t) + notsame.astype(np.int64).astype(object)
     r = requests[near]
     order = np.lexsort((r, t))  # by t, then r; stable, so each tie class stays in pool order
     t, r, ranked = t[order], r[order], near[order]
