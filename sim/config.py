@@ -42,6 +42,11 @@ class TimingConfig:
     max_num_batched_tokens: int = _opt(8192, "token budget of one step, decode tokens included")
     kv_capacity_tokens: int = _opt(262144, "KV cache capacity (tokens); requests wait when full")
     block_size: int = _opt(16, "KV cache block size (tokens)")
+    enable_prefix_caching: bool = _opt(
+        False,
+        "vLLM automatic prefix caching: a prompt's cached leading blocks are neither computed nor "
+        "pulled again (vLLM's default is on; off here so repeated synthetic prompts measure as before)",
+    )
     max_model_len: int = _opt(32768, "max prompt + output tokens of one request")
     default_max_tokens: int = _opt(256, "output budget when the request sets neither max_tokens")
     stream_interval: int = _opt(1, "tokens per streamed chunk (vLLM --stream-interval)")

@@ -1,8 +1,10 @@
 """Scheduler and engine loop of one simulated engine (no HTTP here).
 
 :class:`Scheduler` is pure bookkeeping: FCFS admission bounded by ``max_batch`` and by KV
-blocks (reserved for prompt + output up front, no preemption), then steps that each prefill a
-chunk of prompt tokens and decode one token for every sequence past its prefill. :class:`Engine`
+blocks (reserved for prompt + output up front, no preemption; with ``enable_prefix_caching`` the
+prompt's cached leading blocks are shared, not reserved again, and not computed again:
+:mod:`sim.prefix`), then steps that each prefill a chunk of prompt tokens and decode one token for
+every sequence past its prefill. :class:`Engine`
 runs it in an asyncio task, sleeping each step's modelled duration, pulling remote KV caches for
 admitted sequences (falling back to a local prefill when a pull raises :class:`KvMissing`), holding
 the KV blocks of finished prefills for remote decodes, and waking request handlers through
@@ -25,11 +27,13 @@ from sim.clock import SimClock
 from sim.config import EngineConfig, TimingConfig
 from sim.kv import NO_TRANSFER_RESULT, GroupMap, KvTransferModel, SharedLink, TransferResult, host_port
 from sim.metrics import EngineMetrics
+from sim.prefix import BlockCache, Holding, PromptBlocks
 
 log = logging.getLogger(__name__)
 
 WAITING, PULLING, RUNNING, FINISHED, ABORTED = "waiting", "pulling", "running", "finished", "aborted"
-Pull = Callable[[], Awaitable[TransferResult]]
+Pull = Callable[[int], Awaitable[TransferResult]]
+"""Load a sequence's KV cache from a remote prefill, given how many prompt tokens to load."""
 
 
 class EngineError(RuntimeError):
@@ -49,7 +53,10 @@ class Sequence:
     ``output_tokens`` (<= ``max_tokens``) is how many tokens it will generate; ``stops`` says the
     model ends by itself with the last of them (finish reason ``"stop"`` even when that token is
     also the last of the budget: vLLM checks for the end-of-sequence token before the length cap).
-    ``pull`` loads its KV cache from a remote prefill (``None``: prefill locally). ``hold_kv`` keeps
+    ``pull`` loads its KV cache from a remote prefill (``None``: prefill locally): given the tokens
+    to load, the prompt's tokens past ``cached_tokens``. ``prefix``: what the engine's prefix cache
+    keys the request by (``None``: nothing is cached); ``cached_tokens``: the prompt tokens found
+    cached at admission (not computed, not pulled); ``holding``: its KV blocks. ``hold_kv`` keeps
     its KV blocks reserved after it finishes, as ``held_block_ids``, until :meth:`Engine.release_kv`
     or ``kv_hold_timeout_s``. ``warning`` says why a pull fell back to a local prefill. ``ready`` is
     set once its KV cache is in place (or it failed); ``progress`` whenever it gains a token or ends.
@@ -61,6 +68,7 @@ class Sequence:
     output_tokens: int
     arrival: float
     pull: Pull | None = None
+    prefix: PromptBlocks | None = None
     stops: bool = False
     hold_kv: bool = False
     held_block_ids: tuple[int, ...] = ()
@@ -69,6 +77,8 @@ class Sequence:
     prefilled: int = 0
     generated: int = 0
     kv_blocks: int = 0
+    cached_tokens: int = 0
+    holding: Holding = field(default_factory=Holding, repr=False)
     admitted_at: float | None = None
     first_token_at: float | None = None
     finished_at: float | None = None
@@ -108,7 +118,12 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.pulling: list[Sequence] = []
         self.running: list[Sequence] = []
-        self.used_blocks = 0
+        self.cache = BlockCache(timing.kv_capacity_blocks, timing.block_size)
+
+    @property
+    def used_blocks(self) -> int:
+        """KV blocks in use (free cached blocks, which any admission may evict, are not)."""
+        return self.cache.used
 
     def blocks_for(self, seq: Sequence) -> int:
         """KV blocks reserved for ``seq``: prompt plus output tokens, rounded up to whole blocks."""
@@ -126,19 +141,25 @@ class Scheduler:
     def admit(self, now: float) -> list[Sequence]:
         """Admit waiting sequences in FIFO order while batch slots and KV blocks last."""
         admitted: list[Sequence] = []
+        cache = self.cache
         while self.waiting and len(self.running) + len(self.pulling) < self.timing.max_batch:
             seq = self.waiting[0]
             need = self.blocks_for(seq)
-            if self.used_blocks + need > self.timing.kv_capacity_blocks:
+            hashes = seq.prefix.hashes if seq.prefix is not None else ()
+            hit = hashes[: cache.lookup(hashes, seq.prompt_tokens)]
+            if not cache.fits(hit, need - len(hit)):
                 break
             self.waiting.popleft()
-            self.used_blocks += need
+            queried = seq.prompt_tokens if seq.prefix is not None else 0
+            seq.holding = cache.take(hit, need - len(hit), queried)
+            seq.cached_tokens = len(hit) * self.timing.block_size
             seq.kv_blocks, seq.admitted_at = need, now
             if seq.pull is not None:
                 seq.state = PULLING
                 self.pulling.append(seq)
             else:
                 seq.state = RUNNING
+                seq.prefilled = seq.cached_tokens
                 self.running.append(seq)
             admitted.append(seq)
         return admitted
@@ -147,10 +168,18 @@ class Scheduler:
         """A pulled sequence's KV cache arrived: it decodes from the next step on."""
         self._start(seq)
         seq.prefilled = seq.prompt_tokens
+        self._computed(seq, seq.prefix.hashes if seq.prefix is not None else ())
+
+    def _computed(self, seq: Sequence, hashes: list[int] | tuple[()]) -> None:
+        """``seq`` now holds the full blocks ``hashes`` (its chain from the start): cache them."""
+        if hashes:
+            self.cache.cache(seq.holding, hashes)
 
     def recompute(self, seq: Sequence) -> None:
-        """A pulled sequence's KV cache cannot be loaded: it prefills locally from the next step on."""
+        """A pulled sequence's KV cache cannot be loaded: it prefills locally from the next step on
+        (its cached leading blocks still count)."""
         self._start(seq)
+        seq.prefilled = seq.cached_tokens
 
     def _start(self, seq: Sequence) -> None:
         self.pulling.remove(seq)
@@ -182,6 +211,7 @@ class Scheduler:
                 seq.prefilled += chunk
                 if seq.prefilled >= seq.prompt_tokens:
                     progressed.append(seq)
+                    self._computed(seq, seq.prefix.hashes if seq.prefix is not None else ())
         progressed.extend(s for s in plan.decode if s.state == RUNNING)
         for seq in progressed:
             seq.generated += 1
@@ -190,6 +220,8 @@ class Scheduler:
             if seq.generated >= seq.output_tokens:
                 seq.state, seq.finished_at = FINISHED, now
                 self._dequeue(seq)
+                if seq.prefix is not None:  # the blocks its output filled are cached too
+                    self._computed(seq, seq.prefix.with_output(seq.generated))
                 if not seq.hold_kv:
                     self.free(seq)
         return progressed
@@ -207,8 +239,9 @@ class Scheduler:
         seq.state = ABORTED
 
     def free(self, seq: Sequence) -> None:
-        """Free the KV blocks ``seq`` reserves (a finished sequence's held blocks included)."""
-        self.used_blocks -= seq.kv_blocks
+        """Free the KV blocks ``seq`` reserves (a finished sequence's held blocks included); the cached
+        ones stay cached until evicted."""
+        self.cache.release(seq.holding)
         seq.kv_blocks = 0
 
     def _dequeue(self, seq: Sequence) -> None:
@@ -248,6 +281,13 @@ class Engine:
         self._holds: dict[tuple[int, ...], tuple[Sequence, asyncio.TimerHandle]] = {}
         self.metrics = EngineMetrics(
             config.model, lambda: len(sched.running), lambda: sched.num_waiting, lambda: sched.kv_usage
+        )
+        cache = sched.cache
+        self.metrics.add_counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in queried tokens.", lambda: cache.queries
+        )
+        self.metrics.add_counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in cached tokens.", lambda: cache.hits
         )
         self.metrics.add_gauge(
             "sim:kv_held_requests",
@@ -296,11 +336,13 @@ class Engine:
         output_tokens: int,
         pull: Pull | None = None,
         *,
+        prefix: PromptBlocks | None = None,
         stops: bool = False,
         hold_kv: bool = False,
     ) -> Sequence:
         """Queue a request; raise ``ValueError`` if it can never fit. Returns its :class:`Sequence`
-        (see there for ``stops`` and ``hold_kv``)."""
+        (see there for ``prefix``, ``stops`` and ``hold_kv``; ``prefix`` is ignored unless the engine
+        runs with ``enable_prefix_caching``)."""
         seq = Sequence(
             request_id=f"{self.engine_id}-{next(self._ids)}",
             prompt_tokens=prompt_tokens,
@@ -308,6 +350,7 @@ class Engine:
             output_tokens=max(1, min(output_tokens, max_tokens)),
             arrival=self.clock.now(),
             pull=pull,
+            prefix=prefix if self.config.timing.enable_prefix_caching else None,
             stops=stops,
             hold_kv=hold_kv,
         )
@@ -417,7 +460,7 @@ class Engine:
         assert seq.pull is not None
         missing: KvMissing | None = None
         try:
-            seq.transfer = await seq.pull()
+            seq.transfer = await seq.pull(seq.prompt_tokens - seq.cached_tokens)
         except asyncio.CancelledError:
             raise
         except KvMissing as exc:

@@ -42,6 +42,7 @@ from aiohttp import web
 from sim.clock import SimClock
 from sim.engine import Engine, EngineError, KvMissing, Pull, Sequence
 from sim.kv import TransferResult, host_port
+from sim.prefix import PromptBlocks
 from sim.protocol import Bootstrap, error_response
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,9 @@ BOOTSTRAP_REGISTER, BOOTSTRAP_COMPLETE = "/sim/bootstrap/register", "/sim/bootst
 PREFILL_MS_PARAM = "sim_prefill_ms"
 """Extra ``kv_transfer_params`` field (as vllm-ascend adds its own): the model ms the prefill request took
 in the prefill engine, which the decode reports as ``x-sim-remote-prefill-ms``."""
+PREFILL_CACHED_PARAM = "sim_prefill_cached_tokens"
+"""Extra ``kv_transfer_params`` field: the prompt tokens the prefill found in its prefix cache, which the
+decode reports as ``x-sim-prefill-cached-tokens``."""
 
 
 class BootstrapError(RuntimeError):
@@ -167,12 +171,12 @@ class Handoff:
 
     # --- decode side: pulls ---------------------------------------------------------------------
 
-    def nixl_pull(self, params: dict[str, Any], prompt_tokens: int) -> Pull:
+    def nixl_pull(self, params: dict[str, Any]) -> Pull:
         """The pull of a ``do_remote_prefill`` request: validate ``params``, read the blocks from the
-        prefill, model the transfer of ``prompt_tokens`` tokens, release the blocks. Raises
+        prefill, model the transfer of the tokens the decode lacks, release the blocks. Raises
         :class:`KvMissing` (local prefill) when the params are malformed or the blocks unreadable."""
 
-        async def pull() -> TransferResult:
+        async def pull(tokens: int) -> TransferResult:
             try:
                 remote = RemoteKv.parse(params)
             except ValueError as exc:
@@ -184,23 +188,26 @@ class Handoff:
                 raise KvMissing(f"prefill {remote.address} unreachable: {exc!r}") from None
             if status != 200:
                 raise KvMissing(f"prefill {remote.address}: {_reason(data)}")
-            result = await self.engine.kv.pull(remote.address, prompt_tokens)
+            result = await self.engine.kv.pull(remote.address, tokens)
             await self._notify(remote.address, KV_RELEASE, body)
-            prefill_ms = params.get(PREFILL_MS_PARAM)
+            prefill_ms, cached = params.get(PREFILL_MS_PARAM), params.get(PREFILL_CACHED_PARAM)
             known = isinstance(prefill_ms, int | float) and not isinstance(prefill_ms, bool)
             return replace(
-                result, reported_group=data.get("group"), remote_prefill_ms=prefill_ms if known else None
+                result,
+                reported_group=data.get("group"),
+                remote_prefill_ms=prefill_ms if known else None,
+                remote_cached_tokens=cached if type(cached) is int else None,
             )
 
         return pull
 
-    def bootstrap_pull(self, bootstrap: Bootstrap, prompt_tokens: int) -> Pull:
+    def bootstrap_pull(self, bootstrap: Bootstrap) -> Pull:
         """The pull of a decode request with SGLang bootstrap fields: register for the room at the
         bootstrap server and wait (up to ``bootstrap_timeout_s``) until the prefill computed the KV,
-        model the transfer of ``prompt_tokens`` tokens, report it done. Raises :class:`EngineError`
+        model the transfer of the tokens the decode lacks, report it done. Raises :class:`EngineError`
         (the request fails) when the server is unreachable, the room fails or times out."""
 
-        async def pull() -> TransferResult:
+        async def pull(tokens: int) -> TransferResult:
             server = host_port(bootstrap.host, bootstrap.port)
             timeout_s = self.engine.config.kv.bootstrap_timeout_s
             room = {"room": bootstrap.room}
@@ -217,7 +224,7 @@ class Handoff:
             if status != 200:
                 raise EngineError(f"bootstrap server {server}: {_reason(data)}")
             waited_ms = (self.engine.clock.now() - started) * 1e3  # the prefill, from this decode's view
-            result = await self.engine.kv.pull(data["prefill"], prompt_tokens)
+            result = await self.engine.kv.pull(data["prefill"], tokens)
             await self._notify(server, BOOTSTRAP_COMPLETE, room)
             return replace(result, reported_group=data["group"], remote_prefill_ms=waited_ms)
 
@@ -245,9 +252,10 @@ class Handoff:
 
     # --- prefill side -----------------------------------------------------------------------------
 
-    async def prefill(self, room_id: int, prompt_tokens: int) -> Sequence:
+    async def prefill(self, room_id: int, prompt_tokens: int, prefix: PromptBlocks | None = None) -> Sequence:
         """Serve the prefill request of bootstrap room ``room_id``: wait for its decode to register,
-        prefill ``prompt_tokens`` tokens (one output token), hold the KV until the decode pulled it,
+        prefill ``prompt_tokens`` tokens (one output token; ``prefix`` keys its prefix cache, see
+        :meth:`sim.engine.Engine.submit`), hold the KV until the decode pulled it,
         free it. Returns the finished sequence; raises :class:`BootstrapError`, :class:`EngineError`,
         or ``ValueError`` when the prompt can never fit this engine's KV cache."""
         engine, timeout_s = self.engine, self.engine.config.kv.bootstrap_timeout_s
@@ -255,7 +263,7 @@ class Handoff:
             await room.wait(
                 room.registered, engine.clock, timeout_s, f"no decode registered for bootstrap room {room_id}"
             )
-            seq = engine.submit(prompt_tokens, 1, 1, hold_kv=True)
+            seq = engine.submit(prompt_tokens, 1, 1, prefix=prefix, hold_kv=True)
             try:
                 await engine.wait_done(seq)
                 room.computed.set()

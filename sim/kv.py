@@ -195,7 +195,8 @@ class GroupMap:
 class TransferResult:
     """What one KV pull did. ``model_ms`` is model time; ``prefill_group`` ``None`` = not in EDS;
     ``reported_group`` is the group the prefill engine reported itself (``None``: not asked);
-    ``remote_prefill_ms`` the model ms the remote prefill took as this decode can tell (``None``: unknown)."""
+    ``remote_prefill_ms`` the model ms the remote prefill took as this decode can tell (``None``: unknown);
+    ``remote_cached_tokens`` the prompt tokens the prefill found in its prefix cache (``None``: unknown)."""
 
     kind: str
     model_ms: float
@@ -203,6 +204,7 @@ class TransferResult:
     prefill_group: str | None = None
     reported_group: str | None = None
     remote_prefill_ms: float | None = None
+    remote_cached_tokens: int | None = None
 
 
 NO_TRANSFER_RESULT = TransferResult(NO_TRANSFER, 0.0)

@@ -33,6 +33,9 @@ first chunk, once the request is admitted and its KV cache is in place:
 * ``x-sim-kv-transfer``: ``same_group`` | ``cross_group`` | ``none`` (no pull by this engine);
 * ``x-sim-kv-transfer-ms``: the pull's duration in model ms (``0.0`` without a pull);
 * ``x-sim-queue-ms``: model ms waiting for a batch slot and KV blocks;
+* ``x-sim-cached-tokens``: prompt tokens this engine found in its prefix cache (neither computed nor
+  pulled; 0 without ``--enable-prefix-caching``); ``x-sim-prefill-cached-tokens``: the same at the
+  remote prefill, when its ``kv_transfer_params`` say so (vLLM-style handoffs and the sidecar);
 * ``x-sim-remote-prefill-ms``: model ms of the remote prefill as this decode can tell: the sidecar's
   call to the prefill engine (sidecar path), the prefill engine's own time from arrival to answer
   (``kv_transfer_params.sim_prefill_ms``, which the prefill adds), or the wait for the bootstrap room's
@@ -56,12 +59,14 @@ import aiohttp
 from aiohttp import web
 
 from ext_proc.handoff.body import prefill_leg_body
+from ext_proc.prefix.blocks import prompt_content
 from sim.clock import SimClock
 from sim.config import EngineConfig
 from sim.engine import ABORTED, Engine, EngineError, Pull, Sequence
-from sim.handoff import PREFILL_MS_PARAM, BootstrapError, Handoff
+from sim.handoff import PREFILL_CACHED_PARAM, PREFILL_MS_PARAM, BootstrapError, Handoff
 from sim.kv import GroupMap, SharedLink
 from sim.metrics import CONTENT_TYPE
+from sim.prefix import PromptBlocks
 from sim.protocol import (
     GenerateRequest,
     RequestError,
@@ -82,6 +87,7 @@ H_KV, H_KV_MS = "x-sim-kv-transfer", "x-sim-kv-transfer-ms"
 H_PREFILL, H_PREFILL_GROUP = "x-sim-prefill-engine", "x-sim-prefill-group"
 H_QUEUE_MS, H_TIME_SCALE, H_WARNING = "x-sim-queue-ms", "x-sim-time-scale", "x-sim-warning"
 H_REMOTE_PREFILL_MS = "x-sim-remote-prefill-ms"
+H_CACHED, H_PREFILL_CACHED = "x-sim-cached-tokens", "x-sim-prefill-cached-tokens"
 
 ENGINE_KEY = web.AppKey("sim_engine", Engine)
 HANDOFF_KEY = web.AppKey("sim_handoff", Handoff)
@@ -102,6 +108,7 @@ def _handoff_params(engine: Engine, seq: Sequence, request_id: str) -> dict[str,
     took_ms = ((seq.finished_at or engine.clock.now()) - seq.arrival) * 1e3
     return {
         PREFILL_MS_PARAM: round(took_ms, 4),
+        PREFILL_CACHED_PARAM: seq.cached_tokens,
         "do_remote_prefill": True,
         "do_remote_decode": False,
         "remote_engine_id": engine.engine_id,
@@ -164,16 +171,16 @@ async def _pull_source(
     prefiller = request.headers.get(PREFILLER_HEADER)
     if req.remote_prefill:
         assert req.kv_transfer_params is not None
-        return handoff.nixl_pull(req.kv_transfer_params, req.prompt_tokens), None
+        return handoff.nixl_pull(req.kv_transfer_params), None
     if req.bootstrap is not None and engine.config.role == "decode":
-        return handoff.bootstrap_pull(req.bootstrap, req.prompt_tokens), None
+        return handoff.bootstrap_pull(req.bootstrap), None
     if prefiller and not req.remote_decode:
         started = engine.clock.now()
         params, failure = await _call_prefill(request, req, prefiller, headers)
         headers[H_REMOTE_PREFILL_MS] = f"{(engine.clock.now() - started) * 1e3:.4f}"
         if params is None:
             return None, failure
-        return handoff.nixl_pull(params, req.prompt_tokens), None
+        return handoff.nixl_pull(params), None
     return None, None
 
 
@@ -196,7 +203,13 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     hold = req.remote_decode and not req.stops  # vLLM hands off only a request capped by length
     try:
         seq = engine.submit(
-            req.prompt_tokens, req.max_tokens, req.output_tokens, pull, stops=req.stops, hold_kv=hold
+            req.prompt_tokens,
+            req.max_tokens,
+            req.output_tokens,
+            pull,
+            prefix=_prompt_blocks(engine, req),
+            stops=req.stops,
+            hold_kv=hold,
         )
     except ValueError as exc:
         return error_response(400, str(exc), headers, "max_tokens")
@@ -210,13 +223,22 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         engine.abort(seq)  # no-op unless the client went away or something failed
 
 
+def _prompt_blocks(engine: Engine, req: GenerateRequest) -> PromptBlocks | None:
+    """What the engine's prefix cache keys ``req`` by (``None`` when caching is off or there is no prompt)."""
+    timing = engine.config.timing
+    content = prompt_content(req.body) if timing.enable_prefix_caching else None
+    return PromptBlocks(content, timing.block_size) if content else None
+
+
 async def _bootstrap_prefill(
     request: web.Request, engine: Engine, req: GenerateRequest, headers: dict[str, str]
 ) -> web.StreamResponse:
     """The prefill request of an SGLang bootstrap room (see :meth:`sim.handoff.Handoff.prefill`)."""
     assert req.bootstrap is not None
     try:
-        seq = await request.app[HANDOFF_KEY].prefill(req.bootstrap.room, req.prompt_tokens)
+        seq = await request.app[HANDOFF_KEY].prefill(
+            req.bootstrap.room, req.prompt_tokens, _prompt_blocks(engine, req)
+        )
     except (BootstrapError, EngineError) as exc:
         return error_response(500, f"request failed: {exc}", headers)
     except ValueError as exc:
@@ -255,6 +277,9 @@ def _describe(seq: Sequence, headers: dict[str, str]) -> None:
         headers.setdefault(H_REMOTE_PREFILL_MS, f"{t.remote_prefill_ms:.4f}")
     if seq.admitted_at is not None:
         headers[H_QUEUE_MS] = f"{(seq.admitted_at - seq.arrival) * 1e3:.4f}"
+    headers[H_CACHED] = str(seq.cached_tokens)
+    if t.remote_cached_tokens is not None:
+        headers[H_PREFILL_CACHED] = str(t.remote_cached_tokens)
     if seq.warning is not None:
         headers[H_WARNING] = " ".join(seq.warning.split())  # one header line
     if t.prefill_address is None:

@@ -49,6 +49,7 @@ key are sorted exactly (all of them only when they tie, e.g. an idle pool).
 from __future__ import annotations
 
 from bisect import bisect_right
+from itertools import pairwise
 
 import numpy as np
 from numpy.typing import NDArray
@@ -87,7 +88,7 @@ Positions = NDArray[np.intp]
 
 
 def ticks(x: float) -> int:
-    """``x`` (a utilisation, bonus or time in seconds) on the integer grid of ``EPS``: ``round(x * SCALE)``."""
+    """``x`` (a utilisation, bonus or time in seconds) on the grid of ``EPS``: ``round(x * SCALE)``."""
     return round(x * SCALE)
 
 
@@ -291,7 +292,7 @@ def _top(keys: Keys, n: int, tiebreak: int, requests: Ints, index: Positions | N
         else:
             ordered = sorted(listed)
             high = ordered[n - 1]
-            if (n == m or ordered[n] > high) and all(a < b for a, b in zip(ordered, ordered[1:n])):
+            if (n == m or ordered[n] > high) and all(a < b for a, b in pairwise(ordered[:n])):
                 best = [listed.index(k) for k in ordered[:n]]
                 return best if index is None else [int(index[j]) for j in best]
         near = np.array([j for j, k in enumerate(listed) if k <= high], dtype=np.intp)

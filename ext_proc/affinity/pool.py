@@ -79,7 +79,7 @@ class Pool(Generic[E]):
             self.in_group[g] = mask
             self.outside[g] = mask == 0.0
         self.group_order = np.array([i for p in positions.values() for i in p], dtype=np.intp)
-        self.group_starts = np.cumsum([0] + [len(p) for p in positions.values()][:-1], dtype=np.intp)
+        self.group_starts = np.cumsum([0, *[len(p) for p in positions.values()][:-1]], dtype=np.intp)
         self._slots: dict[int, tuple[Pool[E], NDArray[np.intp]]] = {}
 
     @classmethod
