@@ -199,6 +199,7 @@ async def start_server(
         config.limits.max_inflight_requests,
         config.limits.retry_after_seconds,
         config.handoff.eject_failed_prefill_seconds,
+        config.affinity.prefix.settings(),
     )
     grpc_server, grpc_port = await start_grpc(
         router, config.listen, health, publisher.ads if publisher is not None else None, credentials
@@ -220,7 +221,9 @@ async def start_server(
             raise
         servers.append(health_server)
     scraper = (
-        EngineScraper(registry, config.engine_metrics, metrics) if config.engine_metrics.enabled else None
+        EngineScraper(registry, config.engine_metrics, metrics, router.engine_sampled)
+        if config.engine_metrics.enabled
+        else None
     )
     admin = build_admin_app(
         registry, metrics, config.admin.debug_endpoints, scraper.describe if scraper is not None else None

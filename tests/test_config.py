@@ -22,6 +22,7 @@ from ext_proc.config import (
     InferencePoolConfig,
     KubernetesConfig,
     LoadConfig,
+    PrefixConfig,
     RoutingConfig,
     XdsConfig,
     as_dict,
@@ -171,7 +172,7 @@ def test_unknown_top_level_key_is_named_with_the_allowed_keys(tmp_path: Path) ->
 
 def test_unknown_nested_key_is_named_with_its_section(tmp_path: Path) -> None:
     message = config_error(write_yaml(tmp_path, "affinity:\n  bouns: 0.2\n"))
-    assert message == "affinity.bouns: unknown key; allowed keys here: auto, bonus, mode"
+    assert message == "affinity.bouns: unknown key; allowed keys here: auto, bonus, mode, prefix"
 
 
 def test_unknown_override_key_is_rejected() -> None:
@@ -527,7 +528,12 @@ def test_as_dict_is_plain_yaml_data_that_loads_back_the_same(tmp_path: Path) -> 
     )
     data = as_dict(config)
     assert list(data) == [f.name for f in dataclasses.fields(Config)]
-    assert data["affinity"] == {"mode": "strict", "bonus": 0.3, "auto": dataclasses.asdict(AutoConfig())}
+    assert data["affinity"] == {
+        "mode": "strict",
+        "bonus": 0.3,
+        "auto": dataclasses.asdict(AutoConfig()),
+        "prefix": dataclasses.asdict(PrefixConfig()),
+    }
     assert data["discovery"]["eds_files"] == ["/e/p.yaml"]  # type: ignore[index]
     text = yaml.safe_dump(data, sort_keys=False)  # plain data: safe_dump refuses enums
     assert load(write_yaml(tmp_path, text)) == config

@@ -16,9 +16,15 @@ SGLANG = (FIXTURES / "sglang_metrics.txt").read_bytes()
 
 
 def test_vllm_page_sums_requests_and_averages_kv_usage_over_engines() -> None:
-    # engine 0: 14 running, 3 waiting, 0.6234 usage; engine 1: 11, 0, 0.4410
+    # engine 0: 14 running, 3 waiting, 0.6234 usage; engine 1: 11, 0, 0.4410; prefix-cache counters summed
     sample = parse_page(VLLM, EngineKind.AUTO)
-    assert sample == EngineSample(running=25.0, waiting=3.0, kv_usage=pytest.approx(0.5322))
+    assert sample == EngineSample(
+        running=25.0,
+        waiting=3.0,
+        kv_usage=pytest.approx(0.5322),
+        prefix_queries=pytest.approx(8.645014528139366e06 + 7.276590425264394e06),
+        prefix_hits=pytest.approx(2.3106338676150874e06 + 2.391090274556218e06),
+    )
     assert parse_page(VLLM, EngineKind.VLLM) == sample
 
 

@@ -32,6 +32,7 @@ per-decode bonus: a long prompt's cross-group transfer costs more than a short o
 stay in the prefill's group and short ones spill once the home decode's extra wait exceeds what their
 transfer would cost; a decode that already holds most of the prompt needs little transfer at all.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

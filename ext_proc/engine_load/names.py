@@ -1,7 +1,9 @@
 """Which Prometheus metric of each engine type says what (the per-engine-type map of names).
 
-Only three facts are read: requests running (shown, never blended: the local accounting already
-holds the requests this gateway placed), requests waiting, and the KV-cache usage fraction. Where an
+Three facts make the load: requests running (shown, never blended: the local accounting already
+holds the requests this gateway placed), requests waiting, and the KV-cache usage fraction. Two more,
+optional, feed the prefix index's self-correction: the prompt tokens an engine looked up in its prefix
+cache and the ones it found (counters; SGLang reports only a hit-rate gauge, so none there). Where an
 engine type has several names for one fact (vLLM renamed ``gpu_cache_usage_perc`` to
 ``kv_cache_usage_perc``), the first name listed that a page carries wins.
 """
@@ -9,9 +11,9 @@ engine type has several names for one fact (vLLM renamed ``gpu_cache_usage_perc`
 from __future__ import annotations
 
 import enum
-from typing import Literal
+from typing import Literal, get_args
 
-Fact = Literal["running", "waiting", "kv_usage"]
+Fact = Literal["running", "waiting", "kv_usage", "prefix_queries", "prefix_hits"]
 
 
 class EngineKind(enum.StrEnum):
@@ -27,11 +29,15 @@ NAMES: dict[EngineKind, dict[Fact, tuple[str, ...]]] = {
         "running": ("vllm:num_requests_running",),
         "waiting": ("vllm:num_requests_waiting",),
         "kv_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+        "prefix_queries": ("vllm:prefix_cache_queries_total",),
+        "prefix_hits": ("vllm:prefix_cache_hits_total",),
     },
     EngineKind.SGLANG: {
         "running": ("sglang:num_running_reqs",),
         "waiting": ("sglang:num_queue_reqs",),
         "kv_usage": ("sglang:token_usage",),
+        "prefix_queries": (),
+        "prefix_hits": (),
     },
 }
 
@@ -40,7 +46,7 @@ def names_for(kind: EngineKind) -> dict[Fact, tuple[str, ...]]:
     """The names to read for ``kind``; ``auto``: every type's, concatenated in :data:`NAMES` order."""
     if kind is not EngineKind.AUTO:
         return NAMES[kind]
-    merged: dict[Fact, tuple[str, ...]] = {"running": (), "waiting": (), "kv_usage": ()}
+    merged: dict[Fact, tuple[str, ...]] = {fact: () for fact in get_args(Fact)}
     for names in NAMES.values():
         for fact, listed in names.items():
             merged[fact] += listed

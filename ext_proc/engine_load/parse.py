@@ -1,11 +1,11 @@
 """Turn an engine's Prometheus ``/metrics`` page into an :class:`EngineSample`.
 
 A real engine's page is 50-200 KB (histograms with many buckets, per-LoRA series, process
-metrics) of which we need three gauges. Parsing it all with ``prometheus_client``'s text parser
-costs milliseconds of the event loop per page (README "Engine load signal" has the measurement), so
-one compiled regular expression first picks the sample lines of the wanted names out of the bytes
-(C speed, no Python loop per line), and only those few lines go through the real parser, which
-checks their syntax and values.
+metrics) of which we need three gauges (and two counters for the prefix index). Parsing it all
+with ``prometheus_client``'s text parser costs milliseconds of the event loop per page (README
+"Engine load signal" has the measurement), so one compiled regular expression first picks the
+sample lines of the wanted names out of the bytes (C speed, no Python loop per line), and only
+those few lines go through the real parser, which checks their syntax and values.
 """
 
 from __future__ import annotations
@@ -64,8 +64,11 @@ def parse_page(page: bytes, kind: EngineKind) -> EngineSample:
     if waiting is None or usage is None:
         wanted = " and ".join(" or ".join(names[f]) for f in ("waiting", "kv_usage"))
         raise ScrapeError("missing", f"the page lacks {wanted}")
+    queries, hits = first("prefix_queries"), first("prefix_hits")
     return EngineSample(
         running=sum(running) if running is not None else None,
         waiting=sum(waiting),
         kv_usage=min(1.0, sum(usage) / len(usage)),
+        prefix_queries=sum(queries) if queries is not None else None,
+        prefix_hits=sum(hits) if hits is not None else None,
     )

@@ -43,7 +43,7 @@ class Lookup(NamedTuple):
 class PredictionSink(Protocol):
     """Where the tracker reports (:class:`ext_proc.metrics.Metrics` is one)."""
 
-    def prefix_predicted(self, role: str, address: str, tokens: int) -> None: ...
+    def prefix_predicted(self, role: str, address: str, placed: int, hit: int) -> None: ...
     def prefix_engine(self, address: str, queries: float, hits: float, scale: float) -> None: ...
 
 
@@ -85,7 +85,7 @@ class PrefixTracker:
                 continue
             address = endpoint.address
             predicted = self.predicted(lookup, address, prompt_tokens)
-            self._sink.prefix_predicted(role, address, predicted)
+            self._sink.prefix_predicted(role, address, prompt_tokens, predicted)
             pending = self._pending.setdefault(address, [0.0, 0.0])  # both engines look the prompt up
             pending[0] += prompt_tokens
             pending[1] += predicted

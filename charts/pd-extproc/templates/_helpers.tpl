@@ -98,6 +98,14 @@ affinity:
     cross_group_gbps: {{ include "pd-extproc.decimal" $a.cross_group_gbps }}
     base_latency_ms: {{ include "pd-extproc.decimal" $a.base_latency_ms }}
     wait_scale_ms: {{ include "pd-extproc.decimal" $a.wait_scale_ms }}
+    prefill_ms_per_token: {{ include "pd-extproc.decimal" $a.prefill_ms_per_token }}
+  prefix:
+    {{- $p := $v.affinity.prefix }}
+    enabled: {{ $p.enabled | toJson }}
+    block_tokens: {{ int64 $p.block_tokens }}
+    max_blocks: {{ int64 $p.max_blocks }}
+    weight: {{ include "pd-extproc.decimal" $p.weight }}
+    self_correct: {{ $p.self_correct | toJson }}
 load:
   default_max_tokens: {{ int64 $v.load.default_max_tokens }}
   default_token_capacity: {{ include "pd-extproc.decimal" $v.load.default_token_capacity }}
