@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -158,6 +158,13 @@ class GroupMap:
         self._stamps: dict[str, tuple[int, int, int] | None] = {}
         self._per_file: dict[str, dict[str, str]] = {}
         self._merged: dict[str, str] = {}
+
+    @classmethod
+    def fixed(cls, groups: Mapping[str, str]) -> GroupMap:
+        """A map of ``groups`` (``"ip:port"`` → ``pdGroupID``) read from no file (in-process clusters)."""
+        mapped = cls()
+        mapped._merged = dict(groups)
+        return mapped
 
     def _refresh(self) -> None:
         changed = False

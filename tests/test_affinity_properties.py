@@ -163,8 +163,8 @@ class Keys:
         return ticks(wait + lack * model.seconds_per_token(same))
 
     def auto_prefill(self, p: Candidate) -> int:
-        backlog = p.active_tokens + self.cost.prefill_tokens - self.hp[p.address]
-        return ticks(self.policy.auto.prefill_s(backlog))
+        uncached = self.cost.prefill_tokens - self.hp[p.address]
+        return ticks(self.policy.auto.prefill_s(p.active_tokens + 2 * uncached))  # a miss priced twice
 
 
 def pair_cost(keys: Keys, p: Candidate, d: Candidate) -> int | None:

@@ -7,7 +7,10 @@
 * ``prefill``: the prefill's queue and compute, ``prefill_ms_per_token / 1e3 * (backlog(p) +
   prompt_tokens - hit(p))`` s, where ``backlog(p)`` is the prompt tokens already in flight there
   (the pool's ``tokens``: the uncached tokens this gateway charged, plus any engine load signal) and
-  ``hit(p)`` the prompt tokens its prefix cache is estimated to hold (0 without a prefix index).
+  ``hit(p)`` the prompt tokens its prefix cache is estimated to hold (0 without a prefix index). The
+  ranking prices the uncached tokens twice (:mod:`ext_proc.affinity.decide`): computing them delays
+  the prefill's later requests too, so a greedy choice of this request's time alone would give up a
+  cache holder for a few milliseconds and pay the full prompt again at the next request of that prefix.
 * ``transfer``: moving the KV cache of the prompt blocks ``d`` lacks (``prompt_tokens - hit(d)``)
   from the prefill to ``d``: ``base_latency_ms / 1e3 + tokens * kv_bytes_per_token / (gbps * 1e9)``
   s, with ``gbps`` the same-group or the cross-group bandwidth (GB/s, 10^9 bytes/s) — the

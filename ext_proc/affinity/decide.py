@@ -30,10 +30,13 @@ Keys (``P`` = prompt tokens, ``B`` = output budget, ``hp``/``hd`` = a prefill's/
   prefill's group, in ``strict``.
 * ``auto`` (:mod:`ext_proc.affinity.auto`, seconds): with ``W(d) = wait_s(u_d)`` and
   ``X(d, same) = (P - hd) * seconds_per_token(same)``, a decode costs ``S(d) = ticks(W + X(d, True))``
-  from a prefill of its own group and ``C(d) = ticks(W + X(d, False))`` from any other. The prefill is
-  the one of least ``ticks(prefill_s(backlog + P - hp)) + min(min over d in g of S(d), min over d not
-  in g of C(d))``: the least estimated time to the first decoded token over every pair. Its decode is
-  the first by ``(S or C, not same, active_requests)``.
+  from a prefill of its own group and ``C(d) = ticks(W + X(d, False))`` from any other; a prefill
+  costs ``ticks(prefill_s(backlog + 2 * (P - hp)))``, ``backlog`` its tokens in flight: its queue, and
+  the prompt's uncached tokens twice (once for this request's first token, once for the requests that
+  computing them delays there: a cache miss's price to the prefill's later requests). The prefill is the
+  one of least ``its cost + min(min over d in g of S(d), min over d not in g of C(d))``: the least
+  estimated time to the first decoded token over every pair, misses priced twice. Its decode is the
+  first by ``(S or C, not same, active_requests)``.
 
 Ties: after those keys, prefills rank by ``active_requests``; endpoints whose keys are all equal form
 a tie class, taken in input order and rotated left by ``tiebreak % len(class)``, so a round-robin
@@ -143,10 +146,14 @@ def choose(
     out = decodes.endpoints
     mode = policy.mode
     phits, dhits = (None, None) if hits is None else hits
-    backlog = prefills.tokens + (prompt if phits is None else prompt - phits)
+    uncached = prompt if phits is None else prompt - phits
+    backlog = prefills.tokens + uncached
     if mode is _AUTO and prefills.size:
         slots = prefills.slots_in(decodes)
-        return _choose_auto(prompt, prefills, decodes, u, dhits, backlog, slots, want, tiebreak, policy)
+        priced = backlog + uncached  # a miss priced twice (module docstring)
+        return _choose_auto(
+            prompt, prefills, decodes, u, dhits, backlog, priced, slots, want, tiebreak, policy
+        )
     weight = policy.prefix_weight
     pu = backlog / prefills.capacity
     top = float(u.max()) + (float(pu.max()) if prefills.size else 0.0)
@@ -206,6 +213,7 @@ def _choose_auto(
     u: Floats,
     dhits: Ints | None,
     backlog: Ints,
+    priced: Ints,
     slots: Positions,
     want: int,
     tiebreak: int,
@@ -214,15 +222,16 @@ def _choose_auto(
     """``auto``'s pair and fallbacks (see the module docstring), with the estimate.
 
     ``u`` holds the decodes' utilisations with the request placed, ``backlog`` each prefill's prompt
-    tokens in flight plus the ones this request makes it compute; ``slots`` maps each prefill to its
-    group's index in ``decodes.groups``; ``want`` = 1 + fallbacks.
+    tokens in flight plus the ones this request makes it compute, ``priced`` the tokens its cost is
+    priced at; ``slots`` maps each prefill to its group's index in ``decodes.groups``; ``want`` = 1 +
+    fallbacks.
     """
     model = policy.auto
     wait = model.wait_s(u)
     lack = prompt if dhits is None else prompt - dhits
     same_s = wait + lack * model.seconds_per_token(True)
     cross_s = wait + lack * model.seconds_per_token(False)
-    prefill_s = model.prefill_s(backlog)
+    prefill_s = model.prefill_s(priced)
     exact = max(float(cross_s.max()), float(same_s.max()), float(prefill_s.max())) < _EXACT / 4 / _SCALE_F
     same_key, cross_key = _ticks(same_s, exact), _ticks(cross_s, exact)
     order, starts = decodes.group_order, decodes.group_starts
@@ -263,7 +272,10 @@ def _choose_auto(
         margin = float(others - keys[chosen]) / _SCALE_F
     moved = lack if dhits is None else int(lack[chosen])
     estimate = Estimate(
-        float(prefill_s[first]), model.transfer_s(moved, home_pick), float(wait[chosen]), margin
+        float(model.prefill_s(backlog[first])),
+        model.transfer_s(moved, home_pick),
+        float(wait[chosen]),
+        margin,
     )
     return Decision(prefill, decode, tuple(picked[1:]), _SAME if home_pick else _CROSS, estimate)
 
