@@ -91,7 +91,8 @@ class Workload:
 
 WORKLOADS = {
     "A": Workload(
-        "shared system prompts: 120 tenants (Zipf 0.5), 4-6k-token prefixes, 20-200-token questions, 14 req/s",
+        "shared system prompts: 120 tenants (Zipf 0.5), 4-6k-token prefixes, 20-200-token questions, "
+        "14 req/s",
         lambda seed, quick: shared_prompts(seed, 12 if quick else 1200, 14.0),
     ),
     "B": Workload(

@@ -65,7 +65,7 @@ def shared_prompts(
     prefix: tuple[int, int] = (4000, 6000),
     zipf: float = 0.5,
 ) -> list[Conversation]:
-    """Workload A (see the module docstring); tenant ``k`` (0-based) drawn with weight ``(k + 1) ** -zipf``."""
+    """Workload A (see the module docstring); tenant ``k`` (0-based) weighs ``(k + 1) ** -zipf``."""
     rng = random.Random(seed)
     prompts = [_text(rng, rng.randint(*prefix)) for _ in range(tenants)]
     weights = [(k + 1) ** -zipf for k in range(tenants)]
