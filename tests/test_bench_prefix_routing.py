@@ -67,4 +67,4 @@ def test_verdicts_compare_paired_medians(bench: ModuleType) -> None:
     best = judged[f"{bench.NEW} TTFT p90 / best of today's (prefer) <= 0.5"]
     assert best["value"] == pytest.approx((0.25 + 100 / 150) / 2) and best["met"]
     peer = judged[f"{bench.NEW} TTFT p90 / sglang's < 1"]
-    assert peer["value"] == pytest.approx((100 / 90 + 100 / 120) / 2) and not peer["met"]
+    assert peer["value"] == pytest.approx((100 / 90 + 100 / 120) / 2) and peer["met"]  # 0.97
