@@ -3,6 +3,8 @@
 * :class:`PdExtproc`: pd-extproc's own :class:`~ext_proc.router.Router`, the code that ships (body
   parse, prompt hashing, prefix lookup, the pair decision, the record, the charges), with or without
   the prefix index.
+* :class:`Replicas`: several independent routers (gateway replicas: each its own load accounting and
+  prefix index), requests taking turns among them.
 * :class:`PrefillFirst`: the decision before the pair choice, emulated with today's library: the
   prefill of least utilisation (as ``off`` ranks prefills), then the mode's decode for that prefill
   alone (a one-prefill pool), no prefix index; ``strict`` only among prefills whose group has decodes.
@@ -116,6 +118,18 @@ class PdExtproc:
         outcome = self.router.route_body(json.dumps(body).encode(), RequestMeta(path=CHAT_PATH))
         assert isinstance(outcome, Routed) and self._handoff.last is not None, outcome
         return _placed(self._handoff.last.decision, self._handoff.last.lease)
+
+
+class Replicas:
+    """Requests take turns among ``routers`` (gateway replicas that share nothing but the engines)."""
+
+    def __init__(self, routers: Sequence[PdExtproc]) -> None:
+        self._routers = list(routers)
+        self._turn = 0
+
+    def place(self, body: dict[str, object]) -> Placed:
+        self._turn += 1
+        return self._routers[self._turn % len(self._routers)].place(body)
 
 
 def _cost(body: dict[str, object]) -> Cost:

@@ -12,8 +12,9 @@ Clusters: ``demo`` (rack-a 2 prefills + 3 large decodes, rack-b 1 prefill + 2 sm
 ``three-group`` (g1 and g2 each 2 prefills + 3 large decodes; ``trap`` 2 prefills and 1 small decode).
 Every engine caches prefixes. Workloads (:mod:`bench.prefix_workloads`): A (shared system prompts), B
 (multi-turn), D (low reuse). Settings: ``off``, ``prefer``, ``strict``, ``auto`` as before the pair
-choice (prefill first); ``pair:*`` the pair choice; ``+prefix`` with the prefix index; ``sglang``,
-``llm-d`` the peers' rules; ``oracle`` the pair choice told the engines' true caches.
+choice (prefill first); ``pair:*`` the pair choice; ``+prefix`` with the prefix index (``x2``: two
+gateway replicas, requests alternating, each with its own index and accounting); ``sglang``, ``llm-d``
+the peers' rules; ``oracle`` the pair choice told the engines' true caches.
 
 Reported per run: engine-truth prefix hit rate (prompt tokens the prefill found cached), decode-side
 hit rate (tokens the decode did not pull), TTFT p50/p90/p99 (arrival to first decoded token),
@@ -45,6 +46,7 @@ from prefix_peers import (
     PdExtproc,
     Placed,
     PrefillFirst,
+    Replicas,
     SGLangCacheAware,
 )
 from prefix_workloads import Conversation, low_reuse, messages, multi_turn, shared_prompts
@@ -123,6 +125,8 @@ def auto_model(specs: Sequence[EngineSpec]) -> AutoModel:
 
 
 PREFIX = PrefixSettings()
+NEW = "pair:auto+prefix"
+"""The setting the targets judge: the pair choice of ``auto`` with the prefix index."""
 WEIGHT = 0.1  # affinity.prefix.weight's default
 Router = Callable[[list[Endpoint], dict[str, Engine], AutoModel], object]
 
@@ -143,12 +147,14 @@ SETTINGS: dict[str, Router] = {
         )(m)
         for m in (Mode.PREFER, Mode.AUTO)
     },
+    f"{NEW} x2": lambda e, _, a: Replicas(
+        [PdExtproc(e, _policy(Mode.AUTO, a, WEIGHT), PREFIX) for _ in (0, 1)]
+    ),
     "sglang": lambda e, _, a: SGLangCacheAware(e),
     "llm-d": lambda e, engines, a: LlmdScorer(e, engines),
     "oracle": lambda e, engines, a: Oracle(e, _policy(Mode.AUTO, a), engines),
 }
 TODAY = ("off", "prefer", "strict", "auto")
-NEW = "pair:auto+prefix"
 
 
 @dataclass
