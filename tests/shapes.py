@@ -78,19 +78,20 @@ GROUPS = {"prefill": ("a", "b"), "decode": ("a", "a", "b")}
 
 @dataclass(frozen=True)
 class RenderedShape:
-    """A shape bound to local ports: the bootstrap, the gateway listener's port and the admin's."""
+    """``shape`` bound to local ports: the bootstrap, the gateway listener's port and the admin's."""
 
+    shape: str
     config: dict
     listen_port: int
     admin_port: int
 
 
-def _nodes(node: object) -> Iterator[object]:
+def nodes(node: object) -> Iterator[object]:
     """``node`` and everything inside it, depth first."""
     yield node
     children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
     for child in children:
-        yield from _nodes(child)
+        yield from nodes(child)
 
 
 def _address(socket: dict) -> str:
@@ -103,7 +104,7 @@ def _bind(socket: dict, address: str) -> None:
 
 
 def _sockets(node: object) -> Iterator[dict]:
-    return (n["socket_address"] for n in _nodes(node) if isinstance(n, dict) and "socket_address" in n)
+    return (n["socket_address"] for n in nodes(node) if isinstance(n, dict) and "socket_address" in n)
 
 
 def _replace(node: object, change: Callable[[object], object]) -> object:
@@ -127,10 +128,10 @@ def render_shape(shape: str, extproc_port: int, model_servers: list[str]) -> Ren
     for listener in config["static_resources"]["listeners"]:
         port = free_port()
         _bind(listener["address"]["socket_address"], f"127.0.0.1:{port}")
-        if any(isinstance(n, dict) and n.get("@type") == EXT_PROC_TYPE for n in _nodes(listener)):
+        if any(isinstance(n, dict) and n.get("@type") == EXT_PROC_TYPE for n in nodes(listener)):
             listen_port = port
     pickers = {
-        n["envoy_grpc"]["cluster_name"] for n in _nodes(config) if isinstance(n, dict) and "envoy_grpc" in n
+        n["envoy_grpc"]["cluster_name"] for n in nodes(config) if isinstance(n, dict) and "envoy_grpc" in n
     }
     templates = []
     for cluster in config["static_resources"]["clusters"]:
@@ -156,7 +157,7 @@ def render_shape(shape: str, extproc_port: int, model_servers: list[str]) -> Ren
     )
     if not listen_port:
         raise ValueError(f"shape {shape}: no listener has an ext_proc filter")
-    return RenderedShape(config, listen_port, admin_port)
+    return RenderedShape(shape, config, listen_port, admin_port)
 
 
 def _nested(dotted: dict[str, object]) -> dict:
@@ -259,7 +260,8 @@ async def shape_stack(
     """Start the engines of :data:`GROUPS` (scripted prefills answering :data:`PREFILL_ANSWER`, echo
     decodes), their EDS files for pd-extproc, a self-signed certificate for it, and Envoy in ``shape``
     over all of them (``edit(rendered, prefill addresses, decode addresses)`` may change the rendered
-    bootstrap first). pd-extproc starts with :meth:`ShapeStack.picker`; everything stops on exit."""
+    bootstrap first); ``folder`` (made if missing) holds the files. pd-extproc starts with :meth:`ShapeStack.picker`; everything stops on exit."""
+    folder.mkdir(parents=True, exist_ok=True)
     prefills = [await start_scripted_prefill(body=PREFILL_ANSWER) for _ in GROUPS["prefill"]]
     decodes = [await start_backend() for _ in GROUPS["decode"]]
     engines: list[ScriptedPrefill | EchoBackend] = [*prefills, *decodes]
