@@ -206,6 +206,22 @@ class Metrics:
             buckets=SCRAPE_BUCKETS,
             registry=self.registry,
         )
+        self._served = Counter(
+            "pd_extproc_served_endpoint_total",
+            "Responses whose serving endpoint the data plane reported (envoy.lb "
+            "x-gateway-destination-endpoint-served), by outcome: chosen (the decode pd-extproc charged), "
+            "moved (a retry walked to another decode: the charge moved), unknown (not a known decode)",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self._served_children = {o: self._served.labels(o) for o in ("chosen", "moved", "unknown")}
+        self._streams = Counter(
+            "pd_extproc_ext_proc_streams_total",
+            "ext_proc streams by the request body mode Envoy stated (buffered, full_duplex_streamed)",
+            ["body_mode"],
+            registry=self.registry,
+        )
+        self._stream_children = {m: self._streams.labels(m) for m in ("buffered", "full_duplex_streamed")}
         self.registry.register(_EndpointLoadCollector(endpoints))
         self._decision_children: dict[tuple[str, str], Counter] = {}
         self._rejected_children: dict[str, Counter] = {}
@@ -252,6 +268,14 @@ class Metrics:
         if child is None:
             child = self._rejected_children[reason] = self._rejected.labels(reason)
         child.inc()
+
+    def served(self, outcome: str) -> None:
+        """Count one reported serving endpoint by ``outcome`` (chosen, moved, unknown)."""
+        self._served_children[outcome].inc()
+
+    def stream_started(self, body_mode: str) -> None:
+        """Count one ext_proc stream by its request ``body_mode`` (buffered, full_duplex_streamed)."""
+        self._stream_children[body_mode].inc()
 
     def prefill_leg(self, outcome: str, seconds: float | None) -> None:
         """Count one prefill leg by outcome; ``seconds`` when it got an HTTP answer."""

@@ -25,7 +25,7 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 @dataclass
 class EchoBackend:
     """A running backend; ``requests`` records the path, seen routing headers, ``x-request-id`` and
-    JSON body (POST only; ``raw``: its bytes as received) of every request served. A completion is
+    JSON body (POST only; ``raw``: its bytes as received, ``size``: their number) of every request served. A completion is
     recorded at once but answered only while ``answering`` is set (it is, unless a test clears it)."""
 
     runner: web.AppRunner
@@ -57,6 +57,7 @@ async def _completion(request: web.Request) -> web.StreamResponse:
             "x-request-id": request.headers.get("x-request-id"),
             "body": body,
             "raw": raw,
+            "size": len(raw),
             "headers": dict(request.headers),
         }
     )
