@@ -25,8 +25,9 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 @dataclass
 class EchoBackend:
     """A running backend; ``requests`` records the path, seen routing headers, ``x-request-id`` and
-    JSON body (POST only; ``raw``: its bytes as received, ``size``: their number) of every request served. A completion is
-    recorded at once but answered only while ``answering`` is set (it is, unless a test clears it)."""
+    JSON body (POST only; ``raw``: its bytes as received, ``size``: their number) of every request
+    served. A completion is recorded at once but answered only while ``answering`` is set (it is,
+    unless a test clears it)."""
 
     runner: web.AppRunner
     address: str

@@ -260,7 +260,8 @@ async def shape_stack(
     """Start the engines of :data:`GROUPS` (scripted prefills answering :data:`PREFILL_ANSWER`, echo
     decodes), their EDS files for pd-extproc, a self-signed certificate for it, and Envoy in ``shape``
     over all of them (``edit(rendered, prefill addresses, decode addresses)`` may change the rendered
-    bootstrap first); ``folder`` (made if missing) holds the files. pd-extproc starts with :meth:`ShapeStack.picker`; everything stops on exit."""
+    bootstrap first); ``folder`` (made if missing) holds the files. pd-extproc starts with
+    :meth:`ShapeStack.picker`; everything stops on exit."""
     folder.mkdir(parents=True, exist_ok=True)
     prefills = [await start_scripted_prefill(body=PREFILL_ANSWER) for _ in GROUPS["prefill"]]
     decodes = [await start_backend() for _ in GROUPS["decode"]]

@@ -24,14 +24,17 @@ import copy
 import json
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import aiohttp
 import openai
 import pytest
 import pytest_asyncio
 from e2e_harness import wait_idle
+from prometheus_client.parser import text_string_to_metric_families
 from shapes import CLUSTER_KIND, EXT_PROC_TYPE, KV_PARAMS, SHAPES, RenderedShape, ShapeStack, shape_stack
 
+from ext_proc.discovery.eds import EndpointSpec, write_eds_file
 from ext_proc.gateway import free_port
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -66,13 +69,35 @@ def _subset_listener(listener: dict, name: str, subset: list[str]) -> dict:
     return copied
 
 
-def _subset_listeners(rendered: RenderedShape, prefills: list[str], decodes: list[str]) -> None:
+DEAD_MEMBER: dict[str, str] = {}
+"""Per override_host shape, the pool member no engine listens on (see :func:`_edit`)."""
+
+
+def _edit(rendered: RenderedShape, prefills: list[str], decodes: list[str]) -> None:
     """Beside the shape's own listener: ``only-decode`` (the subset is the second decode) and
-    ``only-prefill`` (the first prefill: no decode in it)."""
+    ``only-prefill`` (the first prefill: no decode in it). An override_host pool also gets a member that
+    refuses connections (a pod whose engine died, :data:`DEAD_MEMBER`), which pd-extproc does not know
+    unless a test tells it."""
     listeners = rendered.config["static_resources"]["listeners"]
     own = next(e for e in listeners if e["address"]["socket_address"]["port_value"] == rendered.listen_port)
     listeners.append(_subset_listener(own, "only-decode", [decodes[1]]))
     listeners.append(_subset_listener(own, "only-prefill", [prefills[0]]))
+    if CLUSTER_KIND[rendered.shape] != "override_host":
+        return
+    DEAD_MEMBER[rendered.shape] = dead = f"127.0.0.1:{free_port()}"
+    for cluster in rendered.config["static_resources"]["clusters"]:
+        (locality,) = cluster.get("load_assignment", {}).get("endpoints", [{}])
+        members = locality.get("lb_endpoints", [])
+        if any(
+            e["endpoint"]["address"]["socket_address"]["port_value"] == int(decodes[0].rpartition(":")[2])
+            for e in members
+        ):
+            member = copy.deepcopy(members[0])
+            member["endpoint"]["address"]["socket_address"] = {
+                "address": "127.0.0.1",
+                "port_value": int(dead.rpartition(":")[2]),
+            }
+            members.append(member)
 
 
 def _subset_url(stack: ShapeStack, name: str) -> str:
@@ -84,7 +109,7 @@ def _subset_url(stack: ShapeStack, name: str) -> str:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module", params=SHAPES)
 async def stack(request, tmp_path_factory) -> AsyncIterator[ShapeStack]:
-    async with shape_stack(request.param, tmp_path_factory.mktemp(request.param), _subset_listeners) as stack:
+    async with shape_stack(request.param, tmp_path_factory.mktemp(request.param), _edit) as stack:
         yield stack
 
 
@@ -149,7 +174,6 @@ async def test_a_150_kb_body_reaches_the_decode_byte_for_byte(gw: ShapeStack):
             assert response.status == 200, await response.text()
     (record,) = gw.served()
     assert record["raw"] == body
-    assert int(record["headers"]["Content-Length"]) == len(body)
 
 
 async def test_get_models_goes_to_a_decode(gw: ShapeStack):
@@ -256,3 +280,52 @@ async def test_a_fallback_list_is_only_for_override_host_clusters(gw: ShapeStack
         assert misrouted_to_prefills == 0
         assert all(r["x-seen-destination"].split(",")[0] == r["served_by"] for r in served)
         assert all(len(r["x-seen-destination"].split(",")) == 3 for r in served)
+
+
+async def _served_outcomes(session: aiohttp.ClientSession, stack: ShapeStack) -> dict[str, float]:
+    async with session.get(f"{stack.admin_url}/metrics") as response:
+        text = await response.text()
+    return {
+        sample.labels["outcome"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "pd_extproc_served_endpoint_total"
+    }
+
+
+async def _decodes_known(session: aiohttp.ClientSession, stack: ShapeStack, expected: set[str]) -> None:
+    """Wait until pd-extproc's decodes are ``expected`` (it polls the EDS files)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        async with session.get(f"{stack.admin_url}/debug/endpoints") as response:
+            if {r["address"] for r in await response.json() if r["role"] == "decode"} == expected:
+                return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"pd-extproc's decodes never became {expected}")
+
+
+@pytest.mark.parametrize("stack", ["istio"], indirect=True)
+async def test_istio_reports_the_endpoint_that_served_and_a_retry_moves_the_charge(stack, gw: ShapeStack):
+    """Istio's override_host writes ``envoy.lb`` / ``x-gateway-destination-endpoint-served`` and forwards
+    ``envoy.lb`` at the response phase: pd-extproc reads it. A decode whose engine died (connections
+    refused), ranked first, makes Envoy's retry walk the fallback list: the charge moves to the decode
+    that served."""
+    decode_eds = Path(gw.base["discovery.eds_files"][1])
+    live = [EndpointSpec(d.address, gw.group_of[d.address], None, True, "HEALTHY") for d in gw.decodes]
+    dead = EndpointSpec(DEAD_MEMBER[gw.shape], "a", 10**9, True, "HEALTHY")  # least loaded: named first in a
+    async with aiohttp.ClientSession() as session:
+        before = await _served_outcomes(session, gw)
+        write_eds_file(decode_eds, "decode", [*live, dead])
+        try:
+            await _decodes_known(session, gw, {s.address for s in live} | {dead.address})
+            async with _client(gw.url) as client:
+                for _ in range(4):
+                    assert (await _generate(client, "chat", False)).startswith("Hello from ")
+        finally:
+            write_eds_file(decode_eds, "decode", live)
+            await _decodes_known(session, gw, {s.address for s in live})
+        after = await _served_outcomes(session, gw)
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in ("chosen", "moved", "unknown")}
+    moved = [r for r in gw.served() if r["x-seen-destination"].split(",")[0] == dead.address]
+    assert moved and all(r["served_by"] != dead.address for r in moved)
+    assert delta == {"chosen": 4 - len(moved), "moved": len(moved), "unknown": 0}
