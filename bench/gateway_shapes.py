@@ -14,8 +14,10 @@ over TLS, scripted prefills, echo decodes).
 2. **Fail-open** (item 9). Per shape with its FailOpen setting as the gateway generates it (Istio and
    kgateway: the route's ``failure_mode_allow: true``; the GIE reference has no setting, so the filter's
    ``failure_mode_allow`` is turned on by hand; AI Gateway always fails closed, so it runs as generated):
-   requests while pd-extproc is down (which engines served them: prefills are in the pool), and one
-   request whose body is sent in two chunks with pd-extproc killed (SIGKILL) between them.
+   chat POSTs and ``GET /v1/models`` while pd-extproc is down (its address refuses connections) and
+   while the picker cluster has no endpoint (GIE's conformance test makes the EPP Service so), with who
+   served them (prefills are in the pool); and one request whose body is sent in two chunks with
+   pd-extproc killed (SIGKILL) between them.
 
 Run: ``flock /tmp/bench.lock python bench/gateway_shapes.py [--legs 1,10] [--requests 10] [--json F]``.
 """
@@ -179,22 +181,55 @@ async def _split_body_request(port: int, stack: ShapeStack) -> str:
     return status
 
 
+def _without_picker(rendered: RenderedShape, prefills: list[str], decodes: list[str]) -> None:
+    """:func:`fail_open`, and the picker clusters emptied: what GIE's conformance test
+    EppUnAvailableFailOpen makes of the EPP (a Service without endpoints)."""
+    fail_open(rendered, prefills, decodes)
+    pickers = {
+        n["envoy_grpc"]["cluster_name"]
+        for n in nodes(rendered.config)
+        if isinstance(n, dict) and "envoy_grpc" in n
+    }
+    for cluster in rendered.config["static_resources"]["clusters"]:
+        if cluster["name"] in pickers:
+            cluster["load_assignment"]["endpoints"] = []
+
+
+async def _unrouted(session: aiohttp.ClientSession, stack: ShapeStack, requests: int) -> dict[str, object]:
+    """``requests`` chat POSTs and as many ``GET /v1/models``: the answers by status and code, and who
+    served the POSTs (a scripted prefill answers them 200; it has no ``/v1/models``, so a GET that
+    reached one is its 404)."""
+    stack.clear()
+    posts: dict[str, int] = {}
+    for _ in range(requests):
+        status, code, _ = await _request(session, stack.url, {})
+        posts[f"{status} {code}"] = posts.get(f"{status} {code}", 0) + 1
+    served = _who(stack)
+    gets: dict[str, int] = {}
+    for _ in range(requests):
+        async with session.get(f"{stack.url}/v1/models") as response:
+            gets[str(response.status)] = gets.get(str(response.status), 0) + 1
+    return {"post": posts, "post_served": served, "get": gets}
+
+
 async def measure_fail_open(shape: str, requests: int, folder: Path) -> dict:
-    """Part 2 for one shape."""
-    async with shape_stack(shape, folder, fail_open) as stack, aiohttp.ClientSession() as session:
+    """Part 2 for one shape: pd-extproc down (its address refuses connections), the picker cluster
+    without endpoints, pd-extproc killed between two body chunks."""
+    async with shape_stack(shape, folder / "down", fail_open) as stack, aiohttp.ClientSession() as session:
+        down = await _unrouted(session, stack, requests)
         await stack.picker()
-        stack.stop_picker()
-        stack.clear()
-        outcomes: dict[str, int] = {}
-        for _ in range(requests):
-            status, code, _ = await _request(session, stack.url, {})
-            key = f"{status} {code}"
-            outcomes[key] = outcomes.get(key, 0) + 1
-        down = {"outcomes": outcomes, "served": _who(stack)}
-        await stack.picker()
-        port = stack.gateway.listen_port
-        mid_body = await _split_body_request(port, stack)
-    return {"shape": shape, "picker_down": down, "killed_after_first_chunk": mid_body}
+        mid_body = await _split_body_request(stack.gateway.listen_port, stack)
+    async with (
+        shape_stack(shape, folder / "empty", _without_picker) as stack,
+        aiohttp.ClientSession() as session,
+    ):
+        empty = await _unrouted(session, stack, requests)
+    return {
+        "shape": shape,
+        "picker_down": down,
+        "no_picker_endpoint": empty,
+        "killed_after_first_chunk": mid_body,
+    }
 
 
 def _print_legs(rows: list[dict]) -> None:
@@ -210,12 +245,14 @@ def _print_legs(rows: list[dict]) -> None:
 
 
 def _print_fail_open(rows: list[dict]) -> None:
-    print(f"\n{'shape':16} {'picker down: outcomes':40} {'served':18} killed after the first body chunk")
+    print(f"\n{'shape':16} {'picker':22} {'POST answers':34} {'POST served by':20} GET answers")
     for r in rows:
-        down = ", ".join(f"{k} x{v}" for k, v in r["picker_down"]["outcomes"].items())
-        print(
-            f"{r['shape']:16} {down[:40]:40} {r['picker_down']['served']:18} {r['killed_after_first_chunk']}"
-        )
+        for label, key in (("down (refused)", "picker_down"), ("cluster w/o endpoint", "no_picker_endpoint")):
+            seen = r[key]
+            posts = ", ".join(f"{k} x{v}" for k, v in seen["post"].items())
+            gets = ", ".join(f"{k} x{v}" for k, v in seen["get"].items())
+            print(f"{r['shape']:16} {label:22} {posts[:34]:34} {seen['post_served']:20} {gets}")
+        print(f"{r['shape']:16} {'killed mid-body':22} {r['killed_after_first_chunk']}")
 
 
 async def run(legs: list[float], requests: int, shapes: list[str]) -> dict:
