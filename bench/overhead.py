@@ -165,13 +165,14 @@ async def _body_modes(urls: dict[str, str], requests: int, server_pid: int) -> d
                     cpu[name] += cpu_seconds(server_pid) - before
             row = {name: summary_ms(values) for name, values in latencies.items()}
             base = row["without_filter"]["p50_ms"]
+            for name in BODY_MODE_GATEWAYS:
+                row[name]["added_p50_ms"] = row[name]["p50_ms"] - base
             for mode in ("buffered", "full_duplex"):
-                row[mode]["added_p50_ms"] = row[mode]["p50_ms"] - base
                 row[mode]["cpu_us_per_request"] = cpu[mode] / requests * 1e6
-            added = row["buffered"]["added_p50_ms"]
-            row["fds_over_buffered_added_p50"] = (
-                row["full_duplex"]["added_p50_ms"] / added if added > 0 else None
-            )
+            for prefix in ("", "bare_"):
+                added = row[f"{prefix}buffered"]["added_p50_ms"]
+                ratio = row[f"{prefix}full_duplex"]["added_p50_ms"] / added if added > 0 else None
+                row[f"{prefix}fds_over_buffered_added_p50"] = ratio
             results[label] = row
     return results
 
@@ -263,20 +264,17 @@ def _print(results: dict) -> None:
         f"{row['in_flight_seen']}/{row['streams']} streams in flight: pd-extproc RSS {rss}; "
         f"{row['ok']} completed; load left after: {row['load_left_after']}"
     )
-    print(f"\n{'body':<7}{'mode':<13}{'p50 ms':>9}{'p99 ms':>9}{'added p50':>11}{'CPU us/req':>12}")
+    print(f"\n{'body':<7}{'gateway':<18}{'p50 ms':>9}{'p99 ms':>9}{'added p50':>11}{'CPU us/req':>12}")
     for label, row in results["body_modes"].items():
-        for mode in ("without_filter", "buffered", "full_duplex"):
-            cells = row[mode]
-            added = (
-                f"{cells['added_p50_ms']:>11.3f}{cells['cpu_us_per_request']:>12.0f}"
-                if mode != "without_filter"
-                else ""
-            )
-            print(f"{label:<7}{mode:<13}{cells['p50_ms']:>9.3f}{cells['p99_ms']:>9.3f}{added}")
-        ratio = row["fds_over_buffered_added_p50"]
-        print(
-            f"{'':<7}FULL_DUPLEX_STREAMED / BUFFERED added p50: {'n/a' if ratio is None else f'{ratio:.2f}x'}"
-        )
+        for name in ("without_filter", *BODY_MODE_GATEWAYS):
+            cells = row[name]
+            added = f"{cells['added_p50_ms']:>11.3f}" if "added_p50_ms" in cells else ""
+            cpu = f"{cells['cpu_us_per_request']:>12.0f}" if "cpu_us_per_request" in cells else ""
+            print(f"{label:<7}{name:<18}{cells['p50_ms']:>9.3f}{cells['p99_ms']:>9.3f}{added}{cpu}")
+        for prefix, who in (("", "pd-extproc"), ("bare_", "bare processor")):
+            ratio = row[f"{prefix}fds_over_buffered_added_p50"]
+            shown = "n/a" if ratio is None else f"{ratio:.2f}x"
+            print(f"{'':<7}{who}: FULL_DUPLEX_STREAMED / BUFFERED added p50 {shown}")
 
 
 def main(argv: list[str] | None = None) -> int:

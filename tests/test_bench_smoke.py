@@ -215,8 +215,9 @@ def test_overhead_benchmark_reports_both_gateways(tmp_path):
         assert 0 <= row["pd_extproc_cpu_us_per_request"] <= 100_000
     for size in ("1KB", "64KB", "1MB"):
         row = result["body_modes"][size]
-        for mode in ("without_filter", "buffered", "full_duplex"):
-            assert row[mode]["p50_ms"] > 0
+        for gateway in ("without_filter", "bare_buffered", "bare_full_duplex", "buffered", "full_duplex"):
+            assert row[gateway]["p50_ms"] > 0
+        assert "fds_over_buffered_added_p50" in row and "bare_fds_over_buffered_added_p50" in row
     throughput = result["max_throughput"]["pd_extproc"]
     assert throughput["errors"] == 0 and throughput["requests_per_s"] > 0
     # Over the whole window (many requests, tick granularity negligible): tens of µs to tens of ms.
