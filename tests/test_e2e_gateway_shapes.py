@@ -32,7 +32,16 @@ import pytest
 import pytest_asyncio
 from e2e_harness import wait_idle
 from prometheus_client.parser import text_string_to_metric_families
-from shapes import CLUSTER_KIND, EXT_PROC_TYPE, KV_PARAMS, SHAPES, RenderedShape, ShapeStack, shape_stack
+from shapes import (
+    CLUSTER_KIND,
+    EXT_PROC_TYPE,
+    KV_PARAMS,
+    SHAPES,
+    RenderedShape,
+    ShapeStack,
+    nodes,
+    shape_stack,
+)
 
 from ext_proc.discovery.eds import EndpointSpec, write_eds_file
 from ext_proc.gateway import free_port
@@ -75,13 +84,22 @@ DEAD_MEMBER: dict[str, str] = {}
 
 def _edit(rendered: RenderedShape, prefills: list[str], decodes: list[str]) -> None:
     """Beside the shape's own listener: ``only-decode`` (the subset is the second decode) and
-    ``only-prefill`` (the first prefill: no decode in it). An override_host pool also gets a member that
-    refuses connections (a pod whose engine died, :data:`DEAD_MEMBER`), which pd-extproc does not know
-    unless a test tells it."""
+    ``only-prefill`` (the first prefill: no decode in it); for kgateway, ``route-hint``: its own subset
+    hint (the route's ``metadata_match``) narrowed to the second decode. An override_host pool also
+    gets a member that refuses connections (a pod whose engine died, :data:`DEAD_MEMBER`), which
+    pd-extproc does not know unless a test tells it."""
     listeners = rendered.config["static_resources"]["listeners"]
     own = next(e for e in listeners if e["address"]["socket_address"]["port_value"] == rendered.listen_port)
     listeners.append(_subset_listener(own, "only-decode", [decodes[1]]))
     listeners.append(_subset_listener(own, "only-prefill", [prefills[0]]))
+    if CLUSTER_KIND[rendered.shape] == "subset":  # kgateway's own hint, narrowed to one decode
+        narrowed = copy.deepcopy(own)
+        narrowed["name"] = f"{own['name']}-route-hint"
+        narrowed["address"]["socket_address"]["port_value"] = free_port()
+        for node in nodes(narrowed):
+            if isinstance(node, dict) and "x-gateway-destination-endpoint-subset" in node:
+                node["x-gateway-destination-endpoint-subset"] = [decodes[1]]
+        listeners.append(narrowed)
     if CLUSTER_KIND[rendered.shape] != "override_host":
         return
     DEAD_MEMBER[rendered.shape] = dead = f"127.0.0.1:{free_port()}"
@@ -209,6 +227,17 @@ async def test_the_subset_hint_restricts_the_decode(gw: ShapeStack):
             assert response.status == 503
             assert (await response.json())["error"]["code"] == "no_endpoint_in_subset"
     assert {r["served_by"] for r in gw.served()} == {gw.decodes[1].address}
+
+
+@pytest.mark.parametrize("stack", ["kgateway"], indirect=True)
+async def test_kgateways_own_subset_hint_never_reaches_the_picker(stack, gw: ShapeStack):
+    """kgateway puts the pool's endpoints in the route's ``metadata_match`` under
+    ``envoy.lb.subset_hint``; ext_proc forwards dynamic metadata only, so pd-extproc never sees it:
+    narrowed to one decode there, requests still go to both decodes of the prefill's group."""
+    async with _client(_subset_url(gw, "route-hint")) as client:
+        for _ in range(6):
+            assert (await _generate(client, "chat", False)).startswith("Hello from ")
+    assert len({r["served_by"] for r in gw.served()}) > 1
 
 
 async def test_kv_transfer_params_runs_the_prefill_leg_direct(gw: ShapeStack):
