@@ -34,11 +34,11 @@ import time
 from pathlib import Path
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the shape stack, shared with tests
 from common import write_json
+from e2e_harness import by_outcome
 from shapes import EXT_PROC_TYPE, SHAPES, RenderedShape, ShapeStack, nodes, shape_stack
 
 HANDOFFS = ("kv-transfer-params", "sglang-bootstrap")
@@ -58,17 +58,6 @@ async def _envoy_counters(session: aiohttp.ClientSession, stack: ShapeStack) -> 
         if suffix in totals and value.isdigit():
             totals[suffix] += int(value)
     return totals
-
-
-async def _leg_outcomes(session: aiohttp.ClientSession, stack: ShapeStack) -> dict[str, float]:
-    async with session.get(f"{stack.admin_url}/metrics") as response:
-        text = await response.text()
-    return {
-        sample.labels["outcome"]: sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == "pd_extproc_prefill_leg_total"
-    }
 
 
 def _who(stack: ShapeStack) -> str:
@@ -104,14 +93,14 @@ async def measure_legs(shape: str, legs: list[float], folder: Path) -> list[dict
                     prefill.delay = seconds
                 stack.clear()
                 envoy_before = await _envoy_counters(session, stack)
-                legs_before = await _leg_outcomes(session, stack)
+                legs_before = await by_outcome(session, stack.admin_url, "pd_extproc_prefill_leg_total")
                 headers = (
                     {"x-test-delay-ms": str(int(seconds * 1000))} if handoff == "sglang-bootstrap" else {}
                 )
                 status, code, took = await _request(session, stack.url, headers)
                 await asyncio.sleep(0.5)  # Envoy counts a stream when it ends
                 envoy_after = await _envoy_counters(session, stack)
-                legs_after = await _leg_outcomes(session, stack)
+                legs_after = await by_outcome(session, stack.admin_url, "pd_extproc_prefill_leg_total")
                 rows.append(
                     {
                         "shape": shape,

@@ -30,8 +30,7 @@ import aiohttp
 import openai
 import pytest
 import pytest_asyncio
-from e2e_harness import wait_idle
-from prometheus_client.parser import text_string_to_metric_families
+from e2e_harness import by_outcome, wait_idle
 from shapes import (
     CLUSTER_KIND,
     EXT_PROC_TYPE,
@@ -311,17 +310,6 @@ async def test_a_fallback_list_is_only_for_override_host_clusters(gw: ShapeStack
         assert all(len(r["x-seen-destination"].split(",")) == 3 for r in served)
 
 
-async def _served_outcomes(session: aiohttp.ClientSession, stack: ShapeStack) -> dict[str, float]:
-    async with session.get(f"{stack.admin_url}/metrics") as response:
-        text = await response.text()
-    return {
-        sample.labels["outcome"]: sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == "pd_extproc_served_endpoint_total"
-    }
-
-
 async def _decodes_known(session: aiohttp.ClientSession, stack: ShapeStack, expected: set[str]) -> None:
     """Wait until pd-extproc's decodes are ``expected`` (it polls the EDS files)."""
     deadline = time.monotonic() + 10
@@ -343,7 +331,7 @@ async def test_istio_reports_the_endpoint_that_served_and_a_retry_moves_the_char
     live = [EndpointSpec(d.address, gw.group_of[d.address], None, True, "HEALTHY") for d in gw.decodes]
     dead = EndpointSpec(DEAD_MEMBER[gw.shape], "a", 10**9, True, "HEALTHY")  # least loaded: named first in a
     async with aiohttp.ClientSession() as session:
-        before = await _served_outcomes(session, gw)
+        before = await by_outcome(session, gw.admin_url, "pd_extproc_served_endpoint_total")
         write_eds_file(decode_eds, "decode", [*live, dead])
         try:
             await _decodes_known(session, gw, {s.address for s in live} | {dead.address})
@@ -353,7 +341,7 @@ async def test_istio_reports_the_endpoint_that_served_and_a_retry_moves_the_char
         finally:
             write_eds_file(decode_eds, "decode", live)
             await _decodes_known(session, gw, {s.address for s in live})
-        after = await _served_outcomes(session, gw)
+        after = await by_outcome(session, gw.admin_url, "pd_extproc_served_endpoint_total")
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in ("chosen", "moved", "unknown")}
     moved = [r for r in gw.served() if r["x-seen-destination"].split(",")[0] == dead.address]
     assert moved and all(r["served_by"] != dead.address for r in moved)

@@ -4,13 +4,12 @@
 from __future__ import annotations
 
 import copy
-import subprocess
 
 import pytest
 import yaml
 from shapes import SHAPES, SHAPES_DIR, nodes, render_shape
 
-from ext_proc.gateway import find_envoy
+from ext_proc.gateway import validate_envoy
 
 SERVERS = ["127.0.0.1:7001", "127.0.0.1:7002", "127.0.0.1:7003"]
 LOCAL_ONLY = ("socket_address", "lb_endpoints", "x-gateway-destination-endpoint-subset")
@@ -30,12 +29,7 @@ def _skeleton(config: dict) -> dict:
 @pytest.mark.parametrize("shape", SHAPES)
 def test_the_shape_file_is_a_valid_envoy_bootstrap(shape):
     path = SHAPES_DIR / f"{shape}.yaml"
-    result = subprocess.run(
-        [find_envoy(), "--mode", "validate", "-c", str(path), "--log-level", "error"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = validate_envoy(path)
     assert result.returncode == 0, result.stdout + result.stderr
     assert path.read_text().startswith("# Gateway shape: ")  # the header naming its sources
 
