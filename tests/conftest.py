@@ -1,8 +1,10 @@
-"""Shared test setup: make the test helper modules importable; load benchmark scripts; the
-``server`` and ``stub`` fixtures of the tests that drive the gRPC shell directly."""
+"""Shared test setup: make the test helper modules importable; load benchmark scripts; the fake
+Kubernetes API server; the ``server`` and ``stub`` fixtures of the tests that drive the gRPC shell
+directly."""
 
 import importlib.util
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 from types import ModuleType
 
@@ -13,6 +15,7 @@ from grpc_health.v1 import health_pb2_grpc
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from fake_kube_api import FakeKubeApi
 from grpc_harness import start_with
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
@@ -26,6 +29,23 @@ def load_bench(name: str) -> ModuleType:
     sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture
+async def api() -> AsyncIterator[FakeKubeApi]:
+    """A running fake Kubernetes API server."""
+    server = FakeKubeApi()
+    await server.start()
+    yield server
+    await server.stop()
+
+
+@pytest.fixture
+def kubeconfig(api: FakeKubeApi, tmp_path: Path, request: pytest.FixtureRequest) -> Path:
+    """A kubeconfig for ``api`` whose context's namespace is the test module's ``NS``."""
+    path = tmp_path / "kubeconfig"
+    path.write_text(api.kubeconfig(request.module.NS))
+    return path
 
 
 @pytest.fixture
