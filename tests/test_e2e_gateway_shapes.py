@@ -12,8 +12,8 @@ pd-extproc.
 The endpoint-subset hint: no shape sends one that reaches the picker (GIE's reference and AI Gateway set
 none; Istio forwards only ``envoy.lb``; kgateway puts it in the route's ``metadata_match``, which ext_proc
 does not forward). So it is injected as GIE's own tests give it to the picker, as ext_proc request
-metadata (``envoy.lb.subset_hint`` / ``x-gateway-destination-endpoint-subset``): on two extra copies of
-the shape's listener, a ``set_metadata`` filter before ext_proc sets it, and ext_proc forwards that
+metadata (``envoy.lb.subset_hint`` / ``x-gateway-destination-endpoint-subset``): on extra copies of the
+shape's listener, a ``set_metadata`` filter before ext_proc sets it, and ext_proc forwards that
 namespace. The shape's own listener is unchanged.
 """
 
@@ -103,21 +103,19 @@ def _edit(rendered: RenderedShape, prefills: list[str], decodes: list[str]) -> N
         return
     DEAD_MEMBER[rendered.shape] = dead = f"127.0.0.1:{free_port()}"
     for cluster in rendered.config["static_resources"]["clusters"]:
-        (locality,) = cluster.get("load_assignment", {}).get("endpoints", [{}])
-        members = locality.get("lb_endpoints", [])
-        if any(
-            e["endpoint"]["address"]["socket_address"]["port_value"] == int(decodes[0].rpartition(":")[2])
-            for e in members
-        ):
+        members = [n for n in nodes(cluster) if isinstance(n, dict) and "endpoint" in n]
+        if decodes[0] in {_address(m["endpoint"]["address"]["socket_address"]) for m in members}:
             member = copy.deepcopy(members[0])
-            member["endpoint"]["address"]["socket_address"] = {
-                "address": "127.0.0.1",
-                "port_value": int(dead.rpartition(":")[2]),
-            }
-            members.append(member)
+            host, _, port = dead.rpartition(":")
+            member["endpoint"]["address"]["socket_address"] = {"address": host, "port_value": int(port)}
+            cluster["load_assignment"]["endpoints"][0]["lb_endpoints"].append(member)
 
 
-def _subset_url(stack: ShapeStack, name: str) -> str:
+def _address(socket: dict) -> str:
+    return f"{socket['address']}:{socket['port_value']}"
+
+
+def _listener_url(stack: ShapeStack, name: str) -> str:
     listener = next(
         e for e in stack.config["static_resources"]["listeners"] if e["name"].endswith(f"-{name}")
     )
@@ -132,10 +130,9 @@ async def stack(request, tmp_path_factory) -> AsyncIterator[ShapeStack]:
 
 @pytest_asyncio.fixture(loop_scope="module")
 async def gw(stack: ShapeStack) -> AsyncIterator[ShapeStack]:
-    """``stack`` with pd-extproc running (base settings unless the test changes them), records cleared;
-    afterwards no load may be left."""
-    if stack.router is None:
-        await stack.picker()
+    """``stack`` with pd-extproc running with the base settings (the test may change them), records
+    cleared; afterwards no load may be left."""
+    await stack.picker()
     stack.clear()
     yield stack
     async with aiohttp.ClientSession() as session:
@@ -215,7 +212,7 @@ async def test_malformed_json_is_answered_400_openai_json(gw: ShapeStack):
 
 
 async def test_the_subset_hint_restricts_the_decode(gw: ShapeStack):
-    only_decode, only_prefill = _subset_url(gw, "only-decode"), _subset_url(gw, "only-prefill")
+    only_decode, only_prefill = _listener_url(gw, "only-decode"), _listener_url(gw, "only-prefill")
     async with _client(only_decode) as client:
         for stream in (False, True):
             for kind in ("chat", "completions"):
@@ -233,7 +230,7 @@ async def test_kgateways_own_subset_hint_never_reaches_the_picker(stack, gw: Sha
     """kgateway puts the pool's endpoints in the route's ``metadata_match`` under
     ``envoy.lb.subset_hint``; ext_proc forwards dynamic metadata only, so pd-extproc never sees it:
     narrowed to one decode there, requests still go to both decodes of the prefill's group."""
-    async with _client(_subset_url(gw, "route-hint")) as client:
+    async with _client(_listener_url(gw, "route-hint")) as client:
         for _ in range(6):
             assert (await _generate(client, "chat", False)).startswith("Hello from ")
     assert len({r["served_by"] for r in gw.served()}) > 1
