@@ -87,7 +87,7 @@ async def measure_legs(shape: str, legs: list[float], folder: Path) -> list[dict
     rows = []
     async with shape_stack(shape, folder) as stack, aiohttp.ClientSession() as session:
         for handoff in HANDOFFS:
-            await stack.picker(handoff__mode=handoff)
+            await stack.picker({"handoff.mode": handoff})
             for seconds in legs:
                 for prefill in stack.prefills:
                     prefill.delay = seconds

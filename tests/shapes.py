@@ -200,11 +200,11 @@ class ShapeStack:
         """pd-extproc's admin (``/metrics``, ``/debug/endpoints``)."""
         return f"http://127.0.0.1:{self.admin_port}"
 
-    async def picker(self, **changes: object) -> None:
-        """Have ``pd-extproc serve`` run with the base settings plus ``changes`` (dotted keys, ``__``
-        for ``.``), from a config file as a user would: (re)started only when they differ from the
-        running ones, then waited for until it answers through Envoy."""
-        settings = {**self.base, **{key.replace("__", "."): value for key, value in changes.items()}}
+    async def picker(self, changes: dict[str, object] | None = None) -> None:
+        """Have ``pd-extproc serve`` run with the base settings updated by ``changes`` (dotted keys),
+        from a config file as a user would: (re)started only when they differ from the running ones,
+        then waited for until it answers through Envoy."""
+        settings = {**self.base, **(changes or {})}
         if self.router is not None and settings == self.running:
             return
         self.stop_picker()

@@ -129,10 +129,11 @@ async def stack(request, tmp_path_factory) -> AsyncIterator[ShapeStack]:
 
 
 @pytest_asyncio.fixture(loop_scope="module")
-async def gw(stack: ShapeStack) -> AsyncIterator[ShapeStack]:
-    """``stack`` with pd-extproc running with the base settings (the test may change them), records
-    cleared; afterwards no load may be left."""
-    await stack.picker()
+async def gw(request, stack: ShapeStack) -> AsyncIterator[ShapeStack]:
+    """``stack`` with pd-extproc running with the base settings, updated by the test's indirect
+    parameter if it has one (dotted keys), and the engines' records cleared; afterwards no load may
+    be left."""
+    await stack.picker(getattr(request, "param", None))
     stack.clear()
     yield stack
     async with aiohttp.ClientSession() as session:
@@ -236,8 +237,8 @@ async def test_kgateways_own_subset_hint_never_reaches_the_picker(stack, gw: Sha
     assert len({r["served_by"] for r in gw.served()}) > 1
 
 
+@pytest.mark.parametrize("gw", [{"handoff.mode": "kv-transfer-params"}], ids=["kv"], indirect=True)
 async def test_kv_transfer_params_runs_the_prefill_leg_direct(gw: ShapeStack):
-    await gw.picker(handoff__mode="kv-transfer-params")
     async with _client(gw.url) as client:
         for stream in (False, True):
             assert (await _generate(client, "chat", stream)).startswith("Hello from ")
@@ -252,8 +253,8 @@ async def test_kv_transfer_params_runs_the_prefill_leg_direct(gw: ShapeStack):
     assert sorted(r["body"]["stream"] for r in served) == [False, True]
 
 
+@pytest.mark.parametrize("gw", [{"handoff.mode": "sglang-bootstrap"}], ids=["sglang"], indirect=True)
 async def test_sglang_bootstrap_sends_the_decode_and_the_prefill_the_same_room(gw: ShapeStack):
-    await gw.picker(handoff__mode="sglang-bootstrap")
     for decode in gw.decodes:  # as SGLang's decode waits for the KV: answer once both legs arrived
         decode.answering.clear()
     async with _client(gw.url) as client:
@@ -275,10 +276,10 @@ async def test_sglang_bootstrap_sends_the_decode_and_the_prefill_the_same_room(g
         assert gw.group_of[prefill] == gw.group_of[decode["served_by"]]
 
 
+@pytest.mark.parametrize("gw", [{"routing.fallback_count": 2}], ids=["fallback2"], indirect=True)
 async def test_a_fallback_list_is_only_for_override_host_clusters(gw: ShapeStack):
     """What ``routing.fallback_count: 2`` does on each cluster kind: the reason it must be 0 where the
     cluster reads the header."""
-    await gw.picker(routing__fallback_count=2)
     statuses = []
     async with aiohttp.ClientSession() as session:
         for _ in range(10):
