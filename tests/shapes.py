@@ -13,6 +13,9 @@ keep it when editing a shape:
   repeated once per model server with its address, and with every string equal to the template's
   ``ip:port`` (endpoint metadata) replaced by that server's; a list holding the template's ``ip:port``
   anywhere in the file (a route's subset hint) becomes the list of every model server's.
+
+:func:`shape_stack` runs a shape with engines behind it and ``pd-extproc serve`` as its picker, for
+``tests/test_e2e_gateway_shapes.py`` and ``bench/gateway_shapes.py``.
 """
 
 from __future__ import annotations
