@@ -203,10 +203,10 @@ class ShapeStack:
         """pd-extproc's admin (``/metrics``, ``/debug/endpoints``)."""
         return f"http://127.0.0.1:{self.admin_port}"
 
-    async def picker(self, changes: dict[str, object] | None = None) -> None:
+    async def picker(self, changes: dict[str, object] | None = None, through_envoy: bool = True) -> None:
         """Have ``pd-extproc serve`` run with the base settings updated by ``changes`` (dotted keys),
         from a config file as a user would: (re)started only when they differ from the running ones,
-        then waited for until it answers through Envoy."""
+        then waited for until it is ready and (``through_envoy``) answers through Envoy."""
         settings = {**self.base, **(changes or {})}
         if self.router is not None and settings == self.running:
             return
@@ -217,7 +217,8 @@ class ShapeStack:
         self.router = start_router_process(self.grpc_port, self.admin_port, [], log, ("--config", str(path)))
         self.running = settings
         await wait_router_ready(self.router, self.admin_port)
-        await self._answers()
+        if through_envoy:
+            await self._answers()
 
     def stop_picker(self) -> None:
         """Stop pd-extproc (SIGTERM) if it runs."""

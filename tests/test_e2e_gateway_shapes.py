@@ -344,3 +344,16 @@ async def test_istio_reports_the_endpoint_that_served_and_a_retry_moves_the_char
     moved = [r for r in gw.served() if r["x-seen-destination"].split(",")[0] == dead.address]
     assert moved and all(r["served_by"] != dead.address for r in moved)
     assert delta == {"chosen": 4 - len(moved), "moved": len(moved), "unknown": 0}
+
+
+async def test_a_plaintext_picker_gets_every_request_refused(gw: ShapeStack):
+    """Every shape dials the picker over TLS: pd-extproc in plaintext (its default) fails every
+    request, and nothing reaches an engine."""
+    await gw.picker({"tls.cert_file": "", "tls.key_file": ""}, through_envoy=False)
+    async with aiohttp.ClientSession() as session:
+        for _ in range(3):
+            body = {"model": "m", "messages": MESSAGES}
+            async with session.post(f"{gw.url}/v1/chat/completions", json=body) as response:
+                assert response.status == 500
+    assert "WRONG_VERSION_NUMBER" in gw.gateway.log_tail(1000)
+    assert gw.served() == [] and gw.misrouted() == 0
