@@ -169,6 +169,22 @@ class Handoff(Protocol):
 
 
 REQUEST_ID_HEADER = "x-request-id"
+DP_RANK_HEADER = "x-data-parallel-rank"
+"""Pins a request to one data-parallel rank of a vLLM engine (read by vLLM's OpenAI server, set by
+llm-d's sidecar and by the ``vllm-mooncake`` handoff on its prefill leg)."""
+STEERING_HEADERS = (
+    "x-encoder-hosts-ports",
+    "x-kv-cache-source-host-port",
+    "x-data-parallel-host-port",
+    DP_RANK_HEADER,
+    "prefer",
+)
+"""Request headers that point llm-d's decode sidecar or a vLLM engine at another host, rank or
+behaviour (llm-d-router ``pkg/common/routing/common.go`` and ``pkg/sidecar/proxy/proxy.go`` at
+ebab687: encoder hosts, the peer to pull cached prefix KV from, the data-parallel pod, the
+data-parallel rank, ``Prefer: if-available`` conditional decode). The prefill header is the
+configured ``routing.prefill_header``. Every handoff removes all of them from a client's request.
+"""
 
 
 def new_request_id() -> str:
@@ -185,9 +201,9 @@ class DecodeRoute:
     prefill_header: str
 
     @property
-    def routing_headers(self) -> tuple[str, str]:
+    def routing_headers(self) -> tuple[str, ...]:
         """The headers this routing owns (clients may not supply them)."""
-        return (self.destination_header, self.prefill_header)
+        return owned_headers(self.destination_header, self.prefill_header)
 
     def instructions(
         self, decision: Decision[EndpointState], request_id: str | None, body: bytes | None
@@ -199,6 +215,11 @@ class DecodeRoute:
             headers += ((REQUEST_ID_HEADER, request_id),)
         metadata = ((self.destination_header, destination),)
         return RoutingInstructions(headers, (self.prefill_header,), metadata, body)
+
+
+def owned_headers(destination_header: str, prefill_header: str) -> tuple[str, ...]:
+    """Every header a handoff owns: the two routing headers and :data:`STEERING_HEADERS`."""
+    return (destination_header, prefill_header, *STEERING_HEADERS)
 
 
 def destination_list(decision: Decision[EndpointState]) -> str:
