@@ -184,7 +184,8 @@ def test_the_shipped_listener_removes_every_header_a_handoff_owns(template):
     """Envoy removes a client's routing and steering headers before anything reads them, so they are
     gone also when pd-extproc is down or fails open (the same set every handoff strips)."""
     config = yaml.safe_load(template.read_text())
-    (gateway,) = [listener for listener in config["static_resources"]["listeners"] if listener["name"] == "gateway"]
+    listeners = config["static_resources"]["listeners"]
+    (gateway,) = [listener for listener in listeners if listener["name"] == "gateway"]
     manager = gateway["filter_chains"][0]["filters"][0]["typed_config"]
     (early,) = manager["early_header_mutation_extensions"]
     removed = [mutation["remove"] for mutation in early["typed_config"]["mutations"]]
