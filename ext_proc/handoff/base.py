@@ -192,6 +192,14 @@ def new_request_id() -> str:
     return str(uuid.uuid4())
 
 
+def leg_headers(request_id: str, meta: RequestMeta) -> dict[str, str]:
+    """The headers of a prefill leg: the gateway's request id and the client's ``authorization``."""
+    headers = {REQUEST_ID_HEADER: request_id}
+    if meta.authorization is not None:
+        headers["authorization"] = meta.authorization
+    return headers
+
+
 @dataclass(frozen=True, slots=True)
 class DecodeRoute:
     """The decode routing of the engine handoffs, whose body carries the handoff: the destination

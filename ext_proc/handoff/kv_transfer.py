@@ -20,7 +20,6 @@ import logging
 
 from ext_proc.affinity import Decision
 from ext_proc.handoff.base import (
-    REQUEST_ID_HEADER,
     DecodeRoute,
     FailurePolicy,
     HandoffJob,
@@ -28,6 +27,7 @@ from ext_proc.handoff.base import (
     Refused,
     Rerouter,
     Routed,
+    leg_headers,
     new_request_id,
 )
 from ext_proc.handoff.body import (
@@ -37,6 +37,7 @@ from ext_proc.handoff.body import (
     with_fields,
     without_fields,
 )
+from ext_proc.handoff.fallback import decode_only, give_up
 from ext_proc.handoff.leg import LegError, LegOutcome, LegReply, PrefillClient
 from ext_proc.load import Lease
 from ext_proc.metrics import Metrics
@@ -148,9 +149,7 @@ class PrefillFirst:
         self, prefill: EndpointState, body: bytes
     ) -> tuple[LegOutcome, LegReply | None, dict[str, object] | None, str]:
         """One leg: ``(outcome, the HTTP answer if any, kv_transfer_params when OK, detail for logs)``."""
-        headers = {REQUEST_ID_HEADER: self._request_id}
-        if self._job.meta.authorization is not None:
-            headers["authorization"] = self._job.meta.authorization
+        headers = leg_headers(self._request_id, self._job.meta)
         metrics = self._handoff.metrics
         try:
             reply = await self._handoff.client.send(prefill.address, self._job.meta.path, body, headers)
@@ -203,24 +202,25 @@ class PrefillFirst:
             self._placement, self.lease = retry, retry.lease
 
     def _decode_only(self, decision: Decision[EndpointState]) -> Routed:
-        plain = without_fields(self._job.raw, self._job.body, HANDOFF_FIELDS)
-        return Routed(self._handoff.route.instructions(decision, self._request_id, plain), self.lease)
+        return decode_only(self._handoff.route, self._job, decision, self._request_id, self.lease)
 
     def _give_up(
         self, decision: Decision[EndpointState], outcome: LegOutcome, prefill: EndpointState, detail: str
     ) -> Routed | Refused:
-        policy = self._handoff.on_failure
-        self._handoff.metrics.prefill_fallback(policy.value)
-        if policy is FailurePolicy.DECODE_ONLY:
-            log.warning(
-                "no prefill leg succeeded; request %s goes decode-only to %s",
-                self._request_id,
-                decision.decode.address,
-            )
-            return self._decode_only(decision)
-        self.lease.release()
         if outcome is LegOutcome.TIMEOUT:
-            message = f"the prefill engine {prefill.address} did not answer in time ({detail})"
-            return self._router.refuse(504, message, "prefill_timeout")
-        message = f"the prefill engine {prefill.address} failed: {outcome.value} ({detail})"
-        return self._router.refuse(502, message, "prefill_failed")
+            failure = f"the prefill engine {prefill.address} did not answer in time ({detail})"
+        else:
+            failure = f"the prefill engine {prefill.address} failed: {outcome.value} ({detail})"
+        handoff = self._handoff
+        return give_up(
+            handoff.on_failure,
+            handoff.metrics,
+            self._router,
+            handoff.route,
+            self._job,
+            decision,
+            self._request_id,
+            self.lease,
+            outcome,
+            failure,
+        )
