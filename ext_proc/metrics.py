@@ -125,6 +125,13 @@ class Metrics:
             buckets=LEG_BUCKETS,
             registry=self.registry,
         )
+        self._no_kv_transfer_params = Counter(
+            "pd_extproc_prefill_no_kv_transfer_params_total",
+            "Prefill legs (kv-transfer-params) answered without kv_transfer_params, by prefill endpoint: "
+            "each such request was prefilled again by its decode",
+            ["endpoint"],
+            registry=self.registry,
+        )
         self._prefill_fallbacks = Counter(
             "pd_extproc_prefill_fallback_total",
             "Requests whose prefill legs all failed, by what followed (decode-only or error)",
@@ -258,6 +265,10 @@ class Metrics:
         self._prefill_legs.labels(outcome).inc()
         if seconds is not None:
             self._prefill_leg_seconds.observe(seconds)
+
+    def prefill_without_kv_transfer_params(self, endpoint: str) -> None:
+        """Count one prefill leg to ``endpoint`` answered without ``kv_transfer_params``."""
+        self._no_kv_transfer_params.labels(endpoint).inc()
 
     def prefill_fallback(self, action: str) -> None:
         """Count one request whose prefill legs all failed, by ``action`` (decode-only / error)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -176,20 +177,31 @@ def _spec(address: str, group: str = "a") -> EndpointSpec:
     return EndpointSpec(address, group, None, True, "HEALTHY")
 
 
-async def test_prefill_without_kv_transfer_params_sends_the_plain_body(tmp_path):
+async def test_prefill_without_kv_transfer_params_sends_the_plain_body_and_says_so(tmp_path, caplog):
+    """A prefill that answers without ``kv_transfer_params`` (vLLM's MooncakeConnector does, always):
+    the decode prefills again; counted per prefill, a WARNING the first time, INFO after."""
     prefill = await start_scripted_prefill(body=b'{"choices": [{"text": "", "finish_reason": "stop"}]}')
+    caplog.set_level(logging.INFO, "ext_proc.handoff.kv_transfer")
     try:
         async with (
             sim_gateway(tmp_path, [EngineSpec("decode", "a")], {"handoff.mode": KV}, [prefill.address]) as c,
             aiohttp.ClientSession() as session,
         ):
-            status, seen, _ = await _post(session, c.g)
-            assert status == 200
-            assert seen["x-sim-kv-transfer"] == "none"  # the decode prefilled locally
-            assert await _legs(session, c.g) == {"no_kv_transfer_params": 1.0}
+            for _ in range(3):
+                status, seen, _ = await _post(session, c.g)
+                assert status == 200
+                assert seen["x-sim-kv-transfer"] == "none"  # the decode prefilled locally
+            assert await _legs(session, c.g) == {"no_kv_transfer_params": 3.0}
+            async with session.get(f"{c.g.admin_url}/metrics") as response:
+                text = await response.text()
+            line = f'pd_extproc_prefill_no_kv_transfer_params_total{{endpoint="{prefill.address}"}} 3.0'
+            assert line in text
             assert await wait_idle(session, c.g.admin_url) == []
     finally:
         await prefill.stop()
+    said = [r for r in caplog.records if "no_kv_transfer_params" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.WARNING, logging.INFO, logging.INFO]
+    assert "vllm-mooncake" in said[0].getMessage()
 
 
 FAILURES = {

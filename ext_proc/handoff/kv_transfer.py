@@ -6,7 +6,8 @@
    Envoy then forwards to the chosen decode (same ``x-request-id``): the decode pulls the KV cache.
 
 The prefill charge is released when the leg returns. A prefill answer without ``kv_transfer_params``
-(it stopped early) sends the plain body to the decode, which prefills locally. A failed leg
+(a connector that is not prefill-first, or none) sends the plain body to the decode, which prefills the
+prompt again: counted per prefill and logged at WARNING the first time for each prefill. A failed leg
 (connect error, 5xx, 408/429, timeout, unusable answer) is retried once on the next-ranked prefill,
 then leads to decode-only routing or an error (:class:`~ext_proc.handoff.base.FailurePolicy`). Any
 other 4xx is the client's request being bad: the engine's error goes back to the client.
@@ -47,6 +48,11 @@ log = logging.getLogger(__name__)
 
 TIMEOUT_MARGIN_SECONDS = 5.0
 """Added to the legs' worst case when asking Envoy to wait for the body answer."""
+NO_PARAMS_CONSEQUENCE = (
+    "the decode prefills the prompt again; a prefill that never returns them runs a connector whose "
+    "handoff is not prefill-first (vLLM's MooncakeConnector: handoff.mode vllm-mooncake) or none "
+    "(pd_extproc_prefill_no_kv_transfer_params_total; warned once per prefill)"
+)
 _RETRYABLE_4XX = frozenset({408, 429})
 _MAX_DETAIL = 300
 
@@ -107,6 +113,16 @@ class KvTransferParamsHandoff:
         self.on_failure = on_failure
         self.answer_timeout = 2 * leg_timeout_seconds + TIMEOUT_MARGIN_SECONDS
         self.routing_headers = route.routing_headers
+        self._warned_without_params: set[str] = set()
+
+    def answered_without_params(self, prefill: str) -> int:
+        """Count a leg ``prefill`` answered without ``kv_transfer_params``; the log level to say so
+        at: WARNING the first time for that prefill, INFO after (every such prompt is prefilled twice)."""
+        self.metrics.prefill_without_kv_transfer_params(prefill)
+        if prefill in self._warned_without_params:
+            return logging.INFO
+        self._warned_without_params.add(prefill)
+        return logging.WARNING
 
     def hand_off(self, job: HandoffJob, placement: Placement, router: Rerouter) -> Routed | PrefillFirst:
         """Decode-only at once when no prefill was chosen; else the prefill leg first."""
@@ -190,7 +206,8 @@ class PrefillFirst:
                 message, body = engine_error(reply)
                 return self._router.refuse(reply.status, message, "prefill_rejected", body=body)
             if outcome is LegOutcome.NO_KV_TRANSFER_PARAMS:
-                self._log(logging.INFO, prefill, outcome, "the decode prefills locally")
+                level = handoff.answered_without_params(prefill.address)
+                self._log(level, prefill, outcome, NO_PARAMS_CONSEQUENCE)
                 return self._decode_only(decision)
             self._log(logging.WARNING, prefill, outcome, detail)
             self._router.leg_failed(prefill.address, outcome.value)
