@@ -174,7 +174,8 @@ class HandoffConfig:
 
     ``prefill_via``: base URL of the Envoy listener that forwards prefill legs (``""``: connect to
     the prefill endpoint directly). ``prefill_timeout_seconds`` bounds one prefill leg.
-    ``default_bootstrap_port``: SGLang bootstrap port of a prefill without ``bootstrap_port`` metadata.
+    ``default_bootstrap_port``: bootstrap port (SGLang's, or vLLM Mooncake's ``VLLM_MOONCAKE_BOOTSTRAP_PORT``)
+    of a prefill without ``bootstrap_port`` metadata.
     ``eject_failed_prefill_seconds``: after a prefill leg fails (not a 4xx), that prefill is no candidate
     for this long (seconds; 0 = never ejected; see ``ext_proc/ejection.py``).
     """

@@ -132,6 +132,12 @@ class Metrics:
             ["endpoint"],
             registry=self.registry,
         )
+        self._bootstrap_queries = Counter(
+            "pd_extproc_bootstrap_queries_total",
+            "Queries of a prefill's Mooncake bootstrap server for its engine ids (vllm-mooncake), by outcome",
+            ["outcome"],
+            registry=self.registry,
+        )
         self._prefill_fallbacks = Counter(
             "pd_extproc_prefill_fallback_total",
             "Requests whose prefill legs all failed, by what followed (decode-only or error)",
@@ -269,6 +275,10 @@ class Metrics:
     def prefill_without_kv_transfer_params(self, endpoint: str) -> None:
         """Count one prefill leg to ``endpoint`` answered without ``kv_transfer_params``."""
         self._no_kv_transfer_params.labels(endpoint).inc()
+
+    def bootstrap_query(self, outcome: str) -> None:
+        """Count one ``GET /query`` of a Mooncake bootstrap server by ``outcome`` (``ok`` or a failure)."""
+        self._bootstrap_queries.labels(outcome).inc()
 
     def prefill_fallback(self, action: str) -> None:
         """Count one request whose prefill legs all failed, by ``action`` (decode-only / error)."""

@@ -25,6 +25,7 @@ class HandoffMode(enum.StrEnum):
     SIDECAR = "sidecar"
     KV_TRANSFER_PARAMS = "kv-transfer-params"
     SGLANG_BOOTSTRAP = "sglang-bootstrap"
+    VLLM_MOONCAKE = "vllm-mooncake"
 
 
 class FailurePolicy(enum.StrEnum):
