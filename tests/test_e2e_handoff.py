@@ -28,14 +28,20 @@ from sim.server import RunningEngine
 KV = "kv-transfer-params"
 PROMPT = "tell me about KV caches " * 40
 CHAT = {"model": "sim", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 6}
-PARAMS = {
+PARAMS = {  # what a vLLM 0.32 NIXL prefill answers (nixl/pull_scheduler.py request_finished)
     "do_remote_prefill": True,
     "do_remote_decode": False,
+    "remote_block_ids": [[1, 2]],
     "remote_engine_id": "e1",
-    "remote_block_ids": [1, 2],
+    "remote_request_id": "cmpl-r-0",
     "remote_host": "127.0.0.1",
     "remote_port": 1,
     "tp_size": 1,
+    "dcp_size": 1,
+    "pp_size": 1,
+    "remote_num_tokens": 241,
+    "remote_blocks_expiry_time": None,
+    "transfer_mode": "pull",
 }
 
 

@@ -226,6 +226,9 @@ class BootstrapQuery:
             decision: Decision[EndpointState] = self._placement.decision
             prefill = decision.prefill
             assert prefill is not None
+            known = handoff.known(prefill.address)  # a retry's prefill may be known already
+            if known is not None:
+                return handoff.route_both(self._job, self._placement, known, self._request_id, self._router)
             try:
                 bootstrap = await handoff.query(prefill)
             except LegError as exc:
