@@ -26,6 +26,7 @@ from ext_proc.discovery import SourceKind
 from ext_proc.discovery.pods import PRESETS, Preset, RoleScheme
 from ext_proc.engine_load import EngineKind
 from ext_proc.handoff import FailurePolicy, HandoffMode
+from ext_proc.handoff.base import UNSUPPORTED_HANDOFFS
 from ext_proc.request import MAX_OUTPUT_BUDGET
 
 ENV_AFFINITY_MODE = "PD_EXTPROC_AFFINITY_MODE"
@@ -336,6 +337,8 @@ def _coerce(key: str, tp: object, value: object) -> object:
             with contextlib.suppress(ConfigError):
                 return _coerce(key, member, value)
         raise ConfigError(f"{key}: {value!r} is not allowed; use {_allowed(tp)}")
+    if tp is HandoffMode and value in UNSUPPORTED_HANDOFFS:
+        raise ConfigError(f"{key}: {value!r} is not supported: {UNSUPPORTED_HANDOFFS[str(value)]}")
     if isinstance(tp, type) and issubclass(tp, _CHOICES):
         try:
             return tp(value)

@@ -28,6 +28,19 @@ class HandoffMode(enum.StrEnum):
     VLLM_MOONCAKE = "vllm-mooncake"
 
 
+UNSUPPORTED_HANDOFFS = {
+    "mooncake-layerwise": (
+        "vllm-ascend's MooncakeLayerwiseConnector is decode-first: the decode posts its KV addresses to a "
+        "metaserver, which only then sends the prefill its request with them (remote_cached_tokens "
+        "included). pd-extproc serves no metaserver, and a prefill-first leg lacks remote_cached_tokens, "
+        "which crashes that prefill's scheduler (KeyError). Run the engines with vllm-ascend's "
+        "MooncakeConnector and handoff.mode kv-transfer-params, or behind vllm-ascend's layerwise proxy "
+        "(examples/disaggregated_prefill_v1/load_balance_proxy_layerwise_server_example.py)"
+    ),
+}
+"""``handoff.mode`` values of engine protocols pd-extproc refuses, and why (README "Engine protocols")."""
+
+
 class FailurePolicy(enum.StrEnum):
     """What a failed prefill leg leads to, once the retry failed too (``handoff.on_prefill_failure``)."""
 
