@@ -526,3 +526,30 @@ async def test_without_a_healthy_prefill_kv_transfer_params_routes_decode_only(t
             assert await _legs(s, g) == {}
     finally:
         await decode.stop()
+
+
+async def test_sglang_batched_prompt_gets_one_bootstrap_room_per_prompt_on_both_legs(tmp_path):
+    """A completions prompt of three strings is three SGLang requests: both legs carry lists of three
+    hosts, ports and distinct rooms (SGLang's ``GenerateReqInput`` indexes them per prompt)."""
+    prefill = await start_scripted_prefill(body=b'{"choices": []}')
+    decode = await start_backend()
+    specs = ([EndpointSpec(prefill.address, "a", None, True, "HEALTHY", 9100)], [_spec(decode.address)])
+    body = {"model": "sim", "prompt": ["first " * 50, "second " * 50, "third " * 50], "max_tokens": 2}
+    try:
+        async with (
+            gateway_over(tmp_path, *specs, {"handoff.mode": "sglang-bootstrap"}) as g,
+            aiohttp.ClientSession() as session,
+        ):
+            status, _, _ = await _post(session, g, body, path="/v1/completions")
+            assert status == 200
+            await until(lambda: len(prefill.legs) == 1)
+            assert await wait_idle(session, g.admin_url) == []
+        ((_, leg),) = prefill.legs
+        (seen,) = decode.requests
+        assert leg == seen["body"]
+        assert leg["bootstrap_host"] == ["127.0.0.1"] * 3 and leg["bootstrap_port"] == [9100] * 3
+        assert len(set(leg["bootstrap_room"])) == 3
+        assert leg["prompt"] == body["prompt"]
+    finally:
+        await prefill.stop()
+        await decode.stop()

@@ -48,6 +48,8 @@ INJECTED = {
     "bootstrap_host": "10.9.9.9",
     "bootstrap_port": 8998,
     "bootstrap_room": 42,
+    "routed_dp_rank": 3,
+    "disagg_prefill_dp_rank": 1,
 }
 
 

@@ -23,8 +23,11 @@ PREFILL_REQUEST_PARAMS: dict[str, object] = {
 """``kv_transfer_params`` of a prefill leg (vLLM NixlConnector / vllm-ascend MooncakeConnector)."""
 BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 """The body fields of SGLang's PD handoff."""
-HANDOFF_FIELDS = (KV_TRANSFER_PARAMS, *BOOTSTRAP_FIELDS)
-"""Every body field an engine reads as a handoff instruction: never taken from a client."""
+DP_RANK_FIELDS = ("routed_dp_rank", "disagg_prefill_dp_rank")
+"""SGLang's data-parallel placement fields (``io_struct.GenerateReqInput``): the rank that serves the
+request, and the prefill rank its decode pulls the KV from."""
+HANDOFF_FIELDS = (KV_TRANSFER_PARAMS, *BOOTSTRAP_FIELDS, *DP_RANK_FIELDS)
+"""Every body field an engine reads as a handoff or placement instruction: never taken from a client."""
 _MIN_TOKENS = ("min_tokens", "min_completion_tokens")
 
 

@@ -2,7 +2,8 @@
 
 The body gets ``bootstrap_host`` (the prefill's IP), ``bootstrap_port`` (its ``bootstrap_port``
 endpoint metadata, else the configured default) and ``bootstrap_room`` (a random 63-bit integer, the
-rendezvous key: no client can choose or predict it). Envoy forwards it to the decode while the same
+rendezvous key: no client can choose or predict it); for a batched completions prompt, a list of each
+with one room per prompt. Envoy forwards it to the decode while the same
 body goes to the prefill through the prefill-leg listener, concurrently: the prefill waits for the
 decode to connect before it sends the KV cache, so waiting for the prefill first would deadlock.
 The prefill leg is drained in the background (:mod:`ext_proc.handoff.background`): a failed one is
@@ -29,6 +30,24 @@ from ext_proc.handoff.leg import PrefillClient
 from ext_proc.metrics import Metrics
 
 
+def prompt_count(body: dict[str, object]) -> int:
+    """How many requests SGLang makes of a body: a completions ``prompt`` that is a list of strings or
+    of token-id lists is a batch of that many; anything else (a string, one token-id list, chat) is one."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and not all(type(t) is int for t in prompt):
+        return len(prompt)
+    return 1
+
+
+def bootstrap_fields(host: str, port: int, count: int) -> dict[str, object]:
+    """The bootstrap fields of ``count`` requests: scalars for one; for a batch, lists of ``count``
+    (SGLang's ``GenerateReqInput`` indexes them per prompt), one random room per prompt."""
+    if count == 1:
+        return {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": secrets.randbits(63)}
+    rooms = [secrets.randbits(63) for _ in range(count)]
+    return {"bootstrap_host": [host] * count, "bootstrap_port": [port] * count, "bootstrap_room": rooms}
+
+
 def bootstrap_host(address: str) -> str:
     """The IP of an ``"ip:port"`` / ``"[ipv6]:port"`` address, as SGLang expects ``bootstrap_host``."""
     return address.rpartition(":")[0].strip("[]")
@@ -52,11 +71,8 @@ class SglangBootstrapHandoff:
         if prefill is None:
             plain = without_fields(job.raw, job.body, HANDOFF_FIELDS)
             return Routed(self.route.instructions(decision, None, plain), lease)
-        fields: dict[str, object] = {
-            "bootstrap_host": bootstrap_host(prefill.address),
-            "bootstrap_port": prefill.bootstrap_port or self.default_bootstrap_port,
-            "bootstrap_room": secrets.randbits(63),
-        }
+        port = prefill.bootstrap_port or self.default_bootstrap_port
+        fields = bootstrap_fields(bootstrap_host(prefill.address), port, prompt_count(job.body))
         body = with_fields(job.raw, job.body, fields, HANDOFF_FIELDS)
         request_id = new_request_id()
         headers = leg_headers(request_id, job.meta)
