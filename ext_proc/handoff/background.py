@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from ext_proc.handoff.base import REQUEST_ID_HEADER, Rerouter
 from ext_proc.handoff.leg import LegError, LegOutcome, PrefillClient
@@ -20,6 +21,19 @@ from ext_proc.metrics import Metrics
 from ext_proc.registry import EndpointState
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class _Leg:
+    """One background leg: where it goes, what it carries, the charges it releases, whom to tell."""
+
+    prefill: EndpointState
+    path: str
+    body: bytes
+    headers: dict[str, str]
+    lease: Lease
+    router: Rerouter
+    on_failure: Callable[[], None] | None
 
 
 class BackgroundLegs:
@@ -47,27 +61,19 @@ class BackgroundLegs:
     ) -> asyncio.Task[None]:
         """Send the leg (``headers`` must hold the request id) in a task, returned for the server to
         cancel when the exchange ends; ``on_failure`` runs after a failure other than a 4xx."""
-        leg = asyncio.get_running_loop().create_task(
-            self._drain(prefill, path, body, headers, lease, router, on_failure),
-            name=f"prefill-leg-{headers[REQUEST_ID_HEADER]}",
+        leg = _Leg(prefill, path, body, headers, lease, router, on_failure)
+        task = asyncio.get_running_loop().create_task(
+            self._drain(leg), name=f"prefill-leg-{headers[REQUEST_ID_HEADER]}"
         )
-        self._legs.add(leg)
-        leg.add_done_callback(self._legs.discard)
-        return leg
+        self._legs.add(task)
+        task.add_done_callback(self._legs.discard)
+        return task
 
-    async def _drain(
-        self,
-        prefill: EndpointState,
-        path: str,
-        body: bytes,
-        headers: dict[str, str],
-        lease: Lease,
-        router: Rerouter,
-        on_failure: Callable[[], None] | None,
-    ) -> None:
+    async def _drain(self, leg: _Leg) -> None:
         """Send the prefill leg, read its answer to the end, count it, release the prefill charge."""
+        prefill = leg.prefill
         try:
-            reply = await self.client.send(prefill.address, path, body, headers)
+            reply = await self.client.send(prefill.address, leg.path, leg.body, leg.headers)
         except LegError as exc:
             outcome, seconds, detail = exc.outcome, None, str(exc)
         except asyncio.CancelledError:
@@ -82,19 +88,19 @@ class BackgroundLegs:
             else:
                 outcome = LegOutcome.SERVER_ERROR
         finally:
-            lease.release_prefill()
+            leg.lease.release_prefill()
         self.metrics.prefill_leg(outcome.value, seconds)
         if outcome not in (LegOutcome.OK, LegOutcome.CLIENT_ERROR):
-            router.leg_failed(prefill.address, outcome.value)
-            if on_failure is not None:
-                on_failure()
+            leg.router.leg_failed(prefill.address, outcome.value)
+            if leg.on_failure is not None:
+                leg.on_failure()
         if outcome is not LegOutcome.OK:
             log.warning(
                 "prefill leg to %s: %s (%s); request %s: %s",
                 prefill.address,
                 outcome.value,
                 detail,
-                headers[REQUEST_ID_HEADER],
+                leg.headers[REQUEST_ID_HEADER],
                 self.consequence,
             )
 

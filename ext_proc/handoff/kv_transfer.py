@@ -19,7 +19,6 @@ import asyncio
 import json
 import logging
 
-from ext_proc.affinity import Decision
 from ext_proc.handoff.base import (
     DecodeRoute,
     FailurePolicy,
@@ -38,9 +37,8 @@ from ext_proc.handoff.body import (
     with_fields,
     without_fields,
 )
-from ext_proc.handoff.fallback import decode_only, give_up
+from ext_proc.handoff.fallback import Attempts, LegHandoff
 from ext_proc.handoff.leg import LegError, LegOutcome, LegReply, PrefillClient
-from ext_proc.load import Lease
 from ext_proc.metrics import Metrics
 from ext_proc.registry import EndpointState
 
@@ -96,7 +94,7 @@ def engine_error(reply: LegReply) -> tuple[str, bytes | None]:
     return f"the prefill engine refused the request: {text}", None
 
 
-class KvTransferParamsHandoff:
+class KvTransferParamsHandoff(LegHandoff):
     """The P-first handoff; see the module docstring."""
 
     def __init__(
@@ -107,12 +105,8 @@ class KvTransferParamsHandoff:
         on_failure: FailurePolicy,
         leg_timeout_seconds: float,
     ) -> None:
-        self.route = route
-        self.client = client
-        self.metrics = metrics
-        self.on_failure = on_failure
+        super().__init__(route, client, metrics, on_failure)
         self.answer_timeout = 2 * leg_timeout_seconds + TIMEOUT_MARGIN_SECONDS
-        self.routing_headers = route.routing_headers
         self._warned_without_params: set[str] = set()
 
     def answered_without_params(self, prefill: str) -> int:
@@ -131,24 +125,16 @@ class KvTransferParamsHandoff:
             return Routed(self.route.instructions(placement.decision, None, plain), placement.lease)
         return PrefillFirst(self, job, placement, router)
 
-    async def close(self) -> None:
-        """Close the prefill legs' connections."""
-        await self.client.close()
 
-
-class PrefillFirst:
+class PrefillFirst(Attempts):
     """One request's prefill leg(s) and the decode answer that follows (a :class:`Handover`)."""
 
     def __init__(
         self, handoff: KvTransferParamsHandoff, job: HandoffJob, placement: Placement, router: Rerouter
     ) -> None:
+        super().__init__(handoff, job, placement, router, new_request_id())
         self.timeout = handoff.answer_timeout
-        self.lease: Lease = placement.lease
         self._handoff = handoff
-        self._job = job
-        self._placement = placement
-        self._router = router
-        self._request_id = new_request_id()
 
     def _log(self, level: int, prefill: EndpointState, outcome: LegOutcome, detail: str) -> None:
         log.log(
@@ -189,7 +175,6 @@ class PrefillFirst:
         """Run the prefill leg (and at most one retry), then answer for the decode."""
         handoff, job = self._handoff, self._job
         leg_body = prefill_leg_body(job.body)
-        tried: frozenset[str] = frozenset()
         while True:
             decision = self._placement.decision
             prefill = decision.prefill
@@ -208,36 +193,11 @@ class PrefillFirst:
             if outcome is LegOutcome.NO_KV_TRANSFER_PARAMS:
                 level = handoff.answered_without_params(prefill.address)
                 self._log(level, prefill, outcome, NO_PARAMS_CONSEQUENCE)
-                return self._decode_only(decision)
+                return self.decode_only()
             self._log(logging.WARNING, prefill, outcome, detail)
-            self._router.leg_failed(prefill.address, outcome.value)
-            tried |= {prefill.address}
-            retry = self._router.retry(job, decision, tried) if len(tried) == 1 else None
-            if retry is None:
-                return self._give_up(decision, outcome, prefill, detail)
-            self.lease.release()
-            self._placement, self.lease = retry, retry.lease
-
-    def _decode_only(self, decision: Decision[EndpointState]) -> Routed:
-        return decode_only(self._handoff.route, self._job, decision, self._request_id, self.lease)
-
-    def _give_up(
-        self, decision: Decision[EndpointState], outcome: LegOutcome, prefill: EndpointState, detail: str
-    ) -> Routed | Refused:
-        if outcome is LegOutcome.TIMEOUT:
-            failure = f"the prefill engine {prefill.address} did not answer in time ({detail})"
-        else:
-            failure = f"the prefill engine {prefill.address} failed: {outcome.value} ({detail})"
-        handoff = self._handoff
-        return give_up(
-            handoff.on_failure,
-            handoff.metrics,
-            self._router,
-            handoff.route,
-            self._job,
-            decision,
-            self._request_id,
-            self.lease,
-            outcome,
-            failure,
-        )
+            if not self.retry(prefill, outcome):
+                if outcome is LegOutcome.TIMEOUT:
+                    failure = f"the prefill engine {prefill.address} did not answer in time ({detail})"
+                else:
+                    failure = f"the prefill engine {prefill.address} failed: {outcome.value} ({detail})"
+                return self.give_up(outcome, failure)

@@ -31,7 +31,6 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from ext_proc.affinity import Decision
 from ext_proc.handoff.background import BackgroundLegs
 from ext_proc.handoff.base import (
     DP_RANK_HEADER,
@@ -46,9 +45,8 @@ from ext_proc.handoff.base import (
     new_request_id,
 )
 from ext_proc.handoff.body import HANDOFF_FIELDS, KV_TRANSFER_PARAMS, prefill_leg_body, with_fields
-from ext_proc.handoff.fallback import decode_only, give_up
+from ext_proc.handoff.fallback import Attempts, LegHandoff, decode_only
 from ext_proc.handoff.leg import LegError, LegOutcome, PrefillClient
-from ext_proc.load import Lease
 from ext_proc.metrics import Metrics
 from ext_proc.registry import EndpointState
 
@@ -113,7 +111,7 @@ def prefill_params(transfer_id: str) -> dict[str, object]:
     return {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id}
 
 
-class VllmMooncakeHandoff:
+class VllmMooncakeHandoff(LegHandoff):
     """The concurrent Mooncake handoff; see the module docstring."""
 
     def __init__(
@@ -124,17 +122,13 @@ class VllmMooncakeHandoff:
         on_failure: FailurePolicy,
         default_bootstrap_port: int,
     ) -> None:
-        self.route = route
-        self.client = client
-        self.metrics = metrics
-        self.on_failure = on_failure
+        super().__init__(route, client, metrics, on_failure)
         self.default_bootstrap_port = default_bootstrap_port
         self.legs = BackgroundLegs(
             client,
             metrics,
             "its decode fails once its KV pull times out (VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT, 480 s)",
         )
-        self.routing_headers = route.routing_headers
         self._bootstraps: dict[str, tuple[float, Bootstrap]] = {}
 
     def hand_off(self, job: HandoffJob, placement: Placement, router: Rerouter) -> Routed | BootstrapQuery:
@@ -161,19 +155,27 @@ class VllmMooncakeHandoff:
         self._bootstraps.pop(address, None)
 
     async def query(self, prefill: EndpointState) -> Bootstrap:
-        """Ask ``prefill``'s bootstrap server for its engine ids and cache them; raise :class:`LegError`
-        (BAD_RESPONSE / SERVER_ERROR for an answer without them)."""
+        """Ask ``prefill``'s bootstrap server for its engine ids, count the outcome and cache them;
+        raise :class:`LegError` (BAD_RESPONSE / SERVER_ERROR for an answer without them)."""
+        try:
+            bootstrap = await self._query(prefill)
+        except LegError as exc:
+            self.metrics.bootstrap_query(exc.outcome.value)
+            raise
+        self.metrics.bootstrap_query(LegOutcome.OK.value)
+        self._bootstraps[prefill.address] = (time.monotonic(), bootstrap)
+        return bootstrap
+
+    async def _query(self, prefill: EndpointState) -> Bootstrap:
         url = bootstrap_url(prefill.address, prefill.bootstrap_port or self.default_bootstrap_port)
         reply = await self.client.get(url + "/query", QUERY_TIMEOUT_SECONDS)
         if not 200 <= reply.status < 300:
             text = reply.body[:300].decode(errors="replace")
             raise LegError(LegOutcome.SERVER_ERROR, f"{url}/query: HTTP {reply.status}: {text}")
         try:
-            bootstrap = Bootstrap(url, parse_query(reply.body))
+            return Bootstrap(url, parse_query(reply.body))
         except ValueError as exc:
             raise LegError(LegOutcome.BAD_RESPONSE, f"{url}/query: {exc}") from None
-        self._bootstraps[prefill.address] = (time.monotonic(), bootstrap)
-        return bootstrap
 
     def route_both(
         self, job: HandoffJob, placement: Placement, bootstrap: Bootstrap, request_id: str, router: Rerouter
@@ -199,7 +201,7 @@ class VllmMooncakeHandoff:
         await self.legs.close()
 
 
-class BootstrapQuery:
+class BootstrapQuery(Attempts):
     """One request waiting for its prefill's engine ids (a :class:`~ext_proc.handoff.base.Handover`)."""
 
     timeout = 2 * QUERY_TIMEOUT_SECONDS + TIMEOUT_MARGIN_SECONDS
@@ -212,27 +214,18 @@ class BootstrapQuery:
         router: Rerouter,
         request_id: str,
     ) -> None:
-        self.lease: Lease = placement.lease
+        super().__init__(handoff, job, placement, router, request_id)
         self._handoff = handoff
-        self._job = job
-        self._placement = placement
-        self._router = router
-        self._request_id = request_id
 
     async def complete(self) -> Routed | Refused:
         """Query the prefill's bootstrap server (and at most one other prefill's), then route."""
-        handoff, tried = self._handoff, frozenset[str]()
+        handoff = self._handoff
         while True:
-            decision: Decision[EndpointState] = self._placement.decision
-            prefill = decision.prefill
+            prefill = self._placement.decision.prefill
             assert prefill is not None
-            known = handoff.known(prefill.address)  # a retry's prefill may be known already
-            if known is not None:
-                return handoff.route_both(self._job, self._placement, known, self._request_id, self._router)
             try:
-                bootstrap = await handoff.query(prefill)
+                bootstrap = handoff.known(prefill.address) or await handoff.query(prefill)
             except LegError as exc:
-                handoff.metrics.bootstrap_query(exc.outcome.value)
                 log.warning(
                     "Mooncake bootstrap query to prefill %s: %s (%s); request %s",
                     prefill.address,
@@ -240,26 +233,9 @@ class BootstrapQuery:
                     exc,
                     self._request_id,
                 )
-                self._router.leg_failed(prefill.address, exc.outcome.value)
-                tried |= {prefill.address}
-                retry = self._router.retry(self._job, decision, tried) if len(tried) == 1 else None
-                if retry is None:
+                if not self.retry(prefill, exc.outcome):
                     self.lease.release_prefill()
                     failure = f"the Mooncake bootstrap server of prefill {prefill.address} failed: {exc}"
-                    return give_up(
-                        handoff.on_failure,
-                        handoff.metrics,
-                        self._router,
-                        handoff.route,
-                        self._job,
-                        decision,
-                        self._request_id,
-                        self.lease,
-                        exc.outcome,
-                        failure,
-                    )
-                self.lease.release()
-                self._placement, self.lease = retry, retry.lease
+                    return self.give_up(exc.outcome, failure)
                 continue
-            handoff.metrics.bootstrap_query(LegOutcome.OK.value)
             return handoff.route_both(self._job, self._placement, bootstrap, self._request_id, self._router)
