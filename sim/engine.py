@@ -298,7 +298,8 @@ class Engine:
             self._task = asyncio.create_task(self._run(), name=f"sim-engine-{self.engine_id}")
 
     async def stop(self) -> None:
-        """Stop the loop and fail every sequence still inside the engine."""
+        """Stop the loop, fail every sequence still inside the engine, free every hold and wake
+        whoever waits for one (:meth:`wait_held` returns ``None``)."""
         tasks = [t for t in (self._task, *self._pulls.values()) if t is not None]
         for task in tasks:
             task.cancel()
@@ -309,6 +310,9 @@ class Engine:
             self._fail(seq, EngineError("engine stopped"))
         for held, _ in list(self._holds.values()):
             self.release_kv(held)
+        for waiter in self._key_waiters.values():  # their KV will never come: wake them to fail now
+            waiter.set()
+        self._key_waiters.clear()
 
     def submit(
         self,
