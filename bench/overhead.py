@@ -10,9 +10,14 @@ so machine noise hits all alike. Reported:
   counts in 10 ms clock ticks, so the side-by-side figure is coarse for small ``--requests``; the
   one measured over the max-throughput window is the precise one;
 * maximum sustained routed requests/s (closed loop, high concurrency) and its error count;
-* pd-extproc resident memory with 1,000 streams in flight, and that all their load is released.
+* pd-extproc resident memory with 1,000 streams in flight, and that all their load is released;
+* the body modes side by side: the same pd-extproc behind the shipped ext_proc phases (BUFFERED) and
+  behind the Gateway API Inference Extension gateways' (FULL_DUPLEX_STREAMED both ways, every header
+  and trailer phase: ``ext_proc.gateway.FULL_DUPLEX_MODES``), each against the route without the
+  filter, for 1 KB, 64 KB and 1 MB bodies: added latency p50 and pd-extproc CPU per request, and the
+  ratio of the two modes' added latency.
 
-Run: ``python bench/overhead.py [--requests N] [--json FILE]``.
+Run: ``python bench/overhead.py [--requests N] [--body-requests N] [--json FILE]``.
 """
 
 from __future__ import annotations
@@ -44,9 +49,15 @@ BODY = {"model": "bench", "messages": [{"role": "user", "content": "x" * 900}], 
 BENCH = Path(__file__).resolve().parent
 
 
-async def _timed(session: aiohttp.ClientSession, url: str) -> float:
+BODY_SIZES = {"1KB": 1_000, "64KB": 64_000, "1MB": 1_000_000}
+BODY_MODE_GATEWAYS = ("bare_buffered", "bare_full_duplex", "buffered", "full_duplex")
+"""The request body sizes of the body-mode comparison, in bytes (approximately: the JSON around the
+prompt adds a few dozen)."""
+
+
+async def _timed(session: aiohttp.ClientSession, url: str, body: dict = BODY) -> float:
     started = time.perf_counter()
-    async with session.post(url, json=BODY) as response:
+    async with session.post(url, json=body) as response:
         await response.read()
         if response.status != 200:
             raise RuntimeError(f"{url} answered {response.status}: {await response.text()}")
@@ -135,8 +146,41 @@ async def _in_flight_memory(url: str, admin_port: int, server_pid: int, streams:
     }
 
 
-async def measure(requests: int, concurrencies: list[int], throughput_seconds: float, streams: int) -> dict:
-    """Start the three gateways, run every measurement, stop everything; return the results."""
+async def _body_modes(urls: dict[str, str], requests: int, server_pid: int) -> dict:
+    """Per body size, ``requests`` sequential requests per gateway (``without_filter``; the bare
+    Python processor and pd-extproc, each ``buffered`` and ``full_duplex``), rotating gateways request
+    by request; the latency, the added latency p50 of each, pd-extproc's CPU per request (µs), and the
+    FDS / BUFFERED ratio of the added p50, for pd-extproc and for the bare processor (Python gRPC's
+    own cost of the mode's extra messages)."""
+    results: dict = {}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        for label, size in BODY_SIZES.items():
+            body = {**BODY, "messages": [{"role": "user", "content": "x" * size}]}
+            latencies: dict[str, list[float]] = {name: [] for name in urls}
+            cpu = dict.fromkeys(urls, 0.0)
+            for _ in range(requests):
+                for name, url in urls.items():
+                    before = cpu_seconds(server_pid)
+                    latencies[name].append(await _timed(session, url, body))
+                    cpu[name] += cpu_seconds(server_pid) - before
+            row = {name: summary_ms(values) for name, values in latencies.items()}
+            base = row["without_filter"]["p50_ms"]
+            for name in BODY_MODE_GATEWAYS:
+                row[name]["added_p50_ms"] = row[name]["p50_ms"] - base
+            for mode in ("buffered", "full_duplex"):
+                row[mode]["cpu_us_per_request"] = cpu[mode] / requests * 1e6
+            for prefix in ("", "bare_"):
+                added = row[f"{prefix}buffered"]["added_p50_ms"]
+                ratio = row[f"{prefix}full_duplex"]["added_p50_ms"] / added if added > 0 else None
+                row[f"{prefix}fds_over_buffered_added_p50"] = ratio
+            results[label] = row
+    return results
+
+
+async def measure(
+    requests: int, concurrencies: list[int], throughput_seconds: float, streams: int, body_requests: int
+) -> dict:
+    """Start the gateways, run every measurement, stop everything; return the results."""
     workdir = Path(tempfile.mkdtemp(prefix="pd-bench-overhead-"))
     backend = spawn_python([str(BENCH / "fast_backend.py")])
     bare = spawn_python([str(BENCH / "bare_extproc.py")])
@@ -157,6 +201,8 @@ async def measure(requests: int, concurrencies: list[int], throughput_seconds: f
             ("without_filter", None),
             ("bare_ext_proc", bare_port),
             ("pd_extproc", grpc_port),
+            ("full_duplex", grpc_port),
+            ("bare_full_duplex", bare_port),
         ):
             listen, admin = free_port(), free_port()
             bootstrap = render_bootstrap(
@@ -166,10 +212,18 @@ async def measure(requests: int, concurrencies: list[int], throughput_seconds: f
                 decode_eds_path=eds[1],
                 prefill_eds_path=eds[0],
                 prefill_leg_port=free_port(),
-                fail_open=name == "bare_ext_proc",  # it names no decode: Envoy's fallback policy picks
+                fail_open=name.startswith("bare_"),  # it names no decode: Envoy's fallback policy picks
+                full_duplex=name.endswith("full_duplex"),
             )
             gateways.append(await start_gateway(bootstrap, listen, admin, concurrency=1))
             urls[name] = f"{gateways[-1].url}/v1/chat/completions"
+        modes = {
+            "without_filter": urls["without_filter"],
+            "bare_buffered": urls["bare_ext_proc"],
+            "bare_full_duplex": urls.pop("bare_full_duplex"),
+            "buffered": urls["pd_extproc"],
+            "full_duplex": urls.pop("full_duplex"),
+        }
         await _side_by_side(urls, 200, 1, server.pid)  # warm-up
         results: dict = {"body_bytes": len(str(BODY)), "latency": {}}
         for concurrency in concurrencies:
@@ -181,6 +235,7 @@ async def measure(requests: int, concurrencies: list[int], throughput_seconds: f
             "pd_extproc": await _max_throughput(urls["pd_extproc"], 64, throughput_seconds, server.pid),
         }
         results["in_flight"] = await _in_flight_memory(urls["pd_extproc"], admin_port, server.pid, streams)
+        results["body_modes"] = await _body_modes(modes, body_requests, server.pid)
         return results
     finally:
         for gateway in gateways:
@@ -209,6 +264,17 @@ def _print(results: dict) -> None:
         f"{row['in_flight_seen']}/{row['streams']} streams in flight: pd-extproc RSS {rss}; "
         f"{row['ok']} completed; load left after: {row['load_left_after']}"
     )
+    print(f"\n{'body':<7}{'gateway':<18}{'p50 ms':>9}{'p99 ms':>9}{'added p50':>11}{'CPU us/req':>12}")
+    for label, row in results["body_modes"].items():
+        for name in ("without_filter", *BODY_MODE_GATEWAYS):
+            cells = row[name]
+            added = f"{cells['added_p50_ms']:>11.3f}" if "added_p50_ms" in cells else ""
+            cpu = f"{cells['cpu_us_per_request']:>12.0f}" if "cpu_us_per_request" in cells else ""
+            print(f"{label:<7}{name:<18}{cells['p50_ms']:>9.3f}{cells['p99_ms']:>9.3f}{added}{cpu}")
+        for prefix, who in (("", "pd-extproc"), ("bare_", "bare processor")):
+            ratio = row[f"{prefix}fds_over_buffered_added_p50"]
+            shown = "n/a" if ratio is None else f"{ratio:.2f}x"
+            print(f"{'':<7}{who}: FULL_DUPLEX_STREAMED / BUFFERED added p50 {shown}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -223,10 +289,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--streams", type=int, default=1000, help="streams held in flight for the memory check"
     )
+    parser.add_argument(
+        "--body-requests", type=int, default=300, help="requests per gateway and body size (body modes)"
+    )
     parser.add_argument("--json", help="write the results to this JSON file")
     args = parser.parse_args(argv)
     concurrencies = [int(c) for c in args.concurrency.split(",") if c]
-    results = asyncio.run(measure(args.requests, concurrencies, args.throughput_seconds, args.streams))
+    results = asyncio.run(
+        measure(args.requests, concurrencies, args.throughput_seconds, args.streams, args.body_requests)
+    )
     _print(results)
     write_json(args.json, results)
     return 0

@@ -24,38 +24,36 @@ def _load(source: ConfigSource) -> Config | None:
         return None
 
 
+_FLAG_KEYS = {
+    "listen": "listen",
+    "metrics_listen": "metrics_listen",
+    "health_listen": "health_listen",
+    "discovery": "discovery.source",
+    "pool_name": "discovery.inferencepool.name",
+    "pool_namespace": "discovery.inferencepool.namespace",
+    "affinity_mode": "affinity.mode",
+    "affinity_bonus": "affinity.bonus",
+    "handoff": "handoff.mode",
+    "prefill_via": "handoff.prefill_via",
+    "pd_threshold_tokens": "routing.pd_threshold_tokens",
+    "serve_eds": "xds.serve_eds",
+    "max_inflight_requests": "limits.max_inflight_requests",
+    "engine_metrics": "engine_metrics.enabled",
+    "engine_metrics_interval": "engine_metrics.interval_seconds",
+    "envoy_admin_url": "envoy_health.admin_url",
+}
+"""``serve`` flags (their argparse ``dest``) that set a configuration key to their value, when given
+(``None``: not given; the switches' default is ``None`` too)."""
+
+
 def _serve(args: argparse.Namespace) -> int:
-    overrides: dict[str, object] = {}
-    if args.listen is not None:
-        overrides["listen"] = args.listen
-    if args.metrics_listen is not None:
-        overrides["metrics_listen"] = args.metrics_listen
+    overrides: dict[str, object] = {
+        key: getattr(args, flag) for flag, key in _FLAG_KEYS.items() if getattr(args, flag) is not None
+    }
     if args.eds_file:
         overrides["discovery.eds_files"] = [str(Path(p).resolve()) for p in args.eds_file]  # relative to cwd
-    if args.discovery is not None:
-        overrides["discovery.source"] = args.discovery
     if args.kubeconfig is not None:
         overrides["discovery.kubernetes.kubeconfig"] = str(Path(args.kubeconfig).resolve())
-    if args.affinity_mode is not None:
-        overrides["affinity.mode"] = args.affinity_mode
-    if args.affinity_bonus is not None:
-        overrides["affinity.bonus"] = args.affinity_bonus
-    if args.handoff is not None:
-        overrides["handoff.mode"] = args.handoff
-    if args.prefill_via is not None:
-        overrides["handoff.prefill_via"] = args.prefill_via
-    if args.pd_threshold_tokens is not None:
-        overrides["routing.pd_threshold_tokens"] = args.pd_threshold_tokens
-    if args.serve_eds:
-        overrides["xds.serve_eds"] = True
-    if args.max_inflight_requests is not None:
-        overrides["limits.max_inflight_requests"] = args.max_inflight_requests
-    if args.engine_metrics:
-        overrides["engine_metrics.enabled"] = True
-    if args.engine_metrics_interval is not None:
-        overrides["engine_metrics.interval_seconds"] = args.engine_metrics_interval
-    if args.envoy_admin_url is not None:
-        overrides["envoy_health.admin_url"] = args.envoy_admin_url
     source = ConfigSource(args.config, overrides)
     config = _load(source)
     if config is None:
@@ -83,11 +81,29 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--listen", help="gRPC host:port (config key listen)")
     serve.add_argument("--metrics-listen", help="admin/metrics host:port (config key metrics_listen)")
     serve.add_argument(
+        "--health-listen",
+        help="host:port of a second, plaintext gRPC port serving only health (GIE's --grpc-health-port); "
+        "'' = off (health_listen)",
+    )
+    serve.add_argument(
         "--eds-file", action="append", help="EDS file to watch; repeatable (discovery.eds_files)"
     )
-    serve.add_argument("--discovery", help="files | kubernetes: where endpoints come from (discovery.source)")
     serve.add_argument(
-        "--kubeconfig", help="kubeconfig file for --discovery kubernetes (discovery.kubernetes.kubeconfig)"
+        "--discovery",
+        help="files | kubernetes | inferencepool: where endpoints come from (discovery.source)",
+    )
+    serve.add_argument(
+        "--kubeconfig",
+        help="kubeconfig file for --discovery kubernetes or inferencepool (discovery.kubernetes.kubeconfig)",
+    )
+    serve.add_argument(
+        "--pool-name",
+        help="the InferencePool whose pods are the endpoints, for --discovery inferencepool "
+        "(discovery.inferencepool.name)",
+    )
+    serve.add_argument(
+        "--pool-namespace",
+        help="its namespace; '' = pd-extproc's own (discovery.inferencepool.namespace)",
     )
     serve.add_argument("--affinity-mode", help="off | prefer | strict | auto (affinity.mode)")
     serve.add_argument("--affinity-bonus", type=float, help="prefer-mode slack in [0, 1] (affinity.bonus)")
@@ -113,6 +129,7 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument(
         "--engine-metrics",
         action="store_true",
+        default=None,
         help="scrape the engines' /metrics and blend their load into routing (engine_metrics.enabled)",
     )
     serve.add_argument(
@@ -128,6 +145,7 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument(
         "--serve-eds",
         action="store_true",
+        default=None,
         help="serve the prefill/decode endpoints to Envoy over ADS, for envoy/envoy-ads.yaml (xds.serve_eds)",
     )
     serve.set_defaults(func=_serve)

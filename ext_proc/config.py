@@ -23,7 +23,15 @@ import yaml
 
 from ext_proc.affinity import AutoModel, Mode, Policy
 from ext_proc.discovery import SourceKind
-from ext_proc.discovery.pods import PRESETS, Preset, RoleScheme
+from ext_proc.discovery.pods import (
+    PRESETS,
+    PodRules,
+    Preset,
+    RoleScheme,
+    is_label_key,
+    is_label_value,
+    is_object_name,
+)
 from ext_proc.engine_load import EngineKind
 from ext_proc.handoff import FailurePolicy, HandoffMode
 from ext_proc.handoff.base import UNSUPPORTED_HANDOFFS
@@ -79,10 +87,27 @@ class KubernetesConfig:
 
 
 @dataclass(frozen=True)
+class InferencePoolConfig:
+    """The InferencePool whose pods are the endpoints (``discovery.source: inferencepool``; README
+    "Discovery from an InferencePool"), as GIE's endpoint picker names it (``--pool-name``,
+    ``--pool-namespace``).
+
+    ``name``: the ``inference.networking.k8s.io/v1`` InferencePool's name, required with that source.
+    ``namespace``: its namespace, which is also its pods'; ``""`` = the server's own (in-cluster) or
+    the kubeconfig context's, as for ``discovery.kubernetes.namespaces``.
+    """
+
+    name: str = ""
+    namespace: str = ""
+
+
+@dataclass(frozen=True)
 class DiscoveryConfig:
-    """Where endpoints come from: ``source`` files (the EDS files ``eds_files``) or kubernetes (pods,
-    ``kubernetes``). Relative ``eds_files`` (and ``kubernetes.kubeconfig``) resolve against the folder
-    of the config file's path as given (symlinks not followed: see :func:`load_config`)."""
+    """Where endpoints come from: ``source`` files (the EDS files ``eds_files``), kubernetes (pods,
+    ``kubernetes``) or inferencepool (the pods an InferencePool selects, ``inferencepool``, with the
+    pod rules and API access of ``kubernetes``). Relative ``eds_files`` (and ``kubernetes.kubeconfig``)
+    resolve against the folder of the config file's path as given (symlinks not followed: see
+    :func:`load_config`)."""
 
     eds_files: tuple[str, ...] = ()
     prefill_cluster: str = "prefill"
@@ -91,6 +116,20 @@ class DiscoveryConfig:
     poll_interval_seconds: float = 0.25
     source: SourceKind = SourceKind.FILES
     kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
+    inferencepool: InferencePoolConfig = field(default_factory=InferencePoolConfig)
+
+    def pod_rules(self) -> PodRules:
+        """How the ``kubernetes`` and ``inferencepool`` sources read a pod (``kubernetes``'s keys)."""
+        kubernetes = self.kubernetes
+        return PodRules(
+            kubernetes.scheme(),
+            kubernetes.group_label,
+            kubernetes.capacity_annotation,
+            kubernetes.bootstrap_port_annotation,
+            self.prefill_cluster,
+            self.decode_cluster,
+            kubernetes.metrics_port_annotation,
+        )
 
 
 @dataclass(frozen=True)
@@ -292,10 +331,13 @@ class EnvoyHealthConfig:
 @dataclass(frozen=True)
 class Config:
     """The whole configuration. ``listen``/``metrics_listen`` are ``host:port``; the admin endpoint
-    (``metrics_listen``) listens on loopback unless configured otherwise."""
+    (``metrics_listen``) listens on loopback unless configured otherwise. ``health_listen``: ``""``
+    (off), or the ``host:port`` of a second, plaintext gRPC port serving only the health service
+    (GIE's endpoint picker has one, ``--grpc-health-port``, 9003); ``listen`` serves health either way."""
 
     listen: str = "0.0.0.0:9002"
     metrics_listen: str = "127.0.0.1:9090"
+    health_listen: str = ""
     admin: AdminConfig = field(default_factory=AdminConfig)
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     affinity: AffinityConfig = field(default_factory=AffinityConfig)
@@ -311,12 +353,9 @@ class Config:
 
 _CHOICES = (Mode, HandoffMode, FailurePolicy, SourceKind, Preset, EngineKind)
 _NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
-_DNS_SUBDOMAIN = re.compile(r"(?=.{1,253}$)[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
-_LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
 _PORT_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,13}[a-z0-9])?")
-"""Kubernetes name syntax: a namespace (DNS label), a label or annotation key's prefix (DNS
-subdomain) and name (also the syntax of a label value), a container port name (IANA service name,
-which also needs a letter)."""
+"""Kubernetes name syntax: a namespace (DNS label), a container port name (IANA service name,
+which also needs a letter); label keys and values and object names: ``ext_proc.discovery.pods``."""
 
 
 def _allowed(tp: object) -> str:
@@ -381,13 +420,16 @@ def _build(cls: type, data: Mapping[str, object], prefix: str) -> object:
 def _check_host_port(key: str, value: str) -> None:
     host, sep, port = value.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ConfigError(f"{key}: {value!r} is not allowed; use host:port, e.g. 0.0.0.0:9002")
+        off = " (or an empty string: off)" if key == "health_listen" else ""
+        raise ConfigError(f"{key}: {value!r} is not allowed; use host:port, e.g. 0.0.0.0:9002{off}")
 
 
 def validate(config: Config) -> Config:
     """Check value ranges that types alone do not capture; return ``config`` unchanged."""
     _check_host_port("listen", config.listen)
     _check_host_port("metrics_listen", config.metrics_listen)
+    if config.health_listen:
+        _check_host_port("health_listen", config.health_listen)
     if not 0.0 <= config.affinity.bonus <= 1.0:
         raise ConfigError(f"affinity.bonus: {config.affinity.bonus} is not allowed; use a number in [0, 1]")
     if config.load.default_max_tokens < 0:
@@ -420,6 +462,7 @@ def validate(config: Config) -> Config:
     _check_envoy_health(config.envoy_health)
     _check_tls(config.tls)
     _check_kubernetes(config.discovery.kubernetes)
+    _check_inferencepool(config.discovery)
     if not 0 <= config.xds.no_envoy_delay_seconds <= MAX_NO_ENVOY_DELAY:
         raise ConfigError(f"xds.no_envoy_delay_seconds: must be a number in [0, {MAX_NO_ENVOY_DELAY:g}]")
     return config
@@ -533,15 +576,14 @@ def _check_kubernetes(kubernetes: KubernetesConfig) -> None:
         "metrics_port_annotation": kubernetes.metrics_port_annotation,
     }
     for name, value in keys.items():
-        prefix, slash, label = value.rpartition("/")
-        if not (_LABEL_NAME.fullmatch(label) and (not slash or _DNS_SUBDOMAIN.fullmatch(prefix))):
+        if not is_label_key(value):
             raise ConfigError(
                 f"{key}.{name}: {value!r} is not allowed; use a Kubernetes label or annotation key "
                 "such as example.com/name"
             )
     roles = [scheme.prefill_role, scheme.decode_role, scheme.both_role]
     for name, value in zip(("prefill_role", "decode_role", "both_role"), roles, strict=True):
-        if value and not _LABEL_NAME.fullmatch(value):
+        if not is_label_value(value):
             raise ConfigError(f"{key}.{name}: {value!r} is not allowed; use a Kubernetes label value")
     if len(set(roles)) < 3:
         values = ", ".join(map(repr, roles))
@@ -555,6 +597,26 @@ def _check_kubernetes(kubernetes: KubernetesConfig) -> None:
                 f"{key}.{name}: {port!r} is not allowed; use a container port name (lower-case letters, "
                 "digits and '-', at most 15, at least one letter) or a port number"
             )
+
+
+def _check_inferencepool(discovery: DiscoveryConfig) -> None:
+    key = "discovery.inferencepool"
+    pool = discovery.inferencepool
+    if discovery.source is SourceKind.INFERENCEPOOL and not pool.name:
+        raise ConfigError(
+            f"{key}.name: required with discovery.source inferencepool: the name of the InferencePool "
+            "whose pods are the endpoints (flag --pool-name)"
+        )
+    if pool.name and not is_object_name(pool.name):
+        raise ConfigError(
+            f"{key}.name: {pool.name!r} is not allowed; use a Kubernetes object name (lower-case letters, "
+            "digits, '-' and '.', at most 253)"
+        )
+    if pool.namespace and not _NAMESPACE.fullmatch(pool.namespace):
+        raise ConfigError(
+            f"{key}.namespace: {pool.namespace!r} is not allowed; use a namespace name, or an empty "
+            "string for the server's own"
+        )
 
 
 def load_config(

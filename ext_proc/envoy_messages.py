@@ -19,6 +19,7 @@ from ext_proc.handoff import RequestMeta, RoutingInstructions
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
+SERVED_KEY = "x-gateway-destination-endpoint-served"
 _OVERWRITE = base_pb2.HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -43,6 +44,7 @@ PHASES = (
 
 ProcessingRequest = pb.ProcessingRequest
 ProcessingResponse = pb.ProcessingResponse
+HttpBody = pb.HttpBody
 
 
 def subset_hint(request: pb.ProcessingRequest) -> frozenset[str] | None:
@@ -66,6 +68,19 @@ def subset_hint(request: pb.ProcessingRequest) -> frozenset[str] | None:
     if value.WhichOneof("kind") == "string_value":
         return frozenset(a.strip() for a in value.string_value.split(",") if a.strip())
     return frozenset()
+
+
+def served_endpoint(request: pb.ProcessingRequest) -> str | None:
+    """The endpoint that served the request as the data plane reports it at the response phase
+    (endpoint-picker protocol: ``filter_metadata["envoy.lb"]["x-gateway-destination-endpoint-served"]``,
+    ``"ip:port"``, which Envoy's override_host ``selected_host_key`` writes), or ``None``."""
+    namespaces = request.metadata_context.filter_metadata
+    if LB_NAMESPACE not in namespaces:
+        return None
+    value = namespaces[LB_NAMESPACE].fields.get(SERVED_KEY)
+    if value is None or value.WhichOneof("kind") != "string_value":
+        return None
+    return value.string_value or None
 
 
 def _header_value(header: base_pb2.HeaderValue) -> str:
@@ -94,14 +109,20 @@ def _set_header(mutation: pb.HeaderMutation, name: str, value: bytes) -> None:
     option.append_action = _OVERWRITE
 
 
-def _fill_common(common: pb.CommonResponse, routing: RoutingInstructions) -> None:
-    mutation = common.header_mutation
+def _fill_headers(mutation: pb.HeaderMutation, routing: RoutingInstructions, strip: tuple[str, ...]) -> None:
     for name, value in routing.set_headers:
         _set_header(mutation, name, value.encode())
     mutation.remove_headers.extend(routing.remove_headers)
+    if strip:
+        owned = {name for name, _ in routing.set_headers} | set(routing.remove_headers)
+        mutation.remove_headers.extend(name for name in strip if name not in owned)
+
+
+def _fill_common(common: pb.CommonResponse, routing: RoutingInstructions) -> None:
+    _fill_headers(common.header_mutation, routing, ())
     if routing.body is not None:
         # Envoy 1.40 answers 500 for a mutated body unless content-length matches it in the same answer.
-        _set_header(mutation, "content-length", str(len(routing.body)).encode())
+        _set_header(common.header_mutation, "content-length", str(len(routing.body)).encode())
         common.body_mutation.body = routing.body
 
 
@@ -120,11 +141,38 @@ def route_on_body(routing: RoutingInstructions) -> pb.ProcessingResponse:
     return response
 
 
-def route_on_headers(routing: RoutingInstructions) -> pb.ProcessingResponse:
-    """Answer a ``request_headers`` message (a request without a body) with routing (no body)."""
+def route_on_headers(
+    routing: RoutingInstructions,
+    *,
+    strip: tuple[str, ...] = (),
+    content_length: int | None = None,
+    clear_route_cache: bool = False,
+) -> pb.ProcessingResponse:
+    """Answer a ``request_headers`` message with the routing headers and ``envoy.lb`` metadata (never a
+    body: a request without one, or a FULL_DUPLEX_STREAMED body, which follows in its own answers).
+
+    ``strip``: routing headers a client may not send, removed unless ``routing`` sets them;
+    ``content_length``: the length of the body that will follow, in bytes; ``clear_route_cache``: have
+    Envoy match the route again (for filters configured without ``route_cache_action: CLEAR``).
+    """
     response = pb.ProcessingResponse()
-    _fill_common(response.request_headers.response, routing)
+    common = response.request_headers.response
+    _fill_headers(common.header_mutation, routing, strip)
+    if content_length is not None:
+        _set_header(common.header_mutation, "content-length", str(content_length).encode())
+    if clear_route_cache:
+        common.clear_route_cache = True
     _fill_metadata(response, routing)
+    return response
+
+
+def streamed_chunk(kind: str, body: bytes, end_of_stream: bool) -> pb.ProcessingResponse:
+    """Answer a FULL_DUPLEX_STREAMED body message of ``kind`` (``request_body`` / ``response_body``)
+    with ``body`` as its ``streamed_response`` (``end_of_stream`` on the body's last chunk)."""
+    response = pb.ProcessingResponse()
+    streamed = getattr(response, kind).response.body_mutation.streamed_response
+    streamed.body = body
+    streamed.end_of_stream = end_of_stream
     return response
 
 

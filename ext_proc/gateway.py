@@ -30,6 +30,18 @@ SHIPPED_ADS_BOOTSTRAP = SHIPPED_BOOTSTRAP.with_name("envoy-ads.yaml")
 """The same gateway with the prefill and decode endpoints served by pd-extproc over ADS."""
 
 
+FULL_DUPLEX_MODES = {
+    "request_header_mode": "SEND",
+    "response_header_mode": "SEND",
+    "request_body_mode": "FULL_DUPLEX_STREAMED",
+    "response_body_mode": "FULL_DUPLEX_STREAMED",
+    "request_trailer_mode": "SEND",
+    "response_trailer_mode": "SEND",
+}
+"""The ext_proc ``processing_mode`` of the Gateway API Inference Extension gateways (its reference
+Envoy, Istio, Envoy AI Gateway, kgateway all configure these for an InferencePool's picker)."""
+
+
 class GatewayError(RuntimeError):
     """Envoy could not be found, configured or started; the message says which."""
 
@@ -75,6 +87,7 @@ def render_bootstrap(
     round_robin: bool = False,
     response_headers: bool = False,
     fail_open: bool = False,
+    full_duplex: bool = False,
     template: Path = SHIPPED_BOOTSTRAP,
 ) -> dict:
     """The shipped bootstrap (``template``) bound to local ports and files (the prefill-leg
@@ -87,7 +100,10 @@ def render_bootstrap(
     robin (the "plain Envoy" baseline); ``response_headers=True`` turns on the optional ext_proc
     response-headers phase; ``fail_open=True`` makes the documented fail-open edit (README
     "Reliability"): the decode route no longer requires pd-extproc's routing header, so a request
-    pd-extproc did not answer goes to a decode chosen by the cluster's fallback policy.
+    pd-extproc did not answer goes to a decode chosen by the cluster's fallback policy;
+    ``full_duplex=True`` sets the ext_proc processing modes the Gateway API Inference Extension gateways
+    configure (:data:`FULL_DUPLEX_MODES`: FULL_DUPLEX_STREAMED request and response bodies, every
+    header and trailer phase sent).
     """
     try:
         config = copy.deepcopy(yaml.safe_load(template.read_text(encoding="utf-8")))
@@ -114,9 +130,12 @@ def render_bootstrap(
             route.pop("typed_per_filter_config", None)
         static["clusters"] = [c for c in static["clusters"] if c["name"] != "pd_extproc"]
     else:
+        ext_proc = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")
+        modes = ext_proc["typed_config"]["processing_mode"]
         if response_headers:
-            ext_proc = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")
-            ext_proc["typed_config"]["processing_mode"]["response_header_mode"] = "SEND"
+            modes["response_header_mode"] = "SEND"
+        if full_duplex:
+            modes.update(FULL_DUPLEX_MODES)
         endpoint = clusters["pd_extproc"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
         endpoint["address"] = _socket(extproc_port)
     if fail_open or extproc_port is None:

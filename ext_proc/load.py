@@ -35,6 +35,20 @@ class Lease:
             self._prefill = None
             prefill.release(self._prefill_tokens)
 
+    @property
+    def decode(self) -> EndpointState | None:
+        """The decode endpoint charged, ``None`` once released."""
+        return self._decode
+
+    def move_decode(self, served: EndpointState) -> None:
+        """The request is served by ``served``, not the decode charged: move the decode charge there
+        (nothing once it has been released)."""
+        decode = self._decode
+        if decode is not None and decode is not served:
+            decode.release(self._decode_tokens)
+            served.charge(self._decode_tokens)
+            self._decode = served
+
     def release(self) -> None:
         """Release everything still charged; idempotent."""
         self.release_prefill()

@@ -175,6 +175,11 @@ class Metrics:
             ["source"],
             registry=self.registry,
         )
+        self._inferencepool_usable = Gauge(
+            "pd_extproc_inferencepool_usable",
+            "1 while the InferencePool of discovery.source inferencepool exists and is usable, else 0",
+            registry=self.registry,
+        )
         self._xds_responses = Counter(
             "pd_extproc_xds_responses_total", "EDS responses sent to Envoy over ADS", registry=self.registry
         )
@@ -219,6 +224,22 @@ class Metrics:
             buckets=SCRAPE_BUCKETS,
             registry=self.registry,
         )
+        self._served = Counter(
+            "pd_extproc_served_endpoint_total",
+            "Responses whose serving endpoint the data plane reported (envoy.lb "
+            "x-gateway-destination-endpoint-served), by outcome: chosen (the decode pd-extproc charged), "
+            "moved (a retry walked to another decode: the charge moved), unknown (not a known decode)",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self._served_children = {o: self._served.labels(o) for o in ("chosen", "moved", "unknown")}
+        self._streams = Counter(
+            "pd_extproc_ext_proc_streams_total",
+            "ext_proc streams by the request body mode Envoy stated (buffered, full_duplex_streamed)",
+            ["body_mode"],
+            registry=self.registry,
+        )
+        self._stream_children = {m: self._streams.labels(m) for m in ("buffered", "full_duplex_streamed")}
         self.registry.register(_EndpointLoadCollector(endpoints))
         self._decision_children: dict[tuple[str, str], Counter] = {}
         self._rejected_children: dict[str, Counter] = {}
@@ -266,6 +287,14 @@ class Metrics:
             child = self._rejected_children[reason] = self._rejected.labels(reason)
         child.inc()
 
+    def served(self, outcome: str) -> None:
+        """Count one reported serving endpoint by ``outcome`` (chosen, moved, unknown)."""
+        self._served_children[outcome].inc()
+
+    def stream_started(self, body_mode: str) -> None:
+        """Count one ext_proc stream by its request ``body_mode`` (buffered, full_duplex_streamed)."""
+        self._stream_children[body_mode].inc()
+
     def prefill_leg(self, outcome: str, seconds: float | None) -> None:
         """Count one prefill leg by outcome; ``seconds`` when it got an HTTP answer."""
         self._prefill_legs.labels(outcome).inc()
@@ -303,6 +332,10 @@ class Metrics:
     def discovery_synced(self, source: str, timestamp: float) -> None:
         """Record that ``source``'s whole view was current at ``timestamp`` (Unix seconds)."""
         self._discovery_synced.labels(source).set(timestamp)
+
+    def inferencepool_usable(self, usable: bool) -> None:
+        """Record whether the InferencePool exists and is usable (``discovery.source: inferencepool``)."""
+        self._inferencepool_usable.set(1 if usable else 0)
 
     def xds_response(self) -> None:
         """Count one EDS response sent over ADS."""

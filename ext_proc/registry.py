@@ -189,6 +189,10 @@ class Registry:
         """The healthy decode endpoints (the decode pool's endpoints)."""
         return self.decode_pool.endpoints
 
+    def decode(self, address: str) -> EndpointState | None:
+        """The known decode endpoint at ``address`` (``ip:port``), healthy or not, or ``None``."""
+        return self._current.get((Role.DECODE, address))
+
     def endpoints(self) -> tuple[EndpointState, ...]:
         """Every known endpoint, healthy or not, plus departed ones that still have requests in flight."""
         return (*self._current.values(), *self._departed.values())

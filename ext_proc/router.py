@@ -163,6 +163,31 @@ class Router:
             return None
         return placed
 
+    def served_by(self, lease: Lease, address: str) -> None:
+        """The data plane reports that ``address`` served the request ``lease`` charges: when that is
+        another decode than the one charged (Envoy's retry walked the fallback list), move the decode
+        charge there. Counted by outcome in ``pd_extproc_served_endpoint_total``."""
+        charged = lease.decode
+        if charged is None or charged.address == address:
+            self.metrics.served("chosen")
+            return
+        served = self.registry.decode(address)
+        if served is None:
+            self.metrics.served("unknown")
+            log.warning(
+                "the data plane reports %s served a request routed to %s, and it is no known decode: "
+                "the charge stays on %s",
+                address,
+                charged.address,
+                charged.address,
+            )
+            return
+        self.metrics.served("moved")
+        log.info(
+            "a retry moved a request from decode %s to %s: its charge moves too", charged.address, address
+        )
+        lease.move_decode(served)
+
     def leg_failed(self, address: str, outcome: str) -> None:
         """A prefill leg to ``address`` failed with ``outcome`` (not a 4xx): eject that prefill."""
         self.ejections.eject(address, outcome)

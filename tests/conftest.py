@@ -1,11 +1,23 @@
-"""Shared test setup: make the test helper modules importable; load benchmark scripts."""
+"""Shared test setup: make the test helper modules importable; load benchmark scripts; the fake
+Kubernetes API server; the ``server`` and ``stub`` fixtures of the tests that drive the gRPC shell
+directly."""
 
 import importlib.util
 import sys
+from collections.abc import AsyncIterator
 from pathlib import Path
 from types import ModuleType
 
+import grpc
+import pytest
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health_pb2_grpc
+
 sys.path.insert(0, str(Path(__file__).parent))
+
+from fake_kube_api import FakeKubeApi
+from grpc_harness import start_with
+
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 
@@ -17,3 +29,35 @@ def load_bench(name: str) -> ModuleType:
     sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture
+async def api() -> AsyncIterator[FakeKubeApi]:
+    """A running fake Kubernetes API server."""
+    server = FakeKubeApi()
+    await server.start()
+    yield server
+    await server.stop()
+
+
+@pytest.fixture
+def kubeconfig(api: FakeKubeApi, tmp_path: Path, request: pytest.FixtureRequest) -> Path:
+    """A kubeconfig for ``api`` whose context's namespace is the test module's ``NS``."""
+    path = tmp_path / "kubeconfig"
+    path.write_text(api.kubeconfig(request.module.NS))
+    return path
+
+
+@pytest.fixture
+async def server(tmp_path):
+    """A pd-extproc server (one prefill, one decode: ``grpc_harness.start_with``)."""
+    running = await start_with(tmp_path, ["10.0.0.2:8000"])
+    yield running
+    await running.stop(grace=0)
+
+
+@pytest.fixture
+async def stub(server):
+    """ext_proc and health stubs on a gRPC channel to ``server``."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        yield pb_grpc.ExternalProcessorStub(channel), health_pb2_grpc.HealthStub(channel)

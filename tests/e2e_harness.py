@@ -69,11 +69,13 @@ async def gateway_over(
     response_headers: bool = False,
     edit: Callable[[dict], None] | None = None,
     ads: bool = False,
+    full_duplex: bool = False,
 ) -> AsyncIterator[Gatewayed]:
     """Write the EDS files, start the server (config ``settings``, dotted keys; ``handoff.prefill_via``
     defaults to the rendered Envoy's prefill-leg listener) and the real Envoy (its rendered
     bootstrap changed by ``edit``, if given). ``ads``: pd-extproc serves the endpoints it reads
-    to Envoy (``xds.serve_eds``, ``envoy/envoy-ads.yaml``) instead of Envoy reading the files."""
+    to Envoy (``xds.serve_eds``, ``envoy/envoy-ads.yaml``) instead of Envoy reading the files;
+    ``full_duplex``: the ext_proc filter in the GIE gateways' FULL_DUPLEX_STREAMED modes."""
     prefill_eds, decode_eds = tmp_path / "prefill.yaml", tmp_path / "decode.yaml"
     write_eds_file(prefill_eds, "prefill", prefills)
     write_eds_file(decode_eds, "decode", decodes)
@@ -102,6 +104,7 @@ async def gateway_over(
         prefill_eds_path=str(prefill_eds),
         prefill_leg_port=prefill_leg_port,
         response_headers=response_headers,
+        full_duplex=full_duplex,
         template=SHIPPED_ADS_BOOTSTRAP if ads else SHIPPED_BOOTSTRAP,
     )
     if edit is not None:
@@ -127,8 +130,11 @@ async def stack(
     bonus: float = 0.3,
     capacities: dict[int, float] | None = None,
     response_headers: bool = False,
+    settings: dict[str, object] | None = None,
+    full_duplex: bool = False,
 ) -> AsyncIterator[Stack]:
-    """Start one backend per listed group entry (prefills then decodes), the server and Envoy."""
+    """Start one backend per listed group entry (prefills then decodes), the server (more config
+    ``settings``, dotted keys) and Envoy (``full_duplex``: in the GIE gateways' body modes)."""
     prefills = [await start_backend() for _ in prefill_groups]
     decodes = [await start_backend() for _ in decode_groups]
     capacities = capacities or {}
@@ -140,9 +146,11 @@ async def stack(
         EndpointSpec(b.address, g, capacities.get(i), True, "HEALTHY")
         for i, (b, g) in enumerate(zip(decodes, decode_groups, strict=True))
     ]
-    settings = {"affinity.mode": mode, "affinity.bonus": bonus}
+    settings = {"affinity.mode": mode, "affinity.bonus": bonus, **(settings or {})}
     try:
-        async with gateway_over(tmp_path, prefill_specs, decode_specs, settings, response_headers) as g:
+        async with gateway_over(
+            tmp_path, prefill_specs, decode_specs, settings, response_headers, full_duplex=full_duplex
+        ) as g:
             group_of = {
                 b.address: grp
                 for b, grp in zip(prefills + decodes, prefill_groups + decode_groups, strict=True)

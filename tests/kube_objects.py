@@ -80,3 +80,38 @@ def pod(
         },
         "status": status,
     }
+
+
+_DEFAULT_PICKER = {"name": "llama-epp", "port": {"number": 9002}}
+
+
+def inference_pool(
+    name: str = "llama",
+    labels: dict[str, object] | None = None,
+    ports: list[int] | None = None,
+    *,
+    namespace: str = "default",
+    picker: dict[str, object] | None = _DEFAULT_PICKER,
+) -> dict[str, Any]:
+    """An ``inference.networking.k8s.io/v1`` InferencePool as the API server sends it: ``labels``
+    its ``spec.selector.matchLabels`` (default ``app: vllm``), ``ports`` its ``targetPorts``
+    (default 8000), ``picker`` its ``endpointPickerRef`` (``None``: absent)."""
+    spec: dict[str, Any] = {
+        "selector": {"matchLabels": {"app": "vllm"} if labels is None else labels},
+        "targetPorts": [{"number": p} for p in ([8000] if ports is None else ports)],
+    }
+    if picker is not None:
+        spec["endpointPickerRef"] = picker
+    return {
+        "apiVersion": "inference.networking.k8s.io/v1",
+        "kind": "InferencePool",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "uid": f"uid-{namespace}-{name}",
+            "resourceVersion": "1",
+            "generation": 1,
+        },
+        "spec": spec,
+        "status": {},
+    }

@@ -203,6 +203,7 @@ def test_overhead_benchmark_reports_both_gateways(tmp_path):
     overhead = load_bench("overhead")
     out = tmp_path / "overhead.json"
     argv = ["--requests", "8", "--concurrency", "1,4", "--throughput-seconds", "0.5", "--streams", "20"]
+    argv += ["--body-requests", "3"]
     assert overhead.main([*argv, "--json", str(out)]) == 0
     result = json.loads(out.read_text())
     for concurrency in ("1", "4"):
@@ -212,6 +213,11 @@ def test_overhead_benchmark_reports_both_gateways(tmp_path):
         # Sampled per batch in 10 ms /proc ticks, so a handful of requests may round to zero; but no
         # routed chat request costs 100 ms of router CPU (a unit slip or the wrong process would).
         assert 0 <= row["pd_extproc_cpu_us_per_request"] <= 100_000
+    for size in ("1KB", "64KB", "1MB"):
+        row = result["body_modes"][size]
+        for gateway in ("without_filter", "bare_buffered", "bare_full_duplex", "buffered", "full_duplex"):
+            assert row[gateway]["p50_ms"] > 0
+        assert "fds_over_buffered_added_p50" in row and "bare_fds_over_buffered_added_p50" in row
     throughput = result["max_throughput"]["pd_extproc"]
     assert throughput["errors"] == 0 and throughput["requests_per_s"] > 0
     # Over the whole window (many requests, tick granularity negligible): tens of µs to tens of ms.

@@ -19,6 +19,7 @@ from ext_proc.config import (
     ConfigError,
     ConfigSource,
     DiscoveryConfig,
+    InferencePoolConfig,
     KubernetesConfig,
     LoadConfig,
     RoutingConfig,
@@ -164,7 +165,7 @@ def test_unknown_top_level_key_is_named_with_the_allowed_keys(tmp_path: Path) ->
     message = config_error(write_yaml(tmp_path, "listn: 0.0.0.0:1\n"))
     assert message == (
         "listn: unknown key; allowed keys here: admin, affinity, discovery, engine_metrics, envoy_health, "
-        "handoff, limits, listen, load, metrics_listen, routing, tls, xds"
+        "handoff, health_listen, limits, listen, load, metrics_listen, routing, tls, xds"
     )
 
 
@@ -265,6 +266,18 @@ def test_bad_listen_address_is_rejected(key: str, value: str) -> None:
 @pytest.mark.parametrize("value", ["[::]:0", "localhost:65535", "10.0.0.1:80"])
 def test_good_listen_addresses_are_accepted(value: str) -> None:
     assert load(overrides={"listen": value}).listen == value
+
+
+def test_health_listen_is_off_by_default_and_takes_a_host_port() -> None:
+    assert load().health_listen == ""
+    assert load(overrides={"health_listen": "0.0.0.0:9003"}).health_listen == "0.0.0.0:9003"
+
+
+@pytest.mark.parametrize("value", ["9003", ":9003", "host:port", "host:70000"])
+def test_a_bad_health_listen_says_empty_turns_it_off(value: str) -> None:
+    assert config_error(overrides={"health_listen": value}) == (
+        f"health_listen: {value!r} is not allowed; use host:port, e.g. 0.0.0.0:9002 (or an empty string: off)"
+    )
 
 
 def test_integer_where_string_expected_is_rejected(tmp_path: Path) -> None:
@@ -625,7 +638,10 @@ def test_a_relative_kubeconfig_resolves_against_the_config_folder(tmp_path: Path
 @pytest.mark.parametrize(
     ("override", "expected"),
     [
-        ({"discovery.source": "xds"}, "discovery.source: 'xds' is not allowed; use one of files, kubernetes"),
+        (
+            {"discovery.source": "xds"},
+            "discovery.source: 'xds' is not allowed; use one of files, kubernetes, inferencepool",
+        ),
         (
             {"discovery.kubernetes.preset": "kserve"},
             "discovery.kubernetes.preset: 'kserve' is not allowed; use one of infernex, llm-d",
@@ -714,9 +730,111 @@ def test_cli_discovery_and_kubeconfig_flags(cli, monkeypatch: pytest.MonkeyPatch
     assert config.discovery.kubernetes.kubeconfig == str(tmp_path / "kube.yaml")
 
 
+def test_the_inferencepool_source_and_its_keys(tmp_path: Path) -> None:
+    path = write_yaml(
+        tmp_path,
+        "discovery:\n  source: inferencepool\n  inferencepool: {name: llama3.pool, namespace: serving}\n",
+    )
+    discovery = load(path).discovery
+    assert discovery.source is SourceKind.INFERENCEPOOL
+    assert (discovery.inferencepool.name, discovery.inferencepool.namespace) == (
+        "llama3.pool",
+        "serving",
+    )
+    assert load().discovery.inferencepool == InferencePoolConfig("", "")
+
+
+def test_the_inferencepool_source_needs_a_pool_name() -> None:
+    assert config_error(overrides={"discovery.source": "inferencepool"}) == (
+        "discovery.inferencepool.name: required with discovery.source inferencepool: the name of the "
+        "InferencePool whose pods are the endpoints (flag --pool-name)"
+    )
+    # a name alone is allowed with another source (check-config of a file prepared for later)
+    assert load(overrides={"discovery.inferencepool.name": "pool"}).discovery.source is SourceKind.FILES
+
+
+@pytest.mark.parametrize("name", ["Pool", "pool_1", "-pool", "pool.", "a" * 254, "a b"])
+def test_an_inferencepool_name_must_be_an_object_name(name: str) -> None:
+    assert config_error(overrides={"discovery.inferencepool.name": name}).startswith(
+        f"discovery.inferencepool.name: {name!r} is not allowed; use a Kubernetes object name"
+    )
+
+
+@pytest.mark.parametrize("namespace", ["Team", "team.a", "a" * 64, "-a"])
+def test_an_inferencepool_namespace_must_be_a_namespace_name(namespace: str) -> None:
+    assert config_error(overrides={"discovery.inferencepool.namespace": namespace}) == (
+        f"discovery.inferencepool.namespace: {namespace!r} is not allowed; use a namespace name, or an "
+        "empty string for the server's own"
+    )
+
+
+def test_cli_pool_and_health_flags(cli) -> None:
+    argv = ["serve", "--discovery", "inferencepool", "--pool-name", "llama", "--pool-namespace", "serving"]
+    assert cli.main([*argv, "--health-listen", "0.0.0.0:9003"]) == 0
+    (config,) = cli.started
+    assert config.discovery.source is SourceKind.INFERENCEPOOL
+    assert config.discovery.inferencepool == InferencePoolConfig("llama", "serving")
+    assert config.health_listen == "0.0.0.0:9003"
+
+
+def test_every_serve_flag_sets_its_key(cli, tmp_path: Path) -> None:
+    argv = [
+        "serve",
+        *("--listen", "127.0.0.1:9102", "--metrics-listen", "127.0.0.1:9190"),
+        *("--health-listen", "127.0.0.1:9103", "--discovery", "inferencepool"),
+        *("--pool-name", "pool", "--pool-namespace", "models", "--kubeconfig", str(tmp_path / "kube")),
+        *("--affinity-mode", "strict", "--affinity-bonus", "0.5", "--handoff", "kv-transfer-params"),
+        *("--prefill-via", "http://127.0.0.1:10001", "--pd-threshold-tokens", "7", "--serve-eds"),
+        *("--max-inflight-requests", "9", "--engine-metrics", "--engine-metrics-interval", "0.5"),
+        *("--envoy-admin-url", "http://127.0.0.1:9901", "--eds-file", str(tmp_path / "d.yaml")),
+    ]
+    assert cli.main(argv) == 0
+    (config,) = cli.started
+    assert (config.listen, config.metrics_listen, config.health_listen) == (
+        "127.0.0.1:9102",
+        "127.0.0.1:9190",
+        "127.0.0.1:9103",
+    )
+    discovery = config.discovery
+    assert (discovery.source, discovery.inferencepool) == (
+        SourceKind.INFERENCEPOOL,
+        InferencePoolConfig("pool", "models"),
+    )
+    assert (discovery.kubernetes.kubeconfig, discovery.eds_files) == (
+        str(tmp_path / "kube"),
+        (str(tmp_path / "d.yaml"),),
+    )
+    assert (config.affinity.mode, config.affinity.bonus) == (Mode.STRICT, 0.5)
+    assert (config.handoff.mode.value, config.handoff.prefill_via) == (
+        "kv-transfer-params",
+        "http://127.0.0.1:10001",
+    )
+    assert (config.routing.pd_threshold_tokens, config.xds.serve_eds) == (7, True)
+    assert (config.limits.max_inflight_requests, config.engine_metrics.enabled) == (9, True)
+    assert config.engine_metrics.interval_seconds == 0.5
+    assert config.envoy_health.admin_url == "http://127.0.0.1:9901"
+
+
+def test_switches_left_out_keep_the_files_values(cli, tmp_path: Path) -> None:
+    path = write_yaml(tmp_path, "xds:\n  serve_eds: true\nengine_metrics:\n  enabled: true\n")
+    assert cli.main(["serve", "--config", str(path)]) == 0
+    (config,) = cli.started
+    assert (config.xds.serve_eds, config.engine_metrics.enabled) == (True, True)
+
+
+def test_cli_inferencepool_without_pool_name_exits_2(cli, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["serve", "--discovery", "inferencepool"]) == 2
+    assert "discovery.inferencepool.name: required with discovery.source inferencepool" in (
+        capsys.readouterr().err
+    )
+
+
 def test_cli_bad_discovery_flag_exits_2(cli, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["serve", "--discovery", "dns"]) == 2
-    assert "discovery.source: 'dns' is not allowed; use one of files, kubernetes" in capsys.readouterr().err
+    assert (
+        "discovery.source: 'dns' is not allowed; use one of files, kubernetes, inferencepool"
+        in capsys.readouterr().err
+    )
 
 
 def test_cli_unusable_kubeconfig_exits_2_naming_it(

@@ -8,14 +8,17 @@ import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
+from ext_proc.choreography import STREAMED_CHUNK_BYTES, streamed_body
 from ext_proc.envoy_messages import (
     LB_NAMESPACE,
     PHASES,
+    SERVED_KEY,
     error_body,
     immediate_error,
     passthrough,
     route_on_body,
     route_on_headers,
+    served_endpoint,
     strip_on_headers,
 )
 from ext_proc.handoff import RoutingInstructions
@@ -94,6 +97,56 @@ def test_route_on_headers_answers_the_request_headers_phase() -> None:
     assert set_headers(mutation) == [(DEST, b"10.0.1.1:8000", "", OVERWRITE)]
     assert list(mutation.remove_headers) == [PREFILL]
     assert lb_metadata(response) == {DEST: "10.0.1.1:8000"}
+
+
+def test_a_held_headers_answer_strips_the_routing_headers_it_does_not_set() -> None:
+    routing = RoutingInstructions(((DEST, "10.0.1.1:8000"),), (PREFILL,), ((DEST, "10.0.1.1:8000"),))
+    strip = (DEST, PREFILL, "x-data-parallel-host-port")
+    response = route_on_headers(routing, strip=strip, content_length=123, clear_route_cache=True)
+    common = response.request_headers.response
+    assert list(common.header_mutation.remove_headers) == [PREFILL, "x-data-parallel-host-port"]
+    set_headers = {o.header.key: o.header.raw_value for o in common.header_mutation.set_headers}
+    assert set_headers == {DEST: b"10.0.1.1:8000", "content-length": b"123"}
+    assert common.clear_route_cache and not common.HasField("body_mutation")
+
+
+def test_a_plain_headers_answer_sets_no_length_and_keeps_the_route_cache() -> None:
+    common = route_on_headers(instructions()).request_headers.response
+    assert not common.clear_route_cache
+    assert "content-length" not in {o.header.key for o in common.header_mutation.set_headers}
+
+
+@pytest.mark.parametrize(
+    ("size", "chunks"),
+    [(0, [0]), (1, [1]), (STREAMED_CHUNK_BYTES, [STREAMED_CHUNK_BYTES]), (150_000, [62_000, 62_000, 26_000])],
+)
+def test_a_streamed_body_is_cut_in_chunks_of_at_most_62000_bytes(size: int, chunks: list[int]) -> None:
+    body = bytes(range(256)) * (size // 256) + b"x" * (size % 256)
+    answers = streamed_body(body)
+    streamed = [a.request_body.response.body_mutation.streamed_response for a in answers]
+    assert [len(s.body) for s in streamed] == chunks
+    assert b"".join(s.body for s in streamed) == body
+    assert [s.end_of_stream for s in streamed] == [False] * (len(chunks) - 1) + [True]
+    assert not streamed_body(body, end_of_stream=False)[
+        -1
+    ].request_body.response.body_mutation.streamed_response.end_of_stream
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("10.0.0.3:8000", "10.0.0.3:8000"), ("", None), (5.0, None), (None, None)],
+    ids=["address", "empty", "number", "absent"],
+)
+def test_the_served_endpoint_is_read_from_envoy_lb(value: object, expected: str | None) -> None:
+    request = pb.ProcessingRequest()
+    request.response_headers.SetInParent()
+    if value is not None:
+        field = request.metadata_context.filter_metadata[LB_NAMESPACE].fields[SERVED_KEY]
+        if isinstance(value, str):
+            field.string_value = value
+        else:
+            field.number_value = value
+    assert served_endpoint(request) == expected
 
 
 def test_strip_on_headers_only_removes_headers() -> None:

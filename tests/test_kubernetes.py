@@ -7,9 +7,7 @@ No Kubernetes API server can run here: this is the level of testing (README "Kub
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -19,71 +17,21 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kube_objects import INFERNEX_RULES as RULES
 from kube_objects import pod
 from polling import until
+from source_run import running
 
 from ext_proc.app import start_server
 from ext_proc.config import ConfigError, DiscoveryConfig, KubernetesConfig, load_config
-from ext_proc.discovery import ClusterEndpoints
-from ext_proc.discovery.kubernetes import KubernetesSource, backoff_delay, client_settings
-from ext_proc.metrics import Metrics
+from ext_proc.discovery.kube_watch import backoff_delay, client_settings
+from ext_proc.discovery.kubernetes import KubernetesSource
 
 NS = "team-a"
 SELECTOR = "openfuyao.com/pdRole in (prefill,decode)"
 
 
-@pytest.fixture
-async def api() -> AsyncIterator[FakeKubeApi]:
-    server = FakeKubeApi()
-    await server.start()
-    yield server
-    await server.stop()
-
-
-@pytest.fixture
-def kubeconfig(api: FakeKubeApi, tmp_path: Path) -> Path:
-    path = tmp_path / "kubeconfig"
-    path.write_text(api.kubeconfig(NS))
-    return path
-
-
-class Run:
-    """A running source: what it published, its metrics."""
-
-    def __init__(self, source: KubernetesSource, published: list[list[ClusterEndpoints]], metrics: Metrics):
-        self.source, self.published, self.metrics = source, published, metrics
-
-    def view(self) -> dict[str, list[str]]:
-        """The last published view: cluster name → addresses."""
-        return {c.cluster_name: [e.address for e in c.endpoints] for c in self.published[-1]}
-
-    def errors(self, reason: str) -> float:
-        labels = {"source": "kubernetes", "reason": reason}
-        return self.metrics.registry.get_sample_value("pd_extproc_discovery_errors_total", labels) or 0.0
-
-    def synced(self) -> float:
-        labels = {"source": "kubernetes"}
-        return self.metrics.registry.get_sample_value(
-            "pd_extproc_discovery_last_sync_timestamp_seconds", labels
-        )
-
-
-@contextlib.asynccontextmanager
-async def running(source_for) -> AsyncIterator[Run]:
-    published: list[list[ClusterEndpoints]] = []
-    metrics = Metrics(lambda: ())
-    source = await source_for(published.append, metrics)
-    task = asyncio.create_task(source.run())
-    try:
-        yield Run(source, published, metrics)
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
-
 def fast_source(kubeconfig: Path, namespaces: tuple[str, ...] = (NS,)):
     """A source on ``kubeconfig`` that retries after 50-100 ms."""
 
-    async def build(publish, metrics) -> KubernetesSource:
+    async def build(publish, available, metrics) -> KubernetesSource:
         settings, _ = await client_settings(str(kubeconfig), {})
         return KubernetesSource(settings, namespaces, RULES, publish, metrics, backoff=(0.1, 0.2))
 
@@ -110,17 +58,22 @@ async def test_list_then_watch_from_its_version_with_added_modified_and_deleted(
     api.put(decode("elsewhere", "10.9.9.9", namespace="team-b"))
     listed_at = api.version
 
-    async def build(publish, metrics) -> KubernetesSource:
+    async def build(publish, available, metrics) -> KubernetesSource:
         discovery = DiscoveryConfig(kubernetes=KubernetesConfig(kubeconfig=str(kubeconfig)))
         return await KubernetesSource.connect(discovery, publish, metrics, environ={})
 
-    async with running(build) as run:  # namespaces unset: the kubeconfig context's, team-a
+    async with running(build, "kubernetes") as run:  # namespaces unset: the kubeconfig context's, team-a
         await until(lambda: run.published)
         assert run.view() == {"prefill": ["10.0.0.1:8000"], "decode": ["10.0.0.2:8200"]}
         await until(lambda: api.watching(NS) == 1)
         (listed,) = requests(api, "list")
         (watched,) = requests(api, "watch")
-        expected = {"kind": "list", "namespace": NS, "authorization": "Bearer secret-token"}
+        expected = {
+            "kind": "list",
+            "resource": "pods",
+            "namespace": NS,
+            "authorization": "Bearer secret-token",
+        }
         assert listed == {**expected, "labelSelector": SELECTOR}
         assert watched["resourceVersion"] == str(listed_at)
         assert watched["allowWatchBookmarks"].lower() == "true"
@@ -147,7 +100,7 @@ async def test_a_pods_problem_is_logged_once(
 ) -> None:
     api.put(decode("d0", "10.0.0.2", ports={"http": 80}))
     with caplog.at_level(logging.WARNING, logger="ext_proc.discovery.kubernetes"):
-        async with running(fast_source(kubeconfig)) as run:
+        async with running(fast_source(kubeconfig), "kubernetes") as run:
             await until(lambda: run.published and api.watching(NS) == 1)
             api.put(decode("d0", "10.0.0.2", ports={"http": 80}, annotations={"a": "b"}))  # same problem
             api.put(decode("d1", "10.0.0.3"))
@@ -162,7 +115,7 @@ async def test_a_bookmark_advances_the_version_a_watch_resumes_from(
     api: FakeKubeApi, kubeconfig: Path
 ) -> None:
     api.put(decode("d0", "10.0.0.2"))
-    async with running(fast_source(kubeconfig)) as run:
+    async with running(fast_source(kubeconfig), "kubernetes") as run:
         await until(lambda: run.published and api.watching(NS) == 1)
         for index in range(3):  # history the team-a watch never sees
             api.put(decode(f"other-{index}", "10.9.0.1", namespace="team-b"))
@@ -180,7 +133,7 @@ async def test_a_bookmark_advances_the_version_a_watch_resumes_from(
 async def test_error_410_gone_lists_again(api: FakeKubeApi, kubeconfig: Path) -> None:
     api.put(decode("d0", "10.0.0.2"))
     api.put(decode("d1", "10.0.0.3"))
-    async with running(fast_source(kubeconfig)) as run:
+    async with running(fast_source(kubeconfig), "kubernetes") as run:
         await until(lambda: run.published and api.watching(NS) == 1)
         api.delete(NS, "d1", silent=True)  # changes lost to compaction: only a new list shows them
         api.put(decode("d2", "10.0.0.4"), silent=True)
@@ -196,7 +149,7 @@ async def test_a_dropped_connection_reconnects_from_the_last_version(
     api: FakeKubeApi, kubeconfig: Path
 ) -> None:
     api.put(decode("d0", "10.0.0.2"))
-    async with running(fast_source(kubeconfig)) as run:
+    async with running(fast_source(kubeconfig), "kubernetes") as run:
         await until(lambda: run.published and api.watching(NS) == 1)
         seen = api.put(decode("d1", "10.0.0.3"))
         await until(lambda: run.view()["decode"] == ["10.0.0.2:8200", "10.0.0.3:8200"])
@@ -212,7 +165,7 @@ async def test_while_the_api_server_is_down_the_last_view_stays(
     api: FakeKubeApi, kubeconfig: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     api.put(decode("d0", "10.0.0.2"))
-    async with running(fast_source(kubeconfig)) as run:
+    async with running(fast_source(kubeconfig), "kubernetes") as run:
         await until(lambda: run.published and api.watching(NS) == 1)
         synced = run.synced()
         publishes = len(run.published)
@@ -238,7 +191,7 @@ async def test_an_http_error_is_retried_and_nothing_is_published_before_a_list(
 ) -> None:
     api.put(decode("d0", "10.0.0.2"))
     api.refuse(403)
-    async with running(fast_source(kubeconfig)) as run:
+    async with running(fast_source(kubeconfig), "kubernetes") as run:
         await until(lambda: run.errors("api_error") >= 2)
         assert run.published == []
         assert run.synced() is None
@@ -252,14 +205,14 @@ async def test_publishes_wait_for_the_first_list_of_every_namespace(
 ) -> None:
     api.put(decode("d0", "10.0.0.2"))
     api.put(decode("b0", "10.0.1.2", namespace="team-b"))
-    api.list_gates["team-b"] = asyncio.Event()
-    async with running(fast_source(kubeconfig, (NS, "team-b"))) as run:
+    api.list_gates["pods", "team-b"] = asyncio.Event()
+    async with running(fast_source(kubeconfig, (NS, "team-b")), "kubernetes") as run:
         await until(lambda: api.watching(NS) == 1)  # team-a listed and watched
         api.put(decode("d1", "10.0.0.3"))
         await until(lambda: len(run.source.clusters()[1].endpoints) == 2)  # seen, not published
         assert run.published == []
         assert run.synced() is None
-        api.list_gates["team-b"].set()
+        api.list_gates["pods", "team-b"].set()
         await until(
             lambda: (
                 run.published and run.view()["decode"] == ["10.0.0.2:8200", "10.0.0.3:8200", "10.0.1.2:8200"]
@@ -316,7 +269,7 @@ async def test_server_readiness_waits_for_every_namespace_and_load_survives_upda
     api.put(decode("d0", "10.0.0.2"))
     api.put(decode("b0", "10.0.1.2", namespace="team-b"))
     for namespace in (NS, "team-b"):
-        api.list_gates[namespace] = asyncio.Event()
+        api.list_gates["pods", namespace] = asyncio.Event()
     overrides = {
         "listen": "127.0.0.1:0",
         "metrics_listen": "127.0.0.1:0",
@@ -335,10 +288,10 @@ async def test_server_readiness_waits_for_every_namespace_and_load_survives_upda
                 return (await health.Check(readiness)).status == health_pb2.HealthCheckResponse.SERVING
 
             assert not await serving()
-            api.list_gates[NS].set()
+            api.list_gates["pods", NS].set()
             await until(lambda: api.watching(NS) == 1)  # team-a listed (a watch follows a list)
             assert not await serving()
-            api.list_gates["team-b"].set()
+            api.list_gates["pods", "team-b"].set()
             await until(serving)
         assert [e.address for e in registry.decodes] == ["10.0.0.2:8200", "10.0.1.2:8200"]
         (d0, _) = registry.decodes

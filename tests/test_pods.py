@@ -15,6 +15,10 @@ from ext_proc.discovery.pods import (
     PodView,
     Preset,
     cluster_endpoints,
+    has_role,
+    is_label_key,
+    is_label_value,
+    is_object_name,
     view_pod,
 )
 
@@ -143,6 +147,65 @@ def test_a_both_pod_missing_one_port_keeps_the_other_role() -> None:
     view = view_pod(both, rules)
     assert endpoints(view) == [("decode", "10.0.0.1:8000")]
     assert view.problems == ("no container port named 'p-port' (the prefill port)",)
+
+
+# --- target ports (an InferencePool's) ----------------------------------------------------------
+
+
+def test_target_ports_replace_the_schemes_port_one_endpoint_each_in_their_order() -> None:
+    rules = dataclasses.replace(INFERNEX, target_ports=(8002, 8000))
+    assert endpoints(view_pod(pod(ports={}), rules)) == [
+        ("decode", "10.0.0.1:8002"),
+        ("decode", "10.0.0.1:8000"),
+    ]
+
+
+def test_target_ports_of_a_both_pod_are_in_both_clusters() -> None:
+    rules = dataclasses.replace(LLM_D, target_ports=(8000, 8001))
+    both = pod(
+        "b0", "both", "10.0.0.3", role_label="llm-d.ai/role", annotations={"pd-extproc/token-capacity": "9"}
+    )
+    view = view_pod(both, rules)
+    assert endpoints(view) == [
+        ("prefill", "10.0.0.3:8000"),
+        ("prefill", "10.0.0.3:8001"),
+        ("decode", "10.0.0.3:8000"),
+        ("decode", "10.0.0.3:8001"),
+    ]
+    assert {spec.token_capacity for _, spec in view.endpoints} == {9.0}  # each rank: the pod's annotation
+    assert view.problems == ()
+
+
+def test_target_ports_still_need_a_routable_pod_with_a_role() -> None:
+    rules = dataclasses.replace(INFERNEX, target_ports=(8000,))
+    assert view_pod(pod(ready="False"), rules) == PodView(())
+    assert view_pod(pod(role="router"), rules) == PodView(())
+
+
+@pytest.mark.parametrize(
+    ("role", "known"), [("prefill", True), ("decode", True), ("both", False), (None, False)]
+)
+def test_has_role_is_about_the_label_alone(role: str | None, known: bool) -> None:
+    assert has_role(pod(role=role, ready="False"), INFERNEX) is known
+    assert has_role({}, INFERNEX) is False
+
+
+SYNTAX = [
+    *((is_label_key, key, True) for key in ("app", "example.com/app", "a.b-c_d")),
+    *(
+        (is_label_key, key, False)
+        for key in ("Example.com/app", "example.com/", "/app", "a/b/c", "has space", "x" * 64)
+    ),
+    *((is_label_value, value, True) for value in ("", "v1.2_x-y")),
+    *((is_label_value, value, False) for value in ("-v", "a b", "x" * 64)),
+    *((is_object_name, name, True) for name in ("pool", "llama3.pool-1")),
+    *((is_object_name, name, False) for name in ("Pool", "pool.", "", "a" * 254)),
+]
+
+
+@pytest.mark.parametrize(("check", "text", "valid"), SYNTAX)
+def test_kubernetes_name_syntax(check, text: str, valid: bool) -> None:
+    assert check(text) is valid
 
 
 # --- group and annotations -------------------------------------------------------------------

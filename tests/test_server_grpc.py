@@ -10,6 +10,7 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from extproc_messages import body, headers, response_headers
+from grpc_harness import error_code, load, start_with
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from polling import until
 
@@ -18,44 +19,6 @@ from ext_proc.config import load_config
 from ext_proc.discovery.eds import EndpointSpec, write_eds_file
 from ext_proc.handoff.base import STEERING_HEADERS
 from ext_proc.server import ENVOY_BODY_LIMIT_BYTES, MAX_RECEIVE_BYTES
-
-
-async def start_with(
-    tmp_path, decode_addresses: list[str], listen: str = "127.0.0.1:0", metrics_listen: str = "127.0.0.1:0"
-):
-    """A server on ``listen`` and ``metrics_listen``, one prefill and the given decodes, all group a."""
-    decodes = [EndpointSpec(a, "a", 1000.0, True, "HEALTHY") for a in decode_addresses]
-    prefill = [EndpointSpec("10.0.0.1:8000", "a", 1000.0, True, "HEALTHY")]
-    write_eds_file(tmp_path / "p.json", "prefill", prefill)
-    write_eds_file(tmp_path / "d.json", "decode", decodes)
-    overrides = {
-        "listen": listen,
-        "metrics_listen": metrics_listen,
-        "discovery.eds_files": [str(tmp_path / "p.json"), str(tmp_path / "d.json")],
-        "routing.pd_threshold_tokens": 0,  # the short test prompts are disaggregated too
-    }
-    return await start_server(load_config(None, overrides, environ={}))
-
-
-@pytest.fixture
-async def server(tmp_path):
-    running = await start_with(tmp_path, ["10.0.0.2:8000"])
-    yield running
-    await running.stop(grace=0)
-
-
-@pytest.fixture
-async def stub(server):
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
-        yield pb_grpc.ExternalProcessorStub(channel), health_pb2_grpc.HealthStub(channel)
-
-
-def load(server) -> list[tuple[str, int, int]]:
-    return [(s.role.value, s.active_tokens, s.active_requests) for s in server.router.registry.endpoints()]
-
-
-def error_code(response: pb.ProcessingResponse) -> str:
-    return json.loads(response.immediate_response.body)["error"]["code"]
 
 
 async def test_headers_then_body_routes_and_charges_until_the_stream_ends(server, stub):

@@ -2,8 +2,9 @@
 
 A source turns some external description of the cluster into
 :class:`~ext_proc.discovery.eds.ClusterEndpoints` values and hands them to a callback: EDS files
-(:class:`EdsFileSource`) or the Kubernetes API's pods (:mod:`ext_proc.discovery.kubernetes`, the
-pure pod rules in :mod:`ext_proc.discovery.pods`). Nothing else in the server reads files or sockets
+(:class:`EdsFileSource`), the Kubernetes API's pods (:mod:`ext_proc.discovery.kubernetes`, the
+pure pod rules in :mod:`ext_proc.discovery.pods`) or the pods of an InferencePool
+(:mod:`ext_proc.discovery.inferencepool`). Nothing else in the server reads files or sockets
 to learn endpoints.
 """
 
@@ -18,6 +19,7 @@ class SourceKind(enum.StrEnum):
 
     FILES = "files"
     KUBERNETES = "kubernetes"
+    INFERENCEPOOL = "inferencepool"
 
 
 __all__ = ["ClusterEndpoints", "EdsError", "EdsFileSource", "EndpointSpec", "SourceKind", "load_eds_file"]

@@ -192,7 +192,7 @@ static_resources:
                 receiving_namespaces:
                   untyped: [envoy.lb]
                 forwarding_namespaces:
-                  untyped: [envoy.lb.subset_hint]
+                  untyped: [envoy.lb.subset_hint, envoy.lb]
           - name: envoy.filters.http.router
             typed_config:
               "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
@@ -313,6 +313,9 @@ static_resources:
                 key: envoy.lb
                 path: [{key: {{ $destination }}}]
             - header: {{ $destination }}
+            selected_host_key:
+              key: envoy.lb
+              path: [{key: x-gateway-destination-endpoint-served}]
             fallback_policy:
               policies:
               - typed_extension_config:

@@ -57,6 +57,7 @@ same name (tests/test_helm_chart.py keeps the two key sets equal). */}}
 {{- $k := $v.discovery.kubernetes -}}
 listen: {{ $v.listen | toJson }}
 metrics_listen: {{ $v.metrics_listen | toJson }}
+health_listen: {{ $v.health_listen | toJson }}
 admin:
   debug_endpoints: {{ $v.admin.debug_endpoints | toJson }}
 discovery:
@@ -80,6 +81,9 @@ discovery:
     capacity_annotation: {{ $k.capacity_annotation | toJson }}
     bootstrap_port_annotation: {{ $k.bootstrap_port_annotation | toJson }}
     metrics_port_annotation: {{ $k.metrics_port_annotation | toJson }}
+  inferencepool:
+    name: {{ $v.discovery.inferencepool.name | toJson }}
+    namespace: {{ $v.discovery.inferencepool.namespace | toJson }}
 affinity:
   mode: {{ ternary "off" $v.affinity.mode (eq (toString $v.affinity.mode) "false") | toJson }}
   bonus: {{ include "pd-extproc.decimal" $v.affinity.bonus }}
