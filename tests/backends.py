@@ -217,3 +217,44 @@ async def start_broken_engine(kind: str) -> BrokenEngine:
 
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
     return BrokenEngine(server, f"127.0.0.1:{server.sockets[0].getsockname()[1]}")
+
+
+@dataclass
+class BootstrapServer:
+    """A vLLM Mooncake bootstrap server stand-in: ``GET /query`` answers ``status`` and ``body``
+    (``MooncakeBootstrapServer.query``'s shape by default); ``queries`` counts the queries."""
+
+    runner: web.AppRunner
+    port: int
+    status: int
+    body: bytes
+    queries: int = 0
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+
+
+BOOTSTRAP = web.AppKey("bootstrap", BootstrapServer)
+
+
+async def _query(request: web.Request) -> web.Response:
+    server = request.app[BOOTSTRAP]
+    server.queries += 1
+    return web.Response(status=server.status, body=server.body, content_type="application/json")
+
+
+async def start_bootstrap_server(engine_ids: dict[int, str], status: int = 200) -> BootstrapServer:
+    """Start a :class:`BootstrapServer` listing ``engine_ids`` (data-parallel rank → engine id)."""
+    answer = {
+        str(rank): {"engine_id": e, "worker_addr": {"0": {"0": "127.0.0.1:1"}}}
+        for rank, e in engine_ids.items()
+    }
+    app = web.Application()
+    runner = web.AppRunner(app, access_log=None)
+    server = BootstrapServer(runner, 0, status, json.dumps(answer).encode())
+    app[BOOTSTRAP] = server
+    app.router.add_get("/query", _query)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    server.port = runner.addresses[0][1]
+    return server

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ext_proc.config import HandoffConfig
+from ext_proc.config import HandoffConfig, RoutingConfig
 from ext_proc.discovery.eds import load_eds_file
 from ext_proc.gateway import (
     SHIPPED_ADS_BOOTSTRAP,
@@ -18,6 +18,7 @@ from ext_proc.gateway import (
     render_bootstrap,
     validate_envoy,
 )
+from ext_proc.handoff.base import owned_headers
 from ext_proc.handoff.kv_transfer import TIMEOUT_MARGIN_SECONDS
 from ext_proc.server import ENVOY_BODY_LIMIT_BYTES, MAX_RECEIVE_BYTES
 
@@ -165,3 +166,17 @@ def _status_of(mapper: dict) -> int | None:
     """The one status a local-reply mapper's filter matches (``None`` for other filters)."""
     comparison = mapper["filter"].get("status_code_filter", {}).get("comparison", {})
     return comparison["value"]["default_value"] if comparison.get("op") == "EQ" else None
+
+
+@pytest.mark.parametrize("template", [SHIPPED_BOOTSTRAP, SHIPPED_ADS_BOOTSTRAP], ids=["eds", "ads"])
+def test_the_shipped_listener_removes_every_header_a_handoff_owns(template):
+    """Envoy removes a client's routing and steering headers before anything reads them, so they are
+    gone also when pd-extproc is down or fails open (the same set every handoff strips)."""
+    config = yaml.safe_load(template.read_text())
+    listeners = config["static_resources"]["listeners"]
+    (gateway,) = [listener for listener in listeners if listener["name"] == "gateway"]
+    manager = gateway["filter_chains"][0]["filters"][0]["typed_config"]
+    (early,) = manager["early_header_mutation_extensions"]
+    removed = [mutation["remove"] for mutation in early["typed_config"]["mutations"]]
+    routing = RoutingConfig()
+    assert sorted(removed) == sorted(owned_headers(routing.destination_header, routing.prefill_header))
