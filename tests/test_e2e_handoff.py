@@ -16,9 +16,8 @@ import aiohttp
 import openai
 import pytest
 from backends import start_backend, start_scripted_prefill
-from e2e_harness import Gatewayed, gateway_over, wait_idle
+from e2e_harness import Gatewayed, by_outcome, gateway_over, wait_idle
 from polling import until
-from prometheus_client.parser import text_string_to_metric_families
 
 from ext_proc.discovery.eds import EndpointSpec, write_eds_file
 from sim.cluster import EngineSpec, endpoint_specs, start_cluster, stop_cluster
@@ -79,20 +78,8 @@ async def sim_gateway(
         await stop_cluster(engines)
 
 
-async def _by_outcome(session: aiohttp.ClientSession, g: Gatewayed, counter: str) -> dict[str, float]:
-    """The samples of pd-extproc's counter ``counter`` (``..._total``), by their ``outcome`` label."""
-    async with session.get(f"{g.admin_url}/metrics") as response:
-        text = await response.text()
-    return {
-        sample.labels["outcome"]: sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == counter
-    }
-
-
 async def _legs(session: aiohttp.ClientSession, g: Gatewayed) -> dict[str, float]:
-    return await _by_outcome(session, g, "pd_extproc_prefill_leg_total")
+    return await by_outcome(session, g.admin_url, "pd_extproc_prefill_leg_total")
 
 
 async def _post(
@@ -442,7 +429,7 @@ async def test_sglang_bootstrap_a_dead_prefill_is_ejected_after_its_first_failed
 
 
 async def _ejections(session: aiohttp.ClientSession, g: Gatewayed) -> dict[str, float]:
-    return await _by_outcome(session, g, "pd_extproc_prefill_ejections_total")
+    return await by_outcome(session, g.admin_url, "pd_extproc_prefill_ejections_total")
 
 
 async def test_kv_transfer_params_ejects_a_failing_prefill_until_its_time_is_over(tmp_path):

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import copy
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -16,8 +15,8 @@ from ext_proc.gateway import (
     SHIPPED_ADS_BOOTSTRAP,
     SHIPPED_BOOTSTRAP,
     GatewayError,
-    find_envoy,
     render_bootstrap,
+    validate_envoy,
 )
 from ext_proc.handoff.base import owned_headers
 from ext_proc.handoff.kv_transfer import TIMEOUT_MARGIN_SECONDS
@@ -28,19 +27,9 @@ SHIPPED_CONFIGS = sorted((REPO / "envoy").glob("*.yaml"))
 SHIPPED_EDS = sorted((REPO / "envoy" / "eds").glob("*.yaml"))
 
 
-def _validate(path: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [find_envoy(), "--mode", "validate", "-c", str(path), "--log-level", "error"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-
-
 @pytest.mark.parametrize("config", SHIPPED_CONFIGS, ids=lambda p: p.name)
 def test_shipped_envoy_config_validates(config):
-    result = _validate(config)
+    result = validate_envoy(config, cwd=REPO)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -69,7 +58,7 @@ def test_rendered_variants_validate(tmp_path, variant):
     }
     path = tmp_path / "envoy.yaml"
     path.write_text(yaml.safe_dump(render_bootstrap(**options)))
-    result = _validate(path)
+    result = validate_envoy(path, cwd=REPO)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -113,7 +102,7 @@ def test_validate_rejects_a_broken_config(tmp_path):
     config["static_resources"]["clusters"][0]["no_such_field"] = 1
     path = tmp_path / "broken.yaml"
     path.write_text(yaml.safe_dump(config))
-    assert _validate(path).returncode != 0
+    assert validate_envoy(path, cwd=REPO).returncode != 0
 
 
 @pytest.mark.parametrize("eds", SHIPPED_EDS, ids=lambda p: p.name)
