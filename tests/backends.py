@@ -25,7 +25,7 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 @dataclass
 class EchoBackend:
     """A running backend; ``requests`` records the path, seen routing headers, ``x-request-id`` and
-    JSON body (POST only) of every request served."""
+    JSON body (POST only; ``raw``: its bytes as received) of every request served."""
 
     runner: web.AppRunner
     address: str
@@ -45,7 +45,8 @@ def _seen(request: web.Request) -> dict[str, str]:
 
 async def _completion(request: web.Request) -> web.StreamResponse:
     backend = request.app[BACKEND]
-    body = await request.json()
+    raw = await request.read()
+    body = json.loads(raw)
     seen = _seen(request)
     backend.requests.append(
         {
@@ -53,6 +54,7 @@ async def _completion(request: web.Request) -> web.StreamResponse:
             **seen,
             "x-request-id": request.headers.get("x-request-id"),
             "body": body,
+            "raw": raw,
             "headers": dict(request.headers),
         }
     )
