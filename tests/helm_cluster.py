@@ -49,10 +49,13 @@ class HelmCluster:
         self._runner: web.AppRunner | None = None
         self.port = 0
 
-    def put(self, obj: dict[str, Any], namespace: str) -> None:
-        """Store ``obj`` (a manifest) as the cluster would hold it once created in ``namespace``."""
+    def put(self, obj: dict[str, Any], namespace: str, release: str) -> None:
+        """Store ``obj`` (a manifest) as the cluster holds it once Helm installed it in ``namespace``
+        as part of ``release``: with the ownership annotations Helm adds (and checks at an upgrade)."""
         stored = json.loads(json.dumps(obj))
         stored["metadata"].setdefault("namespace", namespace)
+        owner = {"meta.helm.sh/release-name": release, "meta.helm.sh/release-namespace": namespace}
+        stored["metadata"]["annotations"] = {**stored["metadata"].get("annotations", {}), **owner}
         stored["metadata"].setdefault("resourceVersion", "1")
         key = (stored["apiVersion"], _plural(stored["kind"]), namespace, stored["metadata"]["name"])
         self.objects[key] = stored
@@ -66,7 +69,10 @@ class HelmCluster:
             "clusters": [{"name": "stand-in", "cluster": {"server": f"http://127.0.0.1:{self.port}"}}],
             "users": [{"name": "helm", "user": {"token": "stand-in"}}],
             "contexts": [
-                {"name": "stand-in", "context": {"cluster": "stand-in", "user": "helm", "namespace": namespace}}
+                {
+                    "name": "stand-in",
+                    "context": {"cluster": "stand-in", "user": "helm", "namespace": namespace},
+                }
             ],
             "current-context": "stand-in",
         }
@@ -90,14 +96,23 @@ class HelmCluster:
             for api, kind in sorted(self.kinds)
             if api == group_version
         ]
-        return {"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": group_version, "resources": resources}
+        return {
+            "kind": "APIResourceList",
+            "apiVersion": "v1",
+            "groupVersion": group_version,
+            "resources": resources,
+        }
 
     async def _version(self, _: web.Request) -> web.Response:
-        return web.json_response({"major": "1", "minor": "30", "gitVersion": "v1.30.0", "platform": "linux/amd64"})
+        return web.json_response(
+            {"major": "1", "minor": "30", "gitVersion": "v1.30.0", "platform": "linux/amd64"}
+        )
 
     async def _core(self, _: web.Request) -> web.Response:
         address = [{"clientCIDR": "0.0.0.0/0", "serverAddress": f"127.0.0.1:{self.port}"}]
-        return web.json_response({"kind": "APIVersions", "versions": ["v1"], "serverAddressByClientCIDRs": address})
+        return web.json_response(
+            {"kind": "APIVersions", "versions": ["v1"], "serverAddressByClientCIDRs": address}
+        )
 
     async def _groups(self, _: web.Request) -> web.Response:
         groups = []

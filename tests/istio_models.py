@@ -16,6 +16,8 @@ from pathlib import Path
 
 PACKAGE = "@kubernetes-models/istio@3.0.1"
 """The version pinned for the tests: generated from Istio 1.29's CRDs."""
+
+
 class ModelsUnavailable(RuntimeError):
     """The package could not be installed; the message says why and what to install."""
 
@@ -23,7 +25,7 @@ class ModelsUnavailable(RuntimeError):
 CACHE = Path(__file__).resolve().parents[1] / ".cache" / "istio-models"
 _CHECK = """
 import { DestinationRule } from "@kubernetes-models/istio/networking.istio.io/v1/DestinationRule";
-for (const doc of JSON.parse(process.argv[1])) {
+for (const doc of JSON.parse(process.argv[2])) {
   try { new DestinationRule(doc).validate(); console.log(""); } catch (e) { console.log(e.message); }
 }
 """
@@ -36,7 +38,9 @@ def ensure_models(cache: Path = CACHE) -> Path:
         return cache
     npm = shutil.which("npm")
     if npm is None:
-        raise ModelsUnavailable(f"the chart tests need Node.js and npm for {PACKAGE} (e.g. `apt-get install npm`)")
+        raise ModelsUnavailable(
+            f"the chart tests need Node.js and npm for {PACKAGE} (e.g. `apt-get install npm`)"
+        )
     cache.mkdir(parents=True, exist_ok=True)
     command = [npm, "install", "--prefix", str(cache), "--no-audit", "--no-fund", "--silent", PACKAGE]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
