@@ -16,14 +16,11 @@ import asyncio
 import base64
 import dataclasses
 import os
-import subprocess
 from pathlib import Path
 
-import grpc
 import jsonschema
 import pytest
 import yaml
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helm_chart import (
     CHART,
     FULLNAME,
@@ -42,10 +39,6 @@ from helm_chart import (
 )
 from helm_cluster import HelmCluster
 from istio_models import destination_rule_problems
-
-from ext_proc.app import start_server
-from ext_proc.config import load_config
-from ext_proc.discovery.eds import EndpointSpec, write_eds_file
 
 SERVICE_HOST = f"{FULLNAME}.{NAMESPACE}.svc"
 GATEWAY_HEADER = "x-gateway-destination-endpoint"
@@ -521,57 +514,3 @@ async def test_the_certificate_stays_the_same_across_upgrades(helm: Path, tmp_pa
     assert offline.one("Secret", f"{FULLNAME}-tls")["data"]["tls.crt"] != secret["data"]["tls.crt"]
     assert render_picker(helm, tmp_path, picker).one("Secret")["data"] != offline.one("Secret")["data"]
     assert cluster.unexpected == []
-
-
-def _subject_alt_names(cert: bytes) -> set[str]:
-    command = ["openssl", "x509", "-noout", "-ext", "subjectAltName"]
-    output = subprocess.run(command, input=cert, capture_output=True, check=True, timeout=60).stdout.decode()
-    return {name.strip().removeprefix("DNS:") for name in output.splitlines()[1].split(",")}
-
-
-async def test_pd_extproc_serves_the_generated_certificate_over_tls(helm: Path, tmp_path: Path) -> None:
-    """The rendered configuration with the rendered Secret's files where the pod mounts them (here: a
-    folder of the test's), on loopback ports, endpoints from EDS files in place of the pool: gRPC
-    health over TLS, trusting the certificate for the Service's name, is SERVING for the names GIE's
-    gateways and kubelet ask; plaintext on that port is refused."""
-    manifests = render_picker(helm, tmp_path, PICKER_SETS["picker"])
-    secret = manifests.one("Secret", f"{FULLNAME}-tls")
-    cert = _pem(secret, "tls.crt")
-    assert _subject_alt_names(cert) == {
-        FULLNAME,
-        f"{FULLNAME}.{NAMESPACE}",
-        SERVICE_HOST,
-        f"{SERVICE_HOST}.cluster.local",
-    }
-    (tmp_path / "tls").mkdir()
-    (tmp_path / "tls" / "tls.crt").write_bytes(cert)
-    (tmp_path / "tls" / "tls.key").write_bytes(_pem(secret, "tls.key"))
-    (tmp_path / "config.yaml").write_text(manifests.config)
-    eds = [tmp_path / "prefill.yaml", tmp_path / "decode.yaml"]
-    write_eds_file(eds[0], "prefill", [EndpointSpec("10.0.0.1:8000", "a", None, True, "HEALTHY")])
-    write_eds_file(eds[1], "decode", [EndpointSpec("10.0.1.1:8000", "a", None, True, "HEALTHY")])
-    overrides = {
-        "listen": "127.0.0.1:0",
-        "metrics_listen": "127.0.0.1:0",
-        "health_listen": "",
-        "engine_metrics.enabled": False,
-        "tls.cert_file": str(tmp_path / "tls" / "tls.crt"),
-        "tls.key_file": str(tmp_path / "tls" / "tls.key"),
-        "discovery.source": "files",
-        "discovery.eds_files": [str(path) for path in eds],
-    }
-    server = await start_server(load_config(str(tmp_path / "config.yaml"), overrides, environ={}))
-    target = f"127.0.0.1:{server.grpc_port}"
-    options = (("grpc.ssl_target_name_override", SERVICE_HOST),)
-    try:
-        async with grpc.aio.secure_channel(target, grpc.ssl_channel_credentials(cert), options) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            for service in ("envoy.service.ext_proc.v3.ExternalProcessor", "readiness", "liveness"):
-                answer = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
-                assert answer.status == health_pb2.HealthCheckResponse.SERVING, service
-        async with grpc.aio.insecure_channel(target) as channel:
-            with pytest.raises(grpc.aio.AioRpcError) as refused:
-                await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=3)
-            assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
-    finally:
-        await server.stop(grace=0.1)
