@@ -17,7 +17,7 @@ from aiohttp import web
 from ext_proc.admin import build_admin_app
 from ext_proc.config import Config, ConfigSource
 from ext_proc.discovery import ClusterEndpoints, EdsFileSource, SourceKind
-from ext_proc.discovery.eds_watch import Publish
+from ext_proc.discovery.eds_watch import Available, Publish
 from ext_proc.engine_load import EngineScraper
 from ext_proc.envoy_health import EnvoyHealth
 from ext_proc.handoff import (
@@ -29,11 +29,12 @@ from ext_proc.handoff import (
     SglangBootstrapHandoff,
     SidecarHandoff,
 )
+from ext_proc.health import Health
 from ext_proc.metrics import Metrics
 from ext_proc.registry import Registry
 from ext_proc.reload import RELOAD_INTERVAL_SECONDS, ConfigWatcher
 from ext_proc.router import Router
-from ext_proc.server import Health, server_credentials, start_grpc, tls_mode
+from ext_proc.server import server_credentials, start_grpc, start_health_grpc, tls_mode
 from ext_proc.xds import EdsPublisher
 
 log = logging.getLogger(__name__)
@@ -46,19 +47,22 @@ def _split(listen: str) -> tuple[str, int]:
 
 @dataclass
 class RunningServer:
-    """A started server. Ports are the bound ones (useful when the config asked for port 0).
+    """A started server. Ports are the bound ones (useful when the config asked for port 0);
+    ``health_port`` is 0 without ``health_listen``.
 
     ``config`` is the configuration it started with; ``reloads`` watches the configuration file
-    (``None`` without one) and holds the configuration in force.
+    (``None`` without one) and holds the configuration in force; ``health`` is its gRPC health.
     """
 
     config: Config
     router: Router
     grpc_port: int
     admin_port: int
+    health_port: int
+    health: Health
     publisher: EdsPublisher | None
     reloads: ConfigWatcher | None
-    _grpc: grpc.aio.Server
+    _grpc: tuple[grpc.aio.Server, ...]
     _admin: web.AppRunner
     _watchers: tuple[asyncio.Task[None], ...]
 
@@ -72,7 +76,7 @@ class RunningServer:
                 await watcher
         if self.publisher is not None:
             self.publisher.close()
-        await self._grpc.stop(grace)
+        await asyncio.gather(*(server.stop(grace) for server in self._grpc))
         await self.router.handoff.close()
         await self._admin.cleanup()
 
@@ -83,7 +87,7 @@ class Source(Protocol):
     async def run(self) -> None: ...
 
 
-async def _files_source(config: Config, publish: Publish, metrics: Metrics) -> Source:
+async def _files_source(config: Config, publish: Publish, available: Available, metrics: Metrics) -> Source:
     """The EDS files, read once before returning (their endpoints are published at once)."""
     discovery = config.discovery
     source = EdsFileSource(
@@ -96,18 +100,31 @@ async def _files_source(config: Config, publish: Publish, metrics: Metrics) -> S
     return source
 
 
-async def _kubernetes_source(config: Config, publish: Publish, metrics: Metrics) -> Source:
+async def _kubernetes_source(
+    config: Config, publish: Publish, available: Available, metrics: Metrics
+) -> Source:
     """The pods of the Kubernetes API; nothing is published before :meth:`Source.run` listed them."""
     from ext_proc.discovery.kubernetes import KubernetesSource  # the client library loads only if used
 
     return await KubernetesSource.connect(config.discovery, publish, metrics)
 
 
-SOURCES: dict[SourceKind, Callable[[Config, Publish, Metrics], Awaitable[Source]]] = {
+async def _inferencepool_source(
+    config: Config, publish: Publish, available: Available, metrics: Metrics
+) -> Source:
+    """The pods of an InferencePool; unavailable while the pool is absent or not usable."""
+    from ext_proc.discovery.inferencepool import InferencePoolSource  # the client library, if used
+
+    return await InferencePoolSource.connect(config.discovery, publish, available, metrics)
+
+
+SOURCES: dict[SourceKind, Callable[[Config, Publish, Available, Metrics], Awaitable[Source]]] = {
     SourceKind.FILES: _files_source,
     SourceKind.KUBERNETES: _kubernetes_source,
+    SourceKind.INFERENCEPOOL: _inferencepool_source,
 }
-"""How to build each kind of discovery source (``discovery.source``)."""
+"""How to build each kind of discovery source (``discovery.source``). A source that can lose its
+whole set (the InferencePool deleted) says so through ``available``; the others never call it."""
 
 
 def build_handoff(config: Config, metrics: Metrics) -> Handoff:
@@ -133,8 +150,10 @@ async def start_server(
     cannot be read or the source cannot be set up, ``OSError`` when an address cannot be bound.
 
     With ``xds.serve_eds`` the source's endpoints go through an :class:`EdsPublisher` (Envoy
-    first, then the router) and its ADS service runs on the gRPC port. Readiness turns SERVING
-    once the router's view holds the source's whole set (with EDS served: once Envoy has it).
+    first, then the router) and its ADS service runs on the gRPC port. Readiness (:mod:`ext_proc.health`,
+    on ``listen`` and ``health_listen``) is SERVING while the source is available (always, but for
+    an InferencePool that is absent or not usable) and the router's view has held the source's whole
+    set (with EDS served: once Envoy has it) since it became available.
     ``source`` is where ``config`` came from: when it names a file, the file is watched every
     ``reload_interval`` seconds and a changed affinity section is applied live (:mod:`ext_proc.reload`).
     """
@@ -144,19 +163,22 @@ async def start_server(
         discovery.prefill_cluster, discovery.decode_cluster, config.load.default_token_capacity
     )
     metrics = Metrics(registry.endpoints)
-    health: Health | None = None
-    health_updates: set[asyncio.Task[None]] = set()
-    loaded = False
+    health = Health()
+    await health.start()
+    loaded, usable = False, True
 
     def apply(clusters: list[ClusterEndpoints], settled: bool) -> None:
         nonlocal loaded
         registry.update(clusters)
         if settled and not loaded:
             loaded = True
-            if health is not None:
-                task = asyncio.get_running_loop().create_task(health.set_ready(True))
-                health_updates.add(task)
-                task.add_done_callback(health_updates.discard)
+            health.set_ready(usable)
+
+    def available(now: bool) -> None:
+        nonlocal loaded, usable
+        if now != usable:
+            usable, loaded = now, False  # available again: ready once the new set is loaded
+            health.set_ready(False)
 
     publisher: EdsPublisher | None = None
     if config.xds.serve_eds:
@@ -165,7 +187,7 @@ async def start_server(
             clusters, discovery.metadata_namespace, apply, config.xds.no_envoy_delay_seconds, metrics
         )
     publish = publisher.publish if publisher is not None else functools.partial(apply, settled=True)
-    endpoints = await SOURCES[discovery.source](config, publish, metrics)
+    endpoints = await SOURCES[discovery.source](config, publish, available, metrics)
     policy = config.affinity.policy(config.routing.fallback_count)
     handoff = build_handoff(config, metrics)
     router = Router(
@@ -179,11 +201,18 @@ async def start_server(
         config.limits.retry_after_seconds,
         config.handoff.eject_failed_prefill_seconds,
     )
-    grpc_server, grpc_port, health = await start_grpc(
-        router, config.listen, loaded, publisher.ads if publisher is not None else None, credentials
+    grpc_server, grpc_port = await start_grpc(
+        router, config.listen, health, publisher.ads if publisher is not None else None, credentials
     )
-    if loaded and not health.ready:  # the publisher settled while the gRPC server was starting
-        await health.set_ready(True)
+    servers = [grpc_server]
+    health_port = 0
+    if config.health_listen:
+        try:
+            health_server, health_port = await start_health_grpc(health, config.health_listen)
+        except OSError:
+            await grpc_server.stop(None)
+            raise
+        servers.append(health_server)
     scraper = (
         EngineScraper(registry, config.engine_metrics, metrics) if config.engine_metrics.enabled else None
     )
@@ -199,7 +228,7 @@ async def start_server(
     except OSError as exc:
         if publisher is not None:
             publisher.close()
-        await grpc_server.stop(None)
+        await asyncio.gather(*(server.stop(None) for server in servers))
         await runner.cleanup()
         raise OSError(f"cannot listen on {config.metrics_listen} for metrics and admin: {exc}") from exc
     admin_port = runner.addresses[0][1]
@@ -219,12 +248,14 @@ async def start_server(
         reloads = ConfigWatcher(source, config, router, metrics, reload_interval)
         watchers.append(asyncio.create_task(reloads.run(), name="config-watcher"))
     log.info(
-        "pd-extproc serving ext_proc on %s (port %d, %s), admin on port %d; affinity %s bonus %.2f; "
+        "pd-extproc serving ext_proc on %s (port %d, %s), gRPC health also on %s, admin on port %d; "
+        "affinity %s bonus %.2f; "
         "handoff %s%s; EDS served to Envoy: %s; engine metrics: %s; Envoy host health: %s; "
         "%d prefill and %d decode endpoints healthy",
         config.listen,
         grpc_port,
         tls_mode(config.tls),
+        f"port {health_port}" if health_port else "no other port",
         admin_port,
         policy.mode.value,
         policy.bonus,
@@ -237,7 +268,17 @@ async def start_server(
         len(registry.decodes),
     )
     return RunningServer(
-        config, router, grpc_port, admin_port, publisher, reloads, grpc_server, runner, tuple(watchers)
+        config,
+        router,
+        grpc_port,
+        admin_port,
+        health_port,
+        health,
+        publisher,
+        reloads,
+        tuple(servers),
+        runner,
+        tuple(watchers),
     )
 
 

@@ -23,7 +23,15 @@ import yaml
 
 from ext_proc.affinity import AutoModel, Mode, Policy
 from ext_proc.discovery import SourceKind
-from ext_proc.discovery.pods import PRESETS, Preset, RoleScheme
+from ext_proc.discovery.pods import (
+    PRESETS,
+    PodRules,
+    Preset,
+    RoleScheme,
+    is_label_key,
+    is_label_value,
+    is_object_name,
+)
 from ext_proc.engine_load import EngineKind
 from ext_proc.handoff import FailurePolicy, HandoffMode
 from ext_proc.request import MAX_OUTPUT_BUDGET
@@ -108,6 +116,19 @@ class DiscoveryConfig:
     source: SourceKind = SourceKind.FILES
     kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
     inferencepool: InferencePoolConfig = field(default_factory=InferencePoolConfig)
+
+    def pod_rules(self) -> PodRules:
+        """How the ``kubernetes`` and ``inferencepool`` sources read a pod (``kubernetes``'s keys)."""
+        kubernetes = self.kubernetes
+        return PodRules(
+            kubernetes.scheme(),
+            kubernetes.group_label,
+            kubernetes.capacity_annotation,
+            kubernetes.bootstrap_port_annotation,
+            self.prefill_cluster,
+            self.decode_cluster,
+            kubernetes.metrics_port_annotation,
+        )
 
 
 @dataclass(frozen=True)
@@ -330,12 +351,9 @@ class Config:
 
 _CHOICES = (Mode, HandoffMode, FailurePolicy, SourceKind, Preset, EngineKind)
 _NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
-_DNS_SUBDOMAIN = re.compile(r"(?=.{1,253}$)[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
-_LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
 _PORT_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,13}[a-z0-9])?")
-"""Kubernetes name syntax: a namespace (DNS label), a label or annotation key's prefix (DNS
-subdomain) and name (also the syntax of a label value), a container port name (IANA service name,
-which also needs a letter)."""
+"""Kubernetes name syntax: a namespace (DNS label), a container port name (IANA service name,
+which also needs a letter); label keys and values and object names: ``ext_proc.discovery.pods``."""
 
 
 def _allowed(tp: object) -> str:
@@ -554,15 +572,14 @@ def _check_kubernetes(kubernetes: KubernetesConfig) -> None:
         "metrics_port_annotation": kubernetes.metrics_port_annotation,
     }
     for name, value in keys.items():
-        prefix, slash, label = value.rpartition("/")
-        if not (_LABEL_NAME.fullmatch(label) and (not slash or _DNS_SUBDOMAIN.fullmatch(prefix))):
+        if not is_label_key(value):
             raise ConfigError(
                 f"{key}.{name}: {value!r} is not allowed; use a Kubernetes label or annotation key "
                 "such as example.com/name"
             )
     roles = [scheme.prefill_role, scheme.decode_role, scheme.both_role]
     for name, value in zip(("prefill_role", "decode_role", "both_role"), roles, strict=True):
-        if value and not _LABEL_NAME.fullmatch(value):
+        if not is_label_value(value):
             raise ConfigError(f"{key}.{name}: {value!r} is not allowed; use a Kubernetes label value")
     if len(set(roles)) < 3:
         values = ", ".join(map(repr, roles))
@@ -586,7 +603,7 @@ def _check_inferencepool(discovery: DiscoveryConfig) -> None:
             f"{key}.name: required with discovery.source inferencepool: the name of the InferencePool "
             "whose pods are the endpoints (flag --pool-name)"
         )
-    if pool.name and not _DNS_SUBDOMAIN.fullmatch(pool.name):
+    if pool.name and not is_object_name(pool.name):
         raise ConfigError(
             f"{key}.name: {pool.name!r} is not allowed; use a Kubernetes object name (lower-case letters, "
             "digits, '-' and '.', at most 253)"

@@ -162,6 +162,11 @@ class Metrics:
             ["source"],
             registry=self.registry,
         )
+        self._inferencepool_usable = Gauge(
+            "pd_extproc_inferencepool_usable",
+            "1 while the InferencePool of discovery.source inferencepool exists and is usable, else 0",
+            registry=self.registry,
+        )
         self._xds_responses = Counter(
             "pd_extproc_xds_responses_total", "EDS responses sent to Envoy over ADS", registry=self.registry
         )
@@ -282,6 +287,10 @@ class Metrics:
     def discovery_synced(self, source: str, timestamp: float) -> None:
         """Record that ``source``'s whole view was current at ``timestamp`` (Unix seconds)."""
         self._discovery_synced.labels(source).set(timestamp)
+
+    def inferencepool_usable(self, usable: bool) -> None:
+        """Record whether the InferencePool exists and is usable (``discovery.source: inferencepool``)."""
+        self._inferencepool_usable.set(1 if usable else 0)
 
     def xds_response(self) -> None:
         """Count one EDS response sent over ADS."""

@@ -1,5 +1,5 @@
-"""The gRPC shell: Envoy's ``ExternalProcessor.Process`` stream plus the gRPC health service (and,
-when pd-extproc serves EDS, the ADS service of :mod:`ext_proc.xds`).
+"""The gRPC shell: Envoy's ``ExternalProcessor.Process`` stream plus the gRPC health service of
+:mod:`ext_proc.health` (and, when pd-extproc serves EDS, the ADS service of :mod:`ext_proc.xds`).
 
 One HTTP request is one stream. The stream's messages are answered by phase:
 - ``request_headers``: a request without a body is routed here; otherwise client-supplied
@@ -32,19 +32,18 @@ from pathlib import Path
 import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2_grpc
 
 from ext_proc import envoy_messages as msg
 from ext_proc.config import ConfigError, TlsConfig
 from ext_proc.handoff import Handover, Refused, RequestMeta, Routed, RoutingInstructions
+from ext_proc.health import Health
 from ext_proc.load import Admission
 from ext_proc.router import Router
 from ext_proc.xds import AdsServer
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
-LIVENESS, READINESS = "liveness", "readiness"
 ENVOY_BODY_LIMIT_BYTES = 16 * 1024 * 1024
 """The largest request body the shipped Envoy buffers, in bytes: the gateway listener's
 ``per_connection_buffer_limit_bytes`` in ``envoy/envoy.yaml`` (a test keeps the two equal). A larger
@@ -197,31 +196,6 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             stream.close()
 
 
-class Health:
-    """gRPC health as the endpoint-picker protocol defines it.
-
-    ``liveness`` and ``""`` serve while the process runs; ``readiness`` and the ext_proc service
-    serve once endpoints have been loaded (:meth:`set_ready`).
-    """
-
-    def __init__(self) -> None:
-        self.servicer = health.aio.HealthServicer()
-        self.ready = False
-
-    async def start(self, ready: bool) -> None:
-        for service in ("", LIVENESS):
-            await self.servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-        await self.set_ready(ready)
-
-    async def set_ready(self, ready: bool) -> None:
-        self.ready = ready
-        status = (
-            health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
-        )
-        for service in (READINESS, SERVICE_NAME):
-            await self.servicer.set(service, status)
-
-
 def server_credentials(tls: TlsConfig) -> grpc.ServerCredentials | None:
     """The gRPC port's TLS credentials (``None``: plaintext); with ``client_ca_file``, clients must
     present a certificate it signed. Raises :class:`ConfigError` when a file cannot be read."""
@@ -249,29 +223,9 @@ def tls_mode(tls: TlsConfig) -> str:
     return "mutual TLS" if tls.client_ca_file else "TLS"
 
 
-async def start_grpc(
-    router: Router,
-    listen: str,
-    ready: bool,
-    ads: AdsServer | None = None,
-    credentials: grpc.ServerCredentials | None = None,
-) -> tuple[grpc.aio.Server, int, Health]:
-    """Start the ext_proc and health services, and ``ads`` if given, on ``listen`` (``host:port``,
-    port 0 = any), over TLS with ``credentials`` (else plaintext).
-
-    Returns the server, the bound port and its :class:`Health`. The port is never shared
-    (SO_REUSEPORT off, which gRPC turns on by default): a second copy on the same port fails here
-    instead of silently splitting Envoy's streams. Messages up to :data:`MAX_RECEIVE_BYTES` are
-    received (any size is sent). An address that cannot be bound raises ``OSError``.
-    """
-    server = grpc.aio.server(
-        options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES)]
-    )
-    pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(router), server)
-    server_health = Health()
-    health_pb2_grpc.add_HealthServicer_to_server(server_health.servicer, server)
-    if ads is not None:
-        ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(ads, server)
+def _bind(server: grpc.aio.Server, listen: str, credentials: grpc.ServerCredentials | None, what: str) -> int:
+    """Add the port ``listen`` to ``server`` (TLS with ``credentials``, else plaintext): its bound
+    number. An address that cannot be bound raises ``OSError`` naming ``what`` it was for."""
     try:
         port = (
             server.add_insecure_port(listen)
@@ -281,7 +235,43 @@ async def start_grpc(
     except RuntimeError:  # grpcio reports a failed bind as RuntimeError
         port = 0
     if port == 0:
-        raise OSError(f"cannot listen on {listen} for gRPC (address in use or not available)")
+        raise OSError(f"cannot listen on {listen} for {what} (address in use or not available)")
+    return port
+
+
+async def start_grpc(
+    router: Router,
+    listen: str,
+    health: Health,
+    ads: AdsServer | None = None,
+    credentials: grpc.ServerCredentials | None = None,
+) -> tuple[grpc.aio.Server, int]:
+    """Start the ext_proc service, ``health``'s servicer (started by the caller, :meth:`Health.start`)
+    and ``ads`` if given, on ``listen`` (``host:port``, port 0 = any), over TLS with ``credentials``
+    (else plaintext).
+
+    Returns the server and the bound port. The port is never shared (SO_REUSEPORT off, which gRPC
+    turns on by default): a second copy on the same port fails here instead of silently splitting
+    Envoy's streams. Messages up to :data:`MAX_RECEIVE_BYTES` are received (any size is sent). An
+    address that cannot be bound raises ``OSError``.
+    """
+    server = grpc.aio.server(
+        options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES)]
+    )
+    pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(router), server)
+    health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
+    if ads is not None:
+        ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(ads, server)
+    port = _bind(server, listen, credentials, "gRPC")
     await server.start()
-    await server_health.start(ready)
-    return server, port, server_health
+    return server, port
+
+
+async def start_health_grpc(health: Health, listen: str) -> tuple[grpc.aio.Server, int]:
+    """Serve only ``health``'s servicer, plaintext, on ``listen`` (``health_listen``; port 0 = any):
+    the server and its bound port, never shared. An address that cannot be bound raises ``OSError``."""
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
+    port = _bind(server, listen, None, "gRPC health")
+    await server.start()
+    return server, port

@@ -1,14 +1,21 @@
-"""A small Kubernetes API server for pods, speaking the real list/watch wire format over HTTP.
+"""A small Kubernetes API server for pods and InferencePools, speaking the real list/watch wire format.
 
-``GET /api/v1/namespaces/{ns}/pods?labelSelector=...`` answers a ``PodList`` JSON carrying
-``metadata.resourceVersion``; with ``watch=true&resourceVersion=N`` it streams, chunked, one JSON
-watch event per line (``ADDED`` / ``MODIFIED`` / ``DELETED`` after version N, ``BOOKMARK`` to
-watches that allow them, ``ERROR`` with a ``410 Expired`` status for a version older than the
-compaction point) until the test ends it cleanly or drops the connection. Only the ``key in
-(a,b)`` label selector form the discovery source sends is understood. Tests mutate the pods
-(``put``, ``delete``, optionally ``silent``: the change is in no watch history, as if compacted
-away) and steer the connection (``bookmark``, ``expire``, ``end_watches``, ``drop``,
-``refuse``, ``stop`` / ``start``).
+Two namespaced resources: pods (``/api/v1/namespaces/{ns}/pods``) and GIE's InferencePools, a custom
+resource (``/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools``). A list answers a
+``PodList`` / ``InferencePoolList`` JSON carrying ``metadata.resourceVersion``, filtered by
+``labelSelector`` (every form the API server parses: ``k=v``, ``k==v``, ``k!=v``, ``k in (a,b)``,
+``k notin (a,b)``, ``k``, ``!k``, comma-separated) and ``fieldSelector`` (``metadata.name`` and
+``metadata.namespace``, as for custom resources; another field is a ``400``). ``GET .../{name}``
+answers the object or a ``404 NotFound`` status. With ``watch=true&resourceVersion=N`` it streams,
+chunked, one JSON watch event per line until the test ends it cleanly or drops the connection. As the
+API server's watch cache does, each change after version N is judged against the watch's selectors on
+the object's state before and after it: ``ADDED`` (now selected, not before), ``MODIFIED`` (both),
+``DELETED`` (selected before, not now or deleted: the previous state at the change's
+resourceVersion), nothing otherwise; ``BOOKMARK`` to watches that allow them, ``ERROR`` with a ``410
+Expired`` status for a version older than the compaction point. Tests mutate the objects (``put``,
+``delete``, optionally ``silent``: the change is in no watch history, as if compacted away), gate
+lists (``list_gates``), take the InferencePool CRD away (``crd_installed``) and steer the
+connection (``bookmark``, ``expire``, ``end_watches``, ``drop``, ``refuse``, ``stop`` / ``start``).
 """
 
 from __future__ import annotations
@@ -18,18 +25,115 @@ import contextlib
 import copy
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
-_SELECTOR = re.compile(r"(?P<key>[^ ]+) in \((?P<values>[^)]*)\)")
+POOL_GROUP = "inference.networking.k8s.io"
+
+
+@dataclass(frozen=True)
+class Resource:
+    """A namespaced resource the fake serves."""
+
+    plural: str
+    kind: str
+    api_version: str
+    prefix: str
+
+
+PODS = Resource("pods", "Pod", "v1", "/api/v1")
+POOLS = Resource("inferencepools", "InferencePool", f"{POOL_GROUP}/v1", f"/apis/{POOL_GROUP}/v1")
+RESOURCES = {r.kind: r for r in (PODS, POOLS)}
+FIELDS = ("metadata.name", "metadata.namespace")
+"""The field selectors a custom resource supports (pods support these too)."""
+
+
+class BadSelector(ValueError):
+    """A selector the API server would refuse with ``400 BadRequest``."""
+
+
+_KEY = r"[^\s=!(),]+"
+_NOT_EXISTS = re.compile(rf"\s*!\s*(?P<key>{_KEY})\s*")
+_SET = re.compile(rf"\s*(?P<key>{_KEY})\s+(?P<op>in|notin)\s+\((?P<values>[^()]*)\)\s*")
+_EQUALITY = re.compile(rf"\s*(?P<key>{_KEY})\s*(?P<op>==|=|!=)\s*(?P<value>[^\s=!(),]*)\s*")
+_EXISTS = re.compile(rf"\s*(?P<key>{_KEY})\s*")
+
+Match = Callable[[dict[str, str]], bool]
+
+
+def _requirements(selector: str) -> list[str]:
+    """``selector`` split at the commas outside parentheses."""
+    parts, depth, start = [], 0, 0
+    for index, char in enumerate(selector):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if char == "," and depth == 0:
+            parts.append(selector[start:index])
+            start = index + 1
+    parts.append(selector[start:])
+    return parts
+
+
+def _requirement(text: str) -> Match:
+    if match := _NOT_EXISTS.fullmatch(text):
+        key = match["key"]
+        return lambda labels: key not in labels
+    if match := _SET.fullmatch(text):
+        key, values = match["key"], {v.strip() for v in match["values"].split(",")}
+        if match["op"] == "in":
+            return lambda labels: labels.get(key) in values
+        return lambda labels: labels.get(key) not in values
+    if match := _EQUALITY.fullmatch(text):
+        key, value = match["key"], match["value"]
+        if match["op"] == "!=":
+            return lambda labels: labels.get(key) != value
+        return lambda labels: labels.get(key) == value
+    if match := _EXISTS.fullmatch(text):
+        key = match["key"]
+        return lambda labels: key in labels
+    raise BadSelector(f"unable to parse requirement: {text.strip()!r}")
+
+
+def label_selector(selector: str) -> Match:
+    """The API server's label selector semantics: every requirement holds (``""``: everything)."""
+    if not selector.strip():
+        return lambda labels: True
+    requirements = [_requirement(part) for part in _requirements(selector)]
+    return lambda labels: all(requirement(labels) for requirement in requirements)
+
+
+def field_selector(selector: str) -> Callable[[dict[str, Any]], bool]:
+    """``metadata.name`` / ``metadata.namespace`` requirements (``=``, ``==``, ``!=``), comma-separated."""
+    checks: list[tuple[str, bool, str]] = []
+    for part in _requirements(selector) if selector.strip() else ():
+        match = re.fullmatch(r"\s*(?P<field>[^=!\s]+)\s*(?P<op>==|=|!=)\s*(?P<value>[^\s,]*)\s*", part)
+        if match is None:
+            raise BadSelector(f"invalid field selector: {part.strip()!r}")
+        if match["field"] not in FIELDS:
+            raise BadSelector(f"field label not supported: {match['field']}")
+        checks.append((match["field"].partition(".")[2], match["op"] != "!=", match["value"]))
+    return lambda obj: all((obj["metadata"].get(f) == v) is want for f, want, v in checks)
+
+
+@dataclass(frozen=True)
+class _Change:
+    """One change of an object: its state before (``None``: created) and after (``None``: deleted)."""
+
+    version: int
+    resource: Resource
+    namespace: str
+    before: dict[str, Any] | None
+    after: dict[str, Any] | None
 
 
 @dataclass
 class _Watch:
+    resource: Resource
     namespace: str
     bookmarks: bool
+    selects: Callable[[dict[str, Any]], bool]
     response: web.StreamResponse
     request: web.Request
     lines: asyncio.Queue[bytes | None] = field(default_factory=asyncio.Queue)
@@ -39,7 +143,7 @@ def _line(kind: str, obj: dict[str, Any]) -> bytes:
     return json.dumps({"type": kind, "object": obj}).encode() + b"\n"
 
 
-def _status(code: int, reason: str, message: str) -> dict[str, Any]:
+def _status(code: int, reason: str, message: str, **extra: Any) -> dict[str, Any]:
     return {
         "kind": "Status",
         "apiVersion": "v1",
@@ -47,22 +151,41 @@ def _status(code: int, reason: str, message: str) -> dict[str, Any]:
         "status": "Failure",
         "message": message,
         "reason": reason,
+        **extra,
         "code": code,
     }
 
 
+def _event(change: _Change, selects: Callable[[dict[str, Any]], bool]) -> bytes | None:
+    """The watch event ``change`` is for a watch selecting with ``selects`` (None: no event)."""
+    before = change.before is not None and selects(change.before)
+    after = change.after is not None and selects(change.after)
+    if after:
+        assert change.after is not None
+        return _line("MODIFIED" if before else "ADDED", change.after)
+    if before:
+        assert change.before is not None
+        gone = copy.deepcopy(change.before)
+        gone["metadata"]["resourceVersion"] = str(change.version)
+        return _line("DELETED", gone)
+    return None
+
+
 class FakeKubeApi:
-    """The fake API server. ``requests`` records every request: ``kind`` (list / watch),
-    ``namespace``, ``authorization`` and the query parameters."""
+    """The fake API server. ``requests`` records every request: ``kind`` (list / watch / get),
+    ``resource`` (pods / inferencepools), ``namespace``, ``authorization`` and the query parameters.
+    ``list_gates`` maps ``(resource, namespace)`` to an event a list waits for."""
 
     def __init__(self) -> None:
-        self.pods: dict[str, dict[str, dict[str, Any]]] = {}
+        self.objects: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
+        """``(resource plural, namespace)`` → name → object."""
         self.version = 100
         self.compacted = 0
-        self.history: list[tuple[int, str, bytes, dict[str, str]]] = []
+        self.history: list[_Change] = []
         self.requests: list[dict[str, str]] = []
-        self.list_gates: dict[str, asyncio.Event] = {}
+        self.list_gates: dict[tuple[str, str], asyncio.Event] = {}
         self.refusal: int | None = None
+        self.crd_installed = True
         self.port = 0
         self._watches: list[_Watch] = []
         self._runner: web.AppRunner | None = None
@@ -72,7 +195,10 @@ class FakeKubeApi:
     async def start(self) -> None:
         """Serve on 127.0.0.1 (the same port again after :meth:`stop`)."""
         app = web.Application()
-        app.router.add_get("/api/v1/namespaces/{namespace}/pods", self._pods)
+        for resource in RESOURCES.values():
+            path = f"{resource.prefix}/namespaces/{{namespace}}/{resource.plural}"
+            app.router.add_get(path, self._handler(resource, self._collection))
+            app.router.add_get(path + "/{name}", self._handler(resource, self._get))
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True)
@@ -94,49 +220,55 @@ class FakeKubeApi:
             f"contexts: [{{name: fake, context: {{cluster: fake, user: tester, namespace: {namespace}}}}}]\n"
         )
 
-    # --- what the tests do to the pods ----------------------------------------------------
+    # --- what the tests do to the objects -------------------------------------------------
 
-    def put(self, pod: dict[str, Any], *, silent: bool = False) -> int:
-        """Create or replace ``pod``; returns its new resourceVersion."""
-        pod = copy.deepcopy(pod)
-        metadata = pod["metadata"]
-        namespace = self.pods.setdefault(metadata["namespace"], {})
-        kind = "MODIFIED" if metadata["name"] in namespace else "ADDED"
+    def put(self, obj: dict[str, Any], *, silent: bool = False) -> int:
+        """Create or replace ``obj`` (a Pod or an InferencePool, by its ``kind``); returns its new
+        resourceVersion."""
+        obj = copy.deepcopy(obj)
+        resource = RESOURCES[obj["kind"]]
+        metadata = obj["metadata"]
+        stored = self.objects.setdefault((resource.plural, metadata["namespace"]), {})
+        before = stored.get(metadata["name"])
         self.version += 1
         metadata["resourceVersion"] = str(self.version)
-        namespace[metadata["name"]] = pod
-        if not silent:
-            self._emit(kind, pod)
+        stored[metadata["name"]] = obj
+        self._emit(_Change(self.version, resource, metadata["namespace"], before, obj), silent)
         return self.version
 
-    def delete(self, namespace: str, name: str, *, silent: bool = False) -> int:
-        """Delete a pod; returns the resourceVersion of the deletion."""
-        pod = self.pods[namespace].pop(name)
+    def delete(self, namespace: str, name: str, *, kind: str = "Pod", silent: bool = False) -> int:
+        """Delete an object; returns the resourceVersion of the deletion."""
+        resource = RESOURCES[kind]
+        before = self.objects[(resource.plural, namespace)].pop(name)
         self.version += 1
-        pod["metadata"]["resourceVersion"] = str(self.version)
-        if not silent:
-            self._emit("DELETED", pod)
+        self._emit(_Change(self.version, resource, namespace, before, None), silent)
         return self.version
 
-    def _emit(self, kind: str, pod: dict[str, Any]) -> None:
-        labels = pod["metadata"].get("labels") or {}
-        line = _line(kind, pod)
-        self.history.append((self.version, pod["metadata"]["namespace"], line, labels))
+    def _emit(self, change: _Change, silent: bool) -> None:
+        if silent:
+            return
+        self.history.append(change)
         for watch in self._watches:
-            if watch.namespace == pod["metadata"]["namespace"] and self._selected(watch.request, labels):
-                watch.lines.put_nowait(line)
+            if (watch.resource, watch.namespace) == (change.resource, change.namespace):
+                line = _event(change, watch.selects)
+                if line is not None:
+                    watch.lines.put_nowait(line)
 
     # --- what the tests do to the connections ----------------------------------------------
 
-    def watching(self, namespace: str) -> int:
-        """How many watches of ``namespace`` are open."""
-        return sum(w.namespace == namespace for w in self._watches)
+    def watching(self, namespace: str, resource: str = "pods") -> int:
+        """How many watches of ``resource`` in ``namespace`` are open."""
+        return sum((w.resource.plural, w.namespace) == (resource, namespace) for w in self._watches)
 
     def bookmark(self) -> int:
         """Send a BOOKMARK at the current resourceVersion to every watch that allows bookmarks."""
-        obj = {"kind": "Pod", "apiVersion": "v1", "metadata": {"resourceVersion": str(self.version)}}
         for watch in self._watches:
             if watch.bookmarks:
+                obj = {
+                    "kind": watch.resource.kind,
+                    "apiVersion": watch.resource.api_version,
+                    "metadata": {"resourceVersion": str(self.version)},
+                }
                 watch.lines.put_nowait(_line("BOOKMARK", obj))
         return self.version
 
@@ -166,62 +298,94 @@ class FakeKubeApi:
 
     # --- the HTTP side --------------------------------------------------------------------
 
-    def _selected(self, request: web.Request, labels: dict[str, str]) -> bool:
-        match = _SELECTOR.fullmatch(request.query["labelSelector"])
-        assert match is not None, f"unsupported label selector {request.query['labelSelector']!r}"
-        return labels.get(match["key"]) in match["values"].split(",")
-
     def _gone(self, request: web.Request) -> dict[str, Any]:
         asked = request.query.get("resourceVersion", "")
         return _status(410, "Expired", f"too old resource version: {asked} ({self.compacted})")
 
-    async def _pods(self, request: web.Request) -> web.StreamResponse:
-        namespace = request.match_info["namespace"]
-        watch = request.query.get("watch", "").lower() == "true"
-        self.requests.append(
-            {
-                "kind": "watch" if watch else "list",
-                "namespace": namespace,
-                "authorization": request.headers.get("Authorization", ""),
-                **request.query,
-            }
-        )
-        if self.refusal is not None:
-            status = _status(self.refusal, "Forbidden", f'pods is forbidden in namespace "{namespace}"')
-            return web.json_response(status, status=self.refusal)
-        if watch:
-            return await self._watch(request, namespace)
-        gate = self.list_gates.get(namespace)
+    def _handler(self, resource: Resource, serve: Callable[..., Any]) -> Callable[..., Any]:
+        async def handle(request: web.Request) -> web.StreamResponse:
+            namespace = request.match_info["namespace"]
+            watch = request.query.get("watch", "").lower() == "true"
+            kind = "get" if "name" in request.match_info else "watch" if watch else "list"
+            self.requests.append(
+                {
+                    "kind": kind,
+                    "resource": resource.plural,
+                    "namespace": namespace,
+                    "authorization": request.headers.get("Authorization", ""),
+                    **request.query,
+                }
+            )
+            if resource is POOLS and not self.crd_installed:
+                status = _status(404, "NotFound", "the server could not find the requested resource")
+                return web.json_response(status, status=404)
+            if self.refusal is not None:
+                message = f'{resource.plural} is forbidden in namespace "{namespace}"'
+                return web.json_response(_status(self.refusal, "Forbidden", message), status=self.refusal)
+            return await serve(request, resource, namespace)
+
+        return handle
+
+    async def _get(self, request: web.Request, resource: Resource, namespace: str) -> web.StreamResponse:
+        name = request.match_info["name"]
+        obj = self.objects.get((resource.plural, namespace), {}).get(name)
+        if obj is None:
+            group = resource.api_version.rpartition("/")[0]
+            qualified = f"{resource.plural}.{group}" if group else resource.plural
+            details = {"name": name, "group": group, "kind": resource.plural}
+            status = _status(404, "NotFound", f'{qualified} "{name}" not found', details=details)
+            return web.json_response(status, status=404)
+        return web.json_response(obj)
+
+    async def _collection(
+        self, request: web.Request, resource: Resource, namespace: str
+    ) -> web.StreamResponse:
+        try:
+            labels = label_selector(request.query.get("labelSelector", ""))
+            fields = field_selector(request.query.get("fieldSelector", ""))
+        except BadSelector as exc:
+            return web.json_response(_status(400, "BadRequest", str(exc)), status=400)
+
+        def selects(obj: dict[str, Any]) -> bool:
+            return labels(obj["metadata"].get("labels") or {}) and fields(obj)
+
+        if request.query.get("watch", "").lower() == "true":
+            return await self._watch(request, resource, namespace, selects)
+        gate = self.list_gates.get((resource.plural, namespace))
         if gate is not None:
             await gate.wait()
-        items = [
-            p
-            for p in self.pods.get(namespace, {}).values()
-            if self._selected(request, p["metadata"]["labels"])
-        ]
+        items = [o for o in self.objects.get((resource.plural, namespace), {}).values() if selects(o)]
         return web.json_response(
             {
-                "kind": "PodList",
-                "apiVersion": "v1",
+                "kind": f"{resource.kind}List",
+                "apiVersion": resource.api_version,
                 "metadata": {"resourceVersion": str(self.version)},
                 "items": items,
             }
         )
 
-    async def _watch(self, request: web.Request, namespace: str) -> web.StreamResponse:
+    async def _watch(
+        self,
+        request: web.Request,
+        resource: Resource,
+        namespace: str,
+        selects: Callable[[dict[str, Any]], bool],
+    ) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "application/json"})
         response.enable_chunked_encoding()
         await response.prepare(request)
         since = int(request.query["resourceVersion"])
         bookmarks = request.query.get("allowWatchBookmarks", "").lower() == "true"
-        watch = _Watch(namespace, bookmarks, response, request)
+        watch = _Watch(resource, namespace, bookmarks, selects, response, request)
         if since < self.compacted:
             watch.lines.put_nowait(_line("ERROR", self._gone(request)))
             watch.lines.put_nowait(None)
         else:
-            for version, where, line, labels in self.history:
-                if version > since and where == namespace and self._selected(request, labels):
-                    watch.lines.put_nowait(line)
+            for change in self.history:
+                if change.version > since and (change.resource, change.namespace) == (resource, namespace):
+                    line = _event(change, selects)
+                    if line is not None:
+                        watch.lines.put_nowait(line)
         self._watches.append(watch)
         try:
             while (line := await watch.lines.get()) is not None:

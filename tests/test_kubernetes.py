@@ -23,7 +23,8 @@ from polling import until
 from ext_proc.app import start_server
 from ext_proc.config import ConfigError, DiscoveryConfig, KubernetesConfig, load_config
 from ext_proc.discovery import ClusterEndpoints
-from ext_proc.discovery.kubernetes import KubernetesSource, backoff_delay, client_settings
+from ext_proc.discovery.kube_watch import backoff_delay, client_settings
+from ext_proc.discovery.kubernetes import KubernetesSource
 from ext_proc.metrics import Metrics
 
 NS = "team-a"
@@ -120,7 +121,12 @@ async def test_list_then_watch_from_its_version_with_added_modified_and_deleted(
         await until(lambda: api.watching(NS) == 1)
         (listed,) = requests(api, "list")
         (watched,) = requests(api, "watch")
-        expected = {"kind": "list", "namespace": NS, "authorization": "Bearer secret-token"}
+        expected = {
+            "kind": "list",
+            "resource": "pods",
+            "namespace": NS,
+            "authorization": "Bearer secret-token",
+        }
         assert listed == {**expected, "labelSelector": SELECTOR}
         assert watched["resourceVersion"] == str(listed_at)
         assert watched["allowWatchBookmarks"].lower() == "true"
@@ -252,14 +258,14 @@ async def test_publishes_wait_for_the_first_list_of_every_namespace(
 ) -> None:
     api.put(decode("d0", "10.0.0.2"))
     api.put(decode("b0", "10.0.1.2", namespace="team-b"))
-    api.list_gates["team-b"] = asyncio.Event()
+    api.list_gates["pods", "team-b"] = asyncio.Event()
     async with running(fast_source(kubeconfig, (NS, "team-b"))) as run:
         await until(lambda: api.watching(NS) == 1)  # team-a listed and watched
         api.put(decode("d1", "10.0.0.3"))
         await until(lambda: len(run.source.clusters()[1].endpoints) == 2)  # seen, not published
         assert run.published == []
         assert run.synced() is None
-        api.list_gates["team-b"].set()
+        api.list_gates["pods", "team-b"].set()
         await until(
             lambda: (
                 run.published and run.view()["decode"] == ["10.0.0.2:8200", "10.0.0.3:8200", "10.0.1.2:8200"]
@@ -316,7 +322,7 @@ async def test_server_readiness_waits_for_every_namespace_and_load_survives_upda
     api.put(decode("d0", "10.0.0.2"))
     api.put(decode("b0", "10.0.1.2", namespace="team-b"))
     for namespace in (NS, "team-b"):
-        api.list_gates[namespace] = asyncio.Event()
+        api.list_gates["pods", namespace] = asyncio.Event()
     overrides = {
         "listen": "127.0.0.1:0",
         "metrics_listen": "127.0.0.1:0",
@@ -335,10 +341,10 @@ async def test_server_readiness_waits_for_every_namespace_and_load_survives_upda
                 return (await health.Check(readiness)).status == health_pb2.HealthCheckResponse.SERVING
 
             assert not await serving()
-            api.list_gates[NS].set()
+            api.list_gates["pods", NS].set()
             await until(lambda: api.watching(NS) == 1)  # team-a listed (a watch follows a list)
             assert not await serving()
-            api.list_gates["team-b"].set()
+            api.list_gates["pods", "team-b"].set()
             await until(serving)
         assert [e.address for e in registry.decodes] == ["10.0.0.2:8200", "10.0.1.2:8200"]
         (d0, _) = registry.decodes

@@ -22,6 +22,9 @@ from ext_proc.discovery.eds import ClusterEndpoints, EdsError, parse_eds, read_e
 log = logging.getLogger(__name__)
 
 Publish = Callable[[list[ClusterEndpoints]], None]
+Available = Callable[[bool], None]
+"""Told whether a source has a set to serve at all (``False``: the InferencePool is gone; see
+``ext_proc.app``)."""
 Stamp = tuple[int, int, int]
 """``(inode, mtime_ns, size)`` of a file."""
 

@@ -23,6 +23,24 @@ LWS_WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
 """Label LeaderWorkerSet puts on every pod of a group: ``"0"`` on the leader."""
 
 _PORT_NUMBER = re.compile(r"[0-9]{1,5}")
+_DNS_SUBDOMAIN = re.compile(r"(?=.{1,253}$)[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
+_LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
+
+
+def is_object_name(name: str) -> bool:
+    """Kubernetes object name syntax (a DNS subdomain: lower-case, digits, '-' and '.', at most 253)."""
+    return bool(_DNS_SUBDOMAIN.fullmatch(name))
+
+
+def is_label_key(key: str) -> bool:
+    """Kubernetes label or annotation key syntax: a name, optionally after a DNS-subdomain prefix and '/'."""
+    prefix, slash, name = key.rpartition("/")
+    return bool(_LABEL_NAME.fullmatch(name)) and (not slash or is_object_name(prefix))
+
+
+def is_label_value(value: str) -> bool:
+    """Kubernetes label value syntax: empty, or a name of at most 63 characters."""
+    return not value or bool(_LABEL_NAME.fullmatch(value))
 
 
 class Preset(enum.StrEnum):
@@ -70,7 +88,11 @@ PRESETS: dict[Preset, RoleScheme] = {
 @dataclass(frozen=True, slots=True)
 class PodRules:
     """Everything :func:`view_pod` needs: the role scheme, the group label, the annotation names,
-    and the names of the clusters the registry knows as prefill and decode."""
+    and the names of the clusters the registry knows as prefill and decode.
+
+    ``target_ports`` (an InferencePool's ``targetPorts``), when not empty, replaces the scheme's
+    ports: a pod is one endpoint per port number, in this order, in each cluster its role names.
+    """
 
     scheme: RoleScheme
     group_label: str
@@ -79,6 +101,7 @@ class PodRules:
     prefill_cluster: str
     decode_cluster: str
     metrics_port_annotation: str = "pd-extproc/metrics-port"
+    target_ports: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,8 +118,9 @@ def view_pod(pod: Mapping[str, Any], rules: PodRules) -> PodView:
     """The endpoints ``pod`` (an API server's pod JSON, as a dict) stands for under ``rules``.
 
     Every endpoint of a routable pod is ``HEALTHY``; a pod that is not routable, or whose role label
-    is missing or has another value, has none. A role whose port cannot be found yields no endpoint
-    and a problem; an invalid annotation is ignored with a problem.
+    is missing or has another value (:func:`has_role`), has none. A role whose port cannot be found
+    yields no endpoint and a problem; an invalid annotation is ignored with a problem. With
+    ``rules.target_ports``, each role has an endpoint at each of them (no container port is looked up).
     """
     metadata = pod.get("metadata") or {}
     labels = metadata.get("labels") or {}
@@ -117,14 +141,24 @@ def view_pod(pod: Mapping[str, Any], rules: PodRules) -> PodView:
     group = labels.get(rules.group_label, "")
     endpoints: list[tuple[str, EndpointSpec]] = []
     for cluster, port in roles:
-        number = _port_number(pod.get("spec") or {}, port)
-        if number is None:
-            problems.append(f"no container port named {port!r} (the {cluster} port)")
-            continue
-        address = endpoint_address(ip, number)
-        spec = EndpointSpec(address, group, capacity, True, "HEALTHY", bootstrap, metrics_port)
-        endpoints.append((cluster, spec))
+        numbers = rules.target_ports
+        if not numbers:
+            number = _port_number(pod.get("spec") or {}, port)
+            if number is None:
+                problems.append(f"no container port named {port!r} (the {cluster} port)")
+                continue
+            numbers = (number,)
+        for number in numbers:
+            address = endpoint_address(ip, number)
+            spec = EndpointSpec(address, group, capacity, True, "HEALTHY", bootstrap, metrics_port)
+            endpoints.append((cluster, spec))
     return PodView(tuple(endpoints), tuple(problems))
+
+
+def has_role(pod: Mapping[str, Any], rules: PodRules) -> bool:
+    """Whether ``pod``'s role label holds one of the scheme's role values (routable or not)."""
+    labels = (pod.get("metadata") or {}).get("labels") or {}
+    return bool(_roles(labels.get(rules.scheme.role_label), rules))
 
 
 def _roles(role: object, rules: PodRules) -> tuple[tuple[str, str | int], ...]:
