@@ -25,11 +25,13 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 @dataclass
 class EchoBackend:
     """A running backend; ``requests`` records the path, seen routing headers, ``x-request-id`` and
-    JSON body (POST only; ``raw``: its bytes as received) of every request served."""
+    JSON body (POST only; ``raw``: its bytes as received) of every request served. A completion is
+    recorded at once but answered only while ``answering`` is set (it is, unless a test clears it)."""
 
     runner: web.AppRunner
     address: str
     requests: list[dict] = field(default_factory=list)
+    answering: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def stop(self) -> None:
         await self.runner.cleanup()
@@ -58,6 +60,7 @@ async def _completion(request: web.Request) -> web.StreamResponse:
             "headers": dict(request.headers),
         }
     )
+    await backend.answering.wait()
     delay = float(request.headers.get("x-test-delay-ms", "0")) / 1000
     chat = request.path.endswith("chat/completions")
     created = int(time.time())
@@ -111,6 +114,7 @@ async def start_backend() -> EchoBackend:
     """Start a backend on an ephemeral loopback port."""
     app = web.Application(client_max_size=MAX_BODY_BYTES)
     backend = EchoBackend(web.AppRunner(app, access_log=None), "")
+    backend.answering.set()
     app[BACKEND] = backend
     app.router.add_post("/v1/completions", _completion)
     app.router.add_post("/v1/chat/completions", _completion)
