@@ -40,6 +40,8 @@ from helm_chart import (
 from helm_cluster import HelmCluster
 from istio_models import destination_rule_problems
 
+from ext_proc.discovery.pool import view_pool
+
 SERVICE_HOST = f"{FULLNAME}.{NAMESPACE}.svc"
 GATEWAY_HEADER = "x-gateway-destination-endpoint"
 MATCH = {"app": "vllm"}
@@ -260,6 +262,9 @@ def test_the_inference_pool_selects_the_model_servers_through_the_picker(picked)
     picker, manifests = picked
     pool = manifests.one("InferencePool")
     assert inference_pool_problems(pool) == []
+    view = view_pool(pool)  # as pd-extproc's inferencepool source reads it
+    assert view.problems == () and view.spec is not None
+    assert view.spec.target_ports == tuple(port["number"] for port in picker.pool["targetPorts"])
     assert pool["metadata"]["name"] == FULLNAME
     assert pool["spec"]["selector"]["matchLabels"] == picker.pool["matchLabels"]
     assert pool["spec"]["targetPorts"] == picker.pool["targetPorts"]

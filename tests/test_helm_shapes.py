@@ -22,16 +22,19 @@ import base64
 import subprocess
 from pathlib import Path
 
+import aiohttp
 import grpc
 import pytest
 import yaml
+from fake_kube_api import FakeKubeApi
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helm_chart import FULLNAME, NAMESPACE, Manifests, port_of, template
+from kube_objects import pod
+from polling import until
 from shapes import EXT_PROC_TYPE, SHAPES, SHAPES_DIR, _nodes
 
 from ext_proc.app import start_server
 from ext_proc.config import load_config
-from ext_proc.discovery.eds import EndpointSpec, write_eds_file
 
 SERVICE_HOST = f"{FULLNAME}.{NAMESPACE}.svc"
 PROVIDER_OF = {"gie-standalone": "none", "istio": "istio", "ai-gateway": "none", "kgateway": "none"}
@@ -184,10 +187,13 @@ def _subject_alt_names(cert: bytes) -> set[str]:
 async def test_the_picker_pod_answers_the_shapes_health_checks_over_tls(
     chart: dict[str, Manifests], tmp_path: Path
 ) -> None:
-    """The rendered configuration with the rendered Secret's files where the pod mounts them (here: a
-    folder of the test's), on loopback ports, endpoints from EDS files in place of the pool: gRPC
-    health over TLS, trusting the certificate for the Service's name, is SERVING for every service
-    the shapes and kubelet's probes ask; plaintext on that port is refused."""
+    """The picker pod as the chart renders it: the rendered configuration, the rendered Secret's files
+    where the pod mounts them (here: a folder of the test's), the rendered InferencePool and two pods
+    it selects in the stand-in API server (which the pod would reach with its service account: here a
+    kubeconfig), loopback ports. pd-extproc takes the pool's pods as its endpoints; over TLS, trusting
+    the certificate for the Service's name, gRPC health answers SERVING for every service the shapes
+    check; kubelet's probes are answered in plaintext on the health port; plaintext on the TLS port
+    is refused."""
     manifests = chart["none"]
     secret = manifests.one("Secret", f"{FULLNAME}-tls")
     cert = _pem(secret, "tls.crt")
@@ -197,35 +203,62 @@ async def test_the_picker_pod_answers_the_shapes_health_checks_over_tls(
     (tmp_path / "tls" / "tls.crt").write_bytes(cert)
     (tmp_path / "tls" / "tls.key").write_bytes(_pem(secret, "tls.key"))
     (tmp_path / "config.yaml").write_text(manifests.config)
-    eds = [tmp_path / "prefill.yaml", tmp_path / "decode.yaml"]
-    write_eds_file(eds[0], "prefill", [EndpointSpec("10.0.0.1:8000", "a", None, True, "HEALTHY")])
-    write_eds_file(eds[1], "decode", [EndpointSpec("10.0.1.1:8000", "a", None, True, "HEALTHY")])
+    api = FakeKubeApi()
+    await api.start()
+    (tmp_path / "kubeconfig").write_text(api.kubeconfig(NAMESPACE))
+    pool = manifests.one("InferencePool")
+    api.put({**pool, "metadata": {**pool["metadata"], "namespace": NAMESPACE}})
+    selected = pool["spec"]["selector"]["matchLabels"]
+    for name, role, ip in (("prefill-0", "prefill", "10.0.0.1"), ("decode-0", "decode", "10.0.1.1")):
+        api.put(pod(name, role, ip, namespace=NAMESPACE, labels=selected, ports={"http": 8000}))
     overrides = {
         "listen": "127.0.0.1:0",
         "metrics_listen": "127.0.0.1:0",
-        "health_listen": "",
+        "health_listen": "127.0.0.1:0",
         "engine_metrics.enabled": False,
         "tls.cert_file": str(tmp_path / "tls" / "tls.crt"),
         "tls.key_file": str(tmp_path / "tls" / "tls.key"),
-        "discovery.source": "files",
-        "discovery.eds_files": [str(path) for path in eds],
+        "discovery.kubernetes.kubeconfig": str(tmp_path / "kubeconfig"),
     }
     extproc = manifests.container("pd-extproc")
     probed = {extproc[probe]["grpc"]["service"] for probe in ("readinessProbe", "livenessProbe")}
-    services = shape_health_services() | probed
-    assert "envoy.service.ext_proc.v3.ExternalProcessor" in services
+    shapes = shape_health_services()
+    assert "envoy.service.ext_proc.v3.ExternalProcessor" in shapes
     server = await start_server(load_config(str(tmp_path / "config.yaml"), overrides, environ={}))
     target = f"127.0.0.1:{server.grpc_port}"
     options = (("grpc.ssl_target_name_override", SERVICE_HOST),)
     try:
+
+        async def endpoints() -> set[tuple[str, str]]:
+            url = f"http://127.0.0.1:{server.admin_port}/debug/endpoints"
+            async with aiohttp.ClientSession() as session, session.get(url) as response:
+                return {(row["role"], row["address"]) for row in await response.json()}
+
+        expected = {("prefill", "10.0.0.1:8000"), ("decode", "10.0.1.1:8000")}
+        await until(lambda: server.health.ready)
+        assert await endpoints() == expected
         async with grpc.aio.secure_channel(target, grpc.ssl_channel_credentials(cert), options) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            for service in sorted(services):
-                answer = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
-                assert answer.status == health_pb2.HealthCheckResponse.SERVING, service
+            for service in sorted(shapes | probed):
+                assert await health_status(channel, service) == health_pb2.HealthCheckResponse.SERVING, (
+                    service
+                )
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.health_port}") as channel:
+            for service in sorted(probed):
+                assert await health_status(channel, service) == health_pb2.HealthCheckResponse.SERVING, (
+                    service
+                )
         async with grpc.aio.insecure_channel(target) as channel:
             with pytest.raises(grpc.aio.AioRpcError) as refused:
-                await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=3)
+                await health_status(channel, "liveness")
             assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
     finally:
         await server.stop(grace=0.1)
+        await api.stop()
+
+
+async def health_status(channel: grpc.aio.Channel, service: str) -> int:
+    """The gRPC health status of ``service`` over ``channel``."""
+    answer = await health_pb2_grpc.HealthStub(channel).Check(
+        health_pb2.HealthCheckRequest(service=service), timeout=10
+    )
+    return answer.status
