@@ -92,6 +92,22 @@ class Manifests:
         return container
 
 
+def install_dry_run(
+    helm: Path, tmp_path: Path, values: dict[str, object], sets: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess[str]:
+    """``helm install --dry-run=client`` of the chart: the schema check, the manifests and the notes."""
+    args = ["install", RELEASE, str(CHART), "--dry-run=client"]
+    return run_helm(helm, *args, *helm_args(tmp_path, values, sets))
+
+
+def assert_refused_by_schema(result: subprocess.CompletedProcess[str], messages: list[str]) -> None:
+    """``result`` failed on ``values.schema.json``, saying each of ``messages``."""
+    assert result.returncode != 0
+    assert "values don't meet the specifications of the schema" in result.stderr
+    for message in messages:
+        assert message in result.stderr
+
+
 def check_config(path: Path) -> subprocess.CompletedProcess[str]:
     """The installed ``pd-extproc check-config`` on ``path``, without PD_EXTPROC_* variables."""
     command = [str(Path(sys.executable).with_name("pd-extproc")), "check-config", "--config", str(path)]

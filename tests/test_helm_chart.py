@@ -21,11 +21,12 @@ from helm_chart import (
     FULLNAME,
     KUBE_VERSIONS,
     NAMESPACE,
-    RELEASE,
     Manifests,
+    assert_refused_by_schema,
     check_config,
     effective_config,
     helm_args,
+    install_dry_run,
     kubernetes_problems,
     leaf_keys,
     lookup,
@@ -561,18 +562,12 @@ def test_the_bonus_is_accepted_as_users_type_it_and_rendered_as_a_number(
 def test_bad_values_are_refused_at_install_time(
     helm: Path, tmp_path: Path, sets: tuple[str, ...], values: dict[str, object], messages: list[str]
 ) -> None:
-    args = ["install", RELEASE, str(CHART), "--dry-run=client", *helm_args(tmp_path, values, sets)]
-    result = run_helm(helm, *args)
-    assert result.returncode != 0
-    assert "values don't meet the specifications of the schema" in result.stderr
-    for message in messages:
-        assert message in result.stderr
+    assert_refused_by_schema(install_dry_run(helm, tmp_path, values, sets), messages)
 
 
 def test_notes_say_how_to_reach_the_gateway(helm: Path, tmp_path: Path) -> None:
     sets = ("replicaCount=2", "engine_metrics.enabled=false")
-    args = ["install", RELEASE, str(CHART), "--dry-run=client", *helm_args(tmp_path, {}, sets)]
-    result = run_helm(helm, *args)
+    result = install_dry_run(helm, tmp_path, {}, sets)
     assert result.returncode == 0, result.stderr
     notes = result.stdout.partition("NOTES:")[2]
     assert f"kubectl port-forward --namespace {NAMESPACE} service/{FULLNAME} 8080:8080" in notes

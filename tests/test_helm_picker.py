@@ -28,8 +28,10 @@ from helm_chart import (
     NAMESPACE,
     RELEASE,
     Manifests,
+    assert_refused_by_schema,
     effective_config,
     helm_args,
+    install_dry_run,
     kubernetes_problems,
     leaf_keys,
     lookup,
@@ -434,18 +436,7 @@ def test_the_picker_may_read_pods_and_inference_pools_in_the_pools_namespace(pic
 def test_bad_picker_values_are_refused_at_install_time(
     helm: Path, tmp_path: Path, sets: tuple[str, ...], messages: list[str]
 ) -> None:
-    args = [
-        "install",
-        RELEASE,
-        str(CHART),
-        "--dry-run=client",
-        *helm_args(tmp_path, {"mode": "picker"}, sets),
-    ]
-    result = run_helm(helm, *args)
-    assert result.returncode != 0
-    assert "values don't meet the specifications of the schema" in result.stderr
-    for message in messages:
-        assert message in result.stderr
+    assert_refused_by_schema(install_dry_run(helm, tmp_path, {"mode": "picker"}, sets), messages)
 
 
 def test_targets_must_be_distinct_and_at_most_eight(helm: Path, tmp_path: Path) -> None:
@@ -470,14 +461,7 @@ def test_a_pool_selecting_the_picker_itself_is_refused(helm: Path, tmp_path: Pat
 
 def test_notes_say_how_to_route_through_the_pool(helm: Path, tmp_path: Path) -> None:
     sets = ("inferencePool.modelServers.matchLabels.app=vllm", "provider.name=istio")
-    args = [
-        "install",
-        RELEASE,
-        str(CHART),
-        "--dry-run=client",
-        *helm_args(tmp_path, {"mode": "picker"}, sets),
-    ]
-    result = run_helm(helm, *args)
+    result = install_dry_run(helm, tmp_path, {"mode": "picker"}, sets)
     assert result.returncode == 0, result.stderr
     notes = result.stdout.partition("NOTES:")[2]
     assert f"the endpoint picker of the InferencePool {FULLNAME} (namespace {NAMESPACE})" in notes
