@@ -575,3 +575,24 @@ def test_notes_say_how_to_reach_the_gateway(helm: Path, tmp_path: Path) -> None:
     assert "curl http://$GATEWAY/v1/chat/completions" in notes
     assert f"kubectl edit configmap --namespace {NAMESPACE} {FULLNAME}-config" in notes
     assert "2 replicas and engine_metrics.enabled false" in notes
+
+
+def test_rbac_for_an_inference_pool_of_ones_own_in_gateway_mode(helm: Path, tmp_path: Path) -> None:
+    """``discovery.source: inferencepool`` in gateway mode (a pool deployed apart from the chart):
+    get/list/watch on pods and InferencePools in the pool's namespace, the API token mounted."""
+    values = {
+        "discovery": {"source": "inferencepool", "inferencepool": {"name": "pool-a", "namespace": "engines"}}
+    }
+    manifests = Manifests(template(helm, tmp_path, values))
+    (role,), (binding,) = manifests.all("Role"), manifests.all("RoleBinding")
+    assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == "engines"
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+        {
+            "apiGroups": ["inference.networking.k8s.io"],
+            "resources": ["inferencepools"],
+            "verbs": ["get", "list", "watch"],
+        },
+    ]
+    assert manifests.pod["automountServiceAccountToken"] is True
+    assert manifests.all("InferencePool") == []
