@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
 import typing
 from pathlib import Path
 
@@ -36,7 +35,7 @@ from helm_chart import (
 )
 
 from ext_proc.config import MAX_PREFILL_TIMEOUT, Config, as_dict
-from ext_proc.gateway import SHIPPED_ADS_BOOTSTRAP, find_envoy, make_fail_open
+from ext_proc.gateway import SHIPPED_ADS_BOOTSTRAP, make_fail_open, validate_envoy
 from ext_proc.handoff.kv_transfer import TIMEOUT_MARGIN_SECONDS
 
 
@@ -286,12 +285,7 @@ def test_rendered_envoy_bootstrap_validates(rendered, tmp_path: Path) -> None:
     _, manifests = rendered
     path = tmp_path / "envoy.yaml"
     path.write_text(yaml.safe_dump(manifests.envoy))
-    result = subprocess.run(
-        [find_envoy(), "--mode", "validate", "-c", str(path), "--log-level", "error"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = validate_envoy(path)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -575,24 +569,3 @@ def test_notes_say_how_to_reach_the_gateway(helm: Path, tmp_path: Path) -> None:
     assert "curl http://$GATEWAY/v1/chat/completions" in notes
     assert f"kubectl edit configmap --namespace {NAMESPACE} {FULLNAME}-config" in notes
     assert "2 replicas and engine_metrics.enabled false" in notes
-
-
-def test_rbac_for_an_inference_pool_of_ones_own_in_gateway_mode(helm: Path, tmp_path: Path) -> None:
-    """``discovery.source: inferencepool`` in gateway mode (a pool deployed apart from the chart):
-    get/list/watch on pods and InferencePools in the pool's namespace, the API token mounted."""
-    values = {
-        "discovery": {"source": "inferencepool", "inferencepool": {"name": "pool-a", "namespace": "engines"}}
-    }
-    manifests = Manifests(template(helm, tmp_path, values))
-    (role,), (binding,) = manifests.all("Role"), manifests.all("RoleBinding")
-    assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == "engines"
-    assert role["rules"] == [
-        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
-        {
-            "apiGroups": ["inference.networking.k8s.io"],
-            "resources": ["inferencepools"],
-            "verbs": ["get", "list", "watch"],
-        },
-    ]
-    assert manifests.pod["automountServiceAccountToken"] is True
-    assert manifests.all("InferencePool") == []

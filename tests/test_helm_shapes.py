@@ -235,9 +235,13 @@ async def test_the_picker_pod_answers_the_shapes_health_checks_over_tls(
                 return {(row["role"], row["address"]) for row in await response.json()}
 
         expected = {("prefill", "10.0.0.1:8000"), ("decode", "10.0.1.1:8000")}
-        await until(lambda: server.health.ready)
-        assert await endpoints() == expected
         async with grpc.aio.secure_channel(target, grpc.ssl_channel_credentials(cert), options) as channel:
+
+            async def ready() -> bool:
+                return await health_status(channel, "readiness") == health_pb2.HealthCheckResponse.SERVING
+
+            await until(ready)
+            assert await endpoints() == expected
             for service in sorted(shapes | probed):
                 assert await health_status(channel, service) == health_pb2.HealthCheckResponse.SERVING, (
                     service
