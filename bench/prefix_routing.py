@@ -57,7 +57,7 @@ from ext_proc.request import describe
 from sim.cluster import EngineSpec
 from sim.config import DEFAULT_MODEL, KvConfig, TimingConfig
 from sim.demo import BIG, SMALL
-from sim.engine import Engine
+from sim.engine import Engine, Hold
 from sim.prefix import PromptBlocks
 from sim.protocol import token_text
 from sim.report import load_cv, percentile
@@ -192,7 +192,8 @@ async def _serve(
     router_us = (time.perf_counter() - started) * 1e6
     prefill, decode = engines[placed.prefill], engines[placed.decode]
     blocks = PromptBlocks(content, LARGE.block_size)
-    first = prefill.submit(info.prompt_tokens, 1, 1, prefix=blocks, hold_kv=True)
+    hold = Hold(f"bench-{id(body)}", KV.kv_lease_s)  # released by the pull below, never renewed
+    first = prefill.submit(info.prompt_tokens, 1, 1, prefix=blocks, hold=hold)
     await prefill.wait_done(first)
     placed.release_prefill()
 

@@ -28,6 +28,7 @@ from ext_proc.handoff import (
     PrefillClient,
     SglangBootstrapHandoff,
     SidecarHandoff,
+    VllmMooncakeHandoff,
 )
 from ext_proc.health import Health
 from ext_proc.metrics import Metrics
@@ -136,6 +137,10 @@ def build_handoff(config: Config, metrics: Metrics) -> Handoff:
     if handoff.mode is HandoffMode.KV_TRANSFER_PARAMS:
         return KvTransferParamsHandoff(
             route, client, metrics, handoff.on_prefill_failure, handoff.prefill_timeout_seconds
+        )
+    if handoff.mode is HandoffMode.VLLM_MOONCAKE:
+        return VllmMooncakeHandoff(
+            route, client, metrics, handoff.on_prefill_failure, handoff.default_bootstrap_port
         )
     return SglangBootstrapHandoff(route, client, metrics, handoff.default_bootstrap_port)
 

@@ -34,6 +34,7 @@ from ext_proc.discovery.pods import (
 )
 from ext_proc.engine_load import EngineKind
 from ext_proc.handoff import FailurePolicy, HandoffMode
+from ext_proc.handoff.base import UNSUPPORTED_HANDOFFS
 from ext_proc.prefix import PrefixSettings
 from ext_proc.request import MAX_OUTPUT_BUDGET
 
@@ -246,7 +247,8 @@ class HandoffConfig:
 
     ``prefill_via``: base URL of the Envoy listener that forwards prefill legs (``""``: connect to
     the prefill endpoint directly). ``prefill_timeout_seconds`` bounds one prefill leg.
-    ``default_bootstrap_port``: SGLang bootstrap port of a prefill without ``bootstrap_port`` metadata.
+    ``default_bootstrap_port``: bootstrap port (SGLang's, or vLLM Mooncake's ``VLLM_MOONCAKE_BOOTSTRAP_PORT``)
+    of a prefill without ``bootstrap_port`` metadata.
     ``eject_failed_prefill_seconds``: after a prefill leg fails (not a 4xx), that prefill is no candidate
     for this long (seconds; 0 = never ejected; see ``ext_proc/ejection.py``).
     """
@@ -407,6 +409,8 @@ def _coerce(key: str, tp: object, value: object) -> object:
             with contextlib.suppress(ConfigError):
                 return _coerce(key, member, value)
         raise ConfigError(f"{key}: {value!r} is not allowed; use {_allowed(tp)}")
+    if tp is HandoffMode and value in UNSUPPORTED_HANDOFFS:
+        raise ConfigError(f"{key}: {value!r} is not supported: {UNSUPPORTED_HANDOFFS[str(value)]}")
     if isinstance(tp, type) and issubclass(tp, _CHOICES):
         try:
             return tp(value)

@@ -161,6 +161,19 @@ class Metrics:
             buckets=LEG_BUCKETS,
             registry=self.registry,
         )
+        self._no_kv_transfer_params = Counter(
+            "pd_extproc_prefill_no_kv_transfer_params_total",
+            "Prefill legs (kv-transfer-params) answered without kv_transfer_params, by prefill endpoint: "
+            "each such request was prefilled again by its decode",
+            ["endpoint"],
+            registry=self.registry,
+        )
+        self._bootstrap_queries = Counter(
+            "pd_extproc_bootstrap_queries_total",
+            "Queries of a prefill's Mooncake bootstrap server for its engine ids (vllm-mooncake), by outcome",
+            ["outcome"],
+            registry=self.registry,
+        )
         self._prefill_fallbacks = Counter(
             "pd_extproc_prefill_fallback_total",
             "Requests whose prefill legs all failed, by what followed (decode-only or error)",
@@ -346,6 +359,14 @@ class Metrics:
         self._prefill_legs.labels(outcome).inc()
         if seconds is not None:
             self._prefill_leg_seconds.observe(seconds)
+
+    def prefill_without_kv_transfer_params(self, endpoint: str) -> None:
+        """Count one prefill leg to ``endpoint`` answered without ``kv_transfer_params``."""
+        self._no_kv_transfer_params.labels(endpoint).inc()
+
+    def bootstrap_query(self, outcome: str) -> None:
+        """Count one ``GET /query`` of a Mooncake bootstrap server by ``outcome`` (``ok`` or a failure)."""
+        self._bootstrap_queries.labels(outcome).inc()
 
     def prefill_fallback(self, action: str) -> None:
         """Count one request whose prefill legs all failed, by ``action`` (decode-only / error)."""

@@ -20,14 +20,16 @@ from pathlib import Path
 from tqdm import tqdm
 
 from sim.cluster import EngineSpec
-from sim.config import TimingConfig
+from sim.config import KvConfig, TimingConfig
 from sim.experiment import measure
 from sim.report import format_table
 from sim.stack import StackError, start_stack
 from sim.workload import plan_workload
 
 MODES = ("off", "prefer", "strict")
-HANDOFFS = ("kv-transfer-params", "sidecar", "sglang-bootstrap")
+HANDOFFS = ("kv-transfer-params", "sidecar", "sglang-bootstrap", "vllm-mooncake")
+CONNECTORS = {"vllm-mooncake": "mooncake"}
+"""The simulated engines' ``kv_connector`` per handoff (``nixl`` for the others)."""
 PROMPT_TOKENS = (512, 4096)
 """Prompt lengths of the demo workload (tokens, uniform): chat with history / RAG sized."""
 BIG = TimingConfig()
@@ -49,7 +51,7 @@ async def run_demo(
 ) -> dict[str, dict]:
     """Run the workload once per mode on one cluster with ``handoff``; return the summaries by mode."""
     plans = plan_workload(requests, rate, prompt_tokens=PROMPT_TOKENS)
-    stack = start_stack(DEFAULT_CLUSTER)
+    stack = start_stack(DEFAULT_CLUSTER, kv=KvConfig(kv_connector=CONNECTORS.get(handoff, "nixl")))
     results: dict[str, dict] = {}
     try:
         with tqdm(total=requests * len(modes), unit="req", desc="demo", leave=False) as bar:

@@ -41,9 +41,28 @@ class EngineError(RuntimeError):
 
 
 class KvMissing(Exception):
-    """Raised by a :data:`Pull` when there is no KV cache to load (blocks not held by the prefill,
-    prefill unreachable): the engine prefills the sequence locally instead, as vLLM recomputes on a
-    KV load failure. The message says why."""
+    """Raised by a :data:`Pull` whose ``kv_transfer_params`` are unusable (vLLM: "Got invalid
+    KVTransferParams ... will not utilize KVTransfer"): the engine prefills the sequence locally,
+    whatever its ``kv_load_failure_policy``. The message says why."""
+
+
+class KvLoadFailed(KvMissing):
+    """Raised by a :data:`Pull` that could not load the KV cache (prefill unreachable, blocks not
+    held, expired or freed): under ``kv_load_failure_policy`` ``fail`` the request fails with a
+    :class:`KvLoadError`, under ``recompute`` it is prefilled locally."""
+
+
+class KvLoadError(EngineError):
+    """A request failed because its KV cache could not be loaded (policy ``fail``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Hold:
+    """Keep a finished prefill's KV blocks for a remote decode: under ``key`` (the NIXL
+    ``remote_request_id`` or the Mooncake ``transfer_id``) for ``seconds`` (model s) unless renewed."""
+
+    key: str
+    seconds: float
 
 
 @dataclass(eq=False)
@@ -56,9 +75,9 @@ class Sequence:
     ``pull`` loads its KV cache from a remote prefill (``None``: prefill locally): given the tokens
     to load, the prompt's tokens past ``cached_tokens``. ``prefix``: what the engine's prefix cache
     keys the request by (``None``: nothing is cached); ``cached_tokens``: the prompt tokens found
-    cached at admission (not computed, not pulled); ``holding``: its KV blocks. ``hold_kv`` keeps
+    cached at admission (not computed, not pulled); ``holding``: its KV blocks. ``hold`` keeps
     its KV blocks reserved after it finishes, as ``held_block_ids``, until :meth:`Engine.release_kv`
-    or ``kv_hold_timeout_s``. ``warning`` says why a pull fell back to a local prefill. ``ready`` is
+    or the hold's time runs out. ``warning`` says why a pull fell back to a local prefill. ``ready`` is
     set once its KV cache is in place (or it failed); ``progress`` whenever it gains a token or ends.
     """
 
@@ -70,7 +89,7 @@ class Sequence:
     pull: Pull | None = None
     prefix: PromptBlocks | None = None
     stops: bool = False
-    hold_kv: bool = False
+    hold: Hold | None = None
     held_block_ids: tuple[int, ...] = ()
     warning: str | None = None
     state: str = WAITING
@@ -222,7 +241,7 @@ class Scheduler:
                 self._dequeue(seq)
                 if seq.prefix is not None:  # the blocks its output filled are cached too
                     self._computed(seq, seq.prefix.with_output(seq.generated))
-                if not seq.hold_kv:
+                if seq.hold is None:
                     self.free(seq)
         return progressed
 
@@ -279,6 +298,8 @@ class Engine:
         self.scheduler = Scheduler(config.timing)
         sched = self.scheduler
         self._holds: dict[tuple[int, ...], tuple[Sequence, asyncio.TimerHandle]] = {}
+        self._held_keys: dict[str, Sequence] = {}
+        self._key_waiters: dict[str, asyncio.Event] = {}
         self.metrics = EngineMetrics(
             config.model, lambda: len(sched.running), lambda: sched.num_waiting, lambda: sched.kv_usage
         )
@@ -317,7 +338,8 @@ class Engine:
             self._task = asyncio.create_task(self._run(), name=f"sim-engine-{self.engine_id}")
 
     async def stop(self) -> None:
-        """Stop the loop and fail every sequence still inside the engine."""
+        """Stop the loop, fail every sequence still inside the engine, free every hold and wake
+        whoever waits for one (:meth:`wait_held` returns ``None``)."""
         tasks = [t for t in (self._task, *self._pulls.values()) if t is not None]
         for task in tasks:
             task.cancel()
@@ -328,6 +350,9 @@ class Engine:
             self._fail(seq, EngineError("engine stopped"))
         for held, _ in list(self._holds.values()):
             self.release_kv(held)
+        for waiter in self._key_waiters.values():  # their KV will never come: wake them to fail now
+            waiter.set()
+        self._key_waiters.clear()
 
     def submit(
         self,
@@ -338,10 +363,10 @@ class Engine:
         *,
         prefix: PromptBlocks | None = None,
         stops: bool = False,
-        hold_kv: bool = False,
+        hold: Hold | None = None,
     ) -> Sequence:
         """Queue a request; raise ``ValueError`` if it can never fit. Returns its :class:`Sequence`
-        (see there for ``prefix``, ``stops`` and ``hold_kv``; ``prefix`` is ignored unless the engine
+        (see there for ``prefix``, ``stops`` and ``hold``; ``prefix`` is ignored unless the engine
         runs with ``enable_prefix_caching``)."""
         seq = Sequence(
             request_id=f"{self.engine_id}-{next(self._ids)}",
@@ -352,7 +377,7 @@ class Engine:
             pull=pull,
             prefix=prefix if self.config.timing.enable_prefix_caching else None,
             stops=stops,
-            hold_kv=hold_kv,
+            hold=hold,
         )
         self.scheduler.add(seq)
         self._wakeup.set()
@@ -377,30 +402,65 @@ class Engine:
         entry = self._holds.get(tuple(block_ids))
         return entry[0] if entry is not None else None
 
+    def held_by_key(self, key: str) -> Sequence | None:
+        """The finished sequence whose KV this engine holds under ``key``, if any."""
+        return self._held_keys.get(key)
+
+    async def wait_held(self, key: str, timeout_s: float) -> Sequence | None:
+        """The sequence held under ``key`` once it is (a prefill may finish after its decode asks),
+        or ``None`` after ``timeout_s`` model seconds."""
+        seq = self._held_keys.get(key)
+        if seq is not None:
+            return seq
+        event = self._key_waiters.setdefault(key, asyncio.Event())
+        try:
+            await self.clock.wait_for(event.wait(), timeout_s)
+        except TimeoutError:
+            return None
+        finally:
+            if self._key_waiters.get(key) is event and not event.is_set():
+                del self._key_waiters[key]
+        return self._held_keys.get(key)
+
+    def renew(self, key: str, seconds: float) -> bool:
+        """Hold ``key``'s KV for ``seconds`` model seconds from now; ``False`` if none is held."""
+        seq = self._held_keys.get(key)
+        if seq is None:
+            return False
+        entry = self._holds[seq.held_block_ids]
+        entry[1].cancel()
+        self._holds[seq.held_block_ids] = (seq, self.clock.call_later(seconds, partial(self._expire, seq)))
+        return True
+
     def release_kv(self, seq: Sequence) -> bool:
         """Free the KV blocks held for ``seq``; ``False`` if it holds none (never, or already freed)."""
         entry = self._holds.pop(seq.held_block_ids, None)
         if entry is None:
             return False
         entry[1].cancel()
+        if seq.hold is not None and self._held_keys.get(seq.hold.key) is seq:
+            del self._held_keys[seq.hold.key]
         self.scheduler.free(seq)
         self._wakeup.set()  # the freed blocks may admit a waiting sequence
         return True
 
-    def _hold(self, seq: Sequence) -> None:
+    def _hold(self, seq: Sequence, hold: Hold) -> None:
         blocks = max(1, -(-seq.prompt_tokens // self.config.timing.block_size))
         seq.held_block_ids = tuple(next(self._block_ids) for _ in range(blocks))
-        timer = self.clock.call_later(self.config.kv.kv_hold_timeout_s, partial(self._expire, seq))
+        timer = self.clock.call_later(hold.seconds, partial(self._expire, seq))
         self._holds[seq.held_block_ids] = (seq, timer)
+        self._held_keys[hold.key] = seq
+        waiter = self._key_waiters.pop(hold.key, None)
+        if waiter is not None:
+            waiter.set()
 
     def _expire(self, seq: Sequence) -> None:
         if self.release_kv(seq):
             self.metrics.kv_holds_expired.inc()
             log.warning(
-                "engine %s: freed the KV of %s, which no decode released within %s model s",
+                "engine %s: freed the KV of %s, which no decode pulled before its hold ran out",
                 self.address,
                 seq.request_id,
-                self.config.kv.kv_hold_timeout_s,
             )
 
     async def wait_done(self, seq: Sequence) -> None:
@@ -452,8 +512,8 @@ class Engine:
                 m.e2e.observe(seq.finished_at - seq.arrival)  # type: ignore[operator]
                 if seq.generated > 1:
                     m.tpot.observe((seq.finished_at - seq.first_token_at) / (seq.generated - 1))  # type: ignore[operator]
-                if seq.hold_kv:
-                    self._hold(seq)
+                if seq.hold is not None:
+                    self._hold(seq, seq.hold)
             seq.progress.set()
 
     async def _pull(self, seq: Sequence) -> None:
@@ -476,6 +536,11 @@ class Engine:
         if missing is None:
             self.metrics.kv_transfer(seq.transfer.kind, seq.transfer.model_ms / 1e3)
             self.scheduler.kv_loaded(seq)
+        elif isinstance(missing, KvLoadFailed) and self.config.kv.kv_load_failure_policy == "fail":
+            log.warning("KV load for %s failed, failing the request: %s", seq.request_id, missing)
+            self.metrics.kv_load_failures.inc()
+            self._fail(seq, KvLoadError(str(missing)))
+            return
         else:
             log.warning("KV load for %s failed, prefilling locally: %s", seq.request_id, missing)
             seq.warning = f"KV load failed, prefilled locally: {missing}"

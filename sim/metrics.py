@@ -73,8 +73,17 @@ class EngineMetrics:
         self.kv_holds_expired = Counter(
             "sim:kv_holds_expired", "Held KV freed as no decode released it in time.", names, registry=reg
         ).labels(**values)
+        self.kv_load_failures = Counter(
+            "sim:kv_load_failures",
+            "Failed KV loads that failed their request (kv_load_failure_policy fail).",
+            names,
+            registry=reg,
+        ).labels(**values)
         self.kv_recomputes = Counter(
-            "sim:kv_recomputes", "Failed KV loads, prefilled locally instead.", names, registry=reg
+            "sim:kv_recomputes",
+            "KV loads that failed (policy recompute) or had invalid params, prefilled locally instead.",
+            names,
+            registry=reg,
         ).labels(**values)
 
     def add_counter(self, name: str, doc: str, fn: Callable[[], float]) -> None:

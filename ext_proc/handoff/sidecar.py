@@ -20,6 +20,7 @@ from ext_proc.handoff.base import (
     Routed,
     RoutingInstructions,
     destination_list,
+    owned_headers,
 )
 from ext_proc.handoff.body import HANDOFF_FIELDS, without_fields
 from ext_proc.registry import EndpointState
@@ -31,7 +32,7 @@ class SidecarHandoff:
     def __init__(self, destination_header: str, prefill_header: str) -> None:
         self._destination = destination_header
         self._prefill = prefill_header
-        self.routing_headers = (destination_header, prefill_header)
+        self.routing_headers = owned_headers(destination_header, prefill_header)
 
     def instructions(self, decision: Decision[EndpointState], body: bytes | None) -> RoutingInstructions:
         """Destination list = decode then fallbacks; the prefill header only when a prefill was chosen;
