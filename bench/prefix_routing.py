@@ -18,8 +18,8 @@ the peers' rules; ``oracle`` the pair choice told the engines' true caches.
 
 Reported per run: engine-truth prefix hit rate (prompt tokens the prefill found cached), decode-side
 hit rate (tokens the decode did not pull), TTFT p50/p90/p99 (arrival to first decoded token),
-decode TTFT p99 (prefill done to first decoded token), TPOT p99, prefill tokens computed, cross-group
-KV bytes and share, decode load CV, router µs per request. With several seeds: medians of per-seed
+decode TTFT p99 (prefill done to first decoded token), TPOT p99, prefill tokens computed (millions),
+cross-group KV bytes and share, decode load CV, router µs per request. With several seeds: medians of per-seed
 ratios, and the issue's targets (:func:`verdicts`).
 
 Run: ``python bench/prefix_routing.py [--quick] [--seeds N] [--clusters a,b] [--workloads A,B,D]
@@ -60,7 +60,7 @@ from sim.demo import BIG, SMALL
 from sim.engine import Engine, Hold
 from sim.prefix import PromptBlocks
 from sim.protocol import token_text
-from sim.report import load_cv, percentile
+from sim.report import format_table, load_cv, percentile
 from sim.virtual import VirtualClock, build_cluster, new_loop
 
 FIRST_SEED = 41  # seeds never used by the other benchmarks
@@ -285,7 +285,7 @@ def summarize(records: list[Record], capacities: dict[str, float]) -> dict:
         "ttft_p99_ms": percentile(ttft, 0.99),
         "dttft_p99_ms": percentile(dttft, 0.99),
         "tpot_p99_ms": percentile(tpot, 0.99),
-        "prefill_tokens": sum(r.prompt - r.prefill_hit for r in records),
+        "prefill_mtokens": sum(r.prompt - r.prefill_hit for r in records) / 1e6,
         "cross_group_share": sum(r.cross for r in records) / len(records),
         "cross_group_gb": pulled_cross * KV.kv_bytes_per_token / 1e9,
         "decode_load_cv": load_cv(loads),
@@ -313,7 +313,7 @@ METRICS = (
     ("ttft_p99_ms", "p99", "{:.0f}"),
     ("dttft_p99_ms", "dTTFT p99", "{:.0f}"),
     ("tpot_p99_ms", "TPOT p99", "{:.1f}"),
-    ("prefill_tokens", "prefill Mtok", "{:.2f}"),
+    ("prefill_mtokens", "prefill Mtok", "{:.2f}"),
     ("cross_group_share", "cross", "{:.1%}"),
     ("cross_group_gb", "cross GB", "{:.1f}"),
     ("decode_load_cv", "load CV", "{:.3f}"),
@@ -332,19 +332,6 @@ def medians(runs: dict[int, dict[str, dict]]) -> dict[str, dict]:
 def ratio(runs: dict[int, dict[str, dict]], setting: str, base: str, key: str) -> float:
     """The median over seeds of ``setting``'s ``key`` over ``base``'s in the same seed (paired)."""
     return statistics.median(runs[seed][setting][key] / runs[seed][base][key] for seed in runs)
-
-
-def format_table(rows: dict[str, dict]) -> str:
-    """One line per setting of :data:`METRICS` (prefill tokens in millions)."""
-    head = f"{'setting':<20}" + "".join(f"{title:>13}" for _, title, _ in METRICS)
-    lines = [head, "-" * len(head)]
-    for setting, row in rows.items():
-        cells = []
-        for key, _, fmt in METRICS:
-            value = row[key] / 1e6 if key == "prefill_tokens" else row[key]
-            cells.append(f"{fmt.format(value):>13}")
-        lines.append(f"{setting:<20}" + "".join(cells))
-    return "\n".join(lines)
 
 
 def verdicts(results: dict[str, dict[str, dict[int, dict[str, dict]]]]) -> list[dict]:
@@ -432,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
             results.setdefault(cluster, {})[workload] = runs
             print(f"\n{cluster} / {workload}: {WORKLOADS[workload].description}")
             print(f"medians over seeds {seeds[0]}-{seeds[-1]}")
-            print(format_table(medians(runs)))
+            print(format_table(medians(runs), METRICS))
     judged = verdicts(results)
     if judged:
         print("\ntargets (medians of per-seed ratios):")
