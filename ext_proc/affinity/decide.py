@@ -10,7 +10,7 @@ A utilisation ``u = (tokens + cost) / capacity`` is dimensionless (1.0 = full; t
 and converted to float64 once, bit for bit :meth:`Candidate.utilisation`). Every ranked quantity is
 put on an integer grid before it is compared or added: ``ticks(x) = round(x * 1e9)`` (utilisation
 units, or seconds in ``auto``: 1 ns), rounded once per term, so float noise never flips a decision and
-the sums below are exact integers (float64 while they stay below 2**52, Python ints beyond).
+the sums below are exact integers (float64 while they stay below 2**50, Python ints beyond).
 
 Keys (``P`` = prompt tokens, ``B`` = output budget, ``hp``/``hd`` = a prefill's/decode's cache hit,
 0 without :class:`Hits`; ``w`` = ``Policy.prefix_weight``; ``credit(h) = ticks(w * h / P)``, 0 when P = 0):
