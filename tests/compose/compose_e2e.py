@@ -277,6 +277,12 @@ def build_image(base: str) -> None:
         )
     size = int(run(["docker", "image", "inspect", "-f", "{{.Size}}", IMAGE]).strip())
     log(f"image {IMAGE}: {size / 1e6:.0f} MB, built in {time.monotonic() - started:.0f} s")
+    probe = "command -v groupadd useradd adduser"
+    tools = " ".join(run(["docker", "run", "--rm", base, "sh", "-c", probe], check=False).split())
+    whoami = "import os; print(os.getuid(), os.getgid())"
+    ids = run(["docker", "run", "--rm", IMAGE, "python3", "-c", whoami]).split()
+    assert ids == ["10001", "10001"], ids
+    log(f"the image runs as uid/gid 10001; its base has {tools or 'no groupadd, useradd or adduser'}")
 
 
 # --- compose ----------------------------------------------------------------------------------
