@@ -22,7 +22,7 @@ from source_run import running
 
 from ext_proc.app import start_server
 from ext_proc.config import ConfigError, DiscoveryConfig, KubernetesConfig, load_config
-from ext_proc.discovery.kube_watch import backoff_delay, client_settings
+from ext_proc.discovery.kube_watch import backoff_delay, client_settings, status_message
 from ext_proc.discovery.kubernetes import KubernetesSource
 
 NS = "team-a"
@@ -287,6 +287,18 @@ async def test_neither_kubeconfig_nor_service_account_is_a_config_error(tmp_path
         f"discovery.kubernetes: cannot use the in-cluster service account ({tmp_path}): "
     )
     assert "--kubeconfig" in str(info.value)
+
+
+def test_an_error_body_is_one_line() -> None:
+    status = '{"kind": "Status", "reason": "Forbidden", "message": "pods is forbidden:\\n no"}\n'
+    assert status_message(status) == "Forbidden: pods is forbidden: no"
+    assert status_message('{"kind": "Status", "message": "m"}') == "m"
+    assert (
+        status_message("<html>\n<body>Bad Gateway</body>\n</html>\n")
+        == "<html> <body>Bad Gateway</body> </html>"
+    )
+    assert status_message("[1]") == "[1]"
+    assert status_message(" \n") == "(no body)"
 
 
 def test_backoff_doubles_up_to_its_cap() -> None:
