@@ -102,6 +102,20 @@ async def test_list_then_watch_from_its_version_with_added_modified_and_deleted(
     assert run.synced() > 0
 
 
+async def test_a_pod_relabelled_out_of_the_selector_leaves_and_comes_back(
+    api: FakeKubeApi, kubeconfig: Path
+) -> None:
+    api.put(decode("d0", "10.0.0.2"))
+    api.put(decode("d1", "10.0.0.3"))
+    async with running(fast_source(kubeconfig), "kubernetes") as run:
+        await until(lambda: run.published and api.watching(NS) == 1)
+        api.put(pod("d1", "router", "10.0.0.3", namespace=NS))  # a DELETED for this watch's selector
+        await until(lambda: run.view()["decode"] == ["10.0.0.2:8200"])
+        api.put(decode("d1", "10.0.0.3"))  # selected again: ADDED
+        await until(lambda: run.view()["decode"] == ["10.0.0.2:8200", "10.0.0.3:8200"])
+        assert len(requests(api, "list")) == 1
+
+
 async def test_a_pods_problem_is_logged_once(
     api: FakeKubeApi, kubeconfig: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
