@@ -198,13 +198,15 @@ async def wait_idle(session: aiohttp.ClientSession, admin_url: str, deadline: fl
     return busy
 
 
-async def by_outcome(session: aiohttp.ClientSession, admin_url: str, counter: str) -> dict[str, float]:
+async def by_outcome(
+    session: aiohttp.ClientSession, admin_url: str, counter: str, label: str = "outcome"
+) -> dict[str, float]:
     """The samples of the counter ``counter`` (``..._total``) of pd-extproc at ``admin_url``, by their
-    ``outcome`` label."""
+    ``label`` label."""
     async with session.get(f"{admin_url}/metrics") as response:
         text = await response.text()
     return {
-        sample.labels["outcome"]: sample.value
+        sample.labels[label]: sample.value
         for family in text_string_to_metric_families(text)
         for sample in family.samples
         if sample.name == counter

@@ -10,8 +10,9 @@ import aiohttp
 import openai
 import pytest
 from backends import start_backend, start_bootstrap_server, start_scripted_prefill
-from e2e_harness import gateway_over, wait_idle
-from test_e2e_handoff import CHAT, _by_outcome, _legs, _post, sim_gateway
+from e2e_harness import by_outcome, gateway_over, wait_idle
+from polling import until
+from test_e2e_handoff import CHAT, _legs, _post, sim_gateway
 from test_security import INJECTED
 
 from ext_proc.discovery.eds import EndpointSpec
@@ -48,8 +49,12 @@ async def test_mooncake_with_the_openai_sdk_moves_the_kv_in_the_group(tmp_path, 
             assert raw.headers["x-sim-kv-transfer"] == "same_group"  # pulled from its group's prefill
             assert raw.headers["x-sim-prefill-engine"] in c.addresses("prefill")
             assert "x-sim-warning" not in raw.headers
-        assert await _legs(session, c.g) == {"ok": 4.0}
-        queries = await _by_outcome(session, c.g, "pd_extproc_bootstrap_queries_total")
+
+        async def four_legs_ok() -> bool:  # the legs run alongside the decodes: the last may end after
+            return await _legs(session, c.g) == {"ok": 4.0}
+
+        await until(four_legs_ok)
+        queries = await by_outcome(session, c.g.admin_url, "pd_extproc_bootstrap_queries_total")
         assert 1 <= queries["ok"] <= 2  # each prefill's engine ids queried once, then cached
         assert await wait_idle(session, c.g.admin_url) == []
         for engine in c.engines:
@@ -113,8 +118,9 @@ async def test_an_unreachable_bootstrap_server_is_retried_on_the_next_prefill_th
             for _ in range(2):
                 status, _, _ = await _post(session, g)
                 assert status == 200
-            queries = await _by_outcome(session, g, "pd_extproc_bootstrap_queries_total")
+            queries = await by_outcome(session, g.admin_url, "pd_extproc_bootstrap_queries_total")
             assert queries["ok"] == 1.0 and queries["connect_error"] >= 1.0
+            await until(lambda: len(alive.legs) == 2)  # the leg runs alongside the decode: it may land after
             assert dead.legs == [] and len(alive.legs) == 2
             assert await wait_idle(session, g.admin_url) == []
         async with (
