@@ -50,9 +50,6 @@ LABEL org.opencontainers.image.title="pd-extproc" \
       org.opencontainers.image.licenses="Apache-2.0" \
       org.opencontainers.image.vendor="pd-extproc" \
       org.opencontainers.image.documentation="README.md, section Containers"
-RUN groupadd --system --gid 10001 pd-extproc \
- && useradd --system --uid 10001 --gid 10001 --home-dir /app --no-create-home \
-        --shell /usr/sbin/nologin pd-extproc
 COPY --from=build /opt/pd-extproc /opt/pd-extproc
 # The shipped Envoy bootstraps, EDS files and configuration, so the image runs on its own; the
 # compose file mounts the repository's copies over them (read-only), so the two cannot drift.
@@ -63,6 +60,9 @@ ENV PATH=/opt/pd-extproc/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1
 # Envoy and pd-extproc read envoy/... and config/... relative to here (README "Running it").
 WORKDIR /app
+# A numeric user and group, unprivileged and not in /etc/passwd: creating a named one would take
+# groupadd/useradd, which a minimal base lacks. This stage only copies, so BASE_IMAGE needs nothing
+# but the python3 the virtualenv runs on (tests/test_dockerfile.py keeps it so).
 USER 10001:10001
 # 8080 gateway, 9090 pd-extproc metrics, 9002 pd-extproc gRPC (ext_proc + health). The metrics port
 # listens on every address of the container (pd-extproc's own default is loopback only).

@@ -2,8 +2,10 @@
 
 In-process micro-benchmark (not a test). For 8, 64, 512 and 4,096 endpoints (half prefill, half
 decode) spread over 1, 4, 16 and 64 ``pdGroupID`` groups (combinations with more groups than
-endpoints per role are skipped) and each affinity mode, it times single ``choose`` calls with
-``time.perf_counter_ns`` and reports the median and p99 in µs per decision. Loads, capacities and
+endpoints per role are skipped) and each affinity mode, without and with prefix-cache hits (``hits``:
+every endpoint holds a random share of the prompt, the most work the decision does with them), it
+times single ``choose`` calls with ``time.perf_counter_ns`` and reports the median and p99 in µs per
+decision. Loads, capacities and
 request costs are random but seeded, and rotate over a few snapshots so no single lucky layout is
 measured. Each snapshot is a pair of :class:`~ext_proc.affinity.Pool` values built once, as the
 registry keeps them (building is not timed). ``scan_floor_us`` is the median time of merely
@@ -27,7 +29,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ext_proc.affinity import Candidate, Cost, Mode, Policy, Pool, choose
+import numpy as np
+
+from ext_proc.affinity import Candidate, Cost, Hits, Mode, Policy, Pool, choose
 
 ENDPOINTS = (8, 64, 512, 4096)
 GROUPS = (1, 4, 16, 64)
@@ -88,10 +92,16 @@ def run(quick: bool) -> list[dict[str, Any]]:
                 for _ in range(SNAPSHOTS)
             ]
             pools = [(Pool.of(prefills), Pool.of(decodes)) for prefills, decodes in snapshots]
-            costs = []
+            costs, hit_sets = [], []
             for _ in range(64):
                 prompt = rnd.randrange(100, 4000)
                 costs.append(Cost(prefill_tokens=prompt, decode_tokens=prompt + rnd.randrange(64, 1024)))
+                hit_sets.append(
+                    Hits(
+                        np.array([rnd.randrange(prompt + 1) for _ in range(half)], dtype=np.int64),
+                        np.array([rnd.randrange(prompt + 1) for _ in range(half)], dtype=np.int64),
+                    )
+                )
             reps = reps_for[endpoints]
 
             def floor(i: int, snapshots: list = snapshots, costs: list = costs) -> object:
@@ -105,37 +115,46 @@ def run(quick: bool) -> list[dict[str, Any]]:
 
             floor_samples = _time(floor, reps)
             for mode in Mode:
-                policy = Policy(mode=mode, bonus=0.3, fallback_count=2)
+                policy = Policy(mode=mode, bonus=0.3, fallback_count=2, prefix_weight=0.1)
+                for with_hits in (False, True):
+                    hits = hit_sets if with_hits else [None] * 64
 
-                def decide(i: int, pools: list = pools, costs: list = costs, policy: Policy = policy):
-                    prefills, decodes = pools[i % SNAPSHOTS]
-                    return choose(costs[i % 64], prefills, decodes, policy, i)
+                    def decide(
+                        i: int,
+                        pools: list = pools,
+                        costs: list = costs,
+                        policy: Policy = policy,
+                        hits: list = hits,
+                    ) -> object:
+                        prefills, decodes = pools[i % SNAPSHOTS]
+                        return choose(costs[i % 64], prefills, decodes, policy, i, hits[i % 64])
 
-                samples = _time(decide, reps)
-                rows.append(
-                    {
-                        "endpoints": endpoints,
-                        "prefills": half,
-                        "decodes": half,
-                        "groups": groups,
-                        "mode": mode.value,
-                        "reps": reps,
-                        "median_us": _percentile(samples, 0.5),
-                        "p99_us": _percentile(samples, 0.99),
-                        "scan_floor_us": _percentile(floor_samples, 0.5),
-                    }
-                )
+                    samples = _time(decide, reps)
+                    rows.append(
+                        {
+                            "endpoints": endpoints,
+                            "prefills": half,
+                            "decodes": half,
+                            "groups": groups,
+                            "mode": mode.value,
+                            "hits": with_hits,
+                            "reps": reps,
+                            "median_us": _percentile(samples, 0.5),
+                            "p99_us": _percentile(samples, 0.99),
+                            "scan_floor_us": _percentile(floor_samples, 0.5),
+                        }
+                    )
     return rows
 
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
-    header = f"{'endpoints':>9} {'groups':>6} {'mode':>7} {'median µs':>10} "
+    header = f"{'endpoints':>9} {'groups':>6} {'mode':>7} {'hits':>5} {'median µs':>10} "
     header += f"{'p99 µs':>9} {'floor µs':>9} {'reps':>6}"
     lines = [header, "-" * len(header)]
     for r in rows:
         lines.append(
-            f"{r['endpoints']:>9} {r['groups']:>6} {r['mode']:>7} {r['median_us']:>10.1f} "
-            f"{r['p99_us']:>9.1f} {r['scan_floor_us']:>9.1f} {r['reps']:>6}"
+            f"{r['endpoints']:>9} {r['groups']:>6} {r['mode']:>7} {'yes' if r['hits'] else 'no':>5} "
+            f"{r['median_us']:>10.1f} {r['p99_us']:>9.1f} {r['scan_floor_us']:>9.1f} {r['reps']:>6}"
         )
     return "\n".join(lines)
 
@@ -152,7 +171,9 @@ def write_png(rows: Sequence[dict[str, Any]], path: str) -> None:
     for ax, mode in zip(axes, modes, strict=True):
         for groups in GROUPS:
             pts = [
-                (r["endpoints"], r["median_us"]) for r in rows if r["mode"] == mode and r["groups"] == groups
+                (r["endpoints"], r["median_us"])
+                for r in rows
+                if r["mode"] == mode and r["groups"] == groups and not r["hits"]
             ]
             if pts:
                 ax.plot(*zip(*pts, strict=True), marker="o", label=f"{groups} group(s)")
@@ -160,7 +181,7 @@ def write_png(rows: Sequence[dict[str, Any]], path: str) -> None:
             {(r["endpoints"], r["scan_floor_us"]) for r in rows if r["mode"] == mode and r["groups"] == 1}
         )
         ax.plot(*zip(*floor, strict=True), linestyle=":", color="grey", label="u-scan floor")
-        ax.scatter([64, 4096], [20, 200], marker="x", color="red", label="target")
+        ax.scatter([64, 4096], [40, 200], marker="x", color="red", label="target")
         ax.set(xscale="log", yscale="log", title=f"mode={mode}", xlabel="endpoints (half prefill)")
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel("median µs per decision")

@@ -1,9 +1,10 @@
 """The fault campaign's rig: engines, pd-extproc as a process and the real Envoy on loopback, a client
 that classifies what it gets, and the after-the-fact checks (load left, RSS, file descriptors, and every
-address the router named against the discovered set, read from Envoy's access log).
+address the router named against the set discovered when it decided, read from Envoy's access log).
 
-Envoy runs from the shipped bootstrap with two changes only: an access log on both listeners (the
-routing header pd-extproc set and the host Envoy used, per request), and the stream and route idle
+Envoy runs from the shipped bootstrap with two changes only: an access log on both listeners (per
+request: when it began, when its upstream request was sent, the routing header pd-extproc set and the
+host Envoy used), and the stream and route idle
 timeouts shortened from 300 s to :data:`IDLE_TIMEOUT_S`, so that a stalled request is answered within
 the run instead of five minutes later.
 """
@@ -11,7 +12,9 @@ the run instead of five minutes later.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
+import math
 import os
 import random
 import shutil
@@ -19,7 +22,7 @@ import subprocess
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,7 +52,16 @@ HUNG_MARGIN_S = 3.0
 """A client that saw no byte for the longer of the two timeouts above plus this margin is hung."""
 SETTLE_S = 10.0
 """How long the rig waits, after the last client ended, for the router's load to drain (seconds)."""
-LOG_FORMAT = "%REQ(X-GATEWAY-DESTINATION-ENDPOINT)% %UPSTREAM_HOST% %RESPONSE_CODE%\n"
+LOG_FORMAT = (
+    "%START_TIME(%s.%3f)% %COMMON_DURATION(DS_RX_BEG:US_TX_BEG:ms)% %DURATION% "
+    "%REQ(X-GATEWAY-DESTINATION-ENDPOINT)% %UPSTREAM_HOST% %RESPONSE_CODE%\n"
+)
+"""After the listener's name: the request's start (Unix seconds, ms), milliseconds from it to the
+upstream request's start (``-``: none) and to its end, the addresses pd-extproc named, the host Envoy
+connected to and the status."""
+DISCOVERY_LAG_S = 1.0
+"""How long after an address left the discovered set a decision may still name it, or Envoy connect
+to it: the time pd-extproc and Envoy take to read a change (pd-extproc polls EDS files every 0.25 s)."""
 
 
 @dataclass(frozen=True)
@@ -163,11 +175,38 @@ async def usage(pid: int) -> dict[str, float]:
     return {"rss": rss_mib(pid), "fds": await open_fds(pid)}
 
 
+@dataclass(frozen=True)
+class Listing:
+    """A discovered set of engine ``addresses``, in force from ``since`` (Unix seconds, before its
+    files were written) until ``until`` (the next set's files written; ``inf``: still in force)."""
+
+    since: float
+    until: float
+    addresses: frozenset[str]
+
+
+def listed(listings: Sequence[Listing], address: str, start: float, end: float) -> bool:
+    """Whether ``address`` was discovered at some moment from ``start`` to ``end`` (Unix seconds)."""
+    return any(x.since <= end and x.until >= start and address in x.addresses for x in listings)
+
+
+def names_outside(line: str, listings: Sequence[Listing]) -> bool:
+    """Whether access-log ``line`` (:data:`LOG_FORMAT`, after the listener's name) names an address, or
+    shows Envoy connected to one, that was not discovered at any moment from :data:`DISCOVERY_LAG_S`
+    before the request began to when its upstream request was sent (or it ended): when it was decided."""
+    began, to_upstream, to_end, named, upstream, _ = line.split(" ")
+    start = float(began)
+    decided = start + (float(to_upstream if to_upstream != "-" else to_end) + 2) / 1000  # ms, truncated
+    addresses = {a for a in named.split(",") if a != "-"} | ({upstream} - {"-"})
+    return not all(listed(listings, a, start - DISCOVERY_LAG_S, decided) for a in addresses)
+
+
 @dataclass
 class Measured:
     """One run as measured: every client's outcome; pd-extproc's load after it settled (``None``: it
-    had exited) and its :func:`usage` before and after (``None`` values: exited); Envoy's access-log
-    lines and those naming an address outside the discovered set."""
+    had exited) and its :func:`usage` before and after (``None`` values: exited); the gateway
+    listener's access-log lines (one per request) and the lines of both listeners that name an address
+    outside the discovered set (:func:`names_outside`)."""
 
     outcomes: list[Outcome]
     load: tuple[int, float] | None
@@ -181,13 +220,16 @@ def table_row(
     name: str, expectation: str, allowed: frozenset[str], run: Measured, failures: list[str]
 ) -> dict:
     """A row of the fault table: counts, measurements, ``failures`` (``failures`` given, plus outcomes
-    not in ``allowed``, pd-extproc exited, load left, addresses outside the set) and ``passed``."""
+    not in ``allowed``, pd-extproc exited, load left, fewer access-log lines than requests, addresses
+    outside the set) and ``passed``."""
     counts = Counter(o.label for o in run.outcomes)
     failures = [f"{n} x {label}" for label, n in counts.items() if label not in allowed] + failures
     if run.load is None:
         failures.append("pd-extproc exited")
     elif run.load != (0, 0):
         failures.append(f"load left {run.load[0]} requests / {run.load[1]:g} tokens")
+    if run.lines < len(run.outcomes):
+        failures.append(f"{run.lines} gateway access-log lines for {len(run.outcomes)} requests")
     if run.outside:
         failures.append(f"{run.outside} access-log lines name an address outside the discovered set")
     return {
@@ -235,7 +277,7 @@ def _edit(bootstrap: dict, access_log: Path) -> None:
 
 @dataclass
 class Rig:
-    """One scenario's stack. ``known`` is every engine address ever discovered (EDS files or pods)."""
+    """One scenario's stack. ``listings`` are the engine sets discovered (EDS files or pods), in order."""
 
     workdir: Path
     router_args: tuple[str, ...] = ()
@@ -243,7 +285,7 @@ class Rig:
     cluster: ClusterProcess | None = None
     router: subprocess.Popen | None = None
     gateway: Gateway | None = None
-    known: set[str] = field(default_factory=set)
+    listings: list[Listing] = field(default_factory=list)
     grpc_port: int = field(default_factory=free_port)
     admin_port: int = field(default_factory=free_port)
     envoy_admin_port: int = field(default_factory=free_port)
@@ -273,8 +315,9 @@ class Rig:
 
     def start_cluster(self, specs: list[EngineSpec], timing: TimingConfig | None = None) -> None:
         """Start simulated engines in a child process; they are written to the EDS files."""
+        since = time.time()
         self.cluster = spawn_cluster(specs, self.prefill_eds, self.decode_eds, timing)
-        self.known |= {e.address for e in self.cluster.engines}
+        self._listed(since, self.cluster.engines)
 
     def engines(self, role: str) -> list[EngineInfo]:
         """The simulated engines of ``role`` (``prefill`` or ``decode``)."""
@@ -283,8 +326,15 @@ class Rig:
 
     def write_eds(self, engines: list[EngineInfo]) -> None:
         """Write both EDS files with exactly ``engines``."""
-        self.known |= {e.address for e in engines}
+        since = time.time()
         write_cluster_eds(engines, self.prefill_eds, self.decode_eds)
+        self._listed(since, engines)
+
+    def _listed(self, since: float, engines: list[EngineInfo]) -> None:
+        """``engines`` discovered from ``since``; the set before them until now."""
+        if self.listings:
+            self.listings[-1] = dataclasses.replace(self.listings[-1], until=time.time())
+        self.listings.append(Listing(since, math.inf, frozenset(e.address for e in engines)))
 
     async def kill_engine(self, address: str) -> None:
         """Kill one simulated engine like a crashed node (it stays in EDS)."""
@@ -341,21 +391,19 @@ class Rig:
             await asyncio.sleep(0.05)
         return load
 
-    async def named_outside(self, requests: int) -> tuple[int, int]:
-        """(access-log lines, lines where pd-extproc named, or Envoy used, an address outside
-        :attr:`known`). Waits up to 5 s for the gateway listener's lines to reach ``requests``."""
-        end = time.monotonic() + 5
+    async def named_outside(self, requests: int, wait: float = 5.0) -> tuple[int, int]:
+        """(the gateway listener's access-log lines, lines of both listeners where pd-extproc named, or
+        Envoy used, an address outside :attr:`listings` when it decided: :func:`names_outside`). Waits
+        up to ``wait`` seconds for the gateway's lines to reach ``requests``; no log reads as no line."""
+        end = time.monotonic() + wait
         while True:
             lines = self.access_log.read_text().splitlines() if self.access_log.exists() else []
-            if sum(line.startswith("gateway ") for line in lines) >= requests or time.monotonic() > end:
+            gateway = sum(line.startswith("gateway ") for line in lines)
+            if gateway >= requests or time.monotonic() > end:
                 break
             await asyncio.sleep(0.2)
-        outside = 0
-        for line in lines:
-            _, named, upstream, _ = line.split(" ")
-            addresses = {a for a in named.split(",") if a != "-"} | ({upstream} - {"-"})
-            outside += not addresses <= self.known
-        return len(lines), outside
+        outside = sum(names_outside(line.partition(" ")[2], self.listings) for line in lines)
+        return gateway, outside
 
     def stop(self) -> None:
         """Tear everything down (idempotent)."""

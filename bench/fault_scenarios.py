@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import signal
 import sys
 import time
@@ -17,9 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
-from fault_rig import Rig, chat_body
+from fault_rig import DISCOVERY_LAG_S, Rig, chat_body
 from prometheus_client.parser import text_string_to_metric_families
 
+from ext_proc.config import EnvoyHealthConfig
 from sim.cluster import EngineSpec
 from sim.cluster_process import EngineInfo
 
@@ -30,6 +32,14 @@ from kube_objects import pod
 
 Fault = tuple[float, Callable[[], Awaitable[None]]]
 """``(at, action)``: ``action`` runs ``at`` seconds after the first request is sent."""
+RATE = 25.0
+"""Requests per second the campaign sends (``bench/faults.py``), unless a scenario spreads its load."""
+EJECTION_FAILURES = 3 + math.ceil(RATE * EnvoyHealthConfig().interval_seconds)
+"""The most requests a decode failing at once may fail before it is left out: the 3 consecutive
+failures Envoy's outlier detection ejects it after (``envoy/envoy.yaml``), then every request sent
+until pd-extproc's next poll of Envoy's admin (``envoy_health.interval_seconds``) sees the ejection."""
+BUSY_WAIT_S = 5.0
+"""How long a kill waits for a request in flight on its engine."""
 
 
 @dataclass
@@ -100,18 +110,26 @@ async def _busy(rig: Rig, address: str) -> bool:
     return any(r["address"] == address and r["active_requests"] for r in await rig.endpoints())
 
 
-def _kill_busy_engine(rig: Rig, role: str, at: float) -> Plan:
+def _kill_busy_engine(rig: Rig, role: str, at: float, wait: float = BUSY_WAIT_S) -> Plan:
     """Kill the first engine of ``role`` at ``at`` s, or as soon after as pd-extproc counts a request
-    in flight on it (up to 5 s): for a prefill, with a leg in flight."""
+    in flight on it (for a prefill, a leg). None within ``wait`` seconds: it is not killed, and the
+    plan's check says so."""
+    killed: list[str] = []
+    address = rig.engines(role)[0].address
 
     async def kill() -> None:
-        address = rig.engines(role)[0].address
-        end = time.monotonic() + 5
-        while not await _busy(rig, address) and time.monotonic() < end:
+        end = time.monotonic() + wait
+        while not await _busy(rig, address):
+            if time.monotonic() > end:
+                return
             await asyncio.sleep(0.005)
         await rig.kill_engine(address)
+        killed.append(address)
 
-    return Plan([(at, kill)])
+    async def hit() -> str | None:
+        return None if killed else f"nothing in flight on the {role} {address} within {wait:g} s: not killed"
+
+    return Plan([(at, kill)], hit)
 
 
 async def _decode_killed(rig: Rig, cleanup: contextlib.AsyncExitStack, duration: float) -> Plan:
@@ -122,27 +140,44 @@ async def _decode_killed(rig: Rig, cleanup: contextlib.AsyncExitStack, duration:
 async def _prefill_killed(rig: Rig, cleanup: contextlib.AsyncExitStack, duration: float) -> Plan:
     rig.start_cluster(_cluster(3, 2))
     plan = _kill_busy_engine(rig, "prefill", 0.4 * duration)
+    hit = plan.check
+    assert hit is not None
 
-    async def legs_failed() -> str | None:
+    async def hit_and_legs_failed() -> str | None:
         failed = sum(
             n
             for outcome, n in (await _samples(rig, "pd_extproc_prefill_leg_total")).items()
             if outcome != "ok"
         )
-        return None if failed else "no prefill leg failed: the kill hit no leg"
+        return await hit() or (None if failed else "no prefill leg failed: the kill hit no leg")
 
-    plan.check = legs_failed
+    plan.check = hit_and_legs_failed
     return plan
 
 
-def _broken_decode(kind: str) -> Setup:
+def left_out(attempts: int, max_attempts: int) -> str | None:
+    """``None`` when a broken engine got at most ``max_attempts`` requests (it was left out in time),
+    else why the row fails."""
+    if attempts <= max_attempts:
+        return None
+    return f"the broken decode got {attempts} requests, more than {max_attempts}: it was not left out"
+
+
+def _broken_decode(kind: str, max_attempts: int | None = None) -> Setup:
+    """A third decode that is broken (``kind``, :func:`start_broken_engine`); with ``max_attempts`` the
+    row fails when more requests than that reached it (it was not left out)."""
+
     async def setup(rig: Rig, cleanup: contextlib.AsyncExitStack, duration: float) -> Plan:
         rig.start_cluster(_cluster(1, 2))
         broken = await start_broken_engine(kind)
         cleanup.push_async_callback(broken.stop)
         assert rig.cluster is not None
         rig.write_eds([*rig.cluster.engines, EngineInfo(broken.address, "decode", "a", 262144)])
-        return Plan()
+
+        async def check() -> str | None:
+            return None if max_attempts is None else left_out(broken.requests, max_attempts)
+
+        return Plan(check=check)
 
     return setup
 
@@ -171,6 +206,11 @@ def _invalid_yaml(rig: Rig) -> None:
     tmp.replace(rig.decode_eds)  # atomically, so Envoy (which watches renames) sees it too
 
 
+FLAP_S, FLAP_PAUSE_S = 1.0, 2.0
+"""``eds-flapping``: the decode enters and leaves every 100 ms for ``FLAP_S``, then stays out for
+``FLAP_PAUSE_S``, longer than :data:`fault_rig.DISCOVERY_LAG_S`: naming it then fails the row."""
+
+
 async def _eds_flapping(rig: Rig, cleanup: contextlib.AsyncExitStack, duration: float) -> Plan:
     rig.start_cluster(_cluster(1, 3))
     assert rig.cluster is not None
@@ -178,9 +218,12 @@ async def _eds_flapping(rig: Rig, cleanup: contextlib.AsyncExitStack, duration: 
     short = [e for e in full if e.address != rig.engines("decode")[-1].address]
 
     async def flap() -> None:
-        for i in range(int(duration / 0.1)):
-            rig.write_eds(short if i % 2 == 0 else full)
-            await asyncio.sleep(0.1)
+        end = time.monotonic() + duration
+        while time.monotonic() < end:
+            for i in range(round(FLAP_S / 0.1)):
+                rig.write_eds(full if i % 2 == 0 else short)
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(FLAP_PAUSE_S)
         rig.write_eds(full)
 
     return Plan([(0.0, flap)])
@@ -277,9 +320,11 @@ SCENARIOS: dict[str, Scenario] = {
         Scenario(
             "engine-garbage",
             "a decode answers bytes that are not HTTP: Envoy retries each such answer on a fallback decode "
-            "(the decode route of requests without a KV handoff retries resets), so every request 200",
+            "(the decode route of requests without a KV handoff retries resets), so every request 200; "
+            f"Envoy's ejection and pd-extproc's next poll of Envoy's admin leave it out after at most "
+            f"{EJECTION_FAILURES} attempts (3 failures, then a poll interval of requests)",
             frozenset({"200"}),
-            _broken_decode("garbage"),
+            _broken_decode("garbage", max_attempts=EJECTION_FAILURES),
         ),
         Scenario(
             "eds-truncated",
@@ -303,10 +348,13 @@ SCENARIOS: dict[str, Scenario] = {
         ),
         Scenario(
             "eds-flapping",
-            "a decode enters and leaves the EDS file every 100 ms: every request 200, only listed "
-            "addresses named",
+            f"a decode enters and leaves the EDS file every 100 ms for {FLAP_S:g} s, then stays out "
+            f"{FLAP_PAUSE_S:g} s, over and over: every request 200, and every address named was listed "
+            f"when the request was decided (or within the {DISCOVERY_LAG_S:g} s before: the time "
+            "pd-extproc and Envoy take to read the file)",
             frozenset({"200"}),
             _eds_flapping,
+            min_seconds=6.0,
         ),
         Scenario(
             "kube-watch-dropped",

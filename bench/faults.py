@@ -5,10 +5,11 @@ chat requests at a fixed rate while the fault happens, then checks, against the 
 expectation: the outcomes the clients saw (each must be in the scenario's allowed set; a 500 or a
 non-JSON error never is), hung clients (no byte for the longer of Envoy's idle timeout and ext_proc
 message timeout plus a margin: :func:`fault_rig.idle_read_timeout`), the load pd-extproc still counts
-10 s after the last client ended (must be zero), pd-extproc alive (unless the scenario kills it), and
-every address pd-extproc named or Envoy connected to inside the set of discovered engines (Envoy's
-access log). RSS and open file descriptors of pd-extproc are reported before and after; the soak
-(:mod:`soak`) checks their growth.
+10 s after the last client ended (must be zero), pd-extproc alive (unless the scenario kills it), one
+line per request in Envoy's access log, and every address pd-extproc named or Envoy connected to in
+the set of engines discovered when the request was decided (:func:`fault_rig.names_outside`). RSS and
+open file descriptors of pd-extproc are reported before and after; the soak (:mod:`soak`) checks their
+growth.
 
 Run: ``python bench/faults.py [--quick] [--scenarios a,b] [--json FILE]`` (exit code 1 if any fails).
 """
@@ -26,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_json
 from fault_rig import Measured, new_rig, run_load, table_row, until_ok, usage
-from fault_scenarios import SCENARIOS, Scenario
+from fault_scenarios import RATE, SCENARIOS, Scenario
 from soak import run_soak
 
 
@@ -38,7 +39,7 @@ class Size:
     rate: float
 
 
-FULL, QUICK = Size(100, 25.0), Size(40, 25.0)
+FULL, QUICK = Size(100, RATE), Size(40, RATE)
 
 
 async def run_scenario(scenario: Scenario, size: Size) -> dict:

@@ -21,7 +21,11 @@
 drift of the shared machine does not always favour the same run); differences and ratios are taken
 per seed (paired) and their medians reported.
 
-Run: ``python bench/handoff.py [--requests N] [--rate R] [--seeds N] [--skip-sweep] [--json F] [--png F]``.
+``--kv-connector mooncake`` runs the engines as vLLM's upstream MooncakeConnector and compares
+``kv-transfer-params`` (which gets no params back from such a prefill) with ``vllm-mooncake``.
+
+Run: ``python bench/handoff.py [--requests N] [--rate R] [--seeds N] [--kv-connector nixl|mooncake]
+[--handoffs A,B] [--skip-sweep] [--json F] [--png F]``.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from prometheus_client.parser import text_string_to_metric_families
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_json
 
+from sim.config import KV_CONNECTORS, KvConfig
 from sim.demo import DEFAULT_CLUSTER, PROMPT_TOKENS
 from sim.experiment import measure
 from sim.report import format_table
@@ -72,11 +77,20 @@ RUNS = {
     "kv-transfer-params": HandoffRun("kv-transfer-params"),
     "kv-transfer-params-direct": HandoffRun("kv-transfer-params", via_envoy=False),
     "sglang-bootstrap": HandoffRun("sglang-bootstrap"),
+    "vllm-mooncake": HandoffRun("vllm-mooncake"),
 }
+DEFAULT_HANDOFFS = {
+    "nixl": ["sidecar", "kv-transfer-params", "kv-transfer-params-direct", "sglang-bootstrap"],
+    "mooncake": ["kv-transfer-params", "vllm-mooncake"],
+}
+"""The runs ``--handoffs`` defaults to, by the engines' ``--kv-connector``: over vLLM's upstream
+MooncakeConnector, kv-transfer-params gets no params back (every prompt prefilled twice) and
+vllm-mooncake is the handoff those engines speak."""
 DIFFERENCES = {
     "kv_minus_sidecar_ttft_p50_ms": ("kv-transfer-params", "sidecar", "ttft_p50_ms"),
     "envoy_minus_direct_ttft_p50_ms": ("kv-transfer-params", "kv-transfer-params-direct", "ttft_p50_ms"),
     "sglang_minus_sidecar_ttft_p50_ms": ("sglang-bootstrap", "sidecar", "ttft_p50_ms"),
+    "kv_minus_mooncake_ttft_p50_ms": ("kv-transfer-params", "vllm-mooncake", "ttft_p50_ms"),
 }
 """Paired differences (ms): name → (run, minus run, summary key); skipped when either run is left out."""
 PAIRED = {
@@ -103,6 +117,7 @@ HANDOFF_COLUMNS = (
     ("tpot_p50_ms", "TPOT p50 ms", "{:.1f}"),
     ("throughput_rps", "req/s", "{:.2f}"),
     ("cross_group_share", "cross-group KV", "{:.1%}"),
+    ("disaggregated_share", "KV pulled", "{:.1%}"),
     ("prefill_legs", "gateway legs", "{:.0f}"),
 )
 SWEEP_COLUMNS = (
@@ -380,12 +395,13 @@ def _positive(kind: type) -> Callable[[str], int | float]:
 
 
 async def run_all(
-    handoffs: list[str], requests: int, rate: float, seeds: list[int], sweep: bool
+    handoffs: list[str], requests: int, rate: float, seeds: list[int], sweep: bool, kv_connector: str = "nixl"
 ) -> tuple[dict[int, dict[str, dict]], dict[int, dict[str, dict]]]:
-    """Every seed's comparison and sweep on one cluster: (per-seed comparisons, per-seed sweeps)."""
+    """Every seed's comparison and sweep on one cluster whose engines run ``kv_connector``:
+    (per-seed comparisons, per-seed sweeps)."""
     compared: dict[int, dict[str, dict]] = {}
     swept: dict[int, dict[str, dict]] = {}
-    stack = start_stack(DEFAULT_CLUSTER)
+    stack = start_stack(DEFAULT_CLUSTER, kv=KvConfig(kv_connector=kv_connector))
     try:
         for index, seed in enumerate(seeds):
             compared[seed], swept[seed] = await run_seed(
@@ -417,7 +433,15 @@ def main(argv: list[str] | None = None) -> int:
         "--seeds", type=_positive(int), default=1, help="workload seeds (default %(default)s)"
     )
     parser.add_argument(
-        "--handoffs", type=_handoffs, default=list(RUNS), help=f"comma-separated subset of {','.join(RUNS)}"
+        "--handoffs",
+        type=_handoffs,
+        help=f"comma-separated subset of {','.join(RUNS)} (default by --kv-connector: {DEFAULT_HANDOFFS})",
+    )
+    parser.add_argument(
+        "--kv-connector",
+        choices=KV_CONNECTORS,
+        default="nixl",
+        help="the simulated engines' vLLM connector (default %(default)s)",
     )
     parser.add_argument("--skip-sweep", action="store_true", help="skip the pd_threshold_tokens sweep")
     parser.add_argument(
@@ -432,11 +456,13 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("httpx", "httpx2", "openai"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     seeds = list(range(FIRST_SEED, FIRST_SEED + args.seeds))
+    handoffs = args.handoffs or DEFAULT_HANDOFFS[args.kv_connector]
     compared, swept = asyncio.run(
-        run_all(args.handoffs, args.requests, args.rate, seeds, not args.skip_sweep)
+        run_all(handoffs, args.requests, args.rate, seeds, not args.skip_sweep, args.kv_connector)
     )
     output: dict = {
         "cluster": "sim.demo.DEFAULT_CLUSTER: rack-a 2P + 3 large D, rack-b 1P + 2 small D",
+        "kv_connector": args.kv_connector,
         "workload": {"requests": args.requests, "rate_rps": args.rate, "prompt_tokens": PROMPT_TOKENS},
         "affinity": {"mode": MODE, "bonus": BONUS},
         "seeds": seeds,

@@ -92,19 +92,19 @@ async def run_soak(quick: bool = False, requests: int | None = None, seed: int =
     finally:
         rig.stop()
         terminate(*backends)
-    return soak_verdict(Measured(outcomes, load, before, after, lines, outside), int(before["fds"]))
+    return soak_verdict(Measured(outcomes, load, before, after, lines, outside))
 
 
-def soak_verdict(run: Measured, fds_before: int) -> dict:
+def soak_verdict(run: Measured) -> dict:
     """The soak's row (:func:`fault_rig.table_row`), with ``rss_growth`` (fraction); also failed on RSS growth
-    of :data:`MAX_RSS_GROWTH` or more, or more file descriptors than ``fds_before``."""
+    of :data:`MAX_RSS_GROWTH` or more, or more file descriptors after than before."""
     assert run.after["rss"] is not None and run.after["fds"] is not None
     growth = run.after["rss"] / run.before["rss"] - 1
     failures = []
     if growth >= MAX_RSS_GROWTH:
         failures.append(f"RSS grew {growth:.1%} (limit {MAX_RSS_GROWTH:.0%})")
-    if run.after["fds"] > fds_before:
-        failures.append(f"file descriptors grew {fds_before} -> {run.after['fds']:.0f}")
+    if run.after["fds"] > run.before["fds"]:
+        failures.append(f"file descriptors grew {run.before['fds']:.0f} -> {run.after['fds']:.0f}")
     expectation = (
         f"{len(run.outcomes)} streaming requests after a warm-up, {ABORT_SHARE:.0%} of the clients "
         "aborting at random points: the others get a complete 200, load back to 0, RSS growth < "

@@ -28,6 +28,7 @@ from ext_proc.handoff import (
     PrefillClient,
     SglangBootstrapHandoff,
     SidecarHandoff,
+    VllmMooncakeHandoff,
 )
 from ext_proc.health import Health
 from ext_proc.metrics import Metrics
@@ -142,6 +143,15 @@ def build_handoff(config: Config, metrics: Metrics) -> Handoff:
             handoff.prefill_timeout_seconds,
             handoff.watch_streamed_answers,
         )
+    if handoff.mode is HandoffMode.VLLM_MOONCAKE:
+        return VllmMooncakeHandoff(
+            route,
+            client,
+            metrics,
+            handoff.on_prefill_failure,
+            handoff.default_bootstrap_port,
+            handoff.watch_streamed_answers,
+        )
     return SglangBootstrapHandoff(
         route, client, metrics, handoff.default_bootstrap_port, handoff.watch_streamed_answers
     )
@@ -206,6 +216,7 @@ async def start_server(
         config.limits.max_inflight_requests,
         config.limits.retry_after_seconds,
         config.handoff.eject_failed_prefill_seconds,
+        config.affinity.prefix.settings(),
     )
     grpc_server, grpc_port = await start_grpc(
         router, config.listen, health, publisher.ads if publisher is not None else None, credentials
@@ -227,7 +238,9 @@ async def start_server(
             raise
         servers.append(health_server)
     scraper = (
-        EngineScraper(registry, config.engine_metrics, metrics) if config.engine_metrics.enabled else None
+        EngineScraper(registry, config.engine_metrics, metrics, router.engine_sampled)
+        if config.engine_metrics.enabled
+        else None
     )
     admin = build_admin_app(
         registry, metrics, config.admin.debug_endpoints, scraper.describe if scraper is not None else None

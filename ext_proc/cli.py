@@ -107,7 +107,9 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     )
     serve.add_argument("--affinity-mode", help="off | prefer | strict | auto (affinity.mode)")
     serve.add_argument("--affinity-bonus", type=float, help="prefer-mode slack in [0, 1] (affinity.bonus)")
-    serve.add_argument("--handoff", help="sidecar | kv-transfer-params | sglang-bootstrap (handoff.mode)")
+    serve.add_argument(
+        "--handoff", help="sidecar | kv-transfer-params | sglang-bootstrap | vllm-mooncake (handoff.mode)"
+    )
     serve.add_argument(
         "--prefill-via",
         help="base URL of Envoy's prefill-leg listener, e.g. http://127.0.0.1:10001; '' = direct "

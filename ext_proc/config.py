@@ -34,6 +34,8 @@ from ext_proc.discovery.pods import (
 )
 from ext_proc.engine_load import EngineKind
 from ext_proc.handoff import FailurePolicy, HandoffMode
+from ext_proc.handoff.base import UNSUPPORTED_HANDOFFS
+from ext_proc.prefix import PrefixSettings
 from ext_proc.request import MAX_OUTPUT_BUDGET
 
 ENV_AFFINITY_MODE = "PD_EXTPROC_AFFINITY_MODE"
@@ -142,6 +144,8 @@ class AutoConfig:
     ``base_latency_ms``: fixed cost of one transfer. ``wait_scale_ms``: the wait model's service time,
     ms (about one decode step at half batch): a decode at utilisation u waits ``wait_scale_ms * u`` while
     it has room (u <= 0.8), plus ``wait_scale_ms * (u - 0.8) / (1 - u)`` above (see ``affinity.auto``).
+    ``prefill_ms_per_token``: prefill compute per prompt token, ms (the prefill's queue and its compute
+    on the uncached tokens are priced with it).
     """
 
     kv_bytes_per_token: int = 0
@@ -153,6 +157,7 @@ class AutoConfig:
     cross_group_gbps: float = 10.0
     base_latency_ms: float = 1.0
     wait_scale_ms: float = 15.0
+    prefill_ms_per_token: float = 0.05
 
     def bytes_per_token(self) -> int:
         """KV bytes per prompt token: ``kv_bytes_per_token``, or the model shape's when that is 0."""
@@ -167,21 +172,50 @@ class AutoConfig:
             self.cross_group_gbps,
             self.base_latency_ms,
             self.wait_scale_ms,
+            self.prefill_ms_per_token,
         )
+
+
+@dataclass(frozen=True)
+class PrefixConfig:
+    """Prefix-cache aware routing (README "Prefix-cache aware routing"; :mod:`ext_proc.prefix`).
+
+    ``enabled``: keep the prefix index and route by it. ``block_tokens``: tokens per hashed block
+    (token ids as they are; text in chunks of 4 characters a token). ``max_blocks``: the most blocks of
+    one prompt hashed. ``weight``: in ``off``, ``prefer`` and ``strict``, what a prompt held whole in an
+    endpoint's cache is worth in utilisation units (``auto`` prices hits in seconds instead).
+    ``self_correct``: size each endpoint's index from its engine's ``vllm:prefix_cache_queries`` /
+    ``_hits`` too (with ``engine_metrics.enabled``).
+    """
+
+    enabled: bool = False
+    block_tokens: int = 16
+    max_blocks: int = 2048
+    weight: float = 0.1
+    self_correct: bool = True
+
+    def settings(self) -> PrefixSettings | None:
+        """The prefix tracker's settings, ``None`` when disabled."""
+        if not self.enabled:
+            return None
+        return PrefixSettings(self.block_tokens, self.max_blocks, self.self_correct)
 
 
 @dataclass(frozen=True)
 class AffinityConfig:
     """``mode``: off | prefer | strict | auto. ``bonus``: utilisation slack in [0, 1] for ``prefer``.
-    ``auto``: the delay model of ``auto``. The whole section applies live (:mod:`ext_proc.reload`)."""
+    ``auto``: the time model of ``auto``. ``prefix``: prefix-cache aware routing. The whole section
+    applies live (:mod:`ext_proc.reload`)."""
 
     mode: Mode = Mode.PREFER
     bonus: float = 0.3
     auto: AutoConfig = field(default_factory=AutoConfig)
+    prefix: PrefixConfig = field(default_factory=PrefixConfig)
 
     def policy(self, fallback_count: int) -> Policy:
         """The decision's policy for this section, with ``fallback_count`` (``routing.fallback_count``)."""
-        return Policy(self.mode, self.bonus, fallback_count, self.auto.model())
+        weight = self.prefix.weight if self.prefix.enabled else 0.0
+        return Policy(self.mode, self.bonus, fallback_count, self.auto.model(), weight)
 
 
 @dataclass(frozen=True)
@@ -213,7 +247,8 @@ class HandoffConfig:
 
     ``prefill_via``: base URL of the Envoy listener that forwards prefill legs (``""``: connect to
     the prefill endpoint directly). ``prefill_timeout_seconds`` bounds one prefill leg.
-    ``default_bootstrap_port``: SGLang bootstrap port of a prefill without ``bootstrap_port`` metadata.
+    ``default_bootstrap_port``: bootstrap port (SGLang's, or vLLM Mooncake's ``VLLM_MOONCAKE_BOOTSTRAP_PORT``)
+    of a prefill without ``bootstrap_port`` metadata.
     ``eject_failed_prefill_seconds``: after a prefill leg fails (not a 4xx), that prefill is no candidate
     for this long (seconds; 0 = never ejected; see ``ext_proc/ejection.py``).
     ``watch_streamed_answers``: with the BUFFERED phases, the engine handoffs have Envoy send a
@@ -379,6 +414,8 @@ def _coerce(key: str, tp: object, value: object) -> object:
             with contextlib.suppress(ConfigError):
                 return _coerce(key, member, value)
         raise ConfigError(f"{key}: {value!r} is not allowed; use {_allowed(tp)}")
+    if tp is HandoffMode and value in UNSUPPORTED_HANDOFFS:
+        raise ConfigError(f"{key}: {value!r} is not supported: {UNSUPPORTED_HANDOFFS[str(value)]}")
     if isinstance(tp, type) and issubclass(tp, _CHOICES):
         try:
             return tp(value)
@@ -458,6 +495,7 @@ def validate(config: Config) -> Config:
     if not 1 <= config.limits.retry_after_seconds <= MAX_RETRY_AFTER:
         raise ConfigError(f"limits.retry_after_seconds: must be an integer in [1, {MAX_RETRY_AFTER}]")
     _check_auto(config.affinity.auto)
+    _check_prefix(config.affinity.prefix)
     _check_handoff(config.handoff)
     _check_engine_metrics(config.engine_metrics)
     _check_envoy_health(config.envoy_health)
@@ -493,9 +531,23 @@ def _check_auto(auto: AutoConfig) -> None:
             f"{key}.cross_group_gbps ({auto.cross_group_gbps:g}) must not exceed same_group_gbps "
             f"({auto.same_group_gbps:g}): a group's own fabric is the fast one"
         )
-    for name in ("base_latency_ms", "wait_scale_ms"):
+    for name in ("base_latency_ms", "wait_scale_ms", "prefill_ms_per_token"):
         if not 0 <= getattr(auto, name) <= 1e6:
             raise ConfigError(f"{key}.{name}: must be a number in [0, 1000000] (ms)")
+
+
+MAX_PREFIX_BLOCKS = 1 << 16
+"""Upper bound of ``affinity.prefix.max_blocks`` (65,536 blocks: a million tokens at 16)."""
+
+
+def _check_prefix(prefix: PrefixConfig) -> None:
+    key = "affinity.prefix"
+    if not 1 <= prefix.block_tokens <= 4096:
+        raise ConfigError(f"{key}.block_tokens: must be an integer in [1, 4096]")
+    if not 1 <= prefix.max_blocks <= MAX_PREFIX_BLOCKS:
+        raise ConfigError(f"{key}.max_blocks: must be an integer in [1, {MAX_PREFIX_BLOCKS}]")
+    if not 0 <= prefix.weight <= 100:
+        raise ConfigError(f"{key}.weight: must be a number in [0, 100] (utilisation units)")
 
 
 def _check_handoff(handoff: HandoffConfig) -> None:

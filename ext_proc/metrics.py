@@ -19,6 +19,8 @@ DECISION_BUCKETS = (5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 
 SCRAPE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 ESTIMATE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 """Seconds: ``auto``'s estimates, from a short in-group transfer to a queue several seconds deep."""
+HIT_BUCKETS = (0, 16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
+"""Tokens: a prefix-cache hit, from none to a long context held whole."""
 LEG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 180.0)
 
 
@@ -113,6 +115,40 @@ class Metrics:
             )
         )
         self._auto_children: dict[str, tuple[Histogram, Histogram, Histogram]] = {}
+        self._auto_prefill = Histogram(
+            "pd_extproc_auto_prefill_seconds",
+            "affinity auto: estimated queue and compute time at the chosen prefill, in seconds",
+            buckets=ESTIMATE_BUCKETS,
+            registry=self.registry,
+        )
+        self._predicted_hits = Histogram(
+            "pd_extproc_prefix_predicted_hit_tokens",
+            "Prompt tokens the prefix index predicted the chosen endpoint holds, per decision, by role",
+            ["role"],
+            buckets=HIT_BUCKETS,
+            registry=self.registry,
+        )
+        self._predicted_tokens = Counter(
+            "pd_extproc_prefix_predicted_tokens",
+            "Prompt tokens this gateway placed on the endpoint (kind=placed) and the hit tokens its prefix "
+            "index predicted there (kind=hit)",
+            ["endpoint", "kind"],
+            registry=self.registry,
+        )
+        self._engine_tokens = Counter(
+            "pd_extproc_prefix_engine_tokens",
+            "Prompt tokens the engine reports it looked up in its prefix cache (kind=queried, "
+            "vllm:prefix_cache_queries) and found (kind=hit, vllm:prefix_cache_hits), all traffic",
+            ["endpoint", "kind"],
+            registry=self.registry,
+        )
+        self._index_scale = Gauge(
+            "pd_extproc_prefix_index_scale",
+            "Share of the endpoint's KV capacity the prefix index keeps for it (self-correction; 1 = all)",
+            ["endpoint"],
+            registry=self.registry,
+        )
+        self._prefix_children: dict[tuple[str, str], tuple[Counter, Counter, Histogram]] = {}
         self._prefill_legs = Counter(
             "pd_extproc_prefill_leg_total",
             "Prefill legs sent by the gateway (handoffs kv-transfer-params, sglang-bootstrap), by outcome",
@@ -130,6 +166,19 @@ class Metrics:
             "Decodes that could not pull the KV cache of their prefill leg (answered as kv_transfer_failed), "
             "by whether the answer was streamed",
             ["stream"],
+            registry=self.registry,
+        )
+        self._no_kv_transfer_params = Counter(
+            "pd_extproc_prefill_no_kv_transfer_params_total",
+            "Prefill legs (kv-transfer-params) answered without kv_transfer_params, by prefill endpoint: "
+            "each such request was prefilled again by its decode",
+            ["endpoint"],
+            registry=self.registry,
+        )
+        self._bootstrap_queries = Counter(
+            "pd_extproc_bootstrap_queries_total",
+            "Queries of a prefill's Mooncake bootstrap server for its engine ids (vllm-mooncake), by outcome",
+            ["outcome"],
             registry=self.registry,
         )
         self._prefill_fallbacks = Counter(
@@ -255,10 +304,33 @@ class Metrics:
         if children is None:
             transfer, wait, margin = (h.labels(locality) for h in self._auto)
             children = self._auto_children[locality] = (transfer, wait, margin)
+        self._auto_prefill.observe(estimate.prefill_s)
         children[0].observe(estimate.transfer_s)
         children[1].observe(estimate.wait_s)
         if estimate.margin_s is not None:
             children[2].observe(estimate.margin_s)
+
+    def prefix_predicted(self, role: str, address: str, placed: int, hit: int) -> None:
+        """One placement on ``address`` as ``role``: ``placed`` prompt tokens, ``hit`` of them predicted
+        to be in its prefix cache."""
+        key = (role, address)
+        children = self._prefix_children.get(key)
+        if children is None:
+            children = self._prefix_children[key] = (
+                self._predicted_tokens.labels(address, "placed"),
+                self._predicted_tokens.labels(address, "hit"),
+                self._predicted_hits.labels(role),
+            )
+        children[0].inc(placed)
+        children[1].inc(hit)
+        children[2].observe(hit)
+
+    def prefix_engine(self, address: str, queries: float, hits: float, scale: float) -> None:
+        """The engine at ``address`` looked up ``queries`` prompt tokens and found ``hits`` since its last
+        sample; the prefix index now keeps ``scale`` of its capacity."""
+        self._engine_tokens.labels(address, "queried").inc(queries)
+        self._engine_tokens.labels(address, "hit").inc(hits)
+        self._index_scale.labels(address).set(scale)
 
     def count_inflight(self, count: Callable[[], float]) -> None:
         """Report ``count()`` (the router's requests in flight) as ``pd_extproc_inflight_requests``,
@@ -299,6 +371,14 @@ class Metrics:
         self._prefill_legs.labels(outcome).inc()
         if seconds is not None:
             self._prefill_leg_seconds.observe(seconds)
+
+    def prefill_without_kv_transfer_params(self, endpoint: str) -> None:
+        """Count one prefill leg to ``endpoint`` answered without ``kv_transfer_params``."""
+        self._no_kv_transfer_params.labels(endpoint).inc()
+
+    def bootstrap_query(self, outcome: str) -> None:
+        """Count one ``GET /query`` of a Mooncake bootstrap server by ``outcome`` (``ok`` or a failure)."""
+        self._bootstrap_queries.labels(outcome).inc()
 
     def prefill_fallback(self, action: str) -> None:
         """Count one request whose prefill legs all failed, by ``action`` (decode-only / error)."""

@@ -1,4 +1,4 @@
-"""Live reload of the configuration file: the ``affinity`` section (mode, bonus, auto) without a restart.
+"""Live reload of the configuration file: the ``affinity`` section (mode, bonus, auto, prefix), no restart.
 
 The server polls its ``--config`` file and compares the bytes it reads with the last version seen.
 Kubernetes updates a mounted ConfigMap by writing a new timestamped folder and swapping the
@@ -96,6 +96,7 @@ class ConfigWatcher:
         changed = [key for key in after if after[key] != before[key]]
         if new.affinity != old.affinity:
             self._router.set_policy(new.affinity.policy(self._router.policy.fallback_count))
+            self._router.set_prefix(new.affinity.prefix.settings())
             self.running = dataclasses.replace(old, affinity=new.affinity)
         self._metrics.config_reload("applied")
         live = [f"{key} {before[key]} -> {after[key]}" for key in changed if key.startswith("affinity.")]

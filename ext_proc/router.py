@@ -25,6 +25,7 @@ from ext_proc.handoff import (
 )
 from ext_proc.load import Admission, Lease
 from ext_proc.metrics import Metrics
+from ext_proc.prefix import PrefixSettings, PrefixTracker
 from ext_proc.registry import EndpointState, Registry
 from ext_proc.request import RequestError, describe, parse_body
 
@@ -43,7 +44,9 @@ class Router:
     :meth:`admit` answers 429 ``overloaded`` with ``Retry-After: retry_after_seconds``.
     ``eject_seconds``: how long a prefill whose leg failed (:meth:`leg_failed`) is no candidate.
     ``ejections`` / ``decode_ejections``: the prefills / decodes left out of the candidates (failed legs,
-    and what Envoy marks as failed: :mod:`ext_proc.envoy_health`).
+    and what Envoy marks as failed: :mod:`ext_proc.envoy_health`). ``prefix`` (``None``: off): the
+    prefix index's settings; the decision then gets each endpoint's estimated cache hit and a prefill
+    is charged only the prompt tokens it is estimated to compute.
     """
 
     def __init__(
@@ -57,6 +60,7 @@ class Router:
         max_inflight_requests: int = 0,
         retry_after_seconds: int = 1,
         eject_seconds: float = 0.0,
+        prefix: PrefixSettings | None = None,
     ) -> None:
         self.registry = registry
         self.policy = policy
@@ -70,6 +74,9 @@ class Router:
         self.admission = Admission(max_inflight_requests, retry_after_seconds)
         self.ejections = Ejections(eject_seconds, metrics)
         self.decode_ejections = Ejections(0.0, metrics)
+        self.prefix: PrefixTracker | None = None
+        self._indexed: tuple[Pool[EndpointState], Pool[EndpointState]] | None = None
+        self.set_prefix(prefix)
         metrics.count_inflight(lambda: self.admission.inflight)
 
     def set_policy(self, policy: Policy) -> None:
@@ -77,6 +84,21 @@ class Router:
         placed keep their endpoints and charges."""
         self.policy = policy
         self._mode = policy.mode.value
+
+    def set_prefix(self, settings: PrefixSettings | None) -> None:
+        """Route every later decision with the prefix index of ``settings`` (``None``: without one). The
+        index is kept while its hashing stays the same, and starts empty when it changes."""
+        if settings is None:
+            self.prefix = None
+        elif self.prefix is not None and _hashing(self.prefix.settings) == _hashing(settings):
+            self.prefix.settings = settings
+        else:
+            self.prefix = PrefixTracker(settings, self.metrics)
+
+    def engine_sampled(self, address: str, queries: float | None, hits: float | None) -> None:
+        """An engine's prefix-cache counters (tokens, since it started) arrived with its load sample."""
+        if self.prefix is not None:
+            self.prefix.observe(address, queries, hits)
 
     def refuse(
         self,
@@ -129,7 +151,7 @@ class Router:
         cost = Cost(prompt, prompt + info.output_budget)
         disaggregated = prompt >= self._pd_threshold and urlsplit(meta.path).path in DISAGGREGATED_PATHS
         prefills = self.ejections.keep(self.registry.prefill_pool) if disaggregated else self._no_prefills
-        placed = self._place(cost, prefills, subset)
+        placed = self._place(cost, prefills, subset, self._chain(body))
         if isinstance(placed, Refused):
             return placed
         return self.handoff.hand_off(HandoffJob(raw, body, meta, cost, subset), placed, self)
@@ -157,7 +179,7 @@ class Router:
         }
         if not keep:
             return None
-        placed = self._place(job.cost, pool.only(keep), job.subset)
+        placed = self._place(job.cost, pool.only(keep), job.subset, self._chain(job.body))
         if isinstance(placed, Refused) or placed.decision.prefill is None:
             if isinstance(placed, Placement):
                 placed.lease.release()
@@ -200,8 +222,23 @@ class Router:
         self.ejections.eject(prefill, kv_failure.CODE)
         return kv_failure.message(decode, prefill)
 
+    def _chain(self, body: dict[str, object]) -> list[int] | None:
+        """The prompt's block hashes when the prefix index is on (it forgets endpoints that left)."""
+        prefix = self.prefix
+        if prefix is None:
+            return None
+        pools = (self.registry.prefill_pool, self.registry.decode_pool)
+        if self._indexed != pools:
+            self._indexed = pools
+            prefix.retain({e.address for e in self.registry.endpoints()})
+        return prefix.chain(body)
+
     def _place(
-        self, cost: Cost, prefills: Pool[EndpointState], subset: frozenset[str] | None
+        self,
+        cost: Cost,
+        prefills: Pool[EndpointState],
+        subset: frozenset[str] | None,
+        chain: list[int] | None = None,
     ) -> Placement | Refused:
         decodes = self.registry.decode_pool
         if subset is not None:
@@ -212,15 +249,28 @@ class Router:
                 )
                 return self.refuse(503, message, "no_endpoint_in_subset")
         decodes = self.decode_ejections.keep(decodes)
+        prompt = cost.prefill_tokens
+        prefix = self.prefix
+        lookup = None if prefix is None or not chain else prefix.lookup(chain, prefills, decodes, prompt)
         self._ticket += 1
         started = time.perf_counter()
-        result = choose(cost, prefills, decodes, self.policy, self._ticket)
+        hits = None if lookup is None else lookup.hits
+        result = choose(cost, prefills, decodes, self.policy, self._ticket, hits)
         seconds = time.perf_counter() - started  # the decision alone (decision_seconds)
         if isinstance(result, Rejection):
             return self.refuse(503, result.message, result.reason.value)
-        lease = Lease(result.prefill, cost.prefill_tokens, result.decode, cost.decode_tokens)
+        if prefix is not None and lookup is not None:
+            prefix.placed(lookup, result, prompt)
+            if result.prefill is not None:  # the prefill computes only what it does not hold
+                prompt -= prefix.predicted(lookup, result.prefill.address, prompt)
+        lease = Lease(result.prefill, prompt, result.decode, cost.decode_tokens)
         locality = result.locality.value
         self.metrics.decided(self._mode, locality, seconds)
         if result.estimate is not None:
             self.metrics.estimated(locality, result.estimate)
         return Placement(result, lease)
+
+
+def _hashing(settings: PrefixSettings) -> tuple[int, int]:
+    """What a prompt's chain depends on: an index built with other values cannot be looked up."""
+    return settings.block_tokens, settings.max_blocks

@@ -45,9 +45,10 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
     for model, title in _MODELS.items():
         group = parser.add_argument_group(title)
         for f in dataclasses.fields(model):
+            kind = {"action": argparse.BooleanOptionalAction} if isinstance(f.default, bool) else {}
             group.add_argument(
                 "--" + f.name.replace("_", "-"),
-                type=type(f.default),
+                **(kind or {"type": type(f.default)}),
                 default=f.default,
                 help=f"{f.metadata['help']} (default %(default)s)",
             )

@@ -13,6 +13,8 @@ from typing import Any, Literal
 Role = Literal["prefill", "decode", "both"]
 ROLES: tuple[str, ...] = ("prefill", "decode", "both")
 DEFAULT_MODEL = "sim-llama-3-8b"
+KV_CONNECTORS = ("nixl", "mooncake")
+KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")
 
 
 def _opt(default: Any, help_text: str) -> Any:
@@ -42,6 +44,11 @@ class TimingConfig:
     max_num_batched_tokens: int = _opt(8192, "token budget of one step, decode tokens included")
     kv_capacity_tokens: int = _opt(262144, "KV cache capacity (tokens); requests wait when full")
     block_size: int = _opt(16, "KV cache block size (tokens)")
+    enable_prefix_caching: bool = _opt(
+        False,
+        "vLLM automatic prefix caching: a prompt's cached leading blocks are neither computed nor "
+        "pulled again (vLLM's default is on; off here so repeated synthetic prompts measure as before)",
+    )
     max_model_len: int = _opt(32768, "max prompt + output tokens of one request")
     default_max_tokens: int = _opt(256, "output budget when the request sets neither max_tokens")
     stream_interval: int = _opt(1, "tokens per streamed chunk (vLLM --stream-interval)")
@@ -93,8 +100,12 @@ class KvConfig:
 
     Bandwidths are in GB/s (10^9 bytes/s). Same-group transfers use a dedicated fabric; all
     cross-group transfers of one process share one link (processor sharing, :class:`sim.kv.SharedLink`).
-    ``kv_hold_timeout_s`` and ``bootstrap_timeout_s`` are model seconds; their defaults are the real
-    engines' (vLLM ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT`` 480 s, SGLang
+    ``kv_connector`` is the vLLM connector the engine runs (``nixl``: NixlConnector, prefill first;
+    ``mooncake``: vLLM's upstream MooncakeConnector, legs concurrent); ``kv_load_failure_policy`` what a
+    decode does when a pull fails (vLLM 0.32 ``KVTransferConfig.kv_load_failure_policy``: ``fail``, the
+    default, fails the request; ``recompute`` prefills it locally). The timeouts are model seconds,
+    defaulting to the real engines' (vLLM 0.32 NIXL ``kv_lease_duration`` 30 s, renewed by the decode's
+    heartbeats; ``VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT`` 480 s; SGLang
     ``SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`` and ``SGLANG_DISAGGREGATION_WAITING_TIMEOUT`` 300 s).
     """
 
@@ -102,10 +113,19 @@ class KvConfig:
     same_group_gbps: float = _opt(100.0, "intra-group transfer bandwidth (GB/s)")
     cross_group_gbps: float = _opt(10.0, "cross-group link bandwidth, shared by all transfers (GB/s)")
     kv_base_latency_ms: float = _opt(1.0, "fixed latency of one KV transfer (ms)")
-    kv_hold_timeout_s: float = _opt(
+    kv_connector: str = _opt("nixl", "vLLM KV connector: nixl (prefill first) or mooncake (legs concurrent)")
+    kv_load_failure_policy: str = _opt(
+        "fail", "a decode whose KV pull fails: fail (HTTP 500 / an error event, vLLM 0.32) or recompute"
+    )
+    kv_lease_s: float = _opt(
+        30.0,
+        "NIXL: model s a prefill holds a do_remote_decode request's KV; each decode heartbeat "
+        "(every lease/6) extends it to 2/3 lease from then (vLLM kv_lease_duration)",
+    )
+    mooncake_abort_timeout_s: float = _opt(
         480.0,
-        "model s a prefill keeps the KV of a do_remote_decode request no decode released "
-        "(vLLM VLLM_NIXL_ABORT_REQUEST_TIMEOUT)",
+        "Mooncake: model s a prefill holds a transfer's KV, and a decode waits for it "
+        "(vLLM VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT)",
     )
     bootstrap_timeout_s: float = _opt(
         300.0,
@@ -118,9 +138,13 @@ class KvConfig:
             raise ValueError("kv_bytes_per_token and kv_base_latency_ms must be >= 0")
         if not (self.same_group_gbps > 0 and self.cross_group_gbps > 0):
             raise ValueError("bandwidths must be > 0")
-        for name in ("kv_hold_timeout_s", "bootstrap_timeout_s"):
+        for name in ("kv_lease_s", "mooncake_abort_timeout_s", "bootstrap_timeout_s"):
             if not (getattr(self, name) > 0 and math.isfinite(getattr(self, name))):
                 raise ValueError(f"{name} must be a finite number > 0")
+        if self.kv_connector not in KV_CONNECTORS:
+            raise ValueError(f"kv_connector must be one of {', '.join(KV_CONNECTORS)}")
+        if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
+            raise ValueError(f"kv_load_failure_policy must be one of {', '.join(KV_LOAD_FAILURE_POLICIES)}")
 
     def transfer_bytes(self, prompt_tokens: int) -> int:
         """Bytes of KV cache for ``prompt_tokens`` tokens."""

@@ -20,7 +20,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from sim.cluster import EngineSpec
-from sim.config import TimingConfig
+from sim.config import KvConfig, TimingConfig
 from sim.experiment import measure
 from sim.report import format_table
 from sim.stack import StackError, start_stack
@@ -33,7 +33,9 @@ VLLM_REQUESTS = 40
 VLLM_RATE = 1.0
 """Requests per mode and arrivals per second on real engines: a CPU engine decodes tens of tokens a
 second, and at the simulator's rate the requests mostly queue."""
-HANDOFFS = ("kv-transfer-params", "sidecar", "sglang-bootstrap")
+HANDOFFS = ("kv-transfer-params", "sidecar", "sglang-bootstrap", "vllm-mooncake")
+CONNECTORS = {"vllm-mooncake": "mooncake"}
+"""The simulated engines' ``kv_connector`` per handoff (``nixl`` for the others)."""
 PROMPT_TOKENS = (512, 4096)
 """Prompt lengths of the demo workload (tokens, uniform): chat with history / RAG sized."""
 BIG = TimingConfig()
@@ -55,7 +57,7 @@ async def run_demo(
 ) -> dict[str, dict]:
     """Run the workload once per mode on one cluster with ``handoff``; return the summaries by mode."""
     plans = plan_workload(requests, rate, prompt_tokens=PROMPT_TOKENS)
-    stack = start_stack(DEFAULT_CLUSTER)
+    stack = start_stack(DEFAULT_CLUSTER, kv=KvConfig(kv_connector=CONNECTORS.get(handoff, "nixl")))
     results: dict[str, dict] = {}
     try:
         with tqdm(total=requests * len(modes), unit="req", desc="demo", leave=False) as bar:

@@ -1,8 +1,10 @@
 """Scheduler and engine loop of one simulated engine (no HTTP here).
 
 :class:`Scheduler` is pure bookkeeping: FCFS admission bounded by ``max_batch`` and by KV
-blocks (reserved for prompt + output up front, no preemption), then steps that each prefill a
-chunk of prompt tokens and decode one token for every sequence past its prefill. :class:`Engine`
+blocks (reserved for prompt + output up front, no preemption; with ``enable_prefix_caching`` the
+prompt's cached leading blocks are shared, not reserved again, and not computed again:
+:mod:`sim.prefix`), then steps that each prefill a chunk of prompt tokens and decode one token for
+every sequence past its prefill. :class:`Engine`
 runs it in an asyncio task, sleeping each step's modelled duration, pulling remote KV caches for
 admitted sequences (falling back to a local prefill when a pull raises :class:`KvMissing`), holding
 the KV blocks of finished prefills for remote decodes, and waking request handlers through
@@ -25,11 +27,13 @@ from sim.clock import SimClock
 from sim.config import EngineConfig, TimingConfig
 from sim.kv import NO_TRANSFER_RESULT, GroupMap, KvTransferModel, SharedLink, TransferResult, host_port
 from sim.metrics import EngineMetrics
+from sim.prefix import BlockCache, Holding, PromptBlocks
 
 log = logging.getLogger(__name__)
 
 WAITING, PULLING, RUNNING, FINISHED, ABORTED = "waiting", "pulling", "running", "finished", "aborted"
-Pull = Callable[[], Awaitable[TransferResult]]
+Pull = Callable[[int], Awaitable[TransferResult]]
+"""Load a sequence's KV cache from a remote prefill, given how many prompt tokens to load."""
 
 
 class EngineError(RuntimeError):
@@ -37,9 +41,28 @@ class EngineError(RuntimeError):
 
 
 class KvMissing(Exception):
-    """Raised by a :data:`Pull` when there is no KV cache to load (blocks not held by the prefill,
-    prefill unreachable): the engine prefills the sequence locally instead, as vLLM recomputes on a
-    KV load failure. The message says why."""
+    """Raised by a :data:`Pull` whose ``kv_transfer_params`` are unusable (vLLM: "Got invalid
+    KVTransferParams ... will not utilize KVTransfer"): the engine prefills the sequence locally,
+    whatever its ``kv_load_failure_policy``. The message says why."""
+
+
+class KvLoadFailed(KvMissing):
+    """Raised by a :data:`Pull` that could not load the KV cache (prefill unreachable, blocks not
+    held, expired or freed): under ``kv_load_failure_policy`` ``fail`` the request fails with a
+    :class:`KvLoadError`, under ``recompute`` it is prefilled locally."""
+
+
+class KvLoadError(EngineError):
+    """A request failed because its KV cache could not be loaded (policy ``fail``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Hold:
+    """Keep a finished prefill's KV blocks for a remote decode: under ``key`` (the NIXL
+    ``remote_request_id`` or the Mooncake ``transfer_id``) for ``seconds`` (model s) unless renewed."""
+
+    key: str
+    seconds: float
 
 
 @dataclass(eq=False)
@@ -49,9 +72,12 @@ class Sequence:
     ``output_tokens`` (<= ``max_tokens``) is how many tokens it will generate; ``stops`` says the
     model ends by itself with the last of them (finish reason ``"stop"`` even when that token is
     also the last of the budget: vLLM checks for the end-of-sequence token before the length cap).
-    ``pull`` loads its KV cache from a remote prefill (``None``: prefill locally). ``hold_kv`` keeps
+    ``pull`` loads its KV cache from a remote prefill (``None``: prefill locally): given the tokens
+    to load, the prompt's tokens past ``cached_tokens``. ``prefix``: what the engine's prefix cache
+    keys the request by (``None``: nothing is cached); ``cached_tokens``: the prompt tokens found
+    cached at admission (not computed, not pulled); ``holding``: its KV blocks. ``hold`` keeps
     its KV blocks reserved after it finishes, as ``held_block_ids``, until :meth:`Engine.release_kv`
-    or ``kv_hold_timeout_s``. ``warning`` says why a pull fell back to a local prefill. ``ready`` is
+    or the hold's time runs out. ``warning`` says why a pull fell back to a local prefill. ``ready`` is
     set once its KV cache is in place (or it failed); ``progress`` whenever it gains a token or ends.
     """
 
@@ -61,14 +87,17 @@ class Sequence:
     output_tokens: int
     arrival: float
     pull: Pull | None = None
+    prefix: PromptBlocks | None = None
     stops: bool = False
-    hold_kv: bool = False
+    hold: Hold | None = None
     held_block_ids: tuple[int, ...] = ()
     warning: str | None = None
     state: str = WAITING
     prefilled: int = 0
     generated: int = 0
     kv_blocks: int = 0
+    cached_tokens: int = 0
+    holding: Holding = field(default_factory=Holding, repr=False)
     admitted_at: float | None = None
     first_token_at: float | None = None
     finished_at: float | None = None
@@ -108,7 +137,12 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.pulling: list[Sequence] = []
         self.running: list[Sequence] = []
-        self.used_blocks = 0
+        self.cache = BlockCache(timing.kv_capacity_blocks, timing.block_size)
+
+    @property
+    def used_blocks(self) -> int:
+        """KV blocks in use (free cached blocks, which any admission may evict, are not)."""
+        return self.cache.used
 
     def blocks_for(self, seq: Sequence) -> int:
         """KV blocks reserved for ``seq``: prompt plus output tokens, rounded up to whole blocks."""
@@ -126,19 +160,25 @@ class Scheduler:
     def admit(self, now: float) -> list[Sequence]:
         """Admit waiting sequences in FIFO order while batch slots and KV blocks last."""
         admitted: list[Sequence] = []
+        cache = self.cache
         while self.waiting and len(self.running) + len(self.pulling) < self.timing.max_batch:
             seq = self.waiting[0]
             need = self.blocks_for(seq)
-            if self.used_blocks + need > self.timing.kv_capacity_blocks:
+            hashes = seq.prefix.hashes if seq.prefix is not None else ()
+            hit = hashes[: cache.lookup(hashes, seq.prompt_tokens)]
+            if not cache.fits(hit, need - len(hit)):
                 break
             self.waiting.popleft()
-            self.used_blocks += need
+            queried = seq.prompt_tokens if seq.prefix is not None else 0
+            seq.holding = cache.take(hit, need - len(hit), queried)
+            seq.cached_tokens = len(hit) * self.timing.block_size
             seq.kv_blocks, seq.admitted_at = need, now
             if seq.pull is not None:
                 seq.state = PULLING
                 self.pulling.append(seq)
             else:
                 seq.state = RUNNING
+                seq.prefilled = seq.cached_tokens
                 self.running.append(seq)
             admitted.append(seq)
         return admitted
@@ -147,10 +187,18 @@ class Scheduler:
         """A pulled sequence's KV cache arrived: it decodes from the next step on."""
         self._start(seq)
         seq.prefilled = seq.prompt_tokens
+        self._computed(seq, seq.prefix.hashes if seq.prefix is not None else ())
+
+    def _computed(self, seq: Sequence, hashes: list[int] | tuple[()]) -> None:
+        """``seq`` now holds the full blocks ``hashes`` (its chain from the start): cache them."""
+        if hashes:
+            self.cache.cache(seq.holding, hashes)
 
     def recompute(self, seq: Sequence) -> None:
-        """A pulled sequence's KV cache cannot be loaded: it prefills locally from the next step on."""
+        """A pulled sequence's KV cache cannot be loaded: it prefills locally from the next step on
+        (its cached leading blocks still count)."""
         self._start(seq)
+        seq.prefilled = seq.cached_tokens
 
     def _start(self, seq: Sequence) -> None:
         self.pulling.remove(seq)
@@ -182,6 +230,7 @@ class Scheduler:
                 seq.prefilled += chunk
                 if seq.prefilled >= seq.prompt_tokens:
                     progressed.append(seq)
+                    self._computed(seq, seq.prefix.hashes if seq.prefix is not None else ())
         progressed.extend(s for s in plan.decode if s.state == RUNNING)
         for seq in progressed:
             seq.generated += 1
@@ -190,7 +239,9 @@ class Scheduler:
             if seq.generated >= seq.output_tokens:
                 seq.state, seq.finished_at = FINISHED, now
                 self._dequeue(seq)
-                if not seq.hold_kv:
+                if seq.prefix is not None:  # the blocks its output filled are cached too
+                    self._computed(seq, seq.prefix.with_output(seq.generated))
+                if seq.hold is None:
                     self.free(seq)
         return progressed
 
@@ -207,8 +258,9 @@ class Scheduler:
         seq.state = ABORTED
 
     def free(self, seq: Sequence) -> None:
-        """Free the KV blocks ``seq`` reserves (a finished sequence's held blocks included)."""
-        self.used_blocks -= seq.kv_blocks
+        """Free the KV blocks ``seq`` reserves (a finished sequence's held blocks included); the cached
+        ones stay cached until evicted."""
+        self.cache.release(seq.holding)
         seq.kv_blocks = 0
 
     def _dequeue(self, seq: Sequence) -> None:
@@ -246,8 +298,17 @@ class Engine:
         self.scheduler = Scheduler(config.timing)
         sched = self.scheduler
         self._holds: dict[tuple[int, ...], tuple[Sequence, asyncio.TimerHandle]] = {}
+        self._held_keys: dict[str, Sequence] = {}
+        self._key_waiters: dict[str, asyncio.Event] = {}
         self.metrics = EngineMetrics(
             config.model, lambda: len(sched.running), lambda: sched.num_waiting, lambda: sched.kv_usage
+        )
+        cache = sched.cache
+        self.metrics.add_counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in queried tokens.", lambda: cache.queries
+        )
+        self.metrics.add_counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in cached tokens.", lambda: cache.hits
         )
         self.metrics.add_gauge(
             "sim:kv_held_requests",
@@ -277,7 +338,8 @@ class Engine:
             self._task = asyncio.create_task(self._run(), name=f"sim-engine-{self.engine_id}")
 
     async def stop(self) -> None:
-        """Stop the loop and fail every sequence still inside the engine."""
+        """Stop the loop, fail every sequence still inside the engine, free every hold and wake
+        whoever waits for one (:meth:`wait_held` returns ``None``)."""
         tasks = [t for t in (self._task, *self._pulls.values()) if t is not None]
         for task in tasks:
             task.cancel()
@@ -288,6 +350,9 @@ class Engine:
             self._fail(seq, EngineError("engine stopped"))
         for held, _ in list(self._holds.values()):
             self.release_kv(held)
+        for waiter in self._key_waiters.values():  # their KV will never come: wake them to fail now
+            waiter.set()
+        self._key_waiters.clear()
 
     def submit(
         self,
@@ -296,11 +361,13 @@ class Engine:
         output_tokens: int,
         pull: Pull | None = None,
         *,
+        prefix: PromptBlocks | None = None,
         stops: bool = False,
-        hold_kv: bool = False,
+        hold: Hold | None = None,
     ) -> Sequence:
         """Queue a request; raise ``ValueError`` if it can never fit. Returns its :class:`Sequence`
-        (see there for ``stops`` and ``hold_kv``)."""
+        (see there for ``prefix``, ``stops`` and ``hold``; ``prefix`` is ignored unless the engine
+        runs with ``enable_prefix_caching``)."""
         seq = Sequence(
             request_id=f"{self.engine_id}-{next(self._ids)}",
             prompt_tokens=prompt_tokens,
@@ -308,8 +375,9 @@ class Engine:
             output_tokens=max(1, min(output_tokens, max_tokens)),
             arrival=self.clock.now(),
             pull=pull,
+            prefix=prefix if self.config.timing.enable_prefix_caching else None,
             stops=stops,
-            hold_kv=hold_kv,
+            hold=hold,
         )
         self.scheduler.add(seq)
         self._wakeup.set()
@@ -334,30 +402,65 @@ class Engine:
         entry = self._holds.get(tuple(block_ids))
         return entry[0] if entry is not None else None
 
+    def held_by_key(self, key: str) -> Sequence | None:
+        """The finished sequence whose KV this engine holds under ``key``, if any."""
+        return self._held_keys.get(key)
+
+    async def wait_held(self, key: str, timeout_s: float) -> Sequence | None:
+        """The sequence held under ``key`` once it is (a prefill may finish after its decode asks),
+        or ``None`` after ``timeout_s`` model seconds."""
+        seq = self._held_keys.get(key)
+        if seq is not None:
+            return seq
+        event = self._key_waiters.setdefault(key, asyncio.Event())
+        try:
+            await self.clock.wait_for(event.wait(), timeout_s)
+        except TimeoutError:
+            return None
+        finally:
+            if self._key_waiters.get(key) is event and not event.is_set():
+                del self._key_waiters[key]
+        return self._held_keys.get(key)
+
+    def renew(self, key: str, seconds: float) -> bool:
+        """Hold ``key``'s KV for ``seconds`` model seconds from now; ``False`` if none is held."""
+        seq = self._held_keys.get(key)
+        if seq is None:
+            return False
+        entry = self._holds[seq.held_block_ids]
+        entry[1].cancel()
+        self._holds[seq.held_block_ids] = (seq, self.clock.call_later(seconds, partial(self._expire, seq)))
+        return True
+
     def release_kv(self, seq: Sequence) -> bool:
         """Free the KV blocks held for ``seq``; ``False`` if it holds none (never, or already freed)."""
         entry = self._holds.pop(seq.held_block_ids, None)
         if entry is None:
             return False
         entry[1].cancel()
+        if seq.hold is not None and self._held_keys.get(seq.hold.key) is seq:
+            del self._held_keys[seq.hold.key]
         self.scheduler.free(seq)
         self._wakeup.set()  # the freed blocks may admit a waiting sequence
         return True
 
-    def _hold(self, seq: Sequence) -> None:
+    def _hold(self, seq: Sequence, hold: Hold) -> None:
         blocks = max(1, -(-seq.prompt_tokens // self.config.timing.block_size))
         seq.held_block_ids = tuple(next(self._block_ids) for _ in range(blocks))
-        timer = self.clock.call_later(self.config.kv.kv_hold_timeout_s, partial(self._expire, seq))
+        timer = self.clock.call_later(hold.seconds, partial(self._expire, seq))
         self._holds[seq.held_block_ids] = (seq, timer)
+        self._held_keys[hold.key] = seq
+        waiter = self._key_waiters.pop(hold.key, None)
+        if waiter is not None:
+            waiter.set()
 
     def _expire(self, seq: Sequence) -> None:
         if self.release_kv(seq):
             self.metrics.kv_holds_expired.inc()
             log.warning(
-                "engine %s: freed the KV of %s, which no decode released within %s model s",
+                "engine %s: freed the KV of %s, which no decode pulled before its hold ran out",
                 self.address,
                 seq.request_id,
-                self.config.kv.kv_hold_timeout_s,
             )
 
     async def wait_done(self, seq: Sequence) -> None:
@@ -409,15 +512,15 @@ class Engine:
                 m.e2e.observe(seq.finished_at - seq.arrival)  # type: ignore[operator]
                 if seq.generated > 1:
                     m.tpot.observe((seq.finished_at - seq.first_token_at) / (seq.generated - 1))  # type: ignore[operator]
-                if seq.hold_kv:
-                    self._hold(seq)
+                if seq.hold is not None:
+                    self._hold(seq, seq.hold)
             seq.progress.set()
 
     async def _pull(self, seq: Sequence) -> None:
         assert seq.pull is not None
         missing: KvMissing | None = None
         try:
-            seq.transfer = await seq.pull()
+            seq.transfer = await seq.pull(seq.prompt_tokens - seq.cached_tokens)
         except asyncio.CancelledError:
             raise
         except KvMissing as exc:
@@ -433,6 +536,11 @@ class Engine:
         if missing is None:
             self.metrics.kv_transfer(seq.transfer.kind, seq.transfer.model_ms / 1e3)
             self.scheduler.kv_loaded(seq)
+        elif isinstance(missing, KvLoadFailed) and self.config.kv.kv_load_failure_policy == "fail":
+            log.warning("KV load for %s failed, failing the request: %s", seq.request_id, missing)
+            self.metrics.kv_load_failures.inc()
+            self._fail(seq, KvLoadError(str(missing)))
+            return
         else:
             log.warning("KV load for %s failed, prefilling locally: %s", seq.request_id, missing)
             seq.warning = f"KV load failed, prefilled locally: {missing}"

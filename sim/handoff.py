@@ -1,13 +1,27 @@
 """The PD handoff protocols between simulated engines, spoken over their HTTP ports under ``/sim/``.
 
-vLLM NixlConnector / vllm-ascend MooncakeConnector ("prefill first", ``kv_transfer_params``): a
-prefill engine that ends a ``do_remote_decode`` request at its length cap holds the request's KV
-blocks (still counted in its KV usage) until a decode releases them or ``kv_hold_timeout_s`` passes
-(:meth:`sim.engine.Engine.release_kv`). A decode given ``do_remote_prefill`` params reads the blocks
-(``POST /sim/kv/read``), models the transfer, then releases them (``POST /sim/kv/release``): NIXL's
-one-sided read plus its completion notification. Malformed params, blocks not held (unknown,
-expired, another engine id) or an unreachable prefill raise :class:`~sim.engine.KvMissing`, so the
-decode prefills locally, as vLLM recomputes on a KV load failure.
+vLLM NixlConnector / vllm-ascend MooncakeConnector ("prefill first", ``kv_transfer_params``; vLLM 0.32
+``nixl/pull_scheduler.py``): a prefill engine that ends a ``do_remote_decode`` request (at its length
+cap or on a stop: both hand off) holds the request's KV blocks (still counted in its KV usage) under
+its ``remote_request_id`` for a ``kv_lease_s`` lease, which each heartbeat of the waiting decode
+(``POST /sim/kv/heartbeat``, every lease/6) extends to 2/3 of a lease from then, until a decode
+releases them (:meth:`sim.engine.Engine.release_kv`). A decode given ``do_remote_prefill`` params
+reads the blocks (``POST /sim/kv/read``), models the transfer, then releases them (``POST
+/sim/kv/release``): NIXL's one-sided read plus its completion notification.
+
+vLLM's upstream MooncakeConnector (concurrent; vLLM 0.32 ``mooncake/mooncake_connector.py``): a
+prefill engine's HTTP port is also its bootstrap server (``GET /query``: ``{"0": {"engine_id",
+"worker_addr"}}``); it holds a ``do_remote_decode`` request's KV under its ``transfer_id`` for
+``mooncake_abort_timeout_s`` when it ends at its length cap (a stop hands nothing off), and answers
+without ``kv_transfer_params``. A decode given ``{do_remote_prefill, transfer_id,
+remote_bootstrap_addr, remote_engine_id}`` queries the bootstrap server, checks the engine id, waits
+for the transfer's KV (``POST /sim/mooncake/pull``, up to ``mooncake_abort_timeout_s``), models the
+transfer and releases the blocks.
+
+Malformed params raise :class:`~sim.engine.KvMissing` (the decode prefills locally, as vLLM ignores
+invalid params); blocks not held (unknown, expired, another engine id) or an unreachable prefill raise
+:class:`~sim.engine.KvLoadFailed`: the decode's ``kv_load_failure_policy`` decides (``fail``: the
+request fails; ``recompute``: local prefill).
 
 SGLang bootstrap: a prefill engine's HTTP port is also its bootstrap server. A decode registers
 for the request's room once it has admitted the request (``POST /sim/bootstrap/register``, a long
@@ -21,6 +35,11 @@ Endpoint bodies are JSON; failures answer a vLLM error body (:func:`sim.protocol
 * ``/sim/kv/read``, ``/sim/kv/release``: ``{"engine_id": str, "block_ids": [int]}`` → 200
   ``{"group": <prefill's pdGroupID>}`` when those blocks are held (and, for release, now freed),
   404 when not held, 400 for a malformed body;
+* ``/sim/kv/heartbeat``: ``{"engine_id": str, "request_ids": [str]}`` → 200 ``{"renewed": n}``;
+* ``GET /query`` (prefill or both): the Mooncake bootstrap server's engine map; 404 on a decode;
+* ``/sim/mooncake/pull``: ``{"engine_id": str, "transfer_id": str}`` → 200 ``{"group": str,
+  "block_ids": [int]}`` once the transfer's KV is held, 404 when it is not within
+  ``mooncake_abort_timeout_s`` or the engine id is not this engine's;
 * ``/sim/bootstrap/register``: ``{"room": int}`` → 200 ``{"prefill": "host:port", "group": str}``;
   404 on an engine that is not a prefill, 409 when the room has a decode already, 500 when the
   room's prefill failed, 504 when no prefill computed the room's KV in time;
@@ -40,14 +59,19 @@ import aiohttp
 from aiohttp import web
 
 from sim.clock import SimClock
-from sim.engine import Engine, EngineError, KvMissing, Pull, Sequence
+from sim.engine import Engine, EngineError, Hold, KvLoadFailed, KvMissing, Pull, Sequence
 from sim.kv import TransferResult, host_port
+from sim.prefix import PromptBlocks
 from sim.protocol import Bootstrap, error_response
 
 log = logging.getLogger(__name__)
 
-KV_READ, KV_RELEASE = "/sim/kv/read", "/sim/kv/release"
+KV_READ, KV_RELEASE, KV_HEARTBEAT = "/sim/kv/read", "/sim/kv/release", "/sim/kv/heartbeat"
+MOONCAKE_QUERY, MOONCAKE_PULL = "/query", "/sim/mooncake/pull"
 BOOTSTRAP_REGISTER, BOOTSTRAP_COMPLETE = "/sim/bootstrap/register", "/sim/bootstrap/complete"
+PREFILL_CACHED_PARAM = "sim_prefill_cached_tokens"
+"""Extra ``kv_transfer_params`` field (and field of a Mooncake pull's answer): the prompt tokens the
+prefill found in its prefix cache, which the decode reports as ``x-sim-prefill-cached-tokens``."""
 PREFILL_MS_PARAM = "sim_prefill_ms"
 """Extra ``kv_transfer_params`` field (as vllm-ascend adds its own): the model ms the prefill request took
 in the prefill engine, which the decode reports as ``x-sim-remote-prefill-ms``."""
@@ -71,18 +95,44 @@ class RemoteKv:
 
     @classmethod
     def parse(cls, params: dict[str, Any]) -> RemoteKv:
-        """Validate ``do_remote_prefill`` params as vLLM's connectors do; ``ValueError`` names the bad one."""
+        """Validate NIXL ``do_remote_prefill`` params as vLLM's connector does; ``ValueError`` names the
+        bad one. ``remote_block_ids`` is a list per KV cache group (vLLM 0.32: ``[[1, 2]]``); a flat
+        list of integers (earlier vLLM) is one group."""
         host, port = params.get("remote_host"), params.get("remote_port")
         engine_id, block_ids = params.get("remote_engine_id"), params.get("remote_block_ids")
         if not isinstance(host, str) or not host:
             raise ValueError("remote_host is not a non-empty string")
         if type(port) is not int:
             raise ValueError("remote_port is not an integer")
-        if not isinstance(block_ids, list) or not all(type(b) is int for b in block_ids):
-            raise ValueError("remote_block_ids is not a list of integers")
+        per_group = isinstance(block_ids, list) and all(isinstance(g, list) for g in block_ids)
+        groups = block_ids if per_group else [block_ids]
+        if not block_ids or not all(isinstance(g, list) and all(type(b) is int for b in g) for g in groups):
+            raise ValueError("remote_block_ids is not a list (per KV cache group) of lists of integers")
         if not isinstance(engine_id, str):
             raise ValueError("remote_engine_id is not a string")
-        return cls(host_port(host, port), engine_id, block_ids)
+        return cls(host_port(host, port), engine_id, [b for group in groups for b in group])
+
+
+@dataclass(frozen=True, slots=True)
+class MooncakeRemote:
+    """Where a Mooncake decode pulls from: the prefill's bootstrap ``address`` (``host:port``), its
+    engine id and the request's ``transfer_id``."""
+
+    address: str
+    engine_id: str
+    transfer_id: str
+
+    @classmethod
+    def parse(cls, params: dict[str, Any]) -> MooncakeRemote:
+        """Validate Mooncake ``do_remote_prefill`` params (``transfer_id``, ``remote_engine_id``,
+        ``remote_bootstrap_addr`` as ``http://host:port``); ``ValueError`` names the bad one."""
+        for name in ("transfer_id", "remote_engine_id", "remote_bootstrap_addr"):
+            if not isinstance(params.get(name), str) or not params[name]:
+                raise ValueError(f"{name} is not a non-empty string")
+        url = params["remote_bootstrap_addr"]
+        if not url.startswith("http://") or "/" in url[len("http://") :]:
+            raise ValueError("remote_bootstrap_addr is not http://host:port")
+        return cls(url[len("http://") :], params["remote_engine_id"], params["transfer_id"])
 
 
 @dataclass(eq=False)
@@ -118,6 +168,19 @@ class Room:
             raise BootstrapError(self.failure)
 
 
+def _prefill_ms(data: dict[str, Any]) -> float | None:
+    """The prefill's own time (:data:`PREFILL_MS_PARAM`) in ``data``, if it reported one."""
+    prefill_ms = data.get(PREFILL_MS_PARAM)
+    known = isinstance(prefill_ms, int | float) and not isinstance(prefill_ms, bool)
+    return prefill_ms if known else None
+
+
+def _prefill_cached(data: dict[str, Any]) -> int | None:
+    """The prefill's prefix-cache hit (:data:`PREFILL_CACHED_PARAM`) in ``data``, if it reported one."""
+    cached = data.get(PREFILL_CACHED_PARAM)
+    return cached if type(cached) is int else None
+
+
 def _reason(data: Any) -> str:
     """The message of a vLLM error body, else the body itself."""
     if isinstance(data, dict) and isinstance(data.get("error"), dict):
@@ -147,6 +210,9 @@ class Handoff:
         """Register the ``/sim/`` endpoints on ``app``."""
         app.router.add_post(KV_READ, self._kv_read)
         app.router.add_post(KV_RELEASE, self._kv_release)
+        app.router.add_post(KV_HEARTBEAT, self._kv_heartbeat)
+        app.router.add_get(MOONCAKE_QUERY, self._mooncake_query)
+        app.router.add_post(MOONCAKE_PULL, self._mooncake_pull)
         app.router.add_post(BOOTSTRAP_REGISTER, self._bootstrap_register)
         app.router.add_post(BOOTSTRAP_COMPLETE, self._bootstrap_complete)
 
@@ -167,12 +233,13 @@ class Handoff:
 
     # --- decode side: pulls ---------------------------------------------------------------------
 
-    def nixl_pull(self, params: dict[str, Any], prompt_tokens: int) -> Pull:
+    def nixl_pull(self, params: dict[str, Any]) -> Pull:
         """The pull of a ``do_remote_prefill`` request: validate ``params``, read the blocks from the
-        prefill, model the transfer of ``prompt_tokens`` tokens, release the blocks. Raises
-        :class:`KvMissing` (local prefill) when the params are malformed or the blocks unreadable."""
+        prefill, model the transfer of the tokens the decode lacks, release the blocks. Raises
+        :class:`KvMissing` when the params are malformed, :class:`KvLoadFailed` when the blocks are
+        unreadable."""
 
-        async def pull() -> TransferResult:
+        async def pull(tokens: int) -> TransferResult:
             try:
                 remote = RemoteKv.parse(params)
             except ValueError as exc:
@@ -181,26 +248,101 @@ class Handoff:
             try:
                 status, data = await self._post(remote.address, KV_READ, body)
             except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
-                raise KvMissing(f"prefill {remote.address} unreachable: {exc!r}") from None
+                raise KvLoadFailed(f"prefill {remote.address} unreachable: {exc!r}") from None
             if status != 200:
-                raise KvMissing(f"prefill {remote.address}: {_reason(data)}")
-            result = await self.engine.kv.pull(remote.address, prompt_tokens)
+                raise KvLoadFailed(f"prefill {remote.address}: {_reason(data)}")
+            result = await self.engine.kv.pull(remote.address, tokens)
             await self._notify(remote.address, KV_RELEASE, body)
-            prefill_ms = params.get(PREFILL_MS_PARAM)
-            known = isinstance(prefill_ms, int | float) and not isinstance(prefill_ms, bool)
             return replace(
-                result, reported_group=data.get("group"), remote_prefill_ms=prefill_ms if known else None
+                result,
+                reported_group=data.get("group"),
+                remote_prefill_ms=_prefill_ms(params),
+                remote_cached_tokens=_prefill_cached(params),
             )
 
         return pull
 
-    def bootstrap_pull(self, bootstrap: Bootstrap, prompt_tokens: int) -> Pull:
+    @contextlib.asynccontextmanager
+    async def heartbeats(self, params: dict[str, Any]) -> AsyncIterator[None]:
+        """While the body runs (a NIXL decode request waiting for its pull), renew the prefill's lease
+        on its KV every ``kv_lease_s / 6`` model seconds (vLLM 0.32 ``_heartbeat_interval``); params
+        without ``remote_request_id`` or a valid remote get none, as in vLLM."""
+        request_id = params.get("remote_request_id")
+        try:
+            remote = RemoteKv.parse(params)
+        except ValueError:
+            remote = None
+        if remote is None or not isinstance(request_id, str):
+            yield
+            return
+        body = {"engine_id": remote.engine_id, "request_ids": [request_id]}
+        interval, address = self.engine.config.kv.kv_lease_s / 6, remote.address
+
+        async def beat() -> None:
+            while True:
+                await self.engine.clock.sleep(interval)
+                await self._notify(address, KV_HEARTBEAT, body)
+
+        task = asyncio.get_running_loop().create_task(beat())
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def mooncake_pull(self, params: dict[str, Any]) -> Pull:
+        """The pull of a Mooncake ``do_remote_prefill`` request: validate ``params``, query the prefill's
+        bootstrap server for the engine id, wait for the transfer's KV, model the transfer of the
+        tokens the decode lacks, release the blocks. Raises :class:`KvMissing` (malformed params) or
+        :class:`KvLoadFailed` (engine id unknown there, prefill unreachable, no KV in time)."""
+
+        async def pull(tokens: int) -> TransferResult:
+            try:
+                remote = MooncakeRemote.parse(params)
+            except ValueError as exc:
+                raise KvMissing(f"malformed kv_transfer_params: {exc}") from None
+            address, abort_s = remote.address, self.engine.config.kv.mooncake_abort_timeout_s
+            try:
+                status, engines = await self._request("GET", address, MOONCAKE_QUERY, None)
+                known = (
+                    status == 200
+                    and isinstance(engines, dict)
+                    and any(
+                        isinstance(e, dict) and e.get("engine_id") == remote.engine_id
+                        for e in engines.values()
+                    )
+                )
+                if not known:
+                    raise KvLoadFailed(
+                        f"remote engine_id {remote.engine_id} not found from bootstrap server {address}"
+                    )
+                body = {"engine_id": remote.engine_id, "transfer_id": remote.transfer_id}
+                wait = self._request("POST", address, MOONCAKE_PULL, body, aiohttp.ClientTimeout())
+                status, data = await self.engine.clock.wait_for(wait, abort_s + 60)
+            except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+                raise KvLoadFailed(f"prefill {address} unreachable: {exc!r}") from None
+            if status != 200:
+                raise KvLoadFailed(f"prefill {address}: {_reason(data)}")
+            result = await self.engine.kv.pull(address, tokens)
+            release = {"engine_id": remote.engine_id, "block_ids": data["block_ids"]}
+            await self._notify(address, KV_RELEASE, release)
+            return replace(
+                result,
+                reported_group=data.get("group"),
+                remote_prefill_ms=_prefill_ms(data),
+                remote_cached_tokens=_prefill_cached(data),
+            )
+
+        return pull
+
+    def bootstrap_pull(self, bootstrap: Bootstrap) -> Pull:
         """The pull of a decode request with SGLang bootstrap fields: register for the room at the
         bootstrap server and wait (up to ``bootstrap_timeout_s``) until the prefill computed the KV,
-        model the transfer of ``prompt_tokens`` tokens, report it done. Raises :class:`EngineError`
+        model the transfer of the tokens the decode lacks, report it done. Raises :class:`EngineError`
         (the request fails) when the server is unreachable, the room fails or times out."""
 
-        async def pull() -> TransferResult:
+        async def pull(tokens: int) -> TransferResult:
             server = host_port(bootstrap.host, bootstrap.port)
             timeout_s = self.engine.config.kv.bootstrap_timeout_s
             room = {"room": bootstrap.room}
@@ -217,7 +359,7 @@ class Handoff:
             if status != 200:
                 raise EngineError(f"bootstrap server {server}: {_reason(data)}")
             waited_ms = (self.engine.clock.now() - started) * 1e3  # the prefill, from this decode's view
-            result = await self.engine.kv.pull(data["prefill"], prompt_tokens)
+            result = await self.engine.kv.pull(data["prefill"], tokens)
             await self._notify(server, BOOTSTRAP_COMPLETE, room)
             return replace(result, reported_group=data["group"], remote_prefill_ms=waited_ms)
 
@@ -226,10 +368,20 @@ class Handoff:
     async def _post(
         self, address: str, path: str, body: dict[str, Any], timeout: aiohttp.ClientTimeout | None = None
     ) -> tuple[int, Any]:
+        return await self._request("POST", address, path, body, timeout)
+
+    async def _request(
+        self,
+        method: str,
+        address: str,
+        path: str,
+        body: dict[str, Any] | None,
+        timeout: aiohttp.ClientTimeout | None = None,
+    ) -> tuple[int, Any]:
         session = self.session
         assert session is not None
-        async with session.post(
-            f"http://{address}{path}", json=body, timeout=timeout or session.timeout
+        async with session.request(
+            method, f"http://{address}{path}", json=body, timeout=timeout or session.timeout
         ) as resp:
             return resp.status, await resp.json(content_type=None)
 
@@ -245,9 +397,10 @@ class Handoff:
 
     # --- prefill side -----------------------------------------------------------------------------
 
-    async def prefill(self, room_id: int, prompt_tokens: int) -> Sequence:
+    async def prefill(self, room_id: int, prompt_tokens: int, prefix: PromptBlocks | None = None) -> Sequence:
         """Serve the prefill request of bootstrap room ``room_id``: wait for its decode to register,
-        prefill ``prompt_tokens`` tokens (one output token), hold the KV until the decode pulled it,
+        prefill ``prompt_tokens`` tokens (one output token; ``prefix`` keys the prefix cache, see
+        :meth:`sim.engine.Engine.submit`), hold the KV until the decode pulled it,
         free it. Returns the finished sequence; raises :class:`BootstrapError`, :class:`EngineError`,
         or ``ValueError`` when the prompt can never fit this engine's KV cache."""
         engine, timeout_s = self.engine, self.engine.config.kv.bootstrap_timeout_s
@@ -255,7 +408,7 @@ class Handoff:
             await room.wait(
                 room.registered, engine.clock, timeout_s, f"no decode registered for bootstrap room {room_id}"
             )
-            seq = engine.submit(prompt_tokens, 1, 1, hold_kv=True)
+            seq = engine.submit(prompt_tokens, 1, 1, prefix=prefix, hold=Hold(f"room-{room_id}", timeout_s))
             try:
                 await engine.wait_done(seq)
                 room.computed.set()
@@ -313,6 +466,51 @@ class Handoff:
         if release:
             engine.release_kv(seq)
         return web.json_response({"group": engine.config.group})
+
+    async def _kv_heartbeat(self, request: web.Request) -> web.Response:
+        """Extend the lease of each held request to 2/3 of a lease from now (vLLM 0.32
+        ``_lease_extension``)."""
+        engine = self.engine
+        try:
+            body = await request.json()
+            engine_id, request_ids = body["engine_id"], body["request_ids"]
+            keys = [key for key in request_ids if isinstance(key, str)]
+        except (ValueError, KeyError, TypeError) as exc:
+            return error_response(400, f"bad heartbeat: {exc!r}")
+        if engine_id != engine.engine_id:
+            return error_response(404, f"engine id {engine_id!r} is not {engine.address}'s")
+        extension = engine.config.kv.kv_lease_s * 2 / 3
+        return web.json_response({"renewed": sum(engine.renew(key, extension) for key in keys)})
+
+    async def _mooncake_query(self, request: web.Request) -> web.Response:
+        engine = self.engine
+        if engine.config.role == "decode":
+            return error_response(404, f"{engine.address} is a decode engine, without a bootstrap server")
+        worker = {"0": {"0": engine.address}}
+        return web.json_response({"0": {"engine_id": engine.engine_id, "worker_addr": worker}})
+
+    async def _mooncake_pull(self, request: web.Request) -> web.Response:
+        engine = self.engine
+        try:
+            body = await request.json()
+            engine_id, transfer_id = body["engine_id"], body["transfer_id"]
+            if not isinstance(transfer_id, str):
+                raise TypeError("transfer_id is not a string")
+        except (ValueError, KeyError, TypeError) as exc:
+            return error_response(400, f"bad pull: {exc!r}")
+        if engine_id != engine.engine_id:
+            return error_response(404, f"engine id {engine_id!r} is not {engine.address}'s")
+        seq = await engine.wait_held(transfer_id, engine.config.kv.mooncake_abort_timeout_s)
+        if seq is None:
+            return error_response(404, f"{engine.address} holds no KV of transfer {transfer_id!r}")
+        took_ms = ((seq.finished_at or engine.clock.now()) - seq.arrival) * 1e3
+        held = {
+            "group": engine.config.group,
+            "block_ids": list(seq.held_block_ids),
+            PREFILL_MS_PARAM: took_ms,
+            PREFILL_CACHED_PARAM: seq.cached_tokens,
+        }
+        return web.json_response(held)
 
     async def _room_id(self, request: web.Request) -> int:
         """The ``room`` of a bootstrap request's body; ``ValueError`` if there is none."""

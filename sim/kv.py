@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -159,6 +159,13 @@ class GroupMap:
         self._per_file: dict[str, dict[str, str]] = {}
         self._merged: dict[str, str] = {}
 
+    @classmethod
+    def fixed(cls, groups: Mapping[str, str]) -> GroupMap:
+        """A map of ``groups`` (``"ip:port"`` → ``pdGroupID``) read from no file (in-process clusters)."""
+        mapped = cls()
+        mapped._merged = dict(groups)
+        return mapped
+
     def _refresh(self) -> None:
         changed = False
         for path in self.paths:
@@ -195,7 +202,8 @@ class GroupMap:
 class TransferResult:
     """What one KV pull did. ``model_ms`` is model time; ``prefill_group`` ``None`` = not in EDS;
     ``reported_group`` is the group the prefill engine reported itself (``None``: not asked);
-    ``remote_prefill_ms`` the model ms the remote prefill took as this decode can tell (``None``: unknown)."""
+    ``remote_prefill_ms`` the model ms the remote prefill took as this decode can tell (``None``: unknown);
+    ``remote_cached_tokens`` the prompt tokens the prefill found in its prefix cache (``None``: unknown)."""
 
     kind: str
     model_ms: float
@@ -203,6 +211,7 @@ class TransferResult:
     prefill_group: str | None = None
     reported_group: str | None = None
     remote_prefill_ms: float | None = None
+    remote_cached_tokens: int | None = None
 
 
 NO_TRANSFER_RESULT = TransferResult(NO_TRANSFER, 0.0)

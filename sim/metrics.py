@@ -2,11 +2,12 @@
 
 All metrics carry vLLM's labels ``model_name`` and ``engine`` ("0"). Times are model seconds.
 ``vllm:time_per_output_token_seconds`` is observed once per finished request (its mean
-inter-token time) rather than per token, to keep many engines cheap in one process. The
-``sim:*`` metrics are the simulator's own: KV pulls by kind, remote prefills served, KV holds
-that expired, failed KV loads prefilled locally (recomputes), and the gauges the engine and
-:mod:`sim.handoff` add (:meth:`EngineMetrics.add_gauge`): requests whose KV is held for a remote
-decode, open SGLang bootstrap rooms.
+inter-token time) rather than per token, to keep many engines cheap in one process. The prefix
+cache's lookups are vLLM's counters ``vllm:prefix_cache_queries`` and ``vllm:prefix_cache_hits``
+(tokens; :meth:`EngineMetrics.add_counter`). The ``sim:*`` metrics are the simulator's own: KV
+pulls by kind, remote prefills served, KV holds that expired, failed KV loads prefilled locally
+(recomputes), and the gauges the engine and :mod:`sim.handoff` add (:meth:`EngineMetrics.add_gauge`):
+requests whose KV is held for a remote decode, open SGLang bootstrap rooms.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 __all__ = ["CONTENT_TYPE", "EngineMetrics"]
 
@@ -70,9 +73,23 @@ class EngineMetrics:
         self.kv_holds_expired = Counter(
             "sim:kv_holds_expired", "Held KV freed as no decode released it in time.", names, registry=reg
         ).labels(**values)
-        self.kv_recomputes = Counter(
-            "sim:kv_recomputes", "Failed KV loads, prefilled locally instead.", names, registry=reg
+        self.kv_load_failures = Counter(
+            "sim:kv_load_failures",
+            "Failed KV loads that failed their request (kv_load_failure_policy fail).",
+            names,
+            registry=reg,
         ).labels(**values)
+        self.kv_recomputes = Counter(
+            "sim:kv_recomputes",
+            "KV loads that failed (policy recompute) or had invalid params, prefilled locally instead.",
+            names,
+            registry=reg,
+        ).labels(**values)
+
+    def add_counter(self, name: str, doc: str, fn: Callable[[], float]) -> None:
+        """Register a counter (rendered ``<name>_total``) with the usual labels whose running total
+        ``fn()`` is read at scrape time (the engine keeps the count itself)."""
+        self.registry.register(_FunctionCounter(name, doc, self._values, fn))
 
     def add_gauge(self, name: str, doc: str, fn: Callable[[], float]) -> None:
         """Register a gauge with the usual labels whose value ``fn()`` is read at scrape time."""
@@ -91,3 +108,15 @@ class EngineMetrics:
     def render(self) -> bytes:
         """The registry in Prometheus text format (:data:`CONTENT_TYPE`)."""
         return generate_latest(self.registry)
+
+
+class _FunctionCounter(Collector):
+    """One counter series whose value a function returns at scrape time."""
+
+    def __init__(self, name: str, doc: str, labels: dict[str, str], fn: Callable[[], float]) -> None:
+        self._name, self._doc, self._labels, self._fn = name, doc, labels, fn
+
+    def collect(self) -> Any:
+        family = CounterMetricFamily(self._name, self._doc, labels=list(self._labels))
+        family.add_metric(list(self._labels.values()), self._fn())
+        yield family

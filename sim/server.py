@@ -3,20 +3,27 @@ the engines' PD handoff protocols (:mod:`sim.handoff` has the protocols and the 
 
 A generation request takes the first of these paths that applies:
 
-* ``kv_transfer_params.do_remote_decode`` (roles prefill/both): prefill and return one token. When
-  that token is the length cap (the model did not stop), the non-streaming response carries
-  ``kv_transfer_params`` for the decode (``do_remote_prefill``, ``do_remote_decode``,
-  ``remote_engine_id``, ``remote_block_ids``, ``remote_host``, ``remote_port``, ``tp_size`` and
-  ``remote_request_id``: the ``X-Request-Id`` header, else the engine's own request id) and the
-  engine holds the KV blocks until a decode releases them or ``kv_hold_timeout_s`` passes. A
-  request that stops (``sim_output_tokens`` 1: finish reason ``stop``) returns no params and holds
-  nothing, as vLLM's connectors do;
+* ``kv_transfer_params.do_remote_decode`` (roles prefill/both): prefill and return one token. With
+  ``kv_connector`` ``nixl`` (vLLM 0.32 ``nixl/pull_scheduler.py``), whether that token is the
+  length cap or a stop, the non-streaming response carries ``kv_transfer_params`` for the decode
+  (``do_remote_prefill``, ``do_remote_decode``, ``remote_engine_id``, ``remote_block_ids`` per KV
+  cache group (``[[...]]``), ``remote_host``, ``remote_port``, ``tp_size``, ``dcp_size``, ``pp_size``,
+  ``remote_num_tokens``, ``remote_blocks_expiry_time``, ``transfer_mode`` and ``remote_request_id``:
+  the ``X-Request-Id`` header, else a random id) and the engine holds the KV blocks under a
+  ``kv_lease_s`` lease the decode's heartbeats renew. With ``mooncake`` (vLLM's upstream
+  MooncakeConnector) the answer has no ``kv_transfer_params``; the KV is held under the request's
+  ``transfer_id`` (none without one) for ``mooncake_abort_timeout_s``, and only when the token is
+  the length cap;
 * SGLang's ``bootstrap_host``/``bootstrap_port``/``bootstrap_room`` on a prefill engine: wait for
   the room's decode to register, prefill, hold the KV until the decode pulled it, answer the one
   token; 500 when no decode comes within ``bootstrap_timeout_s``;
 * ``kv_transfer_params.do_remote_prefill`` (roles decode/both): read the KV cache from the prefill
-  at ``remote_host:remote_port``, then decode. Malformed params, blocks that prefill does not hold
-  or an unreachable prefill: prefill locally (``x-sim-kv-transfer: none`` and ``x-sim-warning``);
+  (``nixl``: at ``remote_host:remote_port``, heartbeating while it waits; ``mooncake``: from the
+  bootstrap server ``remote_bootstrap_addr``, by ``transfer_id``), then decode. Malformed params:
+  prefill locally (``x-sim-kv-transfer: none`` and ``x-sim-warning``). Blocks that prefill does not
+  hold or an unreachable prefill, by ``kv_load_failure_policy``: ``fail`` answers as vLLM 0.32 does
+  (HTTP 500 ``Internal server error``, or a 200 stream whose only event is that error), ``recompute``
+  prefills locally;
 * SGLang's bootstrap fields on a decode engine: register at the bootstrap server
   ``bootstrap_host:bootstrap_port`` (a prefill engine's HTTP port), pull once the room's prefill has
   computed the KV, then decode; 502 before any byte is streamed when that fails or times out.
@@ -33,6 +40,9 @@ first chunk, once the request is admitted and its KV cache is in place:
 * ``x-sim-kv-transfer``: ``same_group`` | ``cross_group`` | ``none`` (no pull by this engine);
 * ``x-sim-kv-transfer-ms``: the pull's duration in model ms (``0.0`` without a pull);
 * ``x-sim-queue-ms``: model ms waiting for a batch slot and KV blocks;
+* ``x-sim-cached-tokens``: prompt tokens this engine found in its prefix cache (neither computed nor
+  pulled; 0 without ``--enable-prefix-caching``); ``x-sim-prefill-cached-tokens``: the same at the
+  remote prefill, when its ``kv_transfer_params`` (or Mooncake pull answer) say so;
 * ``x-sim-remote-prefill-ms``: model ms of the remote prefill as this decode can tell: the sidecar's
   call to the prefill engine (sidecar path), the prefill engine's own time from arrival to answer
   (``kv_transfer_params.sim_prefill_ms``, which the prefill adds), or the wait for the bootstrap room's
@@ -49,6 +59,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,12 +67,14 @@ import aiohttp
 from aiohttp import web
 
 from ext_proc.handoff.body import prefill_leg_body
+from ext_proc.prefix.blocks import prompt_content
 from sim.clock import SimClock
 from sim.config import EngineConfig
-from sim.engine import ABORTED, Engine, EngineError, Pull, Sequence
-from sim.handoff import PREFILL_MS_PARAM, BootstrapError, Handoff
+from sim.engine import ABORTED, Engine, EngineError, Hold, KvLoadError, Pull, Sequence
+from sim.handoff import PREFILL_CACHED_PARAM, PREFILL_MS_PARAM, BootstrapError, Handoff
 from sim.kv import GroupMap, SharedLink
 from sim.metrics import CONTENT_TYPE
+from sim.prefix import PromptBlocks
 from sim.protocol import (
     GenerateRequest,
     RequestError,
@@ -82,6 +95,7 @@ H_KV, H_KV_MS = "x-sim-kv-transfer", "x-sim-kv-transfer-ms"
 H_PREFILL, H_PREFILL_GROUP = "x-sim-prefill-engine", "x-sim-prefill-group"
 H_QUEUE_MS, H_TIME_SCALE, H_WARNING = "x-sim-queue-ms", "x-sim-time-scale", "x-sim-warning"
 H_REMOTE_PREFILL_MS = "x-sim-remote-prefill-ms"
+H_CACHED, H_PREFILL_CACHED = "x-sim-cached-tokens", "x-sim-prefill-cached-tokens"
 
 ENGINE_KEY = web.AppKey("sim_engine", Engine)
 HANDOFF_KEY = web.AppKey("sim_handoff", Handoff)
@@ -99,18 +113,43 @@ def _headers(engine: Engine) -> dict[str, str]:
 
 
 def _handoff_params(engine: Engine, seq: Sequence, request_id: str) -> dict[str, Any]:
+    """What a vLLM 0.32 NIXL prefill answers (``NixlConnectorScheduler.request_finished``), one KV
+    cache group, no parallelism; plus :data:`~sim.handoff.PREFILL_MS_PARAM` and
+    :data:`~sim.handoff.PREFILL_CACHED_PARAM`."""
     took_ms = ((seq.finished_at or engine.clock.now()) - seq.arrival) * 1e3
     return {
         PREFILL_MS_PARAM: round(took_ms, 4),
+        PREFILL_CACHED_PARAM: seq.cached_tokens,
         "do_remote_prefill": True,
         "do_remote_decode": False,
+        "remote_block_ids": [list(seq.held_block_ids)],
         "remote_engine_id": engine.engine_id,
-        "remote_block_ids": list(seq.held_block_ids),
+        "remote_request_id": request_id,
         "remote_host": engine.host,
         "remote_port": engine.port,
-        "remote_request_id": request_id,
         "tp_size": 1,
+        "dcp_size": 1,
+        "pp_size": 1,
+        "remote_num_tokens": seq.prompt_tokens,
+        "remote_blocks_expiry_time": None,
+        "transfer_mode": "pull",
     }
+
+
+def _hold(engine: Engine, req: GenerateRequest, request_id: str) -> Hold | None:
+    """How a prefill keeps a ``do_remote_decode`` request's KV for its decode, if it does (see the
+    module docstring): NIXL under ``request_id``, Mooncake under the ``transfer_id``."""
+    if not req.remote_decode:
+        return None
+    kv = engine.config.kv
+    if kv.kv_connector == "nixl":
+        return Hold(request_id, kv.kv_lease_s)
+    transfer_id = (req.kv_transfer_params or {}).get("transfer_id")
+    if req.stops or not isinstance(transfer_id, str) or not transfer_id:
+        if not req.stops:
+            log.warning("engine %s: missing transfer_id in kv_transfer_params from router", engine.address)
+        return None
+    return Hold(transfer_id, kv.mooncake_abort_timeout_s)
 
 
 async def _call_prefill(
@@ -155,26 +194,37 @@ def _role_error(
     return error_response(400, bad, headers, "kv_transfer_params")
 
 
+@dataclass(frozen=True, slots=True)
+class PullSource:
+    """How a request gets its KV cache: ``pull`` (``None``: prefill locally) and, for a NIXL pull, the
+    ``nixl`` params its heartbeats name."""
+
+    pull: Pull | None = None
+    nixl: dict[str, Any] | None = None
+
+
 async def _pull_source(
     request: web.Request, engine: Engine, req: GenerateRequest, headers: dict[str, str]
-) -> tuple[Pull | None, web.Response | None]:
-    """How the request gets its KV cache: ``(pull, None)`` (``None``: prefill locally), or
-    ``(None, error response)`` when the sidecar's prefill call failed."""
+) -> PullSource | web.Response:
+    """How the request gets its KV cache, or the error response when the sidecar's prefill call failed."""
     handoff = request.app[HANDOFF_KEY]
     prefiller = request.headers.get(PREFILLER_HEADER)
     if req.remote_prefill:
         assert req.kv_transfer_params is not None
-        return handoff.nixl_pull(req.kv_transfer_params, req.prompt_tokens), None
+        if engine.config.kv.kv_connector == "mooncake":
+            return PullSource(handoff.mooncake_pull(req.kv_transfer_params))
+        return PullSource(handoff.nixl_pull(req.kv_transfer_params), req.kv_transfer_params)
     if req.bootstrap is not None and engine.config.role == "decode":
-        return handoff.bootstrap_pull(req.bootstrap, req.prompt_tokens), None
+        return PullSource(handoff.bootstrap_pull(req.bootstrap))
     if prefiller and not req.remote_decode:
         started = engine.clock.now()
         params, failure = await _call_prefill(request, req, prefiller, headers)
         headers[H_REMOTE_PREFILL_MS] = f"{(engine.clock.now() - started) * 1e3:.4f}"
         if params is None:
-            return None, failure
-        return handoff.nixl_pull(params, req.prompt_tokens), None
-    return None, None
+            assert failure is not None
+            return failure
+        return PullSource(handoff.nixl_pull(params), params)
+    return PullSource()
 
 
 async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
@@ -190,24 +240,70 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         return failure
     if req.bootstrap is not None and role == "prefill" and not req.remote_decode:
         return await _bootstrap_prefill(request, engine, req, headers)
-    pull, failure = await _pull_source(request, engine, req, headers)
-    if failure is not None:
-        return failure
-    hold = req.remote_decode and not req.stops  # vLLM hands off only a request capped by length
+    source = await _pull_source(request, engine, req, headers)
+    if isinstance(source, web.StreamResponse):
+        return source
+    pull = source.pull
+    request_id = request.headers.get("X-Request-Id") or f"sim-{uuid.uuid4().hex}"
+    hold = _hold(engine, req, request_id)
     try:
         seq = engine.submit(
-            req.prompt_tokens, req.max_tokens, req.output_tokens, pull, stops=req.stops, hold_kv=hold
+            req.prompt_tokens,
+            req.max_tokens,
+            req.output_tokens,
+            pull,
+            prefix=_prompt_blocks(engine, req),
+            stops=req.stops,
+            hold=hold,
         )
     except ValueError as exc:
         return error_response(400, str(exc), headers, "max_tokens")
     try:
-        await seq.ready.wait()
+        await _admitted(request.app[HANDOFF_KEY], seq, source.nixl)
+        if isinstance(seq.error, KvLoadError):
+            return await _generation_error(request, req, headers)
         if seq.error is not None:
             return error_response(502 if pull else 500, f"request failed: {seq.error}", headers)
         _describe(seq, headers)
-        return await _respond(request, engine, seq, req, headers)
+        return await _respond(request, engine, seq, req, headers, request_id)
     finally:
         engine.abort(seq)  # no-op unless the client went away or something failed
+
+
+def _prompt_blocks(engine: Engine, req: GenerateRequest) -> PromptBlocks | None:
+    """What the engine's prefix cache keys ``req`` by (``None`` when caching is off or there is no prompt)."""
+    timing = engine.config.timing
+    content = prompt_content(req.body) if timing.enable_prefix_caching else None
+    return PromptBlocks(content, timing.block_size) if content else None
+
+
+async def _admitted(handoff: Handoff, seq: Sequence, nixl: dict[str, Any] | None) -> None:
+    """Wait until ``seq``'s KV cache is in place (or it failed); with ``nixl`` params, heartbeating."""
+    if nixl is None:
+        await seq.ready.wait()
+        return
+    async with handoff.heartbeats(nixl):
+        await seq.ready.wait()
+
+
+GENERATION_ERROR = "Internal server error"
+"""vLLM 0.32's ``GenerationError`` message: what a request whose KV load failed gets (policy ``fail``)."""
+
+
+async def _generation_error(
+    request: web.Request, req: GenerateRequest, headers: dict[str, str]
+) -> web.StreamResponse:
+    """What vLLM answers for a request that finished with reason ``error``: HTTP 500 (non-streaming), or
+    a 200 stream with that error as its only event, then ``[DONE]``."""
+    if not req.stream:
+        return error_response(500, GENERATION_ERROR, headers)
+    resp = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    with contextlib.suppress(ConnectionError):
+        await resp.write(sse(error_body(GENERATION_ERROR, 500, "InternalServerError")))
+        await resp.write(sse("[DONE]"))
+        await resp.write_eof()
+    return resp
 
 
 async def _bootstrap_prefill(
@@ -216,7 +312,9 @@ async def _bootstrap_prefill(
     """The prefill request of an SGLang bootstrap room (see :meth:`sim.handoff.Handoff.prefill`)."""
     assert req.bootstrap is not None
     try:
-        seq = await request.app[HANDOFF_KEY].prefill(req.bootstrap.room, req.prompt_tokens)
+        seq = await request.app[HANDOFF_KEY].prefill(
+            req.bootstrap.room, req.prompt_tokens, _prompt_blocks(engine, req)
+        )
     except (BootstrapError, EngineError) as exc:
         return error_response(500, f"request failed: {exc}", headers)
     except ValueError as exc:
@@ -226,10 +324,15 @@ async def _bootstrap_prefill(
 
 
 async def _respond(
-    request: web.Request, engine: Engine, seq: Sequence, req: GenerateRequest, headers: dict[str, str]
+    request: web.Request,
+    engine: Engine,
+    seq: Sequence,
+    req: GenerateRequest,
+    headers: dict[str, str],
+    request_id: str = "",
 ) -> web.StreamResponse:
     """Stream ``seq``, or wait for it and answer the whole completion, with ``kv_transfer_params``
-    when it is a vLLM prefill leg whose KV is held for the decode."""
+    when it is a NIXL prefill leg whose KV is held for the decode (under ``request_id``)."""
     shaper = Shaper.new(req.chat, seq.request_id, req.model or engine.config.model)
     if req.stream:
         return await _stream(request, engine, seq, req, shaper, headers)
@@ -241,8 +344,8 @@ async def _respond(
         token_text(0, seq.generated), seq.finish_reason, usage(req.prompt_tokens, seq.generated)
     )
     if req.remote_decode and seq.held_block_ids:
-        request_id = request.headers.get("X-Request-Id") or seq.request_id
-        body["kv_transfer_params"] = _handoff_params(engine, seq, request_id)
+        if engine.config.kv.kv_connector == "nixl":
+            body["kv_transfer_params"] = _handoff_params(engine, seq, request_id)
         engine.metrics.remote_prefills.inc()
     return web.json_response(body, headers=headers)
 
@@ -255,6 +358,9 @@ def _describe(seq: Sequence, headers: dict[str, str]) -> None:
         headers.setdefault(H_REMOTE_PREFILL_MS, f"{t.remote_prefill_ms:.4f}")
     if seq.admitted_at is not None:
         headers[H_QUEUE_MS] = f"{(seq.admitted_at - seq.arrival) * 1e3:.4f}"
+    headers[H_CACHED] = str(seq.cached_tokens)
+    if t.remote_cached_tokens is not None:
+        headers[H_PREFILL_CACHED] = str(t.remote_cached_tokens)
     if seq.warning is not None:
         headers[H_WARNING] = " ".join(seq.warning.split())  # one header line
     if t.prefill_address is None:

@@ -26,12 +26,15 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 
 @dataclass
 class EchoBackend:
-    """A running backend; ``requests`` records the path, seen routing headers, ``x-request-id``, JSON
-    body and its size in bytes (POST only) of every request served."""
+    """A running backend; ``requests`` records the path, seen routing headers, ``x-request-id`` and
+    JSON body (POST only; ``raw``: its bytes as received, ``size``: their number) of every request
+    served. A completion is recorded at once but answered only while ``answering`` is set (it is,
+    unless a test clears it)."""
 
     runner: web.AppRunner
     address: str
     requests: list[dict] = field(default_factory=list)
+    answering: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def stop(self) -> None:
         await self.runner.cleanup()
@@ -56,10 +59,12 @@ async def _completion(request: web.Request) -> web.StreamResponse:
             **seen,
             "x-request-id": request.headers.get("x-request-id"),
             "body": body,
+            "raw": raw,
             "size": len(raw),
             "headers": dict(request.headers),
         }
     )
+    await backend.answering.wait()
     delay = float(request.headers.get("x-test-delay-ms", "0")) / 1000
     chat = request.path.endswith("chat/completions")
     created = int(time.time())
@@ -114,6 +119,7 @@ async def start_backend(middlewares: tuple = ()) -> EchoBackend:
     of its handlers)."""
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=list(middlewares))
     backend = EchoBackend(web.AppRunner(app, access_log=None), "")
+    backend.answering.set()
     app[BACKEND] = backend
     app.router.add_post("/v1/completions", _completion)
     app.router.add_post("/v1/chat/completions", _completion)
@@ -321,3 +327,46 @@ async def start_kv_failing_decode() -> EchoBackend:
     whose events are that error, then ``[DONE]`` (streaming; a chat stream announces the role first);
     any other request is served as by :func:`start_backend`. Its ``requests`` record every request."""
     return await start_backend((_fail_kv_pulls,))
+
+
+
+
+@dataclass
+class BootstrapServer:
+    """A vLLM Mooncake bootstrap server stand-in: ``GET /query`` answers ``status`` and ``body``
+    (``MooncakeBootstrapServer.query``'s shape by default); ``queries`` counts the queries."""
+
+    runner: web.AppRunner
+    port: int
+    status: int
+    body: bytes
+    queries: int = 0
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+
+
+BOOTSTRAP = web.AppKey("bootstrap", BootstrapServer)
+
+
+async def _query(request: web.Request) -> web.Response:
+    server = request.app[BOOTSTRAP]
+    server.queries += 1
+    return web.Response(status=server.status, body=server.body, content_type="application/json")
+
+
+async def start_bootstrap_server(engine_ids: dict[int, str], status: int = 200) -> BootstrapServer:
+    """Start a :class:`BootstrapServer` listing ``engine_ids`` (data-parallel rank → engine id)."""
+    answer = {
+        str(rank): {"engine_id": e, "worker_addr": {"0": {"0": "127.0.0.1:1"}}}
+        for rank, e in engine_ids.items()
+    }
+    app = web.Application()
+    runner = web.AppRunner(app, access_log=None)
+    server = BootstrapServer(runner, 0, status, json.dumps(answer).encode())
+    app[BOOTSTRAP] = server
+    app.router.add_get("/query", _query)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    server.port = runner.addresses[0][1]
+    return server

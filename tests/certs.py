@@ -53,6 +53,19 @@ def issue(ca: Pair, folder: Path, name: str, server: bool) -> Pair:
     return pair
 
 
+def self_signed(folder: Path, name: str = SERVER_NAME) -> Pair:
+    """A self-signed server certificate ``name`` in ``folder`` (SAN ``DNS:pd-extproc``, ``IP:127.0.0.1``):
+    what the gateways that dial the picker without verifying it are given."""
+    folder.mkdir(parents=True, exist_ok=True)
+    pair = Pair(folder / f"{name}.crt", folder / f"{name}.key")
+    _openssl(
+        "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+        "-days", "2", "-subj", f"/CN={name}", "-keyout", pair.key, "-out", pair.cert,
+        "-addext", f"subjectAltName=DNS:{SERVER_NAME},IP:127.0.0.1", "-addext", "extendedKeyUsage=serverAuth",
+    )  # fmt: skip
+    return pair
+
+
 @dataclass(frozen=True)
 class Certificates:
     """Everything a TLS test needs: ``ca`` signs ``server`` and ``client``; ``other_ca`` signs

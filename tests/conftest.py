@@ -1,4 +1,4 @@
-"""Shared test setup: make the test helper modules importable; load benchmark scripts; the fake
+"""Shared test setup: make the test helper modules importable; load benchmark scripts; Helm; the fake
 Kubernetes API server; the ``server`` and ``stub`` fixtures of the tests that drive the gRPC shell
 directly."""
 
@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from fake_kube_api import FakeKubeApi
 from grpc_harness import start_with
+from helm_tool import HelmUnavailable, ensure_helm
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 
@@ -61,3 +62,12 @@ async def stub(server):
     """ext_proc and health stubs on a gRPC channel to ``server``."""
     async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
         yield pb_grpc.ExternalProcessorStub(channel), health_pb2_grpc.HealthStub(channel)
+
+
+@pytest.fixture(scope="session")
+def helm() -> Path:
+    """The Helm binary (a test fails, naming what to install, where it cannot be fetched)."""
+    try:
+        return ensure_helm()
+    except HelmUnavailable as exc:
+        pytest.fail(str(exc))

@@ -12,7 +12,9 @@ API server's watch cache does, each change after version N is judged against the
 the object's state before and after it: ``ADDED`` (now selected, not before), ``MODIFIED`` (both),
 ``DELETED`` (selected before, not now or deleted: the previous state at the change's
 resourceVersion), nothing otherwise; ``BOOKMARK`` to watches that allow them, ``ERROR`` with a ``410
-Expired`` status for a version older than the compaction point. Tests mutate the objects (``put``,
+Expired`` status for a version older than the compaction point (after a restart: every version
+before it, as the real server's watch cache starts empty). Every JSON body ends with a newline, as
+the real server's do. Tests mutate the objects (``put``,
 ``delete``, optionally ``silent``: the change is in no watch history, as if compacted away), gate
 lists (``list_gates``), take the InferencePool CRD away (``crd_installed``) and steer the
 connection (``bookmark``, ``expire``, ``end_watches``, ``drop``, ``refuse``, ``stop`` / ``start``).
@@ -139,6 +141,11 @@ class _Watch:
     lines: asyncio.Queue[bytes | None] = field(default_factory=asyncio.Queue)
 
 
+def _json(obj: dict[str, Any], status: int = 200) -> web.Response:
+    """A JSON response as the API server writes it (Go's JSON encoder: the object, then a newline)."""
+    return web.Response(text=json.dumps(obj) + "\n", status=status, content_type="application/json")
+
+
 def _line(kind: str, obj: dict[str, Any]) -> bytes:
     return json.dumps({"type": kind, "object": obj}).encode() + b"\n"
 
@@ -193,7 +200,10 @@ class FakeKubeApi:
     # --- lifecycle ------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Serve on 127.0.0.1 (the same port again after :meth:`stop`)."""
+        """Serve on 127.0.0.1 (the same port again after :meth:`stop`). As a (re)started API server's
+        watch cache, the event history starts now: a watch from an older version gets ``410 Expired``."""
+        self.history = []
+        self.compacted = self.version
         app = web.Application()
         for resource in RESOURCES.values():
             path = f"{resource.prefix}/namespaces/{{namespace}}/{resource.plural}"
@@ -319,10 +329,10 @@ class FakeKubeApi:
             )
             if resource is POOLS and not self.crd_installed:
                 status = _status(404, "NotFound", "the server could not find the requested resource")
-                return web.json_response(status, status=404)
+                return _json(status, status=404)
             if self.refusal is not None:
                 message = f'{resource.plural} is forbidden in namespace "{namespace}"'
-                return web.json_response(_status(self.refusal, "Forbidden", message), status=self.refusal)
+                return _json(_status(self.refusal, "Forbidden", message), status=self.refusal)
             return await serve(request, resource, namespace)
 
         return handle
@@ -335,8 +345,8 @@ class FakeKubeApi:
             qualified = f"{resource.plural}.{group}" if group else resource.plural
             details = {"name": name, "group": group, "kind": resource.plural}
             status = _status(404, "NotFound", f'{qualified} "{name}" not found', details=details)
-            return web.json_response(status, status=404)
-        return web.json_response(obj)
+            return _json(status, status=404)
+        return _json(obj)
 
     async def _collection(
         self, request: web.Request, resource: Resource, namespace: str
@@ -345,7 +355,7 @@ class FakeKubeApi:
             labels = label_selector(request.query.get("labelSelector", ""))
             fields = field_selector(request.query.get("fieldSelector", ""))
         except BadSelector as exc:
-            return web.json_response(_status(400, "BadRequest", str(exc)), status=400)
+            return _json(_status(400, "BadRequest", str(exc)), status=400)
 
         def selects(obj: dict[str, Any]) -> bool:
             return labels(obj["metadata"].get("labels") or {}) and fields(obj)
@@ -356,7 +366,7 @@ class FakeKubeApi:
         if gate is not None:
             await gate.wait()
         items = [o for o in self.objects.get((resource.plural, namespace), {}).values() if selects(o)]
-        return web.json_response(
+        return _json(
             {
                 "kind": f"{resource.kind}List",
                 "apiVersion": resource.api_version,

@@ -81,7 +81,7 @@ ALL_MODES = pytest.mark.parametrize("mode", list(Mode))
 
 def test_package_exports_choose_and_every_model_type() -> None:
     expected = {"choose", "Candidate", "Cost", "Decision", "Locality", "Mode", "Policy", "Pool"}
-    expected |= {"Endpoint", "RejectReason", "Rejection", "AutoModel", "Estimate"}
+    expected |= {"Endpoint", "RejectReason", "Rejection", "AutoModel", "Estimate", "Hits"}
     assert set(affinity.__all__) == expected
     assert all(hasattr(affinity, name) for name in affinity.__all__)
 
@@ -474,14 +474,26 @@ def test_pool_of_copies_the_loads_into_index_aligned_arrays() -> None:
     assert {g: m.tolist() for g, m in pool.in_group.items()} == {"g1": [1.0, 0.0, 1.0], "g2": [0.0, 1.0, 0.0]}
 
 
-def test_pool_bonus_mask_is_the_bonus_on_the_group_and_is_computed_once() -> None:
-    pool = Pool.of([ep("g1"), ep("g2"), ep("g1")])
-    mask = pool.bonus_in("g1", 0.25)
-    assert mask.tolist() == [0.25, 0.0, 0.25]
-    assert pool.bonus_in("g1", 0.25) is mask
-    assert pool.bonus_in("g1", 0.5).tolist() == [0.5, 0.0, 0.5]
-    assert pool.bonus_in("g2", 0.25).tolist() == [0.0, 0.25, 0.0]
-    assert pool.in_group["g1"].tolist() == [1.0, 0.0, 1.0]
+def test_pool_groups_masks_and_group_order() -> None:
+    pool = Pool.of([ep("g1"), ep("g2"), ep("g1"), ep("g3")])
+    assert pool.groups == ("g1", "g2", "g3")
+    assert pool.in_group["g1"].tolist() == [1.0, 0.0, 1.0, 0.0]
+    assert pool.outside["g1"].tolist() == [False, True, False, True]
+    assert pool.group_order.tolist() == [0, 2, 1, 3]
+    assert pool.group_starts.tolist() == [0, 2, 3]
+    x = np.array([5.0, 1.0, 2.0, 7.0])
+    assert np.minimum.reduceat(x[pool.group_order], pool.group_starts).tolist() == [2.0, 1.0, 7.0]
+
+
+def test_pool_slots_in_another_pool_name_each_group_and_are_kept() -> None:
+    prefills = Pool.of([ep("b"), ep("a"), ep("z"), ep("b")])
+    decodes = Pool.of([ep("a"), ep("b"), ep("a")])
+    slots = prefills.slots_in(decodes)
+    assert slots.tolist() == [1, 0, 2, 1]  # z has no decode: len(decodes.groups)
+    assert prefills.slots_in(decodes) is slots
+    other = Pool.of([ep("z")])
+    assert prefills.slots_in(other).tolist() == [1, 1, 0, 1]
+    assert prefills.slots_in(decodes) is slots
 
 
 def test_pool_arrays_must_have_one_entry_per_endpoint() -> None:
@@ -512,11 +524,11 @@ def test_a_whole_pool_tied_rotates_in_input_order_at_every_size(mode: Mode, size
         result = decide(prefills, decodes, mode, fallbacks=3, tiebreak=tiebreak)
         assert result.prefill is prefills[tiebreak % 2]
         group = [d for d in decodes if d.group == result.prefill.group]
-        if mode in (Mode.OFF, Mode.AUTO):  # auto: an empty prompt moves no KV cache, so off's order
+        if mode is Mode.OFF:
             expected = [decodes[(tiebreak + i) % size] for i in range(min(4, size))]
-        else:  # strict: only the group; prefer: the group's class ranks first, then the rest
+        else:  # strict: only the group; prefer and auto: the group's class ranks first, then the rest
             expected = [group[(tiebreak + i) % len(group)] for i in range(min(4, len(group)))]
-            if mode is Mode.PREFER and len(expected) < 4:
+            if mode in (Mode.PREFER, Mode.AUTO) and len(expected) < 4:
                 rest = [d for d in decodes if d not in group]
                 more = min(4 - len(expected), len(rest))
                 expected += [rest[(tiebreak + i) % len(rest)] for i in range(more)]

@@ -21,13 +21,14 @@ def rows(bench: ModuleType) -> list[dict]:
 
 
 def test_quick_run_covers_every_valid_combination(rows: list[dict]) -> None:
-    combos = {(r["endpoints"], r["groups"], r["mode"]) for r in rows}
+    combos = {(r["endpoints"], r["groups"], r["mode"], r["hits"]) for r in rows}
     expected = {
-        (n, g, m)
+        (n, g, m, h)
         for n in (8, 64, 512, 4096)
         for g in (1, 4, 16, 64)
         if g <= n // 2
         for m in ("off", "prefer", "strict", "auto")
+        for h in (False, True)
     }
     assert combos == expected
     assert len(rows) == len(expected)

@@ -1,13 +1,23 @@
-"""Smoke test of the fault campaign (``bench/faults.py``) at reduced size, and its verdicts (never timing)."""
+"""Smoke test of the fault campaign (``bench/faults.py``) at reduced size, and its verdicts (never timing):
+each check of a row fed what must fail it."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import math
 
+import aiohttp
+import pytest
 from conftest import load_bench
+
+from sim.cluster import EngineSpec
+from sim.cluster_process import EngineInfo
 
 faults = load_bench("faults")
 fault_rig = load_bench("fault_rig")
+fault_scenarios = load_bench("fault_scenarios")
+soak = load_bench("soak")
 
 
 def test_two_scenarios_and_a_short_soak_pass_and_write_json(tmp_path, capsys):
@@ -26,11 +36,18 @@ def test_two_scenarios_and_a_short_soak_pass_and_write_json(tmp_path, capsys):
     assert "PASS" in capsys.readouterr().out
 
 
-def _measured(*labels: str, load: tuple[int, float] | None = (0, 0), outside: int = 0):
+def _measured(
+    *labels: str,
+    load: tuple[int, float] | None = (0, 0),
+    outside: int = 0,
+    lines: int | None = None,
+    after: dict | None = None,
+):
     outcomes = [fault_rig.Outcome(label, 0.1) for label in labels]
     usage = {"rss": 80.0, "fds": 15}
+    after = after or (usage if load else {"rss": None, "fds": None})
     return fault_rig.Measured(
-        outcomes, load, usage, usage if load else {"rss": None, "fds": None}, 9, outside
+        outcomes, load, usage, after, len(outcomes) if lines is None else lines, outside
     )
 
 
@@ -43,6 +60,8 @@ def test_a_scenario_fails_on_any_broken_expectation():
         "load left": _measured("200", load=(1, 300.0)),
         "pd-extproc exited": _measured("200", load=None),
         "an address outside the set": _measured("200", outside=1),
+        "a request without its access-log line": _measured("200", "200", lines=1),
+        "no access log": _measured("200", lines=0),
         "too many failed": _measured("200", "502 502"),
         "none served": _measured("502 502"),
     }
@@ -52,3 +71,99 @@ def test_a_scenario_fails_on_any_broken_expectation():
     assert faults.verdict(scenario, _measured("200"), "the view did not converge")["failures"] == [
         "the view did not converge"
     ]
+
+
+def test_a_garbage_decode_fails_the_row_when_it_is_not_left_out():
+    bound = fault_scenarios.EJECTION_FAILURES  # 3 + 25 requests/s x 1 s poll
+    assert bound == 28
+    assert fault_scenarios.left_out(0, bound) is None
+    assert fault_scenarios.left_out(bound, bound) is None
+    for attempts in (bound + 1, 34):  # 34 of 100: a third of the requests, without the ejection
+        assert fault_scenarios.left_out(attempts, bound) == (
+            f"the broken decode got {attempts} requests, more than {bound}: it was not left out"
+        )
+    row = faults.verdict(faults.SCENARIOS["engine-garbage"], _measured("200"), fault_scenarios.left_out(34, bound))
+    assert not row["passed"]
+
+
+def _line(listener: str, start: float, named: str, upstream: str, to_upstream: str = "3") -> str:
+    return f"{listener} {start:.3f} {to_upstream} 500 {named} {upstream} 200"
+
+
+def test_every_name_is_checked_against_the_set_listed_when_the_request_was_decided(tmp_path):
+    rig = fault_rig.Rig(tmp_path)
+    a, b, flapping = "127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"
+    rig.listings = [
+        fault_rig.Listing(1000.0, 1010.0, frozenset({a, b, flapping})),
+        fault_rig.Listing(1010.0, 1020.0, frozenset({a, b})),  # the flapping decode out for 10 s
+        fault_rig.Listing(1020.0, math.inf, frozenset({a, b, flapping})),
+    ]
+    lag = fault_rig.DISCOVERY_LAG_S
+    inside = [
+        _line("gateway", 1005.0, f"{a},{flapping}", a),
+        _line("gateway", 1010.0 + lag - 0.01, flapping, flapping),  # pd-extproc read the file late
+        _line("gateway", 1019.998, flapping, flapping, to_upstream="1"),  # decided as it came back
+        _line("gateway", 1015.0, "-", "-", to_upstream="-"),  # not routed
+        _line("prefill_leg", 1015.0, b, b),
+    ]
+    outside = [
+        _line("gateway", 1010.0 + lag + 0.01, flapping, a),  # named while unlisted
+        _line("gateway", 1015.0, a, flapping),  # Envoy connected to it while unlisted
+        _line("gateway", 1015.0, "10.9.9.9:80", "-", to_upstream="-"),  # never discovered
+        _line("prefill_leg", 1005.0, "127.0.0.1:4", "127.0.0.1:4"),
+    ]
+    for line in inside:
+        assert not fault_rig.names_outside(line.partition(" ")[2], rig.listings), line
+    for line in outside:
+        assert fault_rig.names_outside(line.partition(" ")[2], rig.listings), line
+    rig.access_log.write_text("\n".join(inside + outside) + "\n")
+    assert asyncio.run(rig.named_outside(7)) == (7, len(outside))
+
+
+def test_no_access_log_is_no_line_and_fails_the_row(tmp_path):
+    rig = fault_rig.Rig(tmp_path)
+    lines, outside = asyncio.run(rig.named_outside(3, wait=0.1))
+    assert (lines, outside) == (0, 0)
+    run = _measured("200", "200", "200", lines=lines)
+    assert faults.verdict(faults.SCENARIOS["eds-flapping"], run, None)["failures"] == [
+        "0 gateway access-log lines for 3 requests"
+    ]
+
+
+def test_the_rig_records_each_set_it_lists(tmp_path):
+    rig = fault_rig.new_rig()
+    engines = [EngineInfo(f"127.0.0.1:{p}", "decode", "a", 1000) for p in (1, 2)]
+    try:
+        rig.write_eds(engines)
+        rig.write_eds(engines[:1])
+    finally:
+        rig.stop()
+    first, second = rig.listings
+    assert first.addresses == {"127.0.0.1:1", "127.0.0.1:2"} and second.addresses == {"127.0.0.1:1"}
+    assert first.since <= second.since <= first.until < second.until == math.inf
+
+
+def test_the_soak_fails_on_rss_or_file_descriptor_growth():
+    base = {"rss": 80.0, "fds": 15}
+    assert soak.soak_verdict(_measured("200", "aborted", after=base))["passed"]
+    assert soak.soak_verdict(_measured("200", after={"rss": 87.9, "fds": 15}))["passed"]
+    grown = soak.soak_verdict(_measured("200", after={"rss": 88.0, "fds": 15}))
+    assert grown["failures"] == ["RSS grew 10.0% (limit 10%)"] and grown["rss_growth"] == pytest.approx(0.1)
+    leaked = soak.soak_verdict(_measured("200", after={"rss": 80.0, "fds": 16}))
+    assert leaked["failures"] == ["file descriptors grew 15 -> 16"]
+
+
+async def test_an_engine_with_nothing_in_flight_is_not_killed_and_the_row_says_why():
+    rig = fault_rig.new_rig()
+    try:
+        rig.start_cluster([EngineSpec("prefill", "a"), EngineSpec("decode", "a")])
+        await rig.start_router()
+        plan = fault_scenarios._kill_busy_engine(rig, "decode", 0.0, wait=0.2)
+        ((_, kill),) = plan.faults
+        await kill()  # nothing is sent: nothing in flight on the decode
+        decode = rig.engines("decode")[0].address
+        assert await plan.check() == f"nothing in flight on the decode {decode} within 0.2 s: not killed"
+        async with aiohttp.ClientSession() as session, session.get(f"http://{decode}/health") as response:
+            assert response.status == 200  # still alive
+    finally:
+        rig.stop()

@@ -263,6 +263,25 @@ def test_handoff_benchmark_end_to_end(tmp_path, monkeypatch):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_handoff_benchmark_over_mooncake_engines_shows_the_second_prefill(tmp_path):
+    """Engines running vLLM's upstream MooncakeConnector: kv-transfer-params gets no params back, so
+    no decode pulls (each prompt is prefilled twice); vllm-mooncake pulls every one."""
+    out = tmp_path / "mooncake.json"
+    assert (
+        handoff_bench.main(
+            ["--requests", "6", "--kv-connector", "mooncake", "--skip-sweep", "--json", str(out)]
+        )
+        == 0
+    )
+    output = json.loads(out.read_text())
+    runs = output["handoffs"][str(handoff_bench.FIRST_SEED)]
+    assert output["kv_connector"] == "mooncake" and list(runs) == ["kv-transfer-params", "vllm-mooncake"]
+    for summary in runs.values():
+        assert summary["requests"] == 6 and summary["errors"] == 0, summary["error_kinds"]
+    assert runs["kv-transfer-params"]["disaggregated_share"] == 0.0
+    assert runs["vllm-mooncake"]["disaggregated_share"] == 1.0
+
+
 def _sweep_point(ttft: float, tpot_p99: float) -> dict:
     return {
         "requests": 10,

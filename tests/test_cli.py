@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from ext_proc.cli import main
-from ext_proc.config import ENV_AFFINITY_BONUS, ENV_AFFINITY_MODE, AutoConfig, load_config
+from ext_proc.config import ENV_AFFINITY_BONUS, ENV_AFFINITY_MODE, AutoConfig, PrefixConfig, load_config
 
 SHIPPED_CONFIG = Path(__file__).resolve().parents[1] / "config" / "pd-extproc.yaml"
 
@@ -88,7 +88,12 @@ def test_check_config_prints_the_effective_configuration_that_loads_back_the_sam
     assert captured.err == ""
     assert captured.out.startswith(f"# {SHIPPED_CONFIG} is valid. Effective configuration")
     printed = yaml.safe_load(captured.out)
-    assert printed["affinity"] == {"mode": "prefer", "bonus": 0.3, "auto": dataclasses.asdict(AutoConfig())}
+    assert printed["affinity"] == {
+        "mode": "prefer",
+        "bonus": 0.3,
+        "auto": dataclasses.asdict(AutoConfig()),
+        "prefix": dataclasses.asdict(PrefixConfig()),
+    }
     assert printed["handoff"]["on_prefill_failure"] == "decode-only"
     assert [Path(p).name for p in printed["discovery"]["eds_files"]] == ["prefill.yaml", "decode.yaml"]
     effective = tmp_path / "effective.yaml"

@@ -22,6 +22,7 @@ from ext_proc.config import (
     InferencePoolConfig,
     KubernetesConfig,
     LoadConfig,
+    PrefixConfig,
     RoutingConfig,
     XdsConfig,
     as_dict,
@@ -29,6 +30,7 @@ from ext_proc.config import (
 )
 from ext_proc.discovery import SourceKind
 from ext_proc.discovery.pods import Preset, RoleScheme
+from ext_proc.prefix import PrefixSettings
 
 NO_ENV: dict[str, str] = {}
 
@@ -171,7 +173,7 @@ def test_unknown_top_level_key_is_named_with_the_allowed_keys(tmp_path: Path) ->
 
 def test_unknown_nested_key_is_named_with_its_section(tmp_path: Path) -> None:
     message = config_error(write_yaml(tmp_path, "affinity:\n  bouns: 0.2\n"))
-    assert message == "affinity.bouns: unknown key; allowed keys here: auto, bonus, mode"
+    assert message == "affinity.bouns: unknown key; allowed keys here: auto, bonus, mode, prefix"
 
 
 def test_unknown_override_key_is_rejected() -> None:
@@ -247,6 +249,34 @@ def test_auto_kv_bytes_come_from_the_model_shape_unless_given() -> None:
 def test_bad_auto_values_are_named(override: dict[str, object], expected: str) -> None:
     message = config_error(overrides={f"affinity.auto.{k}": v for k, v in override.items()})
     assert message.startswith(expected)
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ({"block_tokens": 0}, "affinity.prefix.block_tokens: must be an integer in [1, 4096]"),
+        ({"max_blocks": 70000}, "affinity.prefix.max_blocks: must be an integer in [1, 65536]"),
+        ({"weight": -0.1}, "affinity.prefix.weight: must be a number in [0, 100]"),
+        ({"enabled": "yes"}, "affinity.prefix.enabled: 'yes' is not allowed; use true or false"),
+    ],
+)
+def test_bad_prefix_values_are_named(override: dict[str, object], expected: str) -> None:
+    message = config_error(overrides={f"affinity.prefix.{k}": v for k, v in override.items()})
+    assert message.startswith(expected)
+
+
+def test_the_prefix_section_gives_the_policy_its_weight_only_when_enabled() -> None:
+    off = load(overrides={"affinity.prefix.weight": 0.5}).affinity
+    assert off.prefix.settings() is None and off.policy(2).prefix_weight == 0.0
+    on = load(overrides={"affinity.prefix.weight": 0.5, "affinity.prefix.enabled": True}).affinity
+    assert on.policy(2).prefix_weight == 0.5
+    assert on.prefix.settings() == PrefixSettings(16, 2048, True)
+    assert (
+        load(overrides={"affinity.auto.prefill_ms_per_token": 0.2})
+        .affinity.policy(0)
+        .auto.prefill_ms_per_token
+        == 0.2
+    )
 
 
 def test_equal_bandwidths_and_zero_wait_scale_are_allowed() -> None:
@@ -527,7 +557,12 @@ def test_as_dict_is_plain_yaml_data_that_loads_back_the_same(tmp_path: Path) -> 
     )
     data = as_dict(config)
     assert list(data) == [f.name for f in dataclasses.fields(Config)]
-    assert data["affinity"] == {"mode": "strict", "bonus": 0.3, "auto": dataclasses.asdict(AutoConfig())}
+    assert data["affinity"] == {
+        "mode": "strict",
+        "bonus": 0.3,
+        "auto": dataclasses.asdict(AutoConfig()),
+        "prefix": dataclasses.asdict(PrefixConfig()),
+    }
     assert data["discovery"]["eds_files"] == ["/e/p.yaml"]  # type: ignore[index]
     text = yaml.safe_dump(data, sort_keys=False)  # plain data: safe_dump refuses enums
     assert load(write_yaml(tmp_path, text)) == config

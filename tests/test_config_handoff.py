@@ -88,3 +88,16 @@ def test_the_serve_flags_set_the_handoff(capsys):
     assert "handoff.prefill_via: 'nohost' is not allowed" in capsys.readouterr().err
     assert main(["serve", "--pd-threshold-tokens", "-3"]) == 2
     assert "routing.pd_threshold_tokens: must be an integer >= 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("source", ["file", "flag"])
+def test_the_layerwise_mooncake_handoff_is_refused_with_why_and_what_instead(tmp_path, source) -> None:
+    """vllm-ascend's MooncakeLayerwiseConnector would crash a prefill on a prefill-first leg: refused."""
+    path = tmp_path / "c.yaml"
+    path.write_text("handoff:\n  mode: mooncake-layerwise\n" if source == "file" else "{}\n")
+    overrides = {} if source == "file" else {"handoff.mode": "mooncake-layerwise"}
+    with pytest.raises(ConfigError) as error:
+        load_config(path, overrides, environ={})
+    message = str(error.value)
+    assert message.startswith("handoff.mode: 'mooncake-layerwise' is not supported")
+    assert "remote_cached_tokens" in message and "kv-transfer-params" in message and "metaserver" in message

@@ -27,6 +27,14 @@ async def test_demo_runs_each_mode_and_strict_never_crosses_groups():
     assert results["strict"]["cross_group_share"] == 0.0
 
 
+async def test_demo_runs_vllm_mooncake_on_mooncake_engines():
+    (summary,) = (
+        await run_demo(requests=6, modes=["strict"], rate=20.0, bonus=0.3, handoff="vllm-mooncake")
+    ).values()
+    assert summary["requests"] == 6 and summary["errors"] == 0, summary["error_kinds"]
+    assert summary["kv_transfers"] == 6 and summary["cross_group_share"] == 0.0
+
+
 def test_demo_cli_writes_json_and_rejects_unknown_modes(tmp_path, capsys):
     out = tmp_path / "demo.json"
     assert main(["demo", "--requests", "4", "--modes", "prefer", "--rate", "20", "--json", str(out)]) == 0

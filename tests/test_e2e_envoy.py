@@ -8,7 +8,7 @@ import time
 import aiohttp
 import openai
 import pytest
-from e2e_harness import Stack, busy_endpoints, stack, wait_idle
+from e2e_harness import Stack, busy_endpoints, by_outcome, stack, wait_idle
 
 from ext_proc.discovery.eds import EndpointSpec
 
@@ -80,8 +80,10 @@ async def test_strict_without_same_group_decode_is_a_clear_503(tmp_path):
             )
 
 
-async def test_openai_sdk_works_unchanged_streaming_included(tmp_path):
-    async with stack(tmp_path, ["a"], ["a", "a"]) as s:
+@pytest.mark.parametrize("full_duplex", [False, True], ids=["buffered", "full-duplex-streamed"])
+async def test_openai_sdk_works_unchanged_streaming_included(tmp_path, full_duplex):
+    """The shipped phases (BUFFERED) and the GIE gateways' (FULL_DUPLEX_STREAMED both ways)."""
+    async with stack(tmp_path, ["a", "b"], ["a", "a", "b"], full_duplex=full_duplex) as s:
         client = openai.AsyncOpenAI(base_url=f"{s.gateway.url}/v1", api_key="unused", max_retries=0)
         try:
             chat = await client.chat.completions.create(
@@ -91,8 +93,8 @@ async def test_openai_sdk_works_unchanged_streaming_included(tmp_path):
             stream = await client.chat.completions.create(
                 model="m", messages=[{"role": "user", "content": "hi"}], stream=True
             )
-            text = "".join([chunk.choices[0].delta.content or "" async for chunk in stream])
-            assert text.startswith("Hello from 127.0.0.1:")
+            pieces = [chunk.choices[0].delta.content or "" async for chunk in stream]
+            assert len(pieces) == 3 and "".join(pieces).startswith("Hello from 127.0.0.1:")
             completion = await client.completions.create(model="m", prompt=[1, 2, 3], max_tokens=4)
             assert completion.choices[0].text.startswith("Hello from")
             models = await client.models.list()
@@ -102,8 +104,17 @@ async def test_openai_sdk_works_unchanged_streaming_included(tmp_path):
             assert bad.value.code == "invalid_request"
         finally:
             await client.close()
+        served = [r for b in s.decodes.values() for r in b.requests if r["path"] != "/v1/models"]
+        assert len(served) == 3
+        for record in served:  # sidecar handoff: the prefill header names a prefill of the same group
+            assert s.group_of[record["x-seen-prefiller"]] == s.group_of[record["x-served-by"]]
         async with aiohttp.ClientSession() as session:
             assert await wait_idle(session, s.admin_url) == []
+            modes = await by_outcome(session, s.admin_url, "pd_extproc_ext_proc_streams_total", "body_mode")
+        assert modes == {
+            "buffered": 0.0 if full_duplex else 5.0,
+            "full_duplex_streamed": 5.0 if full_duplex else 0.0,
+        }
 
 
 async def _decode_retries(session: aiohttp.ClientSession, s: Stack) -> int:

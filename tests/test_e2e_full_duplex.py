@@ -3,8 +3,9 @@ filter's processing modes set as the Gateway API Inference Extension gateways se
 (``ext_proc.gateway.FULL_DUPLEX_MODES``), real echo engines, the OpenAI SDK unchanged.
 
 The gateway shapes themselves (Istio, Envoy AI Gateway, kgateway, the GIE reference) are tested in
-``test_e2e_gateway_shapes.py``; this file pins the choreography: held headers, chunked bodies both
-ways, bodiless requests, errors, handoff body rewrites, the served-endpoint report and load release.
+``test_e2e_gateway_shapes.py``, the OpenAI SDK in both modes in ``test_e2e_envoy.py``; this file pins
+the choreography: chunked bodies both ways, errors, handoff body rewrites, the served-endpoint report
+and load release.
 """
 
 from __future__ import annotations
@@ -12,24 +13,12 @@ from __future__ import annotations
 import json
 
 import aiohttp
-import openai
 import pytest
 from backends import start_scripted_prefill
 from e2e_harness import busy_endpoints, gateway_over, stack, wait_idle
 
 from ext_proc.choreography import STREAMED_CHUNK_BYTES
 from ext_proc.discovery.eds import EndpointSpec
-
-
-async def _stream_modes(session: aiohttp.ClientSession, admin_url: str) -> dict[str, float]:
-    async with session.get(f"{admin_url}/metrics") as response:
-        text = await response.text()
-    counts = {}
-    for line in text.splitlines():
-        if line.startswith("pd_extproc_ext_proc_streams_total{"):
-            labels, value = line.rsplit(" ", 1)
-            counts[labels.split('"')[1]] = float(value)
-    return counts
 
 
 def _assert_no_stale_length(record: dict) -> None:
@@ -40,38 +29,6 @@ def _assert_no_stale_length(record: dict) -> None:
         assert headers["Content-Length"] == str(record["size"])
     else:
         assert headers["Transfer-Encoding"] == "chunked"
-
-
-async def test_openai_sdk_through_full_duplex_streamed_modes(tmp_path):
-    async with stack(tmp_path, ["a", "b"], ["a", "a", "b"], full_duplex=True) as s:
-        client = openai.AsyncOpenAI(base_url=f"{s.gateway.url}/v1", api_key="unused", max_retries=0)
-        try:
-            chat = await client.chat.completions.create(
-                model="m", messages=[{"role": "user", "content": "hi"}]
-            )
-            assert chat.choices[0].message.content.startswith("Hello from 127.0.0.1:")
-            stream = await client.chat.completions.create(
-                model="m", messages=[{"role": "user", "content": "hi"}], stream=True
-            )
-            pieces = [chunk.choices[0].delta.content or "" async for chunk in stream]
-            assert len(pieces) == 3 and "".join(pieces).startswith("Hello from 127.0.0.1:")
-            completion = await client.completions.create(model="m", prompt="x" * 40, max_tokens=4)
-            assert completion.choices[0].text.startswith("Hello from")
-            models = await client.models.list()
-            assert [m.id for m in models.data] == ["test"]
-            with pytest.raises(openai.BadRequestError) as bad:
-                await client.chat.completions.create(model="m", messages="not a list")  # type: ignore[arg-type]
-            assert bad.value.code == "invalid_request"
-        finally:
-            await client.close()
-        served = [r for b in s.decodes.values() for r in b.requests if r["path"] != "/v1/models"]
-        assert len(served) == 3
-        for record in served:  # sidecar handoff: the prefill header names a prefill of the same group
-            assert s.group_of[record["x-seen-prefiller"]] == s.group_of[record["x-served-by"]]
-        async with aiohttp.ClientSession() as session:
-            assert await wait_idle(session, s.admin_url) == []
-            modes = await _stream_modes(session, s.admin_url)
-        assert modes == {"buffered": 0.0, "full_duplex_streamed": 5.0}
 
 
 async def test_a_large_body_crosses_in_chunks_byte_for_byte(tmp_path):

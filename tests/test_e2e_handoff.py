@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -15,9 +16,8 @@ import aiohttp
 import openai
 import pytest
 from backends import start_backend, start_scripted_prefill
-from e2e_harness import Gatewayed, gateway_over, wait_idle
+from e2e_harness import Gatewayed, by_outcome, gateway_over, wait_idle
 from polling import until
-from prometheus_client.parser import text_string_to_metric_families
 
 from ext_proc.discovery.eds import EndpointSpec, write_eds_file
 from sim.cluster import EngineSpec, endpoint_specs, start_cluster, stop_cluster
@@ -27,14 +27,20 @@ from sim.server import RunningEngine
 KV = "kv-transfer-params"
 PROMPT = "tell me about KV caches " * 40
 CHAT = {"model": "sim", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 6}
-PARAMS = {
+PARAMS = {  # what a vLLM 0.32 NIXL prefill answers (nixl/pull_scheduler.py request_finished)
     "do_remote_prefill": True,
     "do_remote_decode": False,
+    "remote_block_ids": [[1, 2]],
     "remote_engine_id": "e1",
-    "remote_block_ids": [1, 2],
+    "remote_request_id": "cmpl-r-0",
     "remote_host": "127.0.0.1",
     "remote_port": 1,
     "tp_size": 1,
+    "dcp_size": 1,
+    "pp_size": 1,
+    "remote_num_tokens": 241,
+    "remote_blocks_expiry_time": None,
+    "transfer_mode": "pull",
 }
 
 
@@ -72,20 +78,8 @@ async def sim_gateway(
         await stop_cluster(engines)
 
 
-async def _by_outcome(session: aiohttp.ClientSession, g: Gatewayed, counter: str) -> dict[str, float]:
-    """The samples of pd-extproc's counter ``counter`` (``..._total``), by their ``outcome`` label."""
-    async with session.get(f"{g.admin_url}/metrics") as response:
-        text = await response.text()
-    return {
-        sample.labels["outcome"]: sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == counter
-    }
-
-
 async def _legs(session: aiohttp.ClientSession, g: Gatewayed) -> dict[str, float]:
-    return await _by_outcome(session, g, "pd_extproc_prefill_leg_total")
+    return await by_outcome(session, g.admin_url, "pd_extproc_prefill_leg_total")
 
 
 async def _post(
@@ -176,20 +170,31 @@ def _spec(address: str, group: str = "a") -> EndpointSpec:
     return EndpointSpec(address, group, None, True, "HEALTHY")
 
 
-async def test_prefill_without_kv_transfer_params_sends_the_plain_body(tmp_path):
+async def test_prefill_without_kv_transfer_params_sends_the_plain_body_and_says_so(tmp_path, caplog):
+    """A prefill that answers without ``kv_transfer_params`` (vLLM's MooncakeConnector does, always):
+    the decode prefills again; counted per prefill, a WARNING the first time, INFO after."""
     prefill = await start_scripted_prefill(body=b'{"choices": [{"text": "", "finish_reason": "stop"}]}')
+    caplog.set_level(logging.INFO, "ext_proc.handoff.kv_transfer")
     try:
         async with (
             sim_gateway(tmp_path, [EngineSpec("decode", "a")], {"handoff.mode": KV}, [prefill.address]) as c,
             aiohttp.ClientSession() as session,
         ):
-            status, seen, _ = await _post(session, c.g)
-            assert status == 200
-            assert seen["x-sim-kv-transfer"] == "none"  # the decode prefilled locally
-            assert await _legs(session, c.g) == {"no_kv_transfer_params": 1.0}
+            for _ in range(3):
+                status, seen, _ = await _post(session, c.g)
+                assert status == 200
+                assert seen["x-sim-kv-transfer"] == "none"  # the decode prefilled locally
+            assert await _legs(session, c.g) == {"no_kv_transfer_params": 3.0}
+            async with session.get(f"{c.g.admin_url}/metrics") as response:
+                text = await response.text()
+            line = f'pd_extproc_prefill_no_kv_transfer_params_total{{endpoint="{prefill.address}"}} 3.0'
+            assert line in text
             assert await wait_idle(session, c.g.admin_url) == []
     finally:
         await prefill.stop()
+    said = [r for r in caplog.records if "no_kv_transfer_params" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.WARNING, logging.INFO, logging.INFO]
+    assert "vllm-mooncake" in said[0].getMessage()
 
 
 FAILURES = {
@@ -424,7 +429,7 @@ async def test_sglang_bootstrap_a_dead_prefill_is_ejected_after_its_first_failed
 
 
 async def _ejections(session: aiohttp.ClientSession, g: Gatewayed) -> dict[str, float]:
-    return await _by_outcome(session, g, "pd_extproc_prefill_ejections_total")
+    return await by_outcome(session, g.admin_url, "pd_extproc_prefill_ejections_total")
 
 
 async def test_kv_transfer_params_ejects_a_failing_prefill_until_its_time_is_over(tmp_path):
@@ -507,4 +512,31 @@ async def test_without_a_healthy_prefill_kv_transfer_params_routes_decode_only(t
             assert decode.requests[0]["body"] == CHAT
             assert await _legs(s, g) == {}
     finally:
+        await decode.stop()
+
+
+async def test_sglang_batched_prompt_gets_one_bootstrap_room_per_prompt_on_both_legs(tmp_path):
+    """A completions prompt of three strings is three SGLang requests: both legs carry lists of three
+    hosts, ports and distinct rooms (SGLang's ``GenerateReqInput`` indexes them per prompt)."""
+    prefill = await start_scripted_prefill(body=b'{"choices": []}')
+    decode = await start_backend()
+    specs = ([EndpointSpec(prefill.address, "a", None, True, "HEALTHY", 9100)], [_spec(decode.address)])
+    body = {"model": "sim", "prompt": ["first " * 50, "second " * 50, "third " * 50], "max_tokens": 2}
+    try:
+        async with (
+            gateway_over(tmp_path, *specs, {"handoff.mode": "sglang-bootstrap"}) as g,
+            aiohttp.ClientSession() as session,
+        ):
+            status, _, _ = await _post(session, g, body, path="/v1/completions")
+            assert status == 200
+            await until(lambda: len(prefill.legs) == 1)
+            assert await wait_idle(session, g.admin_url) == []
+        ((_, leg),) = prefill.legs
+        (seen,) = decode.requests
+        assert leg == seen["body"]
+        assert leg["bootstrap_host"] == ["127.0.0.1"] * 3 and leg["bootstrap_port"] == [9100] * 3
+        assert len(set(leg["bootstrap_room"])) == 3
+        assert leg["prompt"] == body["prompt"]
+    finally:
+        await prefill.stop()
         await decode.stop()

@@ -195,25 +195,32 @@ async def test_fail_open_serves_without_the_router_and_through_its_restart(tmp_p
             assert generation.done and generation.served_by in stack.decodes
             assert generation.destination == ""
         await stack.start_router()
-        steady = []
+        steady: list[tuple[bool, Generation]] = []  # (sent and ended while no router ran, generation)
+        down = False
 
         async def keep_requesting() -> None:
             while True:
-                steady.append(await generate(session, stack.gateway.url, 0))
+                sent_down = down
+                generation = await generate(session, stack.gateway.url, 0)
+                steady.append((sent_down and down, generation))
                 await asyncio.sleep(0.02)
+
+        def while_down() -> list[Generation]:
+            return [generation for unrouted, generation in steady if unrouted]
 
         load = asyncio.create_task(keep_requesting())
         try:
             await until(lambda: len(steady) >= 3)
             assert stack.signal_router(signal.SIGKILL) == -signal.SIGKILL
-            during = len(steady)
-            await until(lambda: len(steady) >= during + 3)  # served while the router is down
+            down = True
+            await until(lambda: len(while_down()) >= 3)  # served while the router is down
+            down = False
             await stack.start_router()
             restarted = len(steady)
-            await until(lambda: any(g.destination for g in steady[restarted:]))  # routed again
+            await until(lambda: any(g.destination for _, g in steady[restarted:]))  # routed again
         finally:
             load.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await load
-        assert all(g.done for g in steady)
-        assert not all(g.destination for g in steady[during:restarted])
+        assert all(g.done for _, g in steady)
+        assert [g.destination for g in while_down()] == [""] * len(while_down())  # none routed

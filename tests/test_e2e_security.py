@@ -83,6 +83,43 @@ async def test_requests_sharing_client_ids_keep_their_own_transfer_ids_and_charg
         assert sorted(rooms) == sorted(leg["bootstrap_room"] for _, leg in prefill.legs)
 
 
+STEERING = {
+    "x-encoder-hosts-ports": "10.9.9.9:1",
+    "x-kv-cache-source-host-port": "10.9.9.9:2",
+    "x-data-parallel-host-port": "10.9.9.9:3",
+    "x-data-parallel-rank": "7",
+    "prefer": "if-available",
+}
+
+
+def _without_early_mutation(bootstrap: dict) -> None:
+    for listener in bootstrap["static_resources"]["listeners"]:
+        for chain in listener["filter_chains"]:
+            for network_filter in chain["filters"]:
+                network_filter["typed_config"].pop("early_header_mutation_extensions", None)
+
+
+@pytest.mark.parametrize("layer", ["both", "pd-extproc-alone"])
+async def test_no_steering_header_a_client_sends_reaches_an_engine(tmp_path, layer):
+    """A client's sidecar- and engine-steering headers are gone at the decode: removed by Envoy's
+    early header mutation and, with it deleted from the bootstrap, by pd-extproc's own answer."""
+    prefill, decode = await start_backend(), await start_backend()
+    specs = ([_healthy(prefill.address)], [_healthy(decode.address)])
+    edit = _without_early_mutation if layer == "pd-extproc-alone" else None
+    try:
+        async with gateway_over(tmp_path, *specs, edit=edit) as g, aiohttp.ClientSession() as session:
+            url = f"{g.gateway.url}/v1/chat/completions"
+            async with session.post(url, json=CHAT, headers=STEERING) as response:
+                assert response.status == 200, await response.text()
+                assert response.headers["x-served-by"] == decode.address
+        (seen,) = [r for r in decode.requests if r["path"] == "/v1/chat/completions"]
+        assert seen["x-seen-prefiller"] == prefill.address
+        assert {name.lower() for name in seen["headers"]}.isdisjoint(STEERING)
+    finally:
+        await prefill.stop()
+        await decode.stop()
+
+
 def _healthy(address: str) -> EndpointSpec:
     return EndpointSpec(address, "a", None, True, "HEALTHY")
 

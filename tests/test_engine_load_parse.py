@@ -16,9 +16,15 @@ SGLANG = (FIXTURES / "sglang_metrics.txt").read_bytes()
 
 
 def test_vllm_page_sums_requests_and_averages_kv_usage_over_engines() -> None:
-    # engine 0: 14 running, 3 waiting, 0.6234 usage; engine 1: 11, 0, 0.4410
+    # engine 0: 14 running, 3 waiting, 0.6234 usage; engine 1: 11, 0, 0.4410; prefix-cache counters summed
     sample = parse_page(VLLM, EngineKind.AUTO)
-    assert sample == EngineSample(running=25.0, waiting=3.0, kv_usage=pytest.approx(0.5322))
+    assert sample == EngineSample(
+        running=25.0,
+        waiting=3.0,
+        kv_usage=pytest.approx(0.5322),
+        prefix_queries=pytest.approx(8.645014528139366e06 + 7.276590425264394e06),
+        prefix_hits=pytest.approx(2.3106338676150874e06 + 2.391090274556218e06),
+    )
     assert parse_page(VLLM, EngineKind.VLLM) == sample
 
 
@@ -83,3 +89,37 @@ def test_an_empty_or_foreign_page_is_missing_metrics() -> None:
         with pytest.raises(ScrapeError) as error:
             parse_page(page, EngineKind.AUTO)
         assert error.value.reason == "missing"
+
+
+PD_DECODE = (
+    b"sglang:num_running_reqs 8\nsglang:num_queue_reqs 1\nsglang:token_usage 0.5\n"
+    b"sglang:num_decode_prealloc_queue_reqs 3\nsglang:num_decode_transfer_queue_reqs 2\n"
+)
+PD_PREFILL = (
+    b"sglang:num_running_reqs 1\nsglang:num_queue_reqs 2\nsglang:token_usage 0.25\n"
+    b"sglang:num_prefill_bootstrap_queue_reqs 4\nsglang:num_prefill_inflight_queue_reqs 1\n"
+)
+
+
+@pytest.mark.parametrize("kind", [EngineKind.SGLANG, EngineKind.AUTO])
+@pytest.mark.parametrize(
+    ("page", "waiting"),
+    [
+        (PD_DECODE, 6.0),  # 1 scheduled + 3 waiting for KV memory + 2 receiving their KV
+        (PD_PREFILL, 7.0),  # 2 scheduled + 4 waiting for their decode + 1 sending its KV
+        # older SGLang calls the bootstrap queue "prealloc"; a page with both names counts it once
+        (PD_PREFILL.replace(b"bootstrap", b"prealloc"), 7.0),
+        (PD_PREFILL + b"sglang:num_prefill_prealloc_queue_reqs 4\n", 7.0),
+        # the PD queues alone are a waiting count too
+        (b"sglang:token_usage 0.1\nsglang:num_decode_transfer_queue_reqs 5\n", 5.0),
+    ],
+    ids=["decode", "prefill", "prefill-older-name", "prefill-both-names", "pd-queues-only"],
+)
+def test_sglang_pd_queues_are_waiting_requests(page: bytes, waiting: float, kind: EngineKind) -> None:
+    assert parse_page(page, kind).waiting == waiting
+
+
+def test_a_page_with_pd_queues_but_no_usage_is_missing() -> None:
+    with pytest.raises(ScrapeError) as error:
+        parse_page(b"sglang:num_decode_transfer_queue_reqs 5\nsglang:num_queue_reqs 1\n", EngineKind.SGLANG)
+    assert error.value.reason == "missing" and "sglang:num_decode_transfer_queue_reqs" in str(error.value)

@@ -4,21 +4,21 @@
 from __future__ import annotations
 
 import copy
-import subprocess
 from pathlib import Path
 
 import pytest
 import yaml
 
-from ext_proc.config import HandoffConfig
+from ext_proc.config import HandoffConfig, RoutingConfig
 from ext_proc.discovery.eds import load_eds_file
 from ext_proc.gateway import (
     SHIPPED_ADS_BOOTSTRAP,
     SHIPPED_BOOTSTRAP,
     GatewayError,
-    find_envoy,
     render_bootstrap,
+    validate_envoy,
 )
+from ext_proc.handoff.base import owned_headers
 from ext_proc.handoff.kv_transfer import TIMEOUT_MARGIN_SECONDS
 from ext_proc.server import ENVOY_BODY_LIMIT_BYTES, MAX_RECEIVE_BYTES
 
@@ -27,19 +27,9 @@ SHIPPED_CONFIGS = sorted((REPO / "envoy").glob("*.yaml"))
 SHIPPED_EDS = sorted((REPO / "envoy" / "eds").glob("*.yaml"))
 
 
-def _validate(path: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [find_envoy(), "--mode", "validate", "-c", str(path), "--log-level", "error"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-
-
 @pytest.mark.parametrize("config", SHIPPED_CONFIGS, ids=lambda p: p.name)
 def test_shipped_envoy_config_validates(config):
-    result = _validate(config)
+    result = validate_envoy(config, cwd=REPO)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -68,7 +58,7 @@ def test_rendered_variants_validate(tmp_path, variant):
     }
     path = tmp_path / "envoy.yaml"
     path.write_text(yaml.safe_dump(render_bootstrap(**options)))
-    result = _validate(path)
+    result = validate_envoy(path, cwd=REPO)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -112,7 +102,7 @@ def test_validate_rejects_a_broken_config(tmp_path):
     config["static_resources"]["clusters"][0]["no_such_field"] = 1
     path = tmp_path / "broken.yaml"
     path.write_text(yaml.safe_dump(config))
-    assert _validate(path).returncode != 0
+    assert validate_envoy(path, cwd=REPO).returncode != 0
 
 
 @pytest.mark.parametrize("eds", SHIPPED_EDS, ids=lambda p: p.name)
@@ -219,3 +209,17 @@ def test_an_sglang_prefill_leg_gives_up_before_its_decode_stops_waiting():
     """With sglang-bootstrap the decode waits for its prefill's KV for SGLang's bootstrap timeout; a
     leg pd-extproc still waits for after that is lost work holding a prefill charge."""
     assert HandoffConfig().prefill_timeout_seconds < SGLANG_BOOTSTRAP_TIMEOUT_SECONDS
+
+
+@pytest.mark.parametrize("template", [SHIPPED_BOOTSTRAP, SHIPPED_ADS_BOOTSTRAP], ids=["eds", "ads"])
+def test_the_shipped_listener_removes_every_header_a_handoff_owns(template):
+    """Envoy removes a client's routing and steering headers before anything reads them, so they are
+    gone also when pd-extproc is down or fails open (the same set every handoff strips)."""
+    config = yaml.safe_load(template.read_text())
+    listeners = config["static_resources"]["listeners"]
+    (gateway,) = [listener for listener in listeners if listener["name"] == "gateway"]
+    manager = gateway["filter_chains"][0]["filters"][0]["typed_config"]
+    (early,) = manager["early_header_mutation_extensions"]
+    removed = [mutation["remove"] for mutation in early["typed_config"]["mutations"]]
+    routing = RoutingConfig()
+    assert sorted(removed) == sorted(owned_headers(routing.destination_header, routing.prefill_header))

@@ -18,7 +18,7 @@ from ext_proc.handoff.body import (
 )
 from ext_proc.handoff.kv_transfer import engine_error, read_prefill_reply
 from ext_proc.handoff.leg import LegOutcome, LegReply
-from ext_proc.handoff.sglang import bootstrap_host
+from ext_proc.handoff.sglang import bootstrap_fields, bootstrap_host, prompt_count
 
 OWNED = (KV_TRANSFER_PARAMS,)
 PARAMS = {
@@ -182,3 +182,29 @@ def test_any_other_engine_error_is_quoted():
 @pytest.mark.parametrize(("address", "host"), [("10.0.0.1:8000", "10.0.0.1"), ("[fd00::1]:8000", "fd00::1")])
 def test_bootstrap_host_is_the_ip(address, host):
     assert bootstrap_host(address) == host
+
+
+@pytest.mark.parametrize(
+    ("body", "count"),
+    [
+        ({"prompt": "one"}, 1),
+        ({"prompt": [1, 2, 3]}, 1),  # one tokenized prompt
+        ({"prompt": ["a", "b", "c"]}, 3),
+        ({"prompt": [[1, 2], [3]]}, 2),
+        ({"prompt": []}, 1),
+        ({"messages": [{"role": "user", "content": "x"}]}, 1),
+        ({"prompt": [True, 1]}, 2),  # not token ids: SGLang reads it as a batch
+    ],
+)
+def test_prompt_count_is_the_batch_sglang_makes(body, count):
+    assert prompt_count(body) == count
+
+
+def test_bootstrap_fields_are_scalars_for_one_prompt_and_lists_for_a_batch():
+    one = bootstrap_fields("10.0.0.1", 8998, 1)
+    assert (one["bootstrap_host"], one["bootstrap_port"]) == ("10.0.0.1", 8998)
+    assert type(one["bootstrap_room"]) is int and 0 <= one["bootstrap_room"] < 2**63
+    batch = bootstrap_fields("10.0.0.1", 8998, 3)
+    assert batch["bootstrap_host"] == ["10.0.0.1"] * 3 and batch["bootstrap_port"] == [8998] * 3
+    rooms = batch["bootstrap_room"]
+    assert len(rooms) == 3 == len(set(rooms)) and all(0 <= r < 2**63 for r in rooms)

@@ -9,29 +9,34 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 import typing
 from pathlib import Path
 
-import kubernetes_validate
 import pytest
 import yaml
-from helm_tool import HelmUnavailable, ensure_helm
+from helm_chart import (
+    CHART,
+    CONFIG_KEYS,
+    FULLNAME,
+    KUBE_VERSIONS,
+    NAMESPACE,
+    Manifests,
+    assert_refused_by_schema,
+    check_config,
+    effective_config,
+    helm_args,
+    install_dry_run,
+    kubernetes_problems,
+    leaf_keys,
+    lookup,
+    port_of,
+    run_helm,
+    template,
+)
 
 from ext_proc.config import MAX_PREFILL_TIMEOUT, Config, as_dict
-from ext_proc.gateway import SHIPPED_ADS_BOOTSTRAP, find_envoy, make_fail_open
+from ext_proc.gateway import SHIPPED_ADS_BOOTSTRAP, make_fail_open, validate_envoy
 from ext_proc.handoff.kv_transfer import TIMEOUT_MARGIN_SECONDS
-
-REPO = Path(__file__).resolve().parents[1]
-CHART = REPO / "charts" / "pd-extproc"
-NAMESPACE = "llm"
-RELEASE = "gw"
-FULLNAME = f"{RELEASE}-pd-extproc"
-KUBE_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
-"""The chart's kubeVersion floor and the newest schemas kubernetes-validate ships."""
-CONFIG_ENV = {k: v for k, v in os.environ.items() if not k.startswith("PD_EXTPROC_")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,77 +210,6 @@ VALUE_SETS = {
 default."""
 
 
-def leaf_keys(tree: dict[str, object], prefix: str = "") -> set[str]:
-    """The dotted keys of the leaves of ``tree`` (a mapping of mappings)."""
-    keys: set[str] = set()
-    for name, value in tree.items():
-        if isinstance(value, dict):
-            keys |= leaf_keys(value, f"{prefix}{name}.")
-        else:
-            keys.add(prefix + name)
-    return keys
-
-
-CONFIG_KEYS = leaf_keys(as_dict(Config()))
-"""Every key of pd-extproc's configuration, dotted."""
-
-
-@pytest.fixture(scope="session")
-def helm() -> Path:
-    try:
-        return ensure_helm()
-    except HelmUnavailable as exc:
-        pytest.fail(str(exc))
-
-
-def run_helm(helm: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(helm), *args], capture_output=True, text=True, timeout=60)
-
-
-def helm_args(tmp_path: Path, values: dict[str, object], sets: tuple[str, ...]) -> list[str]:
-    values_file = tmp_path / "values.yaml"
-    values_file.write_text(yaml.safe_dump(values))
-    return ["--namespace", NAMESPACE, "-f", str(values_file), *(a for s in sets for a in ("--set", s))]
-
-
-def template(helm: Path, tmp_path: Path, values: dict[str, object], sets: tuple[str, ...] = ()) -> list[dict]:
-    """``helm template`` of the chart: the rendered manifests."""
-    args = ["template", RELEASE, str(CHART), "--kube-version", KUBE_VERSIONS[0]]
-    result = run_helm(helm, *args, *helm_args(tmp_path, values, sets))
-    assert result.returncode == 0, result.stderr
-    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
-
-
-class Manifests:
-    """Rendered manifests, looked up by kind (and name)."""
-
-    def __init__(self, docs: list[dict]) -> None:
-        self.docs = docs
-
-    def all(self, kind: str) -> list[dict]:
-        return [d for d in self.docs if d["kind"] == kind]
-
-    def one(self, kind: str, name: str | None = None) -> dict:
-        (doc,) = [d for d in self.all(kind) if name is None or d["metadata"]["name"] == name]
-        return doc
-
-    @property
-    def config(self) -> str:
-        return self.one("ConfigMap", f"{FULLNAME}-config")["data"]["config.yaml"]
-
-    @property
-    def envoy(self) -> dict:
-        return yaml.safe_load(self.one("ConfigMap", f"{FULLNAME}-envoy")["data"]["envoy.yaml"])
-
-    @property
-    def pod(self) -> dict:
-        return self.one("Deployment")["spec"]["template"]["spec"]
-
-    def container(self, name: str) -> dict:
-        (container,) = [c for c in self.pod["containers"] if c["name"] == name]
-        return container
-
-
 @pytest.fixture(scope="module", params=list(VALUE_SETS), ids=list(VALUE_SETS))
 def rendered(request: pytest.FixtureRequest, helm: Path, tmp_path_factory: pytest.TempPathFactory):
     value_set = VALUE_SETS[request.param]
@@ -294,37 +228,7 @@ def test_helm_lint_strict_passes_for_every_value_set(helm: Path, tmp_path: Path)
 @pytest.mark.parametrize("version", KUBE_VERSIONS)
 def test_manifests_match_the_kubernetes_schemas(rendered, version: str) -> None:
     _, manifests = rendered
-    problems = []
-    for doc in manifests.docs:
-        if doc["kind"] == "ServiceMonitor":
-            continue  # a CRD: kubernetes-validate has no schema for it (test_services_and_monitoring)
-        try:
-            kubernetes_validate.validate(doc, version, strict=True)
-        except kubernetes_validate.ValidationError as exc:
-            problems.append(f"{doc['kind']} {doc['metadata']['name']}: {exc.message} at {list(exc.path)}")
-    assert problems == []
-
-
-def check_config(path: Path) -> subprocess.CompletedProcess[str]:
-    """The installed ``pd-extproc check-config`` on ``path``, without PD_EXTPROC_* variables."""
-    command = [str(Path(sys.executable).with_name("pd-extproc")), "check-config", "--config", str(path)]
-    return subprocess.run(command, capture_output=True, text=True, timeout=60, env=CONFIG_ENV)
-
-
-def effective_config(manifests: Manifests, tmp_path: Path) -> dict:
-    """``pd-extproc check-config``'s effective configuration of the rendered file, as rendered."""
-    path = tmp_path / "config.yaml"
-    path.write_text(manifests.config)
-    result = check_config(path)
-    assert result.returncode == 0, result.stderr
-    return yaml.safe_load(result.stdout)
-
-
-def lookup(tree: dict, dotted: str) -> object:
-    node: object = tree
-    for name in dotted.split("."):
-        node = typing.cast(dict, node)[name]
-    return node
+    assert kubernetes_problems(manifests.docs, version) == []
 
 
 def test_rendered_config_passes_check_config_with_the_values(rendered, tmp_path: Path) -> None:
@@ -381,17 +285,8 @@ def test_rendered_envoy_bootstrap_validates(rendered, tmp_path: Path) -> None:
     _, manifests = rendered
     path = tmp_path / "envoy.yaml"
     path.write_text(yaml.safe_dump(manifests.envoy))
-    result = subprocess.run(
-        [find_envoy(), "--mode", "validate", "-c", str(path), "--log-level", "error"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = validate_envoy(path)
     assert result.returncode == 0, result.stdout + result.stderr
-
-
-def port_of(host_port: str) -> int:
-    return int(host_port.rpartition(":")[2])
 
 
 def test_pod_wiring(rendered) -> None:
@@ -661,18 +556,12 @@ def test_the_bonus_is_accepted_as_users_type_it_and_rendered_as_a_number(
 def test_bad_values_are_refused_at_install_time(
     helm: Path, tmp_path: Path, sets: tuple[str, ...], values: dict[str, object], messages: list[str]
 ) -> None:
-    args = ["install", RELEASE, str(CHART), "--dry-run=client", *helm_args(tmp_path, values, sets)]
-    result = run_helm(helm, *args)
-    assert result.returncode != 0
-    assert "values don't meet the specifications of the schema" in result.stderr
-    for message in messages:
-        assert message in result.stderr
+    assert_refused_by_schema(install_dry_run(helm, tmp_path, values, sets), messages)
 
 
 def test_notes_say_how_to_reach_the_gateway(helm: Path, tmp_path: Path) -> None:
     sets = ("replicaCount=2", "engine_metrics.enabled=false")
-    args = ["install", RELEASE, str(CHART), "--dry-run=client", *helm_args(tmp_path, {}, sets)]
-    result = run_helm(helm, *args)
+    result = install_dry_run(helm, tmp_path, {}, sets)
     assert result.returncode == 0, result.stderr
     notes = result.stdout.partition("NOTES:")[2]
     assert f"kubectl port-forward --namespace {NAMESPACE} service/{FULLNAME} 8080:8080" in notes

@@ -8,9 +8,7 @@ from pathlib import Path
 
 import kubernetes_validate
 import pytest
-from test_helm_chart import FULLNAME, KUBE_VERSIONS, NAMESPACE, Manifests, helm, template
-
-__all__ = ["helm"]  # the session fixture, used by name
+from helm_chart import FULLNAME, KUBE_VERSIONS, NAMESPACE, Manifests, template
 
 RULES = [
     {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
@@ -43,6 +41,8 @@ def test_a_role_in_the_pools_namespace_grants_pods_and_inferencepools(
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": NAMESPACE}]
     for doc in (role, binding):
         kubernetes_validate.validate(doc, KUBE_VERSIONS[-1], strict=True)
+    assert manifests.pod["automountServiceAccountToken"] is True
+    assert manifests.all("InferencePool") == []  # gateway mode: a pool deployed apart from the chart
 
 
 def test_the_kubernetes_source_is_not_granted_inferencepools(helm: Path, tmp_path: Path) -> None:

@@ -319,12 +319,14 @@ async def test_while_the_api_server_is_down_the_last_view_stays(api: FakeKubeApi
     await until(lambda: run.errors("connection") >= 4)  # both watches retried with backoff
     assert len(run.published) == publishes
     assert run.available == [True]
-    api.delete(NS, "d0")  # history both watches resume through once the server is back
+    api.delete(NS, "d0")  # changes older than the restarted server's watch cache
     api.put(pool(ports=[8100]))
     api.put(engine("d1", "decode", "10.0.0.3"))
     await api.start()
     await until(lambda: run.view()["decode"] == ["10.0.0.3:8100"])
-    assert len(requests(api, "list", "pods")) == 1
+    assert run.errors("gone") == 2  # both resumes got 410 Expired: both collections listed again
+    assert len(requests(api, "list", "pods")) == len(requests(api, "list", "inferencepools")) == 2
+    assert run.available == [True]
 
 
 # --- through the server --------------------------------------------------------------------------

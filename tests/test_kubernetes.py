@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from pathlib import Path
 
 import grpc
@@ -21,19 +22,21 @@ from source_run import running
 
 from ext_proc.app import start_server
 from ext_proc.config import ConfigError, DiscoveryConfig, KubernetesConfig, load_config
-from ext_proc.discovery.kube_watch import backoff_delay, client_settings
+from ext_proc.discovery.kube_watch import backoff_delay, client_settings, status_message
 from ext_proc.discovery.kubernetes import KubernetesSource
 
 NS = "team-a"
 SELECTOR = "openfuyao.com/pdRole in (prefill,decode)"
 
 
-def fast_source(kubeconfig: Path, namespaces: tuple[str, ...] = (NS,)):
-    """A source on ``kubeconfig`` that retries after 50-100 ms."""
+def fast_source(
+    kubeconfig: Path, namespaces: tuple[str, ...] = (NS,), backoff: tuple[float, float] = (0.1, 0.2)
+):
+    """A source on ``kubeconfig`` that retries after ``backoff`` (default: 50-100 ms, then 100-200 ms)."""
 
     async def build(publish, available, metrics) -> KubernetesSource:
         settings, _ = await client_settings(str(kubeconfig), {})
-        return KubernetesSource(settings, namespaces, RULES, publish, metrics, backoff=(0.1, 0.2))
+        return KubernetesSource(settings, namespaces, RULES, publish, metrics, backoff=backoff)
 
     return build
 
@@ -44,6 +47,10 @@ def requests(api: FakeKubeApi, kind: str) -> list[dict[str, str]]:
 
 def decode(name: str, ip: str, **kwargs) -> dict:
     return pod(name, "decode", ip, namespace=kwargs.pop("namespace", NS), **kwargs)
+
+
+def warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "ext_proc.discovery.kubernetes"]
 
 
 # --- list, then watch ----------------------------------------------------------------------------
@@ -93,6 +100,20 @@ async def test_list_then_watch_from_its_version_with_added_modified_and_deleted(
     assert all(a != b for a, b in zip(run.published, run.published[1:], strict=False))  # only changes
     assert len(requests(api, "list")) == 1
     assert run.synced() > 0
+
+
+async def test_a_pod_relabelled_out_of_the_selector_leaves_and_comes_back(
+    api: FakeKubeApi, kubeconfig: Path
+) -> None:
+    api.put(decode("d0", "10.0.0.2"))
+    api.put(decode("d1", "10.0.0.3"))
+    async with running(fast_source(kubeconfig), "kubernetes") as run:
+        await until(lambda: run.published and api.watching(NS) == 1)
+        api.put(pod("d1", "router", "10.0.0.3", namespace=NS))  # a DELETED for this watch's selector
+        await until(lambda: run.view()["decode"] == ["10.0.0.2:8200"])
+        api.put(decode("d1", "10.0.0.3"))  # selected again: ADDED
+        await until(lambda: run.view()["decode"] == ["10.0.0.2:8200", "10.0.0.3:8200"])
+        assert len(requests(api, "list")) == 1
 
 
 async def test_a_pods_problem_is_logged_once(
@@ -161,43 +182,71 @@ async def test_a_dropped_connection_reconnects_from_the_last_version(
         assert len(requests(api, "list")) == 1
 
 
-async def test_while_the_api_server_is_down_the_last_view_stays(
+async def test_while_the_api_server_is_down_the_last_view_stays_and_after_its_restart_it_lists_at_once(
     api: FakeKubeApi, kubeconfig: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     api.put(decode("d0", "10.0.0.2"))
-    async with running(fast_source(kubeconfig), "kubernetes") as run:
+    backoff = (0.01, 2.0)  # grown to 0.64-1.28 s by the 8th failure
+    async with running(fast_source(kubeconfig, backoff=backoff), "kubernetes") as run:
         await until(lambda: run.published and api.watching(NS) == 1)
         synced = run.synced()
         publishes = len(run.published)
         with caplog.at_level(logging.WARNING, logger="ext_proc.discovery.kubernetes"):
             await api.stop()
-            await until(lambda: run.errors("connection") >= 3)  # refused, retried with backoff
-        assert len(run.published) == publishes
-        assert run.view()["decode"] == ["10.0.0.2:8200"]
-        assert run.synced() == synced
-        logged = [r.getMessage() for r in caplog.records if r.name == "ext_proc.discovery.kubernetes"]
-        assert logged[-1].startswith(f"kubernetes discovery: namespace {NS}: ")
-        assert "; keeping the last view (1 endpoints), retrying in " in logged[-1]
-        api.delete(NS, "d0")  # history the watch resumes through once the server is back
-        api.put(decode("d1", "10.0.0.3"))
-        await api.start()
-        await until(lambda: run.view()["decode"] == ["10.0.0.3:8200"])
-        assert len(requests(api, "list")) == 1
+            await until(lambda: run.errors("connection") >= 8)  # refused, retried with backoff
+            assert len(run.published) == publishes
+            assert run.view()["decode"] == ["10.0.0.2:8200"]
+            assert run.synced() == synced
+            assert warnings(caplog)[-1].startswith(f"kubernetes discovery: namespace {NS}: ")
+            assert "; keeping the last view (1 endpoints), retrying in " in warnings(caplog)[-1]
+            api.delete(NS, "d0")  # changes made while it was down, older than its new watch cache
+            api.put(decode("d1", "10.0.0.3"))
+            await api.start()
+            await until(lambda: run.view()["decode"] == ["10.0.0.3:8200"])
+        # The resume got 410 Expired from the restarted server: listed again after the first delay,
+        # not after the one grown during the outage.
+        (gone,) = [m for m in warnings(caplog) if ": HTTP 410: Expired: too old resource version: " in m]
+        delay = float(re.search(r"retrying in ([0-9.]+) s$", gone)[1])
+        assert delay <= backoff[0], gone
+        assert run.errors("gone") == 1
+        assert len(requests(api, "list")) == 2
         await until(lambda: run.synced() > synced)
 
 
-async def test_an_http_error_is_retried_and_nothing_is_published_before_a_list(
-    api: FakeKubeApi, kubeconfig: Path
+async def test_a_watch_the_server_ends_cleanly_confirms_the_view(api: FakeKubeApi, kubeconfig: Path) -> None:
+    api.put(decode("d0", "10.0.0.2"))
+    async with running(fast_source(kubeconfig), "kubernetes") as run:
+        await until(lambda: run.published and api.watching(NS) == 1)
+        listed = run.synced()
+        api.end_watches()  # a quiet server's watch timeout: no event, no bookmark before it
+        await until(lambda: len(requests(api, "watch")) == 2)
+        assert run.synced() > listed
+        assert len(requests(api, "list")) == 1
+
+
+async def test_an_http_error_is_retried_logged_on_one_line_and_nothing_is_published_before_a_list(
+    api: FakeKubeApi, kubeconfig: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     api.put(decode("d0", "10.0.0.2"))
     api.refuse(403)
-    async with running(fast_source(kubeconfig), "kubernetes") as run:
-        await until(lambda: run.errors("api_error") >= 2)
-        assert run.published == []
-        assert run.synced() is None
-        api.refuse(None)
-        await until(lambda: run.published)
-        assert run.view()["decode"] == ["10.0.0.2:8200"]
+    forbidden = f'HTTP 403: Forbidden: pods is forbidden in namespace "{NS}"; keeping the last view'
+    with caplog.at_level(logging.WARNING, logger="ext_proc.discovery.kubernetes"):
+        async with running(fast_source(kubeconfig), "kubernetes") as run:
+            await until(lambda: run.errors("api_error") >= 2)  # the list refused
+            assert run.published == []
+            assert run.synced() is None
+            api.refuse(None)
+            await until(lambda: run.published and api.watching(NS) == 1)
+            assert run.view()["decode"] == ["10.0.0.2:8200"]
+            api.refuse(403)
+            api.end_watches()  # the watch's resume refused
+            await until(lambda: run.errors("api_error") >= 3)
+            assert run.view()["decode"] == ["10.0.0.2:8200"]
+    refused = [m for m in warnings(caplog) if "HTTP 403" in m]
+    assert len(refused) >= 3
+    for message in refused:  # the body's Status message (its trailing newline dropped), on one line
+        assert message.startswith(f"kubernetes discovery: namespace {NS}: {forbidden} (")
+        assert "\n" not in message
 
 
 async def test_publishes_wait_for_the_first_list_of_every_namespace(
@@ -252,6 +301,18 @@ async def test_neither_kubeconfig_nor_service_account_is_a_config_error(tmp_path
         f"discovery.kubernetes: cannot use the in-cluster service account ({tmp_path}): "
     )
     assert "--kubeconfig" in str(info.value)
+
+
+def test_an_error_body_is_one_line() -> None:
+    status = '{"kind": "Status", "reason": "Forbidden", "message": "pods is forbidden:\\n no"}\n'
+    assert status_message(status) == "Forbidden: pods is forbidden: no"
+    assert status_message('{"kind": "Status", "message": "m"}') == "m"
+    assert (
+        status_message("<html>\n<body>Bad Gateway</body>\n</html>\n")
+        == "<html> <body>Bad Gateway</body> </html>"
+    )
+    assert status_message("[1]") == "[1]"
+    assert status_message(" \n") == "(no body)"
 
 
 def test_backoff_doubles_up_to_its_cap() -> None:

@@ -60,12 +60,17 @@ class ConfigMapMount:
 
 
 def config_text(
-    eds: list[Path], mode: str, bonus: float = 0.3, fallback_count: int = 2, auto: str = "{}"
+    eds: list[Path],
+    mode: str,
+    bonus: float = 0.3,
+    fallback_count: int = 2,
+    auto: str = "{}",
+    prefix: str = "{}",
 ) -> str:
     return (
         "listen: 127.0.0.1:0\nmetrics_listen: 127.0.0.1:0\n"
         f"discovery:\n  eds_files: [{eds[0]}, {eds[1]}]\n  poll_interval_seconds: 0.05\n"
-        f"affinity:\n  mode: '{mode}'\n  bonus: {bonus}\n  auto: {auto}\n"
+        f"affinity:\n  mode: '{mode}'\n  bonus: {bonus}\n  auto: {auto}\n  prefix: {prefix}\n"
         f"routing:\n  fallback_count: {fallback_count}\n  pd_threshold_tokens: 0\n"
     )
 
@@ -162,6 +167,27 @@ async def test_a_changed_bonus_applies_live(tmp_path: Path, eds: list[Path]) -> 
             mount.update(config_text(eds, "prefer", bonus=0.0))
             await until(lambda: server.router.policy.bonus == 0.0)
             assert await route(stub) == OTHER_GROUP
+    finally:
+        await server.stop(grace=0)
+
+
+async def test_the_prefix_index_is_switched_on_tuned_and_off_live(tmp_path: Path, eds: list[Path]) -> None:
+    mount = ConfigMapMount(tmp_path / "mount", config_text(eds, "prefer"))
+    server = await serve(mount)
+    try:
+        assert server.router.prefix is None and server.router.policy.prefix_weight == 0.0
+        mount.update(config_text(eds, "prefer", prefix="{enabled: true, weight: 0.5}"))
+        await until(lambda: server.router.prefix is not None)
+        tracker = server.router.prefix
+        assert server.router.policy.prefix_weight == 0.5
+        mount.update(config_text(eds, "prefer", prefix="{enabled: true, weight: 0.2}"))
+        await until(lambda: server.router.policy.prefix_weight == 0.2)
+        assert server.router.prefix is tracker  # same hashing: the index is kept
+        mount.update(config_text(eds, "prefer", prefix="{enabled: true, weight: 0.2, block_tokens: 32}"))
+        await until(lambda: server.router.prefix is not tracker)
+        assert server.router.prefix is not None and server.router.prefix.settings.block_tokens == 32
+        mount.update(config_text(eds, "prefer", prefix="{enabled: false}"))
+        await until(lambda: server.router.prefix is None)
     finally:
         await server.stop(grace=0)
 

@@ -14,6 +14,7 @@ from ext_proc.discovery import ClusterEndpoints, EndpointSpec
 from ext_proc.handoff import Refused, RequestMeta, Routed, RoutingInstructions, SidecarHandoff
 from ext_proc.load import Lease
 from ext_proc.metrics import Metrics
+from ext_proc.prefix import PrefixSettings
 from ext_proc.registry import EndpointState, Registry
 from ext_proc.router import Router
 
@@ -40,6 +41,8 @@ def make_router(
     fallback_count: int = 2,
     max_inflight_requests: int = 0,
     retry_after_seconds: int = 1,
+    prefix: PrefixSettings | None = None,
+    prefix_weight: float = 0.0,
 ) -> Router:
     registry = Registry("prefill", "decode", 10_000.0)
     registry.update(
@@ -50,12 +53,13 @@ def make_router(
     )
     return Router(
         registry,
-        Policy(mode, bonus, fallback_count),
+        Policy(mode, bonus, fallback_count, prefix_weight=prefix_weight),
         SidecarHandoff(DEST, PREFILL),
         Metrics(registry.endpoints),
         DEFAULT_MAX_TOKENS,
         max_inflight_requests=max_inflight_requests,
         retry_after_seconds=retry_after_seconds,
+        prefix=prefix,
     )
 
 
@@ -306,3 +310,36 @@ def test_decision_seconds_times_the_choice_alone(
     routed(prefer_router.route_bodiless())
     assert value(prefer_router, "pd_extproc_decision_seconds_count") == 1.0
     assert value(prefer_router, "pd_extproc_decision_seconds_sum") < pause
+
+
+# ---------------------------------------------------------------- the prefix index
+
+
+TENANT = "t" * 4000  # 1,000 tokens: 62 blocks of 16, plus a partial one
+
+
+def test_with_the_prefix_index_a_repeated_prompt_goes_back_and_charges_only_its_uncached_tokens() -> None:
+    prefills = [ep(f"10.0.0.{i}:8000", "a") for i in (1, 2, 3)]
+    router = make_router(prefills, [ep("10.0.1.1:8000", "a")], prefix=PrefixSettings(), prefix_weight=0.1)
+
+    def prefill_of(result: Routed) -> str:
+        return dict(result.instructions.set_headers)[PREFILL]
+
+    holder = prefill_of(routed(router.route_body(chat(TENANT + "q1"), CHAT_META)))
+    assert state(router, holder, "prefill").active_tokens == 1001
+    again = routed(router.route_body(chat(TENANT + "q2"), CHAT_META))
+    assert prefill_of(again) == holder  # although it is the busiest prefill
+    assert state(router, holder, "prefill").active_tokens == 1001 + (1001 - 62 * 16)
+    assert value(router, "pd_extproc_prefix_predicted_hit_tokens_sum", role="prefill") == 62 * 16
+
+
+def test_set_prefix_keeps_the_index_while_its_hashing_stays_and_drops_it_when_off() -> None:
+    router = make_router([ep("10.0.0.1:8000", "a")], [ep("10.0.1.1:8000", "a")], prefix=PrefixSettings())
+    tracker = router.prefix
+    router.set_prefix(PrefixSettings(self_correct=False))
+    assert router.prefix is tracker and tracker is not None and not tracker.settings.self_correct
+    router.set_prefix(PrefixSettings(block_tokens=32))
+    assert router.prefix is not tracker and router.prefix is not None
+    router.set_prefix(None)
+    assert router.prefix is None
+    routed(router.route_body(chat(TENANT), CHAT_META))  # routes without an index

@@ -20,13 +20,14 @@ from test_router import P1, ep, make_router
 
 from ext_proc.admin import build_admin_app
 from ext_proc.affinity import Cost
-from ext_proc.app import RunningServer, start_server
+from ext_proc.app import RunningServer, build_handoff, start_server
 from ext_proc.config import ConfigError, TlsConfig, load_config
 from ext_proc.discovery.eds import EndpointSpec, write_eds_file
 from ext_proc.handoff import (
     DecodeRoute,
     FailurePolicy,
     HandoffJob,
+    HandoffMode,
     KvTransferParamsHandoff,
     Placement,
     PrefillClient,
@@ -34,6 +35,7 @@ from ext_proc.handoff import (
     Routed,
     SglangBootstrapHandoff,
 )
+from ext_proc.handoff.base import STEERING_HEADERS
 from ext_proc.handoff.body import HANDOFF_FIELDS, PREFILL_REQUEST_PARAMS, prefill_leg_body
 from ext_proc.metrics import Metrics
 from ext_proc.router import Router
@@ -46,6 +48,8 @@ INJECTED = {
     "bootstrap_host": "10.9.9.9",
     "bootstrap_port": 8998,
     "bootstrap_room": 42,
+    "routed_dp_rank": 3,
+    "disagg_prefill_dp_rank": 1,
 }
 
 
@@ -261,3 +265,18 @@ async def test_tls_without_a_client_ca_needs_no_client_certificate(
         target = f"127.0.0.1:{server.grpc_port}"
         assert await liveness(target, channel_credentials(c, None))
         assert not await liveness(target, None)
+
+
+@pytest.mark.parametrize("mode", list(HandoffMode))
+async def test_every_handoff_owns_the_routing_and_steering_headers(mode: HandoffMode) -> None:
+    """What the server strips from each request (``routing_headers``): both routing headers and every
+    header that steers a sidecar or an engine, whatever the handoff."""
+    config = load_config(None, {"handoff.mode": mode.value, "routing.prefill_header": "x-p"}, environ={})
+    handoff = build_handoff(config, Metrics(make_registry().endpoints))
+    try:
+        owned = set(handoff.routing_headers)
+        assert {"x-gateway-destination-endpoint", "x-p", *STEERING_HEADERS} <= owned
+        assert {"x-encoder-hosts-ports", "x-kv-cache-source-host-port", "prefer"} <= owned
+        assert all(name == name.lower() for name in owned)  # Envoy's header map is lower case
+    finally:
+        await handoff.close()

@@ -17,6 +17,7 @@ from polling import until
 from ext_proc.app import start_server
 from ext_proc.config import load_config
 from ext_proc.discovery.eds import EndpointSpec, write_eds_file
+from ext_proc.handoff.base import STEERING_HEADERS
 from ext_proc.server import ENVOY_BODY_LIMIT_BYTES, MAX_RECEIVE_BYTES
 
 
@@ -28,6 +29,7 @@ async def test_headers_then_body_routes_and_charges_until_the_stream_ends(server
         "x-gateway-destination-endpoint",
         "x-prefiller-host-port",
         "x-gateway-kv-handoff",
+        *STEERING_HEADERS,
     ]
     await call.write(body())
     routed = await call.read()

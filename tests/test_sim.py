@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ext_proc.discovery.eds import EndpointSpec, write_eds_file
 from sim.cluster import EngineSpec, endpoint_specs, start_cluster, stop_cluster
 from sim.config import EngineConfig, KvConfig, TimingConfig
+from sim.handoff import PREFILL_CACHED_PARAM, PREFILL_MS_PARAM
 from sim.server import RunningEngine, start_engine
 
 FAST = TimingConfig(time_scale=0.01)
@@ -229,17 +230,39 @@ async def test_request_larger_than_kv_cache_is_400(http) -> None:
 HANDOFF = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None}
 
 
-async def test_prefill_returns_kv_transfer_params(http) -> None:
+@pytest.mark.parametrize("stops", [False, True], ids=["length", "stop"])
+async def test_prefill_returns_kv_transfer_params_in_vllm_0_32_shape(http, stops) -> None:
+    """vLLM 0.32 NIXL (``NixlConnectorScheduler.request_finished``): params also when the one token
+    is a stop, blocks per KV cache group, the request's id, the parallel sizes and token count."""
     async with cluster([EngineSpec("prefill", "g1")]) as [prefill]:
         req = {"prompt": [7] * 40, "max_tokens": 1, "stream": False, "kv_transfer_params": HANDOFF}
-        status, headers, body = await post(http, prefill, "/v1/completions", req)
+        if stops:
+            req["sim_output_tokens"] = 1
+        status, headers, body = await post(
+            http, prefill, "/v1/completions", req, headers={"X-Request-Id": "r-1"}
+        )
         assert status == 200
         params = body["kv_transfer_params"]
-        assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
-        assert (params["remote_host"], params["remote_port"]) == ("127.0.0.1", prefill.port)
-        assert params["remote_engine_id"] and params["tp_size"] == 1
-        assert len(params["remote_block_ids"]) == 3  # 40 prompt tokens in 16-token blocks
-        assert body["usage"]["completion_tokens"] == 1 and body["choices"][0]["finish_reason"] == "length"
+        params.pop(PREFILL_MS_PARAM)
+        assert params.pop(PREFILL_CACHED_PARAM) == 0  # the simulator's own: its prefix-cache hit
+        (blocks,) = params.pop("remote_block_ids")  # one KV cache group
+        assert len(blocks) == 3 and all(type(b) is int for b in blocks)  # 40 tokens, 16-token blocks
+        assert params == {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": prefill.engine.engine_id,
+            "remote_request_id": "r-1",
+            "remote_host": "127.0.0.1",
+            "remote_port": prefill.port,
+            "tp_size": 1,
+            "dcp_size": 1,
+            "pp_size": 1,
+            "remote_num_tokens": 40,
+            "remote_blocks_expiry_time": None,
+            "transfer_mode": "pull",
+        }
+        reason = "stop" if stops else "length"
+        assert body["usage"]["completion_tokens"] == 1 and body["choices"][0]["finish_reason"] == reason
         assert headers["x-sim-kv-transfer"] == "none"
         assert (await metrics(http, prefill))["sim:remote_prefills_total"] == 1
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -24,6 +25,7 @@ from sim.config import KvConfig, TimingConfig
 from sim.server import RunningEngine
 
 FAST = TimingConfig(time_scale=0.01)  # 1 model second = 10 wall ms
+RECOMPUTE = KvConfig(kv_load_failure_policy="recompute")
 PREFILL_LEG = (
     PREFILL_REQUEST_PARAMS  # what the gateway's prefill leg asks (tests/test_e2e_handoff.py spells it out)
 )
@@ -125,30 +127,28 @@ async def test_prefill_params_name_the_request_and_the_blocks_stay_held(http) ->
         assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
         assert (params["remote_host"], params["remote_port"]) == ("127.0.0.1", prefill.port)
         assert isinstance(params["remote_engine_id"], str) and params["tp_size"] == 1
-        assert len(params["remote_block_ids"]) == 3
+        assert len(params["remote_block_ids"]) == 1 and len(params["remote_block_ids"][0]) == 3
         assert headers["x-sim-kv-transfer"] == "none"
         m = await metrics(http, prefill)
         assert m["sim:kv_held_requests"] == 1 and m["sim:remote_prefills_total"] == 1
         assert m["vllm:kv_cache_usage_perc"] == pytest.approx(3 / (262144 // 16))  # 41 tokens: 3 blocks
 
-        _, _, body = await prefill_leg(http, prefill)  # no X-Request-Id: the engine's own id
-        assert "cmpl-" + body["kv_transfer_params"]["remote_request_id"] == body["id"]
+        _, _, body = await prefill_leg(http, prefill)  # no X-Request-Id: one the engine makes
+        assert body["kv_transfer_params"]["remote_request_id"] not in ("", "gw-42")
         assert body["kv_transfer_params"]["remote_block_ids"] != params["remote_block_ids"]
         assert (await metrics(http, prefill))["sim:kv_held_requests"] == 2
 
 
 @pytest.mark.parametrize(("sim_output_tokens", "reason"), [(1, "stop"), (2, "length")])
-async def test_prefill_that_stops_returns_no_params_and_holds_nothing(
-    http, sim_output_tokens, reason
-) -> None:
+async def test_a_nixl_prefill_hands_off_on_a_stop_too(http, sim_output_tokens, reason) -> None:
+    """vLLM 0.32 NIXL returns params for FINISHED_STOPPED as for FINISHED_LENGTH_CAPPED."""
     async with cluster([EngineSpec("prefill", "g1")]) as [prefill]:
         status, _, body = await prefill_leg(http, prefill, {"sim_output_tokens": sim_output_tokens})
         assert status == 200 and body["choices"][0]["finish_reason"] == reason
         assert body["usage"]["completion_tokens"] == 1
-        assert ("kv_transfer_params" in body) is (reason == "length")
+        assert body["kv_transfer_params"]["do_remote_prefill"] is True
         m = await metrics(http, prefill)
-        assert m["sim:kv_held_requests"] == (reason == "length")
-        assert (m["vllm:kv_cache_usage_perc"] == 0) is (reason == "stop")
+        assert m["sim:kv_held_requests"] == 1 and m["vllm:kv_cache_usage_perc"] > 0
 
 
 async def test_sim_output_tokens_at_the_budget_is_a_stop_and_plain_requests_keep_length(http) -> None:
@@ -180,9 +180,11 @@ async def test_held_blocks_block_admission_until_the_decode_pulls_them(http) -> 
         assert m["sim:kv_held_requests"] == 1 and m["vllm:kv_cache_usage_perc"] == 0.75
 
 
-async def test_pull_frees_the_blocks_and_a_second_pull_recomputes(http, tmp_path: Path) -> None:
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+async def test_pull_frees_the_blocks_and_a_second_pull_fails_by_policy(http, tmp_path: Path, policy) -> None:
     specs = [EngineSpec("prefill", "g1"), EngineSpec("decode", "g1")]
-    async with cluster(specs, tmp_path / "eds.json") as [prefill, decode]:
+    kv = KvConfig(kv_load_failure_policy=policy)
+    async with cluster(specs, tmp_path / "eds.json", kv) as [prefill, decode]:
         _, _, first = await prefill_leg(http, prefill, request_id="r1")
         params = first["kv_transfer_params"]
         status, headers, body = await post(http, decode, decode_body(params), headers={"X-Request-Id": "r1"})
@@ -197,20 +199,33 @@ async def test_pull_frees_the_blocks_and_a_second_pull_recomputes(http, tmp_path
         )
         assert idle(await metrics(http, prefill))
 
-        status, headers, _ = await post(http, decode, decode_body(params))  # released: not held any more
+        status, headers, body = await post(http, decode, decode_body(params))  # released: not held any more
+        dm = await metrics(http, decode)
+        assert dm["sim:kv_transfers_total{same_group}"] == 1
+        if policy == "fail":  # vLLM 0.32's answer to a request finished with reason "error"
+            assert status == 500 and body == {
+                "error": {
+                    "message": "Internal server error",
+                    "type": "InternalServerError",
+                    "param": None,
+                    "code": 500,
+                }
+            }
+            assert dm["sim:kv_load_failures_total"] == 1 and dm["sim:kv_recomputes_total"] == 0
+            return
         assert status == 200 and headers["x-sim-kv-transfer"] == "none"
         assert "holds no such KV blocks" in headers["x-sim-warning"] and "x-sim-prefill-engine" not in headers
-        dm = await metrics(http, decode)
-        assert dm["sim:kv_recomputes_total"] == 1 and dm["sim:kv_transfers_total{same_group}"] == 1
+        assert dm["sim:kv_recomputes_total"] == 1 and dm["sim:kv_load_failures_total"] == 0
 
 
 async def test_blocks_of_another_engine_id_or_unknown_ids_are_recomputed(http) -> None:
-    async with cluster([EngineSpec("prefill", "g1"), EngineSpec("decode", "g1")]) as [prefill, decode]:
+    specs = [EngineSpec("prefill", "g1"), EngineSpec("decode", "g1")]
+    async with cluster(specs, kv=RECOMPUTE) as [prefill, decode]:
         _, _, first = await prefill_leg(http, prefill)
         params = first["kv_transfer_params"]
         for wrong, says in (
             ({"remote_engine_id": "sim-other"}, "is not"),
-            ({"remote_block_ids": [10**6]}, "holds no such KV blocks"),
+            ({"remote_block_ids": [[10**6]]}, "holds no such KV blocks"),
         ):
             status, headers, _ = await post(http, decode, decode_body({**params, **wrong}))
             assert (
@@ -219,8 +234,8 @@ async def test_blocks_of_another_engine_id_or_unknown_ids_are_recomputed(http) -
         assert (await metrics(http, prefill))["sim:kv_held_requests"] == 1  # untouched
 
 
-async def test_hold_expires_after_the_timeout_and_frees_the_blocks(http) -> None:
-    kv = KvConfig(kv_hold_timeout_s=5.0)  # 50 wall ms at time_scale 0.01
+async def test_hold_expires_after_the_lease_and_frees_the_blocks(http) -> None:
+    kv = KvConfig(kv_lease_s=5.0, kv_load_failure_policy="recompute")  # 50 wall ms at time_scale 0.01
     async with cluster([EngineSpec("prefill", "g1"), EngineSpec("decode", "g1")], kv=kv) as [prefill, decode]:
         _, _, first = await prefill_leg(http, prefill)
         m = await until(http, prefill, lambda m: m["sim:kv_holds_expired_total"] == 1)
@@ -238,11 +253,15 @@ async def test_hold_expires_after_the_timeout_and_frees_the_blocks(http) -> None
         ({"remote_port": "8000"}, "remote_port"),
         ({"remote_port": None}, "remote_port"),
         ({"remote_block_ids": [1, "2"]}, "remote_block_ids"),
+        ({"remote_block_ids": [[1], [2, "3"]]}, "remote_block_ids"),
+        ({"remote_block_ids": [[1], 2]}, "remote_block_ids"),
+        ({"remote_block_ids": []}, "remote_block_ids"),
         ({"remote_block_ids": None}, "remote_block_ids"),
         ({"remote_engine_id": 5}, "remote_engine_id"),
     ],
 )
 async def test_malformed_params_are_recomputed_with_a_warning(http, bad: dict, field: str) -> None:
+    """vLLM ignores invalid params ("will not utilize KVTransfer"), whatever the failure policy."""
     async with cluster([EngineSpec("prefill", "g1"), EngineSpec("decode", "g1")]) as [prefill, decode]:
         _, _, first = await prefill_leg(http, prefill)
         status, headers, body = await post(http, decode, decode_body({**first["kv_transfer_params"], **bad}))
@@ -256,16 +275,29 @@ async def test_malformed_params_are_recomputed_with_a_warning(http, bad: dict, f
         assert (await metrics(http, prefill))["sim:kv_held_requests"] == 1  # nobody pulled it
 
 
-async def test_unreachable_prefill_is_recomputed_and_streams(http, unused_tcp_port: int) -> None:
-    async with cluster([EngineSpec("decode", "g1")]) as [decode]:
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+async def test_unreachable_prefill_streams_by_policy(http, unused_tcp_port: int, policy: str) -> None:
+    """``fail``: a 200 stream whose only event is vLLM's error, then ``[DONE]`` (as vLLM 0.32 answers
+    a streaming request whose KV load failed); ``recompute``: the decode prefills and streams."""
+    async with cluster([EngineSpec("decode", "g1")], kv=KvConfig(kv_load_failure_policy=policy)) as [decode]:
         params = {**PREFILL_LEG, "do_remote_decode": False, "do_remote_prefill": True}
         params.update(
-            remote_engine_id="e", remote_block_ids=[1], remote_host="127.0.0.1", remote_port=unused_tcp_port
+            remote_engine_id="e", remote_block_ids=[[1]], remote_host="127.0.0.1", remote_port=unused_tcp_port
         )
         async with http.post(decode.url + "/v1/completions", json=decode_body(params, stream=True)) as resp:
             assert resp.status == 200 and resp.headers["x-sim-kv-transfer"] == "none"
-            assert "unreachable" in resp.headers["x-sim-warning"]
-            assert (await resp.text()).endswith("data: [DONE]\n\n")
+            text = await resp.text()
+        if policy == "fail":
+            error = {
+                "message": "Internal server error",
+                "type": "InternalServerError",
+                "param": None,
+                "code": 500,
+            }
+            assert text == f"data: {json.dumps({'error': error}, separators=(',', ':'))}\n\ndata: [DONE]\n\n"
+            return
+        assert "unreachable" in resp.headers["x-sim-warning"]
+        assert text.endswith("data: [DONE]\n\n")
 
 
 async def test_sidecar_pull_releases_the_held_blocks(http) -> None:
@@ -276,6 +308,133 @@ async def test_sidecar_pull_releases_the_held_blocks(http) -> None:
         assert headers["x-sim-prefill-engine"] == prefill.address
         m = await metrics(http, prefill)
         assert idle(m) and m["sim:remote_prefills_total"] == 1
+
+
+async def test_decode_heartbeats_keep_the_prefills_lease_while_it_queues(http) -> None:
+    """A NIXL decode request queued longer than the lease still pulls: its heartbeats (every lease/6)
+    keep renewing the prefill's hold (vLLM 0.32 ``_send_heartbeats`` / ``_handle_heartbeat``)."""
+    slow = TimingConfig(time_scale=0.01, max_batch=1, decode_step_ms=1000.0)  # one token per model s
+    specs = [EngineSpec("prefill", "g1", timing=FAST), EngineSpec("decode", "g1")]
+    async with cluster(specs, timing=slow) as [prefill, decode]:  # the default lease: 30 model s
+        _, _, first = await prefill_leg(http, prefill, request_id="hb-1")
+        busy = asyncio.create_task(post(http, decode, {"prompt": "abcd", "max_tokens": 100}))  # 100 model s
+        await until(http, decode, lambda m: m["vllm:num_requests_running"] == 1)
+        status, headers, _ = await post(http, decode, decode_body(first["kv_transfer_params"]))
+        assert status == 200 and headers["x-sim-prefill-engine"] == prefill.address
+        assert float(headers["x-sim-queue-ms"]) > 2 * 30_000  # waited longer than two leases
+        assert (await busy)[0] == 200
+        m = await metrics(http, prefill)
+        assert m["sim:kv_holds_expired_total"] == 0 and idle(m)
+
+
+# --- vLLM upstream MooncakeConnector ---------------------------------------------------------------
+
+MOONCAKE = KvConfig(kv_connector="mooncake")
+
+
+def mooncake_leg(transfer_id: str) -> dict:
+    return {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id}
+
+
+def mooncake_decode(prefill: RunningEngine, transfer_id: str, engine_id: str | None = None) -> dict:
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "transfer_id": transfer_id,
+        "remote_bootstrap_addr": f"http://{prefill.address}",
+        "remote_engine_id": engine_id or prefill.engine.engine_id,
+    }
+
+
+async def test_mooncake_bootstrap_server_answers_its_engine_ids(http) -> None:
+    async with cluster([EngineSpec("prefill", "g1"), EngineSpec("decode", "g1")], kv=MOONCAKE) as engines:
+        prefill, decode = engines
+        async with http.get(prefill.url + "/query") as resp:
+            assert resp.status == 200
+            worker = {"0": {"0": prefill.address}}
+            assert await resp.json() == {"0": {"engine_id": prefill.engine.engine_id, "worker_addr": worker}}
+        async with http.get(decode.url + "/query") as resp:
+            assert resp.status == 404
+
+
+@pytest.mark.parametrize("decode_first", [True, False])
+async def test_mooncake_legs_meet_by_transfer_id_in_either_order(http, tmp_path: Path, decode_first) -> None:
+    specs = [EngineSpec("prefill", "g1"), EngineSpec("decode", "g1")]
+    async with cluster(specs, tmp_path / "eds.json", MOONCAKE) as [prefill, decode]:
+        leg = {"prompt": PROMPT, "max_tokens": 1, "kv_transfer_params": mooncake_leg("xfer-1")}
+        to_decode = post(http, decode, decode_body(mooncake_decode(prefill, "xfer-1")))
+        to_prefill = post(http, prefill, leg)
+        if decode_first:
+            d = asyncio.create_task(to_decode)
+            await until(http, decode, lambda m: m["vllm:num_requests_waiting"] == 1)  # pulling, waiting
+            p = await to_prefill
+            d = await d
+        else:
+            p = await to_prefill
+            d = await to_decode
+        status, _, body = p
+        assert status == 200 and "kv_transfer_params" not in body  # vLLM's Mooncake prefill returns none
+        status, headers, body = d
+        assert status == 200 and body["usage"]["completion_tokens"] == 4
+        assert (
+            headers["x-sim-kv-transfer"] == "same_group"
+            and headers["x-sim-prefill-engine"] == prefill.address
+        )
+        assert "x-sim-warning" not in headers
+        assert idle(await metrics(http, prefill))
+
+
+@pytest.mark.parametrize(
+    ("case", "says"),
+    [("engine-id", "not found from bootstrap server"), ("no-prefill", "holds no KV of transfer")],
+)
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+async def test_mooncake_load_failures_follow_the_policy(http, case, says, policy) -> None:
+    """An engine id the bootstrap server does not list, or a transfer no prefill request brings within
+    ``mooncake_abort_timeout_s``: the decode's policy decides."""
+    kv = KvConfig(kv_connector="mooncake", kv_load_failure_policy=policy, mooncake_abort_timeout_s=2.0)
+    async with cluster([EngineSpec("prefill", "g1"), EngineSpec("decode", "g1")], kv=kv) as [prefill, decode]:
+        params = mooncake_decode(prefill, "xfer-9", "sim-other" if case == "engine-id" else None)
+        status, headers, body = await post(http, decode, decode_body(params))
+        dm = await metrics(http, decode)
+        if policy == "fail":
+            assert status == 500 and body["error"]["message"] == "Internal server error"
+            assert dm["sim:kv_load_failures_total"] == 1
+        else:
+            assert (
+                status == 200 and headers["x-sim-kv-transfer"] == "none" and says in headers["x-sim-warning"]
+            )
+            assert dm["sim:kv_recomputes_total"] == 1
+
+
+@pytest.mark.parametrize(
+    ("params", "extra", "held"),
+    [
+        (mooncake_leg("xfer-2"), {}, 1),
+        ({"do_remote_decode": True, "do_remote_prefill": False}, {}, 0),  # "Missing transfer_id"
+        (mooncake_leg("xfer-3"), {"sim_output_tokens": 1}, 0),  # a stop hands nothing off
+    ],
+    ids=["held", "no-transfer-id", "stop"],
+)
+async def test_mooncake_prefill_holds_only_a_length_capped_transfer(http, params, extra, held) -> None:
+    async with cluster([EngineSpec("prefill", "g1")], kv=MOONCAKE) as [prefill]:
+        leg = {"prompt": PROMPT, "max_tokens": 1, "kv_transfer_params": params, **extra}
+        status, _, body = await post(http, prefill, leg)
+        assert status == 200 and "kv_transfer_params" not in body
+        assert (await metrics(http, prefill))["sim:kv_held_requests"] == held
+
+
+async def test_mooncake_malformed_decode_params_are_recomputed(http) -> None:
+    async with cluster([EngineSpec("prefill", "g1"), EngineSpec("decode", "g1")], kv=MOONCAKE) as engines:
+        prefill, decode = engines
+        for bad in (
+            {"transfer_id": None},
+            {"remote_bootstrap_addr": prefill.address},
+            {"remote_engine_id": 3},
+        ):
+            params = {**mooncake_decode(prefill, "xfer-4"), **bad}
+            status, headers, _ = await post(http, decode, decode_body(params))
+            assert status == 200 and "malformed kv_transfer_params" in headers["x-sim-warning"]
 
 
 # --- SGLang bootstrap ------------------------------------------------------------------------------
@@ -455,10 +614,21 @@ def parse_sim_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(["sim", "--role", "prefill", "--group", "g", *argv])
 
 
-def test_cli_exposes_the_handoff_timeouts() -> None:
-    config = config_from_args(parse_sim_args(["--kv-hold-timeout-s", "12.5", "--bootstrap-timeout-s", "7"]))
-    assert (config.kv.kv_hold_timeout_s, config.kv.bootstrap_timeout_s) == (12.5, 7.0)
-    defaults = config_from_args(parse_sim_args([]))
-    assert (defaults.kv.kv_hold_timeout_s, defaults.kv.bootstrap_timeout_s) == (480.0, 300.0)
-    with pytest.raises(ValueError):
-        KvConfig(bootstrap_timeout_s=0.0)
+def test_cli_exposes_the_handoff_timeouts_connector_and_policy() -> None:
+    argv = ["--kv-lease-s", "12.5", "--mooncake-abort-timeout-s", "9", "--bootstrap-timeout-s", "7"]
+    argv += ["--kv-connector", "mooncake", "--kv-load-failure-policy", "recompute"]
+    kv = config_from_args(parse_sim_args(argv)).kv
+    assert (kv.kv_lease_s, kv.mooncake_abort_timeout_s, kv.bootstrap_timeout_s) == (12.5, 9.0, 7.0)
+    assert (kv.kv_connector, kv.kv_load_failure_policy) == ("mooncake", "recompute")
+    defaults = config_from_args(parse_sim_args([])).kv
+    assert (defaults.kv_lease_s, defaults.mooncake_abort_timeout_s, defaults.bootstrap_timeout_s) == (
+        30.0,
+        480.0,
+        300.0,
+    )
+    assert (defaults.kv_connector, defaults.kv_load_failure_policy) == ("nixl", "fail")
+    for bad in ({"bootstrap_timeout_s": 0.0}, {"kv_lease_s": -1.0}, {"kv_connector": "lmcache"}):
+        with pytest.raises(ValueError):
+            KvConfig(**bad)
+    with pytest.raises(ValueError, match="kv_load_failure_policy"):
+        KvConfig(kv_load_failure_policy="retry")

@@ -136,7 +136,7 @@ def test_group_map_reloads_and_keeps_last_good(tmp_path) -> None:
 
 
 def _seq(prompt: int, out: int, pull: bool = False) -> Sequence:
-    async def _pull():  # never awaited by the pure scheduler
+    async def _pull(tokens: int):  # never awaited by the pure scheduler
         raise AssertionError
 
     return Sequence("r", prompt, out, out, arrival=0.0, pull=_pull if pull else None)
@@ -287,7 +287,8 @@ async def test_engine_abort_cancels_kv_pull_and_frees_the_link() -> None:
     link = engine.kv.link
     await engine.start()
     try:
-        seq = engine.submit(1000, 4, 4, pull=lambda: engine.kv.pull("10.0.0.9:1", 10**9))  # hours of transfer
+        hours = 10**9  # tokens: hours of transfer
+        seq = engine.submit(1000, 4, 4, pull=lambda tokens: engine.kv.pull("10.0.0.9:1", hours))
         while link.active == 0:
             await asyncio.sleep(0.001)
         assert seq.state == PULLING and engine.scheduler.num_waiting == 1

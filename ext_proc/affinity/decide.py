@@ -1,46 +1,58 @@
-"""The routing decision: one prefill, one decode and a few decode fallbacks for a request.
+"""The routing decision: one (prefill, decode) pair and a few decode fallbacks for a request.
 
 :func:`choose` is a pure function of its arguments (no I/O, clock or randomness; ``tiebreak`` is the
 only source of variation), so equal inputs always give an equal result. It reads endpoint load from
-the arrays of two :class:`~ext_proc.affinity.Pool` values and returns their endpoint objects.
+the arrays of two :class:`~ext_proc.affinity.Pool` values, and prefix-cache hit estimates from a
+:class:`~ext_proc.affinity.Hits`, and returns the pools' endpoint objects.
 
-Units. Token counts (``Cost``, ``Pool.tokens``, ``Pool.capacity``) are tokens. The utilisation of an
-endpoint, ``u = (tokens + cost) / capacity`` (bit for bit :meth:`Candidate.utilisation`: the int64
-sum is exact and converted to float64 once; ``cost`` is ``Cost.prefill_tokens`` for prefills and
-``Cost.decode_tokens`` for decodes), is dimensionless, 1.0 meaning full. ``Policy.bonus`` is in the
-same units.
+Units and the grid. Token counts (``Cost``, ``Pool.tokens``, ``Pool.capacity``, ``Hits``) are tokens.
+A utilisation ``u = (tokens + cost) / capacity`` is dimensionless (1.0 = full; the int64 sum is exact
+and converted to float64 once, bit for bit :meth:`Candidate.utilisation`). Every ranked quantity is
+put on an integer grid before it is compared or added: ``ticks(x) = round(x * 1e9)`` (utilisation
+units, or seconds in ``auto``: 1 ns), rounded once per term, so float noise never flips a decision and
+the sums below are exact integers (float64 while they stay below 2**50, Python ints beyond).
 
-Ranking. Every pool of endpoints is ranked by the ascending key
-``(ticks(v) - bonus_ticks * same, not same, active_requests)``, where ``v`` is ``u`` (``auto``: the
-wait estimate in seconds, see below) and ``same`` says the endpoint is in the chosen prefill's
-``pdGroupID`` group (only used in ``prefer`` and ``auto`` modes; it is 0 otherwise).
-Endpoints whose keys are equal form a tie class; a class is taken in input order and rotated left by
-``tiebreak % len(class)``, so a round-robin ``tiebreak`` spreads picks over every tied endpoint.
+Keys (``P`` = prompt tokens, ``B`` = output budget, ``hp``/``hd`` = a prefill's/decode's cache hit,
+0 without :class:`Hits`; ``w`` = ``Policy.prefix_weight``; ``credit(h) = ticks(w * h / P)``, 0 when P = 0):
 
-``auto`` (:mod:`ext_proc.affinity.auto`). The decodes are ranked by ``v = wait_s(u)`` with the
-request's transfer penalty ``penalty_s(prompt_tokens)`` as the bonus: the key orders decodes by the
-estimated delay ``transfer + wait`` (both in seconds), on a grid of 1 ns. When the penalty is 0 on that
-grid (equal bandwidths, an empty prompt) or every decode is in one group, transfers cannot tell the
-decodes apart and the order is exactly ``off``'s.
+* ``off``, ``prefer``, ``strict``: a decode's key is ``ticks(u_d) - credit(hd)`` with ``u_d`` at cost
+  ``P + B``; a prefill's is ``ticks(u_p) - credit(hp)`` with ``u_p`` at cost ``P - hp`` (the tokens it
+  must compute). ``best(g)`` is the least decode key in group ``g``, ``best`` the least of all.
+  The prefill is the one of least ``key + pair(g)``, ``g`` its group:
 
-Float robustness. Utilisations and the bonus are compared on a grid of ``EPS = 1e-9``:
-``ticks(x) = round(x * SCALE)`` with ``SCALE = 1e9`` turns them into integers before any tie or
-bonus comparison, so float noise (``0.6 + 0.3 < 0.9``) never flips a decision and a decode exactly
-at the bonus counts as within it. Float scores only pre-select, with a safety margin, the endpoints
-that can appear in the answer; ranking those is exact integer arithmetic (integral float64 below
-2**53, Python ints beyond).
+  - ``off``: ``pair(g) = 0`` (the decode does not depend on the prefill's group);
+  - ``strict``: ``pair(g) = best(g)``; only prefills whose group has a decode are eligible;
+  - ``prefer``: ``pair(g) = min(best(g), best + ticks(bonus))`` (``best + ticks(bonus)`` when ``g``
+    has no decode): the group's decode headroom, or what spilling out of the group costs.
 
-Cost: scoring is a few numpy operations over the pool's arrays. Pre-selecting the best
-k = ``fallback_count + 1`` sorts the scores as a Python list for pools of at most ``_LIST_MAX``
-(numpy calls cost more than they save there) and is a partition plus a scan above. When the k best
-are more than the margin apart from each other and from the rest (the usual case under load), they
-are the answer; otherwise all endpoints within the margin (a whole idle pool, say) are ranked exactly
-with one ``np.lexsort``, and only the endpoints returned are touched in Python.
+  Its decode is then the first by ``(key - ticks(bonus) * same, not same, active_requests)`` in
+  ``prefer`` (``same``: in the prefill's group), by ``(key, active_requests)`` in ``off`` and, within the
+  prefill's group, in ``strict``.
+* ``auto`` (:mod:`ext_proc.affinity.auto`, seconds): with ``W(d) = wait_s(u_d)`` and
+  ``X(d, same) = (P - hd) * seconds_per_token(same)``, a decode costs ``S(d) = ticks(W + X(d, True))``
+  from a prefill of its own group and ``C(d) = ticks(W + X(d, False))`` from any other; a prefill
+  costs ``ticks(prefill_s(backlog + 2 * (P - hp)))``, ``backlog`` its tokens in flight: its queue, and
+  the prompt's uncached tokens twice (once for this request's first token, once for the requests that
+  computing them delays there: a cache miss's price to the prefill's later requests). The prefill is the
+  one of least ``its cost + min(min over d in g of S(d), min over d not in g of C(d))``: the least
+  estimated time to the first decoded token over every pair, misses priced twice. Its decode is the
+  first by ``(S or C, not same, active_requests)``.
+
+Ties: after those keys, prefills rank by ``active_requests``; endpoints whose keys are all equal form
+a tie class, taken in input order and rotated left by ``tiebreak % len(class)``, so a round-robin
+``tiebreak`` spreads picks over every tied endpoint. The fallbacks are the next decodes of the chosen
+prefill's decode ranking. No prefill (decode-only): the decodes ranked as in ``off``, in every mode.
+
+Cost: O(P + D) vector work per decision plus O(G) for the groups (one ``np.minimum.reduceat`` gives
+every group's best decode), and Python work proportional to the handful of endpoints in the answer:
+the ``n`` best keys are pre-selected by ``np.partition`` and only the endpoints at or below the n-th
+key are sorted exactly (all of them only when they tie, e.g. an idle pool).
 """
 
 from __future__ import annotations
 
 from bisect import bisect_right
+from itertools import pairwise
 
 import numpy as np
 from numpy.typing import NDArray
@@ -50,6 +62,7 @@ from ext_proc.affinity.model import (
     Decision,
     E,
     Estimate,
+    Hits,
     Locality,
     Mode,
     Policy,
@@ -59,26 +72,46 @@ from ext_proc.affinity.model import (
 from ext_proc.affinity.pool import Pool
 
 EPS = 1e-9
-"""Resolution of utilisation comparisons."""
+"""Resolution of every comparison: one tick (utilisation units; 1 ns in ``auto``)."""
 SCALE = 1_000_000_000
-"""``1 / EPS``: utilisation ticks per unit of utilisation."""
+"""``1 / EPS``: ticks per unit."""
 _SCALE_F = float(SCALE)  # the same product as ``x * SCALE`` for a float x; a float scalar is cheaper in numpy
-_SLACK = 4 * EPS  # pre-selection margin; covers the two roundings and float error of a score
-_LIST_MAX = 128  # up to this many endpoints, sorting a Python list beats numpy partition + scan
+_EXACT = 2.0**50  # keys below this in magnitude: their sums and ``2 * key + 1`` are exact in float64
+_SAFE_U = _EXACT / 4 / _SCALE_F  # utilisations, weights and bonuses adding up below this give such keys
+_LIST_MAX = 128  # up to this many endpoints, ranking Python lists beats numpy partition + lexsort
+_WINDOW = 64  # sorted keys copied (beyond n) to Python lists to delimit tie classes
 # Enum members bound once: attribute access on an Enum class costs ~0.25 µs per lookup on CPython 3.11.
-_STRICT, _PREFER, _AUTO = Mode.STRICT, Mode.PREFER, Mode.AUTO
+_OFF, _STRICT, _PREFER, _AUTO = Mode.OFF, Mode.STRICT, Mode.PREFER, Mode.AUTO
 _SAME, _CROSS, _DECODE_ONLY = Locality.SAME_GROUP, Locality.CROSS_GROUP, Locality.DECODE_ONLY
 
 Floats = NDArray[np.float64]
 Ints = NDArray[np.int64]
+Keys = NDArray[np.float64] | NDArray[np.object_]  # integral float64, or Python ints when too large
 Positions = NDArray[np.intp]
-_FLOAT_INTS = 2**53  # float64 holds every integer below this exactly
-_WINDOW = 64  # sorted keys copied (beyond n) to Python lists to delimit tie classes
 
 
 def ticks(x: float) -> int:
-    """``x`` (a utilisation or bonus) on the integer grid of ``EPS``: ``round(x * SCALE)``."""
+    """``x`` (a utilisation, bonus or time in seconds) on the grid of ``EPS``: ``round(x * SCALE)``."""
     return round(x * SCALE)
+
+
+def _ticks(x: Floats, exact: bool = True) -> Keys:
+    """:func:`ticks` of every element (``np.rint`` rounds half to even, as ``round``): integral float64
+    when ``exact`` (the caller checked the magnitudes), else Python ints."""
+    t = np.rint(x * _SCALE_F)
+    return t if exact else _ints(t)
+
+
+def _ints(a: Keys) -> NDArray[np.object_]:
+    """``a`` as an array of Python ints (integral float64 values convert exactly)."""
+    return a if a.dtype == object else np.array([int(x) for x in a.tolist()], dtype=object)
+
+
+def _credit(hits: Ints | None, prompt: int, weight: float, exact: bool) -> Keys | int:
+    """``credit(hits)`` of the module docstring, per endpoint (0 when nothing is credited)."""
+    if hits is None or weight <= 0.0 or prompt <= 0:
+        return 0
+    return _ticks(hits * (weight / prompt), exact)
 
 
 def choose(
@@ -87,25 +120,20 @@ def choose(
     decodes: Pool[E],
     policy: Policy,
     tiebreak: int,
+    hits: Hits | None = None,
 ) -> Decision[E] | Rejection:
     """Pick where one request runs, from healthy endpoints only (the pools hold no others).
 
     * No decodes: ``Rejection(NO_DECODE_ENDPOINT)``.
     * No prefills: decode-only routing in every mode (``prefill=None``, ``Locality.DECODE_ONLY``,
       decode and fallbacks ranked as in ``off``).
-    * Prefill: the lowest ``u``; in ``strict`` mode only among prefills whose group has a decode
-      (none → ``Rejection(NO_SAME_GROUP_DECODE)``).
-    * Decode, with S = decodes in the prefill's group and A = all decodes: ``off`` → best of A;
-      ``strict`` → best of S (empty → ``Rejection(NO_SAME_GROUP_DECODE)``); ``prefer`` → the best of
-      S if ``u(best S) <= u(best A) + bonus``, else the best of A; ``auto`` → the decode of A with the
-      least estimated delay ``transfer + wait`` (``policy.auto``), with its :class:`Estimate`.
-    * Fallbacks: the next ``policy.fallback_count`` decodes of the same ranking (``strict``: within
-      S; ``prefer``: same-group endpoints scored ``u - bonus`` and winning ties; ``auto``: by
-      estimated delay, same-group endpoints winning ties), all distinct.
+    * ``strict`` with no prefill whose group has a decode: ``Rejection(NO_SAME_GROUP_DECODE)``.
+    * Otherwise the pair of the module docstring's rule for ``policy.mode``, with
+      ``policy.fallback_count`` more decodes of the chosen prefill's ranking (``strict``: within its
+      group), all distinct, and in ``auto`` the pair's :class:`Estimate`.
 
-    ``tiebreak`` (e.g. a round-robin counter) rotates among endpoints tied on ``u`` and
-    ``active_requests``; see the module docstring for the exact ranking and float handling.
-    Token counts must fit in int64 (``OverflowError`` otherwise); the pools are only read.
+    ``hits`` (optional): the prompt tokens each endpoint's prefix cache is estimated to hold. Token
+    counts must fit in int64 (``OverflowError`` otherwise); the pools are only read.
     """
     if not decodes.size:
         return Rejection(
@@ -113,186 +141,192 @@ def choose(
             f"no healthy decode endpoint (healthy prefill endpoints: {prefills.size})",
         )
     want = policy.fallback_count + 1
+    prompt = cost.prefill_tokens
     u = (decodes.tokens + cost.decode_tokens) / decodes.capacity
     out = decodes.endpoints
-    if not prefills.size:
-        picked = [out[i] for i in _rank(u, want, tiebreak, u, decodes.requests)]
-        return Decision(None, picked[0], tuple(picked[1:]), _DECODE_ONLY)
-
     mode = policy.mode
-    pu = (prefills.tokens + cost.prefill_tokens) / prefills.capacity
-    requests = prefills.requests
-    eligible = None  # strict mode, when some prefill group has no decode: the prefills that may serve
-    if mode is _STRICT and not prefills.members.keys() <= decodes.members.keys():
-        groups = [prefills.members[g] for g in prefills.members if g in decodes.members]
-        if not groups:
-            names = ", ".join(sorted(repr(g) for g in prefills.members))
-            return Rejection(
-                RejectReason.NO_SAME_GROUP_DECODE,
-                f"strict pdGroupID affinity: no healthy decode endpoint in the group of any of the "
-                f"{prefills.size} healthy prefill endpoints (prefill groups: {names})",
-            )
-        eligible = np.sort(np.concatenate(groups))
+    phits, dhits = (None, None) if hits is None else hits
+    uncached = prompt if phits is None else prompt - phits
+    backlog = prefills.tokens + uncached
+    if mode is _AUTO and prefills.size:
+        slots = prefills.slots_in(decodes)
+        priced = backlog + uncached  # a miss priced twice (module docstring)
+        return _choose_auto(
+            prompt, prefills, decodes, u, dhits, backlog, priced, slots, want, tiebreak, policy
+        )
+    weight = policy.prefix_weight
+    pu = backlog / prefills.capacity
+    top = float(u.max()) + (float(pu.max()) if prefills.size else 0.0)
+    exact = top + 2.0 * weight + policy.bonus < _SAFE_U
+    dkey = _ticks(u, exact) - _credit(dhits, prompt, weight, exact)
+    if not prefills.size:
+        picked = [out[i] for i in _top(dkey, want, tiebreak, decodes.requests)]
+        return Decision(None, picked[0], tuple(picked[1:]), _DECODE_ONLY)
+    keys = _ticks(pu, exact) - _credit(phits, prompt, weight, exact)
+    groups = len(decodes.groups)
+    eligible = None
+    if mode is not _OFF:  # off: the decode does not depend on the prefill's group
+        slots = prefills.slots_in(decodes)
+        pair = np.empty(groups + 1, dtype=dkey.dtype)  # the last: a prefill group without decodes
+        best = np.minimum.reduceat(dkey[decodes.group_order], decodes.group_starts)
+        if mode is _STRICT:
+            pair[:groups], pair[groups] = best, 0
+            if slots.max() >= groups:  # some prefill group has no decode: only the others may serve
+                eligible = np.flatnonzero(slots < groups)
+                if not len(eligible):
+                    names = ", ".join(sorted(repr(g) for g in prefills.groups))
+                    return Rejection(
+                        RejectReason.NO_SAME_GROUP_DECODE,
+                        f"strict pdGroupID affinity: no healthy decode endpoint in the group of any of "
+                        f"the {prefills.size} healthy prefill endpoints (prefill groups: {names})",
+                    )
+        else:
+            spill = best.min() + ticks(policy.bonus)
+            pair[:groups], pair[groups] = np.minimum(best, spill), spill
+        keys = keys + pair[slots]
     if eligible is None:
-        first = _rank(pu, 1, tiebreak, pu, requests)[0]
+        first = _top(keys, 1, tiebreak, prefills.requests)[0]
     else:
-        first = _rank(pu[eligible], 1, tiebreak, pu, requests, None, 0.0, eligible)[0]
+        first = _top(keys[eligible], 1, tiebreak, prefills.requests, eligible)[0]
     prefill = prefills.endpoints[first]
     group = prefill.group
-
     requests = decodes.requests
-    # In prefer mode with decodes of other groups; else the bonus is for none or all: order as in off.
-    same = decodes.in_group.get(group) if mode is _PREFER and len(decodes.members) > 1 else None
-    if same is not None:
-        bonus = policy.bonus
-        ranked = _rank(u - decodes.bonus_in(group, bonus), want, tiebreak, u, requests, same, bonus)
-    elif mode is _STRICT and len(decodes.members) > 1:  # with one group, S is all decodes
-        sub = decodes.members.get(group)
-        if sub is None:
-            return Rejection(
-                RejectReason.NO_SAME_GROUP_DECODE,
-                f"strict pdGroupID affinity: no healthy decode endpoint in group {group!r} "
-                f"of prefill {prefill.address}",
-            )
-        ranked = _rank(u[sub], want, tiebreak, u, requests, None, 0.0, sub)
-    elif mode is _AUTO:
-        return _choose_auto(cost.prefill_tokens, prefill, decodes, u, want, tiebreak, policy)
-    else:
-        ranked = _rank(u, want, tiebreak, u, requests)
+    if mode is _PREFER and groups > 1 and group in decodes.in_group:
+        # (key - bonus * same, not same) as one integer, order-preserving: 2 * key - (2 * bonus + 1) * same
+        step = 2 * ticks(policy.bonus) + 1
+        same = decodes.in_group[group] if exact else decodes.in_group[group].astype(np.int64).astype(object)
+        ranked = _top(dkey + dkey - step * same, want, tiebreak, requests)
+    elif mode is _STRICT and groups > 1:
+        sub = decodes.members[group]
+        ranked = _top(dkey[sub], want, tiebreak, requests, sub)
+    else:  # off, or every decode in one group: the bonus is for none or all
+        ranked = _top(dkey, want, tiebreak, requests)
     picked = [out[i] for i in ranked]
     decode = picked[0]
     return Decision(prefill, decode, tuple(picked[1:]), _SAME if decode.group == group else _CROSS)
 
 
 def _choose_auto(
-    prompt_tokens: int, prefill: E, decodes: Pool[E], u: Floats, want: int, tiebreak: int, policy: Policy
+    prompt: int,
+    prefills: Pool[E],
+    decodes: Pool[E],
+    u: Floats,
+    dhits: Ints | None,
+    backlog: Ints,
+    priced: Ints,
+    slots: Positions,
+    want: int,
+    tiebreak: int,
+    policy: Policy,
 ) -> Decision[E]:
-    """``auto``'s decode and fallbacks for ``prefill`` (see the module docstring), with the estimate.
+    """``auto``'s pair and fallbacks (see the module docstring), with the estimate.
 
-    ``u`` holds the decodes' utilisations with the request placed; ``want`` = 1 + fallbacks.
+    ``u`` holds the decodes' utilisations with the request placed, ``backlog`` each prefill's prompt
+    tokens in flight plus the ones this request makes it compute, ``priced`` the tokens its cost is
+    priced at; ``slots`` maps each prefill to its group's index in ``decodes.groups``; ``want`` = 1 +
+    fallbacks.
     """
     model = policy.auto
-    group = prefill.group
     wait = model.wait_s(u)
-    penalty = model.penalty_s(prompt_tokens)
-    same = decodes.in_group.get(group) if len(decodes.members) > 1 else None
-    if same is None or ticks(penalty) == 0:  # every decode costs the same transfer: off's order
-        ranked = _rank(u, want, tiebreak, u, decodes.requests)
-        delay = wait
-    else:
-        delay = wait - penalty * same  # the estimate minus the cross-group transfer time
-        ranked = _rank(delay, want, tiebreak, wait, decodes.requests, same, penalty)
+    lack = prompt if dhits is None else prompt - dhits
+    same_s = wait + lack * model.seconds_per_token(True)
+    cross_s = wait + lack * model.seconds_per_token(False)
+    prefill_s = model.prefill_s(priced)
+    exact = max(float(cross_s.max()), float(same_s.max()), float(prefill_s.max())) < _EXACT / 4 / _SCALE_F
+    same_key, cross_key = _ticks(same_s, exact), _ticks(cross_s, exact)
+    order, starts = decodes.group_order, decodes.group_starts
+    groups = len(starts)
+    pair = np.empty(groups + 1, dtype=same_key.dtype)  # per group of the prefill; the last: no decodes
+    home = np.minimum.reduceat(same_key[order], starts)  # per decode group: its best from a prefill in it
+    if groups == 1:
+        pair[0], pair[1] = home[0], cross_key.min()
+    else:  # from a prefill of group g, the best cross-group decode is the least ``away`` of the others
+        away = np.minimum.reduceat(cross_key[order], starts)
+        low = int(away.argmin())
+        least = away[low]
+        second = np.partition(away, 1)[1] if exact else sorted(away.tolist())[1]  # == least on a tie
+        pair[:groups] = np.minimum(home, least)
+        pair[low] = min(home[low], second)
+        pair[groups] = least
+    first = _top(_ticks(prefill_s, exact) + pair[slots], 1, tiebreak, prefills.requests)[0]
+    prefill = prefills.endpoints[first]
+    group = prefill.group
+    same = decodes.in_group.get(group)
+    if same is None:
+        keys = ranked_keys = cross_key
+    elif groups == 1:
+        keys = ranked_keys = same_key
+    else:  # (S or C, not same) as one integer, order-preserving: 2 * key + not same
+        keys = np.where(same > 0.0, same_key, cross_key)
+        ranked_keys = keys + keys + (1.0 - same if exact else (1 - same).astype(np.int64).astype(object))
+    ranked = _top(ranked_keys, want, tiebreak, decodes.requests)
     out = decodes.endpoints
     picked = [out[i] for i in ranked]
-    first = ranked[0]
+    chosen = ranked[0]
     decode = picked[0]
-    home = decode.group == group
+    home_pick = decode.group == group
     margin = None
-    if same is not None:
+    if same is not None and groups > 1:
         outside = decodes.outside[group]
-        others = delay.min(where=outside if home else ~outside, initial=np.inf)
-        margin = float(others - delay[first])
-    estimate = Estimate(model.transfer_s(prompt_tokens, home), float(wait[first]), margin)
-    return Decision(prefill, decode, tuple(picked[1:]), _SAME if home else _CROSS, estimate)
+        others = keys[outside if home_pick else ~outside].min()
+        margin = float(others - keys[chosen]) / _SCALE_F
+    moved = lack if dhits is None else int(lack[chosen])
+    estimate = Estimate(
+        float(model.prefill_s(backlog[first])),
+        model.transfer_s(moved, home_pick),
+        float(wait[chosen]),
+        margin,
+    )
+    return Decision(prefill, decode, tuple(picked[1:]), _SAME if home_pick else _CROSS, estimate)
 
 
-def _rank(
-    scores: Floats,
-    n: int,
-    tiebreak: int,
-    u: Floats,
-    requests: Ints,
-    same: Floats | None = None,
-    bonus: float = 0.0,
-    index: Positions | None = None,
-) -> list[int]:
+def _top(keys: Keys, n: int, tiebreak: int, requests: Ints, index: Positions | None = None) -> list[int]:
     """The pool positions of the first ``min(n, m)`` of m (>= 1) ranked endpoints, in ranking order.
 
-    ``scores[j]`` estimates the ranking score (``u``, minus ``bonus`` when same) of the endpoint at
-    pool position ``index[j]`` (``j`` when ``index`` is ``None``; ``index`` ascends). ``u``,
-    ``requests`` and ``same`` (1.0 in the prefill's group; ``None``: no bonus) are indexed by pool
-    position. Scores only pre-select the endpoints within the slack of the n-th best; when those are
-    n and pairwise more than the slack apart, their exact keys are in score order and nothing ties:
-    no key is computed. Otherwise :func:`_exact` ranks them.
+    ``keys[j]`` is the exact integer key (integral float64 or Python int) of the endpoint at pool
+    position ``index[j]`` (``j`` when ``index`` is ``None``; ``index`` ascends); ``requests`` (the
+    secondary key) is indexed by pool position. Only the endpoints at or below the n-th key can be in
+    the answer: when the n best keys are distinct and below the rest, they are it (no request count is
+    read); otherwise :func:`_exact` ranks the endpoints at or below the n-th key.
     """
-    m = len(scores)
-    if n >= m:
-        if m == 1:
-            return [0 if index is None else int(index[0])]
-        n = m
-    if m <= _LIST_MAX:
-        listed = scores.tolist()
-        small = sorted(listed)
-        high = small[n - 1]
-        slack = _SLACK * (1.0 + abs(small[0]) + abs(high))
-        limit = high + slack
-        if n == m or small[n] > limit:  # then the n best are the candidates; are they apart?
-            if n == 1:
-                best = [listed.index(high)]
-                return best if index is None else [int(index[best[0]])]
-            prev = small[0]
-            best = [listed.index(prev)]
-            for s in small[1:n]:
-                if s - prev <= slack:
-                    break
-                best.append(listed.index(s))
-                prev = s
-            else:
-                return best if index is None else [int(index[j]) for j in best]
-        near = np.array([j for j, s in enumerate(listed) if s <= limit], dtype=np.intp)
-    else:
+    m = len(keys)
+    if m == 1:
+        return [0 if index is None else int(index[0])]
+    n = min(n, m)
+    if m <= _LIST_MAX or keys.dtype == object:
+        listed = keys.tolist()
         if n == 1:
-            low = high = float(scores[scores.argmin()])
+            low = min(listed)
+            if listed.count(low) == 1:
+                j = listed.index(low)
+                return [j if index is None else int(index[j])]
+            high = low
         else:
-            part = np.partition(scores, (0, n - 1))
-            low, high = float(part[0]), float(part[n - 1])
-        slack = _SLACK * (1.0 + abs(low) + abs(high))
-        limit = high + slack
-        near = np.flatnonzero(scores <= limit)
-        if len(near) == n:
-            pairs = sorted(zip(scores[near].tolist(), near.tolist(), strict=True))
-            for i in range(1, n):
-                if pairs[i][0] - pairs[i - 1][0] <= slack:
-                    break
-            else:
-                best = [j for _, j in pairs]
+            ordered = sorted(listed)
+            high = ordered[n - 1]
+            if (n == m or ordered[n] > high) and all(a < b for a, b in pairwise(ordered[:n])):
+                best = [listed.index(k) for k in ordered[:n]]
                 return best if index is None else [int(index[j]) for j in best]
-    if index is not None:
-        near = index[near]
-    bonus_ticks = ticks(bonus)
-    # Every u of a near endpoint is at most limit + bonus, so every 2 * ticks(u) is below this bound:
-    floats_exact = 2 * (abs(limit) * SCALE + bonus_ticks + 2) < _FLOAT_INTS
-    return _exact(near, u, same, requests, n, bonus_ticks, tiebreak, floats_exact)
+        near = np.array([j for j, k in enumerate(listed) if k <= high], dtype=np.intp)
+    elif n == 1:
+        near = np.flatnonzero(keys == keys.min())
+        if len(near) == 1:
+            return [int(near[0]) if index is None else int(index[near[0]])]
+    else:
+        near = np.flatnonzero(keys <= np.partition(keys, n - 1)[n - 1])
+    picked = keys[near]
+    return _exact(near if index is None else index[near], picked, requests, n, tiebreak)
 
 
-def _exact(
-    near: Positions,
-    u: Floats,
-    same: Floats | None,
-    requests: Ints,
-    n: int,
-    bonus_ticks: int,
-    tiebreak: int,
-    floats_exact: bool,
-) -> list[int]:
-    """The first ``n`` of the ``near`` pool positions (ascending) by exact key, tie classes rotated.
+def _exact(near: Positions, keys: Keys, requests: Ints, n: int, tiebreak: int) -> list[int]:
+    """The first ``n`` of the ``near`` pool positions (ascending) by ``(keys, requests)``, tie classes
+    rotated.
 
-    ``np.rint(u * SCALE)`` is :func:`ticks` of each ``u`` exactly (the same float product, rounded
-    half to even) as an integral float64. With the bonus, ``(t - bonus_ticks * same, not same)`` is
-    encoded order-preservingly as the integer ``2 * t - (2 * bonus_ticks + 1) * same``; that is
-    exact in float64 when ``floats_exact`` (every term below 2**53), else computed on Python ints.
     One ``np.lexsort`` orders the keys; each tie class needed (at most n) is then delimited by
     bisection, in a short Python window of the sorted keys or, for a class running past it, in the
     arrays themselves, so no step but the sort grows with the number of tied endpoints.
     """
-    t = np.rint(u[near] * _SCALE_F)
-    if same is not None:
-        g, step = same[near], 2 * bonus_ticks + 1
-        if floats_exact:
-            t = t + t - float(step) * g
-        else:
-            ints = np.array([int(x) for x in t.tolist()], dtype=object)
-            t = 2 * ints - step * g.astype(np.int64).astype(object)
+    t = keys
     r = requests[near]
     order = np.lexsort((r, t))  # by t, then r; stable, so each tie class stays in pool order
     t, r, ranked = t[order], r[order], near[order]

@@ -11,6 +11,9 @@ import enum
 from dataclasses import dataclass, field
 from typing import Generic, NamedTuple, Protocol, TypeVar
 
+import numpy as np
+from numpy.typing import NDArray
+
 from ext_proc.affinity.auto import AutoModel
 
 
@@ -92,31 +95,48 @@ class Cost:
     decode_tokens: int
 
 
+class Hits(NamedTuple):
+    """Prompt tokens each endpoint is estimated to hold in its prefix cache, for one request.
+
+    ``prefill[i]`` belongs to position ``i`` of the prefill pool, ``decode[j]`` to position ``j`` of
+    the decode pool; int64, each in [0, ``Cost.prefill_tokens``] (the prefix index guarantees it).
+    """
+
+    prefill: NDArray[np.int64]
+    decode: NDArray[np.int64]
+
+
 @dataclass(frozen=True, slots=True)
 class Policy:
     """The affinity knobs. ``bonus`` is in utilisation units, within [0, 1] (checked by the config).
 
     Utilisations and the bonus are compared on a grid of 1e-9, so a decode exactly ``bonus``
-    above the best counts as within it whatever the float rounding. ``auto``: the delay model of
-    ``Mode.AUTO`` (read in that mode only).
+    above the best counts as within it whatever the float rounding. ``prefix_weight`` (>= 0, in
+    utilisation units, read in ``off``, ``prefer`` and ``strict`` when :class:`Hits` are given): what
+    a prompt held whole in an endpoint's prefix cache is worth; a share ``h`` of the prompt held
+    lowers that endpoint's score by ``prefix_weight * h``. ``auto``: the time model of ``Mode.AUTO``
+    (read in that mode only; it prices cache hits in seconds instead).
     """
 
     mode: Mode = Mode.PREFER
     bonus: float = 0.3
     fallback_count: int = 2
     auto: AutoModel = field(default_factory=AutoModel)
+    prefix_weight: float = 0.0
 
 
 class Estimate(NamedTuple):
-    """Why ``auto`` chose its decode, in seconds (:mod:`ext_proc.affinity.auto`).
+    """Why ``auto`` chose its pair, in seconds (:mod:`ext_proc.affinity.auto`).
 
-    ``transfer_s``: the KV transfer estimate from the prefill to the chosen decode; ``wait_s``: the
-    wait estimate at the chosen decode; ``margin_s``: the best estimate among decodes of the other
-    locality (cross-group when the choice is in the group, in-group when it crossed) minus the
-    chosen one's — the delay the choice saves, >= 0 up to the 1e-9 s grid — or ``None`` when every
-    decode has the chosen locality.
+    ``prefill_s``: the chosen prefill's queue and compute estimate (its uncached backlog plus this
+    prompt's uncached tokens); ``transfer_s``: the KV transfer estimate from the prefill to the chosen
+    decode (the blocks the decode lacks); ``wait_s``: the wait estimate at the chosen decode;
+    ``margin_s``: the best estimate among decodes of the other locality (cross-group when the choice
+    is in the group, in-group when it crossed) minus the chosen one's — the delay the decode choice
+    saves, >= 0 up to the 1 ns grid — or ``None`` when every decode has the chosen locality.
     """
 
+    prefill_s: float
     transfer_s: float
     wait_s: float
     margin_s: float | None

@@ -3,11 +3,16 @@
 A :class:`Collection` is one list + watch request (a namespace's pods with a label selector, one named
 custom object with a field selector). :meth:`Watcher.follow` lists it, then watches from the list's
 ``resourceVersion`` with bookmarks; a watch the API server ends is resumed from the last
-``resourceVersion`` seen (an event's or a bookmark's). A failure is logged, counted in
-``pd_extproc_discovery_errors_total{source,reason}`` and retried after a capped, jittered exponential
-backoff (as client-go's reflector does), while the last view stays: ``gone`` (``410 Gone``: the version
-expired, so the retry lists again), ``connection`` (refused or dropped, silence past the read timeout),
-``api_error`` (another HTTP error), ``unexpected``. Every list and event calls the source's ``changed``;
+``resourceVersion`` seen (an event's or a bookmark's). A failure is logged (on one line: an error
+body's ``Status`` message), counted in ``pd_extproc_discovery_errors_total{source,reason}`` and
+retried after a capped, jittered exponential backoff (as client-go's reflector does), while the last
+view stays: ``gone`` (``410 Gone``: the version expired, so the retry lists again), ``connection``
+(refused or dropped, silence past the read timeout), ``api_error`` (another HTTP error),
+``unexpected``. The backoff starts again from its first delay once the API server answers (a list or
+watch accepted, a ``410``): after an API server restart the watch's resume gets ``410`` and the new
+list follows at once, not after the delay grown during the outage. A list, a watch event or bookmark,
+and a watch the server ended cleanly each confirm the view (the last-sync metric; a quiet server sends
+no bookmark until something changes). Every list and event calls the source's ``changed``;
 a :class:`Publisher` then rebuilds the source's view from the collections' current state
 (level-triggered) and publishes it when it differs from the last one, the changes of one burst
 coalesced into one publish.
@@ -16,6 +21,8 @@ coalesced into one publish.
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 import logging
 import random
 import time
@@ -44,6 +51,18 @@ READ_TIMEOUT_SECONDS = WATCH_TIMEOUT_SECONDS + 30.0
 _REQUEST_TIMEOUT = (CONNECT_TIMEOUT_SECONDS, READ_TIMEOUT_SECONDS)
 
 V = TypeVar("V")
+
+
+def status_message(body: str) -> str:
+    """An API server's error body on one line: its ``Status``'s ``reason: message``, else the text
+    (whitespace runs, the trailing newline included, as one space)."""
+    try:
+        status = json.loads(body)
+    except ValueError:
+        status = None
+    if isinstance(status, dict) and status.get("message"):
+        body = ": ".join(str(part) for part in (status.get("reason"), status["message"]) if part)
+    return " ".join(body.split()) or "(no body)"
 
 
 def backoff_delay(failures: int, initial: float, maximum: float) -> float:
@@ -110,7 +129,8 @@ class Collection(Generic[V]):
     version: str | None = None
     """The resourceVersion to watch from; ``None``: list first."""
     confirmed: float = 0.0
-    """Unix time of the last list, watch event or bookmark; 0 before the first list."""
+    """Unix time of the last list, watch event, bookmark or clean end of a watch; 0 before the first
+    list."""
     failures: int = 0
     """Consecutive failed exchanges with the API server."""
 
@@ -164,12 +184,25 @@ class Watcher:
         finally:
             self._followed.remove(collection)
 
+    async def _send(self, collection: Collection[Any], **parameters: Any) -> Any:
+        """``collection``'s request with ``parameters`` (``_preload_content=False``): its ``200``
+        response; another status is raised as :class:`ApiException` (reason: :func:`status_message`).
+        A ``200`` or a ``410`` (the server serves; only the version is too old) resets the backoff."""
+        response = await collection.request(**parameters)
+        if response.status in (200, 410):
+            collection.failures = 0
+        if response.status != 200:
+            try:
+                body = await response.text()
+            finally:
+                response.release()
+            raise ApiException(status=response.status, reason=status_message(body))
+        return response
+
     async def _list(self, collection: Collection[Any]) -> None:
         """Replace ``collection``'s items with a complete list; raises on failures."""
-        response = await collection.request(_preload_content=False, _request_timeout=_REQUEST_TIMEOUT)
+        response = await self._send(collection, _preload_content=False, _request_timeout=_REQUEST_TIMEOUT)
         try:
-            if response.status != 200:
-                raise ApiException(status=response.status, reason=await response.text())
             body = await response.json()
         finally:
             response.release()
@@ -191,10 +224,11 @@ class Watcher:
         self._changed()
 
     async def _watch(self, collection: Collection[Any]) -> None:
-        """Apply the events of one watch request until the API server ends it; raises on failures."""
+        """Apply the events of one watch request until the API server ends it (a confirmation of the
+        view: everything up to then was sent); raises on failures."""
         async with watch.Watch(return_type="object") as stream:
             events = stream.stream(
-                collection.request,
+                functools.partial(self._send, collection),
                 resource_version=collection.version,
                 allow_watch_bookmarks=True,
                 timeout_seconds=WATCH_TIMEOUT_SECONDS,
@@ -211,6 +245,7 @@ class Watcher:
                 self._confirm(collection)
                 if event["type"] != "BOOKMARK":
                     self._changed()
+        self._confirm(collection)
 
     def _confirm(self, collection: Collection[Any]) -> None:
         """The API server just confirmed ``collection``: reset its backoff, refresh the sync metric."""

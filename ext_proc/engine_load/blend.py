@@ -23,11 +23,15 @@ from dataclasses import dataclass
 class EngineSample:
     """What one scrape of an engine said: ``running`` and ``waiting`` requests (summed over the page's
     series, e.g. data-parallel ranks; ``running`` is ``None`` when the page lacks it) and ``kv_usage``,
-    the fraction of its KV cache in use (mean over series, clamped to [0, 1])."""
+    the fraction of its KV cache in use (mean over series, clamped to [0, 1]). ``prefix_queries`` and
+    ``prefix_hits``: the engine's prefix-cache counters (prompt tokens looked up and found since it
+    started, summed over series; ``None`` when the page lacks them), for the prefix index, not the load."""
 
     running: float | None
     waiting: float
     kv_usage: float
+    prefix_queries: float | None = None
+    prefix_hits: float | None = None
 
 
 def engine_tokens(sample: EngineSample, capacity: float, request_tokens: float, queue_weight: float) -> float:

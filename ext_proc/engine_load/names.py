@@ -1,17 +1,23 @@
-"""Which Prometheus metric of each engine type says what (the per-engine-type map of names).
+"""Which Prometheus metrics of each engine type say what (the per-engine-type map of names).
 
-Only three facts are read: requests running (shown, never blended: the local accounting already
-holds the requests this gateway placed), requests waiting, and the KV-cache usage fraction. Where an
-engine type has several names for one fact (vLLM renamed ``gpu_cache_usage_perc`` to
-``kv_cache_usage_perc``), the first name listed that a page carries wins.
+Three facts make the load: requests running (shown, never blended: the local accounting already
+holds the requests this gateway placed), requests waiting, and the KV-cache usage fraction. Two more,
+optional, feed the prefix index's self-correction: the prompt tokens an engine looked up in its prefix
+cache and the ones it found (vLLM's counters; SGLang has a hit-rate gauge only). A fact is
+a tuple of *terms* whose values add up (SGLang's waiting requests: its scheduler queue plus the PD
+disaggregation queues, which ``num_queue_reqs`` does not count); a term is a tuple of alternative names
+of which the first one a page carries is read (vLLM renamed ``gpu_cache_usage_perc`` to
+``kv_cache_usage_perc``; SGLang ``num_prefill_prealloc_queue_reqs`` to ``..._bootstrap_queue_reqs``).
+A term a page lacks adds nothing; a fact none of whose terms is there is missing.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Literal
+from typing import Literal, get_args
 
-Fact = Literal["running", "waiting", "kv_usage"]
+Fact = Literal["running", "waiting", "kv_usage", "prefix_queries", "prefix_hits"]
+Terms = tuple[tuple[str, ...], ...]
 
 
 class EngineKind(enum.StrEnum):
@@ -22,26 +28,39 @@ class EngineKind(enum.StrEnum):
     SGLANG = "sglang"
 
 
-NAMES: dict[EngineKind, dict[Fact, tuple[str, ...]]] = {
+NAMES: dict[EngineKind, dict[Fact, Terms]] = {
     EngineKind.VLLM: {  # also the simulator's names (sim/metrics.py)
-        "running": ("vllm:num_requests_running",),
-        "waiting": ("vllm:num_requests_waiting",),
-        "kv_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+        "running": (("vllm:num_requests_running",),),
+        "waiting": (("vllm:num_requests_waiting",),),
+        "kv_usage": (("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),),
+        "prefix_queries": (("vllm:prefix_cache_queries_total",),),
+        "prefix_hits": (("vllm:prefix_cache_hits_total",),),
     },
-    EngineKind.SGLANG: {
-        "running": ("sglang:num_running_reqs",),
-        "waiting": ("sglang:num_queue_reqs",),
-        "kv_usage": ("sglang:token_usage",),
+    EngineKind.SGLANG: {  # sglang/srt/metrics/collector.py SchedulerStats
+        "running": (("sglang:num_running_reqs",),),
+        "waiting": (
+            ("sglang:num_queue_reqs",),
+            # a prefill's requests waiting for their decode to connect, then sending their KV
+            ("sglang:num_prefill_bootstrap_queue_reqs", "sglang:num_prefill_prealloc_queue_reqs"),
+            ("sglang:num_prefill_inflight_queue_reqs",),
+            # a decode's requests waiting for KV memory, then receiving their KV
+            ("sglang:num_decode_prealloc_queue_reqs",),
+            ("sglang:num_decode_transfer_queue_reqs",),
+        ),
+        "kv_usage": (("sglang:token_usage",),),
+        "prefix_queries": (),  # SGLang reports a hit-rate gauge only, no counters
+        "prefix_hits": (),
     },
 }
 
 
-def names_for(kind: EngineKind) -> dict[Fact, tuple[str, ...]]:
-    """The names to read for ``kind``; ``auto``: every type's, concatenated in :data:`NAMES` order."""
+def names_for(kind: EngineKind) -> dict[Fact, Terms]:
+    """The terms to read for ``kind``; ``auto``: every type's, concatenated in :data:`NAMES` order (a
+    page carries one type's names, so the other type's terms add nothing)."""
     if kind is not EngineKind.AUTO:
         return NAMES[kind]
-    merged: dict[Fact, tuple[str, ...]] = {"running": (), "waiting": (), "kv_usage": ()}
+    merged: dict[Fact, Terms] = {fact: () for fact in get_args(Fact)}
     for names in NAMES.values():
-        for fact, listed in names.items():
-            merged[fact] += listed
+        for fact, terms in names.items():
+            merged[fact] += terms
     return merged

@@ -43,7 +43,9 @@ class Scrape:
 class EngineScraper:
     """Owns the scrapes of one server. Not thread-safe: runs on the server's event loop.
 
-    ``clock`` (seconds, monotonic) is injectable for tests of staleness.
+    ``sampled(address, queries, hits)``, when given, gets each good sample's prefix-cache counters (the
+    router's prefix index corrects itself by them). ``clock`` (seconds, monotonic) is injectable for
+    tests of staleness.
     """
 
     def __init__(
@@ -51,9 +53,11 @@ class EngineScraper:
         registry: Registry,
         config: EngineMetricsConfig,
         metrics: Metrics,
+        sampled: Callable[[str, float | None, float | None], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._registry = registry
+        self._sampled = sampled
         self._config = config
         self._metrics = metrics
         self._clock = clock
@@ -150,6 +154,8 @@ class EngineScraper:
             log.info("engine metrics of %s: scraping again", address)
         self._scrapes[address] = Scrape(sample, self._clock())
         self._blend(address, sample)
+        if self._sampled is not None:
+            self._sampled(address, sample.prefix_queries, sample.prefix_hits)
 
     async def _fetch(self, url: str) -> bytes:
         """The page at ``url``, at most ``max_bytes``; raises :class:`ScrapeError`."""

@@ -3,7 +3,8 @@
 - :class:`SidecarHandoff`: headers (and the body only to drop a client's handoff fields), for an
   llm-d style decode sidecar that runs the prefill;
 - :class:`KvTransferParamsHandoff`: vLLM / vllm-ascend ``kv_transfer_params``, prefill leg first;
-- :class:`SglangBootstrapHandoff`: SGLang bootstrap fields, prefill leg alongside the decode.
+- :class:`SglangBootstrapHandoff`: SGLang bootstrap fields, prefill leg alongside the decode;
+- :class:`VllmMooncakeHandoff`: vLLM's upstream MooncakeConnector, prefill leg alongside the decode.
 
 :mod:`ext_proc.handoff.base` defines the seam; :mod:`~ext_proc.handoff.body` the body rewriting;
 :mod:`~ext_proc.handoff.leg` the prefill leg's HTTP client.
@@ -25,6 +26,7 @@ from ext_proc.handoff.base import (
 )
 from ext_proc.handoff.kv_transfer import KvTransferParamsHandoff
 from ext_proc.handoff.leg import LegOutcome, PrefillClient
+from ext_proc.handoff.mooncake import VllmMooncakeHandoff
 from ext_proc.handoff.sglang import SglangBootstrapHandoff
 from ext_proc.handoff.sidecar import SidecarHandoff
 
@@ -46,4 +48,5 @@ __all__ = [
     "RoutingInstructions",
     "SglangBootstrapHandoff",
     "SidecarHandoff",
+    "VllmMooncakeHandoff",
 ]

@@ -25,6 +25,20 @@ class HandoffMode(enum.StrEnum):
     SIDECAR = "sidecar"
     KV_TRANSFER_PARAMS = "kv-transfer-params"
     SGLANG_BOOTSTRAP = "sglang-bootstrap"
+    VLLM_MOONCAKE = "vllm-mooncake"
+
+
+UNSUPPORTED_HANDOFFS = {
+    "mooncake-layerwise": (
+        "vllm-ascend's MooncakeLayerwiseConnector is decode-first: the decode posts its KV addresses to a "
+        "metaserver, which only then sends the prefill its request with them (remote_cached_tokens "
+        "included). pd-extproc serves no metaserver, and a prefill-first leg lacks remote_cached_tokens, "
+        "which crashes that prefill's scheduler (KeyError). Run the engines with vllm-ascend's "
+        "MooncakeConnector and handoff.mode kv-transfer-params, or behind vllm-ascend's layerwise proxy "
+        "(examples/disaggregated_prefill_v1/load_balance_proxy_layerwise_server_example.py)"
+    ),
+}
+"""``handoff.mode`` values of engine protocols pd-extproc refuses, and why (README "Engine protocols")."""
 
 
 class FailurePolicy(enum.StrEnum):
@@ -181,11 +195,35 @@ KV_HANDOFF_HEADER = "x-gateway-kv-handoff"
 """Set (to ``1``) on a decode request whose body carries a KV handoff (``kv_transfer_params``,
 SGLang's bootstrap fields): the shipped Envoy routes it with a retry policy that never sends it to a
 second decode once the first may have pulled the KV, and removes the header before forwarding."""
+DP_RANK_HEADER = "x-data-parallel-rank"
+"""Pins a request to one data-parallel rank of a vLLM engine (read by vLLM's OpenAI server, set by
+llm-d's sidecar and by the ``vllm-mooncake`` handoff on its prefill leg)."""
+STEERING_HEADERS = (
+    "x-encoder-hosts-ports",
+    "x-kv-cache-source-host-port",
+    "x-data-parallel-host-port",
+    DP_RANK_HEADER,
+    "prefer",
+)
+"""Request headers that point llm-d's decode sidecar or a vLLM engine at another host, rank or
+behaviour (llm-d-router ``pkg/common/routing/common.go`` and ``pkg/sidecar/proxy/proxy.go`` at
+ebab687: encoder hosts, the peer to pull cached prefix KV from, the data-parallel pod, the
+data-parallel rank, ``Prefer: if-available`` conditional decode). The prefill header is the
+configured ``routing.prefill_header``. Every handoff removes all of them from a client's request.
+"""
 
 
 def new_request_id() -> str:
     """A request id for both legs of a handoff that no client can predict or reuse (random UUID)."""
     return str(uuid.uuid4())
+
+
+def leg_headers(request_id: str, meta: RequestMeta) -> dict[str, str]:
+    """The headers of a prefill leg: the gateway's request id and the client's ``authorization``."""
+    headers = {REQUEST_ID_HEADER: request_id}
+    if meta.authorization is not None:
+        headers["authorization"] = meta.authorization
+    return headers
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,9 +235,9 @@ class DecodeRoute:
     prefill_header: str
 
     @property
-    def routing_headers(self) -> tuple[str, str, str]:
+    def routing_headers(self) -> tuple[str, ...]:
         """The headers this routing owns (clients may not supply them)."""
-        return (self.destination_header, self.prefill_header, KV_HANDOFF_HEADER)
+        return owned_headers(self.destination_header, self.prefill_header)
 
     def routed(
         self,
@@ -223,6 +261,12 @@ class DecodeRoute:
         metadata = ((self.destination_header, destination),)
         instructions = RoutingInstructions(headers, (self.prefill_header,), metadata, body)
         return Routed(instructions, lease, background, kv_source)
+
+
+def owned_headers(destination_header: str, prefill_header: str) -> tuple[str, ...]:
+    """Every header a handoff owns: the two routing headers, :data:`KV_HANDOFF_HEADER` and
+    :data:`STEERING_HEADERS`."""
+    return (destination_header, prefill_header, KV_HANDOFF_HEADER, *STEERING_HEADERS)
 
 
 def destination_list(decision: Decision[EndpointState]) -> str:

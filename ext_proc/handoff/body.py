@@ -23,8 +23,11 @@ PREFILL_REQUEST_PARAMS: dict[str, object] = {
 """``kv_transfer_params`` of a prefill leg (vLLM NixlConnector / vllm-ascend MooncakeConnector)."""
 BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 """The body fields of SGLang's PD handoff."""
-HANDOFF_FIELDS = (KV_TRANSFER_PARAMS, *BOOTSTRAP_FIELDS)
-"""Every body field an engine reads as a handoff instruction: never taken from a client."""
+DP_RANK_FIELDS = ("routed_dp_rank", "disagg_prefill_dp_rank")
+"""SGLang's data-parallel placement fields (``io_struct.GenerateReqInput``): the rank that serves the
+request, and the prefill rank its decode pulls the KV from."""
+HANDOFF_FIELDS = (KV_TRANSFER_PARAMS, *BOOTSTRAP_FIELDS, *DP_RANK_FIELDS)
+"""Every body field an engine reads as a handoff or placement instruction: never taken from a client."""
 _MIN_TOKENS = ("min_tokens", "min_completion_tokens")
 
 
@@ -63,17 +66,17 @@ def without_fields(raw: bytes, body: dict[str, object], owned: tuple[str, ...]) 
     return with_fields(raw, body, {}, owned)
 
 
-def prefill_leg_body(body: dict[str, object]) -> bytes:
-    """The prefill leg of the kv-transfer-params handoff: the client's body asking for one token.
+def prefill_leg_body(body: dict[str, object], params: dict[str, object] = PREFILL_REQUEST_PARAMS) -> bytes:
+    """A prefill leg (kv-transfer-params, vllm-mooncake): the client's body asking for one token.
 
-    The client's handoff fields are dropped; ``kv_transfer_params`` asks the prefill to keep the KV
-    cache for a remote decode; ``stream`` false; ``max_tokens`` 1 (and ``max_completion_tokens`` 1
-    when the client set it); ``stream_options`` removed; ``min_tokens``/``min_completion_tokens`` at
-    most 1.
+    The client's handoff fields are dropped; ``kv_transfer_params`` is ``params`` (by default, asking
+    the prefill to keep the KV cache for a remote decode); ``stream`` false; ``max_tokens`` 1 (and
+    ``max_completion_tokens`` 1 when the client set it); ``stream_options`` removed;
+    ``min_tokens``/``min_completion_tokens`` at most 1.
     """
     leg = {key: value for key, value in body.items() if key not in HANDOFF_FIELDS}
     leg.pop("stream_options", None)
-    leg[KV_TRANSFER_PARAMS] = dict(PREFILL_REQUEST_PARAMS)
+    leg[KV_TRANSFER_PARAMS] = dict(params)
     leg["stream"] = False
     leg["max_tokens"] = 1
     if body.get("max_completion_tokens") is not None:

@@ -6,7 +6,8 @@
    Envoy then forwards to the chosen decode (same ``x-request-id``): the decode pulls the KV cache.
 
 The prefill charge is released when the leg returns. A prefill answer without ``kv_transfer_params``
-(it stopped early) sends the plain body to the decode, which prefills locally. A failed leg
+(a connector that is not prefill-first, or none) sends the plain body to the decode, which prefills the
+prompt again: counted per prefill and logged at WARNING the first time for each prefill. A failed leg
 (connect error, 5xx, 408/429, timeout, unusable answer) is retried once on the next-ranked prefill,
 then leads to decode-only routing or an error (:class:`~ext_proc.handoff.base.FailurePolicy`). Any
 other 4xx is the client's request being bad: the engine's error goes back to the client.
@@ -18,9 +19,7 @@ import asyncio
 import json
 import logging
 
-from ext_proc.affinity import Decision
 from ext_proc.handoff.base import (
-    REQUEST_ID_HEADER,
     DecodeRoute,
     FailurePolicy,
     HandoffJob,
@@ -28,6 +27,7 @@ from ext_proc.handoff.base import (
     Refused,
     Rerouter,
     Routed,
+    leg_headers,
     new_request_id,
 )
 from ext_proc.handoff.body import (
@@ -37,8 +37,8 @@ from ext_proc.handoff.body import (
     with_fields,
     without_fields,
 )
+from ext_proc.handoff.fallback import Attempts, LegHandoff
 from ext_proc.handoff.leg import LegError, LegOutcome, LegReply, PrefillClient
-from ext_proc.load import Lease
 from ext_proc.metrics import Metrics
 from ext_proc.registry import EndpointState
 
@@ -46,6 +46,11 @@ log = logging.getLogger(__name__)
 
 TIMEOUT_MARGIN_SECONDS = 5.0
 """Added to the legs' worst case when asking Envoy to wait for the body answer."""
+NO_PARAMS_CONSEQUENCE = (
+    "the decode prefills the prompt again; a prefill that never returns them runs a connector whose "
+    "handoff is not prefill-first (vLLM's MooncakeConnector: handoff.mode vllm-mooncake) or none "
+    "(pd_extproc_prefill_no_kv_transfer_params_total; warned once per prefill)"
+)
 _RETRYABLE_4XX = frozenset({408, 429})
 _MAX_DETAIL = 300
 
@@ -89,7 +94,7 @@ def engine_error(reply: LegReply) -> tuple[str, bytes | None]:
     return f"the prefill engine refused the request: {text}", None
 
 
-class KvTransferParamsHandoff:
+class KvTransferParamsHandoff(LegHandoff):
     """The P-first handoff; see the module docstring."""
 
     def __init__(
@@ -101,14 +106,18 @@ class KvTransferParamsHandoff:
         leg_timeout_seconds: float,
         watch_streams: bool = True,
     ) -> None:
-        self.route = route
-        self.client = client
-        self.metrics = metrics
-        self.on_failure = on_failure
+        super().__init__(route, client, metrics, on_failure, watch_streams)
         self.answer_timeout = 2 * leg_timeout_seconds + TIMEOUT_MARGIN_SECONDS
-        self.routing_headers = route.routing_headers
-        self.hands_kv = True
-        self.watch_streams = watch_streams
+        self._warned_without_params: set[str] = set()
+
+    def answered_without_params(self, prefill: str) -> int:
+        """Count a leg ``prefill`` answered without ``kv_transfer_params``; the log level to say so
+        at: WARNING the first time for that prefill, INFO after (every such prompt is prefilled twice)."""
+        self.metrics.prefill_without_kv_transfer_params(prefill)
+        if prefill in self._warned_without_params:
+            return logging.INFO
+        self._warned_without_params.add(prefill)
+        return logging.WARNING
 
     def hand_off(self, job: HandoffJob, placement: Placement, router: Rerouter) -> Routed | PrefillFirst:
         """Decode-only at once when no prefill was chosen; else the prefill leg first."""
@@ -117,24 +126,16 @@ class KvTransferParamsHandoff:
             return self.route.routed(placement.decision, None, plain, placement.lease, kv_source=None)
         return PrefillFirst(self, job, placement, router)
 
-    async def close(self) -> None:
-        """Close the prefill legs' connections."""
-        await self.client.close()
 
-
-class PrefillFirst:
+class PrefillFirst(Attempts):
     """One request's prefill leg(s) and the decode answer that follows (a :class:`Handover`)."""
 
     def __init__(
         self, handoff: KvTransferParamsHandoff, job: HandoffJob, placement: Placement, router: Rerouter
     ) -> None:
+        super().__init__(handoff, job, placement, router, new_request_id())
         self.timeout = handoff.answer_timeout
-        self.lease: Lease = placement.lease
         self._handoff = handoff
-        self._job = job
-        self._placement = placement
-        self._router = router
-        self._request_id = new_request_id()
 
     def _log(self, level: int, prefill: EndpointState, outcome: LegOutcome, detail: str) -> None:
         log.log(
@@ -151,9 +152,7 @@ class PrefillFirst:
         self, prefill: EndpointState, body: bytes
     ) -> tuple[LegOutcome, LegReply | None, dict[str, object] | None, str]:
         """One leg: ``(outcome, the HTTP answer if any, kv_transfer_params when OK, detail for logs)``."""
-        headers = {REQUEST_ID_HEADER: self._request_id}
-        if self._job.meta.authorization is not None:
-            headers["authorization"] = self._job.meta.authorization
+        headers = leg_headers(self._request_id, self._job.meta)
         metrics = self._handoff.metrics
         try:
             reply = await self._handoff.client.send(prefill.address, self._job.meta.path, body, headers)
@@ -177,7 +176,6 @@ class PrefillFirst:
         """Run the prefill leg (and at most one retry), then answer for the decode."""
         handoff, job = self._handoff, self._job
         leg_body = prefill_leg_body(job.body)
-        tried: frozenset[str] = frozenset()
         while True:
             decision = self._placement.decision
             prefill = decision.prefill
@@ -196,36 +194,13 @@ class PrefillFirst:
                 message, body = engine_error(reply)
                 return self._router.refuse(reply.status, message, "prefill_rejected", body=body)
             if outcome is LegOutcome.NO_KV_TRANSFER_PARAMS:
-                self._log(logging.INFO, prefill, outcome, "the decode prefills locally")
-                return self._decode_only(decision)
+                level = handoff.answered_without_params(prefill.address)
+                self._log(level, prefill, outcome, NO_PARAMS_CONSEQUENCE)
+                return self.decode_only()
             self._log(logging.WARNING, prefill, outcome, detail)
-            self._router.leg_failed(prefill.address, outcome.value)
-            tried |= {prefill.address}
-            retry = self._router.retry(job, decision, tried) if len(tried) == 1 else None
-            if retry is None:
-                return self._give_up(decision, outcome, prefill, detail)
-            self.lease.release()
-            self._placement, self.lease = retry, retry.lease
-
-    def _decode_only(self, decision: Decision[EndpointState]) -> Routed:
-        plain = without_fields(self._job.raw, self._job.body, HANDOFF_FIELDS)
-        return self._handoff.route.routed(decision, self._request_id, plain, self.lease, kv_source=None)
-
-    def _give_up(
-        self, decision: Decision[EndpointState], outcome: LegOutcome, prefill: EndpointState, detail: str
-    ) -> Routed | Refused:
-        policy = self._handoff.on_failure
-        self._handoff.metrics.prefill_fallback(policy.value)
-        if policy is FailurePolicy.DECODE_ONLY:
-            log.warning(
-                "no prefill leg succeeded; request %s goes decode-only to %s",
-                self._request_id,
-                decision.decode.address,
-            )
-            return self._decode_only(decision)
-        self.lease.release()
-        if outcome is LegOutcome.TIMEOUT:
-            message = f"the prefill engine {prefill.address} did not answer in time ({detail})"
-            return self._router.refuse(504, message, "prefill_timeout")
-        message = f"the prefill engine {prefill.address} failed: {outcome.value} ({detail})"
-        return self._router.refuse(502, message, "prefill_failed")
+            if not self.retry(prefill, outcome):
+                if outcome is LegOutcome.TIMEOUT:
+                    failure = f"the prefill engine {prefill.address} did not answer in time ({detail})"
+                else:
+                    failure = f"the prefill engine {prefill.address} failed: {outcome.value} ({detail})"
+                return self.give_up(outcome, failure)

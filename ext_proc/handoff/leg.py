@@ -13,6 +13,7 @@ import enum
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 
@@ -88,14 +89,24 @@ class PrefillClient:
             sent[self._destination_header] = address
         else:
             url = f"http://{address}{path}"
+        return await self._exchange(self._client().post(url, data=body, headers=sent), self._timeout.total)
+
+    async def get(self, url: str, timeout_seconds: float) -> LegReply:
+        """GET ``url`` directly (not through Envoy) within ``timeout_seconds``; raise :class:`LegError`."""
+        request = self._client().get(url, timeout=aiohttp.ClientTimeout(total=timeout_seconds))
+        return await self._exchange(request, timeout_seconds)
+
+    @staticmethod
+    async def _exchange(request: Any, timeout_seconds: float | None) -> LegReply:
+        """Run ``request`` (an aiohttp request context manager) and read the whole answer."""
         started = time.perf_counter()
         try:
-            async with self._client().post(url, data=body, headers=sent) as response:
+            async with request as response:
                 data = await _read_capped(response)
                 upstream = response.headers.get(UPSTREAM_HEADER)
                 return LegReply(response.status, data, upstream, time.perf_counter() - started)
         except TimeoutError:
-            raise LegError(LegOutcome.TIMEOUT, f"no answer within {self._timeout.total:g} s") from None
+            raise LegError(LegOutcome.TIMEOUT, f"no answer within {timeout_seconds:g} s") from None
         except aiohttp.ClientError as exc:
             raise LegError(LegOutcome.CONNECT_ERROR, f"{type(exc).__name__}: {exc}") from None
 

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 from ext_proc.affinity import Decision
 from ext_proc.handoff.base import (
-    KV_HANDOFF_HEADER,
     HandoffJob,
     Placement,
     Rerouter,
     Routed,
     RoutingInstructions,
     destination_list,
+    owned_headers,
 )
 from ext_proc.handoff.body import HANDOFF_FIELDS, without_fields
 from ext_proc.registry import EndpointState
@@ -32,7 +32,7 @@ class SidecarHandoff:
     def __init__(self, destination_header: str, prefill_header: str) -> None:
         self._destination = destination_header
         self._prefill = prefill_header
-        self.routing_headers = (destination_header, prefill_header, KV_HANDOFF_HEADER)
+        self.routing_headers = owned_headers(destination_header, prefill_header)
         self.hands_kv = False
         self.watch_streams = False
 

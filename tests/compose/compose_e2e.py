@@ -1,7 +1,9 @@
 """``make test-compose``: the container image and docker-compose.yml, for real.
 
 Builds the image (Dockerfile) on a base image made here with debootstrap (no registry is needed;
-the base image is cached between runs on one machine), starts docker-compose.yml, sends streaming
+the base image is cached between runs on one machine): a minimal Debian with python3 and venv, what
+the Dockerfile asks for, and without the user-management tools (``passwd``, ``adduser``) that some
+minimal bases lack; checks that the image runs as uid/gid 10001; starts docker-compose.yml, sends streaming
 and non-streaming OpenAI SDK requests through the published gateway port and checks, from the
 simulator's ``x-sim-*`` headers, that each lands on a decode of its prefill's pdGroup; then
 recreates pd-extproc with ``PD_EXTPROC_AFFINITY_MODE=strict`` and each engine handoff
@@ -44,6 +46,10 @@ ROOT = Path(__file__).resolve().parents[2]
 PROJECT = "pdxcomposetest"
 IMAGE = "pd-extproc:compose-test"
 BASE_PACKAGES = ("python3", "python3-venv")
+BASE_PURGED = ("adduser", "passwd")
+"""Removed from the base (``dpkg --force-depends``: apt depends on adduser, nothing the image runs
+does): no groupadd, useradd or adduser."""
+USER_TOOLS = ("groupadd", "useradd", "adduser")
 MODEL = "sim-llama-3-8b"
 LONG_PROMPT = "Summarise the following notes. " + "the quick brown fox jumps over the lazy dog " * 150
 """About 1,400 estimated tokens: above routing.pd_threshold_tokens (512), so every request is
@@ -154,9 +160,11 @@ def debian_mirror() -> tuple[str, str]:
 
 
 def base_image() -> str:
-    """A minimal Debian with python3 and venv, made with debootstrap and cached by its inputs."""
+    """A minimal Debian with python3 and venv, without :data:`BASE_PURGED`, made with debootstrap and
+    cached by its inputs."""
     mirror, suite = debian_mirror()
-    key = hashlib.sha256(f"{mirror} {suite} {' '.join(BASE_PACKAGES)}".encode()).hexdigest()[:12]
+    inputs = f"{mirror} {suite} {' '.join(BASE_PACKAGES)} -{' -'.join(BASE_PURGED)}"
+    key = hashlib.sha256(inputs.encode()).hexdigest()[:12]
     tag = f"pd-extproc-test-base:{suite}-{key}"
     if run(["docker", "images", "-q", tag]).strip():
         log(f"base image {tag} (cached)")
@@ -175,6 +183,7 @@ def base_image() -> str:
                 mirror,
             ]
         )
+        run(["chroot", str(rootfs), "dpkg", "--purge", "--force-depends", *BASE_PURGED])
         for junk in ("var/cache/apt/archives", "var/lib/apt/lists"):
             for item in (rootfs / junk).glob("*"):
                 if item.is_file():
@@ -277,6 +286,13 @@ def build_image(base: str) -> None:
         )
     size = int(run(["docker", "image", "inspect", "-f", "{{.Size}}", IMAGE]).strip())
     log(f"image {IMAGE}: {size / 1e6:.0f} MB, built in {time.monotonic() - started:.0f} s")
+    probe = f"for tool in {' '.join(USER_TOOLS)}; do command -v $tool; done"
+    tools = run(["docker", "run", "--rm", base, "sh", "-c", probe], check=False).split()
+    assert tools == [], f"the base image has {tools}"
+    whoami = "import os; print(os.getuid(), os.getgid())"
+    ids = run(["docker", "run", "--rm", IMAGE, "python3", "-c", whoami]).split()
+    assert ids == ["10001", "10001"], ids
+    log(f"the image runs as uid/gid 10001, built on a base without {', '.join(USER_TOOLS)}")
 
 
 # --- compose ----------------------------------------------------------------------------------

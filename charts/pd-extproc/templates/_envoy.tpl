@@ -54,6 +54,11 @@ static_resources:
               mutations:
               - remove: {{ $destination }}
               - remove: {{ .Values.routing.prefill_header }}
+              - remove: x-encoder-hosts-ports
+              - remove: x-kv-cache-source-host-port
+              - remove: x-data-parallel-host-port
+              - remove: x-data-parallel-rank
+              - remove: prefer
               - remove: x-gateway-kv-handoff
           local_reply_config:
             mappers:

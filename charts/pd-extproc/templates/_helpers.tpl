@@ -50,10 +50,52 @@ string (1e-05), and at most 9 decimals (the grid affinity compares on). */}}
 {{- .Values.discovery.kubernetes.namespaces | default (list .Release.Namespace) | toJson }}
 {{- end }}
 
+{{/* Picker mode (mode: picker; README "Picker mode"): pd-extproc alone, the endpoint picker of the
+InferencePool the chart creates, called by a gateway's Envoy. */}}
+{{- define "pd-extproc.picker" -}}
+{{- if eq .Values.mode "picker" }}true{{ end }}
+{{- end }}
+
+{{/* The Secret holding the picker's TLS certificate (tls.crt, tls.key). */}}
+{{- define "pd-extproc.tlsSecret" -}}
+{{- .Values.picker.tls.secretName | default (printf "%s-tls" (include "pd-extproc.fullname" .)) }}
+{{- end }}
+
+{{/* Where the picker's container mounts that Secret. */}}
+{{- define "pd-extproc.tlsDir" -}}
+/etc/pd-extproc-tls
+{{- end }}
+
+{{/* The values pd-extproc's configuration is rendered from, as JSON: .Values, and in picker mode the
+keys the mode decides, whatever the values say: endpoints from the chart's InferencePool, no prefill-leg
+listener, EDS and Envoy admin (there is no Envoy in the pod), TLS with the mounted certificate (the
+gateways dial the picker over TLS), the health port on 9003 unless health_listen names one (kubelet's
+gRPC probes cannot speak TLS), and no fallback list where the gateway's cluster reads the header as one
+host (provider none: ORIGINAL_DST, kgateway's subset load balancer). */}}
+{{- define "pd-extproc.settings" -}}
+{{- $v := deepCopy .Values -}}
+{{- if include "pd-extproc.picker" . -}}
+{{- $pool := dict "name" (include "pd-extproc.fullname" .) "namespace" .Release.Namespace -}}
+{{- $_ := set $v.discovery "source" "inferencepool" -}}
+{{- $_ := set $v.discovery "inferencepool" $pool -}}
+{{- $_ := set $v.handoff "prefill_via" "" -}}
+{{- $_ := set $v.xds "serve_eds" false -}}
+{{- $_ := set $v.envoy_health "admin_url" "" -}}
+{{- $dir := include "pd-extproc.tlsDir" . -}}
+{{- $tls := dict "cert_file" (printf "%s/tls.crt" $dir) "key_file" (printf "%s/tls.key" $dir) "client_ca_file" "" -}}
+{{- $_ := set $v "tls" $tls -}}
+{{- $_ := set $v "health_listen" ($v.health_listen | default "0.0.0.0:9003") -}}
+{{- if ne .Values.provider.name "istio" -}}
+{{- $_ := set $v.routing "fallback_count" 0 -}}
+{{- end -}}
+{{- end -}}
+{{- toJson $v -}}
+{{- end }}
+
 {{/* The pd-extproc configuration file: every key of config/pd-extproc.yaml, from the value of the
-same name (tests/test_helm_chart.py keeps the two key sets equal). */}}
+same name (tests/test_helm_chart.py keeps the two key sets equal), as "pd-extproc.settings" says. */}}
 {{- define "pd-extproc.config" -}}
-{{- $v := .Values -}}
+{{- $v := include "pd-extproc.settings" . | fromJson -}}
 {{- $k := $v.discovery.kubernetes -}}
 listen: {{ $v.listen | toJson }}
 metrics_listen: {{ $v.metrics_listen | toJson }}
@@ -98,6 +140,14 @@ affinity:
     cross_group_gbps: {{ include "pd-extproc.decimal" $a.cross_group_gbps }}
     base_latency_ms: {{ include "pd-extproc.decimal" $a.base_latency_ms }}
     wait_scale_ms: {{ include "pd-extproc.decimal" $a.wait_scale_ms }}
+    prefill_ms_per_token: {{ include "pd-extproc.decimal" $a.prefill_ms_per_token }}
+  prefix:
+    {{- $p := $v.affinity.prefix }}
+    enabled: {{ $p.enabled | toJson }}
+    block_tokens: {{ int64 $p.block_tokens }}
+    max_blocks: {{ int64 $p.max_blocks }}
+    weight: {{ include "pd-extproc.decimal" $p.weight }}
+    self_correct: {{ $p.self_correct | toJson }}
 load:
   default_max_tokens: {{ int64 $v.load.default_max_tokens }}
   default_token_capacity: {{ include "pd-extproc.decimal" $v.load.default_token_capacity }}

@@ -1,0 +1,115 @@
+"""The part the answer-after-I/O handoffs share (``kv-transfer-params``, ``vllm-mooncake``): one
+request's attempts on at most two prefills, and what follows when both failed
+(``handoff.on_prefill_failure``)."""
+
+from __future__ import annotations
+
+import logging
+
+from ext_proc.affinity import Decision
+from ext_proc.handoff.base import (
+    DecodeRoute,
+    FailurePolicy,
+    HandoffJob,
+    Placement,
+    Refused,
+    Rerouter,
+    Routed,
+)
+from ext_proc.handoff.body import HANDOFF_FIELDS, without_fields
+from ext_proc.handoff.leg import LegOutcome, PrefillClient
+from ext_proc.load import Lease
+from ext_proc.metrics import Metrics
+from ext_proc.registry import EndpointState
+
+log = logging.getLogger(__name__)
+
+
+def decode_only(
+    route: DecodeRoute, job: HandoffJob, decision: Decision[EndpointState], request_id: str, lease: Lease
+) -> Routed:
+    """The client's body, without its handoff fields, to the decode already chosen."""
+    plain = without_fields(job.raw, job.body, HANDOFF_FIELDS)
+    return route.routed(decision, request_id, plain, lease, kv_source=None)
+
+
+class LegHandoff:
+    """What the handoffs that talk to a prefill before they answer hold: the decode ``route``, the
+    prefill ``client``, ``metrics``, the ``on_failure`` policy and whether a streamed answer is
+    watched for a failed KV pull (``watch_streams``)."""
+
+    hands_kv = True
+
+    def __init__(
+        self,
+        route: DecodeRoute,
+        client: PrefillClient,
+        metrics: Metrics,
+        on_failure: FailurePolicy,
+        watch_streams: bool,
+    ) -> None:
+        self.route = route
+        self.client = client
+        self.metrics = metrics
+        self.on_failure = on_failure
+        self.watch_streams = watch_streams
+        self.routing_headers = route.routing_headers
+
+    async def close(self) -> None:
+        """Close the prefill legs' connections."""
+        await self.client.close()
+
+
+class Attempts:
+    """One request's I/O with its prefill before the answer (a
+    :class:`~ext_proc.handoff.base.Handover` once a subclass adds ``timeout`` and ``complete``):
+    ``lease`` holds the current placement's charges; a failed prefill may be swapped once for the
+    next-ranked one (:meth:`retry`), then :meth:`give_up` applies the policy."""
+
+    def __init__(
+        self, handoff: LegHandoff, job: HandoffJob, placement: Placement, router: Rerouter, request_id: str
+    ) -> None:
+        self.lease: Lease = placement.lease
+        self._settings = handoff
+        self._job = job
+        self._placement = placement
+        self._router = router
+        self._request_id = request_id
+        self._tried: frozenset[str] = frozenset()
+
+    def retry(self, failed: EndpointState, outcome: LegOutcome) -> bool:
+        """``failed`` failed with ``outcome`` (not a 4xx): eject it and, on the first failure, move to the
+        next-ranked prefill (its charges replace the current ones); ``False`` when there is none."""
+        self._router.leg_failed(failed.address, outcome.value)
+        self._tried |= {failed.address}
+        retry = (
+            self._router.retry(self._job, self._placement.decision, self._tried)
+            if len(self._tried) == 1
+            else None
+        )
+        if retry is None:
+            return False
+        self.lease.release()
+        self._placement, self.lease = retry, retry.lease
+        return True
+
+    def decode_only(self) -> Routed:
+        """The client's body, without its handoff fields, to the current decode."""
+        return decode_only(
+            self._settings.route, self._job, self._placement.decision, self._request_id, self.lease
+        )
+
+    def give_up(self, outcome: LegOutcome, failure: str) -> Routed | Refused:
+        """Count the fallback, then go decode-only (policy ``decode-only``) or release the charges and
+        answer ``504 prefill_timeout`` (a timeout) or ``502 prefill_failed``; ``failure`` says what
+        failed, e.g. "the prefill engine 10.0.0.1:8000 failed: server_error (HTTP 503)"."""
+        policy = self._settings.on_failure
+        self._settings.metrics.prefill_fallback(policy.value)
+        if policy is FailurePolicy.DECODE_ONLY:
+            decode = self._placement.decision.decode.address
+            log.warning("no prefill succeeded; request %s goes decode-only to %s", self._request_id, decode)
+            return self.decode_only()
+        self.lease.release()
+        if outcome is LegOutcome.TIMEOUT:
+            return self._router.refuse(504, failure, "prefill_timeout")
+        return self._router.refuse(502, failure, "prefill_failed")

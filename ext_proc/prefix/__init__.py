@@ -1,0 +1,24 @@
+"""The prefix index: which prompt blocks each engine is estimated to hold (README "Prefix-cache aware
+routing").
+
+:mod:`~ext_proc.prefix.blocks` turns a prompt into chained block hashes, :mod:`~ext_proc.prefix.index`
+is the per-endpoint LRU index, :mod:`~ext_proc.prefix.correction` the pure self-correction rule from
+the engines' prefix-cache counters, and :class:`PrefixTracker` what the router calls per request. The
+decision (:mod:`ext_proc.affinity`) reads only the hit arrays, as it reads only the load arrays.
+"""
+
+from ext_proc.prefix.blocks import block_hashes, prompt_content
+from ext_proc.prefix.correction import Interval, corrected_scale
+from ext_proc.prefix.index import PrefixIndex
+from ext_proc.prefix.tracker import Lookup, PrefixSettings, PrefixTracker
+
+__all__ = [
+    "Interval",
+    "Lookup",
+    "PrefixIndex",
+    "PrefixSettings",
+    "PrefixTracker",
+    "block_hashes",
+    "corrected_scale",
+    "prompt_content",
+]

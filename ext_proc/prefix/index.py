@@ -1,0 +1,174 @@
+"""The router-side prefix index: which prompt blocks each engine is estimated to hold.
+
+An approximation of every engine's prefix cache built from this gateway's own placements alone: when a
+request is placed, its prompt's block hashes (:mod:`ext_proc.prefix.blocks`) are recorded on the
+chosen prefill (which computes them) and on the chosen decode (which receives them), each an LRU of
+block hashes sized from the endpoint's KV capacity (``token_capacity / block_tokens`` blocks, times a
+self-correction ``scale`` in (0, 1]). A later prompt's hit at an endpoint is the number of its leading
+blocks that endpoint holds, times ``block_tokens``.
+
+Why an LRU and in which order: vLLM keeps a finished request's blocks as cached free blocks and
+evicts free blocks least recently used first; it frees a request's blocks tail first, so a prompt's
+head outlives its tail. :meth:`PrefixIndex.record` touches a prompt's blocks tail first for the same
+reason, so the LRU evicts a prompt from its tail and a shared head stays.
+
+Cost: one dictionary holds, per block hash, the set of endpoints holding it as the bits of an int, so
+:meth:`PrefixIndex.match` walks the prompt's chain once, AND-ing the holder sets, and stops where no
+endpoint holds the prefix any more: O(matched blocks + endpoints that matched), independent of the
+number of endpoints otherwise. :meth:`PrefixIndex.record` is O(blocks) per endpoint recorded.
+
+Pure bookkeeping: no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from ext_proc.affinity import Hits, Pool
+from ext_proc.affinity.model import E
+
+_POSITIONS_KEPT = 8  # pools whose address → position map is kept (the registry's two, plus subsets)
+
+
+class PrefixIndex:
+    """Per endpoint (by ``"ip:port"`` address: one engine, whatever roles it serves) an LRU of the
+    block hashes placed there; ``block_tokens`` tokens a block."""
+
+    def __init__(self, block_tokens: int) -> None:
+        if block_tokens < 1:
+            raise ValueError("block_tokens must be >= 1")
+        self.block_tokens = block_tokens
+        self._holders: dict[int, int] = {}  # block hash → bit set of the slots holding it
+        self._slots: dict[str, int] = {}  # address → slot (its bit)
+        self._addresses: dict[int, str] = {}  # slot → address
+        self._lrus: dict[int, OrderedDict[int, None]] = {}  # slot → its blocks, least recent first
+        self._scales: dict[int, float] = {}  # slot → self-correction factor of its capacity
+        self._free: list[int] = []  # slots of forgotten endpoints, for reuse
+        self._positions: dict[int, tuple[Pool, dict[str, int]]] = {}
+
+    def match(self, hashes: Sequence[int]) -> dict[str, int]:
+        """For every endpoint holding at least the first block: how many leading blocks of the chain
+        ``hashes`` it holds (>= 1), by address."""
+        holders = self._holders
+        alive = holders.get(hashes[0], 0) if hashes else 0
+        depth: dict[str, int] = {}
+        i = 1
+        while alive:
+            if i == len(hashes):
+                self._note(alive, i, depth)
+                break
+            held = alive & holders.get(hashes[i], 0)
+            if held != alive:
+                self._note(alive & ~held, i, depth)
+                alive = held
+            i += 1
+        return depth
+
+    def _note(self, bits: int, blocks: int, depth: dict[str, int]) -> None:
+        while bits:
+            low = bits & -bits
+            depth[self._addresses[low.bit_length() - 1]] = blocks
+            bits ^= low
+
+    def hits(
+        self, matched: dict[str, int], prefills: Pool[E], decodes: Pool[E], prompt_tokens: int
+    ) -> Hits | None:
+        """``matched`` (from :meth:`match`) as hit tokens per pool position, each at most
+        ``prompt_tokens``; ``None`` when no endpoint of either pool holds anything (the decision then
+        does without)."""
+        if not matched:
+            return None
+        arrays = []
+        found = False
+        for pool in (prefills, decodes):
+            tokens = np.zeros(pool.size, dtype=np.int64)
+            positions = self._positions_of(pool)
+            for address, blocks in matched.items():
+                position = positions.get(address)
+                if position is not None:
+                    tokens[position] = min(blocks * self.block_tokens, prompt_tokens)
+                    found = True
+            arrays.append(tokens)
+        return Hits(arrays[0], arrays[1]) if found else None
+
+    def _positions_of(self, pool: Pool[E]) -> dict[str, int]:
+        kept = self._positions.get(id(pool))
+        if kept is not None and kept[0] is pool:
+            return kept[1]
+        positions = {e.address: i for i, e in enumerate(pool.endpoints)}
+        if len(self._positions) >= _POSITIONS_KEPT:
+            self._positions.pop(next(iter(self._positions)))
+        self._positions[id(pool)] = (pool, positions)
+        return positions
+
+    def record(self, hashes: Sequence[int], address: str, capacity_tokens: float) -> None:
+        """``address`` now holds the chain ``hashes`` (most recently used, its head the most recent of
+        all); it keeps at most ``capacity_tokens * scale / block_tokens`` blocks (at least one),
+        evicting its least recently used."""
+        slot = self._slot(address)
+        lru = self._lrus[slot]
+        bit = 1 << slot
+        holders = self._holders
+        for h in reversed(hashes):  # tail first: the head ends the most recent
+            if h in lru:
+                lru.move_to_end(h)
+            else:
+                lru[h] = None
+                holders[h] = holders.get(h, 0) | bit
+        self._evict(slot, self._capacity(slot, capacity_tokens))
+
+    def _capacity(self, slot: int, capacity_tokens: float) -> int:
+        return max(1, int(capacity_tokens * self._scales[slot] / self.block_tokens))
+
+    def _evict(self, slot: int, keep: int) -> None:
+        lru, holders, bit = self._lrus[slot], self._holders, 1 << slot
+        while len(lru) > keep:
+            h, _ = lru.popitem(last=False)
+            rest = holders[h] & ~bit
+            if rest:
+                holders[h] = rest
+            else:
+                del holders[h]
+
+    def _slot(self, address: str) -> int:
+        slot = self._slots.get(address)
+        if slot is None:
+            slot = self._free.pop() if self._free else len(self._slots)
+            self._slots[address] = slot
+            self._addresses[slot] = address
+            self._lrus[slot] = OrderedDict()
+            self._scales[slot] = 1.0
+        return slot
+
+    def scale(self, address: str) -> float:
+        """The self-correction factor of ``address``'s capacity (1.0 for an endpoint never corrected)."""
+        slot = self._slots.get(address)
+        return 1.0 if slot is None else self._scales[slot]
+
+    def set_scale(self, address: str, scale: float, capacity_tokens: float) -> None:
+        """Keep ``scale`` (in (0, 1]) of ``address``'s capacity from now on, evicting down to it."""
+        slot = self._slot(address)
+        self._scales[slot] = scale
+        self._evict(slot, self._capacity(slot, capacity_tokens))
+
+    def blocks(self, address: str) -> int:
+        """How many blocks ``address`` is estimated to hold."""
+        slot = self._slots.get(address)
+        return 0 if slot is None else len(self._lrus[slot])
+
+    def retain(self, addresses: Iterable[str]) -> None:
+        """Forget every endpoint not in ``addresses`` (it left discovery; its slot is reused)."""
+        keep = set(addresses)
+        for address in [a for a in self._slots if a not in keep]:
+            slot = self._slots.pop(address)
+            self._evict(slot, 0)
+            del self._addresses[slot], self._lrus[slot], self._scales[slot]
+            self._free.append(slot)
+
+    @property
+    def addresses(self) -> list[str]:
+        """The endpoints the index holds blocks of (or has corrected)."""
+        return list(self._slots)

@@ -1,0 +1,122 @@
+"""The prefix index as the router uses it: one request's lookup, its placement, the engines' counters.
+
+:class:`PrefixTracker` is the thin stateful layer around the pure parts: it hashes a request's prompt
+(:mod:`ext_proc.prefix.blocks`), looks the chain up in the :class:`~ext_proc.prefix.index.PrefixIndex`
+and hands the decision its hit estimates as arrays aligned with the pools; after the decision it
+records the prompt on the chosen prefill and decode, counts what it predicted, and, from each engine
+sample with prefix-cache counters, corrects that endpoint's LRU size
+(:mod:`ext_proc.prefix.correction`). No clock and no I/O; the metrics are the only side effect.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
+
+from ext_proc.affinity import Decision, Hits, Pool
+from ext_proc.affinity.model import E
+from ext_proc.prefix.blocks import block_hashes, prompt_content
+from ext_proc.prefix.correction import Interval, corrected_scale
+from ext_proc.prefix.index import PrefixIndex
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixSettings:
+    """``block_tokens``: tokens per hashed block (4 characters a token for text); ``max_blocks``: the
+    most blocks of one prompt hashed (longer prompts match on their head only); ``self_correct``: size
+    each endpoint's LRU from its engine's prefix-cache counters too (needs engine metrics)."""
+
+    block_tokens: int = 16
+    max_blocks: int = 2048
+    self_correct: bool = True
+
+
+class Lookup(NamedTuple):
+    """One request's view of the index: its prompt's chain, the blocks each endpoint holds of it (by
+    address), and the decision's :class:`Hits` (``None`` when no candidate holds anything)."""
+
+    hashes: list[int]
+    matched: dict[str, int]
+    hits: Hits | None
+
+
+class PredictionSink(Protocol):
+    """Where the tracker reports (:class:`ext_proc.metrics.Metrics` is one)."""
+
+    def prefix_predicted(self, role: str, address: str, placed: int, hit: int) -> None: ...
+    def prefix_engine(self, address: str, queries: float, hits: float, scale: float) -> None: ...
+
+
+class PrefixTracker:
+    """Owns the index of one router; ``sink`` gets the predictions and the engine-reported counters."""
+
+    def __init__(self, settings: PrefixSettings, sink: PredictionSink) -> None:
+        self.settings = settings
+        self.index = PrefixIndex(settings.block_tokens)
+        self._sink = sink
+        self._capacity: dict[str, float] = {}
+        self._pending: dict[str, list[float]] = {}  # address → [placed, predicted] since its last sample
+        self._counters: dict[str, tuple[float, float]] = {}  # address → the engine's last (queries, hits)
+
+    def chain(self, body: dict[str, object]) -> list[int]:
+        """The chained block hashes of the request's prompt (empty without a prompt), seeded with its
+        ``model`` (different models share no cache)."""
+        content = prompt_content(body)
+        if not content:
+            return []
+        model = body.get("model")
+        seed = hash(model) if isinstance(model, str) else 0
+        return block_hashes(content, self.settings.block_tokens, self.settings.max_blocks, seed)
+
+    def lookup(self, hashes: list[int], prefills: Pool[E], decodes: Pool[E], prompt_tokens: int) -> Lookup:
+        """What the candidate endpoints hold of ``hashes``."""
+        matched = self.index.match(hashes) if hashes else {}
+        return Lookup(hashes, matched, self.index.hits(matched, prefills, decodes, prompt_tokens))
+
+    def predicted(self, lookup: Lookup, address: str, prompt_tokens: int) -> int:
+        """The hit tokens ``lookup`` predicts at ``address`` (at most ``prompt_tokens``)."""
+        return min(lookup.matched.get(address, 0) * self.settings.block_tokens, prompt_tokens)
+
+    def placed(self, lookup: Lookup, decision: Decision[E], prompt_tokens: int) -> None:
+        """The request was placed by ``decision``: its prompt is now on the prefill (which computes
+        it) and the decode (which receives it); count the hits predicted at each."""
+        for role, endpoint in (("prefill", decision.prefill), ("decode", decision.decode)):
+            if endpoint is None:
+                continue
+            address = endpoint.address
+            predicted = self.predicted(lookup, address, prompt_tokens)
+            self._sink.prefix_predicted(role, address, prompt_tokens, predicted)
+            pending = self._pending.setdefault(address, [0.0, 0.0])  # both engines look the prompt up
+            pending[0] += prompt_tokens
+            pending[1] += predicted
+            if lookup.hashes:
+                self._capacity[address] = endpoint.token_capacity
+                self.index.record(lookup.hashes, address, endpoint.token_capacity)
+
+    def observe(self, address: str, queries: float | None, hits: float | None) -> None:
+        """An engine sample with its prefix-cache counters (totals since the engine started, tokens;
+        ``None`` when the page has none): report the increments and, with ``self_correct``, correct
+        the endpoint's LRU size by what this gateway predicted there since the last sample."""
+        if queries is None or hits is None:
+            return
+        last = self._counters.get(address)
+        self._counters[address] = (queries, hits)
+        pending = self._pending.pop(address, [0.0, 0.0])
+        if last is None or queries < last[0] or hits < last[1]:  # first sample, or the engine restarted
+            return
+        seen = Interval(pending[0], pending[1], queries - last[0], hits - last[1])
+        scale = self.index.scale(address)
+        capacity = self._capacity.get(address)
+        if self.settings.self_correct and capacity is not None:
+            corrected = corrected_scale(scale, seen)
+            if corrected != scale:
+                self.index.set_scale(address, corrected, capacity)
+                scale = corrected
+        self._sink.prefix_engine(address, seen.queries, seen.hits, scale)
+
+    def retain(self, addresses: set[str]) -> None:
+        """Forget every endpoint not in ``addresses``."""
+        self.index.retain(addresses)
+        for table in (self._capacity, self._pending, self._counters):
+            for address in [a for a in table if a not in addresses]:
+                del table[address]

@@ -1,0 +1,148 @@
+"""vLLM-style automatic prefix caching of one simulated engine (pure bookkeeping).
+
+The engine's KV cache is ``capacity`` blocks of ``block_size`` tokens. A block a sequence computed in
+full is *cached* under the hash of its tokens chained over the blocks before it, so it stands for the
+whole prefix up to its end (vLLM v1's ``BlockHash``). A new sequence first takes, by reference, the
+longest run of leading blocks of its prompt that are cached, at most the prompt minus one token (vLLM
+computes at least one token: ``num_tokens - 1``), and is given fresh blocks for the rest; it computes
+only the tokens past the cached run (a decode pulling a remote KV pulls only those). A cached block
+no sequence references is *free* but keeps its content until a fresh block is needed and none is
+empty: the free cached blocks are evicted least recently freed first, and a finished sequence frees
+its blocks tail first, so its prompt's head outlives its tail (vLLM's ``FreeKVCacheBlockQueue``).
+Blocks in use are never evicted. Two sequences computing the same block at once keep a copy each;
+the first to finish it caches it.
+
+The "tokens" of a text prompt are its characters in fours (the gateway's and the simulator's token
+estimate, :mod:`ext_proc.request`), so a block is ``4 * block_size`` characters of the concatenated
+prompt text; token-id prompts are blocks of ids. Generated tokens extend the text (the simulator
+generates a fixed cycle of four-character tokens, :func:`sim.protocol.token_text`), so a chat's next
+turn, which carries the reply, hits the blocks its reply filled on the engine that generated it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ext_proc.prefix.blocks import CHARS_PER_TOKEN
+from sim.protocol import token_text
+
+
+def chain(content: str | Sequence[int], block_size: int) -> list[int]:
+    """The chained hashes of every full block of ``content`` (text: ``CHARS_PER_TOKEN * block_size``
+    characters a block; token ids: ``block_size`` ids a block)."""
+    text = isinstance(content, str)
+    size = CHARS_PER_TOKEN * block_size if text else block_size
+    hashes, h = [], 0
+    for start in range(0, len(content) - size + 1, size):
+        block = content[start : start + size]
+        h = hash((h, block if text else tuple(block)))
+        hashes.append(h)
+    return hashes
+
+
+@dataclass
+class PromptBlocks:
+    """What an engine caches of one request: its prompt ``content`` (text or token ids)."""
+
+    content: str | list[int]
+    block_size: int
+    hashes: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.hashes = chain(self.content, self.block_size)
+
+    def with_output(self, generated: int) -> list[int]:
+        """The chained hashes of the full blocks of the prompt followed by ``generated`` output
+        tokens (token-id prompts: the prompt's alone, the generated ids being unknown)."""
+        if not isinstance(self.content, str) or generated <= 0:
+            return self.hashes
+        return chain(self.content + token_text(0, generated), self.block_size)
+
+
+@dataclass
+class Holding:
+    """The blocks one sequence holds: ``refs``, the cached blocks it references (by hash), and
+    ``private``, fresh blocks not (or not yet) cached."""
+
+    refs: list[int] = field(default_factory=list)
+    private: int = 0
+
+
+class BlockCache:
+    """An engine's KV blocks: in use, free and cached, or free and empty; see the module docstring.
+
+    ``used`` counts blocks in use (private ones plus cached ones with references). ``queries`` and
+    ``hits`` count prompt tokens looked up and found (vLLM's ``prefix_cache_queries`` / ``_hits``).
+    """
+
+    def __init__(self, capacity: int, block_size: int) -> None:
+        self.capacity = capacity
+        self.block_size = block_size
+        self.used = 0
+        self.queries = 0
+        self.hits = 0
+        self._refs: dict[int, int] = {}  # cached block hash → sequences referencing it
+        self._free: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody references, LRU first
+
+    @property
+    def cached_blocks(self) -> int:
+        """Blocks holding a cached prefix, in use or free."""
+        return len(self._refs)
+
+    def lookup(self, hashes: Sequence[int], prompt_tokens: int) -> int:
+        """How many leading blocks of ``hashes`` are cached, at most ``(prompt_tokens - 1) //
+        block_size`` (at least one prompt token is always computed)."""
+        limit = min(len(hashes), max(0, prompt_tokens - 1) // self.block_size)
+        hit = 0
+        while hit < limit and hashes[hit] in self._refs:
+            hit += 1
+        return hit
+
+    def fits(self, hit: Sequence[int], fresh: int) -> bool:
+        """Whether ``fresh`` new blocks fit once the cached blocks ``hit`` are taken (free ones among
+        them stop being evictable)."""
+        taken = sum(1 for h in hit if self._refs[h] == 0)
+        return self.used + taken + fresh <= self.capacity
+
+    def take(self, hit: Sequence[int], fresh: int, prompt_tokens: int) -> Holding:
+        """Reference the cached blocks ``hit`` and allocate ``fresh`` blocks (evicting free cached
+        ones as needed; :meth:`fits` must hold); count the lookup of ``prompt_tokens`` tokens."""
+        for h in hit:
+            if self._refs[h] == 0:
+                del self._free[h]
+                self.used += 1
+            self._refs[h] += 1
+        empty = self.capacity - self.used - len(self._free)
+        for _ in range(max(0, fresh - empty)):
+            evicted, _ = self._free.popitem(last=False)
+            del self._refs[evicted]
+        self.used += fresh
+        self.queries += prompt_tokens
+        self.hits += len(hit) * self.block_size
+        return Holding(list(hit), fresh)
+
+    def cache(self, holding: Holding, hashes: Sequence[int]) -> None:
+        """The sequence of ``holding`` computed the blocks ``hashes`` (its chain from the start): each
+        one not cached yet becomes a cached block referenced by it (one private block less)."""
+        held = set(holding.refs)
+        for h in hashes:
+            if holding.private == 0:
+                return
+            if h not in held and h not in self._refs:
+                self._refs[h] = 1
+                holding.refs.append(h)
+                holding.private -= 1
+
+    def release(self, holding: Holding) -> None:
+        """Free every block of ``holding``: private ones become empty, cached ones free (evictable),
+        tail first so a prompt's head is evicted last."""
+        self.used -= holding.private
+        for h in reversed(holding.refs):
+            left = self._refs[h] - 1
+            self._refs[h] = left
+            if left == 0:
+                self._free[h] = None
+                self.used -= 1
+        holding.refs, holding.private = [], 0

@@ -1,0 +1,248 @@
+"""The prefix index: prompt content, chained block hashes, the per-endpoint LRU, self-correction."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ext_proc.affinity import Candidate, Decision, Locality, Pool
+from ext_proc.prefix import (
+    Interval,
+    PrefixIndex,
+    PrefixSettings,
+    PrefixTracker,
+    block_hashes,
+    corrected_scale,
+    prompt_content,
+)
+from ext_proc.prefix.correction import MIN_QUERY_TOKENS, MIN_SCALE
+
+# ---------------------------------------------------------------- prompt content and hashing
+
+
+def test_prompt_content_of_every_body_shape() -> None:
+    chat = {"messages": [{"role": "system", "content": "abc"}, {"content": [{"text": "de"}, {"x": 1}]}]}
+    assert prompt_content(chat) == "abcde"
+    assert prompt_content({"prompt": "hello"}) == "hello"
+    assert prompt_content({"prompt": ["ab", "cd"]}) == "abcd"
+    assert prompt_content({"prompt": [1, 2, 3]}) == [1, 2, 3]
+    assert prompt_content({"prompt": [[1, 2], [3]]}) == [1, 2, 3]
+    assert prompt_content({"input": [{"role": "user", "content": "xy"}]}) == "xy"
+    assert prompt_content({"input": "text"}) == "text"
+    assert prompt_content({"model": "m"}) is None
+    assert prompt_content({"prompt": []}) is None
+
+
+def test_text_blocks_are_four_characters_a_token_and_only_full_blocks_count() -> None:
+    text = "a" * 64 + "b" * 64 + "c" * 10
+    hashes = block_hashes(text, 16, 100)
+    assert len(hashes) == 2  # 64 characters a block; the partial tail is not cached
+    assert block_hashes(text[:128] + "zzz", 16, 100) == hashes
+    assert block_hashes("a" * 64 + "x" * 64, 16, 100)[:1] == hashes[:1]
+    assert block_hashes("a" * 64 + "x" * 64, 16, 100)[1] != hashes[1]
+    assert block_hashes(text, 16, 1) == hashes[:1]
+
+
+def test_a_block_hash_stands_for_its_whole_prefix() -> None:
+    a = block_hashes("x" * 64 + "y" * 64, 16, 10)
+    b = block_hashes("z" * 64 + "y" * 64, 16, 10)
+    assert a[1] != b[1]  # same second block, different first: different chains
+
+
+def test_token_id_blocks_and_seeds() -> None:
+    ids = list(range(40))
+    hashes = block_hashes(ids, 16, 10)
+    assert len(hashes) == 2
+    assert block_hashes(ids[:32], 16, 10) == hashes
+    assert block_hashes(ids, 16, 10, seed=1) != hashes  # another model: another chain
+
+
+# ---------------------------------------------------------------- the index
+
+
+def pool(*addresses: str) -> Pool:
+    return Pool.of([Candidate(a, "g", 1000.0, 0, 0) for a in addresses])
+
+
+def chain(*blocks: str) -> list[int]:
+    return block_hashes("".join(b * 64 for b in blocks), 16, 1000)
+
+
+def test_match_is_the_longest_held_prefix_per_endpoint() -> None:
+    index = PrefixIndex(16)
+    index.record(chain("a", "b", "c"), "p1", 1e6)
+    index.record(chain("a", "b"), "p2", 1e6)
+    index.record(chain("x"), "p3", 1e6)
+    assert index.match(chain("a", "b", "c", "d")) == {"p1": 3, "p2": 2}
+    assert index.match(chain("a", "z")) == {"p1": 1, "p2": 1}
+    assert index.match(chain("q")) == {}
+    assert index.match([]) == {}
+
+
+def test_hits_align_with_the_pools_and_are_capped_at_the_prompt() -> None:
+    index = PrefixIndex(16)
+    index.record(chain("a", "b", "c"), "p1", 1e6)
+    index.record(chain("a"), "d2", 1e6)
+    matched = index.match(chain("a", "b", "c"))
+    hits = index.hits(matched, pool("p0", "p1"), pool("d1", "d2"), prompt_tokens=40)
+    assert hits is not None
+    assert hits.prefill.tolist() == [0, 40] and hits.decode.tolist() == [0, 16]
+    assert index.hits(matched, pool("p0"), pool("d1"), 40) is None  # nobody of these pools holds it
+    assert index.hits({}, pool("p1"), pool("d2"), 40) is None
+
+
+def test_the_lru_keeps_capacity_over_block_tokens_blocks_and_evicts_the_oldest_prompt_tail_first() -> None:
+    index = PrefixIndex(16)
+    index.record(chain("a", "b", "c"), "p", 5 * 16)  # room for 5 blocks
+    index.record(chain("x", "y"), "p", 5 * 16)
+    assert index.blocks("p") == 5
+    index.record(chain("z"), "p", 5 * 16)  # one more: the oldest prompt loses its tail block
+    assert index.match(chain("a", "b", "c")) == {"p": 2}
+    assert index.match(chain("x", "y")) == {"p": 2}
+    index.record(chain("a", "b"), "p", 5 * 16)  # touched: now the most recent
+    index.record(chain("w", "v"), "p", 5 * 16)
+    assert index.match(chain("a", "b")) == {"p": 2}
+    assert index.match(chain("x", "y")) == {}  # the least recent went first
+
+
+def test_retain_forgets_endpoints_and_reuses_their_slots() -> None:
+    index = PrefixIndex(16)
+    index.record(chain("a"), "p1", 1e6)
+    index.record(chain("a"), "p2", 1e6)
+    index.retain({"p2"})
+    assert index.match(chain("a")) == {"p2": 1}
+    assert index.addresses == ["p2"]
+    index.record(chain("b"), "p3", 1e6)
+    assert index.match(chain("b")) == {"p3": 1} and index.match(chain("a")) == {"p2": 1}
+
+
+def test_set_scale_shrinks_an_endpoints_capacity_now() -> None:
+    index = PrefixIndex(16)
+    index.record(chain("a", "b", "c", "d"), "p", 4 * 16)
+    index.set_scale("p", 0.5, 4 * 16)
+    assert index.scale("p") == 0.5 and index.blocks("p") == 2
+    assert index.match(chain("a", "b", "c", "d")) == {"p": 2}  # the head stays
+    assert index.scale("unknown") == 1.0
+
+
+class NaiveLru:
+    """The index's contract, one ordered set per endpoint, matched by scanning."""
+
+    def __init__(self) -> None:
+        self.lrus: dict[str, OrderedDict[int, None]] = {}
+
+    def record(self, hashes: list[int], address: str, keep: int) -> None:
+        lru = self.lrus.setdefault(address, OrderedDict())
+        for h in reversed(hashes):
+            lru.pop(h, None)
+            lru[h] = None
+        while len(lru) > keep:
+            lru.popitem(last=False)
+
+    def match(self, hashes: list[int]) -> dict[str, int]:
+        out = {}
+        for address, lru in self.lrus.items():
+            n = 0
+            while n < len(hashes) and hashes[n] in lru:
+                n += 1
+            if n:
+                out[address] = n
+        return out
+
+
+prompts = st.lists(st.sampled_from("abcdef"), min_size=0, max_size=8).map(lambda s: chain(*s))
+operations = st.lists(
+    st.tuples(prompts, st.sampled_from(["p1", "p2", "p3", "d1"]), st.integers(1, 12)), max_size=40
+)
+
+
+@settings(deadline=None)
+@given(operations, prompts)
+def test_the_index_matches_a_naive_lru_model(ops: list, probe: list[int]) -> None:
+    index, naive = PrefixIndex(16), NaiveLru()
+    for hashes, address, keep in ops:
+        index.record(hashes, address, keep * 16)
+        naive.record(hashes, address, keep)
+        assert index.match(probe) == naive.match(probe)
+    for address in naive.lrus:
+        assert index.blocks(address) == len(naive.lrus[address])
+
+
+# ---------------------------------------------------------------- self-correction
+
+
+def test_no_evidence_no_correction() -> None:
+    assert corrected_scale(0.7, Interval(0, 0, 1e6, 1e6)) == 0.7
+    assert corrected_scale(0.7, Interval(1e4, 1e4, MIN_QUERY_TOKENS - 1, 0)) == 0.7
+
+
+def test_optimistic_predictions_shrink_at_most_by_half_and_pessimistic_ones_grow_back() -> None:
+    assert corrected_scale(1.0, Interval(1e4, 9e3, 1e4, 6e3)) == pytest.approx(6 / 9)
+    assert corrected_scale(1.0, Interval(1e4, 9e3, 1e4, 0)) == 0.5
+    assert corrected_scale(0.25, Interval(1e4, 3e3, 1e4, 6e3)) == 0.5
+    assert corrected_scale(0.25, Interval(1e4, 0, 1e4, 6e3)) == 0.5
+    assert corrected_scale(0.9, Interval(1e4, 3e3, 1e4, 9e3)) == 1.0
+    assert corrected_scale(0.5, Interval(1e4, 5e3, 1e4, 5.4e3)) == 0.5  # within the margin
+
+
+@given(
+    st.floats(MIN_SCALE, 1.0),
+    st.floats(0, 1e6),
+    st.floats(0, 1.0),
+    st.floats(0, 1e7),
+    st.floats(0, 1.0),
+)
+def test_the_scale_stays_in_its_bounds_and_moves_toward_the_engine(
+    scale: float, placed: float, predicted: float, queries: float, hit: float
+) -> None:
+    seen = Interval(placed, predicted * placed, queries, hit * queries)
+    new = corrected_scale(scale, seen)
+    assert MIN_SCALE <= new <= 1.0
+    if new < scale:
+        assert predicted > hit
+    if new > scale:
+        assert predicted < hit
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.predicted: list[tuple] = []
+        self.engine: list[tuple] = []
+
+    def prefix_predicted(self, role: str, address: str, placed: int, hit: int) -> None:
+        self.predicted.append((role, address, placed, hit))
+
+    def prefix_engine(self, address: str, queries: float, hits: float, scale: float) -> None:
+        self.engine.append((address, queries, hits, scale))
+
+
+def test_the_tracker_records_both_engines_and_corrects_from_the_counters() -> None:
+    sink = Sink()
+    tracker = PrefixTracker(PrefixSettings(), sink)
+    prefill = Candidate("p", "g", 64 * 100, 0, 0)
+    decode = Candidate("d", "g", 64 * 100, 0, 0)
+    body = {"model": "m", "messages": [{"role": "user", "content": "a" * 64 * 8}]}
+    hashes = tracker.chain(body)
+    assert len(hashes) == 8
+    lookup = tracker.lookup(hashes, Pool.of([prefill]), Pool.of([decode]), 128)
+    assert lookup.hits is None
+    tracker.placed(lookup, Decision(prefill, decode, (), Locality.SAME_GROUP), 128)
+    again = tracker.lookup(hashes, Pool.of([prefill]), Pool.of([decode]), 128)
+    assert again.hits is not None and again.hits.prefill.tolist() == [128] == again.hits.decode.tolist()
+    assert tracker.chain({**body, "model": "other"}) != hashes
+    for _ in range(40):  # the index predicts every prompt held whole; the engine finds none of it
+        tracker.placed(again, Decision(prefill, decode, (), Locality.SAME_GROUP), 128)
+    assert sink.predicted[-1] == ("decode", "d", 128, 128)
+    tracker.observe("p", 0.0, 0.0)  # the first sample only sets the baseline
+    for _ in range(40):
+        tracker.placed(again, Decision(prefill, decode, (), Locality.SAME_GROUP), 128)
+    tracker.observe("p", 40 * 128.0, 0.0)
+    assert tracker.index.scale("p") == 0.5 and tracker.index.scale("d") == 1.0
+    assert sink.engine == [("p", 40 * 128.0, 0.0, 0.5)]
+    tracker.observe("p", 10.0, 0.0)  # counters went back: the engine restarted, a new baseline
+    assert tracker.index.scale("p") == 0.5 and len(sink.engine) == 1
+    tracker.retain({"d"})
+    assert tracker.index.addresses == ["d"]
