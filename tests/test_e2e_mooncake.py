@@ -4,13 +4,24 @@ the real pd-extproc server and the real Envoy (the prefill leg through its liste
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import AsyncIterator
+from pathlib import Path
 
 import aiohttp
 import openai
 import pytest
-from backends import start_backend, start_bootstrap_server, start_kv_failing_decode, start_scripted_prefill
-from e2e_harness import by_outcome, gateway_over, wait_idle
+from backends import (
+    BootstrapServer,
+    EchoBackend,
+    ScriptedPrefill,
+    start_backend,
+    start_bootstrap_server,
+    start_kv_failing_decode,
+    start_scripted_prefill,
+)
+from e2e_harness import Gatewayed, by_outcome, gateway_over, wait_idle
 from polling import until
 from test_e2e_handoff import CHAT, _legs, _post, sim_gateway
 from test_security import INJECTED
@@ -61,16 +72,29 @@ async def test_mooncake_with_the_openai_sdk_moves_the_kv_in_the_group(tmp_path, 
             assert engine.engine.scheduler.used_blocks == 0  # every held transfer was pulled
 
 
-async def test_both_legs_carry_one_gateway_made_transfer_id_and_the_decode_its_prefills_engine(tmp_path):
+@contextlib.asynccontextmanager
+async def one_pair(
+    tmp_path: Path, decode: EchoBackend
+) -> AsyncIterator[tuple[Gatewayed, aiohttp.ClientSession, BootstrapServer, ScriptedPrefill]]:
+    """pd-extproc (vllm-mooncake) and Envoy over one scripted prefill with its bootstrap server and
+    ``decode``; every part is stopped afterwards."""
     bootstrap = await start_bootstrap_server({0: "engine-p0"})
     prefill = await start_scripted_prefill(body=b'{"choices": [{"text": "x"}]}')
-    decode = await start_backend()
     specs = ([_spec(prefill.address, bootstrap.port)], [_spec(decode.address)])
     try:
         async with gateway_over(tmp_path, *specs, MODE) as g, aiohttp.ClientSession() as session:
-            status, _, _ = await _post(session, g, {**CHAT, **INJECTED}, headers={"x-request-id": "client"})
-            assert status == 200
-            assert await wait_idle(session, g.admin_url) == []
+            yield g, session, bootstrap, prefill
+    finally:
+        for part in (bootstrap, prefill, decode):
+            await part.stop()
+
+
+async def test_both_legs_carry_one_gateway_made_transfer_id_and_the_decode_its_prefills_engine(tmp_path):
+    decode = await start_backend()
+    async with one_pair(tmp_path, decode) as (g, session, bootstrap, prefill):
+        status, _, _ = await _post(session, g, {**CHAT, **INJECTED}, headers={"x-request-id": "client"})
+        assert status == 200
+        assert await wait_idle(session, g.admin_url) == []
         ((leg_headers, leg),) = prefill.legs
         (seen,) = decode.requests
         transfer_id = leg["kv_transfer_params"]["transfer_id"]
@@ -92,30 +116,20 @@ async def test_both_legs_carry_one_gateway_made_transfer_id_and_the_decode_its_p
         assert {k: v for k, v in seen["body"].items() if k != "kv_transfer_params"} == CHAT
         assert leg_headers["x-request-id"] == seen["x-request-id"] != "client"
         assert bootstrap.queries == 1
-    finally:
-        for part in (bootstrap, prefill, decode):
-            await part.stop()
 
 
 async def test_a_decode_that_cannot_pull_is_a_kv_transfer_failed_error(tmp_path):
     """The decode answers as vLLM does when its Mooncake pull fails (HTTP 500 "Internal server
     error"): the client gets 502 ``kv_transfer_failed`` naming both engines, the prefill is ejected."""
-    bootstrap = await start_bootstrap_server({0: "engine-p0"})
-    prefill = await start_scripted_prefill(body=b'{"choices": [{"text": "x"}]}')
     decode = await start_kv_failing_decode()
-    specs = ([_spec(prefill.address, bootstrap.port)], [_spec(decode.address)])
-    try:
-        async with gateway_over(tmp_path, *specs, MODE) as g, aiohttp.ClientSession() as session:
-            status, _, text = await _post(session, g)
-            error = json.loads(text)["error"]
-            assert (status, error["code"]) == (502, "kv_transfer_failed")
-            assert prefill.address in error["message"] and decode.address in error["message"]
-            ejections = await by_outcome(session, g.admin_url, "pd_extproc_prefill_ejections_total")
-            assert ejections == {"kv_transfer_failed": 1.0}
-            assert await wait_idle(session, g.admin_url) == []
-    finally:
-        for part in (bootstrap, prefill, decode):
-            await part.stop()
+    async with one_pair(tmp_path, decode) as (g, session, _, prefill):
+        status, _, text = await _post(session, g)
+        error = json.loads(text)["error"]
+        assert (status, error["code"]) == (502, "kv_transfer_failed")
+        assert prefill.address in error["message"] and decode.address in error["message"]
+        ejections = await by_outcome(session, g.admin_url, "pd_extproc_prefill_ejections_total")
+        assert ejections == {"kv_transfer_failed": 1.0}
+        assert await wait_idle(session, g.admin_url) == []
 
 
 @pytest.mark.parametrize("policy", ["decode-only", "error"])
