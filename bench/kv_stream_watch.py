@@ -1,7 +1,7 @@
 """What watching a KV handoff's streamed answer costs: per chunk, pd-extproc CPU and added latency.
 
 In the shipped BUFFERED phases the engine handoffs ask Envoy for a streamed answer's body chunk by
-chunk (README "KV-load failure after a successful leg"): every chunk then crosses pd-extproc. This
+chunk (docs/handoffs.md "KV-load failure after a successful leg"): every chunk then crosses pd-extproc. This
 measures that with the real Envoy and pd-extproc as a process, over one backend process acting as a
 prefill (its leg answer carries ``kv_transfer_params``) and a decode streaming ``N`` chunks with a
 pause between two (``--gap-ms``, so that each chunk reaches Envoy on its own, as tokens do). The same

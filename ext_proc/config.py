@@ -58,7 +58,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class KubernetesConfig:
-    """Pods as endpoints (``discovery.source: kubernetes``; README "Kubernetes").
+    """Pods as endpoints (``discovery.source: kubernetes``; docs/deploy/kubernetes.md).
 
     ``kubeconfig``: a kubeconfig file (relative to the config file's folder); ``""`` = ``$KUBECONFIG``,
     else the in-cluster service account. ``namespaces``: empty = the server's own (in-cluster) or the
@@ -89,9 +89,9 @@ class KubernetesConfig:
 
 @dataclass(frozen=True)
 class InferencePoolConfig:
-    """The InferencePool whose pods are the endpoints (``discovery.source: inferencepool``; README
-    "Discovery from an InferencePool"), as GIE's endpoint picker names it (``--pool-name``,
-    ``--pool-namespace``).
+    """The InferencePool whose pods are the endpoints (``discovery.source: inferencepool``;
+    docs/deploy/kubernetes.md "Discovery from an InferencePool"), as GIE's endpoint picker names it
+    (``--pool-name``, ``--pool-namespace``).
 
     ``name``: the ``inference.networking.k8s.io/v1`` InferencePool's name, required with that source.
     ``namespace``: its namespace, which is also its pods'; ``""`` = the server's own (in-cluster) or
@@ -135,7 +135,7 @@ class DiscoveryConfig:
 
 @dataclass(frozen=True)
 class AutoConfig:
-    """The ``auto`` mode's delay model (README "Affinity modes"; :mod:`ext_proc.affinity.auto`).
+    """The ``auto`` mode's delay model (docs/routing.md "Affinity modes"; :mod:`ext_proc.affinity.auto`).
 
     KV cache per prompt token: ``kv_bytes_per_token`` bytes, or when it is 0 (the default) the model
     shape's ``2 * num_layers * num_kv_heads * head_dim * dtype_bytes`` (K and V per layer; defaults:
@@ -178,7 +178,7 @@ class AutoConfig:
 
 @dataclass(frozen=True)
 class PrefixConfig:
-    """Prefix-cache aware routing (README "Prefix-cache aware routing"; :mod:`ext_proc.prefix`).
+    """Prefix-cache aware routing (docs/routing.md "Prefix-cache aware routing"; :mod:`ext_proc.prefix`).
 
     ``enabled``: keep the prefix index and route by it. ``block_tokens``: tokens per hashed block
     (token ids as they are; text in chunks of 4 characters a token). ``max_blocks``: the most blocks of
@@ -232,7 +232,7 @@ class RoutingConfig:
 
     ``pd_threshold_tokens``: prompts estimated below it are routed decode-only (the decode engine
     prefills them itself); 0 disaggregates every prompt. The default, 512, comes from
-    ``bench/handoff.py`` (README "Conditional disaggregation").
+    ``bench/handoff.py`` (docs/handoffs.md "Conditional disaggregation").
     """
 
     fallback_count: int = 2
@@ -243,7 +243,7 @@ class RoutingConfig:
 
 @dataclass(frozen=True)
 class HandoffConfig:
-    """How the engines receive a disaggregated request (see README "Handoff modes").
+    """How the engines receive a disaggregated request (see docs/handoffs.md "Handoff modes").
 
     ``prefill_via``: base URL of the Envoy listener that forwards prefill legs (``""``: connect to
     the prefill endpoint directly). ``prefill_timeout_seconds`` bounds one prefill leg.
@@ -252,9 +252,9 @@ class HandoffConfig:
     ``eject_failed_prefill_seconds``: after a prefill leg fails (not a 4xx), that prefill is no candidate
     for this long (seconds; 0 = never ejected; see ``ext_proc/ejection.py``).
     ``watch_streamed_answers``: with the BUFFERED phases, the engine handoffs have Envoy send a
-    streamed answer chunk by chunk to tell a decode's failed KV pull (README "KV-load failure after a
-    successful leg"); ``False`` spares that per-chunk cost (a failed pull then streams the engine's own
-    error).
+    streamed answer chunk by chunk to tell a decode's failed KV pull (docs/handoffs.md "KV-load failure
+    after a successful leg"); ``False`` spares that per-chunk cost (a failed pull then streams the
+    engine's own error).
     """
 
     mode: HandoffMode = HandoffMode.SIDECAR
@@ -268,7 +268,7 @@ class HandoffConfig:
 
 @dataclass(frozen=True)
 class XdsConfig:
-    """pd-extproc as Envoy's EDS server (see README "EDS from pd-extproc").
+    """pd-extproc as Envoy's EDS server (see docs/deploy/envoy.md "EDS from pd-extproc").
 
     ``serve_eds``: serve the prefill and decode clusters' endpoints over ADS on the gRPC port
     (``listen``), for ``envoy/envoy-ads.yaml``; an endpoint becomes pickable only once every
@@ -293,7 +293,7 @@ class AdminConfig:
 
 @dataclass(frozen=True)
 class TlsConfig:
-    """TLS on the gRPC port (``listen``; README "TLS between Envoy and pd-extproc").
+    """TLS on the gRPC port (``listen``; docs/operations.md "TLS between Envoy and pd-extproc").
 
     ``cert_file`` and ``key_file`` (PEM; both or neither): pd-extproc's certificate chain and key;
     ``""`` serves plaintext. ``client_ca_file`` (PEM): with it, every client must present a
@@ -307,7 +307,7 @@ class TlsConfig:
 
 @dataclass(frozen=True)
 class LimitsConfig:
-    """Admission control (README "Overload").
+    """Admission control (docs/operations.md "Overload").
 
     ``max_inflight_requests``: the most requests this server has routed and not yet seen end (their
     ext_proc stream open) at once; beyond it a request is answered 429 ``overloaded`` at once. 0 (the
@@ -321,7 +321,7 @@ class LimitsConfig:
 
 @dataclass(frozen=True)
 class EngineMetricsConfig:
-    """The engine load signal (README "Engine load signal"): every pickable engine's Prometheus page,
+    """The engine load signal (docs/routing.md "Engine load signal"): every pickable engine's Prometheus page,
     scraped and blended into the load the decision reads.
 
     ``enabled``: scrape at all (off: local accounting alone, as before the section existed).
@@ -353,7 +353,8 @@ class EngineMetricsConfig:
 
 @dataclass(frozen=True)
 class EnvoyHealthConfig:
-    """Envoy's own view of endpoint health (README "Decode ejection"): its admin ``/clusters``, polled.
+    """Envoy's own view of endpoint health (docs/operations.md "Decode ejection"): its admin
+    ``/clusters``, polled.
 
     ``admin_url``: the base URL of the admin of the Envoy this server answers (``""``: off; the chart
     sets ``http://127.0.0.1:9901``, its Envoy's loopback admin in the same pod). Every

@@ -112,7 +112,7 @@ def render_bootstrap(
     baseline: the decode route then takes every ``/v1/`` request, as with ``fail_open``);
     ``round_robin=True`` also replaces the decode cluster's override_host policy by plain round
     robin (the "plain Envoy" baseline); ``response_headers=True`` turns on the optional ext_proc
-    response-headers phase; ``fail_open=True`` makes the documented fail-open edit (README
+    response-headers phase; ``fail_open=True`` makes the documented fail-open edit (docs/operations.md
     "Reliability"): the decode route no longer requires pd-extproc's routing header, so a request
     pd-extproc did not answer goes to a decode chosen by the cluster's fallback policy;
     ``full_duplex=True`` sets the ext_proc processing modes the Gateway API Inference Extension gateways
@@ -161,10 +161,11 @@ def render_bootstrap(
 
 
 def make_fail_open(bootstrap: dict) -> None:
-    """The documented fail-open edit (README "Reliability"), in place: the gateway listener's decode
-    route no longer requires pd-extproc's routing header, so a request pd-extproc did not answer goes
-    to a decode chosen by the decode cluster's fallback policy (the Helm chart's ``envoy.failOpen``).
-    The route of requests carrying a KV handoff keeps its headers: only pd-extproc sends those."""
+    """The documented fail-open edit (docs/operations.md "Reliability"), in place: the gateway
+    listener's decode route no longer requires pd-extproc's routing header, so a request pd-extproc
+    did not answer goes to a decode chosen by the decode cluster's fallback policy (the Helm chart's
+    ``envoy.failOpen``). The route of requests carrying a KV handoff keeps its headers: only
+    pd-extproc sends those."""
     listener = next(
         entry for entry in bootstrap["static_resources"]["listeners"] if entry["name"] == "gateway"
     )

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SERVER_NAME = "pd-extproc"
-"""The DNS name in the server certificate (Envoy's SNI and SAN check in the README snippet)."""
+"""The DNS name in the server certificate (Envoy's SNI and SAN check in the snippet of docs/operations.md)."""
 
 
 @dataclass(frozen=True)

@@ -282,7 +282,7 @@ async def shape_stack(
         "discovery.eds_files": [str(eds["prefill"]), str(eds["decode"])],
         "discovery.poll_interval_seconds": 0.1,
         "routing.pd_threshold_tokens": 0,  # short test prompts are disaggregated too
-        # One address where the cluster reads the header (README "Gateways"), the list where it reads it.
+        # One address where the cluster reads the header (docs/deploy/gateways.md), the list elsewhere.
         "routing.fallback_count": 2 if CLUSTER_KIND[shape] == "override_host" else 0,
         "handoff.prefill_via": "",  # no prefill-leg listener exists behind these gateways
     }

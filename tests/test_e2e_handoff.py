@@ -386,7 +386,7 @@ async def test_sglang_bootstrap_rendezvous_in_the_group_with_the_openai_sdk(tmp_
 
 
 async def test_sglang_bootstrap_dead_prefill_ends_in_the_decodes_error(tmp_path):
-    """What the README promises: the client gets the decode engine's own error (here at once: the dead
+    """What docs/handoffs.md promises: the client gets the decode engine's own error (here at once: the dead
     prefill's bootstrap server refuses the decode); the gateway counts the failed leg; no load is left."""
     dead = await start_scripted_prefill()
     await dead.stop()

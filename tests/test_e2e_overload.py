@@ -2,7 +2,7 @@
 ``limits.max_inflight_requests`` gets quick 429 ``overloaded`` answers with ``Retry-After`` while the
 admitted ones stream to the end, and the in-flight count returns to 0.
 
-Run with ``-s`` to see the measurement (README "Overload" quotes it).
+Run with ``-s`` to see the measurement (docs/operations.md "Overload" quotes it).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """pd-extproc down, crashed or restarting, through the real Envoy with pd-extproc as a process
-(README "Reliability"): a routed generation outlives a router SIGKILL, a request nobody routed gets
-503 ``routing_unavailable`` (or, with the fail-open edit, a decode chosen by Envoy), client routing
-headers never reach override_host, SIGTERM still drains, and a restarted router's load view
+(docs/operations.md "Reliability"): a routed generation outlives a router SIGKILL, a request nobody
+routed gets 503 ``routing_unavailable`` (or, with the fail-open edit, a decode chosen by Envoy), client
+routing headers never reach override_host, SIGTERM still drains, and a restarted router's load view
 converges to its own requests."""
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Security end to end through the real Envoy: what a client sends cannot steer an engine's handoff;
-Envoy reaches pd-extproc over mutual TLS with the README's cluster settings, and nothing else does."""
+Envoy reaches pd-extproc over mutual TLS with the cluster settings of docs/operations.md, and nothing
+else does."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from test_security import CHAT, INJECTED
 
 from ext_proc.discovery.eds import EndpointSpec
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+OPERATIONS = Path(__file__).resolve().parents[1] / "docs" / "operations.md"
 
 
 async def test_sidecar_mode_delivers_the_body_without_client_handoff_fields(tmp_path):
@@ -125,8 +126,9 @@ def _healthy(address: str) -> EndpointSpec:
 
 
 def readme_transport_socket(certificates: Certificates, client: Pair) -> dict:
-    """The README's ``transport_socket`` snippet for the ``pd_extproc`` cluster, with the test's files."""
-    text = README.read_text(encoding="utf-8").partition("## TLS between Envoy and pd-extproc")[2]
+    """The ``transport_socket`` snippet of docs/operations.md for the ``pd_extproc`` cluster, with the
+    test's files."""
+    text = OPERATIONS.read_text(encoding="utf-8").partition("## TLS between Envoy and pd-extproc")[2]
     snippet = yaml.safe_load(text.partition("```yaml\n")[2].partition("```")[0])
     rendered = json.dumps(snippet)
     for placeholder, path in (

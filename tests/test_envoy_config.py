@@ -184,7 +184,7 @@ def test_a_kv_handoff_reaches_its_decode_well_within_the_prefills_kv_lease(templ
     """Between a prefill leg's answer and the decode having the request, the gateway spends at most
     Envoy's connect attempts on the decodes (pd-extproc answers Envoy as the leg returns); that plus
     one heartbeat interval must stay under the NIXL lease, or the prefill frees blocks the decode
-    then reads (README "KV holds and the gateway's timeouts"), with at least half the lease left for
+    then reads (docs/handoffs.md "KV holds and the gateway's timeouts"), with at least half the lease left for
     the decode engine's own intake (HTTP server, tokenizer, queue). A reset retry could wait a whole
     generation first: the KV handoff route has none."""
     config = yaml.safe_load(template.read_text())

@@ -241,7 +241,7 @@ def test_rendered_config_passes_check_config_with_the_values(rendered, tmp_path:
 
 
 def test_the_defaults_are_pd_extprocs_but_where_the_readme_says(helm: Path, tmp_path: Path) -> None:
-    """values.yaml holds pd-extproc's own defaults, except the ones the chart's README table lists."""
+    """values.yaml holds pd-extproc's own defaults, except where docs/deploy/kubernetes.md says."""
     effective = effective_config(Manifests(template(helm, tmp_path, {})), tmp_path)
     defaults = as_dict(Config())
     differing = {key for key in CONFIG_KEYS if lookup(effective, key) != lookup(defaults, key)}

@@ -149,8 +149,8 @@ PICKER_KEYS = {
     "tls.key_file": "/etc/pd-extproc-tls/tls.key",
     "tls.client_ca_file": "",
 }
-"""What picker mode renders whatever the values say (README "Picker mode"), besides health_listen
-("" becomes 0.0.0.0:9003) and, with provider none, routing.fallback_count 0."""
+"""What picker mode renders whatever the values say (docs/deploy/kubernetes.md "Picker mode"), besides
+health_listen ("" becomes 0.0.0.0:9003) and, with provider none, routing.fallback_count 0."""
 
 
 def render_picker(helm: Path, tmp_path: Path, picker: PickerSet) -> Manifests:

@@ -38,7 +38,7 @@ from ext_proc.config import load_config
 
 SERVICE_HOST = f"{FULLNAME}.{NAMESPACE}.svc"
 PROVIDER_OF = {"gie-standalone": "none", "istio": "istio", "ai-gateway": "none", "kgateway": "none"}
-"""The chart's provider for each shape's gateway (README "Picker mode")."""
+"""The chart's provider for each shape's gateway (docs/deploy/kubernetes.md "Picker mode")."""
 TLS_TYPE = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext"
 PER_ROUTE_TYPE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
 

@@ -3,8 +3,8 @@ format for pods and for the InferencePool custom resource, driven through the re
 (kubernetes_asyncio) with a kubeconfig pointing at it; and through ``start_server``, readiness as a
 real gRPC health client sees it on the ext_proc port and on ``health_listen``.
 
-No Kubernetes API server can run here: this is the level of testing (README "Discovery from an
-InferencePool").
+No Kubernetes API server can run here: this is the level of testing (docs/deploy/kubernetes.md
+"Discovery from an InferencePool").
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The kubernetes discovery source against a fake API server speaking the real list/watch wire format,
 driven through the real client library (kubernetes_asyncio) with a kubeconfig pointing at it.
 
-No Kubernetes API server can run here: this is the level of testing (README "Kubernetes").
+No Kubernetes API server can run here: this is the level of testing (docs/deploy/kubernetes.md).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The engine load signal: each engine's own ``/metrics``, scraped and blended into the load the
-decision reads (README "Engine load signal").
+decision reads (docs/routing.md "Engine load signal").
 
 :mod:`~ext_proc.engine_load.names` maps metric names per engine type, :mod:`~ext_proc.engine_load.parse`
 turns a ``/metrics`` page into an :class:`EngineSample`, :mod:`~ext_proc.engine_load.blend` is the pure

@@ -2,7 +2,7 @@
 
 A real engine's page is 50-200 KB (histograms with many buckets, per-LoRA series, process
 metrics) of which we need three gauges (and two counters for the prefix index). Parsing it all
-with ``prometheus_client``'s text parser costs milliseconds of the event loop per page (README
+with ``prometheus_client``'s text parser costs milliseconds of the event loop per page (docs/routing.md
 "Engine load signal" has the measurement), so one compiled regular expression first picks the
 sample lines of the wanted names out of the bytes (C speed, no Python loop per line), and only
 those few lines go through the real parser, which checks their syntax and values.

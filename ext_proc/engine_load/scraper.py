@@ -194,7 +194,7 @@ class EngineScraper:
 
     def _blend(self, address: str, sample: EngineSample) -> None:
         """Set the offset of the engine's endpoints (one per role it serves) from ``sample`` and
-        their local tokens now (README "Engine load signal")."""
+        their local tokens now (docs/routing.md "Engine load signal")."""
         for state in self._states.get(address, ()):
             state.set_engine_offset(blended_offset(state.active_tokens, self._engine_tokens(state, sample)))
 

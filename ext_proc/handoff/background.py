@@ -4,7 +4,7 @@
 A leg's charge is released when it returns; it is cancelled if the client's exchange ends first
 (the server cancels :attr:`~ext_proc.handoff.base.Routed.background`) or at shutdown. A failed leg
 is logged and counted and, unless a 4xx, ejects that prefill (``router.leg_failed``): the decode
-then fails the request itself once its wait for the KV cache ends (README "Handoff modes").
+then fails the request itself once its wait for the KV cache ends (docs/handoffs.md "Handoff modes").
 """
 
 from __future__ import annotations

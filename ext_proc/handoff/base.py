@@ -38,7 +38,8 @@ UNSUPPORTED_HANDOFFS = {
         "(examples/disaggregated_prefill_v1/load_balance_proxy_layerwise_server_example.py)"
     ),
 }
-"""``handoff.mode`` values of engine protocols pd-extproc refuses, and why (README "Engine protocols")."""
+"""``handoff.mode`` values of engine protocols pd-extproc refuses, and why (docs/handoffs.md "Engine
+protocols")."""
 
 
 class FailurePolicy(enum.StrEnum):

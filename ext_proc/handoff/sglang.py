@@ -8,7 +8,7 @@ body goes to the prefill through the prefill-leg listener, concurrently: the pre
 decode to connect before it sends the KV cache, so waiting for the prefill first would deadlock.
 The prefill leg is drained in the background (:mod:`ext_proc.handoff.background`): a failed one is
 logged, counted and (unless a 4xx) ejects that prefill; the decode engine then fails the request itself
-once its bootstrap wait times out (README "Handoff modes").
+once its bootstrap wait times out (docs/handoffs.md "Handoff modes").
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 {{/* The pod's Envoy bootstrap: envoy/envoy-ads.yaml (envoy/envoy.yaml with the prefill/decode
 endpoints from pd-extproc over ADS) without its comments, verbatim at the default values
-(tests/test_helm_chart.py keeps them equal; see those files and the README's "Envoy wiring" for
+(tests/test_helm_chart.py keeps them equal; see those files and docs/deploy/envoy.md "Envoy wiring" for
 every choice), plus a stats listener serving /ready and /stats/prometheus (the admin stays on
 loopback). Values set pd-extproc's port, envoy.statsPort, routing.destination_header and the
 timeouts below. */}}
@@ -307,7 +307,7 @@ static_resources:
     circuit_breakers:
       thresholds:
       - {max_connections: 100000, max_pending_requests: 100000, max_requests: 100000, max_retries: 1000}
-    # Passive health (README "Decode ejection"): a host failing 3 requests in a row at the gateway level
+    # Passive health (docs/operations.md "Decode ejection"): a host failing 3 requests in a row at the gateway level
     # (502/503/504: refused or reset connections, answers that are not HTTP) or 5 with any 5xx is ejected
     # for 10 s (longer after each new ejection, at most 60 s), at most half the hosts at once. Local-origin
     # errors count as 5xx (split off, Envoy 1.40 counts a non-HTTP answer nowhere). override_host still
@@ -359,7 +359,7 @@ static_resources:
     circuit_breakers:
       thresholds:
       - {max_connections: 100000, max_pending_requests: 100000, max_requests: 100000, max_retries: 1000}
-    # Passive health (README "Decode ejection"): a host failing 3 requests in a row at the gateway level
+    # Passive health (docs/operations.md "Decode ejection"): a host failing 3 requests in a row at the gateway level
     # (502/503/504: refused or reset connections, answers that are not HTTP) or 5 with any 5xx is ejected
     # for 10 s (longer after each new ejection, at most 60 s), at most half the hosts at once. Local-origin
     # errors count as 5xx (split off, Envoy 1.40 counts a non-HTTP answer nowhere). override_host still

@@ -50,7 +50,7 @@ string (1e-05), and at most 9 decimals (the grid affinity compares on). */}}
 {{- .Values.discovery.kubernetes.namespaces | default (list .Release.Namespace) | toJson }}
 {{- end }}
 
-{{/* Picker mode (mode: picker; README "Picker mode"): pd-extproc alone, the endpoint picker of the
+{{/* Picker mode (mode: picker; docs/deploy/kubernetes.md "Picker mode"): pd-extproc alone, the endpoint picker of the
 InferencePool the chart creates, called by a gateway's Envoy. */}}
 {{- define "pd-extproc.picker" -}}
 {{- if eq .Values.mode "picker" }}true{{ end }}
