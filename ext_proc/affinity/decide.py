@@ -16,9 +16,18 @@ Keys (``P`` = prompt tokens, ``B`` = output budget, ``hp``/``hd`` = a prefill's/
 0 without :class:`Hits`; ``w`` = ``Policy.prefix_weight``; ``credit(h) = ticks(w * h / P)``, 0 when P = 0):
 
 * ``off``, ``prefer``, ``strict``: a decode's key is ``ticks(u_d) - credit(hd)`` with ``u_d`` at cost
-  ``P + B``; a prefill's is ``ticks(u_p) - credit(hp)`` with ``u_p`` at cost ``P - hp`` (the tokens it
-  must compute). ``best(g)`` is the least decode key in group ``g``, ``best`` the least of all.
-  The prefill is the one of least ``key + pair(g)``, ``g`` its group:
+  ``P + B``; a prefill's is ``ticks(u_p * r(g)) - credit(hp)`` with ``u_p`` at cost ``P - hp`` (the
+  tokens it must compute) and ``g`` its group. ``r(g) = share_p(g) / share_d(g)``, the group's share of
+  the prefill pool's capacity over its share of the decode pool's (``Pool.shares``), in ``prefer`` and
+  ``strict``; ``r = 1`` in ``off`` and for a group without decodes. Keeping the KV in the group, decodes
+  are balanced when each group gets a share of the requests proportional to its decode capacity; at that
+  split ``u_p * r(g)`` is alike in every group (equal prefills, equal prompts), so the prefill term
+  ranks the prefills by their load against the share their group can decode, and does not draw requests
+  into a group whose prefills are many for its decodes (a lone prefill in front of a small decode
+  group is less loaded than its peers at the balanced split: unscaled, it would draw more than its
+  decodes' share).
+  ``best(g)`` is the least decode key in group ``g``, ``best`` the least of all.
+  The prefill is the one of least ``key + pair(g)``:
 
   - ``off``: ``pair(g) = 0`` (the decode does not depend on the prefill's group);
   - ``strict``: ``pair(g) = best(g)``; only prefills whose group has a decode are eligible;
@@ -156,6 +165,8 @@ def choose(
         )
     weight = policy.prefix_weight
     pu = backlog / prefills.capacity
+    if mode is not _OFF and prefills.size:  # u_p * r(g) (module docstring)
+        pu = pu * prefills.share_ratios_in(decodes)
     top = float(u.max()) + (float(pu.max()) if prefills.size else 0.0)
     exact = top + 2.0 * weight + policy.bonus < _SAFE_U
     dkey = _ticks(u, exact) - _credit(dhits, prompt, weight, exact)
