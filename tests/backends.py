@@ -329,8 +329,6 @@ async def start_kv_failing_decode() -> EchoBackend:
     return await start_backend((_fail_kv_pulls,))
 
 
-
-
 @dataclass
 class BootstrapServer:
     """A vLLM Mooncake bootstrap server stand-in: ``GET /query`` answers ``status`` and ``body``

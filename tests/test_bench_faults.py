@@ -82,7 +82,9 @@ def test_a_garbage_decode_fails_the_row_when_it_is_not_left_out():
         assert fault_scenarios.left_out(attempts, bound) == (
             f"the broken decode got {attempts} requests, more than {bound}: it was not left out"
         )
-    row = faults.verdict(faults.SCENARIOS["engine-garbage"], _measured("200"), fault_scenarios.left_out(34, bound))
+    row = faults.verdict(
+        faults.SCENARIOS["engine-garbage"], _measured("200"), fault_scenarios.left_out(34, bound)
+    )
     assert not row["passed"]
 
 
