@@ -176,13 +176,25 @@ def demo_shape(a_prefill: int, b_prefill: int, a_decode: int, b_decode: int) -> 
 
 @pytest.mark.parametrize("mode", [Mode.PREFER, Mode.STRICT])
 def test_a_lone_prefill_before_small_decodes_does_not_outweigh_their_headroom(mode: Mode) -> None:
-    """r(a) = (2/3) / (3/4), r(b) = (1/3) / (1/4): rack-b's idle prefill weighs 0.1 * 4/3 = 0.133
-    against rack-a's 0.2 * 8/9 = 0.178, so a decode headroom 0.07 better in rack-a wins (unscaled,
-    0.1 against 0.2, rack-b's prefill would)."""
-    prefills, decodes = demo_shape(100, 0, 100, 35)  # decode u at cost 100: rack-a 0.2, rack-b 0.27
-    result = decide(prefills, decodes, mode, cost=Cost(100, 100))
+    """r(a) = (2/3) / (3/4) = 8/9: rack-a's prefills' 300 tokens in flight weigh 0.267, rack-b's idle
+    prefill 0; with decodes at 0.1 (rack-a) and 0.386 (rack-b) rack-a's pair costs 0.367 < 0.386
+    (unweighed, 0.4 > 0.386: rack-b's prefill would win)."""
+    prefills, decodes = demo_shape(300, 0, 100, 193)
+    result = decide(prefills, decodes, mode)
     assert result.prefill.group == "a" and result.decode.group == "a"
-    assert decide(prefills, decodes, Mode.OFF, cost=Cost(100, 100)).prefill.address == "pb"
+    assert decide(prefills, decodes, Mode.OFF).prefill.address == "pb"
+
+
+@pytest.mark.parametrize("mode", [Mode.PREFER, Mode.STRICT])
+def test_idle_prefills_weigh_alike_whatever_their_group(mode: Mode) -> None:
+    """Only the tokens in flight are weighed by r(g) (here 1/2 and 2), not the prompt itself: on an
+    idle cluster every prefill ties and the rotation reaches each."""
+    prefills = [ep("a", name="pa"), ep("b", name="pb"), ep("b", name="pc")]
+    decodes = [ep("a"), ep("a"), ep("b")]
+    picks = {
+        decide(prefills, decodes, mode, cost=Cost(100, 200), tiebreak=t).prefill.address for t in range(6)
+    }
+    assert picks == {"pa", "pb", "pc"}
 
 
 @pytest.mark.parametrize("mode", [Mode.PREFER, Mode.STRICT])

@@ -165,8 +165,8 @@ class Keys:
         return ticks(d.utilisation(self.cost.decode_tokens)) - self.credit(self.hd[d.address])
 
     def prefill(self, p: Candidate) -> int:
-        backlog = p.active_tokens + self.cost.prefill_tokens - self.hp[p.address]
-        return ticks(backlog / p.token_capacity * self.ratio[p.group]) - self.credit(self.hp[p.address])
+        backlog = p.active_tokens * self.ratio[p.group] + (self.cost.prefill_tokens - self.hp[p.address])
+        return ticks(backlog / p.token_capacity) - self.credit(self.hp[p.address])
 
     def auto_decode(self, d: Candidate, same: bool) -> int:
         model = self.policy.auto
