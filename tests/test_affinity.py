@@ -166,6 +166,55 @@ def test_non_strict_prefill_choice_ignores_decode_groups(mode: Mode) -> None:
     assert result.prefill is idle_orphan
 
 
+def demo_shape(a_prefill: int, b_prefill: int, a_decode: int, b_decode: int) -> tuple[list, list]:
+    """The demo's shape: rack-a 2 prefills + 3 decodes, rack-b 1 prefill + 2 decodes of half the
+    capacity, with those in-flight tokens on each prefill and decode of the group."""
+    prefills = [ep("a", a_prefill, name="pa0"), ep("a", a_prefill, name="pa1"), ep("b", b_prefill, name="pb")]
+    decodes = [ep("a", a_decode) for _ in range(3)] + [ep("b", b_decode, cap=500.0) for _ in range(2)]
+    return prefills, decodes
+
+
+@pytest.mark.parametrize("mode", [Mode.PREFER, Mode.STRICT])
+def test_a_lone_prefill_before_small_decodes_does_not_outweigh_their_headroom(mode: Mode) -> None:
+    """r(a) = (2/3) / (3/4) = 8/9: rack-a's prefills' 300 tokens in flight weigh 0.267, rack-b's idle
+    prefill 0; with decodes at 0.1 (rack-a) and 0.386 (rack-b) rack-a's pair costs 0.367 < 0.386
+    (unweighed, 0.4 > 0.386: rack-b's prefill would win)."""
+    prefills, decodes = demo_shape(300, 0, 100, 193)
+    result = decide(prefills, decodes, mode)
+    assert result.prefill.group == "a" and result.decode.group == "a"
+    assert decide(prefills, decodes, Mode.OFF).prefill.address == "pb"
+
+
+@pytest.mark.parametrize("mode", [Mode.PREFER, Mode.STRICT])
+def test_idle_prefills_weigh_alike_whatever_their_group(mode: Mode) -> None:
+    """Only the tokens in flight are weighed by r(g) (here 1/2 and 2), not the prompt itself: on an
+    idle cluster every prefill ties and the rotation reaches each."""
+    prefills = [ep("a", name="pa"), ep("b", name="pb"), ep("b", name="pc")]
+    decodes = [ep("a"), ep("a"), ep("b")]
+    picks = {
+        decide(prefills, decodes, mode, cost=Cost(100, 200), tiebreak=t).prefill.address for t in range(6)
+    }
+    assert picks == {"pa", "pb", "pc"}
+
+
+@pytest.mark.parametrize("mode", [Mode.PREFER, Mode.STRICT])
+@pytest.mark.parametrize("better", ["a", "b"])
+def test_at_the_decode_balanced_split_the_decode_headroom_decides(mode: Mode, better: str) -> None:
+    """Requests split by decode capacity (3/4 to rack-a's two prefills, 1/4 to rack-b's one) load
+    them 300 and 200: alike once scaled, so the group with the better decode gets the request."""
+    prefills, decodes = demo_shape(
+        300, 200, 100 if better == "a" else 120, 55
+    )  # decode u: a 0.1|0.12, b 0.11
+    assert decide(prefills, decodes, mode).prefill.group == better
+
+
+def test_groups_of_one_shape_keep_the_plain_utilisation() -> None:
+    """r = 1 when every group holds the same share of both pools: the less loaded prefill wins."""
+    prefills = [ep("a", 100), ep("b", 0, name="idle")]
+    decodes = [ep("a", 100), ep("b", 140)]
+    assert decide(prefills, decodes).prefill.address == "idle"  # 0 + 0.14 < 0.1 + 0.1
+
+
 # ---------------------------------------------------------------- off
 
 
@@ -494,6 +543,17 @@ def test_pool_slots_in_another_pool_name_each_group_and_are_kept() -> None:
     other = Pool.of([ep("z")])
     assert prefills.slots_in(other).tolist() == [1, 1, 0, 1]
     assert prefills.slots_in(decodes) is slots
+
+
+def test_pool_shares_and_share_ratios_in_another_pool() -> None:
+    prefills = Pool.of([ep("a", cap=100.0), ep("b", cap=300.0), ep("z", cap=100.0), ep("a", cap=100.0)])
+    decodes = Pool.of([ep("a", cap=100.0), ep("b", cap=300.0)])
+    assert prefills.shares == {"a": 200 / 600, "b": 300 / 600, "z": 100 / 600}
+    assert decodes.shares == {"a": 0.25, "b": 0.75}
+    ratios = prefills.share_ratios_in(decodes)
+    assert ratios.tolist() == [(1 / 3) / 0.25, 0.5 / 0.75, 1.0, (1 / 3) / 0.25]  # z has no decode: 1.0
+    assert prefills.share_ratios_in(decodes) is ratios
+    assert not ratios.flags.writeable
 
 
 def test_pool_arrays_must_have_one_entry_per_endpoint() -> None:

@@ -8,6 +8,7 @@ direction. Both repeat the decision's float operations term for term (one roundi
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
@@ -133,6 +134,12 @@ def naive_rank(pool: Sequence, key: Callable, tiebreak: int) -> list:
     return out
 
 
+def share(pool: list, group: str) -> float:
+    """The group's share of the pool's capacity (``Pool.shares``), 0.0 when it has no endpoint there."""
+    total = math.fsum(c.token_capacity for c in pool)
+    return math.fsum(c.token_capacity for c in pool if c.group == group) / total
+
+
 class Keys:
     """Every per-endpoint key of the module docstring, for one scenario, in plain Python ints."""
 
@@ -142,6 +149,11 @@ class Keys:
         self.hp = {c.address: h for c, h in zip(prefills, p_hits, strict=True)}
         self.hd = {c.address: h for c, h in zip(decodes, d_hits, strict=True)}
         self.indexed = hits is not None
+        self.ratio = {p.group: 1.0 for p in prefills}
+        if policy.mode in (Mode.PREFER, Mode.STRICT) and decodes:
+            self.ratio.update(
+                (g, share(prefills, g) / share(decodes, g)) for g in self.ratio if share(decodes, g)
+            )
 
     def credit(self, hit: int) -> int:
         prompt, weight = self.cost.prefill_tokens, self.policy.prefix_weight
@@ -153,7 +165,7 @@ class Keys:
         return ticks(d.utilisation(self.cost.decode_tokens)) - self.credit(self.hd[d.address])
 
     def prefill(self, p: Candidate) -> int:
-        backlog = p.active_tokens + self.cost.prefill_tokens - self.hp[p.address]
+        backlog = p.active_tokens * self.ratio[p.group] + (self.cost.prefill_tokens - self.hp[p.address])
         return ticks(backlog / p.token_capacity) - self.credit(self.hp[p.address])
 
     def auto_decode(self, d: Candidate, same: bool) -> int:
@@ -412,7 +424,8 @@ def test_rotation_over_consecutive_tiebreaks_reaches_every_tied_decode(decodes: 
 def test_rotation_spreads_tied_pairs_over_every_tied_prefill(prefills: list, mode: Mode, start: int) -> None:
     decodes = [Candidate(f"d{g}", g, 1000.0, 0, 0) for g in GROUPS]  # every group: the same headroom
     policy = Policy(mode=mode, fallback_count=0)
-    key = lambda p: (ticks(p.utilisation(0)), p.active_requests)  # noqa: E731
+    keys = Keys(Cost(0, 0), prefills, decodes, policy, None)
+    key = lambda p: (keys.prefill(p), p.active_requests)  # noqa: E731
     best = min(key(p) for p in prefills)
     tied = {p.address for p in prefills if key(p) == best}
     picks = {choose(Cost(0, 0), prefills, decodes, policy, start + t).prefill.address for t in range(8)}

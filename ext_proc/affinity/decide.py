@@ -16,9 +16,19 @@ Keys (``P`` = prompt tokens, ``B`` = output budget, ``hp``/``hd`` = a prefill's/
 0 without :class:`Hits`; ``w`` = ``Policy.prefix_weight``; ``credit(h) = ticks(w * h / P)``, 0 when P = 0):
 
 * ``off``, ``prefer``, ``strict``: a decode's key is ``ticks(u_d) - credit(hd)`` with ``u_d`` at cost
-  ``P + B``; a prefill's is ``ticks(u_p) - credit(hp)`` with ``u_p`` at cost ``P - hp`` (the tokens it
-  must compute). ``best(g)`` is the least decode key in group ``g``, ``best`` the least of all.
-  The prefill is the one of least ``key + pair(g)``, ``g`` its group:
+  ``P + B``; a prefill's is ``ticks(u_p) - credit(hp)``, ``u_p = (r(g) * tokens + P - hp) / capacity``:
+  its tokens in flight weighed by ``r(g)``, plus the prompt tokens it must compute, ``g`` its group.
+  ``r(g) = share_p(g) / share_d(g)``, the group's share of the prefill pool's capacity over its share of
+  the decode pool's (``Pool.shares``), in ``prefer`` and ``strict``; ``r = 1`` in ``off`` and for a
+  group without decodes. Keeping the KV in its group, decodes are balanced when each group gets a share
+  of the requests proportional to its decode capacity, which loads a group's prefills in proportion to
+  ``1 / r(g)``: weighed by ``r(g)``, their backlogs are alike at that split, so the prefill term does not
+  draw requests into a group whose prefills are many for its decodes (a lone prefill before a small
+  decode group is less loaded than its peers at the balanced split: unweighed, it would draw more than
+  its decodes' share). This request's own compute is not weighed: an idle prefill costs the same in
+  every group, so a group of idle prefills still gets requests while its decodes have headroom.
+  ``best(g)`` is the least decode key in group ``g``, ``best`` the least of all.
+  The prefill is the one of least ``key + pair(g)``:
 
   - ``off``: ``pair(g) = 0`` (the decode does not depend on the prefill's group);
   - ``strict``: ``pair(g) = best(g)``; only prefills whose group has a decode are eligible;
@@ -156,6 +166,8 @@ def choose(
         )
     weight = policy.prefix_weight
     pu = backlog / prefills.capacity
+    if mode is not _OFF and prefills.size:  # the backlog in flight weighed by r(g) (module docstring)
+        pu = (prefills.tokens * prefills.share_ratios_in(decodes) + uncached) / prefills.capacity
     top = float(u.max()) + (float(pu.max()) if prefills.size else 0.0)
     exact = top + 2.0 * weight + policy.bonus < _SAFE_U
     dkey = _ticks(u, exact) - _credit(dhits, prompt, weight, exact)

@@ -8,6 +8,7 @@ Python work: choosing over it reads the arrays without touching the objects.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from typing import Generic
@@ -32,7 +33,9 @@ class Pool(Generic[E]):
     ``outside[g]`` a boolean mask, true at the positions of every other group; ``group_order`` every
     position, group by group (the concatenation of ``members`` in ``groups`` order) and
     ``group_starts`` where each group begins in it, so that ``np.minimum.reduceat(x[group_order],
-    group_starts)`` is each group's minimum of ``x`` in one pass.
+    group_starts)`` is each group's minimum of ``x`` in one pass; ``shares[g]`` the group's share of
+    the pool's capacity, ``math.fsum`` of its members' over the whole pool's (correctly rounded, so
+    independent of summation order), in (0, 1].
     """
 
     __slots__ = (
@@ -46,6 +49,7 @@ class Pool(Generic[E]):
         "members",
         "outside",
         "requests",
+        "shares",
         "size",
         "tokens",
     )
@@ -80,7 +84,11 @@ class Pool(Generic[E]):
             self.outside[g] = mask == 0.0
         self.group_order = np.array([i for p in positions.values() for i in p], dtype=np.intp)
         self.group_starts = np.cumsum([0, *[len(p) for p in positions.values()][:-1]], dtype=np.intp)
-        self._slots: dict[int, tuple[Pool[E], NDArray[np.intp]]] = {}
+        total = math.fsum(self.capacity.tolist())
+        self.shares: dict[str, float] = {
+            g: math.fsum(self.capacity[p].tolist()) / total for g, p in self.members.items()
+        }
+        self._slots: dict[int, tuple[Pool[E], NDArray[np.intp], NDArray[np.float64]]] = {}
 
     @classmethod
     def of(cls, endpoints: Sequence[E]) -> Pool[E]:
@@ -112,18 +120,30 @@ class Pool(Generic[E]):
         Computed on first use for ``other`` and kept for the last few pools asked about (the groups of
         both never change), so the decision pays one dictionary lookup, not O(size) Python work.
         """
+        return self._pairing(other)[1]
+
+    def share_ratios_in(self, other: Pool[E]) -> NDArray[np.float64]:
+        """Per position of this pool, ``shares[g] / other.shares[g]`` for its endpoint's group ``g``:
+        how much more of this pool's capacity than of ``other``'s the group holds; 1.0 when ``other``
+        has no endpoint of ``g`` (read-only; kept like :meth:`slots_in`)."""
+        return self._pairing(other)[2]
+
+    def _pairing(self, other: Pool[E]) -> tuple[Pool[E], NDArray[np.intp], NDArray[np.float64]]:
         kept = self._slots.get(id(other))
         if kept is not None and kept[0] is other:
-            return kept[1]
+            return kept
         index = {g: i for i, g in enumerate(other.groups)}
-        slot_of = [index.get(g, len(other.groups)) for g in self.groups]
         slots = np.empty(self.size, dtype=np.intp)
-        for slot, positions in zip(slot_of, self.members.values(), strict=True):
-            slots[positions] = slot
+        ratios = np.ones(self.size)
+        for g, positions in self.members.items():
+            slots[positions] = index.get(g, len(other.groups))
+            if g in other.shares:
+                ratios[positions] = self.shares[g] / other.shares[g]
+        slots.flags.writeable = ratios.flags.writeable = False
         if len(self._slots) >= _SLOTS_KEPT:
             self._slots.pop(next(iter(self._slots)))
-        self._slots[id(other)] = (other, slots)
-        return slots
+        pairing = self._slots[id(other)] = (other, slots, ratios)
+        return pairing
 
     def __repr__(self) -> str:
         return f"Pool(size={self.size}, groups={list(self.members)})"
