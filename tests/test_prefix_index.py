@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from ext_proc.affinity import Candidate, Decision, Locality, Pool
@@ -186,6 +186,7 @@ def test_optimistic_predictions_shrink_at_most_by_half_and_pessimistic_ones_grow
     assert corrected_scale(0.25, Interval(1e4, 0, 1e4, 6e3)) == 0.5
     assert corrected_scale(0.9, Interval(1e4, 3e3, 1e4, 9e3)) == 1.0
     assert corrected_scale(0.5, Interval(1e4, 5e3, 1e4, 5.4e3)) == 0.5  # within the margin
+    assert corrected_scale(0.5, Interval(5e-324, 5e-324, 1e4, 0)) == 0.5  # less than a token: no evidence
 
 
 @given(
@@ -195,6 +196,7 @@ def test_optimistic_predictions_shrink_at_most_by_half_and_pessimistic_ones_grow
     st.floats(0, 1e7),
     st.floats(0, 1.0),
 )
+@example(1.0, 5e-324, 0.75, 4096.0, 0.75)  # a denormal placed count: its predicted rate rounds to 1
 def test_the_scale_stays_in_its_bounds_and_moves_toward_the_engine(
     scale: float, placed: float, predicted: float, queries: float, hit: float
 ) -> None:

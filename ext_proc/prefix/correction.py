@@ -10,7 +10,7 @@ index shrinks that endpoint's LRU. When it predicts less, it grows it back, neve
 capacity (other gateway replicas' placements, which the engine also counts, cannot be learnt here).
 
 The rule, per engine and interval with at least :data:`MIN_QUERY_TOKENS` tokens queried at the engine
-and some placed by this gateway, rates ``engine = hits / queries`` and ``predicted = predicted hit
+and at least one prompt token placed by this gateway, rates ``engine = hits / queries`` and ``predicted = predicted hit
 tokens / placed prompt tokens``:
 
 * ``predicted > engine + MARGIN``: ``scale *= max(1/2, engine / predicted)``;
@@ -44,7 +44,7 @@ class Interval:
 
 def corrected_scale(scale: float, seen: Interval) -> float:
     """The endpoint's new capacity factor after ``seen`` (see the module docstring)."""
-    if seen.queries < MIN_QUERY_TOKENS or seen.placed <= 0:
+    if seen.queries < MIN_QUERY_TOKENS or seen.placed < 1:
         return scale
     engine = min(1.0, seen.hits / seen.queries)
     predicted = min(1.0, seen.predicted / seen.placed)
