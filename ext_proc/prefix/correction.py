@@ -10,8 +10,8 @@ index shrinks that endpoint's LRU. When it predicts less, it grows it back, neve
 capacity (other gateway replicas' placements, which the engine also counts, cannot be learnt here).
 
 The rule, per engine and interval with at least :data:`MIN_QUERY_TOKENS` tokens queried at the engine
-and at least one prompt token placed by this gateway, rates ``engine = hits / queries`` and ``predicted = predicted hit
-tokens / placed prompt tokens``:
+and at least one prompt token placed by this gateway, rates ``engine = hits / queries`` and
+``predicted = predicted hit tokens / placed prompt tokens``:
 
 * ``predicted > engine + MARGIN``: ``scale *= max(1/2, engine / predicted)``;
 * ``predicted < engine - MARGIN``: ``scale *= min(2, engine / predicted)`` (doubling from 0 predicted);
