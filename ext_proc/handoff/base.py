@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ext_proc.affinity import Cost, Decision
+from ext_proc.handoff.body import HANDOFF_FIELDS, without_fields
 from ext_proc.load import Lease
 from ext_proc.registry import EndpointState
 
@@ -262,6 +263,13 @@ class DecodeRoute:
         metadata = ((self.destination_header, destination),)
         instructions = RoutingInstructions(headers, (self.prefill_header,), metadata, body)
         return Routed(instructions, lease, background, kv_source)
+
+    def decode_only(
+        self, job: HandoffJob, decision: Decision[EndpointState], request_id: str | None, lease: Lease
+    ) -> Routed:
+        """The client's body, without its handoff fields, to the decode already chosen."""
+        plain = without_fields(job.raw, job.body, HANDOFF_FIELDS)
+        return self.routed(decision, request_id, plain, lease, kv_source=None)
 
 
 def owned_headers(destination_header: str, prefill_header: str) -> tuple[str, ...]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 
-from ext_proc.affinity import Decision
 from ext_proc.handoff.base import (
     DecodeRoute,
     FailurePolicy,
@@ -16,21 +15,12 @@ from ext_proc.handoff.base import (
     Rerouter,
     Routed,
 )
-from ext_proc.handoff.body import HANDOFF_FIELDS, without_fields
 from ext_proc.handoff.leg import LegOutcome, PrefillClient
 from ext_proc.load import Lease
 from ext_proc.metrics import Metrics
 from ext_proc.registry import EndpointState
 
 log = logging.getLogger(__name__)
-
-
-def decode_only(
-    route: DecodeRoute, job: HandoffJob, decision: Decision[EndpointState], request_id: str, lease: Lease
-) -> Routed:
-    """The client's body, without its handoff fields, to the decode already chosen."""
-    plain = without_fields(job.raw, job.body, HANDOFF_FIELDS)
-    return route.routed(decision, request_id, plain, lease, kv_source=None)
 
 
 class LegHandoff:
@@ -95,8 +85,8 @@ class Attempts:
 
     def decode_only(self) -> Routed:
         """The client's body, without its handoff fields, to the current decode."""
-        return decode_only(
-            self._settings.route, self._job, self._placement.decision, self._request_id, self.lease
+        return self._settings.route.decode_only(
+            self._job, self._placement.decision, self._request_id, self.lease
         )
 
     def give_up(self, outcome: LegOutcome, failure: str) -> Routed | Refused:

@@ -35,7 +35,6 @@ from ext_proc.handoff.body import (
     KV_TRANSFER_PARAMS,
     prefill_leg_body,
     with_fields,
-    without_fields,
 )
 from ext_proc.handoff.fallback import Attempts, LegHandoff
 from ext_proc.handoff.leg import LegError, LegOutcome, LegReply, PrefillClient
@@ -122,8 +121,7 @@ class KvTransferParamsHandoff(LegHandoff):
     def hand_off(self, job: HandoffJob, placement: Placement, router: Rerouter) -> Routed | PrefillFirst:
         """Decode-only at once when no prefill was chosen; else the prefill leg first."""
         if placement.decision.prefill is None:
-            plain = without_fields(job.raw, job.body, HANDOFF_FIELDS)
-            return self.route.routed(placement.decision, None, plain, placement.lease, kv_source=None)
+            return self.route.decode_only(job, placement.decision, None, placement.lease)
         return PrefillFirst(self, job, placement, router)
 
 

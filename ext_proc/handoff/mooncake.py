@@ -45,7 +45,7 @@ from ext_proc.handoff.base import (
     new_request_id,
 )
 from ext_proc.handoff.body import HANDOFF_FIELDS, KV_TRANSFER_PARAMS, prefill_leg_body, with_fields
-from ext_proc.handoff.fallback import Attempts, LegHandoff, decode_only
+from ext_proc.handoff.fallback import Attempts, LegHandoff
 from ext_proc.handoff.leg import LegError, LegOutcome, PrefillClient
 from ext_proc.metrics import Metrics
 from ext_proc.registry import EndpointState
@@ -138,7 +138,7 @@ class VllmMooncakeHandoff(LegHandoff):
         prefill = placement.decision.prefill
         request_id = new_request_id()
         if prefill is None:
-            return decode_only(self.route, job, placement.decision, request_id, placement.lease)
+            return self.route.decode_only(job, placement.decision, request_id, placement.lease)
         known = self.known(prefill.address)
         if known is not None:
             return self.route_both(job, placement, known, request_id, router)

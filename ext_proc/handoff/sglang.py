@@ -25,7 +25,7 @@ from ext_proc.handoff.base import (
     leg_headers,
     new_request_id,
 )
-from ext_proc.handoff.body import HANDOFF_FIELDS, with_fields, without_fields
+from ext_proc.handoff.body import HANDOFF_FIELDS, with_fields
 from ext_proc.handoff.leg import PrefillClient
 from ext_proc.metrics import Metrics
 
@@ -77,8 +77,7 @@ class SglangBootstrapHandoff:
         decision, lease = placement.decision, placement.lease
         prefill = decision.prefill
         if prefill is None:
-            plain = without_fields(job.raw, job.body, HANDOFF_FIELDS)
-            return self.route.routed(decision, None, plain, lease, kv_source=None)
+            return self.route.decode_only(job, decision, None, lease)
         port = prefill.bootstrap_port or self.default_bootstrap_port
         fields = bootstrap_fields(bootstrap_host(prefill.address), port, prompt_count(job.body))
         body = with_fields(job.raw, job.body, fields, HANDOFF_FIELDS)
