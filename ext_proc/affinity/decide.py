@@ -165,9 +165,10 @@ def choose(
             prompt, prefills, decodes, u, dhits, backlog, priced, slots, want, tiebreak, policy
         )
     weight = policy.prefix_weight
-    pu = backlog / prefills.capacity
+    inflight = prefills.tokens
     if mode is not _OFF and prefills.size:  # the backlog in flight weighed by r(g) (module docstring)
-        pu = (prefills.tokens * prefills.share_ratios_in(decodes) + uncached) / prefills.capacity
+        inflight = inflight * prefills.share_ratios_in(decodes)
+    pu = (inflight + uncached) / prefills.capacity
     top = float(u.max()) + (float(pu.max()) if prefills.size else 0.0)
     exact = top + 2.0 * weight + policy.bonus < _SAFE_U
     dkey = _ticks(u, exact) - _credit(dhits, prompt, weight, exact)
