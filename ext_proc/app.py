@@ -131,11 +131,11 @@ def build_handoff(config: Config, metrics: Metrics) -> Handoff:
 def build_router(config: Config, registry: Registry, metrics: Metrics) -> Router:
     """The router over ``registry`` with the configured policy, handoff, limits and prefix index."""
     settings = RouterSettings(
-        config.load.default_max_tokens,
-        config.routing.pd_threshold_tokens,
-        config.limits.max_inflight_requests,
-        config.limits.retry_after_seconds,
-        config.handoff.eject_failed_prefill_seconds,
+        default_max_tokens=config.load.default_max_tokens,
+        pd_threshold_tokens=config.routing.pd_threshold_tokens,
+        max_inflight_requests=config.limits.max_inflight_requests,
+        retry_after_seconds=config.limits.retry_after_seconds,
+        eject_seconds=config.handoff.eject_failed_prefill_seconds,
     )
     return Router(
         settings,

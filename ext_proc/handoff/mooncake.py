@@ -121,7 +121,8 @@ def build(routing: RoutingConfig, settings: HandoffConfig, metrics: Metrics) -> 
 
 
 class VllmMooncakeHandoff(LegHandoff):
-    """The concurrent Mooncake handoff; see the module docstring."""
+    """The concurrent Mooncake handoff; see the module docstring. Of ``settings`` it reads
+    ``default_bootstrap_port`` besides what :class:`LegHandoff` reads."""
 
     def __init__(
         self, settings: HandoffConfig, *, route: DecodeRoute, client: PrefillClient, metrics: Metrics

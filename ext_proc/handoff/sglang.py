@@ -64,7 +64,8 @@ def build(routing: RoutingConfig, settings: HandoffConfig, metrics: Metrics) -> 
 
 
 class SglangBootstrapHandoff:
-    """The concurrent handoff; see the module docstring."""
+    """The concurrent handoff; see the module docstring. Of ``settings`` it reads
+    ``default_bootstrap_port`` and ``watch_streamed_answers``."""
 
     hands_kv = True
 
