@@ -40,7 +40,7 @@ DISAGGREGATED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
 @dataclass(frozen=True, slots=True)
 class RouterSettings:
-    """The router's own numbers (the configuration keys in brackets).
+    """The router's own numbers (their configuration keys in parentheses).
 
     ``default_max_tokens``: the output budget charged when a body sets none (``load.default_max_tokens``).
     ``pd_threshold_tokens``: prompts estimated below it are routed decode-only
