@@ -29,7 +29,10 @@ from pathlib import Path
 import aiohttp
 from common import rss_mib
 
-from ext_proc.gateway import (
+from sim.cluster import EngineSpec
+from sim.cluster_process import ClusterProcess, EngineInfo, spawn_cluster, write_cluster_eds
+from sim.config import TimingConfig
+from sim.gateway import (
     SHIPPED_ADS_BOOTSTRAP,
     SHIPPED_BOOTSTRAP,
     Gateway,
@@ -40,9 +43,6 @@ from ext_proc.gateway import (
     terminate,
     wait_router_ready,
 )
-from sim.cluster import EngineSpec
-from sim.cluster_process import ClusterProcess, EngineInfo, spawn_cluster, write_cluster_eds
-from sim.config import TimingConfig
 
 IDLE_TIMEOUT_S = 3.0
 """Envoy's stream and route idle timeouts in the campaign (shipped: 300 s)."""

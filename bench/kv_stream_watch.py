@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import cpu_seconds, first_line, spawn_python, write_json
 
 from ext_proc.discovery.eds import EndpointSpec, write_eds_file
-from ext_proc.gateway import terminate
+from sim.gateway import terminate
 from sim.stack import Replica
 
 CHUNK = b'data: {"id":"cmpl-bench","object":"text_completion","choices":[{"index":0,"text":" ok"}]}\n\n'

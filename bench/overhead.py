@@ -13,7 +13,7 @@ so machine noise hits all alike. Reported:
 * pd-extproc resident memory with 1,000 streams in flight, and that all their load is released;
 * the body modes side by side: the same pd-extproc behind the shipped ext_proc phases (BUFFERED) and
   behind the Gateway API Inference Extension gateways' (FULL_DUPLEX_STREAMED both ways, every header
-  and trailer phase: ``ext_proc.gateway.FULL_DUPLEX_MODES``), each against the route without the
+  and trailer phase: ``sim.gateway.FULL_DUPLEX_MODES``), each against the route without the
   filter, for 1 KB, 64 KB and 1 MB bodies: added latency p50 and pd-extproc CPU per request, and the
   ratio of the two modes' added latency.
 
@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import cpu_seconds, first_line, rss_mib, spawn_python, summary_ms, write_json
 
 from ext_proc.discovery.eds import EndpointSpec, write_eds_file
-from ext_proc.gateway import (
+from sim.gateway import (
     Gateway,
     free_port,
     render_bootstrap,

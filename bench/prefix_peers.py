@@ -46,7 +46,7 @@ from ext_proc.metrics import Metrics
 from ext_proc.prefix import PrefixIndex, PrefixSettings, block_hashes, prompt_content
 from ext_proc.registry import EndpointState, Registry
 from ext_proc.request import describe
-from ext_proc.router import Router
+from ext_proc.router import Router, RouterSettings
 from sim.engine import Engine
 from sim.prefix import PromptBlocks
 
@@ -111,7 +111,12 @@ class PdExtproc:
         registry = registry_of(endpoints)
         self._handoff = _Capture()
         self.router = Router(
-            registry, policy, self._handoff, Metrics(registry.endpoints), DEFAULT_MAX_TOKENS, prefix=prefix
+            RouterSettings(DEFAULT_MAX_TOKENS),
+            registry=registry,
+            policy=policy,
+            handoff=self._handoff,
+            metrics=Metrics(registry.endpoints),
+            prefix=prefix,
         )
 
     def place(self, body: dict[str, object]) -> Placed:

@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import first_line, spawn_python
 from fault_rig import Measured, Outcome, chat_body, new_rig, request, table_row, until_ok, usage
 
-from ext_proc.gateway import terminate
 from sim.cluster_process import EngineInfo
+from sim.gateway import terminate
 
 REQUESTS, QUICK_REQUESTS = 10_000, 1_000
 WARMUP = 1_000

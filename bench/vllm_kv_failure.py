@@ -44,11 +44,11 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_json
 
-from ext_proc.gateway import free_port
 from rig.cluster import check_memory, prefill_leg, transfer
 from rig.engine import MODEL_NAME, Engine, EngineSpec, start_engine
 from rig.model import prompt, write_tiny_llama
 from rig.venv import VllmUnavailable, venv_python
+from sim.gateway import free_port
 
 WATCHED = (
     "vllm:request_success_total{finished_reason=error}",

@@ -4,37 +4,28 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import signal
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import grpc
 from aiohttp import web
 
 from ext_proc.admin import build_admin_app
 from ext_proc.config import Config, ConfigSource
-from ext_proc.discovery import ClusterEndpoints, EdsFileSource, SourceKind
-from ext_proc.discovery.eds_watch import Available, Publish
-from ext_proc.engine_load import EngineScraper
+from ext_proc.discovery import ClusterEndpoints
+from ext_proc.discovery.kinds import KINDS as DISCOVERY_SOURCES
+from ext_proc.discovery.kinds import Source
+from ext_proc.engine_load.kinds import KINDS as LOAD_SIGNALS
+from ext_proc.engine_load.kinds import LoadSignal, LoadSignalKind
 from ext_proc.envoy_health import EnvoyHealth
-from ext_proc.handoff import (
-    DecodeRoute,
-    Handoff,
-    HandoffMode,
-    KvTransferParamsHandoff,
-    PrefillClient,
-    SglangBootstrapHandoff,
-    SidecarHandoff,
-    VllmMooncakeHandoff,
-)
+from ext_proc.handoff.kinds import KINDS as HANDOFFS
+from ext_proc.handoff.kinds import Handoff
 from ext_proc.health import Health
 from ext_proc.metrics import Metrics
 from ext_proc.registry import Registry
 from ext_proc.reload import RELOAD_INTERVAL_SECONDS, ConfigWatcher
-from ext_proc.router import Router
+from ext_proc.router import Router, RouterSettings
 from ext_proc.server import server_credentials, start_grpc, start_health_grpc, tls_mode
 from ext_proc.xds import EdsPublisher
 
@@ -81,79 +72,193 @@ class RunningServer:
         await self._admin.cleanup()
 
 
-class Source(Protocol):
-    """A discovery source: publishes endpoint sets from :meth:`run` until cancelled."""
+class Readiness:
+    """Readiness as discovery drives it: SERVING while the source is available (always, but for an
+    InferencePool that is absent or not usable) and the router's view has held the source's whole
+    set since it became available."""
 
-    async def run(self) -> None: ...
+    def __init__(self, registry: Registry, health: Health) -> None:
+        self._registry = registry
+        self._health = health
+        self._loaded = False
+        self._usable = True
+
+    def apply(self, clusters: list[ClusterEndpoints], settled: bool) -> None:
+        """The router's view is now ``clusters``; ``settled``: the source's whole set (with EDS served:
+        once Envoy has it)."""
+        self._registry.update(clusters)
+        if settled and not self._loaded:
+            self._loaded = True
+            self._health.set_ready(self._usable)
+
+    def publish(self, clusters: list[ClusterEndpoints]) -> None:
+        """A source's whole set, straight to the router (EDS not served)."""
+        self.apply(clusters, settled=True)
+
+    def available(self, now: bool) -> None:
+        """Whether the source has a set to serve at all; available again: ready once the new set is
+        loaded."""
+        if now != self._usable:
+            self._usable, self._loaded = now, False
+            self._health.set_ready(False)
 
 
-async def _files_source(config: Config, publish: Publish, available: Available, metrics: Metrics) -> Source:
-    """The EDS files, read once before returning (their endpoints are published at once)."""
+def build_publisher(config: Config, readiness: Readiness, metrics: Metrics) -> EdsPublisher | None:
+    """With ``xds.serve_eds``, the publisher between the source and the router (Envoy first, then the
+    router); else ``None``."""
+    if not config.xds.serve_eds:
+        return None
     discovery = config.discovery
-    source = EdsFileSource(
-        discovery.eds_files, discovery.metadata_namespace, publish, discovery.poll_interval_seconds
-    )
-    if not source.poll():
-        log.warning(
-            "no valid EDS file loaded yet: readiness is NOT_SERVING and requests get 503 until one is"
-        )
-    return source
+    clusters = (discovery.prefill_cluster, discovery.decode_cluster)
+    delay = config.xds.no_envoy_delay_seconds
+    return EdsPublisher(clusters, discovery.metadata_namespace, readiness.apply, delay, metrics)
 
 
-async def _kubernetes_source(
-    config: Config, publish: Publish, available: Available, metrics: Metrics
+async def build_source(
+    config: Config, readiness: Readiness, publisher: EdsPublisher | None, metrics: Metrics
 ) -> Source:
-    """The pods of the Kubernetes API; nothing is published before :meth:`Source.run` listed them."""
-    from ext_proc.discovery.kubernetes import KubernetesSource  # the client library loads only if used
-
-    return await KubernetesSource.connect(config.discovery, publish, metrics)
-
-
-async def _inferencepool_source(
-    config: Config, publish: Publish, available: Available, metrics: Metrics
-) -> Source:
-    """The pods of an InferencePool; unavailable while the pool is absent or not usable."""
-    from ext_proc.discovery.inferencepool import InferencePoolSource  # the client library, if used
-
-    return await InferencePoolSource.connect(config.discovery, publish, available, metrics)
-
-
-SOURCES: dict[SourceKind, Callable[[Config, Publish, Available, Metrics], Awaitable[Source]]] = {
-    SourceKind.FILES: _files_source,
-    SourceKind.KUBERNETES: _kubernetes_source,
-    SourceKind.INFERENCEPOOL: _inferencepool_source,
-}
-"""How to build each kind of discovery source (``discovery.source``). A source that can lose its
-whole set (the InferencePool deleted) says so through ``available``; the others never call it."""
+    """The discovery source ``discovery.source`` names, publishing through ``publisher`` if any."""
+    publish = publisher.publish if publisher is not None else readiness.publish
+    build = DISCOVERY_SOURCES[config.discovery.source]
+    return await build(config.discovery, publish, readiness.available, metrics)
 
 
 def build_handoff(config: Config, metrics: Metrics) -> Handoff:
     """The handoff protocol ``config.handoff.mode`` names."""
-    routing, handoff = config.routing, config.handoff
-    if handoff.mode is HandoffMode.SIDECAR:
-        return SidecarHandoff(routing.destination_header, routing.prefill_header)
-    client = PrefillClient(handoff.prefill_via, routing.destination_header, handoff.prefill_timeout_seconds)
-    route = DecodeRoute(routing.destination_header, routing.prefill_header)
-    if handoff.mode is HandoffMode.KV_TRANSFER_PARAMS:
-        return KvTransferParamsHandoff(
-            route,
-            client,
+    return HANDOFFS[config.handoff.mode](config.routing, config.handoff, metrics)
+
+
+def build_router(config: Config, registry: Registry, metrics: Metrics) -> Router:
+    """The router over ``registry`` with the configured policy, handoff, limits and prefix index."""
+    settings = RouterSettings(
+        default_max_tokens=config.load.default_max_tokens,
+        pd_threshold_tokens=config.routing.pd_threshold_tokens,
+        max_inflight_requests=config.limits.max_inflight_requests,
+        retry_after_seconds=config.limits.retry_after_seconds,
+        eject_seconds=config.handoff.eject_failed_prefill_seconds,
+    )
+    return Router(
+        settings,
+        registry=registry,
+        policy=config.affinity.policy(config.routing.fallback_count),
+        handoff=build_handoff(config, metrics),
+        metrics=metrics,
+        prefix=config.affinity.prefix.settings(),
+    )
+
+
+def build_load_signal(
+    config: Config, registry: Registry, metrics: Metrics, router: Router
+) -> LoadSignal | None:
+    """The engine metrics scraper with ``engine_metrics.enabled``, else ``None`` (local accounting alone)."""
+    if not config.engine_metrics.enabled:
+        return None
+    build = LOAD_SIGNALS[LoadSignalKind.ENGINE_METRICS]
+    return build(registry, config.engine_metrics, metrics, router.engine_sampled)
+
+
+async def _abandon(publisher: EdsPublisher | None, servers: list[grpc.aio.Server]) -> None:
+    """Stop what was started, when a later port cannot be bound."""
+    if publisher is not None:
+        publisher.close()
+    await asyncio.gather(*(server.stop(None) for server in servers))
+
+
+async def start_grpc_servers(
+    config: Config,
+    router: Router,
+    health: Health,
+    publisher: EdsPublisher | None,
+    credentials: grpc.ServerCredentials | None,
+) -> tuple[list[grpc.aio.Server], int, int]:
+    """The ext_proc server on ``listen`` (with the ADS service when EDS is served) and, with
+    ``health_listen``, the health-only one: ``(servers, grpc port, health port or 0)``; when the
+    health port cannot be bound, what was started is stopped."""
+    ads = publisher.ads if publisher is not None else None
+    grpc_server, grpc_port = await start_grpc(router, config.listen, health, ads, credentials)
+    servers = [grpc_server]
+    if not config.health_listen:
+        return servers, grpc_port, 0
+    try:
+        health_server, health_port = await start_health_grpc(health, config.health_listen)
+    except OSError:
+        await _abandon(publisher, servers)
+        raise
+    return [*servers, health_server], grpc_port, health_port
+
+
+async def start_admin(
+    config: Config, registry: Registry, metrics: Metrics, load_signal: LoadSignal | None
+) -> tuple[web.AppRunner, int]:
+    """The metrics and admin endpoint on ``metrics_listen``: ``(runner, port)``; ``OSError`` says
+    where when it cannot be bound."""
+    describe = load_signal.describe if load_signal is not None else None
+    admin = build_admin_app(registry, metrics, config.admin.debug_endpoints, describe)
+    runner = web.AppRunner(admin, access_log=None)
+    await runner.setup()
+    host, port = _split(config.metrics_listen)
+    site = web.TCPSite(runner, host, port)
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise OSError(f"cannot listen on {config.metrics_listen} for metrics and admin: {exc}") from exc
+    return runner, runner.addresses[0][1]
+
+
+def start_watchers(
+    config: Config,
+    endpoints: Source,
+    load_signal: LoadSignal | None,
+    router: Router,
+    metrics: Metrics,
+    reload: tuple[ConfigSource | None, float],
+) -> tuple[list[asyncio.Task[None]], ConfigWatcher | None]:
+    """The background tasks: the discovery source, the load signal if any, Envoy's host health with
+    ``envoy_health.admin_url``, and the configuration watcher when the configuration came from a file
+    (``reload``: its source and interval); ``(tasks, the configuration watcher or None)``."""
+    watchers = [asyncio.create_task(endpoints.run(), name="discovery")]
+    if load_signal is not None:
+        watchers.append(asyncio.create_task(load_signal.run(), name="engine-metrics"))
+    if config.envoy_health.admin_url:
+        discovery = config.discovery
+        envoy_health = EnvoyHealth(
+            config.envoy_health,
+            {discovery.prefill_cluster: router.ejections, discovery.decode_cluster: router.decode_ejections},
+            {discovery.prefill_cluster: "prefill", discovery.decode_cluster: "decode"},
             metrics,
-            handoff.on_prefill_failure,
-            handoff.prefill_timeout_seconds,
-            handoff.watch_streamed_answers,
         )
-    if handoff.mode is HandoffMode.VLLM_MOONCAKE:
-        return VllmMooncakeHandoff(
-            route,
-            client,
-            metrics,
-            handoff.on_prefill_failure,
-            handoff.default_bootstrap_port,
-            handoff.watch_streamed_answers,
-        )
-    return SglangBootstrapHandoff(
-        route, client, metrics, handoff.default_bootstrap_port, handoff.watch_streamed_answers
+        watchers.append(asyncio.create_task(envoy_health.run(), name="envoy-health"))
+    source, interval = reload
+    if source is None or source.path is None:
+        return watchers, None
+    reloads = ConfigWatcher(source, config, router, metrics, interval)
+    watchers.append(asyncio.create_task(reloads.run(), name="config-watcher"))
+    return watchers, reloads
+
+
+def _log_started(server: RunningServer, registry: Registry, load_signal: LoadSignal | None) -> None:
+    """The one INFO line that says what is serving where."""
+    config, policy = server.config, server.router.policy
+    log.info(
+        "pd-extproc serving ext_proc on %s (port %d, %s), gRPC health also on %s, admin on port %d; "
+        "affinity %s bonus %.2f; "
+        "handoff %s%s; EDS served to Envoy: %s; engine metrics: %s; Envoy host health: %s; "
+        "%d prefill and %d decode endpoints healthy",
+        config.listen,
+        server.grpc_port,
+        tls_mode(config.tls),
+        f"port {server.health_port}" if server.health_port else "no other port",
+        server.admin_port,
+        policy.mode.value,
+        policy.bonus,
+        config.handoff.mode.value,
+        f" via {config.handoff.prefill_via}" if config.handoff.prefill_via else "",
+        "yes" if server.publisher is not None else "no",
+        f"every {config.engine_metrics.interval_seconds:g} s" if load_signal is not None else "off",
+        config.envoy_health.admin_url or "off",
+        len(registry.prefills),
+        len(registry.decodes),
     )
 
 
@@ -167,9 +272,7 @@ async def start_server(
 
     With ``xds.serve_eds`` the source's endpoints go through an :class:`EdsPublisher` (Envoy
     first, then the router) and its ADS service runs on the gRPC port. Readiness (:mod:`ext_proc.health`,
-    on ``listen`` and ``health_listen``) is SERVING while the source is available (always, but for
-    an InferencePool that is absent or not usable) and the router's view has held the source's whole
-    set (with EDS served: once Envoy has it) since it became available.
+    on ``listen`` and ``health_listen``) is SERVING as :class:`Readiness` says.
     ``source`` is where ``config`` came from: when it names a file, the file is watched every
     ``reload_interval`` seconds and a changed affinity section is applied live (:mod:`ext_proc.reload`).
     """
@@ -181,117 +284,20 @@ async def start_server(
     metrics = Metrics(registry.endpoints)
     health = Health()
     await health.start()
-    loaded, usable = False, True
-
-    def apply(clusters: list[ClusterEndpoints], settled: bool) -> None:
-        nonlocal loaded
-        registry.update(clusters)
-        if settled and not loaded:
-            loaded = True
-            health.set_ready(usable)
-
-    def available(now: bool) -> None:
-        nonlocal loaded, usable
-        if now != usable:
-            usable, loaded = now, False  # available again: ready once the new set is loaded
-            health.set_ready(False)
-
-    publisher: EdsPublisher | None = None
-    if config.xds.serve_eds:
-        clusters = (discovery.prefill_cluster, discovery.decode_cluster)
-        publisher = EdsPublisher(
-            clusters, discovery.metadata_namespace, apply, config.xds.no_envoy_delay_seconds, metrics
-        )
-    publish = publisher.publish if publisher is not None else functools.partial(apply, settled=True)
-    endpoints = await SOURCES[discovery.source](config, publish, available, metrics)
-    policy = config.affinity.policy(config.routing.fallback_count)
-    handoff = build_handoff(config, metrics)
-    router = Router(
-        registry,
-        policy,
-        handoff,
-        metrics,
-        config.load.default_max_tokens,
-        config.routing.pd_threshold_tokens,
-        config.limits.max_inflight_requests,
-        config.limits.retry_after_seconds,
-        config.handoff.eject_failed_prefill_seconds,
-        config.affinity.prefix.settings(),
-    )
-    grpc_server, grpc_port = await start_grpc(
-        router, config.listen, health, publisher.ads if publisher is not None else None, credentials
-    )
-    servers = [grpc_server]
-
-    async def abandon() -> None:
-        """Stop what was started, when a later port cannot be bound."""
-        if publisher is not None:
-            publisher.close()
-        await asyncio.gather(*(server.stop(None) for server in servers))
-
-    health_port = 0
-    if config.health_listen:
-        try:
-            health_server, health_port = await start_health_grpc(health, config.health_listen)
-        except OSError:
-            await abandon()
-            raise
-        servers.append(health_server)
-    scraper = (
-        EngineScraper(registry, config.engine_metrics, metrics, router.engine_sampled)
-        if config.engine_metrics.enabled
-        else None
-    )
-    admin = build_admin_app(
-        registry, metrics, config.admin.debug_endpoints, scraper.describe if scraper is not None else None
-    )
-    runner = web.AppRunner(admin, access_log=None)
-    await runner.setup()
-    host, port = _split(config.metrics_listen)
-    site = web.TCPSite(runner, host, port)
+    readiness = Readiness(registry, health)
+    publisher = build_publisher(config, readiness, metrics)
+    endpoints = await build_source(config, readiness, publisher, metrics)
+    router = build_router(config, registry, metrics)
+    servers, grpc_port, health_port = await start_grpc_servers(config, router, health, publisher, credentials)
+    load_signal = build_load_signal(config, registry, metrics, router)
     try:
-        await site.start()
-    except OSError as exc:
-        await abandon()
-        await runner.cleanup()
-        raise OSError(f"cannot listen on {config.metrics_listen} for metrics and admin: {exc}") from exc
-    admin_port = runner.addresses[0][1]
-    watchers = [asyncio.create_task(endpoints.run(), name="discovery")]
-    if scraper is not None:
-        watchers.append(asyncio.create_task(scraper.run(), name="engine-metrics"))
-    if config.envoy_health.admin_url:
-        envoy_health = EnvoyHealth(
-            config.envoy_health,
-            {discovery.prefill_cluster: router.ejections, discovery.decode_cluster: router.decode_ejections},
-            {discovery.prefill_cluster: "prefill", discovery.decode_cluster: "decode"},
-            metrics,
-        )
-        watchers.append(asyncio.create_task(envoy_health.run(), name="envoy-health"))
-    reloads = None
-    if source is not None and source.path is not None:
-        reloads = ConfigWatcher(source, config, router, metrics, reload_interval)
-        watchers.append(asyncio.create_task(reloads.run(), name="config-watcher"))
-    log.info(
-        "pd-extproc serving ext_proc on %s (port %d, %s), gRPC health also on %s, admin on port %d; "
-        "affinity %s bonus %.2f; "
-        "handoff %s%s; EDS served to Envoy: %s; engine metrics: %s; Envoy host health: %s; "
-        "%d prefill and %d decode endpoints healthy",
-        config.listen,
-        grpc_port,
-        tls_mode(config.tls),
-        f"port {health_port}" if health_port else "no other port",
-        admin_port,
-        policy.mode.value,
-        policy.bonus,
-        config.handoff.mode.value,
-        f" via {config.handoff.prefill_via}" if config.handoff.prefill_via else "",
-        "yes" if publisher is not None else "no",
-        f"every {config.engine_metrics.interval_seconds:g} s" if scraper is not None else "off",
-        config.envoy_health.admin_url or "off",
-        len(registry.prefills),
-        len(registry.decodes),
-    )
-    return RunningServer(
+        runner, admin_port = await start_admin(config, registry, metrics, load_signal)
+    except OSError:
+        await _abandon(publisher, servers)
+        raise
+    reload = (source, reload_interval)
+    watchers, reloads = start_watchers(config, endpoints, load_signal, router, metrics, reload)
+    server = RunningServer(
         config,
         router,
         grpc_port,
@@ -303,6 +309,8 @@ async def start_server(
         runner,
         tuple(watchers),
     )
+    _log_started(server, registry, load_signal)
+    return server
 
 
 async def serve_forever(config: Config, source: ConfigSource | None = None) -> None:

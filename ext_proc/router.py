@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from ext_proc.affinity import Cost, Decision, Mode, Policy, Pool, Rejection, choose
 from ext_proc.ejection import Ejections
 from ext_proc.handoff import (
-    Handoff,
     HandoffJob,
     Handover,
     Placement,
@@ -23,9 +23,12 @@ from ext_proc.handoff import (
     Routed,
     kv_failure,
 )
+from ext_proc.handoff.kinds import Handoff
 from ext_proc.load import Admission, Lease
 from ext_proc.metrics import Metrics
-from ext_proc.prefix import PrefixSettings, PrefixTracker
+from ext_proc.prefix import PrefixSettings
+from ext_proc.prefix.kinds import KINDS as PREFIX_SOURCES
+from ext_proc.prefix.kinds import PrefixSource, PrefixSourceKind
 from ext_proc.registry import EndpointState, Registry
 from ext_proc.request import RequestError, describe, parse_body
 
@@ -35,14 +38,32 @@ DISAGGREGATED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 """Paths whose requests get a prefill endpoint; every other path is routed decode-only."""
 
 
-class Router:
-    """Routes requests over ``registry`` with ``policy``; owns the round-robin tie-break counter and the
-    :class:`Admission` count of requests in flight (exposed as ``pd_extproc_inflight_requests``).
+@dataclass(frozen=True, slots=True)
+class RouterSettings:
+    """The router's own numbers (their configuration keys in parentheses).
 
-    ``pd_threshold_tokens``: prompts estimated below it are routed decode-only.
-    ``max_inflight_requests``: the most requests in flight at once (0 = unlimited); beyond it
-    :meth:`admit` answers 429 ``overloaded`` with ``Retry-After: retry_after_seconds``.
-    ``eject_seconds``: how long a prefill whose leg failed (:meth:`leg_failed`) is no candidate.
+    ``default_max_tokens``: the output budget charged when a body sets none (``load.default_max_tokens``).
+    ``pd_threshold_tokens``: prompts estimated below it are routed decode-only
+    (``routing.pd_threshold_tokens``). ``max_inflight_requests``: the most requests in flight at once
+    (0 = unlimited; ``limits.max_inflight_requests``); beyond it :meth:`Router.admit` answers 429
+    ``overloaded`` with ``Retry-After: retry_after_seconds`` (``limits.retry_after_seconds``).
+    ``eject_seconds``: how long a prefill whose leg failed (:meth:`Router.leg_failed`) is no candidate
+    (``handoff.eject_failed_prefill_seconds``).
+    """
+
+    default_max_tokens: int
+    pd_threshold_tokens: int = 0
+    max_inflight_requests: int = 0
+    retry_after_seconds: int = 1
+    eject_seconds: float = 0.0
+
+
+class Router:
+    """Routes requests over ``registry`` with ``policy`` and ``settings``; owns the round-robin tie-break
+    counter and the :class:`Admission` count of requests in flight (exposed as
+    ``pd_extproc_inflight_requests``).
+
+    ``handoff`` turns each placement into what Envoy and the engines need; ``metrics`` counts.
     ``ejections`` / ``decode_ejections``: the prefills / decodes left out of the candidates (failed legs,
     and what Envoy marks as failed: :mod:`ext_proc.envoy_health`). ``prefix`` (``None``: off): the
     prefix index's settings; the decision then gets each endpoint's estimated cache hit and a prefill
@@ -51,30 +72,27 @@ class Router:
 
     def __init__(
         self,
+        settings: RouterSettings,
+        *,
         registry: Registry,
         policy: Policy,
         handoff: Handoff,
         metrics: Metrics,
-        default_max_tokens: int,
-        pd_threshold_tokens: int = 0,
-        max_inflight_requests: int = 0,
-        retry_after_seconds: int = 1,
-        eject_seconds: float = 0.0,
         prefix: PrefixSettings | None = None,
     ) -> None:
         self.registry = registry
         self.policy = policy
         self.handoff = handoff
         self.metrics = metrics
-        self._default_max_tokens = default_max_tokens
-        self._pd_threshold = pd_threshold_tokens
+        self._default_max_tokens = settings.default_max_tokens
+        self._pd_threshold = settings.pd_threshold_tokens
         self._mode = policy.mode.value
         self._ticket = 0
         self._no_prefills: Pool[EndpointState] = Pool.of(())
-        self.admission = Admission(max_inflight_requests, retry_after_seconds)
-        self.ejections = Ejections(eject_seconds, metrics)
+        self.admission = Admission(settings.max_inflight_requests, settings.retry_after_seconds)
+        self.ejections = Ejections(settings.eject_seconds, metrics)
         self.decode_ejections = Ejections(0.0, metrics)
-        self.prefix: PrefixTracker | None = None
+        self.prefix: PrefixSource | None = None
         self._indexed: tuple[Pool[EndpointState], Pool[EndpointState]] | None = None
         self.set_prefix(prefix)
         metrics.count_inflight(lambda: self.admission.inflight)
@@ -86,14 +104,15 @@ class Router:
         self._mode = policy.mode.value
 
     def set_prefix(self, settings: PrefixSettings | None) -> None:
-        """Route every later decision with the prefix index of ``settings`` (``None``: without one). The
-        index is kept while its hashing stays the same, and starts empty when it changes."""
+        """Route every later decision with the prefix index of ``settings`` (``None``: without one), of
+        the ``approximate`` kind. The index is kept while its hashing stays the same, and starts empty
+        when it changes."""
         if settings is None:
             self.prefix = None
         elif self.prefix is not None and _hashing(self.prefix.settings) == _hashing(settings):
             self.prefix.settings = settings
         else:
-            self.prefix = PrefixTracker(settings, self.metrics)
+            self.prefix = PREFIX_SOURCES[PrefixSourceKind.APPROXIMATE](settings, self.metrics)
 
     def engine_sampled(self, address: str, queries: float | None, hits: float | None) -> None:
         """An engine's prefix-cache counters (tokens, since it started) arrived with its load sample."""

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import aiohttp
 
-from ext_proc.gateway import free_port
 from rig.engine import KV_CACHE_GIB, MODEL_NAME, Engine, EngineError, EngineSpec, start_engine
 from rig.model import HEAD_DIM, HIDDEN_SIZE, LAYERS, write_tiny_llama
 from rig.venv import VllmUnavailable, venv_python
 from sim.cluster_process import EngineInfo, write_cluster_eds
+from sim.gateway import free_port
 from sim.stack import Stack
 
 ENGINE_MEMORY_BYTES = int(2.6 * 2**30)

@@ -18,7 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from ext_proc.gateway import (
+from sim.cluster import EngineSpec
+from sim.cluster_process import EngineInfo, spawn_cluster, write_cluster_eds
+from sim.config import KvConfig, TimingConfig
+from sim.gateway import (
     Gateway,
     GatewayError,
     free_port,
@@ -28,9 +31,6 @@ from ext_proc.gateway import (
     terminate,
     wait_router_ready,
 )
-from sim.cluster import EngineSpec
-from sim.cluster_process import EngineInfo, spawn_cluster, write_cluster_eds
-from sim.config import KvConfig, TimingConfig
 
 
 class StackError(RuntimeError):

@@ -36,7 +36,7 @@ from backends import EchoBackend, ScriptedPrefill, start_backend, start_scripted
 from certs import self_signed
 
 from ext_proc.discovery.eds import EndpointSpec, write_eds_file
-from ext_proc.gateway import (
+from sim.gateway import (
     Gateway,
     GatewayError,
     free_port,

@@ -17,7 +17,7 @@ from polling import until
 from prometheus_client.parser import text_string_to_metric_families
 
 from ext_proc.discovery.eds import EndpointSpec
-from ext_proc.gateway import free_port
+from sim.gateway import free_port
 
 BODY = json.dumps({"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}).encode()
 

@@ -1,6 +1,6 @@
 """FULL_DUPLEX_STREAMED body modes through the real Envoy: the shipped bootstrap with the ext_proc
 filter's processing modes set as the Gateway API Inference Extension gateways set them
-(``ext_proc.gateway.FULL_DUPLEX_MODES``), real echo engines, the OpenAI SDK unchanged.
+(``sim.gateway.FULL_DUPLEX_MODES``), real echo engines, the OpenAI SDK unchanged.
 
 The gateway shapes themselves (Istio, Envoy AI Gateway, kgateway, the GIE reference) are tested in
 ``test_e2e_gateway_shapes.py``, the OpenAI SDK in both modes in ``test_e2e_envoy.py``; this file pins

@@ -43,7 +43,7 @@ from shapes import (
 )
 
 from ext_proc.discovery.eds import EndpointSpec, write_eds_file
-from ext_proc.gateway import free_port
+from sim.gateway import free_port
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

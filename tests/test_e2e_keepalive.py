@@ -21,8 +21,8 @@ from backends import KeepAliveEngine, start_keepalive_engine, start_scripted_pre
 from e2e_harness import gateway_over, wait_idle
 
 from ext_proc.discovery.eds import EndpointSpec
-from ext_proc.gateway import SHIPPED_ADS_BOOTSTRAP, SHIPPED_BOOTSTRAP
 from ext_proc.handoff.leg import IDLE_CONNECTION_SECONDS
+from sim.gateway import SHIPPED_ADS_BOOTSTRAP, SHIPPED_BOOTSTRAP
 
 UVICORN_KEEPALIVE_SECONDS = 5.0
 """vLLM's ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE`` default and SGLang's ``timeout_keep_alive`` (uvicorn)."""

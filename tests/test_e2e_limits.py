@@ -21,9 +21,9 @@ from polling import until
 
 from ext_proc.discovery.eds import EndpointSpec
 from ext_proc.envoy_messages import error_body
-from ext_proc.gateway import SHIPPED_BOOTSTRAP
 from ext_proc.request import MAX_JSON_DEPTH
 from ext_proc.server import ENVOY_BODY_LIMIT_BYTES
+from sim.gateway import SHIPPED_BOOTSTRAP
 
 MIB = 1024 * 1024
 CHAT_PATH = "/v1/chat/completions"

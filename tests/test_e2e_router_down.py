@@ -20,7 +20,7 @@ from backends import EchoBackend, start_backend
 from polling import until
 
 from ext_proc.discovery.eds import EndpointSpec, write_eds_file
-from ext_proc.gateway import (
+from sim.gateway import (
     Gateway,
     free_port,
     render_bootstrap,

@@ -15,10 +15,10 @@ from polling import until
 from ext_proc.config import EngineMetricsConfig
 from ext_proc.discovery import ClusterEndpoints, EndpointSpec
 from ext_proc.engine_load import EngineScraper
-from ext_proc.gateway import free_port
 from ext_proc.load import Lease
 from ext_proc.metrics import Metrics
 from ext_proc.registry import Registry
+from sim.gateway import free_port
 
 FIXTURES = Path(__file__).parent / "fixtures"
 CAPACITY = 100_000.0

@@ -11,16 +11,16 @@ import yaml
 
 from ext_proc.config import HandoffConfig, RoutingConfig
 from ext_proc.discovery.eds import load_eds_file
-from ext_proc.gateway import (
+from ext_proc.handoff.base import owned_headers
+from ext_proc.handoff.kv_transfer import TIMEOUT_MARGIN_SECONDS
+from ext_proc.server import ENVOY_BODY_LIMIT_BYTES, MAX_RECEIVE_BYTES
+from sim.gateway import (
     SHIPPED_ADS_BOOTSTRAP,
     SHIPPED_BOOTSTRAP,
     GatewayError,
     render_bootstrap,
     validate_envoy,
 )
-from ext_proc.handoff.base import owned_headers
-from ext_proc.handoff.kv_transfer import TIMEOUT_MARGIN_SECONDS
-from ext_proc.server import ENVOY_BODY_LIMIT_BYTES, MAX_RECEIVE_BYTES
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED_CONFIGS = sorted((REPO / "envoy").glob("*.yaml"))

@@ -16,7 +16,7 @@ from ext_proc.load import Lease
 from ext_proc.metrics import Metrics
 from ext_proc.prefix import PrefixSettings
 from ext_proc.registry import EndpointState, Registry
-from ext_proc.router import Router
+from ext_proc.router import Router, RouterSettings
 
 DEST = "x-gateway-destination-endpoint"
 PREFILL = "x-prefiller-host-port"
@@ -51,14 +51,17 @@ def make_router(
             ClusterEndpoints("decode", tuple(decodes), "d.yaml"),
         ]
     )
-    return Router(
-        registry,
-        Policy(mode, bonus, fallback_count, prefix_weight=prefix_weight),
-        SidecarHandoff(DEST, PREFILL),
-        Metrics(registry.endpoints),
+    settings = RouterSettings(
         DEFAULT_MAX_TOKENS,
         max_inflight_requests=max_inflight_requests,
         retry_after_seconds=retry_after_seconds,
+    )
+    return Router(
+        settings,
+        registry=registry,
+        policy=Policy(mode, bonus, fallback_count, prefix_weight=prefix_weight),
+        handoff=SidecarHandoff(DEST, PREFILL),
+        metrics=Metrics(registry.endpoints),
         prefix=prefix,
     )
 

@@ -11,7 +11,7 @@ from ext_proc.discovery import ClusterEndpoints, EndpointSpec
 from ext_proc.handoff import HandoffJob, RequestMeta, Routed, SidecarHandoff
 from ext_proc.metrics import Metrics
 from ext_proc.registry import Registry
-from ext_proc.router import Router
+from ext_proc.router import Router, RouterSettings
 
 PREFILLS = {"10.0.0.1:1": "a", "10.0.0.2:1": "a", "10.0.0.3:1": "b"}
 DECODES = {"10.0.1.1:1": "a", "10.0.1.2:1": "b"}
@@ -31,7 +31,13 @@ def router(mode: Mode = Mode.PREFER, threshold: int = 0) -> Router:
         ]
     )
     handoff = SidecarHandoff("x-gateway-destination-endpoint", "x-prefiller-host-port")
-    return Router(registry, Policy(mode, 0.3, 1), handoff, Metrics(registry.endpoints), 16, threshold)
+    return Router(
+        RouterSettings(16, threshold),
+        registry=registry,
+        policy=Policy(mode, 0.3, 1),
+        handoff=handoff,
+        metrics=Metrics(registry.endpoints),
+    )
 
 
 def body(prompt_chars: int) -> bytes:

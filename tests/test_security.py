@@ -21,7 +21,7 @@ from test_router import P1, ep, make_router
 from ext_proc.admin import build_admin_app
 from ext_proc.affinity import Cost
 from ext_proc.app import RunningServer, build_handoff, start_server
-from ext_proc.config import ConfigError, TlsConfig, load_config
+from ext_proc.config import ConfigError, HandoffConfig, TlsConfig, load_config
 from ext_proc.discovery.eds import EndpointSpec, write_eds_file
 from ext_proc.handoff import (
     DecodeRoute,
@@ -38,7 +38,7 @@ from ext_proc.handoff import (
 from ext_proc.handoff.base import STEERING_HEADERS
 from ext_proc.handoff.body import HANDOFF_FIELDS, PREFILL_REQUEST_PARAMS, prefill_leg_body
 from ext_proc.metrics import Metrics
-from ext_proc.router import Router
+from ext_proc.router import Router, RouterSettings
 from ext_proc.server import server_credentials, tls_mode
 
 DECODE = "10.0.1.1:8000"
@@ -56,7 +56,13 @@ INJECTED = {
 def sidecar_router(threshold: int) -> Router:
     """One prefill and one decode, sidecar handoff; prompts below ``threshold`` tokens go decode-only."""
     base = make_router([ep(P1, "g1")], [ep(DECODE, "g1")])
-    return Router(base.registry, base.policy, base.handoff, base.metrics, 16, threshold)
+    return Router(
+        RouterSettings(16, threshold),
+        registry=base.registry,
+        policy=base.policy,
+        handoff=base.handoff,
+        metrics=base.metrics,
+    )
 
 
 def route(router: Router, body: dict[str, object]) -> Routed:
@@ -97,11 +103,9 @@ async def test_engine_handoffs_remove_every_client_handoff_field_when_decode_onl
     route_ = DecodeRoute("x-gateway-destination-endpoint", "x-prefiller-host-port")
     client = PrefillClient("", route_.destination_header, 1.0)
     metrics = Metrics(router.registry.endpoints)
-    handoff = (
-        KvTransferParamsHandoff(route_, client, metrics, FailurePolicy.DECODE_ONLY, 1.0)
-        if mode == "kv-transfer-params"
-        else SglangBootstrapHandoff(route_, client, metrics, 8998)
-    )
+    kind = KvTransferParamsHandoff if mode == "kv-transfer-params" else SglangBootstrapHandoff
+    settings = HandoffConfig(on_prefill_failure=FailurePolicy.DECODE_ONLY, prefill_timeout_seconds=1.0)
+    handoff = kind(settings, route=route_, client=client, metrics=metrics)
     placement = decode_only(router)
     try:
         routed = handoff.hand_off(job({**CHAT, **INJECTED}), placement, router)

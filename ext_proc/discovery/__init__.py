@@ -5,7 +5,8 @@ A source turns some external description of the cluster into
 (:class:`EdsFileSource`), the Kubernetes API's pods (:mod:`ext_proc.discovery.kubernetes`, the
 pure pod rules in :mod:`ext_proc.discovery.pods`) or the pods of an InferencePool
 (:mod:`ext_proc.discovery.inferencepool`). Nothing else in the server reads files or sockets
-to learn endpoints.
+to learn endpoints. :mod:`~ext_proc.discovery.kinds` is the seam: the source protocol and the table of
+its kinds.
 """
 
 import enum

@@ -6,14 +6,15 @@
 - :class:`SglangBootstrapHandoff`: SGLang bootstrap fields, prefill leg alongside the decode;
 - :class:`VllmMooncakeHandoff`: vLLM's upstream MooncakeConnector, prefill leg alongside the decode.
 
-:mod:`ext_proc.handoff.base` defines the seam; :mod:`~ext_proc.handoff.body` the body rewriting;
+:mod:`ext_proc.handoff.kinds` is the seam (the :class:`~ext_proc.handoff.kinds.Handoff` protocol and the
+table of kinds), :mod:`ext_proc.handoff.base` what a handoff receives and produces;
+:mod:`~ext_proc.handoff.body` the body rewriting;
 :mod:`~ext_proc.handoff.leg` the prefill leg's HTTP client.
 """
 
 from ext_proc.handoff.base import (
     DecodeRoute,
     FailurePolicy,
-    Handoff,
     HandoffJob,
     HandoffMode,
     Handover,
@@ -33,7 +34,6 @@ from ext_proc.handoff.sidecar import SidecarHandoff
 __all__ = [
     "DecodeRoute",
     "FailurePolicy",
-    "Handoff",
     "HandoffJob",
     "HandoffMode",
     "Handover",

@@ -1,9 +1,9 @@
-"""The handoff seam: what a handoff receives, what it produces, and the interfaces around it.
+"""What a handoff receives, what it produces, and the interfaces around it.
 
 The router parses and decides (:class:`Placement`: a decision and its charges) and hands the
-request to a :class:`Handoff`, which answers at once (:class:`Routed` or :class:`Refused`) or, when
-it must first talk to an engine, with a :class:`Handover` that the server completes after asking
-Envoy for more time.
+request to a :class:`~ext_proc.handoff.kinds.Handoff`, which answers at once (:class:`Routed` or
+:class:`Refused`) or, when it must first talk to an engine, with a :class:`Handover` that the server
+completes after asking Envoy for more time.
 """
 
 from __future__ import annotations
@@ -12,12 +12,15 @@ import asyncio
 import enum
 import uuid
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ext_proc.affinity import Cost, Decision
 from ext_proc.handoff.body import HANDOFF_FIELDS, without_fields
 from ext_proc.load import Lease
 from ext_proc.registry import EndpointState
+
+if TYPE_CHECKING:
+    from ext_proc.config import RoutingConfig
 
 
 class HandoffMode(enum.StrEnum):
@@ -170,28 +173,6 @@ class Rerouter(Protocol):
         ...
 
 
-class Handoff(Protocol):
-    """Turns a :class:`Placement` into what Envoy and the engines need.
-
-    ``routing_headers`` names every request header the handoff owns: clients may not supply them.
-    ``hands_kv``: the handoff tells decodes to pull a KV cache (its answers are watched for a failed
-    pull, :mod:`ext_proc.handoff.kv_failure`); ``watch_streams``: a streamed answer's chunks are
-    watched too where that costs a message per chunk (``handoff.watch_streamed_answers``).
-    """
-
-    routing_headers: tuple[str, ...]
-    hands_kv: bool
-    watch_streams: bool
-
-    def hand_off(self, job: HandoffJob, placement: Placement, router: Rerouter) -> Routed | Handover:
-        """Answer at once, or return the :class:`Handover` that will."""
-        ...
-
-    async def close(self) -> None:
-        """Stop background work and release connections (server shutdown)."""
-        ...
-
-
 REQUEST_ID_HEADER = "x-request-id"
 KV_HANDOFF_HEADER = "x-gateway-kv-handoff"
 """Set (to ``1``) on a decode request whose body carries a KV handoff (``kv_transfer_params``,
@@ -235,6 +216,11 @@ class DecodeRoute:
 
     destination_header: str
     prefill_header: str
+
+    @classmethod
+    def of(cls, routing: RoutingConfig) -> DecodeRoute:
+        """The decode routing with ``routing``'s header names."""
+        return cls(routing.destination_header, routing.prefill_header)
 
     @property
     def routing_headers(self) -> tuple[str, ...]:

@@ -5,6 +5,7 @@ request's attempts on at most two prefills, and what follows when both failed
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from ext_proc.handoff.base import (
     DecodeRoute,
@@ -20,29 +21,28 @@ from ext_proc.load import Lease
 from ext_proc.metrics import Metrics
 from ext_proc.registry import EndpointState
 
+if TYPE_CHECKING:
+    from ext_proc.config import HandoffConfig
+
 log = logging.getLogger(__name__)
 
 
 class LegHandoff:
     """What the handoffs that talk to a prefill before they answer hold: the decode ``route``, the
-    prefill ``client``, ``metrics``, the ``on_failure`` policy and whether a streamed answer is
-    watched for a failed KV pull (``watch_streams``)."""
+    prefill ``client``, ``metrics``, and of ``settings`` the ``on_failure`` policy
+    (``on_prefill_failure``) and whether a streamed answer is watched for a failed KV pull
+    (``watch_streams``: ``watch_streamed_answers``)."""
 
     hands_kv = True
 
     def __init__(
-        self,
-        route: DecodeRoute,
-        client: PrefillClient,
-        metrics: Metrics,
-        on_failure: FailurePolicy,
-        watch_streams: bool,
+        self, settings: HandoffConfig, *, route: DecodeRoute, client: PrefillClient, metrics: Metrics
     ) -> None:
         self.route = route
         self.client = client
         self.metrics = metrics
-        self.on_failure = on_failure
-        self.watch_streams = watch_streams
+        self.on_failure = settings.on_prefill_failure
+        self.watch_streams = settings.watch_streamed_answers
         self.routing_headers = route.routing_headers
 
     async def close(self) -> None:

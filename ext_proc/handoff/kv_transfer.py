@@ -18,10 +18,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from typing import TYPE_CHECKING
 
 from ext_proc.handoff.base import (
     DecodeRoute,
-    FailurePolicy,
     HandoffJob,
     Placement,
     Refused,
@@ -40,6 +40,9 @@ from ext_proc.handoff.fallback import Attempts, LegHandoff
 from ext_proc.handoff.leg import LegError, LegOutcome, LegReply, PrefillClient
 from ext_proc.metrics import Metrics
 from ext_proc.registry import EndpointState
+
+if TYPE_CHECKING:
+    from ext_proc.config import HandoffConfig, RoutingConfig
 
 log = logging.getLogger(__name__)
 
@@ -93,20 +96,21 @@ def engine_error(reply: LegReply) -> tuple[str, bytes | None]:
     return f"the prefill engine refused the request: {text}", None
 
 
+def build(routing: RoutingConfig, settings: HandoffConfig, metrics: Metrics) -> KvTransferParamsHandoff:
+    """The kv-transfer-params handoff of ``routing`` and ``settings`` (the ``handoff`` section)."""
+    route, client = DecodeRoute.of(routing), PrefillClient.of(routing, settings)
+    return KvTransferParamsHandoff(settings, route=route, client=client, metrics=metrics)
+
+
 class KvTransferParamsHandoff(LegHandoff):
-    """The P-first handoff; see the module docstring."""
+    """The P-first handoff; see the module docstring. Envoy is asked to wait for two legs of
+    ``settings.prefill_timeout_seconds`` each, plus a margin."""
 
     def __init__(
-        self,
-        route: DecodeRoute,
-        client: PrefillClient,
-        metrics: Metrics,
-        on_failure: FailurePolicy,
-        leg_timeout_seconds: float,
-        watch_streams: bool = True,
+        self, settings: HandoffConfig, *, route: DecodeRoute, client: PrefillClient, metrics: Metrics
     ) -> None:
-        super().__init__(route, client, metrics, on_failure, watch_streams)
-        self.answer_timeout = 2 * leg_timeout_seconds + TIMEOUT_MARGIN_SECONDS
+        super().__init__(settings, route=route, client=client, metrics=metrics)
+        self.answer_timeout = 2 * settings.prefill_timeout_seconds + TIMEOUT_MARGIN_SECONDS
         self._warned_without_params: set[str] = set()
 
     def answered_without_params(self, prefill: str) -> int:

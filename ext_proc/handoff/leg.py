@@ -13,9 +13,12 @@ import enum
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
+
+if TYPE_CHECKING:
+    from ext_proc.config import HandoffConfig, RoutingConfig
 
 MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 """Largest prefill answer read (a one-token completion, unless the client asked for prompt logprobs)."""
@@ -70,6 +73,12 @@ class PrefillClient:
         self._destination_header = destination_header
         self._timeout = aiohttp.ClientTimeout(total=timeout_seconds)
         self._session: aiohttp.ClientSession | None = None
+
+    @classmethod
+    def of(cls, routing: RoutingConfig, settings: HandoffConfig) -> PrefillClient:
+        """The client of ``settings.prefill_via`` (bounded by ``prefill_timeout_seconds``), naming the
+        prefill in ``routing.destination_header``."""
+        return cls(settings.prefill_via, routing.destination_header, settings.prefill_timeout_seconds)
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None:

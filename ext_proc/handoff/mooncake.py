@@ -30,12 +30,12 @@ import secrets
 import time
 import uuid
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ext_proc.handoff.background import BackgroundLegs
 from ext_proc.handoff.base import (
     DP_RANK_HEADER,
     DecodeRoute,
-    FailurePolicy,
     HandoffJob,
     Placement,
     Refused,
@@ -49,6 +49,9 @@ from ext_proc.handoff.fallback import Attempts, LegHandoff
 from ext_proc.handoff.leg import LegError, LegOutcome, PrefillClient
 from ext_proc.metrics import Metrics
 from ext_proc.registry import EndpointState
+
+if TYPE_CHECKING:
+    from ext_proc.config import HandoffConfig, RoutingConfig
 
 log = logging.getLogger(__name__)
 
@@ -111,20 +114,21 @@ def prefill_params(transfer_id: str) -> dict[str, object]:
     return {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id}
 
 
+def build(routing: RoutingConfig, settings: HandoffConfig, metrics: Metrics) -> VllmMooncakeHandoff:
+    """The vllm-mooncake handoff of ``routing`` and ``settings`` (the ``handoff`` section)."""
+    route, client = DecodeRoute.of(routing), PrefillClient.of(routing, settings)
+    return VllmMooncakeHandoff(settings, route=route, client=client, metrics=metrics)
+
+
 class VllmMooncakeHandoff(LegHandoff):
-    """The concurrent Mooncake handoff; see the module docstring."""
+    """The concurrent Mooncake handoff; see the module docstring. Of ``settings`` it reads
+    ``default_bootstrap_port`` besides what :class:`LegHandoff` reads."""
 
     def __init__(
-        self,
-        route: DecodeRoute,
-        client: PrefillClient,
-        metrics: Metrics,
-        on_failure: FailurePolicy,
-        default_bootstrap_port: int,
-        watch_streams: bool = True,
+        self, settings: HandoffConfig, *, route: DecodeRoute, client: PrefillClient, metrics: Metrics
     ) -> None:
-        super().__init__(route, client, metrics, on_failure, watch_streams)
-        self.default_bootstrap_port = default_bootstrap_port
+        super().__init__(settings, route=route, client=client, metrics=metrics)
+        self.default_bootstrap_port = settings.default_bootstrap_port
         self.legs = BackgroundLegs(
             client,
             metrics,

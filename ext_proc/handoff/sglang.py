@@ -14,6 +14,7 @@ once its bootstrap wait times out (docs/handoffs.md "Handoff modes").
 from __future__ import annotations
 
 import secrets
+from typing import TYPE_CHECKING
 
 from ext_proc.handoff.background import BackgroundLegs
 from ext_proc.handoff.base import (
@@ -28,6 +29,9 @@ from ext_proc.handoff.base import (
 from ext_proc.handoff.body import HANDOFF_FIELDS, with_fields
 from ext_proc.handoff.leg import PrefillClient
 from ext_proc.metrics import Metrics
+
+if TYPE_CHECKING:
+    from ext_proc.config import HandoffConfig, RoutingConfig
 
 
 def prompt_count(body: dict[str, object]) -> int:
@@ -53,23 +57,25 @@ def bootstrap_host(address: str) -> str:
     return address.rpartition(":")[0].strip("[]")
 
 
+def build(routing: RoutingConfig, settings: HandoffConfig, metrics: Metrics) -> SglangBootstrapHandoff:
+    """The sglang-bootstrap handoff of ``routing`` and ``settings`` (the ``handoff`` section)."""
+    route, client = DecodeRoute.of(routing), PrefillClient.of(routing, settings)
+    return SglangBootstrapHandoff(settings, route=route, client=client, metrics=metrics)
+
+
 class SglangBootstrapHandoff:
-    """The concurrent handoff; see the module docstring."""
+    """The concurrent handoff; see the module docstring. Of ``settings`` it reads
+    ``default_bootstrap_port`` and ``watch_streamed_answers``."""
 
     hands_kv = True
 
     def __init__(
-        self,
-        route: DecodeRoute,
-        client: PrefillClient,
-        metrics: Metrics,
-        default_bootstrap_port: int,
-        watch_streams: bool = True,
+        self, settings: HandoffConfig, *, route: DecodeRoute, client: PrefillClient, metrics: Metrics
     ) -> None:
         self.route = route
-        self.watch_streams = watch_streams
+        self.watch_streams = settings.watch_streamed_answers
         self.legs = BackgroundLegs(client, metrics, "its decode fails once its bootstrap wait ends")
-        self.default_bootstrap_port = default_bootstrap_port
+        self.default_bootstrap_port = settings.default_bootstrap_port
         self.routing_headers = route.routing_headers
 
     def hand_off(self, job: HandoffJob, placement: Placement, router: Rerouter) -> Routed:

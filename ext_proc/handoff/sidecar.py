@@ -12,6 +12,8 @@ has one, otherwise it passes through untouched.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ext_proc.affinity import Decision
 from ext_proc.handoff.base import (
     HandoffJob,
@@ -24,6 +26,16 @@ from ext_proc.handoff.base import (
 )
 from ext_proc.handoff.body import HANDOFF_FIELDS, without_fields
 from ext_proc.registry import EndpointState
+
+if TYPE_CHECKING:
+    from ext_proc.config import HandoffConfig, RoutingConfig
+    from ext_proc.metrics import Metrics
+
+
+def build(routing: RoutingConfig, settings: HandoffConfig, metrics: Metrics) -> SidecarHandoff:
+    """The sidecar handoff of ``routing``'s header names (it reads nothing of ``settings`` and counts
+    nothing)."""
+    return SidecarHandoff(routing.destination_header, routing.prefill_header)
 
 
 class SidecarHandoff:

@@ -3,8 +3,9 @@
 
 :mod:`~ext_proc.prefix.blocks` turns a prompt into chained block hashes, :mod:`~ext_proc.prefix.index`
 is the per-endpoint LRU index, :mod:`~ext_proc.prefix.correction` the pure self-correction rule from
-the engines' prefix-cache counters, and :class:`PrefixTracker` what the router calls per request. The
-decision (:mod:`ext_proc.affinity`) reads only the hit arrays, as it reads only the load arrays.
+the engines' prefix-cache counters, and :class:`PrefixTracker` what the router calls per request (the
+``approximate`` kind of :mod:`~ext_proc.prefix.kinds`, the seam). The decision (:mod:`ext_proc.affinity`)
+reads only the hit arrays, as it reads only the load arrays.
 """
 
 from ext_proc.prefix.blocks import block_hashes, prompt_content

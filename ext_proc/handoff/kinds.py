@@ -1,0 +1,53 @@
+"""The handoff seam: the :class:`Handoff` protocol and its kinds, one module each (``handoff.mode``).
+
+A new kind is a module with its handoff and a builder of :class:`HandoffBuilder`'s shape, and one line
+in :data:`KINDS`. What a handoff receives and produces is in :mod:`ext_proc.handoff.base`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+from ext_proc.handoff import kv_transfer, mooncake, sglang, sidecar
+from ext_proc.handoff.base import HandoffJob, HandoffMode, Handover, Placement, Rerouter, Routed
+
+if TYPE_CHECKING:
+    from ext_proc.config import HandoffConfig, RoutingConfig
+    from ext_proc.metrics import Metrics
+
+
+class Handoff(Protocol):
+    """Turns a :class:`Placement` into what Envoy and the engines need.
+
+    ``routing_headers`` names every request header the handoff owns: clients may not supply them.
+    ``hands_kv``: the handoff tells decodes to pull a KV cache (its answers are watched for a failed
+    pull, :mod:`ext_proc.handoff.kv_failure`); ``watch_streams``: a streamed answer's chunks are
+    watched too where that costs a message per chunk (``handoff.watch_streamed_answers``).
+    """
+
+    routing_headers: tuple[str, ...]
+    hands_kv: bool
+    watch_streams: bool
+
+    def hand_off(self, job: HandoffJob, placement: Placement, router: Rerouter) -> Routed | Handover:
+        """Answer at once, or return the :class:`Handover` that will."""
+        ...
+
+    async def close(self) -> None:
+        """Stop background work and release connections (server shutdown)."""
+        ...
+
+
+class HandoffBuilder(Protocol):
+    """Builds one kind of handoff from the ``routing`` and ``handoff`` configuration sections."""
+
+    def __call__(self, routing: RoutingConfig, settings: HandoffConfig, metrics: Metrics) -> Handoff: ...
+
+
+KINDS: dict[HandoffMode, HandoffBuilder] = {
+    HandoffMode.SIDECAR: sidecar.build,
+    HandoffMode.KV_TRANSFER_PARAMS: kv_transfer.build,
+    HandoffMode.SGLANG_BOOTSTRAP: sglang.build,
+    HandoffMode.VLLM_MOONCAKE: mooncake.build,
+}
+"""How to build each kind of handoff (``handoff.mode``)."""

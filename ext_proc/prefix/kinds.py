@@ -1,0 +1,64 @@
+"""The prefix-source seam: the :class:`PrefixSource` protocol and its kinds, one module each.
+
+A prefix source tells the router, per request, which endpoints are estimated to hold the prompt's
+leading blocks, and learns from placements and the engines' prefix-cache counters. Today's one kind,
+``approximate`` (:class:`~ext_proc.prefix.tracker.PrefixTracker`), estimates from this gateway's own
+placements. A new kind is a module with its source, one :class:`PrefixSourceKind` member and one line
+in :data:`KINDS`.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import Protocol
+
+from ext_proc.affinity import Decision, Pool
+from ext_proc.affinity.model import E
+from ext_proc.prefix.tracker import Lookup, PredictionSink, PrefixSettings, PrefixTracker
+
+
+class PrefixSourceKind(enum.StrEnum):
+    """The kinds of prefix source."""
+
+    APPROXIMATE = "approximate"
+
+
+class PrefixSource(Protocol):
+    """What the router asks of the prefix index (all in tokens unless said otherwise).
+
+    ``settings`` hold its hashing (``block_tokens``, ``max_blocks``) and may be replaced live when the
+    hashing stays the same.
+    """
+
+    settings: PrefixSettings
+
+    def chain(self, body: dict[str, object]) -> list[int]:
+        """The chained block hashes of the request's prompt (empty without a prompt)."""
+        ...
+
+    def lookup(self, hashes: list[int], prefills: Pool[E], decodes: Pool[E], prompt_tokens: int) -> Lookup:
+        """What the candidate endpoints hold of ``hashes``, with the decision's hit arrays."""
+        ...
+
+    def predicted(self, lookup: Lookup, address: str, prompt_tokens: int) -> int:
+        """The hit tokens ``lookup`` predicts at ``address`` (at most ``prompt_tokens``)."""
+        ...
+
+    def placed(self, lookup: Lookup, decision: Decision[E], prompt_tokens: int) -> None:
+        """The request was placed by ``decision``: its prompt is now on the chosen endpoints."""
+        ...
+
+    def observe(self, address: str, queries: float | None, hits: float | None) -> None:
+        """An engine's prefix-cache counters (totals since it started; ``None`` when unknown)."""
+        ...
+
+    def retain(self, addresses: set[str]) -> None:
+        """Forget every endpoint not in ``addresses``."""
+        ...
+
+
+KINDS: dict[PrefixSourceKind, Callable[[PrefixSettings, PredictionSink], PrefixSource]] = {
+    PrefixSourceKind.APPROXIMATE: PrefixTracker,
+}
+"""How to build each kind of prefix source from its settings and where it reports."""
