@@ -57,14 +57,17 @@ class AutoModel:
         return self.kv_bytes_per_token / (gbps * 1e9)
 
     def transfer_s(self, tokens: int, same_group: bool) -> float:
-        """Seconds to move ``tokens`` tokens of KV cache within (``same_group``) or across groups,
-        the base latency included."""
+        """Seconds to move ``tokens`` tokens of KV cache, the base latency included.
+
+        Within a group when ``same_group``, else across groups."""
         return self.base_latency_ms / 1e3 + tokens * self.seconds_per_token(same_group)
 
     def wait_s(self, u: U) -> U:
-        """Expected wait in seconds at utilisation ``u`` (>= 0; a float or an array, element-wise):
-        ``scale * (u + max(u - ROOM, 0) / (1 - u))`` up to :data:`KNEE`, its tangent beyond. Strictly
-        increasing when the scale is > 0; an array gives bit for bit the floats a scalar gives."""
+        """Expected wait in seconds at utilisation ``u``.
+
+        ``u`` >= 0, a float or an array (element-wise): ``scale * (u + max(u - ROOM, 0) / (1 - u))`` up
+        to :data:`KNEE`, its tangent beyond. Strictly increasing when the scale is > 0; an array gives
+        bit for bit the floats a scalar gives."""
         scale = self.wait_scale_ms / 1e3
         if isinstance(u, np.ndarray) and u.max() <= ROOM:  # the usual case: the same floats, fewer ops
             return scale * u  # type: ignore[no-any-return]  # q == 0, u - m == 0, and x + 0.0 == x
