@@ -127,8 +127,10 @@ class EndpointState:
 
 
 class Registry:
-    """Endpoints by role. ``prefills``/``decodes`` hold only the healthy ones (candidates), in EDS
-    order; ``prefill_pool``/``decode_pool`` are the same endpoints with their live load arrays.
+    """The current endpoints by role, with their live load.
+
+    ``prefills``/``decodes`` hold only the healthy ones (candidates), in EDS order;
+    ``prefill_pool``/``decode_pool`` are the same endpoints with their live load arrays.
 
     Not thread-safe: owned by the server's event loop.
     """
