@@ -202,8 +202,9 @@ def parse_eds(content: bytes, path: str | Path, namespace: str = "pd") -> Cluste
 
 
 def render_cla(cluster_name: str, endpoints: Iterable[EndpointSpec], namespace: str = "pd") -> dict:
-    """The ``ClusterLoadAssignment`` (a dict, JSON/YAML-ready, without ``@type``) declaring
-    ``endpoints`` in one locality, with their health status and metadata under
+    """The ``ClusterLoadAssignment`` declaring ``endpoints``, as a dict (JSON/YAML-ready, no ``@type``).
+
+    The endpoints are in one locality, with their health status and metadata under
     ``filter_metadata.<namespace>``; the inverse of :func:`parse_cluster_load_assignment`."""
     lb_endpoints = []
     for spec in endpoints:
@@ -245,9 +246,10 @@ def render_eds(cluster_name: str, endpoints: list[EndpointSpec], namespace: str 
 
 
 def merge_clusters(clusters: Iterable[ClusterEndpoints]) -> dict[str, ClusterEndpoints]:
-    """One :class:`ClusterEndpoints` per cluster name, in first-seen order: clusters of the same name
-    (several files) are joined, an address listed twice keeps its first entry, and ``source``
-    names every contributing source."""
+    """One :class:`ClusterEndpoints` per cluster name, in first-seen order.
+
+    Clusters of the same name (several files) are joined, an address listed twice keeps its first
+    entry, and ``source`` names every contributing source."""
     merged: dict[str, tuple[dict[str, EndpointSpec], list[str]]] = {}
     for cluster in clusters:
         specs, sources = merged.setdefault(cluster.cluster_name, ({}, []))

@@ -38,8 +38,10 @@ Key = tuple[str, str]
 
 
 class EdsPublisher:
-    """Serves ``clusters`` (the prefill and decode cluster names) over :attr:`ads` and hands the
-    router's view to ``apply``; :meth:`publish` is the discovery source's callback.
+    """Serves the endpoints over :attr:`ads` first, then hands the router's view to ``apply``.
+
+    ``clusters``: the prefill and decode cluster names; :meth:`publish` is the discovery source's
+    callback.
 
     ``no_envoy_delay`` is in seconds. Construct it in the server's running event loop, which owns
     it (not thread-safe); after :meth:`close` it hands nothing over any more.
@@ -78,8 +80,9 @@ class EdsPublisher:
         self.settle()
 
     def settle(self) -> None:
-        """Admit the waiting endpoints Envoy now has (see the module docstring); re-arm the timer
-        for those whose cluster has no subscriber."""
+        """Admit the waiting endpoints Envoy now has (see the module docstring).
+
+        Re-arm the timer for those whose cluster has no subscriber."""
         if self._closed:
             return
         now = self._loop.time()
