@@ -16,8 +16,9 @@ from aiohttp import web
 
 from ext_proc.admin import build_admin_app
 from ext_proc.config import Config, ConfigSource
-from ext_proc.discovery import ClusterEndpoints, EdsFileSource, SourceKind
+from ext_proc.discovery import EdsFileSource, SourceKind
 from ext_proc.discovery.eds_watch import Available, Publish
+from ext_proc.endpoints import ClusterEndpoints
 from ext_proc.engine_load import EngineScraper
 from ext_proc.envoy_health import EnvoyHealth
 from ext_proc.handoff import (

@@ -24,8 +24,8 @@ from typing import Any
 import aiohttp
 
 from ext_proc.config import EnvoyHealthConfig
-from ext_proc.discovery.eds import endpoint_address
 from ext_proc.ejection import Ejections
+from ext_proc.endpoints import endpoint_address
 from ext_proc.metrics import Metrics
 
 log = logging.getLogger(__name__)

@@ -27,7 +27,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ext_proc.affinity import Pool
-from ext_proc.discovery.eds import ClusterEndpoints, merge_clusters
+from ext_proc.endpoints import ClusterEndpoints, merge_clusters
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,8 @@ import os
 import time
 from collections.abc import Callable, Sequence
 
-from ext_proc.discovery.eds import ClusterEndpoints, EdsError, parse_eds, read_eds_file
+from ext_proc.discovery.eds import EdsError, parse_eds, read_eds_file
+from ext_proc.endpoints import ClusterEndpoints
 
 log = logging.getLogger(__name__)
 

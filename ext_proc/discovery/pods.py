@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ext_proc.discovery.eds import ClusterEndpoints, EndpointSpec, endpoint_address
+from ext_proc.endpoints import ClusterEndpoints, EndpointSpec, endpoint_address
 
 LWS_WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
 """Label LeaderWorkerSet puts on every pod of a group: ``"0"`` on the leader."""

@@ -25,7 +25,8 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from ext_proc.discovery.eds import ClusterEndpoints, cluster_load_assignment, merge_clusters
+from ext_proc.discovery.eds import cluster_load_assignment
+from ext_proc.endpoints import ClusterEndpoints, merge_clusters
 from ext_proc.metrics import Metrics
 from ext_proc.xds.ads import AdsServer
 
