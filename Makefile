@@ -21,6 +21,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 	$(BIN)/pytest -q
 
 # The image and docker-compose.yml for real (tests/compose/compose_e2e.py): as root it installs Docker,
@@ -37,9 +38,11 @@ vllm-env: $(STAMP)
 test-vllm: vllm-env
 	$(BIN)/pytest -q -s tests/vllm
 
+# ruff, and the import layering contracts of pyproject.toml [tool.importlinter] (docs/design.md "Layers").
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 
 format: $(STAMP)
 	$(BIN)/ruff format .
@@ -51,4 +54,4 @@ bench: $(STAMP)
 	$(BIN)/python bench/handoff.py --json bench/results/handoff.json --png bench/results/handoff.png
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis build dist *.egg-info
+	rm -rf $(VENV) .pytest_cache .ruff_cache .import_linter_cache .hypothesis build dist *.egg-info

@@ -30,7 +30,8 @@ from aiohttp import web
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import cpu_seconds, first_line, spawn_python, write_json
 
-from ext_proc.discovery.eds import EndpointSpec, write_eds_file
+from ext_proc.discovery.eds import write_eds_file
+from ext_proc.endpoints import EndpointSpec
 from sim.gateway import terminate
 from sim.stack import Replica
 

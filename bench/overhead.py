@@ -34,7 +34,8 @@ import aiohttp
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import cpu_seconds, first_line, rss_mib, spawn_python, summary_ms, write_json
 
-from ext_proc.discovery.eds import EndpointSpec, write_eds_file
+from ext_proc.discovery.eds import write_eds_file
+from ext_proc.endpoints import EndpointSpec
 from sim.gateway import (
     Gateway,
     free_port,

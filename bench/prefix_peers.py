@@ -39,7 +39,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ext_proc.affinity import Cost, Decision, Hits, Mode, Policy, Pool, choose
-from ext_proc.discovery.eds import ClusterEndpoints, EndpointSpec
+from ext_proc.endpoints import ClusterEndpoints, EndpointSpec
 from ext_proc.handoff import HandoffJob, Placement, RequestMeta, Routed, RoutingInstructions
 from ext_proc.load import Lease
 from ext_proc.metrics import Metrics

@@ -13,9 +13,9 @@ from aiohttp import web
 
 from ext_proc.admin import build_admin_app
 from ext_proc.config import Config, ConfigSource
-from ext_proc.discovery import ClusterEndpoints
 from ext_proc.discovery.kinds import KINDS as DISCOVERY_SOURCES
 from ext_proc.discovery.kinds import Source
+from ext_proc.endpoints import ClusterEndpoints
 from ext_proc.engine_load.kinds import KINDS as LOAD_SIGNALS
 from ext_proc.engine_load.kinds import LoadSignal, LoadSignalKind
 from ext_proc.envoy_health import EnvoyHealth

@@ -28,8 +28,10 @@ log = logging.getLogger(__name__)
 
 
 class Ejections:
-    """Addresses ejected until a ``clock()`` time (seconds; monotonic by default), plus those held out
-    by :meth:`hold` until the next call.
+    """Endpoints left out of routing after a failure, by address.
+
+    Addresses are ejected until a ``clock()`` time (seconds; monotonic by default), plus those held
+    out by :meth:`hold` until the next call.
 
     ``seconds`` = 0 turns timed ejection off. Cost while nothing is ejected: two tests per decision.
     """
@@ -51,8 +53,9 @@ class Ejections:
         return self._held
 
     def eject(self, address: str, outcome: str) -> None:
-        """A leg to ``address`` failed with ``outcome`` (or a decode could not pull its KV): leave it
-        out for :attr:`seconds` from now."""
+        """Leave ``address`` out for :attr:`seconds` from now: a leg to it failed with ``outcome``.
+
+        Also used when a decode could not pull its KV."""
         if self.seconds <= 0:
             return
         self._until[address] = self._clock() + self.seconds
@@ -69,8 +72,9 @@ class Ejections:
         return self._held.union(self._until)
 
     def keep(self, pool: Pool[EndpointState]) -> Pool[EndpointState]:
-        """``pool`` without the ejected endpoints, or ``pool`` itself when none of its endpoints is
-        ejected or all of them are."""
+        """``pool`` without the ejected endpoints.
+
+        ``pool`` itself when none of its endpoints is ejected or all of them are."""
         out = self.ejected()
         if not out:
             return pool

@@ -24,8 +24,8 @@ from typing import Any
 import aiohttp
 
 from ext_proc.config import EnvoyHealthConfig
-from ext_proc.discovery.eds import endpoint_address
 from ext_proc.ejection import Ejections
+from ext_proc.endpoints import endpoint_address
 from ext_proc.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -46,8 +46,10 @@ class EnvoyHealthError(Exception):
 
 
 def failed_hosts(clusters: Any, cluster: str) -> frozenset[str]:
-    """The ``ip:port`` (IPv6: ``[ip]:port``) of the hosts of ``cluster`` that Envoy marks as failed, from
-    a decoded ``/clusters?format=json`` document; raises :class:`EnvoyHealthError` if it is malformed."""
+    """The ``ip:port`` of the hosts of ``cluster`` that Envoy marks as failed (IPv6: ``[ip]:port``).
+
+    Read from a decoded ``/clusters?format=json`` document; raises :class:`EnvoyHealthError` if it is
+    malformed."""
     try:
         out = set()
         for status in clusters.get("cluster_statuses", ()):
@@ -66,9 +68,10 @@ def failed_hosts(clusters: Any, cluster: str) -> frozenset[str]:
 
 
 class EnvoyHealth:
-    """Owns the polls of one server; ``ejections`` maps a cluster name to the router's
-    :class:`Ejections` of its role (role names for logs and metrics in ``roles``). Runs on the server's
-    event loop."""
+    """The polls of Envoy's host health for one server, on the server's event loop.
+
+    ``ejections`` maps a cluster name to the router's :class:`Ejections` of its role (role names for
+    logs and metrics in ``roles``)."""
 
     def __init__(
         self,
@@ -84,8 +87,10 @@ class EnvoyHealth:
         self._error: str | None = None
 
     async def run(self) -> None:
-        """Poll every ``interval_seconds`` until cancelled. Each poll opens and closes its own loopback
-        connection: no descriptor is held between polls (the fault bench counts them)."""
+        """Poll every ``interval_seconds`` until cancelled.
+
+        Each poll opens and closes its own loopback connection: no descriptor is held between polls
+        (the fault bench counts them)."""
         timeout = aiohttp.ClientTimeout(total=self._config.timeout_seconds)
         connector = aiohttp.TCPConnector(force_close=True)
         async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:

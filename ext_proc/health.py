@@ -42,8 +42,9 @@ class Health:
         self._updates: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
-        """Set every service's status (before the first server starts: the servicer's own default
-        answers ``""`` ``SERVING``)."""
+        """Set every service's status, before the first server starts.
+
+        Until then the servicer's own default answers ``""`` ``SERVING``."""
         await self.servicer.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
         await self._apply()
 

@@ -1,5 +1,7 @@
-"""Local in-flight load accounting: what each routed request charges, and its release; and the
-admission limit on how many requests are in flight at once.
+"""Local in-flight load accounting and the admission limit on the requests in flight.
+
+What each routed request charges, and its release (:class:`Lease`); how many requests may be in
+flight at once (:class:`Admission`).
 
 The load signal is the in-flight token sum per endpoint, charged when a request is routed and
 released when Envoy is done with it, through :class:`~ext_proc.registry.EndpointState` (which writes
@@ -41,8 +43,9 @@ class Lease:
         return self._decode
 
     def move_decode(self, served: EndpointState) -> None:
-        """The request is served by ``served``, not the decode charged: move the decode charge there
-        (nothing once it has been released)."""
+        """Move the decode charge to ``served``, the endpoint that serves the request instead.
+
+        Nothing moves once the charge has been released."""
         decode = self._decode
         if decode is not None and decode is not served:
             decode.release(self._decode_tokens)

@@ -289,8 +289,9 @@ class Metrics:
         self._rejected_children: dict[str, Counter] = {}
 
     def decided(self, mode: str, locality: str, seconds: float) -> None:
-        """Count one decision and record ``seconds``, the time of the decision alone (not parsing,
-        subset filtering, charging or building the answer)."""
+        """Count one decision and record ``seconds``, the time of the decision alone.
+
+        Parsing, subset filtering, charging and building the answer are not included."""
         key = (mode, locality)
         child = self._decision_children.get(key)
         if child is None:
@@ -311,8 +312,9 @@ class Metrics:
             children[2].observe(estimate.margin_s)
 
     def prefix_predicted(self, role: str, address: str, placed: int, hit: int) -> None:
-        """One placement on ``address`` as ``role``: ``placed`` prompt tokens, ``hit`` of them predicted
-        to be in its prefix cache."""
+        """Count one placement on ``address`` as ``role``.
+
+        ``placed`` prompt tokens, ``hit`` of them predicted to be in its prefix cache."""
         key = (role, address)
         children = self._prefix_children.get(key)
         if children is None:
@@ -326,20 +328,25 @@ class Metrics:
         children[2].observe(hit)
 
     def prefix_engine(self, address: str, queries: float, hits: float, scale: float) -> None:
-        """The engine at ``address`` looked up ``queries`` prompt tokens and found ``hits`` since its last
-        sample; the prefix index now keeps ``scale`` of its capacity."""
+        """Count an engine's prefix-cache lookups since its last sample, and its index's new scale.
+
+        The engine at ``address`` looked up ``queries`` prompt tokens and found ``hits``; the prefix
+        index now keeps ``scale`` of its capacity."""
         self._engine_tokens.labels(address, "queried").inc(queries)
         self._engine_tokens.labels(address, "hit").inc(hits)
         self._index_scale.labels(address).set(scale)
 
     def count_inflight(self, count: Callable[[], float]) -> None:
-        """Report ``count()`` (the router's requests in flight) as ``pd_extproc_inflight_requests``,
-        read at scrape time."""
+        """Report ``count()`` as ``pd_extproc_inflight_requests``, read at scrape time.
+
+        ``count()`` is the router's requests in flight."""
         self._inflight.set_function(count)
 
     def watch_engine_scrapes(self, ages: Callable[[], dict[str, float]], stale: Callable[[], int]) -> None:
-        """Expose ``ages()`` (seconds since each engine's last good sample, by address) and ``stale()``
-        (pickable endpoints without a fresh one), read at scrape time."""
+        """Expose ``ages()`` and ``stale()``, read at scrape time.
+
+        ``ages()``: seconds since each engine's last good sample, by address; ``stale()``: the pickable
+        endpoints without a fresh one."""
         self.registry.register(_EngineScrapeCollector(ages, stale))
 
     def engine_scrape(self, outcome: str, seconds: float) -> None:

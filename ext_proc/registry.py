@@ -27,7 +27,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ext_proc.affinity import Pool
-from ext_proc.discovery.eds import ClusterEndpoints, merge_clusters
+from ext_proc.endpoints import ClusterEndpoints, merge_clusters
 
 log = logging.getLogger(__name__)
 
@@ -127,8 +127,10 @@ class EndpointState:
 
 
 class Registry:
-    """Endpoints by role. ``prefills``/``decodes`` hold only the healthy ones (candidates), in EDS
-    order; ``prefill_pool``/``decode_pool`` are the same endpoints with their live load arrays.
+    """The current endpoints by role, with their live load.
+
+    ``prefills``/``decodes`` hold only the healthy ones (candidates), in EDS order;
+    ``prefill_pool``/``decode_pool`` are the same endpoints with their live load arrays.
 
     Not thread-safe: owned by the server's event loop.
     """

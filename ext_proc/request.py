@@ -166,8 +166,9 @@ def _finite_float(literal: str) -> float:
 
 
 def parse_body(raw: bytes) -> dict[str, object]:
-    """The request's strict JSON object (see the module docstring), parsed once; raise
-    :class:`RequestError` when it is not one, or when it nests arrays and objects deeper than
+    """The request's strict JSON object (see the module docstring), parsed once.
+
+    Raises :class:`RequestError` when it is not one, or when it nests arrays and objects deeper than
     :data:`MAX_JSON_DEPTH` levels."""
     try:
         body = json.loads(raw, parse_constant=_no_constant, parse_float=_finite_float)

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from ext_proc.discovery.eds import EndpointSpec
+from ext_proc.endpoints import EndpointSpec
 from sim.clock import SimClock
 from sim.config import DEFAULT_MODEL, EngineConfig, KvConfig, Role, TimingConfig
 from sim.kv import GroupMap, SharedLink

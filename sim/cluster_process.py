@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from ext_proc.discovery.eds import EndpointSpec, write_eds_file
+from ext_proc.discovery.eds import write_eds_file
+from ext_proc.endpoints import EndpointSpec
 from sim.cluster import EngineSpec, bootstrap_port, start_cluster, stop_cluster
 from sim.config import KvConfig, TimingConfig
 from sim.server import RunningEngine

@@ -7,7 +7,8 @@ import grpc
 from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 
-from ext_proc.discovery.eds import CLA_TYPE_URL, EndpointSpec, parse_cluster_load_assignment
+from ext_proc.discovery.eds import CLA_TYPE_URL, parse_cluster_load_assignment
+from ext_proc.endpoints import EndpointSpec
 
 
 class Envoy:

@@ -16,7 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ext_proc.app import RunningServer, start_server
 from ext_proc.config import load_config
-from ext_proc.discovery.eds import EndpointSpec, write_eds_file
+from ext_proc.discovery.eds import write_eds_file
+from ext_proc.endpoints import EndpointSpec
 from sim.gateway import (
     SHIPPED_ADS_BOOTSTRAP,
     SHIPPED_BOOTSTRAP,

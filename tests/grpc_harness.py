@@ -9,7 +9,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from ext_proc.app import start_server
 from ext_proc.config import load_config
-from ext_proc.discovery.eds import EndpointSpec, write_eds_file
+from ext_proc.discovery.eds import write_eds_file
+from ext_proc.endpoints import EndpointSpec
 
 
 async def start_with(

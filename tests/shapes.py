@@ -35,7 +35,8 @@ import yaml
 from backends import EchoBackend, ScriptedPrefill, start_backend, start_scripted_prefill
 from certs import self_signed
 
-from ext_proc.discovery.eds import EndpointSpec, write_eds_file
+from ext_proc.discovery.eds import write_eds_file
+from ext_proc.endpoints import EndpointSpec
 from sim.gateway import (
     Gateway,
     GatewayError,

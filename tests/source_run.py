@@ -7,7 +7,7 @@ import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from ext_proc.discovery import ClusterEndpoints
+from ext_proc.endpoints import ClusterEndpoints
 from ext_proc.metrics import Metrics
 
 

@@ -8,7 +8,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from ext_proc.admin import build_admin_app, endpoint_rows
-from ext_proc.discovery import ClusterEndpoints, EndpointSpec
+from ext_proc.endpoints import ClusterEndpoints, EndpointSpec
 from ext_proc.load import Lease
 from ext_proc.metrics import Metrics
 from ext_proc.registry import Registry

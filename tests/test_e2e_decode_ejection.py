@@ -16,7 +16,7 @@ from e2e_harness import Gatewayed, gateway_over
 from polling import until
 from prometheus_client.parser import text_string_to_metric_families
 
-from ext_proc.discovery.eds import EndpointSpec
+from ext_proc.endpoints import EndpointSpec
 from sim.gateway import free_port
 
 BODY = json.dumps({"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}).encode()

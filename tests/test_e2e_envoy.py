@@ -10,7 +10,7 @@ import openai
 import pytest
 from e2e_harness import Stack, busy_endpoints, by_outcome, stack, wait_idle
 
-from ext_proc.discovery.eds import EndpointSpec
+from ext_proc.endpoints import EndpointSpec
 
 CHAT = {
     "model": "m",

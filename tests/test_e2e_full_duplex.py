@@ -18,7 +18,7 @@ from backends import start_scripted_prefill
 from e2e_harness import busy_endpoints, gateway_over, stack, wait_idle
 
 from ext_proc.choreography import STREAMED_CHUNK_BYTES
-from ext_proc.discovery.eds import EndpointSpec
+from ext_proc.endpoints import EndpointSpec
 
 
 def _assert_no_stale_length(record: dict) -> None:

@@ -42,7 +42,8 @@ from shapes import (
     shape_stack,
 )
 
-from ext_proc.discovery.eds import EndpointSpec, write_eds_file
+from ext_proc.discovery.eds import write_eds_file
+from ext_proc.endpoints import EndpointSpec
 from sim.gateway import free_port
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

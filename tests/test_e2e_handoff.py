@@ -19,7 +19,8 @@ from backends import start_backend, start_scripted_prefill
 from e2e_harness import Gatewayed, by_outcome, gateway_over, wait_idle
 from polling import until
 
-from ext_proc.discovery.eds import EndpointSpec, write_eds_file
+from ext_proc.discovery.eds import write_eds_file
+from ext_proc.endpoints import EndpointSpec
 from sim.cluster import EngineSpec, endpoint_specs, start_cluster, stop_cluster
 from sim.config import KvConfig
 from sim.server import RunningEngine

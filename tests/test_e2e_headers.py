@@ -16,7 +16,7 @@ import aiohttp
 from backends import EchoBackend, start_backend, start_broken_engine
 from e2e_harness import Gatewayed, gateway_over, raw_http, wait_idle
 
-from ext_proc.discovery.eds import EndpointSpec
+from ext_proc.endpoints import EndpointSpec
 
 BODY = json.dumps({"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}).encode()
 

@@ -20,7 +20,7 @@ import yaml
 from backends import KeepAliveEngine, start_keepalive_engine, start_scripted_prefill
 from e2e_harness import gateway_over, wait_idle
 
-from ext_proc.discovery.eds import EndpointSpec
+from ext_proc.endpoints import EndpointSpec
 from ext_proc.handoff.leg import IDLE_CONNECTION_SECONDS
 from sim.gateway import SHIPPED_ADS_BOOTSTRAP, SHIPPED_BOOTSTRAP
 

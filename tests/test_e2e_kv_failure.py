@@ -28,7 +28,7 @@ from backends import (
 from e2e_harness import Gatewayed, gateway_over, wait_idle
 from prometheus_client.parser import text_string_to_metric_families
 
-from ext_proc.discovery.eds import EndpointSpec
+from ext_proc.endpoints import EndpointSpec
 
 PARAMS = {"do_remote_prefill": True, "remote_engine_id": "e1", "remote_block_ids": [[1]], "remote_port": 1}
 LEG_ANSWER = json.dumps({"choices": [{"text": "x"}], "kv_transfer_params": PARAMS}).encode()

@@ -19,7 +19,7 @@ from backends import EchoBackend, ScriptedPrefill, start_backend, start_scripted
 from e2e_harness import Gatewayed, gateway_over, raw_http, stack
 from polling import until
 
-from ext_proc.discovery.eds import EndpointSpec
+from ext_proc.endpoints import EndpointSpec
 from ext_proc.envoy_messages import error_body
 from ext_proc.request import MAX_JSON_DEPTH
 from ext_proc.server import ENVOY_BODY_LIMIT_BYTES

@@ -26,7 +26,7 @@ from polling import until
 from test_e2e_handoff import CHAT, _legs, _post, sim_gateway
 from test_security import INJECTED
 
-from ext_proc.discovery.eds import EndpointSpec
+from ext_proc.endpoints import EndpointSpec
 from sim.cluster import EngineSpec
 from sim.config import KvConfig
 

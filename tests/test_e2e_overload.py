@@ -17,7 +17,7 @@ from backends import start_backend
 from e2e_harness import gateway_over
 from polling import until
 
-from ext_proc.discovery.eds import EndpointSpec
+from ext_proc.endpoints import EndpointSpec
 
 LIMIT = 20
 BURST = 200

@@ -19,7 +19,8 @@ import aiohttp
 from backends import EchoBackend, start_backend
 from polling import until
 
-from ext_proc.discovery.eds import EndpointSpec, write_eds_file
+from ext_proc.discovery.eds import write_eds_file
+from ext_proc.endpoints import EndpointSpec
 from sim.gateway import (
     Gateway,
     free_port,

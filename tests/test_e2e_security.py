@@ -18,7 +18,7 @@ from e2e_harness import gateway_over, stack
 from polling import until
 from test_security import CHAT, INJECTED
 
-from ext_proc.discovery.eds import EndpointSpec
+from ext_proc.endpoints import EndpointSpec
 
 OPERATIONS = Path(__file__).resolve().parents[1] / "docs" / "operations.md"
 

@@ -25,7 +25,8 @@ from envoy.config.endpoint.v3 import endpoint_pb2
 from google.protobuf import json_format
 from polling import DEADLINE
 
-from ext_proc.discovery.eds import EndpointSpec, parse_cluster_load_assignment, write_eds_file
+from ext_proc.discovery.eds import parse_cluster_load_assignment, write_eds_file
+from ext_proc.endpoints import EndpointSpec
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "where do I land?"}], "max_tokens": 4}
 LANDING_SECONDS = 1.0

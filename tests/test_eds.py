@@ -15,21 +15,14 @@ import pytest
 import yaml
 from polling import until
 
-from ext_proc.discovery import (
-    ClusterEndpoints,
-    EdsError,
-    EdsFileSource,
-    EndpointSpec,
-    eds_watch,
-    load_eds_file,
-)
+from ext_proc.discovery import EdsError, EdsFileSource, eds_watch, load_eds_file
 from ext_proc.discovery.eds import (
     cluster_load_assignment,
-    merge_clusters,
     parse_cluster_load_assignment,
     render_eds,
     write_eds_file,
 )
+from ext_proc.endpoints import ClusterEndpoints, EndpointSpec, merge_clusters
 from ext_proc.registry import Registry
 
 CLA = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"

@@ -17,7 +17,8 @@ from polling import until
 
 from ext_proc.app import RunningServer, start_server
 from ext_proc.config import load_config
-from ext_proc.discovery.eds import EndpointSpec, write_eds_file
+from ext_proc.discovery.eds import write_eds_file
+from ext_proc.endpoints import EndpointSpec
 from ext_proc.health import Health
 from ext_proc.server import start_health_grpc
 

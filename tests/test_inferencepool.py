@@ -27,10 +27,10 @@ from source_run import running as run_source
 
 from ext_proc.app import start_server
 from ext_proc.config import DiscoveryConfig, InferencePoolConfig, KubernetesConfig, load_config
-from ext_proc.discovery import ClusterEndpoints
 from ext_proc.discovery.inferencepool import InferencePoolSource
 from ext_proc.discovery.kube_watch import client_settings
 from ext_proc.discovery.pods import Preset
+from ext_proc.endpoints import ClusterEndpoints
 from ext_proc.metrics import Metrics
 
 NS = "serving"

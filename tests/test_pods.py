@@ -8,7 +8,6 @@ import pytest
 from kube_objects import INFERNEX_RULES as INFERNEX
 from kube_objects import pod
 
-from ext_proc.discovery import ClusterEndpoints, EndpointSpec
 from ext_proc.discovery.pods import (
     LWS_WORKER_INDEX,
     PRESETS,
@@ -21,6 +20,7 @@ from ext_proc.discovery.pods import (
     is_object_name,
     view_pod,
 )
+from ext_proc.endpoints import ClusterEndpoints, EndpointSpec
 
 LLM_D = dataclasses.replace(INFERNEX, scheme=PRESETS[Preset.LLM_D])
 

@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from ext_proc.affinity import Cost, Decision, Mode, Policy, choose
-from ext_proc.discovery import ClusterEndpoints, EndpointSpec
+from ext_proc.endpoints import ClusterEndpoints, EndpointSpec
 from ext_proc.load import Lease
 from ext_proc.registry import EndpointState, Registry, Role
 

@@ -20,7 +20,8 @@ from polling import until
 from ext_proc.affinity import Mode
 from ext_proc.app import RunningServer, start_server
 from ext_proc.config import ConfigSource
-from ext_proc.discovery.eds import EndpointSpec, write_eds_file
+from ext_proc.discovery.eds import write_eds_file
+from ext_proc.endpoints import EndpointSpec
 from ext_proc.reload import ConfigWatcher
 
 PREFILL, SAME_GROUP, OTHER_GROUP = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"

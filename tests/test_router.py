@@ -10,7 +10,7 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ext_proc.affinity import Mode, Policy
-from ext_proc.discovery import ClusterEndpoints, EndpointSpec
+from ext_proc.endpoints import ClusterEndpoints, EndpointSpec
 from ext_proc.handoff import Refused, RequestMeta, Routed, RoutingInstructions, SidecarHandoff
 from ext_proc.load import Lease
 from ext_proc.metrics import Metrics

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from ext_proc.affinity import Cost, Mode, Policy
-from ext_proc.discovery import ClusterEndpoints, EndpointSpec
+from ext_proc.endpoints import ClusterEndpoints, EndpointSpec
 from ext_proc.handoff import HandoffJob, RequestMeta, Routed, SidecarHandoff
 from ext_proc.metrics import Metrics
 from ext_proc.registry import Registry

@@ -22,7 +22,8 @@ from ext_proc.admin import build_admin_app
 from ext_proc.affinity import Cost
 from ext_proc.app import RunningServer, build_handoff, start_server
 from ext_proc.config import ConfigError, HandoffConfig, TlsConfig, load_config
-from ext_proc.discovery.eds import EndpointSpec, write_eds_file
+from ext_proc.discovery.eds import write_eds_file
+from ext_proc.endpoints import EndpointSpec
 from ext_proc.handoff import (
     DecodeRoute,
     FailurePolicy,

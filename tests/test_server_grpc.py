@@ -16,7 +16,8 @@ from polling import until
 
 from ext_proc.app import start_server
 from ext_proc.config import load_config
-from ext_proc.discovery.eds import EndpointSpec, write_eds_file
+from ext_proc.discovery.eds import write_eds_file
+from ext_proc.endpoints import EndpointSpec
 from ext_proc.handoff.base import STEERING_HEADERS
 from ext_proc.server import ENVOY_BODY_LIMIT_BYTES, MAX_RECEIVE_BYTES
 

@@ -15,7 +15,8 @@ from test_server_grpc import body, headers, load
 
 from ext_proc.app import RunningServer, start_server
 from ext_proc.config import load_config
-from ext_proc.discovery.eds import EndpointSpec, write_eds_file
+from ext_proc.discovery.eds import write_eds_file
+from ext_proc.endpoints import EndpointSpec
 
 Prefilled = tuple[RunningServer, ScriptedPrefill]
 

@@ -14,7 +14,8 @@ import pytest
 from polling import until
 from prometheus_client.parser import text_string_to_metric_families
 
-from ext_proc.discovery.eds import EndpointSpec, write_eds_file
+from ext_proc.discovery.eds import write_eds_file
+from ext_proc.endpoints import EndpointSpec
 from sim.cluster import EngineSpec, endpoint_specs, start_cluster, stop_cluster
 from sim.config import EngineConfig, KvConfig, TimingConfig
 from sim.handoff import PREFILL_CACHED_PARAM, PREFILL_MS_PARAM

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from ext_proc.discovery.eds import EndpointSpec, write_eds_file
+from ext_proc.discovery.eds import write_eds_file
+from ext_proc.endpoints import EndpointSpec
 from sim.clock import SimClock
 from sim.config import EngineConfig, KvConfig, TimingConfig
 from sim.engine import ABORTED, FINISHED, PULLING, RUNNING, WAITING, Engine, Scheduler, Sequence

@@ -15,7 +15,8 @@ from envoy.service.discovery.v3 import ads_pb2_grpc
 from polling import until
 from prometheus_client import generate_latest
 
-from ext_proc.discovery.eds import CLA_TYPE_URL, ClusterEndpoints, EndpointSpec, cluster_load_assignment
+from ext_proc.discovery.eds import CLA_TYPE_URL, cluster_load_assignment
+from ext_proc.endpoints import ClusterEndpoints, EndpointSpec
 from ext_proc.metrics import Metrics
 from ext_proc.xds import AdsServer
 

@@ -20,7 +20,8 @@ from test_server_grpc import body, headers
 
 from ext_proc.app import start_server
 from ext_proc.config import load_config
-from ext_proc.discovery.eds import ClusterEndpoints, EndpointSpec, write_eds_file
+from ext_proc.discovery.eds import write_eds_file
+from ext_proc.endpoints import ClusterEndpoints, EndpointSpec
 from ext_proc.metrics import Metrics
 from ext_proc.registry import Registry
 from ext_proc.xds import EdsPublisher

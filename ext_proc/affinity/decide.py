@@ -3,60 +3,11 @@
 :func:`choose` is a pure function of its arguments (no I/O, clock or randomness; ``tiebreak`` is the
 only source of variation), so equal inputs always give an equal result. It reads endpoint load from
 the arrays of two :class:`~ext_proc.affinity.Pool` values, and prefix-cache hit estimates from a
-:class:`~ext_proc.affinity.Hits`, and returns the pools' endpoint objects.
+:class:`~ext_proc.affinity.Hits`, and returns the pools' endpoint objects. Token counts are tokens,
+utilisations dimensionless, and every ranked quantity is an integer count of :data:`EPS` ticks.
 
-Units and the grid. Token counts (``Cost``, ``Pool.tokens``, ``Pool.capacity``, ``Hits``) are tokens.
-A utilisation ``u = (tokens + cost) / capacity`` is dimensionless (1.0 = full; the int64 sum is exact
-and converted to float64 once, bit for bit :meth:`Candidate.utilisation`). Every ranked quantity is
-put on an integer grid before it is compared or added: ``ticks(x) = round(x * 1e9)`` (utilisation
-units, or seconds in ``auto``: 1 ns), rounded once per term, so float noise never flips a decision and
-the sums below are exact integers (float64 while they stay below 2**50, Python ints beyond).
-
-Keys (``P`` = prompt tokens, ``B`` = output budget, ``hp``/``hd`` = a prefill's/decode's cache hit,
-0 without :class:`Hits`; ``w`` = ``Policy.prefix_weight``; ``credit(h) = ticks(w * h / P)``, 0 when P = 0):
-
-* ``off``, ``prefer``, ``strict``: a decode's key is ``ticks(u_d) - credit(hd)`` with ``u_d`` at cost
-  ``P + B``; a prefill's is ``ticks(u_p) - credit(hp)``, ``u_p = (r(g) * tokens + P - hp) / capacity``:
-  its tokens in flight weighed by ``r(g)``, plus the prompt tokens it must compute, ``g`` its group.
-  ``r(g) = share_p(g) / share_d(g)``, the group's share of the prefill pool's capacity over its share of
-  the decode pool's (``Pool.shares``), in ``prefer`` and ``strict``; ``r = 1`` in ``off`` and for a
-  group without decodes. Keeping the KV in its group, decodes are balanced when each group gets a share
-  of the requests proportional to its decode capacity, which loads a group's prefills in proportion to
-  ``1 / r(g)``: weighed by ``r(g)``, their backlogs are alike at that split, so the prefill term does not
-  draw requests into a group whose prefills are many for its decodes (a lone prefill before a small
-  decode group is less loaded than its peers at the balanced split: unweighed, it would draw more than
-  its decodes' share). This request's own compute is not weighed: an idle prefill costs the same in
-  every group, so a group of idle prefills still gets requests while its decodes have headroom.
-  ``best(g)`` is the least decode key in group ``g``, ``best`` the least of all.
-  The prefill is the one of least ``key + pair(g)``:
-
-  - ``off``: ``pair(g) = 0`` (the decode does not depend on the prefill's group);
-  - ``strict``: ``pair(g) = best(g)``; only prefills whose group has a decode are eligible;
-  - ``prefer``: ``pair(g) = min(best(g), best + ticks(bonus))`` (``best + ticks(bonus)`` when ``g``
-    has no decode): the group's decode headroom, or what spilling out of the group costs.
-
-  Its decode is then the first by ``(key - ticks(bonus) * same, not same, active_requests)`` in
-  ``prefer`` (``same``: in the prefill's group), by ``(key, active_requests)`` in ``off`` and, within the
-  prefill's group, in ``strict``.
-* ``auto`` (:mod:`ext_proc.affinity.auto`, seconds): with ``W(d) = wait_s(u_d)`` and
-  ``X(d, same) = (P - hd) * seconds_per_token(same)``, a decode costs ``S(d) = ticks(W + X(d, True))``
-  from a prefill of its own group and ``C(d) = ticks(W + X(d, False))`` from any other; a prefill
-  costs ``ticks(prefill_s(backlog + 2 * (P - hp)))``, ``backlog`` its tokens in flight: its queue, and
-  the prompt's uncached tokens twice (once for this request's first token, once for the requests that
-  computing them delays there: a cache miss's price to the prefill's later requests). The prefill is the
-  one of least ``its cost + min(min over d in g of S(d), min over d not in g of C(d))``: the least
-  estimated time to the first decoded token over every pair, misses priced twice. Its decode is the
-  first by ``(S or C, not same, active_requests)``.
-
-Ties: after those keys, prefills rank by ``active_requests``; endpoints whose keys are all equal form
-a tie class, taken in input order and rotated left by ``tiebreak % len(class)``, so a round-robin
-``tiebreak`` spreads picks over every tied endpoint. The fallbacks are the next decodes of the chosen
-prefill's decode ranking. No prefill (decode-only): the decodes ranked as in ``off``, in every mode.
-
-Cost: O(P + D) vector work per decision plus O(G) for the groups (one ``np.minimum.reduceat`` gives
-every group's best decode), and Python work proportional to the handful of endpoints in the answer:
-the ``n`` best keys are pre-selected by ``np.partition`` and only the endpoints at or below the n-th
-key are sorted exactly (all of them only when they tie, e.g. an idle pool).
+The rule of each mode (its keys, ties and fallbacks) and its cost are written out in docs/routing.md,
+"The exact rule" (docs/routing.md#the-exact-rule-ext_procaffinitydecidepy-pure).
 """
 
 from __future__ import annotations
@@ -118,7 +69,7 @@ def _ints(a: Keys) -> NDArray[np.object_]:
 
 
 def _credit(hits: Ints | None, prompt: int, weight: float, exact: bool) -> Keys | int:
-    """``credit(hits)`` of the module docstring, per endpoint (0 when nothing is credited)."""
+    """``credit(hits)`` of docs/routing.md "The exact rule", per endpoint (0 when nothing is credited)."""
     if hits is None or weight <= 0.0 or prompt <= 0:
         return 0
     return _ticks(hits * (weight / prompt), exact)
@@ -138,7 +89,7 @@ def choose(
     * No prefills: decode-only routing in every mode (``prefill=None``, ``Locality.DECODE_ONLY``,
       decode and fallbacks ranked as in ``off``).
     * ``strict`` with no prefill whose group has a decode: ``Rejection(NO_SAME_GROUP_DECODE)``.
-    * Otherwise the pair of the module docstring's rule for ``policy.mode``, with
+    * Otherwise the pair of the rule for ``policy.mode`` (docs/routing.md "The exact rule"), with
       ``policy.fallback_count`` more decodes of the chosen prefill's ranking (``strict``: within its
       group), all distinct, and in ``auto`` the pair's :class:`Estimate`.
 
@@ -160,13 +111,13 @@ def choose(
     backlog = prefills.tokens + uncached
     if mode is _AUTO and prefills.size:
         slots = prefills.slots_in(decodes)
-        priced = backlog + uncached  # a miss priced twice (module docstring)
+        priced = backlog + uncached  # a miss priced twice (docs/routing.md "The exact rule")
         return _choose_auto(
             prompt, prefills, decodes, u, dhits, backlog, priced, slots, want, tiebreak, policy
         )
     weight = policy.prefix_weight
     inflight = prefills.tokens
-    if mode is not _OFF and prefills.size:  # the backlog in flight weighed by r(g) (module docstring)
+    if mode is not _OFF and prefills.size:  # the backlog in flight weighed by r(g) (docs/routing.md)
         inflight = inflight * prefills.share_ratios_in(decodes)
     pu = (inflight + uncached) / prefills.capacity
     top = float(u.max()) + (float(pu.max()) if prefills.size else 0.0)
@@ -232,7 +183,7 @@ def _choose_auto(
     tiebreak: int,
     policy: Policy,
 ) -> Decision[E]:
-    """``auto``'s pair and fallbacks (see the module docstring), with the estimate.
+    """``auto``'s pair and fallbacks (docs/routing.md "The exact rule"), with the estimate.
 
     ``u`` holds the decodes' utilisations with the request placed, ``backlog`` each prefill's prompt
     tokens in flight plus the ones this request makes it compute, ``priced`` the tokens its cost is

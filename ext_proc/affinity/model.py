@@ -143,8 +143,10 @@ class Estimate(NamedTuple):
 
 
 class Decision(NamedTuple, Generic[E]):
-    """Where one request goes. ``prefill`` is ``None`` for decode-only routing; ``estimate`` is set by
-    ``auto`` decisions with a prefill (``None`` otherwise).
+    """Where one request goes: its prefill, its decode and the decode fallbacks.
+
+    ``prefill`` is ``None`` for decode-only routing; ``estimate`` is set by ``auto`` decisions with a
+    prefill (``None`` otherwise).
 
     The endpoints are the very objects of the pools passed to :func:`~ext_proc.affinity.choose`. A named
     tuple: immutable, and several times cheaper to build than a frozen dataclass.

@@ -22,7 +22,9 @@ _SLOTS_KEPT = 8  # other pools whose group slots a pool keeps (a decision reads 
 
 
 class Pool(Generic[E]):
-    """``endpoints[i]`` has ``tokens[i]`` in-flight tokens, ``requests[i]`` in-flight requests and
+    """Candidate endpoints of one role with their load, as the arrays the decision reads.
+
+    ``endpoints[i]`` has ``tokens[i]`` in-flight tokens, ``requests[i]`` in-flight requests and
     ``capacity[i]`` tokens of capacity (> 0).
 
     Contract: the arrays have one entry per endpoint; ``tokens`` and ``requests`` are int64 and may
@@ -92,8 +94,10 @@ class Pool(Generic[E]):
 
     @classmethod
     def of(cls, endpoints: Sequence[E]) -> Pool[E]:
-        """A snapshot of ``endpoints`` (e.g. :class:`~ext_proc.affinity.Candidate` values): their
-        ``active_tokens``, ``active_requests`` and ``token_capacity`` copied into fresh arrays."""
+        """A snapshot of ``endpoints`` (e.g. :class:`~ext_proc.affinity.Candidate` values).
+
+        Their ``active_tokens``, ``active_requests`` and ``token_capacity`` are copied into fresh
+        arrays."""
         return cls(
             endpoints,
             np.array([e.active_tokens for e in endpoints], dtype=np.int64),
@@ -102,8 +106,9 @@ class Pool(Generic[E]):
         )
 
     def only(self, addresses: AbstractSet[str]) -> Pool[E]:
-        """The endpoints whose ``address`` is in ``addresses``, in pool order, with their load copied:
-        a snapshot for one decision (the live arrays stay with this pool)."""
+        """The endpoints whose ``address`` is in ``addresses``, in pool order, with their load copied.
+
+        A snapshot for one decision: the live arrays stay with this pool."""
         keep = [i for i, e in enumerate(self.endpoints) if e.address in addresses]
         positions = np.array(keep, dtype=np.intp)
         return Pool(
@@ -114,8 +119,9 @@ class Pool(Generic[E]):
         )
 
     def slots_in(self, other: Pool[E]) -> NDArray[np.intp]:
-        """Per position of this pool, the index in ``other.groups`` of its endpoint's group, or
-        ``len(other.groups)`` when ``other`` has no endpoint of that group (read-only).
+        """Per position of this pool, the index in ``other.groups`` of its endpoint's group.
+
+        ``len(other.groups)`` where ``other`` has no endpoint of that group; read-only.
 
         Computed on first use for ``other`` and kept for the last few pools asked about (the groups of
         both never change), so the decision pays one dictionary lookup, not O(size) Python work.
@@ -123,8 +129,9 @@ class Pool(Generic[E]):
         return self._pairing(other)[1]
 
     def share_ratios_in(self, other: Pool[E]) -> NDArray[np.float64]:
-        """Per position of this pool, ``shares[g] / other.shares[g]`` for its endpoint's group ``g``:
-        how much more of this pool's capacity than of ``other``'s the group holds; 1.0 when ``other``
+        """Per position of this pool, ``shares[g] / other.shares[g]`` for its endpoint's group ``g``.
+
+        How much more of this pool's capacity than of ``other``'s the group holds; 1.0 when ``other``
         has no endpoint of ``g`` (read-only; kept like :meth:`slots_in`)."""
         return self._pairing(other)[2]
 

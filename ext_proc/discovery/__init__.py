@@ -1,7 +1,7 @@
 """Discovery sources: where endpoint sets come from.
 
 A source turns some external description of the cluster into
-:class:`~ext_proc.discovery.eds.ClusterEndpoints` values and hands them to a callback: EDS files
+:class:`~ext_proc.endpoints.ClusterEndpoints` values and hands them to a callback: EDS files
 (:class:`EdsFileSource`), the Kubernetes API's pods (:mod:`ext_proc.discovery.kubernetes`, the
 pure pod rules in :mod:`ext_proc.discovery.pods`) or the pods of an InferencePool
 (:mod:`ext_proc.discovery.inferencepool`). Nothing else in the server reads files or sockets
@@ -11,7 +11,7 @@ its kinds.
 
 import enum
 
-from ext_proc.discovery.eds import ClusterEndpoints, EdsError, EndpointSpec, load_eds_file
+from ext_proc.discovery.eds import EdsError, load_eds_file
 from ext_proc.discovery.eds_watch import EdsFileSource
 
 
@@ -23,4 +23,4 @@ class SourceKind(enum.StrEnum):
     INFERENCEPOOL = "inferencepool"
 
 
-__all__ = ["ClusterEndpoints", "EdsError", "EdsFileSource", "EndpointSpec", "SourceKind", "load_eds_file"]
+__all__ = ["EdsError", "EdsFileSource", "SourceKind", "load_eds_file"]

@@ -6,6 +6,8 @@ exactly one resource. Our extra data lives in the endpoint metadata under
 ``filter_metadata.<namespace>``: ``pdGroupID`` (string), ``token_capacity`` (tokens, > 0) and
 ``bootstrap_port`` (the port of an SGLang prefill engine's KV bootstrap server, 1..65535) and
 ``metrics_port`` (the port of the engine's Prometheus ``/metrics`` when it is not the serving port).
+The values parsed into and rendered from (:class:`~ext_proc.endpoints.EndpointSpec`,
+:class:`~ext_proc.endpoints.ClusterEndpoints`) are protobuf-free, in :mod:`ext_proc.endpoints`.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import ipaddress
 import json
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -22,6 +23,8 @@ from envoy.config.core.v3 import health_check_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 from google.protobuf import json_format, struct_pb2
+
+from ext_proc.endpoints import ClusterEndpoints, EndpointSpec, endpoint_address
 
 _CANDIDATE_STATUSES = frozenset(
     {health_check_pb2.HealthStatus.UNKNOWN, health_check_pb2.HealthStatus.HEALTHY}
@@ -31,38 +34,6 @@ CLA_TYPE_URL = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignme
 
 class EdsError(ValueError):
     """An EDS file that cannot be used; the message names the file and what is wrong."""
-
-
-@dataclass(frozen=True, slots=True)
-class EndpointSpec:
-    """One endpoint as an EDS file declares it.
-
-    ``address`` is ``"ip:port"`` (IPv6 as ``"[ip]:port"``); ``token_capacity``,
-    ``bootstrap_port`` and ``metrics_port`` are ``None`` when the metadata does not set them;
-    ``healthy`` is true for ``HEALTHY`` and ``UNKNOWN`` health status.
-    """
-
-    address: str
-    group: str
-    token_capacity: float | None
-    healthy: bool
-    health_status: str
-    bootstrap_port: int | None = None
-    metrics_port: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class ClusterEndpoints:
-    """The endpoints of one cluster, as read from one file (``source``)."""
-
-    cluster_name: str
-    endpoints: tuple[EndpointSpec, ...]
-    source: str
-
-
-def endpoint_address(ip: str, port: int) -> str:
-    """The ``ip:port`` form pd-extproc names endpoints by (IPv6 in brackets: ``[ip]:port``)."""
-    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
 
 
 def _host_port(lb_endpoint: endpoint_pb2.LbEndpoint) -> str:
@@ -202,8 +173,9 @@ def parse_eds(content: bytes, path: str | Path, namespace: str = "pd") -> Cluste
 
 
 def render_cla(cluster_name: str, endpoints: Iterable[EndpointSpec], namespace: str = "pd") -> dict:
-    """The ``ClusterLoadAssignment`` (a dict, JSON/YAML-ready, without ``@type``) declaring
-    ``endpoints`` in one locality, with their health status and metadata under
+    """The ``ClusterLoadAssignment`` declaring ``endpoints``, as a dict (JSON/YAML-ready, no ``@type``).
+
+    The endpoints are in one locality, with their health status and metadata under
     ``filter_metadata.<namespace>``; the inverse of :func:`parse_cluster_load_assignment`."""
     lb_endpoints = []
     for spec in endpoints:
@@ -241,22 +213,6 @@ def render_eds(cluster_name: str, endpoints: list[EndpointSpec], namespace: str 
     return {
         "version_info": "1",
         "resources": [{"@type": CLA_TYPE_URL, **render_cla(cluster_name, endpoints, namespace)}],
-    }
-
-
-def merge_clusters(clusters: Iterable[ClusterEndpoints]) -> dict[str, ClusterEndpoints]:
-    """One :class:`ClusterEndpoints` per cluster name, in first-seen order: clusters of the same name
-    (several files) are joined, an address listed twice keeps its first entry, and ``source``
-    names every contributing source."""
-    merged: dict[str, tuple[dict[str, EndpointSpec], list[str]]] = {}
-    for cluster in clusters:
-        specs, sources = merged.setdefault(cluster.cluster_name, ({}, []))
-        sources.append(cluster.source)
-        for spec in cluster.endpoints:
-            specs.setdefault(spec.address, spec)
-    return {
-        name: ClusterEndpoints(name, tuple(specs.values()), ", ".join(sources))
-        for name, (specs, sources) in merged.items()
     }
 
 

@@ -17,7 +17,8 @@ import os
 import time
 from collections.abc import Callable, Sequence
 
-from ext_proc.discovery.eds import ClusterEndpoints, EdsError, parse_eds, read_eds_file
+from ext_proc.discovery.eds import EdsError, parse_eds, read_eds_file
+from ext_proc.endpoints import ClusterEndpoints
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +60,9 @@ class EdsFileSource:
         return (st.st_ino, st.st_mtime_ns, st.st_size)
 
     def poll(self) -> bool:
-        """Reload every file whose stamp or (while its mtime is recent) content changed; publish if
-        anything new is good. Returns whether it published."""
+        """Reload the files that changed and publish if anything new is good; return whether it did.
+
+        A file changed when its stamp did or, while its mtime is recent, its content."""
         changed = False
         for path in self._paths:
             now = time.time_ns()  # taken before the read: "recent" errs on the side of hashing

@@ -53,8 +53,9 @@ _UNSEEN = object()
 
 
 class InferencePoolSource:
-    """Discovery source over the InferencePool ``name`` in ``namespace`` and the pods it selects, at
-    the API server ``settings`` names.
+    """Discovery source over one InferencePool and the pods it selects.
+
+    The pool ``name`` in ``namespace``, at the API server ``settings`` names.
 
     ``publish`` receives the prefill and the decode cluster (pods by name); ``available`` whether
     the pool is usable, before the publish that follows a change of it. ``rules``: how a pod is
@@ -103,8 +104,9 @@ class InferencePoolSource:
         environ: Mapping[str, str] = os.environ,
         service_account: Path = SERVICE_ACCOUNT,
     ) -> InferencePoolSource:
-        """The source ``discovery`` describes (the pool's namespace ``""``: the one
-        :func:`client_settings` gives); nothing is sent yet."""
+        """The source ``discovery`` describes; nothing is sent yet.
+
+        The pool's namespace ``""`` stands for the one :func:`client_settings` gives."""
         settings, own_namespace = await client_settings(
             discovery.kubernetes.kubeconfig, environ, service_account
         )

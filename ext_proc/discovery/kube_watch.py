@@ -37,8 +37,8 @@ from kubernetes_asyncio import config as kube_config
 from kubernetes_asyncio.client.exceptions import ApiException
 
 from ext_proc.config import ConfigError
-from ext_proc.discovery.eds import ClusterEndpoints
 from ext_proc.discovery.eds_watch import Available, Publish
+from ext_proc.endpoints import ClusterEndpoints
 from ext_proc.metrics import Metrics
 
 SERVICE_ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
@@ -54,8 +54,10 @@ V = TypeVar("V")
 
 
 def status_message(body: str) -> str:
-    """An API server's error body on one line: its ``Status``'s ``reason: message``, else the text
-    (whitespace runs, the trailing newline included, as one space)."""
+    """An API server's error body on one line.
+
+    Its ``Status``'s ``reason: message``, else the text (whitespace runs, the trailing newline
+    included, as one space)."""
     try:
         status = json.loads(body)
     except ValueError:
@@ -66,8 +68,9 @@ def status_message(body: str) -> str:
 
 
 def backoff_delay(failures: int, initial: float, maximum: float) -> float:
-    """Seconds to wait after ``failures`` (>= 1) consecutive failures: ``initial``, doubled for each
-    further failure, at most ``maximum``."""
+    """Seconds to wait after ``failures`` (>= 1) consecutive failures.
+
+    ``initial``, doubled for each further failure, at most ``maximum``."""
     return min(maximum, initial * 2.0 ** min(failures - 1, 64))
 
 
@@ -136,8 +139,9 @@ class Collection(Generic[V]):
 
 
 class Watcher:
-    """Follows collections for one discovery source (``source``: its metrics label and log prefix;
-    ``log``: the source's logger).
+    """Follows collections for one discovery source.
+
+    ``source``: its metrics label and log prefix; ``log``: the source's logger.
 
     ``changed`` is called after every list and watch event; ``kept`` counts the endpoints of the
     view in force, for the retry log line. ``backoff`` is the first and the largest delay before a
@@ -276,8 +280,9 @@ Snapshot = tuple[bool, list[ClusterEndpoints]]
 
 
 class Publisher:
-    """Publishes a source's view each time it changed; changes made while it was waiting coalesce
-    (``source`` and ``log``: as for :class:`Watcher`).
+    """Publishes a source's view each time it changed; changes made while it was waiting coalesce.
+
+    ``source`` and ``log``: as for :class:`Watcher`.
 
     ``build`` returns the current :data:`Snapshot`, or ``None`` while nothing may be published yet
     (a collection not listed once). When it differs from the last one, its availability goes to

@@ -21,7 +21,6 @@ from typing import Any
 from kubernetes_asyncio import client
 
 from ext_proc.config import DiscoveryConfig
-from ext_proc.discovery.eds import ClusterEndpoints
 from ext_proc.discovery.eds_watch import Publish
 from ext_proc.discovery.kube_watch import (
     SERVICE_ACCOUNT,
@@ -32,6 +31,7 @@ from ext_proc.discovery.kube_watch import (
     client_settings,
 )
 from ext_proc.discovery.pods import PodRules, PodView, cluster_endpoints, view_pod
+from ext_proc.endpoints import ClusterEndpoints
 from ext_proc.metrics import Metrics
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ext_proc.discovery.eds import ClusterEndpoints, EndpointSpec, endpoint_address
+from ext_proc.endpoints import ClusterEndpoints, EndpointSpec, endpoint_address
 
 LWS_WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
 """Label LeaderWorkerSet puts on every pod of a group: ``"0"`` on the leader."""
@@ -87,8 +87,10 @@ PRESETS: dict[Preset, RoleScheme] = {
 
 @dataclass(frozen=True, slots=True)
 class PodRules:
-    """Everything :func:`view_pod` needs: the role scheme, the group label, the annotation names,
-    and the names of the clusters the registry knows as prefill and decode.
+    """Everything :func:`view_pod` needs to read a pod.
+
+    The role scheme, the group label, the annotation names, and the names of the clusters the
+    registry knows as prefill and decode.
 
     ``target_ports`` (an InferencePool's ``targetPorts``), when not empty, replaces the scheme's
     ports: a pod is one endpoint per port number, in this order, in each cluster its role names.
@@ -106,9 +108,11 @@ class PodRules:
 
 @dataclass(frozen=True, slots=True)
 class PodView:
-    """What one pod contributes: ``endpoints`` as ``(cluster name, spec)`` pairs, empty when the pod
-    is not routable; ``problems``, misconfigurations worth a warning (a missing port, an annotation
-    that is not valid and so is ignored)."""
+    """What one pod contributes: its endpoints, and what is wrong with it.
+
+    ``endpoints`` as ``(cluster name, spec)`` pairs, empty when the pod is not routable;
+    ``problems``, misconfigurations worth a warning (a missing port, an annotation that is not valid
+    and so is ignored)."""
 
     endpoints: tuple[tuple[str, EndpointSpec], ...]
     problems: tuple[str, ...] = ()
@@ -221,8 +225,10 @@ def _port(text: str | None, name: str, problems: list[str]) -> int | None:
 
 
 def cluster_endpoints(views: Iterable[PodView], rules: PodRules, source: str) -> list[ClusterEndpoints]:
-    """The prefill and the decode cluster (in that order, each possibly empty) of ``views``, their
-    endpoints in the order of ``views``; ``source`` names where they came from, for log lines."""
+    """The prefill and the decode cluster of ``views``, in that order, each possibly empty.
+
+    Their endpoints are in the order of ``views``; ``source`` names where they came from, for log
+    lines."""
     specs: dict[str, list[EndpointSpec]] = {rules.prefill_cluster: [], rules.decode_cluster: []}
     for view in views:
         for cluster, spec in view.endpoints:

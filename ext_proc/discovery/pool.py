@@ -37,9 +37,10 @@ class PoolSpec:
 
 @dataclass(frozen=True, slots=True)
 class PoolView:
-    """What one InferencePool object stands for: ``spec`` when it is usable, else ``None`` and
-    ``problems`` say why; a usable pool's ``problems`` are parts that were ignored. ``picker``
-    describes its ``endpointPickerRef`` for log lines."""
+    """What one InferencePool object stands for.
+
+    ``spec`` when it is usable, else ``None`` and ``problems`` say why; a usable pool's ``problems``
+    are parts that were ignored. ``picker`` describes its ``endpointPickerRef`` for log lines."""
 
     spec: PoolSpec | None
     problems: tuple[str, ...] = ()

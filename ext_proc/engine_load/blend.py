@@ -21,11 +21,13 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True, slots=True)
 class EngineSample:
-    """What one scrape of an engine said: ``running`` and ``waiting`` requests (summed over the page's
-    series, e.g. data-parallel ranks; ``running`` is ``None`` when the page lacks it) and ``kv_usage``,
-    the fraction of its KV cache in use (mean over series, clamped to [0, 1]). ``prefix_queries`` and
-    ``prefix_hits``: the engine's prefix-cache counters (prompt tokens looked up and found since it
-    started, summed over series; ``None`` when the page lacks them), for the prefix index, not the load."""
+    """What one scrape of an engine said.
+
+    ``running`` and ``waiting`` requests (summed over the page's series, e.g. data-parallel ranks;
+    ``running`` is ``None`` when the page lacks it) and ``kv_usage``, the fraction of its KV cache in
+    use (mean over series, clamped to [0, 1]). ``prefix_queries`` and ``prefix_hits``: the engine's
+    prefix-cache counters (prompt tokens looked up and found since it started, summed over series;
+    ``None`` when the page lacks them), for the prefix index, not the load."""
 
     running: float | None
     waiting: float
@@ -35,15 +37,18 @@ class EngineSample:
 
 
 def engine_tokens(sample: EngineSample, capacity: float, request_tokens: float, queue_weight: float) -> float:
-    """The engine's load in tokens: its KV usage times ``capacity`` (the endpoint's declared
-    ``token_capacity``) plus ``queue_weight`` * waiting requests * ``request_tokens`` (what one queued
-    request is expected to need)."""
+    """The engine's load in tokens.
+
+    Its KV usage times ``capacity`` (the endpoint's declared ``token_capacity``) plus
+    ``queue_weight`` * waiting requests * ``request_tokens`` (what one queued request is expected to
+    need)."""
     return sample.kv_usage * capacity + queue_weight * sample.waiting * request_tokens
 
 
 def blended_offset(local_tokens: int, engine: float | None) -> int:
-    """Tokens to add to the local in-flight tokens: ``max(0, ceil(engine) - local_tokens)``, so that
-    local + offset = max(local, engine) (rounded up to whole tokens); 0 when ``engine`` is ``None``
+    """Tokens to add to the local in-flight tokens: ``max(0, ceil(engine) - local_tokens)``.
+
+    So local + offset = max(local, engine), rounded up to whole tokens; 0 when ``engine`` is ``None``
     (no fresh scrape: local accounting alone)."""
     if engine is None:
         return 0

@@ -55,8 +55,10 @@ NAMES: dict[EngineKind, dict[Fact, Terms]] = {
 
 
 def names_for(kind: EngineKind) -> dict[Fact, Terms]:
-    """The terms to read for ``kind``; ``auto``: every type's, concatenated in :data:`NAMES` order (a
-    page carries one type's names, so the other type's terms add nothing)."""
+    """The terms to read for engine type ``kind``.
+
+    ``auto``: every type's, concatenated in :data:`NAMES` order (a page carries one type's names, so
+    the other type's terms add nothing)."""
     if kind is not EngineKind.AUTO:
         return NAMES[kind]
     merged: dict[Fact, Terms] = {fact: () for fact in get_args(Fact)}

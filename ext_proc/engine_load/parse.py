@@ -21,8 +21,9 @@ from ext_proc.engine_load.names import EngineKind, Fact, names_for
 
 
 class ScrapeError(Exception):
-    """A scrape that gave no sample; ``reason`` is the metric label (timeout, connect, status,
-    too_large, parse, missing)."""
+    """A scrape that gave no sample.
+
+    ``reason`` is the metric label (timeout, connect, status, too_large, parse, missing)."""
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
@@ -41,10 +42,11 @@ def _lines(kind: EngineKind) -> re.Pattern[bytes]:
 
 
 def parse_page(page: bytes, kind: EngineKind) -> EngineSample:
-    """The sample a page holds for engine type ``kind`` (running and waiting: the sum of their terms'
-    series; KV usage: the mean of its first term's series); raises :class:`ScrapeError` (``parse`` for
-    malformed lines or values that are not finite, ``missing`` when no name for waiting requests or
-    KV usage is there)."""
+    """The sample a page holds for engine type ``kind``.
+
+    Running and waiting: the sum of their terms' series; KV usage: the mean of its first term's
+    series. Raises :class:`ScrapeError` (``parse`` for malformed lines or values that are not finite,
+    ``missing`` when no name for waiting requests or KV usage is there)."""
     found = b"\n".join(_lines(kind).findall(b"\n" + page))  # the first line has no newline before it
     values: dict[str, list[float]] = {}
     try:

@@ -1,5 +1,6 @@
-"""The prefix index: which prompt blocks each engine is estimated to hold (docs/routing.md
-"Prefix-cache aware routing").
+"""The prefix index: which prompt blocks each engine is estimated to hold.
+
+How it routes: docs/routing.md, "Prefix-cache aware routing".
 
 :mod:`~ext_proc.prefix.blocks` turns a prompt into chained block hashes, :mod:`~ext_proc.prefix.index`
 is the per-endpoint LRU index, :mod:`~ext_proc.prefix.correction` the pure self-correction rule from

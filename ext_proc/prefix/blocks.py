@@ -22,10 +22,10 @@ CHARS_PER_TOKEN = 4
 
 
 def prompt_content(body: dict[str, object]) -> str | list[int] | None:
-    """The prompt of a parsed request body as the engines' caches see it: its text (chat message
-    contents and text parts, or completions / responses prompt strings, concatenated in order) or its
-    token ids (``prompt`` / ``input`` as ids, several rows concatenated). ``None`` without a prompt.
+    """The prompt of a parsed request body as the engines' caches see it; ``None`` without a prompt.
 
+    Its text (chat message contents and text parts, or completions / responses prompt strings,
+    concatenated in order) or its token ids (``prompt`` / ``input`` as ids, several rows concatenated).
     The body was already validated by :func:`ext_proc.request.describe`; parts of other types
     (images, say) are skipped, as the token estimate skips them.
     """
@@ -68,9 +68,10 @@ def _prompt(prompt: object) -> str | list[int] | None:
 def block_hashes(
     content: str | Sequence[int], block_tokens: int, max_blocks: int, seed: int = 0
 ) -> list[int]:
-    """The chained hashes of the full blocks of ``content`` (a partial last block is not cached, as in
-    vLLM), at most ``max_blocks`` of them: ``block_tokens`` ids a block for token ids, else
-    ``CHARS_PER_TOKEN * block_tokens`` characters. ``seed`` starts the chain (e.g. the model name's
+    """The chained hashes of the full blocks of ``content``, at most ``max_blocks`` of them.
+
+    A block is ``block_tokens`` ids for token ids, else ``CHARS_PER_TOKEN * block_tokens`` characters;
+    a partial last block is not cached (as in vLLM). ``seed`` starts the chain (e.g. the model name's
     hash: different models share no cache)."""
     size = block_tokens if not isinstance(content, str) else CHARS_PER_TOKEN * block_tokens
     count = min(len(content) // size, max_blocks)

@@ -32,9 +32,10 @@ MIN_SCALE = 1 / 64
 
 @dataclass(frozen=True, slots=True)
 class Interval:
-    """What one interval between two samples of an engine saw, in tokens: ``placed`` prompt tokens and
-    ``predicted`` hit tokens of this gateway's placements there, ``queries`` and ``hits`` the engine's
-    counter increments."""
+    """What one interval between two samples of an engine saw, in tokens.
+
+    ``placed`` prompt tokens and ``predicted`` hit tokens of this gateway's placements there;
+    ``queries`` and ``hits`` the engine's counter increments."""
 
     placed: float
     predicted: float

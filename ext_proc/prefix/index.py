@@ -34,8 +34,9 @@ _POSITIONS_KEPT = 8  # pools whose address → position map is kept (the registr
 
 
 class PrefixIndex:
-    """Per endpoint (by ``"ip:port"`` address: one engine, whatever roles it serves) an LRU of the
-    block hashes placed there; ``block_tokens`` tokens a block."""
+    """Per endpoint, an LRU of the block hashes placed there; ``block_tokens`` tokens a block.
+
+    Endpoints are keyed by ``"ip:port"`` address: one engine, whatever roles it serves."""
 
     def __init__(self, block_tokens: int) -> None:
         if block_tokens < 1:
@@ -50,8 +51,9 @@ class PrefixIndex:
         self._positions: dict[int, tuple[Pool, dict[str, int]]] = {}
 
     def match(self, hashes: Sequence[int]) -> dict[str, int]:
-        """For every endpoint holding at least the first block: how many leading blocks of the chain
-        ``hashes`` it holds (>= 1), by address."""
+        """How many leading blocks of the chain ``hashes`` each endpoint holds, by address.
+
+        Only endpoints holding at least the first block are listed (each count >= 1)."""
         holders = self._holders
         alive = holders.get(hashes[0], 0) if hashes else 0
         depth: dict[str, int] = {}
@@ -76,9 +78,9 @@ class PrefixIndex:
     def hits(
         self, matched: dict[str, int], prefills: Pool[E], decodes: Pool[E], prompt_tokens: int
     ) -> Hits | None:
-        """``matched`` (from :meth:`match`) as hit tokens per pool position, each at most
-        ``prompt_tokens``; ``None`` when no endpoint of either pool holds anything (the decision then
-        does without)."""
+        """``matched`` (from :meth:`match`) as hit tokens per pool position, each at most ``prompt_tokens``.
+
+        ``None`` when no endpoint of either pool holds anything (the decision then does without)."""
         if not matched:
             return None
         arrays = []
@@ -105,9 +107,10 @@ class PrefixIndex:
         return positions
 
     def record(self, hashes: Sequence[int], address: str, capacity_tokens: float) -> None:
-        """``address`` now holds the chain ``hashes`` (most recently used, its head the most recent of
-        all); it keeps at most ``capacity_tokens * scale / block_tokens`` blocks (at least one),
-        evicting its least recently used."""
+        """``address`` now holds the chain ``hashes``, its head the most recently used block of all.
+
+        It keeps at most ``capacity_tokens * scale / block_tokens`` blocks (at least one), evicting its
+        least recently used."""
         slot = self._slot(address)
         lru = self._lrus[slot]
         bit = 1 << slot

@@ -22,7 +22,9 @@ from ext_proc.prefix.index import PrefixIndex
 
 @dataclass(frozen=True, slots=True)
 class PrefixSettings:
-    """``block_tokens``: tokens per hashed block (4 characters a token for text); ``max_blocks``: the
+    """The prefix index's settings (``affinity.prefix``).
+
+    ``block_tokens``: tokens per hashed block (4 characters a token for text); ``max_blocks``: the
     most blocks of one prompt hashed (longer prompts match on their head only); ``self_correct``: size
     each endpoint's LRU from its engine's prefix-cache counters too (needs engine metrics)."""
 
@@ -32,8 +34,10 @@ class PrefixSettings:
 
 
 class Lookup(NamedTuple):
-    """One request's view of the index: its prompt's chain, the blocks each endpoint holds of it (by
-    address), and the decision's :class:`Hits` (``None`` when no candidate holds anything)."""
+    """One request's view of the index.
+
+    Its prompt's chain, the blocks each endpoint holds of it (by address), and the decision's
+    :class:`Hits` (``None`` when no candidate holds anything)."""
 
     hashes: list[int]
     matched: dict[str, int]
@@ -59,8 +63,9 @@ class PrefixTracker:
         self._counters: dict[str, tuple[float, float]] = {}  # address → the engine's last (queries, hits)
 
     def chain(self, body: dict[str, object]) -> list[int]:
-        """The chained block hashes of the request's prompt (empty without a prompt), seeded with its
-        ``model`` (different models share no cache)."""
+        """The chained block hashes of the request's prompt; empty without a prompt.
+
+        The chain is seeded with the request's ``model``: different models share no cache."""
         content = prompt_content(body)
         if not content:
             return []
@@ -78,8 +83,9 @@ class PrefixTracker:
         return min(lookup.matched.get(address, 0) * self.settings.block_tokens, prompt_tokens)
 
     def placed(self, lookup: Lookup, decision: Decision[E], prompt_tokens: int) -> None:
-        """The request was placed by ``decision``: its prompt is now on the prefill (which computes
-        it) and the decode (which receives it); count the hits predicted at each."""
+        """Record the request placed by ``decision`` and count the hits predicted at each endpoint.
+
+        Its prompt is now on the prefill (which computes it) and the decode (which receives it)."""
         for role, endpoint in (("prefill", decision.prefill), ("decode", decision.decode)):
             if endpoint is None:
                 continue
@@ -94,9 +100,11 @@ class PrefixTracker:
                 self.index.record(lookup.hashes, address, endpoint.token_capacity)
 
     def observe(self, address: str, queries: float | None, hits: float | None) -> None:
-        """An engine sample with its prefix-cache counters (totals since the engine started, tokens;
-        ``None`` when the page has none): report the increments and, with ``self_correct``, correct
-        the endpoint's LRU size by what this gateway predicted there since the last sample."""
+        """Take an engine sample's prefix-cache counters: report the increments, correct the LRU size.
+
+        The counters are totals since the engine started, in tokens (``None`` when the page has none).
+        The endpoint's LRU is resized (with ``self_correct`` only) by what this gateway predicted there
+        since the last sample."""
         if queries is None or hits is None:
             return
         last = self._counters.get(address)

@@ -73,8 +73,9 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
         self.version = 0
 
     def publish(self, clusters: Mapping[str, endpoint_pb2.ClusterLoadAssignment]) -> int:
-        """Replace every served cluster with ``clusters`` (name → assignment), push the new version
-        to every subscribed stream, and return it."""
+        """Serve ``clusters`` (name → assignment) instead of every cluster served; return the new version.
+
+        The new version is pushed to every subscribed stream."""
         resources = {}
         for name, assignment in clusters.items():
             resources[name] = packed = any_pb2.Any()
@@ -87,8 +88,9 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):
         return self.version
 
     def acked_version(self, cluster: str) -> int | None:
-        """The lowest version of ``cluster`` ACKed by the streams subscribed to it (0 if one of them
-        has ACKed none yet); ``None`` when no stream is subscribed to it."""
+        """The lowest version of ``cluster`` ACKed by the streams subscribed to it.
+
+        0 if one of them has ACKed none yet; ``None`` when no stream is subscribed to it."""
         versions = [s.acked.get(cluster, 0) for s in self._streams if s.wants(cluster)]
         return min(versions, default=None)
 

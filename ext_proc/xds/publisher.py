@@ -25,7 +25,8 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from ext_proc.discovery.eds import ClusterEndpoints, cluster_load_assignment, merge_clusters
+from ext_proc.discovery.eds import cluster_load_assignment
+from ext_proc.endpoints import ClusterEndpoints, merge_clusters
 from ext_proc.metrics import Metrics
 from ext_proc.xds.ads import AdsServer
 
@@ -38,8 +39,10 @@ Key = tuple[str, str]
 
 
 class EdsPublisher:
-    """Serves ``clusters`` (the prefill and decode cluster names) over :attr:`ads` and hands the
-    router's view to ``apply``; :meth:`publish` is the discovery source's callback.
+    """Serves the endpoints over :attr:`ads` first, then hands the router's view to ``apply``.
+
+    ``clusters``: the prefill and decode cluster names; :meth:`publish` is the discovery source's
+    callback.
 
     ``no_envoy_delay`` is in seconds. Construct it in the server's running event loop, which owns
     it (not thread-safe); after :meth:`close` it hands nothing over any more.
@@ -78,8 +81,9 @@ class EdsPublisher:
         self.settle()
 
     def settle(self) -> None:
-        """Admit the waiting endpoints Envoy now has (see the module docstring); re-arm the timer
-        for those whose cluster has no subscriber."""
+        """Admit the waiting endpoints Envoy now has (see the module docstring).
+
+        Re-arm the timer for those whose cluster has no subscriber."""
         if self._closed:
             return
         now = self._loop.time()
