@@ -11,9 +11,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ext_proc.affinity import Mode, Policy
 from ext_proc.discovery import ClusterEndpoints, EndpointSpec
-from ext_proc.handoff import Refused, RequestMeta, Routed, RoutingInstructions, SidecarHandoff
+from ext_proc.handoff import SidecarHandoff
 from ext_proc.load import Lease
 from ext_proc.metrics import Metrics
+from ext_proc.outcome import Refused, RequestMeta, Routed, RoutingInstructions
 from ext_proc.prefix import PrefixSettings
 from ext_proc.registry import EndpointState, Registry
 from ext_proc.router import Router

@@ -6,24 +6,12 @@
 - :class:`SglangBootstrapHandoff`: SGLang bootstrap fields, prefill leg alongside the decode;
 - :class:`VllmMooncakeHandoff`: vLLM's upstream MooncakeConnector, prefill leg alongside the decode.
 
-:mod:`ext_proc.handoff.base` defines the seam; :mod:`~ext_proc.handoff.body` the body rewriting;
-:mod:`~ext_proc.handoff.leg` the prefill leg's HTTP client.
+:mod:`ext_proc.handoff.base` defines the seam (what it produces: :mod:`ext_proc.outcome`);
+:mod:`~ext_proc.handoff.body` the body rewriting; :mod:`~ext_proc.handoff.leg` the prefill leg's HTTP
+client; :mod:`~ext_proc.handoff.kv_failure` the watcher of a decode's failed KV pull.
 """
 
-from ext_proc.handoff.base import (
-    DecodeRoute,
-    FailurePolicy,
-    Handoff,
-    HandoffJob,
-    HandoffMode,
-    Handover,
-    Placement,
-    Refused,
-    RequestMeta,
-    Rerouter,
-    Routed,
-    RoutingInstructions,
-)
+from ext_proc.handoff.base import DecodeRoute, FailurePolicy, Handoff, HandoffMode, Rerouter
 from ext_proc.handoff.kv_transfer import KvTransferParamsHandoff
 from ext_proc.handoff.leg import LegOutcome, PrefillClient
 from ext_proc.handoff.mooncake import VllmMooncakeHandoff
@@ -34,18 +22,11 @@ __all__ = [
     "DecodeRoute",
     "FailurePolicy",
     "Handoff",
-    "HandoffJob",
     "HandoffMode",
-    "Handover",
     "KvTransferParamsHandoff",
     "LegOutcome",
-    "Placement",
     "PrefillClient",
-    "Refused",
-    "RequestMeta",
     "Rerouter",
-    "Routed",
-    "RoutingInstructions",
     "SglangBootstrapHandoff",
     "SidecarHandoff",
     "VllmMooncakeHandoff",

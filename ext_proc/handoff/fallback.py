@@ -6,18 +6,11 @@ from __future__ import annotations
 
 import logging
 
-from ext_proc.handoff.base import (
-    DecodeRoute,
-    FailurePolicy,
-    HandoffJob,
-    Placement,
-    Refused,
-    Rerouter,
-    Routed,
-)
+from ext_proc.handoff.base import DecodeRoute, FailurePolicy, Rerouter
 from ext_proc.handoff.leg import LegOutcome, PrefillClient
 from ext_proc.load import Lease
 from ext_proc.metrics import Metrics
+from ext_proc.outcome import HandoffJob, Placement, Refused, Routed
 from ext_proc.registry import EndpointState
 
 log = logging.getLogger(__name__)
@@ -51,8 +44,8 @@ class LegHandoff:
 
 
 class Attempts:
-    """One request's I/O with its prefill before the answer (a
-    :class:`~ext_proc.handoff.base.Handover` once a subclass adds ``timeout`` and ``complete``):
+    """One request's I/O with its prefill before the answer (a :class:`~ext_proc.outcome.PendingAnswer`
+    once a subclass adds ``timeout`` and ``complete``):
     ``lease`` holds the current placement's charges; a failed prefill may be swapped once for the
     next-ranked one (:meth:`retry`), then :meth:`give_up` applies the policy."""
 

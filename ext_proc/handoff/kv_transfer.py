@@ -19,17 +19,7 @@ import asyncio
 import json
 import logging
 
-from ext_proc.handoff.base import (
-    DecodeRoute,
-    FailurePolicy,
-    HandoffJob,
-    Placement,
-    Refused,
-    Rerouter,
-    Routed,
-    leg_headers,
-    new_request_id,
-)
+from ext_proc.handoff.base import DecodeRoute, FailurePolicy, Rerouter, leg_headers, new_request_id
 from ext_proc.handoff.body import (
     HANDOFF_FIELDS,
     KV_TRANSFER_PARAMS,
@@ -37,8 +27,10 @@ from ext_proc.handoff.body import (
     with_fields,
 )
 from ext_proc.handoff.fallback import Attempts, LegHandoff
+from ext_proc.handoff.kv_failure import KvPullWatcher
 from ext_proc.handoff.leg import LegError, LegOutcome, LegReply, PrefillClient
 from ext_proc.metrics import Metrics
+from ext_proc.outcome import HandoffJob, Placement, Refused, Routed
 from ext_proc.registry import EndpointState
 
 log = logging.getLogger(__name__)
@@ -126,7 +118,8 @@ class KvTransferParamsHandoff(LegHandoff):
 
 
 class PrefillFirst(Attempts):
-    """One request's prefill leg(s) and the decode answer that follows (a :class:`Handover`)."""
+    """One request's prefill leg(s) and the decode answer that follows (a
+    :class:`~ext_proc.outcome.PendingAnswer`)."""
 
     def __init__(
         self, handoff: KvTransferParamsHandoff, job: HandoffJob, placement: Placement, router: Rerouter
@@ -182,9 +175,10 @@ class PrefillFirst(Attempts):
             self.lease.release_prefill()
             if outcome is LegOutcome.OK:
                 body = with_fields(job.raw, job.body, {KV_TRANSFER_PARAMS: params}, HANDOFF_FIELDS)
-                return handoff.route.routed(
-                    decision, self._request_id, body, self.lease, kv_source=prefill.address
+                watcher = KvPullWatcher(
+                    prefill.address, self.lease, handoff.metrics, self._router, handoff.watch_streams
                 )
+                return handoff.route.routed(decision, self._request_id, body, self.lease, watcher=watcher)
             if outcome is LegOutcome.CLIENT_ERROR:
                 assert reply is not None
                 self._log(logging.INFO, prefill, outcome, detail)

@@ -16,18 +16,12 @@ from __future__ import annotations
 import secrets
 
 from ext_proc.handoff.background import BackgroundLegs
-from ext_proc.handoff.base import (
-    DecodeRoute,
-    HandoffJob,
-    Placement,
-    Rerouter,
-    Routed,
-    leg_headers,
-    new_request_id,
-)
+from ext_proc.handoff.base import DecodeRoute, Rerouter, leg_headers, new_request_id
 from ext_proc.handoff.body import HANDOFF_FIELDS, with_fields
+from ext_proc.handoff.kv_failure import KvPullWatcher
 from ext_proc.handoff.leg import PrefillClient
 from ext_proc.metrics import Metrics
+from ext_proc.outcome import HandoffJob, Placement, Routed
 
 
 def prompt_count(body: dict[str, object]) -> int:
@@ -67,6 +61,7 @@ class SglangBootstrapHandoff:
         watch_streams: bool = True,
     ) -> None:
         self.route = route
+        self.metrics = metrics
         self.watch_streams = watch_streams
         self.legs = BackgroundLegs(client, metrics, "its decode fails once its bootstrap wait ends")
         self.default_bootstrap_port = default_bootstrap_port
@@ -84,7 +79,8 @@ class SglangBootstrapHandoff:
         request_id = new_request_id()
         headers = leg_headers(request_id, job.meta)
         leg = self.legs.start(prefill, job.meta.path, body, headers, lease, router)
-        return self.route.routed(decision, request_id, body, lease, kv_source=prefill.address, background=leg)
+        watcher = KvPullWatcher(prefill.address, lease, self.metrics, router, self.watch_streams)
+        return self.route.routed(decision, request_id, body, lease, watcher=watcher, background=leg)
 
     async def close(self) -> None:
         """Cancel the prefill legs still running and close their connections."""
