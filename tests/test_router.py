@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 
 import pytest
 from prometheus_client import generate_latest
@@ -11,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ext_proc.affinity import Mode, Policy
 from ext_proc.discovery import ClusterEndpoints, EndpointSpec
-from ext_proc.handoff import SidecarHandoff
+from ext_proc.handoff import Handoff, SidecarHandoff
 from ext_proc.load import Lease
 from ext_proc.metrics import Metrics
 from ext_proc.outcome import Refused, RequestMeta, Routed, RoutingInstructions
@@ -44,7 +45,11 @@ def make_router(
     retry_after_seconds: int = 1,
     prefix: PrefixSettings | None = None,
     prefix_weight: float = 0.0,
+    handoff: Callable[[Metrics], Handoff] | None = None,
+    eject_seconds: float = 0.0,
 ) -> Router:
+    """A router over ``prefills`` and ``decodes``; ``handoff`` builds its handoff from the router's
+    metrics (default: the sidecar handoff)."""
     registry = Registry("prefill", "decode", 10_000.0)
     registry.update(
         [
@@ -52,14 +57,16 @@ def make_router(
             ClusterEndpoints("decode", tuple(decodes), "d.yaml"),
         ]
     )
+    metrics = Metrics(registry.endpoints)
     return Router(
         registry,
         Policy(mode, bonus, fallback_count, prefix_weight=prefix_weight),
-        SidecarHandoff(DEST, PREFILL),
-        Metrics(registry.endpoints),
+        SidecarHandoff(DEST, PREFILL) if handoff is None else handoff(metrics),
+        metrics,
         DEFAULT_MAX_TOKENS,
         max_inflight_requests=max_inflight_requests,
         retry_after_seconds=retry_after_seconds,
+        eject_seconds=eject_seconds,
         prefix=prefix,
     )
 
