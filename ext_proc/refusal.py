@@ -1,9 +1,10 @@
 """Count, log and describe an error answer: how every :class:`~ext_proc.outcome.Refused` is made.
 
-The router (for what it refuses, and for the handoffs through :class:`~ext_proc.handoff.base.Rerouter`)
-and the gRPC shell (for the stream's own errors: a body too large, a misconfigured or broken ext_proc
-exchange, an internal error) refuse the same way, so every refusal is counted in
-``pd_extproc_rejected_total`` by its code and logged once.
+The router (an invalid request, no endpoint, overload), the handoffs (a failed prefill leg, a failed
+KV pull) and the shell (the stream's own errors: a body too large, a misconfigured or broken ext_proc
+exchange, an internal error) all refuse through :func:`refuse`, with the server's metrics: every
+refusal is counted in ``pd_extproc_rejected_total`` by its code and logged once, and nobody calls
+back into the router to refuse.
 """
 
 from __future__ import annotations

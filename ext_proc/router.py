@@ -94,19 +94,6 @@ class Router:
         if self.prefix is not None:
             self.prefix.observe(address, queries, hits)
 
-    def refuse(
-        self,
-        status: int,
-        message: str,
-        code: str,
-        param: str | None = None,
-        body: bytes | None = None,
-        retry_after: int | None = None,
-    ) -> Refused:
-        """Count, log and describe an error answer (:func:`ext_proc.refusal.refuse` with this router's
-        metrics)."""
-        return refuse(self.metrics, status, message, code, param, body, retry_after)
-
     def admit(self) -> Refused | None:
         """Take an in-flight slot for a request about to be routed: ``None`` when taken (the caller
         gives it back with ``admission.release()`` exactly once, when the request is refused or its
@@ -115,7 +102,8 @@ class Router:
         admission = self.admission
         if admission.admit():
             return None
-        return self.refuse(
+        return refuse(
+            self.metrics,
             429,
             f"the gateway is overloaded: {admission.limit} requests are in flight, the most it admits "
             f"(limits.max_inflight_requests); retry after {admission.retry_after_seconds} s",
@@ -136,7 +124,7 @@ class Router:
             body = parse_body(raw)
             info = describe(body, self._default_max_tokens)
         except RequestError as exc:
-            return self.refuse(400, str(exc), "invalid_request", exc.param)
+            return refuse(self.metrics, 400, str(exc), "invalid_request", exc.param)
         prompt = info.prompt_tokens
         cost = Cost(prompt, prompt + info.output_budget)
         disaggregated = prompt >= self._pd_threshold and urlsplit(meta.path).path in DISAGGREGATED_PATHS
@@ -231,7 +219,7 @@ class Router:
                 message = (
                     f"none of the {len(subset)} endpoints in the data plane's subset hint is a healthy decode"
                 )
-                return self.refuse(503, message, "no_endpoint_in_subset")
+                return refuse(self.metrics, 503, message, "no_endpoint_in_subset")
         decodes = self.decode_ejections.keep(decodes)
         prompt = cost.prefill_tokens
         prefix = self.prefix
@@ -242,7 +230,7 @@ class Router:
         result = choose(cost, prefills, decodes, self.policy, self._ticket, hits)
         seconds = time.perf_counter() - started  # the decision alone (decision_seconds)
         if isinstance(result, NoPair):
-            return self.refuse(503, result.message, result.reason.value)
+            return refuse(self.metrics, 503, result.message, result.reason.value)
         if prefix is not None and lookup is not None:
             prefix.placed(lookup, result, prompt)
             if result.prefill is not None:  # the prefill computes only what it does not hold

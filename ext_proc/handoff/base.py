@@ -23,7 +23,6 @@ from ext_proc.outcome import (
     HandoffJob,
     PendingAnswer,
     Placement,
-    Refused,
     RequestMeta,
     ResponseWatcher,
     Routed,
@@ -70,12 +69,6 @@ class Rerouter(Protocol):
     ) -> Placement | None:
         """A new placement on the next-ranked prefill (not in ``exclude``; in ``strict`` mode in the
         failed prefill's group), charged; ``None`` when there is none."""
-        ...
-
-    def refuse(
-        self, status: int, message: str, code: str, param: str | None = None, body: bytes | None = None
-    ) -> Refused:
-        """Count, log and describe an error answer (``body``: an exact error body to send)."""
         ...
 
     def leg_failed(self, address: str, outcome: str) -> None:

@@ -11,6 +11,7 @@ from ext_proc.handoff.leg import LegOutcome, PrefillClient
 from ext_proc.load import Lease
 from ext_proc.metrics import Metrics
 from ext_proc.outcome import HandoffJob, Placement, Refused, Routed
+from ext_proc.refusal import refuse
 from ext_proc.registry import EndpointState
 
 log = logging.getLogger(__name__)
@@ -94,5 +95,5 @@ class Attempts:
             return self.decode_only()
         self.lease.release()
         if outcome is LegOutcome.TIMEOUT:
-            return self._router.refuse(504, failure, "prefill_timeout")
-        return self._router.refuse(502, failure, "prefill_failed")
+            return refuse(self._settings.metrics, 504, failure, "prefill_timeout")
+        return refuse(self._settings.metrics, 502, failure, "prefill_failed")

@@ -22,6 +22,7 @@ from ext_proc.handoff.base import Rerouter
 from ext_proc.load import Lease
 from ext_proc.metrics import Metrics
 from ext_proc.outcome import Refused
+from ext_proc.refusal import refuse
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ class KvPullWatcher:
         """The decode's 500 is the 502 to answer; a 200 event stream is watched chunk by chunk when the
         chunks come anyway (``chunks_sent``) or may be asked for; anything else passes unwatched."""
         if status == FAILED_STATUS:
-            return self._router.refuse(STATUS, self._failed(stream=False), CODE)
+            return refuse(self._metrics, STATUS, self._failed(stream=False), CODE)
         if status == 200 and content_type.startswith(EVENT_STREAM):
             return chunks_sent or self._ask_for_chunks
         return False

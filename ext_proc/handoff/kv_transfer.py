@@ -31,6 +31,7 @@ from ext_proc.handoff.kv_failure import KvPullWatcher
 from ext_proc.handoff.leg import LegError, LegOutcome, LegReply, PrefillClient
 from ext_proc.metrics import Metrics
 from ext_proc.outcome import HandoffJob, Placement, Refused, Routed
+from ext_proc.refusal import refuse
 from ext_proc.registry import EndpointState
 
 log = logging.getLogger(__name__)
@@ -184,7 +185,7 @@ class PrefillFirst(Attempts):
                 self._log(logging.INFO, prefill, outcome, detail)
                 self.lease.release()
                 message, body = engine_error(reply)
-                return self._router.refuse(reply.status, message, "prefill_rejected", body=body)
+                return refuse(handoff.metrics, reply.status, message, "prefill_rejected", body=body)
             if outcome is LegOutcome.NO_KV_TRANSFER_PARAMS:
                 level = handoff.answered_without_params(prefill.address)
                 self._log(level, prefill, outcome, NO_PARAMS_CONSEQUENCE)
