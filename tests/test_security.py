@@ -27,18 +27,15 @@ from ext_proc.endpoints import EndpointSpec
 from ext_proc.handoff import (
     DecodeRoute,
     FailurePolicy,
-    HandoffJob,
     HandoffMode,
     KvTransferParamsHandoff,
-    Placement,
     PrefillClient,
-    RequestMeta,
-    Routed,
     SglangBootstrapHandoff,
 )
 from ext_proc.handoff.base import STEERING_HEADERS
 from ext_proc.handoff.body import HANDOFF_FIELDS, PREFILL_REQUEST_PARAMS, prefill_leg_body
 from ext_proc.metrics import Metrics
+from ext_proc.outcome import HandoffJob, Placement, RequestMeta, Routed
 from ext_proc.router import Router, RouterSettings
 from ext_proc.server import server_credentials, tls_mode
 
