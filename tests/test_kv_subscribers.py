@@ -1,0 +1,162 @@
+"""The KV-event subscribers over real ZeroMQ on loopback: live batches, a gap replayed, a restart, garbage."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from kv_event_wire import Encoding, Publisher
+from polling import until
+
+from ext_proc.affinity import Policy
+from ext_proc.endpoints import ClusterEndpoints, EndpointSpec
+from ext_proc.handoff import SidecarHandoff
+from ext_proc.kv_subscribers import KvEventSubscribers
+from ext_proc.metrics import Metrics
+from ext_proc.outcome import RequestMeta, Routed
+from ext_proc.prefix import PrefixSettings
+from ext_proc.prefix.blocks import block_hashes
+from ext_proc.prefix.event_index import ROOT
+from ext_proc.prefix.event_source import KvEventSource
+from ext_proc.prefix.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from ext_proc.prefix.tracker import KvEventsSettings
+from ext_proc.registry import Registry
+from ext_proc.router import Router, RouterSettings
+
+B = 16
+ENGINE = "127.0.0.1:8000"
+
+
+def tokens(block: int) -> tuple[int, ...]:
+    return (block,) * B
+
+
+def chain(*blocks: int) -> list[int]:
+    return block_hashes([t for b in blocks for t in tokens(b)], B, 100, ROOT)
+
+
+def stored(engine_hash: int, block: int, parent: int | None = None) -> BlockStored:
+    return BlockStored((engine_hash,), parent, tokens(block), B, None, None)
+
+
+def router_for(publisher: Publisher) -> Router:
+    registry = Registry("prefill", "decode", 10_000.0)
+    spec = EndpointSpec(ENGINE, "g", 10_000.0, True, "HEALTHY")
+    registry.update([ClusterEndpoints("prefill", (spec,), "p"), ClusterEndpoints("decode", (spec,), "d")])
+    kv = KvEventsSettings(port=publisher.port, replay_port=publisher.replay_port)
+    return Router(
+        RouterSettings(100),
+        registry=registry,
+        policy=Policy(),
+        handoff=SidecarHandoff("x-dest", "x-prefill"),
+        metrics=Metrics(registry.endpoints),
+        prefix=PrefixSettings(B, 100, source="kv-events", kv_events=kv),
+    )
+
+
+def held(router: Router, *blocks: int) -> int:
+    source = router.prefix
+    assert isinstance(source, KvEventSource)
+    return source.index.match(chain(*blocks), source.clock()).get(ENGINE, 0)
+
+
+def sample(router: Router, name: str, **labels: str) -> float:
+    return router.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+async def connected(publisher: Publisher, router: Router) -> None:
+    """Publish a probe until the subscriber has seen it (a SUB socket misses what precedes its connection)."""
+    for _ in range(100):
+        await publisher.publish(stored(999, 99))
+        if held(router, 99):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the subscriber never connected")
+
+
+@pytest.mark.parametrize("encoding", ["array", "map", "mixed"])
+async def test_live_batches_a_replayed_gap_a_restart_and_garbage(encoding: Encoding) -> None:
+    publisher = Publisher(encoding)
+    replays = asyncio.create_task(publisher.serve_replays())
+    router = router_for(publisher)
+    subscribers = KvEventSubscribers(router.registry, router, router.metrics, interval=0.05)
+    running = asyncio.create_task(subscribers.run())
+    try:
+        await connected(publisher, router)
+        assert publisher.replays in ([], [0])  # joined at 0, or replayed from it
+        await publisher.publish(stored(1, 1))
+        await until(lambda: held(router, 1) == 1)
+
+        await publisher.publish(stored(2, 2, parent=1), send=False)  # lost on the way: a gap
+        await publisher.publish(BlockRemoved((999,), None))
+        await until(lambda: held(router, 1, 2) == 2 and held(router, 99) == 0)
+        assert publisher.replays[-1] == publisher.sequence - 2
+        assert sample(router, "pd_extproc_kv_events_replays_total", endpoint=ENGINE, outcome="ok") >= 1
+
+        await publisher.pub.send_multipart([b"", b"\x00", b"junk"])
+        await until(
+            lambda: (
+                sample(router, "pd_extproc_kv_events_dropped_total", endpoint=ENGINE, reason="garbled") == 1
+            )
+        )
+
+        publisher.restart()  # the engine restarted with an empty cache
+        await publisher.publish(stored(7, 7))
+        await until(lambda: held(router, 7) == 1)
+        assert held(router, 1) == 0
+        assert sample(router, "pd_extproc_kv_events_resets_total", endpoint=ENGINE, reason="restart") == 1
+
+        await publisher.publish(AllBlocksCleared())
+        await until(lambda: held(router, 7) == 0)
+        decoded = sample(router, "pd_extproc_kv_events_decoded_total", endpoint=ENGINE, kind="BlockStored")
+        assert decoded >= 3
+        blocks = sample(router, "pd_extproc_kv_index_blocks", endpoint=ENGINE, tier="GPU")
+        assert blocks == 0
+    finally:
+        running.cancel()
+        replays.cancel()
+        await asyncio.gather(running, replays, return_exceptions=True)
+        publisher.close()
+
+
+async def test_without_a_replay_socket_a_gap_drops_the_entries_and_routing_goes_on() -> None:
+    publisher = Publisher(replay=False)
+    router = router_for(publisher)
+    subscribers = KvEventSubscribers(router.registry, router, router.metrics, interval=0.05)
+    running = asyncio.create_task(subscribers.run())
+    try:
+        await connected(publisher, router)
+        await publisher.publish(stored(1, 1))
+        await publisher.publish(stored(2, 2), send=False)
+        await publisher.publish(stored(3, 3))
+        await until(lambda: held(router, 3) == 1)
+        assert held(router, 1) == 0  # dropped at the gap
+        assert sample(router, "pd_extproc_kv_events_resets_total", endpoint=ENGINE, reason="gap") == 1
+        body = json.dumps({"model": "m", "prompt": list(tokens(3)) * 2}).encode()
+        assert isinstance(router.route_body(body, RequestMeta("/v1/completions")), Routed)
+        assert sample(router, "pd_extproc_prefix_predicted_hit_tokens_sum", role="prefill") == B
+    finally:
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+        publisher.close()
+
+
+async def test_subscribers_follow_the_registry_and_the_source_kind() -> None:
+    publisher = Publisher()
+    router = router_for(publisher)
+    subscribers = KvEventSubscribers(router.registry, router, router.metrics)
+    subscribers.tick()
+    assert subscribers.addresses == [ENGINE]
+    router.registry.update([ClusterEndpoints("prefill", (), "p"), ClusterEndpoints("decode", (), "d")])
+    subscribers.tick()
+    assert subscribers.addresses == []
+    router.registry.update(
+        [ClusterEndpoints("decode", (EndpointSpec(ENGINE, "g", 1.0, True, "HEALTHY"),), "d")]
+    )
+    subscribers.tick()
+    assert subscribers.addresses == [ENGINE]
+    router.set_prefix(PrefixSettings())  # approximate: no subscriber
+    subscribers.tick()
+    assert subscribers.addresses == []
+    publisher.close()
