@@ -35,7 +35,8 @@ from ext_proc.metrics import Metrics
 from ext_proc.registry import Registry
 from ext_proc.reload import RELOAD_INTERVAL_SECONDS, ConfigWatcher
 from ext_proc.router import Router
-from ext_proc.server import server_credentials, start_grpc, start_health_grpc, tls_mode
+from ext_proc.server import start_grpc, start_health_grpc
+from ext_proc.tls import server_credentials, tls_mode
 from ext_proc.xds import EdsPublisher
 
 log = logging.getLogger(__name__)
@@ -162,7 +163,7 @@ async def start_server(
 ) -> RunningServer:
     """Build the discovery source (files: loaded once here), start the gRPC server and the admin
     endpoint, then the source's watcher (and, with ``engine_metrics.enabled``, the engine scraper).
-    Raises :class:`~ext_proc.config.ConfigError` when a TLS file
+    Raises :class:`~ext_proc.checks.ConfigError` when a TLS file
     cannot be read or the source cannot be set up, ``OSError`` when an address cannot be bound.
 
     With ``xds.serve_eds`` the source's endpoints go through an :class:`EdsPublisher` (Envoy

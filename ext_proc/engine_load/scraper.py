@@ -17,17 +17,14 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import aiohttp
 
 from ext_proc.engine_load.blend import EngineSample, blended_offset, engine_tokens
+from ext_proc.engine_load.config import EngineMetricsConfig
 from ext_proc.engine_load.parse import ScrapeError, parse_page
 from ext_proc.metrics import Metrics
 from ext_proc.registry import EndpointState, Registry, Role
-
-if TYPE_CHECKING:
-    from ext_proc.config import EngineMetricsConfig
 
 log = logging.getLogger(__name__)
 
