@@ -130,8 +130,8 @@ def _check_host_port(key: str, value: str) -> None:
 
 
 def validate(config: Config) -> Config:
-    """Check value ranges that types alone do not capture, each section by its own ``check()``;
-    return ``config`` unchanged."""
+    """Check value ranges that types alone do not capture: the listen addresses here, then each
+    section's own ``check()`` (the first error found is raised); return ``config`` unchanged."""
     _check_host_port("listen", config.listen)
     _check_host_port("metrics_listen", config.metrics_listen)
     if config.health_listen:
