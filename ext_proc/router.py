@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from ext_proc.affinity import Cost, Decision, Mode, Policy, Pool, Rejection, choose
+from ext_proc.affinity.config import AutoConfig
+from ext_proc.checks import ConfigError
 from ext_proc.ejection import Ejections
 from ext_proc.handoff import (
     Handoff,
@@ -26,6 +29,7 @@ from ext_proc.handoff import (
 from ext_proc.load import Admission, Lease
 from ext_proc.metrics import Metrics
 from ext_proc.prefix import PrefixSettings, PrefixTracker
+from ext_proc.prefix.config import PrefixConfig
 from ext_proc.registry import EndpointState, Registry
 from ext_proc.request import RequestError, describe, parse_body
 
@@ -274,3 +278,34 @@ class Router:
 def _hashing(settings: PrefixSettings) -> tuple[int, int]:
     """What a prompt's chain depends on: an index built with other values cannot be looked up."""
     return settings.block_tokens, settings.max_blocks
+
+
+@dataclass(frozen=True)
+class AffinityConfig:
+    """The ``affinity`` section: the router's decision policy and prefix index.
+
+    ``mode``: off | prefer | strict | auto. ``bonus``: utilisation slack in [0, 1] for ``prefer``.
+    ``auto``: the time model of ``auto``. ``prefix``: prefix-cache aware routing. The whole section
+    applies live (:mod:`ext_proc.reload`: :meth:`Router.set_policy` with :meth:`policy`,
+    :meth:`Router.set_prefix` with ``prefix.settings()``). It lives here, above both the decision
+    (:mod:`ext_proc.affinity`) and the prefix index (:mod:`ext_proc.prefix`): the prefix index reads the
+    decision's types, so the decision's package may not import the prefix's configuration.
+    """
+
+    mode: Mode = Mode.PREFER
+    bonus: float = 0.3
+    auto: AutoConfig = field(default_factory=AutoConfig)
+    prefix: PrefixConfig = field(default_factory=PrefixConfig)
+
+    def policy(self, fallback_count: int) -> Policy:
+        """The decision's policy for this section, with ``fallback_count`` (``routing.fallback_count``)."""
+        weight = self.prefix.weight if self.prefix.enabled else 0.0
+        return Policy(self.mode, self.bonus, fallback_count, self.auto.model(), weight)
+
+    def check(self) -> None:
+        """Raise :class:`ConfigError` naming the first key of the section (or its subsections) that is
+        out of range."""
+        if not 0.0 <= self.bonus <= 1.0:
+            raise ConfigError(f"affinity.bonus: {self.bonus} is not allowed; use a number in [0, 1]")
+        self.auto.check()
+        self.prefix.check()

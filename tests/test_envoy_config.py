@@ -18,8 +18,9 @@ from ext_proc.gateway import (
     validate_envoy,
 )
 from ext_proc.handoff.base import owned_headers
-from ext_proc.handoff.config import HandoffConfig, RoutingConfig
+from ext_proc.handoff.config import HandoffConfig
 from ext_proc.handoff.kv_transfer import TIMEOUT_MARGIN_SECONDS
+from ext_proc.handoff.routing import RoutingConfig
 from ext_proc.server import ENVOY_BODY_LIMIT_BYTES, MAX_RECEIVE_BYTES
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,14 +1,15 @@
-"""The ``affinity`` section: the decision's mode and its ``auto`` time model, and their checks
-(docs/configuration.md). The ``prefix`` subsection is :class:`~ext_proc.prefix.config.PrefixConfig`."""
+"""The ``affinity.auto`` section: the ``auto`` mode's time model, and its check (docs/configuration.md).
+
+The ``affinity`` section around it is :class:`ext_proc.router.AffinityConfig`, beside the router that
+applies it; its ``prefix`` subsection is :class:`ext_proc.prefix.config.PrefixConfig`.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ext_proc.affinity.auto import AutoModel
-from ext_proc.affinity.model import Mode, Policy
 from ext_proc.checks import ConfigError, in_range
-from ext_proc.prefix.config import PrefixConfig
 
 MAX_KV_BYTES_PER_TOKEN = 1 << 30
 """Upper bound of ``affinity.auto.kv_bytes_per_token`` and of the shape's product (1 GiB a token)."""
@@ -83,28 +84,3 @@ class AutoConfig:
             )
         for name in ("base_latency_ms", "wait_scale_ms", "prefill_ms_per_token"):
             in_range(f"{key}.{name}", getattr(self, name), 0, 1e6, note="ms")
-
-
-@dataclass(frozen=True)
-class AffinityConfig:
-    """``mode``: off | prefer | strict | auto. ``bonus``: utilisation slack in [0, 1] for ``prefer``.
-    ``auto``: the time model of ``auto``. ``prefix``: prefix-cache aware routing. The whole section
-    applies live (:mod:`ext_proc.reload`)."""
-
-    mode: Mode = Mode.PREFER
-    bonus: float = 0.3
-    auto: AutoConfig = field(default_factory=AutoConfig)
-    prefix: PrefixConfig = field(default_factory=PrefixConfig)
-
-    def policy(self, fallback_count: int) -> Policy:
-        """The decision's policy for this section, with ``fallback_count`` (``routing.fallback_count``)."""
-        weight = self.prefix.weight if self.prefix.enabled else 0.0
-        return Policy(self.mode, self.bonus, fallback_count, self.auto.model(), weight)
-
-    def check(self) -> None:
-        """Raise :class:`ConfigError` naming the first key of the section (or its subsections) that is
-        out of range."""
-        if not 0.0 <= self.bonus <= 1.0:
-            raise ConfigError(f"affinity.bonus: {self.bonus} is not allowed; use a number in [0, 1]")
-        self.auto.check()
-        self.prefix.check()
