@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc
@@ -24,7 +23,6 @@ from grpc_health.v1 import health_pb2_grpc
 
 from ext_proc import envoy_messages as msg
 from ext_proc.choreography import BODY_LIMIT_BYTES
-from ext_proc.config import ConfigError, TlsConfig
 from ext_proc.health import Health
 from ext_proc.refusal import refuse
 from ext_proc.router import Router
@@ -70,33 +68,6 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                     yield answer
         finally:
             stream.close()
-
-
-def server_credentials(tls: TlsConfig) -> grpc.ServerCredentials | None:
-    """The gRPC port's TLS credentials (``None``: plaintext); with ``client_ca_file``, clients must
-    present a certificate it signed. Raises :class:`ConfigError` when a file cannot be read."""
-    if not tls.cert_file:
-        return None
-    contents: dict[str, bytes | None] = {}
-    for key in ("cert_file", "key_file", "client_ca_file"):
-        path = getattr(tls, key)
-        try:
-            contents[key] = Path(path).read_bytes() if path else None
-        except OSError as exc:
-            raise ConfigError(f"tls.{key}: cannot read {path}: {exc}") from None
-    ca = contents["client_ca_file"]
-    return grpc.ssl_server_credentials(
-        [(contents["key_file"], contents["cert_file"])],
-        root_certificates=ca,
-        require_client_auth=ca is not None,
-    )
-
-
-def tls_mode(tls: TlsConfig) -> str:
-    """How the gRPC port is served, for the start-up log line."""
-    if not tls.cert_file:
-        return "plaintext"
-    return "mutual TLS" if tls.client_ca_file else "TLS"
 
 
 def _bind(server: grpc.aio.Server, listen: str, credentials: grpc.ServerCredentials | None, what: str) -> int:

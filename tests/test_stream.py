@@ -20,8 +20,8 @@ from extproc_messages import (
 from test_router import D_SAME_IDLE, DEST, P1, PREFILL, ep, make_router, value
 
 from ext_proc.choreography import BODY_LIMIT_BYTES, Answers
-from ext_proc.config import HandoffConfig
 from ext_proc.handoff import DecodeRoute, FailurePolicy, KvTransferParamsHandoff
+from ext_proc.handoff.config import HandoffConfig
 from ext_proc.handoff.leg import LegReply
 from ext_proc.metrics import Metrics
 from ext_proc.outcome import PendingAnswer

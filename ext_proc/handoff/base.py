@@ -29,7 +29,7 @@ from ext_proc.outcome import (
 from ext_proc.registry import EndpointState
 
 if TYPE_CHECKING:
-    from ext_proc.config import RoutingConfig
+    from ext_proc.handoff.routing import RoutingConfig
 
 
 class HandoffMode(enum.StrEnum):

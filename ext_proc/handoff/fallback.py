@@ -16,7 +16,7 @@ from ext_proc.refusal import refuse
 from ext_proc.registry import EndpointState
 
 if TYPE_CHECKING:
-    from ext_proc.config import HandoffConfig
+    from ext_proc.handoff.config import HandoffConfig
 
 log = logging.getLogger(__name__)
 

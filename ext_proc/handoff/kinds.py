@@ -13,7 +13,8 @@ from ext_proc.handoff.base import HandoffMode, Rerouter
 from ext_proc.outcome import HandoffJob, PendingAnswer, Placement, Routed
 
 if TYPE_CHECKING:
-    from ext_proc.config import HandoffConfig, RoutingConfig
+    from ext_proc.handoff.config import HandoffConfig
+    from ext_proc.handoff.routing import RoutingConfig
     from ext_proc.metrics import Metrics
 
 

@@ -36,7 +36,8 @@ from ext_proc.refusal import refuse
 from ext_proc.registry import EndpointState
 
 if TYPE_CHECKING:
-    from ext_proc.config import HandoffConfig, RoutingConfig
+    from ext_proc.handoff.config import HandoffConfig
+    from ext_proc.handoff.routing import RoutingConfig
 
 log = logging.getLogger(__name__)
 

@@ -49,7 +49,8 @@ from ext_proc.outcome import HandoffJob, Placement, Refused, Routed
 from ext_proc.registry import EndpointState
 
 if TYPE_CHECKING:
-    from ext_proc.config import HandoffConfig, RoutingConfig
+    from ext_proc.handoff.config import HandoffConfig
+    from ext_proc.handoff.routing import RoutingConfig
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,8 @@ from ext_proc.metrics import Metrics
 from ext_proc.outcome import HandoffJob, Placement, Routed
 
 if TYPE_CHECKING:
-    from ext_proc.config import HandoffConfig, RoutingConfig
+    from ext_proc.handoff.config import HandoffConfig
+    from ext_proc.handoff.routing import RoutingConfig
 
 
 def prompt_count(body: dict[str, object]) -> int:

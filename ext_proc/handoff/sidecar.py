@@ -21,7 +21,8 @@ from ext_proc.outcome import HandoffJob, Placement, Routed, RoutingInstructions
 from ext_proc.registry import EndpointState
 
 if TYPE_CHECKING:
-    from ext_proc.config import HandoffConfig, RoutingConfig
+    from ext_proc.handoff.config import HandoffConfig
+    from ext_proc.handoff.routing import RoutingConfig
     from ext_proc.metrics import Metrics
 
 
