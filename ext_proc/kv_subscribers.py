@@ -2,14 +2,14 @@
 
 While the router's prefix source is :class:`~ext_proc.prefix.event_source.KvEventSource`, one task per
 pickable engine (prefill or decode, by address) holds a ZMQ SUB socket on ``tcp://<engine ip>:<port>``
-(``affinity.prefix.kv_events.port``) and applies each message to the source's index
-(:mod:`ext_proc.prefix.event_index`). Every ``interval`` seconds the set of subscribers follows the
-registry: engines that joined get one, engines that left lose theirs (and their entries, through the
-router's ``retain``). When the index answers a gap with :class:`~ext_proc.prefix.event_index.ReplayFrom`
-the task asks the engine's replay socket (a DEALER on ``replay_port``) for the batches from there on,
-applies them, then goes on with the live ones (those the replay covered are duplicates, dropped); a
-replay that fails or times out drops the engine's entries instead and, for ``REPLAY_BACKOFF_SECONDS``,
-no replay is asked of it again.
+(the endpoint's ``kv_events_port`` metadata or pod annotation, else ``affinity.prefix.kv_events.port``)
+and applies each message to the source's index (:mod:`ext_proc.prefix.event_index`). Every
+``interval`` seconds the set of subscribers follows the registry: engines that joined get one, engines
+that left lose theirs (and their entries, through the router's ``retain``). When the index answers a
+gap with :class:`~ext_proc.prefix.event_index.ReplayFrom` the task asks the engine's replay socket (a
+DEALER on ``replay_port``) for the batches from there on, applies them, then goes on with the live
+ones (those the replay covered are duplicates, dropped); a replay that fails or times out drops the
+engine's entries instead and, for ``REPLAY_BACKOFF_SECONDS``, no replay is asked of it again.
 
 Bad input never stops routing: a message that does not decode is counted (``garbled``) and dropped;
 the SUB socket keeps at most ``kv_events.queue_batches`` messages (ZeroMQ drops the rest, which the
@@ -99,7 +99,8 @@ class KvEventSubscribers:
             settings = source.settings.kv_events
             for state in self._registry.endpoints():
                 host = state.address.rpartition(":")[0]
-                wanted[state.address] = Target(host, settings.port, settings.replay_port)
+                port = state.kv_events_port or settings.port
+                wanted[state.address] = Target(host, port, settings.replay_port)
         for address, (target, task) in list(self._tasks.items()):
             if wanted.get(address) != target or task.done():
                 task.cancel()

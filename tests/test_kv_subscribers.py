@@ -42,9 +42,9 @@ def stored(engine_hash: int, block: int, parent: int | None = None) -> BlockStor
 
 def router_for(publisher: Publisher) -> Router:
     registry = Registry("prefill", "decode", 10_000.0)
-    spec = EndpointSpec(ENGINE, "g", 10_000.0, True, "HEALTHY")
+    spec = EndpointSpec(ENGINE, "g", 10_000.0, True, "HEALTHY", kv_events_port=publisher.port)  # not 5557
     registry.update([ClusterEndpoints("prefill", (spec,), "p"), ClusterEndpoints("decode", (spec,), "d")])
-    kv = KvEventsSettings(port=publisher.port, replay_port=publisher.replay_port)
+    kv = KvEventsSettings(replay_port=publisher.replay_port)
     return Router(
         RouterSettings(100),
         registry=registry,
