@@ -18,6 +18,7 @@ raised, whatever the bytes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
 
 import msgspec
 
@@ -29,6 +30,7 @@ END_OF_REPLAY = (1 << 64) - 1
 
 _MAX_HASH_BYTES = 64
 _DECODER = msgspec.msgpack.Decoder()
+_TOKEN_IDS = tuple[Annotated[int, msgspec.Meta(ge=0)], ...]
 
 
 class DecodeError(ValueError):
@@ -164,15 +166,16 @@ def _stored(fields: dict[object, object]) -> BlockStored:
     size = fields["block_size"]
     if not _integer(size) or size < 1:
         raise DecodeError(f"block_size is {_kind(size)}, not a positive integer")
-    tokens = fields["token_ids"]
-    if not isinstance(tokens, list) or not all(_integer(t) and t >= 0 for t in tokens):
-        raise DecodeError("token_ids is no array of token ids")
+    try:
+        tokens = msgspec.convert(fields["token_ids"], _TOKEN_IDS)  # in C: a prompt has thousands
+    except msgspec.ValidationError:
+        raise DecodeError("token_ids is no array of token ids") from None
     if len(tokens) != len(hashes) * size:
         raise DecodeError(f"{len(tokens)} token_ids for {len(hashes)} blocks of {size}")
     lora = fields.get("lora_id")
     if lora is not None and not _integer(lora):
         raise DecodeError(f"lora_id is {_kind(lora)}, not an integer")
-    return BlockStored(hashes, parent, tuple(tokens), size, lora, _medium(fields.get("medium")))
+    return BlockStored(hashes, parent, tokens, size, lora, _medium(fields.get("medium")))
 
 
 def _hashes(raw: object) -> tuple[EngineHash, ...]:
