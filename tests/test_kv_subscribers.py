@@ -6,9 +6,11 @@ import asyncio
 import json
 
 import pytest
+import zmq
 from kv_event_wire import Encoding, Publisher
 from polling import until
 
+from ext_proc import kv_subscribers
 from ext_proc.affinity import Policy
 from ext_proc.endpoints import ClusterEndpoints, EndpointSpec
 from ext_proc.handoff import SidecarHandoff
@@ -40,11 +42,12 @@ def stored(engine_hash: int, block: int, parent: int | None = None) -> BlockStor
     return BlockStored((engine_hash,), parent, tokens(block), B, None, None)
 
 
-def router_for(publisher: Publisher) -> Router:
+def router_for(publisher: Publisher, replay_port: int | None = None, queue_batches: int = 10_000) -> Router:
     registry = Registry("prefill", "decode", 10_000.0)
     spec = EndpointSpec(ENGINE, "g", 10_000.0, True, "HEALTHY", kv_events_port=publisher.port)  # not 5557
     registry.update([ClusterEndpoints("prefill", (spec,), "p"), ClusterEndpoints("decode", (spec,), "d")])
-    kv = KvEventsSettings(replay_port=publisher.replay_port)
+    replay = publisher.replay_port if replay_port is None else replay_port
+    kv = KvEventsSettings(replay_port=replay, queue_batches=queue_batches)
     return Router(
         RouterSettings(100),
         registry=registry,
@@ -65,11 +68,12 @@ def sample(router: Router, name: str, **labels: str) -> float:
     return router.metrics.registry.get_sample_value(name, labels) or 0.0
 
 
-async def connected(publisher: Publisher, router: Router) -> None:
-    """Publish a probe until the subscriber has seen it (a SUB socket misses what precedes its connection)."""
-    for _ in range(100):
-        await publisher.publish(stored(999, 99))
-        if held(router, 99):
+async def connected(publisher: Publisher, router: Router, probe: int = 99) -> None:
+    """Publish a probe block until the subscriber has seen it (a SUB socket misses what precedes its
+    connection)."""
+    for _ in range(200):
+        await publisher.publish(stored(900 + probe, probe))
+        if held(router, probe):
             return
         await asyncio.sleep(0.05)
     raise AssertionError("the subscriber never connected")
@@ -160,3 +164,63 @@ async def test_subscribers_follow_the_registry_and_the_source_kind() -> None:
     subscribers.tick()
     assert subscribers.addresses == []
     publisher.close()
+
+
+async def test_a_replay_that_never_answers_fails_drops_the_entries_and_backs_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(kv_subscribers, "REPLAY_TIMEOUT_SECONDS", 0.2)
+    publisher = Publisher(replay=False)
+    silent = publisher.context.socket(zmq.ROUTER)  # a replay socket that never answers
+    silent_port = silent.bind_to_random_port("tcp://127.0.0.1")
+    router = router_for(publisher, replay_port=silent_port)
+    subscribers = KvEventSubscribers(router.registry, router, router.metrics, interval=0.05)
+    running = asyncio.create_task(subscribers.run())
+    try:
+        await connected(publisher, router)
+        await publisher.publish(stored(1, 1))
+        await publisher.publish(stored(2, 2), send=False)
+        await publisher.publish(stored(3, 3))
+        await until(lambda: held(router, 3) == 1)
+        assert held(router, 1) == 0
+        assert sample(router, "pd_extproc_kv_events_replays_total", endpoint=ENGINE, outcome="failed") == 1
+        await publisher.publish(stored(4, 4), send=False)  # another gap: no replay asked (backing off)
+        await publisher.publish(stored(5, 5))
+        await until(lambda: held(router, 5) == 1)
+        assert sample(router, "pd_extproc_kv_events_replays_total", endpoint=ENGINE, outcome="failed") == 1
+        assert sample(router, "pd_extproc_kv_events_resets_total", endpoint=ENGINE, reason="gap") >= 1
+    finally:
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+        publisher.close()
+
+
+async def test_a_flooding_engine_is_bounded_and_the_loop_keeps_turning() -> None:
+    publisher = Publisher(replay=False)
+    router = router_for(publisher, queue_batches=100)
+    subscribers = KvEventSubscribers(router.registry, router, router.metrics, interval=0.05)
+    running = asyncio.create_task(subscribers.run())
+    lags: list[float] = []
+
+    async def ticker() -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            start = loop.time()
+            await asyncio.sleep(0.001)
+            lags.append(loop.time() - start - 0.001)
+
+    ticking = asyncio.create_task(ticker())
+    try:
+        await connected(publisher, router)
+        block = BlockStored(tuple(range(1000, 1064)), None, tuple(range(64 * B)), B, None, None)
+        for _ in range(5000):  # 64 blocks each: a flood, as fast as the PUB socket takes them
+            await publisher.publish(block, BlockRemoved(block.block_hashes, None))
+        await connected(publisher, router, probe=8)  # the PUB socket drops what exceeds its own queue
+        received = sample(router, "pd_extproc_kv_events_received_total", endpoint=ENGINE)
+        assert max(lags) < 0.5, f"the event loop stalled {max(lags):.3f} s"
+        assert received <= publisher.sequence
+    finally:
+        ticking.cancel()
+        running.cancel()
+        await asyncio.gather(running, ticking, return_exceptions=True)
+        publisher.close()
