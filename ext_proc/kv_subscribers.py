@@ -69,7 +69,7 @@ class KvEventSubscribers:
         self._metrics = metrics
         self._interval = interval
         self._clock = clock
-        self._context = zmq.asyncio.Context()
+        self._context: zmq.asyncio.Context | None = None  # made with the first subscriber
         self._tasks: dict[str, tuple[Target, asyncio.Task[None]]] = {}
         self._no_replay_until: dict[str, float] = {}
         metrics.watch_kv_events(self._blocks, self._stale_count)
@@ -83,7 +83,8 @@ class KvEventSubscribers:
         finally:
             for address in list(self._tasks):
                 await self._stop(address)
-            self._context.destroy(linger=0)
+            if self._context is not None:
+                self._context.destroy(linger=0)
 
     @property
     def addresses(self) -> list[str]:
@@ -223,6 +224,8 @@ class KvEventSubscribers:
             log.info("dropped the index entries of %s: %s", address, applied.reset)
 
     def _socket(self, kind: int, host: str, port: int) -> zmq.asyncio.Socket:
+        if self._context is None:
+            self._context = zmq.asyncio.Context()
         socket = self._context.socket(kind)
         if host.startswith("["):
             socket.setsockopt(zmq.IPV6, 1)
