@@ -61,7 +61,7 @@ class _Endpoint:
         self.expected: int | None = None  # the next sequence; None before the first batch (or a reset)
         self.heard = now  # when a batch (or the subscription) last came
         self.stored: dict[tuple[str, EngineHash], int] = {}  # (tier, engine hash) → our hash
-        self.refs: Counter[int] = Counter()  # our hash → its stored entries, all tiers
+        self.refs: dict[int, int] = {}  # our hash → its stored entries, all tiers
         self.tiers: Counter[str] = Counter()  # tier → blocks held there
 
 
@@ -131,18 +131,23 @@ class EventIndex:
                 return "orphan"
             start = parent
         ours = block_hashes(event.token_ids, event.block_size, len(event.block_hashes), start)
-        slot = self.holders.slot(address)
+        slot, stored, refs, add = self.holders.slot(address), endpoint.stored, endpoint.refs, self.holders.add
+        room = self.max_blocks - len(stored)
+        added = 0
         for engine_hash, h in zip(event.block_hashes, ours, strict=True):
             key = (tier, engine_hash)
-            if key in endpoint.stored:
+            if key in stored:
                 continue
-            if len(endpoint.stored) >= self.max_blocks:
+            if added == room:
+                endpoint.tiers[tier] += added
                 return "full"
-            endpoint.stored[key] = h
-            endpoint.tiers[tier] += 1
-            endpoint.refs[h] += 1
-            if endpoint.refs[h] == 1:
-                self.holders.add(slot, h)
+            stored[key] = h
+            added += 1
+            held = refs.get(h, 0)
+            refs[h] = held + 1
+            if not held:
+                add(slot, h)
+        endpoint.tiers[tier] += added
         return None
 
     def _remove(self, address: str, endpoint: _Endpoint, event: BlockRemoved) -> None:
@@ -153,8 +158,10 @@ class EventIndex:
             if h is None:  # stored before this gateway listened, or dropped
                 continue
             endpoint.tiers[tier] -= 1
-            endpoint.refs[h] -= 1
-            if not endpoint.refs[h]:
+            held = endpoint.refs[h] - 1
+            if held:
+                endpoint.refs[h] = held
+            else:
                 del endpoint.refs[h]
                 if slot is not None:
                     self.holders.remove(slot, h)
