@@ -5,7 +5,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
 
-.PHONY: install demo test test-compose vllm-env test-vllm lint format bench clean
+.PHONY: install demo test test-fast test-compose vllm-env test-vllm lint format bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,11 @@ test: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/pytest -q
+
+# The unit and property tests alone (tests/unit: no Envoy, Helm or Docker; loopback servers in process): under
+# a minute, for the edit-test loop. `make test` runs them too, with tests/e2e and tests/deploy.
+test-fast: $(STAMP)
+	$(BIN)/pytest -q tests/unit
 
 # The image and docker-compose.yml for real (tests/compose/compose_e2e.py): as root it installs Docker,
 # debootstrap and starts dockerd itself; otherwise it skips with a message. About 5-10 minutes.
