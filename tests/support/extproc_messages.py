@@ -14,11 +14,14 @@ BODY = json.dumps({"model": "m", "prompt": "x" * 40, "max_tokens": 10}).encode()
 """A completions body: 10 prompt tokens, a budget of 10 output tokens."""
 
 
-def headers(end_of_stream: bool = False) -> pb.ProcessingRequest:
-    """Request headers of ``POST /v1/completions`` (``end_of_stream``: a request without a body)."""
+def headers(end_of_stream: bool = False, extra: dict[str, bytes] | None = None) -> pb.ProcessingRequest:
+    """Request headers of ``POST /v1/completions`` (``end_of_stream``: a request without a body), and
+    the ``extra`` headers a client sent."""
     request = pb.ProcessingRequest()
     header = request.request_headers.headers.headers.add()
     header.key, header.raw_value = ":path", b"/v1/completions"
+    for key, value in (extra or {}).items():
+        request.request_headers.headers.headers.add(key=key, raw_value=value)
     request.request_headers.end_of_stream = end_of_stream
     return request
 
@@ -56,10 +59,10 @@ def trailers(kind: str = "request_trailers") -> pb.ProcessingRequest:
     return request
 
 
-def response_headers() -> pb.ProcessingRequest:
-    """The upstream's response headers (``:status 200``)."""
+def response_headers(status: int = 200) -> pb.ProcessingRequest:
+    """The upstream's response headers (``:status``, 200 by default)."""
     request = pb.ProcessingRequest()
-    request.response_headers.headers.headers.add(key=":status", raw_value=b"200")
+    request.response_headers.headers.headers.add(key=":status", raw_value=str(status).encode())
     return request
 
 

@@ -14,11 +14,17 @@ from ext_proc.discovery.eds import write_eds_file
 
 
 async def start_with(
-    tmp_path, decode_addresses: list[str], listen: str = "127.0.0.1:0", metrics_listen: str = "127.0.0.1:0"
+    tmp_path,
+    decode_addresses: list[str],
+    listen: str = "127.0.0.1:0",
+    metrics_listen: str = "127.0.0.1:0",
+    prefill_address: str = "10.0.0.1:8000",
+    settings: dict[str, object] | None = None,
 ):
-    """A server on ``listen`` and ``metrics_listen``, one prefill and the given decodes, all group a."""
+    """A server on ``listen`` and ``metrics_listen``, the prefill ``prefill_address`` and the given
+    decodes, all group a, every prompt disaggregated; ``settings``: more configuration (dotted keys)."""
     decodes = [endpoint(a, "a", 1000.0) for a in decode_addresses]
-    prefill = [endpoint("10.0.0.1:8000", "a", 1000.0)]
+    prefill = [endpoint(prefill_address, "a", 1000.0)]
     write_eds_file(tmp_path / "p.json", "prefill", prefill)
     write_eds_file(tmp_path / "d.json", "decode", decodes)
     overrides = {
@@ -26,6 +32,7 @@ async def start_with(
         "metrics_listen": metrics_listen,
         "discovery.eds_files": [str(tmp_path / "p.json"), str(tmp_path / "d.json")],
         "routing.pd_threshold_tokens": 0,  # the short test prompts are disaggregated too
+        **(settings or {}),
     }
     return await start_server(load_config(None, overrides, environ={}))
 

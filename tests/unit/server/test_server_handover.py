@@ -10,12 +10,11 @@ from pathlib import Path
 import grpc
 from backends import ScriptedPrefill, start_scripted_prefill
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from extproc_messages import body, headers
+from grpc_harness import load, start_with
 from polling import until
-from test_server_grpc import body, headers, load
 
-from ext_proc.app import RunningServer, start_server
-from ext_proc.config import load_config
-from ext_proc.discovery.eds import EndpointSpec, write_eds_file
+from ext_proc.app import RunningServer
 
 Prefilled = tuple[RunningServer, ScriptedPrefill]
 
@@ -25,19 +24,10 @@ async def hanging_prefill_server(tmp_path: Path, **settings: object) -> AsyncIte
     """A kv-transfer-params server (more ``settings``: dotted keys) whose only prefill never answers
     (30 s), and one decode; yields the server and the scripted prefill."""
     prefill = await start_scripted_prefill(delay=30.0)
-    write_eds_file(
-        tmp_path / "p.json", "prefill", [EndpointSpec(prefill.address, "a", None, True, "HEALTHY")]
+    kv_transfer = {"handoff.mode": "kv-transfer-params", **settings}
+    server = await start_with(
+        tmp_path, ["10.0.0.2:8000"], prefill_address=prefill.address, settings=kv_transfer
     )
-    write_eds_file(tmp_path / "d.json", "decode", [EndpointSpec("10.0.0.2:8000", "a", None, True, "HEALTHY")])
-    overrides = {
-        "listen": "127.0.0.1:0",
-        "metrics_listen": "127.0.0.1:0",
-        "discovery.eds_files": [str(tmp_path / "p.json"), str(tmp_path / "d.json")],
-        "handoff.mode": "kv-transfer-params",
-        "routing.pd_threshold_tokens": 0,
-        **settings,
-    }
-    server = await start_server(load_config(None, overrides, environ={}))
     try:
         yield server, prefill
     finally:
