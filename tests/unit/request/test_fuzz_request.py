@@ -45,6 +45,7 @@ FIELDS = (
 )
 """What routing reads, and what the handoffs own (replaced or removed): every one may hold anything."""
 fuzz = settings(deadline=None, max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+pytestmark = pytest.mark.slow  # 300 examples a test: `make test-fast` leaves this module out
 
 scalars = (
     st.none()
