@@ -12,11 +12,11 @@ from pathlib import Path
 
 import aiohttp
 from backends import BrokenEngine, EchoBackend, start_backend, start_broken_engine
+from builders import endpoint
 from e2e_harness import Gatewayed, gateway_over
 from polling import until
 from prometheus_client.parser import text_string_to_metric_families
 
-from ext_proc.discovery.eds import EndpointSpec
 from ext_proc.gateway import free_port
 
 BODY = json.dumps({"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}).encode()
@@ -37,7 +37,7 @@ async def _garbage_and_good(
             edit(next(c for c in b["static_resources"]["clusters"] if c["name"] == "decode"))
 
     settings = {"envoy_health.admin_url": f"http://127.0.0.1:{admin}", "envoy_health.interval_seconds": 0.05}
-    decodes = [EndpointSpec(a, "a", None, True, "HEALTHY") for a in (garbage.address, good.address)]
+    decodes = [endpoint(a, "a") for a in (garbage.address, good.address)]
     try:
         async with gateway_over(tmp_path, [], decodes, settings if poll else None, edit=bootstrap) as g:
             yield g, garbage, good

@@ -8,9 +8,8 @@ import time
 import aiohttp
 import openai
 import pytest
+from builders import endpoint
 from e2e_harness import Stack, busy_endpoints, by_outcome, stack, wait_idle
-
-from ext_proc.discovery.eds import EndpointSpec
 
 CHAT = {
     "model": "m",
@@ -233,8 +232,8 @@ async def test_an_eds_update_by_atomic_rename_takes_effect(tmp_path):
         keep, drop = list(s.decodes)
         s.write_decodes(
             [
-                EndpointSpec(keep, "a", None, True, "HEALTHY"),
-                EndpointSpec(drop, "a", None, False, "UNHEALTHY"),
+                endpoint(keep, "a"),
+                endpoint(drop, "a", None, "UNHEALTHY"),
             ]
         )
         deadline = time.monotonic() + 5

@@ -15,10 +15,10 @@ import json
 import aiohttp
 import pytest
 from backends import start_scripted_prefill
+from builders import endpoint
 from e2e_harness import busy_endpoints, gateway_over, stack, wait_idle
 
 from ext_proc.choreography import STREAMED_CHUNK_BYTES
-from ext_proc.discovery.eds import EndpointSpec
 
 
 def _assert_no_stale_length(record: dict) -> None:
@@ -77,8 +77,8 @@ async def test_engine_handoffs_rewrite_the_streamed_body(tmp_path, mode):
         from backends import start_backend
 
         decodes = [await start_backend()]
-        prefill_spec = [EndpointSpec(prefill.address, "a", None, True, "HEALTHY")]
-        decode_spec = [EndpointSpec(decodes[0].address, "a", None, True, "HEALTHY")]
+        prefill_spec = [endpoint(prefill.address, "a")]
+        decode_spec = [endpoint(decodes[0].address, "a")]
         settings = {"handoff.mode": mode}
         async with (
             gateway_over(tmp_path, prefill_spec, decode_spec, settings, full_duplex=True) as g,

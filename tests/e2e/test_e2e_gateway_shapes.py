@@ -30,6 +30,7 @@ import aiohttp
 import openai
 import pytest
 import pytest_asyncio
+from builders import endpoint
 from e2e_harness import by_outcome, wait_idle
 from shapes import (
     CLUSTER_KIND,
@@ -42,7 +43,7 @@ from shapes import (
     shape_stack,
 )
 
-from ext_proc.discovery.eds import EndpointSpec, write_eds_file
+from ext_proc.discovery.eds import write_eds_file
 from ext_proc.gateway import free_port
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -326,8 +327,8 @@ async def test_istio_reports_the_endpoint_that_served_and_a_retry_moves_the_char
     refused), ranked first, makes Envoy's retry walk the fallback list: the charge moves to the decode
     that served."""
     decode_eds = Path(gw.base["discovery.eds_files"][1])
-    live = [EndpointSpec(d.address, gw.group_of[d.address], None, True, "HEALTHY") for d in gw.decodes]
-    dead = EndpointSpec(DEAD_MEMBER[gw.shape], "a", 10**9, True, "HEALTHY")  # least loaded: named first in a
+    live = [endpoint(d.address, gw.group_of[d.address]) for d in gw.decodes]
+    dead = endpoint(DEAD_MEMBER[gw.shape], "a", 10**9)  # least loaded: named first in a
     async with aiohttp.ClientSession() as session:
         before = await by_outcome(session, gw.admin_url, "pd_extproc_served_endpoint_total")
         write_eds_file(decode_eds, "decode", [*live, dead])

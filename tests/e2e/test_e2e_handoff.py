@@ -70,7 +70,7 @@ async def sim_gateway(
     engines = await start_cluster(specs, [engine_eds], kv=kv)
     try:
         prefills = [*endpoint_specs(engines, ["prefill"])]
-        prefills += [EndpointSpec(a, "a", None, True, "HEALTHY") for a in extra_prefills]
+        prefills += [endpoint(a, "a") for a in extra_prefills]
         decodes = endpoint_specs(engines, ["decode"])
         write_eds_file(engine_eds, "pd", prefills + decodes)
         async with gateway_over(tmp_path, prefills, decodes, settings) as g:
@@ -129,7 +129,7 @@ async def test_prefill_leg_carries_the_handoff_fields_and_the_decode_gets_the_pa
     answer = {"choices": [{"text": "x"}], "kv_transfer_params": PARAMS}
     prefill = await start_scripted_prefill(body=json.dumps(answer).encode())
     decode = await start_backend()
-    specs = ([EndpointSpec(prefill.address, "a", None, True, "HEALTHY")], [_spec(decode.address)])
+    specs = ([endpoint(prefill.address, "a")], [_spec(decode.address)])
     try:
         async with gateway_over(tmp_path, *specs, {"handoff.mode": KV}) as g, aiohttp.ClientSession() as s:
             body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}, "min_tokens": 3}
@@ -232,7 +232,7 @@ async def test_failed_prefill_is_retried_on_the_next_ranked_prefill(tmp_path, fa
 
 def _prefer_first(c: Cluster, first: str, then: str) -> None:
     """List both prefills in group ``a``; ``first`` has far more capacity, so it ranks first."""
-    specs = [EndpointSpec(first, "a", 1e12, True, "HEALTHY"), EndpointSpec(then, "a", None, True, "HEALTHY")]
+    specs = [endpoint(first, "a", 1e12), endpoint(then, "a")]
     write_eds_file(c.g.prefill_eds, "prefill", specs)
 
 
@@ -255,7 +255,7 @@ async def scripted_gateway(
     recording decode backend, pd-extproc in kv-transfer-params mode and Envoy."""
     scripted = [await start_scripted_prefill(*p) for p in prefills]
     decode = await start_backend()
-    specs = [EndpointSpec(p.address, "a", 1e6 / 1000**i, True, "HEALTHY") for i, p in enumerate(scripted)]
+    specs = [endpoint(p.address, "a", 1e6 / 1000**i) for i, p in enumerate(scripted)]
     try:
         async with gateway_over(
             tmp_path, specs, [_spec(decode.address)], {"handoff.mode": KV, **settings}, **kwargs
@@ -416,7 +416,7 @@ async def test_sglang_bootstrap_a_dead_prefill_is_ejected_after_its_first_failed
         aiohttp.ClientSession() as session,
     ):
         good = next(iter(c.addresses("prefill")))
-        ranked_first = EndpointSpec(dead.address, "a", 1e12, True, "HEALTHY")  # far more capacity
+        ranked_first = endpoint(dead.address, "a", 1e12)  # far more capacity
         write_eds_file(c.g.prefill_eds, "prefill", [ranked_first, *endpoint_specs(c.engines, ["prefill"])])
         await _wait_prefills(session, c.g, 2)
         assert (await _post(session, c.g))[0] >= 500  # ranked first, it fails once
@@ -521,7 +521,7 @@ async def test_sglang_batched_prompt_gets_one_bootstrap_room_per_prompt_on_both_
     hosts, ports and distinct rooms (SGLang's ``GenerateReqInput`` indexes them per prompt)."""
     prefill = await start_scripted_prefill(body=b'{"choices": []}')
     decode = await start_backend()
-    specs = ([EndpointSpec(prefill.address, "a", None, True, "HEALTHY", 9100)], [_spec(decode.address)])
+    specs = ([endpoint(prefill.address, "a", bootstrap_port=9100)], [_spec(decode.address)])
     body = {"model": "sim", "prompt": ["first " * 50, "second " * 50, "third " * 50], "max_tokens": 2}
     try:
         async with (

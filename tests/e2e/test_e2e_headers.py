@@ -14,9 +14,8 @@ from pathlib import Path
 
 import aiohttp
 from backends import EchoBackend, start_backend, start_broken_engine
+from builders import endpoint
 from e2e_harness import Gatewayed, gateway_over, raw_http, wait_idle
-
-from ext_proc.discovery.eds import EndpointSpec
 
 BODY = json.dumps({"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}).encode()
 
@@ -49,9 +48,7 @@ async def one_decode(tmp_path: Path) -> AsyncIterator[tuple[Gatewayed, EchoBacke
     """pd-extproc and Envoy over one recording decode backend (no prefill)."""
     decode = await start_backend()
     try:
-        async with gateway_over(
-            tmp_path, [], [EndpointSpec(decode.address, "a", None, True, "HEALTHY")]
-        ) as g:
+        async with gateway_over(tmp_path, [], [endpoint(decode.address, "a")]) as g:
             yield g, decode
     finally:
         await decode.stop()
@@ -109,7 +106,7 @@ async def test_header_values_that_are_not_utf8_are_routed_without_a_500(tmp_path
 async def test_a_decode_answering_garbage_gets_a_json_502(tmp_path):
     garbage = await start_broken_engine("garbage")
     try:
-        decodes = [EndpointSpec(garbage.address, "a", None, True, "HEALTHY")]
+        decodes = [endpoint(garbage.address, "a")]
         async with gateway_over(tmp_path, [], decodes) as g, aiohttp.ClientSession() as session:
             async with session.post(f"{g.gateway.url}/v1/chat/completions", data=BODY) as response:
                 status, headers, body = response.status, response.headers, await response.read()

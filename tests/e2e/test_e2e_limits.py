@@ -16,10 +16,10 @@ import openai
 import pytest
 import yaml
 from backends import EchoBackend, ScriptedPrefill, start_backend, start_scripted_prefill
+from builders import endpoint
 from e2e_harness import Gatewayed, gateway_over, raw_http, stack
 from polling import until
 
-from ext_proc.discovery.eds import EndpointSpec
 from ext_proc.envoy_messages import error_body
 from ext_proc.gateway import SHIPPED_BOOTSTRAP
 from ext_proc.request import MAX_JSON_DEPTH
@@ -94,7 +94,7 @@ async def kv_gateway(
     answer = json.dumps({"kv_transfer_params": PARAMS}).encode() if body is None else body
     prefill = await start_scripted_prefill(status, answer)
     decode = await start_backend()
-    specs = [EndpointSpec(b.address, "a", None, True, "HEALTHY") for b in (prefill, decode)]
+    specs = [endpoint(b.address, "a") for b in (prefill, decode)]
     try:
         async with gateway_over(
             tmp_path, specs[:1], specs[1:], {"handoff.mode": "kv-transfer-params"}, **kwargs

@@ -14,10 +14,9 @@ from dataclasses import dataclass
 
 import aiohttp
 from backends import start_backend
+from builders import endpoint
 from e2e_harness import gateway_over
 from polling import until
-
-from ext_proc.discovery.eds import EndpointSpec
 
 LIMIT = 20
 BURST = 200
@@ -53,8 +52,8 @@ def _ms(values: list[float], q: float) -> float:
 
 async def test_a_burst_beyond_the_limit_gets_quick_429s_and_the_admitted_complete(tmp_path) -> None:
     backends = [await start_backend() for _ in range(3)]
-    prefill = [EndpointSpec(backends[0].address, "a", None, True, "HEALTHY")]
-    decodes = [EndpointSpec(b.address, "a", None, True, "HEALTHY") for b in backends[1:]]
+    prefill = [endpoint(backends[0].address, "a")]
+    decodes = [endpoint(b.address, "a") for b in backends[1:]]
     settings = {"limits.max_inflight_requests": LIMIT, "limits.retry_after_seconds": RETRY_AFTER}
     try:
         async with gateway_over(tmp_path, prefill, decodes, settings) as g:

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import aiohttp
 from backends import EchoBackend, start_backend
+from builders import endpoint
 from polling import until
 
-from ext_proc.discovery.eds import EndpointSpec, write_eds_file
+from ext_proc.discovery.eds import write_eds_file
 from ext_proc.gateway import (
     Gateway,
     free_port,
@@ -72,9 +73,7 @@ async def router_down_stack(tmp_path: Path, fail_open: bool = False) -> AsyncIte
     decodes = [await start_backend() for _ in range(2)]
     prefill_eds, decode_eds = tmp_path / "prefill.yaml", tmp_path / "decode.yaml"
     write_eds_file(prefill_eds, "prefill", [])
-    write_eds_file(
-        decode_eds, "decode", [EndpointSpec(b.address, "a", None, True, "HEALTHY") for b in decodes]
-    )
+    write_eds_file(decode_eds, "decode", [endpoint(b.address, "a") for b in decodes])
     grpc_port, listen, admin = free_port(), free_port(), free_port()
     bootstrap = render_bootstrap(
         listen_port=listen,

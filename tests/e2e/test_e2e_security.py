@@ -43,7 +43,7 @@ async def test_requests_sharing_client_ids_keep_their_own_transfer_ids_and_charg
     params = {"kv_transfer_params": {"do_remote_prefill": True, "remote_block_ids": [1]}}
     prefill = await start_scripted_prefill(200, json.dumps(params).encode())
     decode = await start_backend()
-    specs = ([EndpointSpec(prefill.address, "a", None, True, "HEALTHY")], [_healthy(decode.address)])
+    specs = ([endpoint(prefill.address, "a")], [_healthy(decode.address)])
     sent = {"x-request-id": "client-chosen"}
     body = {**CHAT, "bootstrap_room": 7}
     try:
@@ -169,7 +169,7 @@ async def test_envoy_reaches_pd_extproc_only_over_mutual_tls_with_a_certificate_
     }
     decode = await start_backend()
     prefill = await start_backend()
-    specs = [EndpointSpec(b.address, "a", None, True, "HEALTHY") for b in (prefill, decode)]
+    specs = [endpoint(b.address, "a") for b in (prefill, decode)]
     try:
         async with (
             gateway_over(

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import aiohttp
 from backends import EchoBackend, start_backend
+from builders import endpoint
 from prometheus_client.parser import text_string_to_metric_families
 
 from ext_proc.app import RunningServer, start_server
@@ -139,12 +140,9 @@ async def stack(
     prefills = [await start_backend() for _ in prefill_groups]
     decodes = [await start_backend() for _ in decode_groups]
     capacities = capacities or {}
-    prefill_specs = [
-        EndpointSpec(b.address, g, None, True, "HEALTHY")
-        for b, g in zip(prefills, prefill_groups, strict=True)
-    ]
+    prefill_specs = [endpoint(b.address, g) for b, g in zip(prefills, prefill_groups, strict=True)]
     decode_specs = [
-        EndpointSpec(b.address, g, capacities.get(i), True, "HEALTHY")
+        endpoint(b.address, g, capacities.get(i))
         for i, (b, g) in enumerate(zip(decodes, decode_groups, strict=True))
     ]
     settings = {"affinity.mode": mode, "affinity.bonus": bonus, **(settings or {})}

@@ -33,9 +33,10 @@ from pathlib import Path
 import aiohttp
 import yaml
 from backends import EchoBackend, ScriptedPrefill, start_backend, start_scripted_prefill
+from builders import endpoint
 from certs import self_signed
 
-from ext_proc.discovery.eds import EndpointSpec, write_eds_file
+from ext_proc.discovery.eds import write_eds_file
 from ext_proc.gateway import (
     Gateway,
     GatewayError,
@@ -273,7 +274,7 @@ async def shape_stack(
     group_of = dict(zip([e.address for e in engines], GROUPS["prefill"] + GROUPS["decode"], strict=True))
     eds = {role: folder / f"{role}.yaml" for role in GROUPS}
     for role, members in (("prefill", prefills), ("decode", decodes)):
-        specs = [EndpointSpec(e.address, group_of[e.address], None, True, "HEALTHY") for e in members]
+        specs = [endpoint(e.address, group_of[e.address]) for e in members]
         write_eds_file(eds[role], role, specs)
     pair = self_signed(folder / "tls")
     base: dict[str, object] = {

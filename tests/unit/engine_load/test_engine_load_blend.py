@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import math
 
+from builders import endpoint
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ext_proc.discovery import ClusterEndpoints, EndpointSpec
+from ext_proc.discovery import ClusterEndpoints
 from ext_proc.engine_load import EngineSample, blended_offset, engine_tokens
 from ext_proc.load import Lease
 from ext_proc.registry import Registry
@@ -67,9 +68,7 @@ def test_engine_tokens_grow_with_usage_and_queue(
 
 def _decode() -> Registry:
     registry = Registry("prefill", "decode", 1000.0)
-    registry.update(
-        [ClusterEndpoints("decode", (EndpointSpec("10.0.0.1:80", "g", 1000.0, True, "HEALTHY"),), "")]
-    )
+    registry.update([ClusterEndpoints("decode", (endpoint("10.0.0.1:80", "g", 1000.0),), "")])
     return registry
 
 
@@ -106,10 +105,8 @@ def test_the_offset_survives_an_eds_update_with_the_endpoint() -> None:
     state = registry.decodes[0]
     lease = Lease(None, 0, state, 100)
     state.set_engine_offset(400)
-    spec = EndpointSpec("10.0.0.1:80", "g", 1000.0, True, "HEALTHY")
-    registry.update(
-        [ClusterEndpoints("decode", (EndpointSpec("10.0.0.2:80", "g", None, True, "HEALTHY"), spec), "")]
-    )
+    spec = endpoint("10.0.0.1:80", "g", 1000.0)
+    registry.update([ClusterEndpoints("decode", (endpoint("10.0.0.2:80", "g"), spec), "")])
     assert registry.decodes[1] is state
     assert int(registry.decode_pool.tokens[1]) == 500 and state.active_tokens == 100
     lease.release()

@@ -15,7 +15,7 @@ from builders import endpoint
 from polling import until
 
 from ext_proc.config import EngineMetricsConfig
-from ext_proc.discovery import ClusterEndpoints, EndpointSpec
+from ext_proc.discovery import ClusterEndpoints
 from ext_proc.engine_load import EngineScraper
 from ext_proc.gateway import free_port
 from ext_proc.load import Lease
@@ -246,7 +246,7 @@ async def test_prefills_are_scraped_and_a_departed_engine_loses_its_offset(engin
 async def test_the_metrics_port_and_path_come_from_metadata_and_config(engine: Engine) -> None:
     registry = Registry("prefill", "decode", CAPACITY)
     serving = f"127.0.0.1:{free_port()}"  # nothing listens on the serving port
-    spec = EndpointSpec(serving, "g", CAPACITY, True, "HEALTHY", metrics_port=engine.port)
+    spec = endpoint(serving, "g", CAPACITY, metrics_port=engine.port)
     registry.update([ClusterEndpoints("decode", (spec,), "d")])
     async with scraping(registry):
         await until(lambda: registry.decodes[0].blended_tokens == 25_000)

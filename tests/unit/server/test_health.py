@@ -9,6 +9,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from builders import endpoint
 from certs import make_certificates
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
@@ -17,7 +18,7 @@ from polling import until
 
 from ext_proc.app import RunningServer, start_server
 from ext_proc.config import load_config
-from ext_proc.discovery.eds import EndpointSpec, write_eds_file
+from ext_proc.discovery.eds import write_eds_file
 from ext_proc.health import Health
 from ext_proc.server import start_health_grpc
 
@@ -135,7 +136,7 @@ async def test_both_ports_answer_every_name_and_turn_ready_together(tmp_path: Pa
             for channel in (main, separate):
                 assert [await check(channel, name) for name in READY_NAMES] == [NOT_SERVING] * 4
                 assert await check(channel, "liveness") == SERVING
-            decode = [EndpointSpec("10.0.0.2:8000", "a", None, True, "HEALTHY")]
+            decode = [endpoint("10.0.0.2:8000", "a")]
             write_eds_file(tmp_path / "decode.json", "decode", decode)
 
             async def ready() -> bool:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from builders import endpoint
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from extproc_messages import body, destination, headers, response_headers
 from polling import until
@@ -20,7 +21,7 @@ from polling import until
 from ext_proc.affinity import Mode
 from ext_proc.app import RunningServer, start_server
 from ext_proc.config import ConfigSource
-from ext_proc.discovery.eds import EndpointSpec, write_eds_file
+from ext_proc.discovery.eds import write_eds_file
 from ext_proc.reload import ConfigWatcher
 
 PREFILL, SAME_GROUP, OTHER_GROUP = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
@@ -81,10 +82,10 @@ def eds(tmp_path: Path) -> list[Path]:
     and ``prefer`` with bonus 0 pick group b (lower utilisation), ``strict`` and ``prefer`` with
     bonus 0.3 group a."""
     paths = [tmp_path / "prefill.yaml", tmp_path / "decode.yaml"]
-    write_eds_file(paths[0], "prefill", [EndpointSpec(PREFILL, "a", 1000.0, True, "HEALTHY")])
+    write_eds_file(paths[0], "prefill", [endpoint(PREFILL, "a", 1000.0)])
     decodes = [
-        EndpointSpec(SAME_GROUP, "a", 1000.0, True, "HEALTHY"),
-        EndpointSpec(OTHER_GROUP, "b", 100_000.0, True, "HEALTHY"),
+        endpoint(SAME_GROUP, "a", 1000.0),
+        endpoint(OTHER_GROUP, "b", 100_000.0),
     ]
     write_eds_file(paths[1], "decode", decodes)
     return paths

@@ -23,7 +23,7 @@ from ext_proc.admin import build_admin_app
 from ext_proc.affinity import Cost
 from ext_proc.app import RunningServer, build_handoff, start_server
 from ext_proc.config import ConfigError, TlsConfig, load_config
-from ext_proc.discovery.eds import EndpointSpec, write_eds_file
+from ext_proc.discovery.eds import write_eds_file
 from ext_proc.handoff import (
     DecodeRoute,
     FailurePolicy,
@@ -188,8 +188,8 @@ def test_an_unreadable_tls_file_is_a_config_error(certificates: Certificates, tm
 async def tls_server(tmp_path: Path, tls: dict[str, object]) -> AsyncIterator[RunningServer]:
     """pd-extproc with one prefill and one decode (EDS files) and the ``tls`` settings (dotted keys)."""
     files = [tmp_path / "p.yaml", tmp_path / "d.yaml"]
-    write_eds_file(files[0], "prefill", [EndpointSpec("10.0.0.1:8000", "a", None, True, "HEALTHY")])
-    write_eds_file(files[1], "decode", [EndpointSpec("10.0.1.1:8000", "a", None, True, "HEALTHY")])
+    write_eds_file(files[0], "prefill", [endpoint("10.0.0.1:8000", "a")])
+    write_eds_file(files[1], "decode", [endpoint("10.0.1.1:8000", "a")])
     overrides = {
         "listen": "127.0.0.1:0",
         "metrics_listen": "127.0.0.1:0",

@@ -7,6 +7,7 @@ import json
 
 import grpc
 import pytest
+from builders import endpoint
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from extproc_messages import body, headers, response_headers
@@ -16,7 +17,7 @@ from polling import until
 
 from ext_proc.app import start_server
 from ext_proc.config import load_config
-from ext_proc.discovery.eds import EndpointSpec, write_eds_file
+from ext_proc.discovery.eds import write_eds_file
 from ext_proc.handoff.base import STEERING_HEADERS
 from ext_proc.server import ENVOY_BODY_LIMIT_BYTES, MAX_RECEIVE_BYTES
 
@@ -152,7 +153,7 @@ async def test_readiness_waits_for_a_valid_eds_file(tmp_path):
             check = health_pb2.HealthCheckRequest(service="readiness")
             assert (await health.Check(check)).status == health_pb2.HealthCheckResponse.NOT_SERVING
             assert (await health.Check(health_pb2.HealthCheckRequest(service="liveness"))).status == 1
-            write_eds_file(missing, "decode", [EndpointSpec("10.0.0.2:8000", "a", None, True, "HEALTHY")])
+            write_eds_file(missing, "decode", [endpoint("10.0.0.2:8000", "a")])
 
             async def serving() -> bool:
                 return (await health.Check(check)).status == health_pb2.HealthCheckResponse.SERVING

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import aiohttp
 import pytest
+from builders import endpoint
 from polling import until
 from prometheus_client.parser import text_string_to_metric_families
 
-from ext_proc.discovery.eds import EndpointSpec, write_eds_file
+from ext_proc.discovery.eds import write_eds_file
 from sim.cluster import EngineSpec, endpoint_specs, start_cluster, stop_cluster
 from sim.config import EngineConfig, KvConfig, TimingConfig
 from sim.handoff import PREFILL_CACHED_PARAM, PREFILL_MS_PARAM
@@ -328,7 +329,7 @@ async def test_sidecar_streaming_reports_before_first_chunk(http, tmp_path: Path
 
 async def test_unknown_prefill_is_cross_group(http, tmp_path: Path) -> None:
     eds = tmp_path / "eds.json"
-    write_eds_file(eds, "pd", [EndpointSpec("10.1.1.1:1", "g1", None, True, "HEALTHY")])
+    write_eds_file(eds, "pd", [endpoint("10.1.1.1:1", "g1")])
     async with cluster([EngineSpec("prefill", "g1"), EngineSpec("decode", "g1")], [eds]) as [prefill, decode]:
         hdr = {"x-prefiller-host-port": prefill.address}
         status, headers, _ = await post(
@@ -343,10 +344,10 @@ async def test_group_change_in_eds_file_is_picked_up(http, tmp_path: Path) -> No
     async with cluster([EngineSpec("prefill", "g2"), EngineSpec("decode", "g1")], [eds]) as [prefill, decode]:
         hdr = {"x-prefiller-host-port": prefill.address}
         req = {"prompt": "abcd", "max_tokens": 2}
-        write_eds_file(eds, "pd", [EndpointSpec(prefill.address, "g2", None, True, "HEALTHY")])
+        write_eds_file(eds, "pd", [endpoint(prefill.address, "g2")])
         _, headers, _ = await post(http, decode, "/v1/completions", req, headers=hdr)
         assert headers["x-sim-kv-transfer"] == "cross_group"
-        write_eds_file(eds, "pd", [EndpointSpec(prefill.address, "g1", None, True, "HEALTHY")])
+        write_eds_file(eds, "pd", [endpoint(prefill.address, "g1")])
         _, headers, _ = await post(http, decode, "/v1/completions", req, headers=hdr)
         assert headers["x-sim-kv-transfer"] == "same_group"
         # the prefill reports its own group in x-sim-group; the mismatch with EDS is flagged

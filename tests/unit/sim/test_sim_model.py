@@ -6,8 +6,9 @@ import asyncio
 import json
 
 import pytest
+from builders import endpoint
 
-from ext_proc.discovery.eds import EndpointSpec, write_eds_file
+from ext_proc.discovery.eds import write_eds_file
 from sim.clock import SimClock
 from sim.config import EngineConfig, KvConfig, TimingConfig
 from sim.engine import ABORTED, FINISHED, PULLING, RUNNING, WAITING, Engine, Scheduler, Sequence
@@ -102,8 +103,8 @@ async def test_kv_pull_same_vs_cross_group(tmp_path) -> None:
         eds,
         "prefill",
         [
-            EndpointSpec("10.0.0.1:8000", "g1", None, True, "HEALTHY"),
-            EndpointSpec("10.0.0.2:8000", "g2", None, True, "HEALTHY"),
+            endpoint("10.0.0.1:8000", "g1"),
+            endpoint("10.0.0.2:8000", "g2"),
         ],
     )
     clock = SimClock(time_scale=1e-3)
@@ -124,9 +125,9 @@ def test_group_map_reloads_and_keeps_last_good(tmp_path) -> None:
     eds = tmp_path / "eds.json"
     groups = GroupMap([eds, tmp_path / "missing.json"])
     assert groups.lookup("10.0.0.1:8000") is None
-    write_eds_file(eds, "c", [EndpointSpec("10.0.0.1:8000", "g1", None, True, "HEALTHY")])
+    write_eds_file(eds, "c", [endpoint("10.0.0.1:8000", "g1")])
     assert groups.lookup("10.0.0.1:8000") == "g1"
-    write_eds_file(eds, "c", [EndpointSpec("10.0.0.1:8000", "g7", None, True, "HEALTHY")])
+    write_eds_file(eds, "c", [endpoint("10.0.0.1:8000", "g7")])
     assert groups.lookup("10.0.0.1:8000") == "g7"
     eds.write_text("{not json")
     assert groups.lookup("10.0.0.1:8000") == "g7"

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import grpc
 import pytest
 from ads_client import Envoy, clusters
+from builders import endpoint
 from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.service.discovery.v3 import ads_pb2_grpc
 from polling import until
@@ -19,8 +20,8 @@ from ext_proc.discovery.eds import CLA_TYPE_URL, ClusterEndpoints, EndpointSpec,
 from ext_proc.metrics import Metrics
 from ext_proc.xds import AdsServer
 
-DECODE = EndpointSpec("10.0.0.2:8000", "a", 1000.0, True, "HEALTHY")
-PREFILL = EndpointSpec("10.0.0.1:8000", "a", None, True, "HEALTHY", bootstrap_port=8998)
+DECODE = endpoint("10.0.0.2:8000", "a", 1000.0)
+PREFILL = endpoint("10.0.0.1:8000", "a", bootstrap_port=8998)
 
 
 def assignments(*decodes: EndpointSpec) -> dict[str, endpoint_pb2.ClusterLoadAssignment]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import grpc
 import pytest
 from ads_client import Envoy, clusters
+from builders import endpoint
 from envoy.service.discovery.v3 import ads_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc
 from extproc_messages import body, headers
@@ -25,7 +26,7 @@ from ext_proc.metrics import Metrics
 from ext_proc.registry import Registry
 from ext_proc.xds import EdsPublisher
 
-D1, D2, D3 = (EndpointSpec(f"10.0.0.{i}:8000", "a", 1000.0, True, "HEALTHY") for i in (1, 2, 3))
+D1, D2, D3 = (endpoint(f"10.0.0.{i}:8000", "a", 1000.0) for i in (1, 2, 3))
 
 
 def decode(*specs: EndpointSpec) -> list[ClusterEndpoints]:
@@ -33,7 +34,7 @@ def decode(*specs: EndpointSpec) -> list[ClusterEndpoints]:
 
 
 def unhealthy(spec: EndpointSpec) -> EndpointSpec:
-    return EndpointSpec(spec.address, spec.group, spec.token_capacity, False, "UNHEALTHY")
+    return endpoint(spec.address, spec.group, spec.token_capacity, "UNHEALTHY")
 
 
 @dataclass
@@ -127,7 +128,7 @@ async def test_an_endpoint_leaves_the_router_before_the_version_without_it_is_pu
 async def test_new_metadata_of_a_pickable_endpoint_reaches_the_router_at_once() -> None:
     async with gate(delay=0.05) as g:
         await acked(g, D1)
-        moved = EndpointSpec(D1.address, "b", 2000.0, True, "HEALTHY", bootstrap_port=9000)
+        moved = endpoint(D1.address, "b", 2000.0, bootstrap_port=9000)
         g.publisher.publish(decode(moved))
         (state,) = g.registry.decodes  # no ACK needed: Envoy already has the address
         assert (state.group, state.token_capacity, state.bootstrap_port) == ("b", 2000.0, 9000)
@@ -195,7 +196,7 @@ async def test_envoy_gets_the_sources_prefill_and_decode_clusters_as_the_registr
     async with gate(delay=0.05) as g:
         envoy = g.envoy()
         await envoy.request()
-        regrouped = EndpointSpec(D1.address, "z", None, True, "HEALTHY")
+        regrouped = endpoint(D1.address, "z")
         other = ClusterEndpoints("embeddings", (D3,), "other.json")
         g.publisher.publish(
             [
@@ -214,7 +215,7 @@ async def test_envoy_gets_the_sources_prefill_and_decode_clusters_as_the_registr
 async def test_the_server_serves_ads_on_its_grpc_port_and_routes_only_to_what_envoy_acked(tmp_path) -> None:
     """Readiness and routing wait for the ACK; ext_proc and ADS share one port."""
     prefill, decode_file = tmp_path / "prefill.json", tmp_path / "decode.json"
-    write_eds_file(prefill, "prefill", [EndpointSpec("10.0.0.9:8000", "a", None, True, "HEALTHY")])
+    write_eds_file(prefill, "prefill", [endpoint("10.0.0.9:8000", "a")])
     write_eds_file(decode_file, "decode", [D1])
     config = load_config(
         None,
