@@ -1,6 +1,6 @@
-"""Shared test setup: make the test helper modules importable; load benchmark scripts; Helm; the fake
-Kubernetes API server; the ``server`` and ``stub`` fixtures of the tests that drive the gRPC shell
-directly."""
+"""Shared test setup: make the test helper modules (``tests/support/``) importable by name; load benchmark
+scripts; Helm; the fake Kubernetes API server; the ``server`` and ``stub`` fixtures of the tests that drive
+the gRPC shell directly."""
 
 import importlib.util
 import sys
