@@ -59,7 +59,7 @@ async def test_every_client_steering_header_is_stripped_or_replaced(
     prefill = await start_scripted_prefill(body=LEG_ANSWER)
     settings = {
         "handoff.mode": mode,
-        "handoff.default_bootstrap_port": int(prefill.address.rpartition(":")[2]),  # no /query: decode-only
+        "handoff.default_bootstrap_port": int(prefill.address.rpartition(":")[2]),  # mooncake: no /query
         "routing.pd_threshold_tokens": 0 if disaggregated else 1_000_000,
     }
     server = await start_with(tmp_path, ["10.0.0.2:8000"], prefill_address=prefill.address, settings=settings)
