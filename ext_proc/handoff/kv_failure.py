@@ -81,12 +81,12 @@ class KvPullWatcher:
     data plane said so). ``ask_for_chunks``: in BUFFERED mode, Envoy is asked to send a streamed
     answer chunk by chunk (``handoff.watch_streamed_answers``)."""
 
-    __slots__ = ("_ask_for_chunks", "_lease", "_metrics", "_prefill", "_router")
+    __slots__ = ("_ask_for_chunks", "_lease", "_metrics", "_router", "prefill")
 
     def __init__(
         self, prefill: str, lease: Lease, metrics: Metrics, router: Rerouter, ask_for_chunks: bool
     ) -> None:
-        self._prefill = prefill
+        self.prefill = prefill
         self._lease = lease
         self._metrics = metrics
         self._router = router
@@ -104,7 +104,7 @@ class KvPullWatcher:
     def chunk(self, chunk: bytes) -> tuple[bytes | None, bool]:
         """:func:`watch_chunk` of a chunk before the answer said anything; a rewritten error is counted
         and logged."""
-        rewritten, keep_watching = watch_chunk(chunk, self._decode(), self._prefill)
+        rewritten, keep_watching = watch_chunk(chunk, self._decode(), self.prefill)
         if rewritten is not None:
             log.warning("streamed %s instead of the decode's error: %s", CODE, self._failed(stream=True))
         return rewritten, keep_watching
@@ -117,8 +117,8 @@ class KvPullWatcher:
         """The decode could not pull the prefill's KV cache: count it and eject that prefill (it died,
         or was too loaded to answer the handshake); the message for the client."""
         self._metrics.kv_transfer_failed(stream)
-        self._router.leg_failed(self._prefill, CODE)
-        return message(self._decode(), self._prefill)
+        self._router.leg_failed(self.prefill, CODE)
+        return message(self._decode(), self.prefill)
 
 
 def _event_kind(event: bytes) -> str:
