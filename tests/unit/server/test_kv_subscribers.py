@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import zmq
+from builders import endpoint
 from kv_event_wire import Encoding, Publisher
 from polling import until
 
@@ -16,7 +17,7 @@ from ext_proc.affinity import Policy
 from ext_proc.app import start_server
 from ext_proc.config import load_config
 from ext_proc.discovery.eds import write_eds_file
-from ext_proc.endpoints import ClusterEndpoints, EndpointSpec
+from ext_proc.endpoints import ClusterEndpoints
 from ext_proc.handoff import SidecarHandoff
 from ext_proc.kv_subscribers import KvEventSubscribers
 from ext_proc.metrics import Metrics
@@ -48,7 +49,7 @@ def stored(engine_hash: int, block: int, parent: int | None = None) -> BlockStor
 
 def router_for(publisher: Publisher, replay_port: int | None = None, queue_batches: int = 10_000) -> Router:
     registry = Registry("prefill", "decode", 10_000.0)
-    spec = EndpointSpec(ENGINE, "g", 10_000.0, True, "HEALTHY", kv_events_port=publisher.port)  # not 5557
+    spec = endpoint(ENGINE, kv_events_port=publisher.port)  # not on 5557
     registry.update([ClusterEndpoints("prefill", (spec,), "p"), ClusterEndpoints("decode", (spec,), "d")])
     replay = publisher.replay_port if replay_port is None else replay_port
     kv = KvEventsSettings(replay_port=replay, queue_batches=queue_batches)
@@ -159,9 +160,7 @@ async def test_subscribers_follow_the_registry_and_the_source_kind() -> None:
     router.registry.update([ClusterEndpoints("prefill", (), "p"), ClusterEndpoints("decode", (), "d")])
     subscribers.tick()
     assert subscribers.addresses == []
-    router.registry.update(
-        [ClusterEndpoints("decode", (EndpointSpec(ENGINE, "g", 1.0, True, "HEALTHY"),), "d")]
-    )
+    router.registry.update([ClusterEndpoints("decode", (endpoint(ENGINE),), "d")])
     subscribers.tick()
     assert subscribers.addresses == [ENGINE]
     router.set_prefix(PrefixSettings())  # approximate: no subscriber
@@ -232,7 +231,7 @@ async def test_a_flooding_engine_is_bounded_and_the_loop_keeps_turning() -> None
 
 async def test_the_server_subscribes_to_its_engines_with_the_kv_events_source(tmp_path: Path) -> None:
     publisher = Publisher()
-    spec = EndpointSpec(ENGINE, "g", 10_000.0, True, "HEALTHY", kv_events_port=publisher.port)
+    spec = endpoint(ENGINE, kv_events_port=publisher.port)
     write_eds_file(tmp_path / "p.json", "prefill", [spec])
     write_eds_file(tmp_path / "d.json", "decode", [spec])
     overrides = {
