@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -73,6 +75,30 @@ def sample(router: Router, name: str, **labels: str) -> float:
     return router.metrics.registry.get_sample_value(name, labels) or 0.0
 
 
+@contextlib.asynccontextmanager
+async def subscribed(router: Router, publisher: Publisher) -> AsyncIterator[None]:
+    """The router's subscribers running (and the publisher's replay socket answering) for a block."""
+    subscribers = KvEventSubscribers(router.registry, router, router.metrics, interval=0.05)
+    tasks = [asyncio.create_task(subscribers.run())]
+    if publisher.replay is not None:
+        tasks.append(asyncio.create_task(publisher.serve_replays()))
+    try:
+        await connected(publisher, router)
+        yield
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        publisher.close()
+
+
+async def gap(publisher: Publisher) -> None:
+    """Blocks 1, 2 and 3, each a prompt's first, the batch of 2 lost on the way."""
+    await publisher.publish(stored(1, 1))
+    await publisher.publish(stored(2, 2), send=False)
+    await publisher.publish(stored(3, 3))
+
+
 async def connected(publisher: Publisher, router: Router, probe: int = 99) -> None:
     """Publish a probe block until the subscriber has seen it (a SUB socket misses what precedes its
     connection)."""
@@ -87,12 +113,8 @@ async def connected(publisher: Publisher, router: Router, probe: int = 99) -> No
 @pytest.mark.parametrize("encoding", ["array", "map", "mixed"])
 async def test_live_batches_a_replayed_gap_a_restart_and_garbage(encoding: Encoding) -> None:
     publisher = Publisher(encoding)
-    replays = asyncio.create_task(publisher.serve_replays())
     router = router_for(publisher)
-    subscribers = KvEventSubscribers(router.registry, router, router.metrics, interval=0.05)
-    running = asyncio.create_task(subscribers.run())
-    try:
-        await connected(publisher, router)
+    async with subscribed(router, publisher):
         assert publisher.replays in ([], [0])  # joined at 0, or replayed from it
         await publisher.publish(stored(1, 1))
         await until(lambda: held(router, 1) == 1)
@@ -104,11 +126,8 @@ async def test_live_batches_a_replayed_gap_a_restart_and_garbage(encoding: Encod
         assert sample(router, "pd_extproc_kv_events_replays_total", endpoint=ENGINE, outcome="ok") >= 1
 
         await publisher.pub.send_multipart([b"", b"\x00", b"junk"])
-        await until(
-            lambda: (
-                sample(router, "pd_extproc_kv_events_dropped_total", endpoint=ENGINE, reason="garbled") == 1
-            )
-        )
+        garbled = {"endpoint": ENGINE, "reason": "garbled"}
+        await until(lambda: sample(router, "pd_extproc_kv_events_dropped_total", **garbled) == 1)
 
         publisher.restart()  # the engine restarted with an empty cache
         await publisher.publish(stored(7, 7))
@@ -120,35 +139,20 @@ async def test_live_batches_a_replayed_gap_a_restart_and_garbage(encoding: Encod
         await until(lambda: held(router, 7) == 0)
         decoded = sample(router, "pd_extproc_kv_events_decoded_total", endpoint=ENGINE, kind="BlockStored")
         assert decoded >= 3
-        blocks = sample(router, "pd_extproc_kv_index_blocks", endpoint=ENGINE, tier="GPU")
-        assert blocks == 0
-    finally:
-        running.cancel()
-        replays.cancel()
-        await asyncio.gather(running, replays, return_exceptions=True)
-        publisher.close()
+        assert sample(router, "pd_extproc_kv_index_blocks", endpoint=ENGINE, tier="GPU") == 0
 
 
 async def test_without_a_replay_socket_a_gap_drops_the_entries_and_routing_goes_on() -> None:
     publisher = Publisher(replay=False)
     router = router_for(publisher)
-    subscribers = KvEventSubscribers(router.registry, router, router.metrics, interval=0.05)
-    running = asyncio.create_task(subscribers.run())
-    try:
-        await connected(publisher, router)
-        await publisher.publish(stored(1, 1))
-        await publisher.publish(stored(2, 2), send=False)
-        await publisher.publish(stored(3, 3))
+    async with subscribed(router, publisher):
+        await gap(publisher)
         await until(lambda: held(router, 3) == 1)
         assert held(router, 1) == 0  # dropped at the gap
         assert sample(router, "pd_extproc_kv_events_resets_total", endpoint=ENGINE, reason="gap") == 1
         body = json.dumps({"model": "m", "prompt": list(tokens(3)) * 2}).encode()
         assert isinstance(router.route_body(body, RequestMeta("/v1/completions")), Routed)
         assert sample(router, "pd_extproc_prefix_predicted_hit_tokens_sum", role="prefill") == B
-    finally:
-        running.cancel()
-        await asyncio.gather(running, return_exceptions=True)
-        publisher.close()
 
 
 async def test_subscribers_follow_the_registry_and_the_source_kind() -> None:
@@ -175,34 +179,23 @@ async def test_a_replay_that_never_answers_fails_drops_the_entries_and_backs_off
     monkeypatch.setattr(kv_subscribers, "REPLAY_TIMEOUT_SECONDS", 0.2)
     publisher = Publisher(replay=False)
     silent = publisher.context.socket(zmq.ROUTER)  # a replay socket that never answers
-    silent_port = silent.bind_to_random_port("tcp://127.0.0.1")
-    router = router_for(publisher, replay_port=silent_port)
-    subscribers = KvEventSubscribers(router.registry, router, router.metrics, interval=0.05)
-    running = asyncio.create_task(subscribers.run())
-    try:
-        await connected(publisher, router)
-        await publisher.publish(stored(1, 1))
-        await publisher.publish(stored(2, 2), send=False)
-        await publisher.publish(stored(3, 3))
+    router = router_for(publisher, replay_port=silent.bind_to_random_port("tcp://127.0.0.1"))
+    failed = {"endpoint": ENGINE, "outcome": "failed"}
+    async with subscribed(router, publisher):
+        await gap(publisher)
         await until(lambda: held(router, 3) == 1)
         assert held(router, 1) == 0
-        assert sample(router, "pd_extproc_kv_events_replays_total", endpoint=ENGINE, outcome="failed") == 1
+        assert sample(router, "pd_extproc_kv_events_replays_total", **failed) == 1
         await publisher.publish(stored(4, 4), send=False)  # another gap: no replay asked (backing off)
         await publisher.publish(stored(5, 5))
         await until(lambda: held(router, 5) == 1)
-        assert sample(router, "pd_extproc_kv_events_replays_total", endpoint=ENGINE, outcome="failed") == 1
+        assert sample(router, "pd_extproc_kv_events_replays_total", **failed) == 1
         assert sample(router, "pd_extproc_kv_events_resets_total", endpoint=ENGINE, reason="gap") >= 1
-    finally:
-        running.cancel()
-        await asyncio.gather(running, return_exceptions=True)
-        publisher.close()
 
 
 async def test_a_flooding_engine_is_bounded_and_the_loop_keeps_turning() -> None:
     publisher = Publisher(replay=False)
     router = router_for(publisher, queue_batches=100)
-    subscribers = KvEventSubscribers(router.registry, router, router.metrics, interval=0.05)
-    running = asyncio.create_task(subscribers.run())
     lags: list[float] = []
 
     async def ticker() -> None:
@@ -214,19 +207,17 @@ async def test_a_flooding_engine_is_bounded_and_the_loop_keeps_turning() -> None
 
     ticking = asyncio.create_task(ticker())
     try:
-        await connected(publisher, router)
-        block = BlockStored(tuple(range(1000, 1064)), None, tuple(range(64 * B)), B, None, None)
-        for _ in range(5000):  # 64 blocks each: a flood, as fast as the PUB socket takes them
-            await publisher.publish(block, BlockRemoved(block.block_hashes, None))
-        await connected(publisher, router, probe=8)  # the PUB socket drops what exceeds its own queue
-        received = sample(router, "pd_extproc_kv_events_received_total", endpoint=ENGINE)
+        async with subscribed(router, publisher):
+            block = BlockStored(tuple(range(1000, 1064)), None, tuple(range(64 * B)), B, None, None)
+            for _ in range(5000):  # 64 blocks each: a flood, as fast as the PUB socket takes them
+                await publisher.publish(block, BlockRemoved(block.block_hashes, None))
+            await connected(publisher, router, probe=8)  # the PUB socket drops what exceeds its own queue
+            assert (
+                sample(router, "pd_extproc_kv_events_received_total", endpoint=ENGINE) <= publisher.sequence
+            )
         assert max(lags) < 0.5, f"the event loop stalled {max(lags):.3f} s"
-        assert received <= publisher.sequence
     finally:
         ticking.cancel()
-        running.cancel()
-        await asyncio.gather(running, ticking, return_exceptions=True)
-        publisher.close()
 
 
 async def test_the_server_subscribes_to_its_engines_with_the_kv_events_source(tmp_path: Path) -> None:
