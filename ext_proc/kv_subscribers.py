@@ -92,8 +92,9 @@ class KvEventSubscribers:
         return list(self._tasks)
 
     def tick(self) -> None:
-        """Subscribe to every pickable engine without a subscriber; stop those of engines that left (or
-        whose ports changed); stop all while the prefix source is not ``kv-events``."""
+        """Subscribe to every pickable engine without a subscriber (again, when its subscriber failed);
+        stop those of engines that left (or whose ports changed); stop all while the prefix source is not
+        ``kv-events``."""
         source = self._source()
         wanted: dict[str, Target] = {}
         if source is not None:
@@ -103,6 +104,10 @@ class KvEventSubscribers:
                 port = state.kv_events_port or settings.port
                 wanted[state.address] = Target(host, port, settings.replay_port)
         for address, (target, task) in list(self._tasks.items()):
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                log.error(
+                    "the KV-event subscriber of %s failed (restarted)", address, exc_info=task.exception()
+                )
             if wanted.get(address) != target or task.done():
                 task.cancel()
                 del self._tasks[address]

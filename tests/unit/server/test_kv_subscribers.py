@@ -239,3 +239,23 @@ async def test_the_server_subscribes_to_its_engines_with_the_kv_events_source(tm
     finally:
         await server.stop()
         publisher.close()
+
+
+async def test_a_failed_subscriber_is_logged_and_started_again(caplog: pytest.LogCaptureFixture) -> None:
+    publisher = Publisher()
+    router = router_for(publisher)
+    subscribers = KvEventSubscribers(router.registry, router, router.metrics)
+    starts: list[str] = []
+
+    async def broken(address: str, target: object) -> None:
+        starts.append(address)
+        raise RuntimeError("boom")
+
+    subscribers._subscribe = broken  # type: ignore[method-assign]
+    subscribers.tick()
+    await asyncio.sleep(0)
+    subscribers.tick()
+    await asyncio.sleep(0)
+    assert starts == [ENGINE, ENGINE]
+    assert "the KV-event subscriber of 127.0.0.1:8000 failed (restarted)" in caplog.text
+    publisher.close()
