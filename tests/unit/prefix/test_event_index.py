@@ -229,3 +229,38 @@ def test_the_source_reads_token_prompts_from_the_events_and_text_from_recent_pla
     kv.observe("p1", 100.0, 50.0)  # no correction, no report
     kv.retain({"p1"})
     assert kv.lookup(kv.chain(text), pool("p2"), pool("d1"), 16).matched == {}
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["e1", "e2", "e3"]), st.lists(st.integers(1, 4), max_size=4), st.floats(0, 3)
+        ),
+        max_size=20,
+    ),
+    st.sets(st.sampled_from(["e1", "e2", "e3"])),
+)
+def test_recent_placements_match_what_was_placed_within_the_window_and_leave_nothing_behind(
+    placements: list[tuple[str, list[int], float]], kept: set[str]
+) -> None:
+    recent = RecentPlacements(2.0)
+    now = 0.0
+    log: list[tuple[float, str, list[int]]] = []
+    for address, blocks, step in placements:
+        now += step
+        recent.record(chain(*blocks), address, now)
+        log.append((now, address, blocks))
+        for probe in ([1], [1, 2], [4, 4]):
+            expected: dict[str, int] = {}
+            for t, a, b in log:
+                if t >= now - 2.0:
+                    depth = next((i for i, (x, y) in enumerate(zip(b, probe, strict=False)) if x != y), None)
+                    depth = min(len(b), len(probe)) if depth is None else depth
+                    if depth:
+                        expected[a] = max(expected.get(a, 0), depth)
+            assert recent.match(chain(*probe), now) == expected
+    recent.retain(kept)
+    assert set(recent.match(chain(1), now)) <= kept
+    recent.expire(now + 10)
+    assert recent.holders.addresses == [] and recent.match(chain(1), now + 10) == {}
