@@ -92,7 +92,9 @@ class KvEventSubscribers:
         return list(self._tasks)
 
     def tick(self) -> None:
-        """Subscribe to every pickable engine without a subscriber (again, when its subscriber failed);
+        """Make the subscribers follow the registry and the prefix source.
+
+        Subscribe to every pickable engine without a subscriber (again, when its subscriber failed);
         stop those of engines that left (or whose ports changed); stop all while the prefix source is not
         ``kv-events``."""
         source = self._source()

@@ -406,8 +406,9 @@ class Metrics:
     def watch_kv_events(
         self, blocks: Callable[[], dict[str, dict[str, int]]], stale: Callable[[], int]
     ) -> None:
-        """Expose ``blocks()`` (per endpoint and tier) and ``stale()`` (stale publishers), read at scrape
-        time."""
+        """Expose ``blocks()`` (per endpoint and tier) and ``stale()`` (stale publishers).
+
+        Both are read at scrape time."""
         self.registry.register(_KvEventsCollector(blocks, stale))
 
     def kv_events_received(self, endpoint: str) -> None:

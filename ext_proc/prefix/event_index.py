@@ -39,8 +39,10 @@ DEFAULT_TIER = "GPU"
 
 
 class Applied(NamedTuple):
-    """A batch was applied. ``dropped``: events left out, by reason (module docstring); ``reset``: why
-    the endpoint's entries were dropped first (``"restart"``, ``"gap"``), ``None`` when they were not."""
+    """A batch was applied.
+
+    ``dropped``: events left out, by reason (module docstring); ``reset``: why the endpoint's entries
+    were dropped first (``"restart"``, ``"gap"``), ``None`` when they were not."""
 
     dropped: Counter[str]
     reset: str | None

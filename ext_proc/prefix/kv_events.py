@@ -71,8 +71,10 @@ Event = BlockStored | BlockRemoved | AllBlocksCleared
 
 @dataclass(frozen=True, slots=True)
 class EventBatch:
-    """One published batch: its ``sequence``, the engine's timestamp ``ts`` (seconds since the epoch),
-    its data-parallel rank (``None`` when not sent) and its events in order."""
+    """One published batch of KV-cache events.
+
+    Its ``sequence``, the engine's timestamp ``ts`` (seconds since the epoch), its data-parallel rank
+    (``None`` when not sent) and its events in order."""
 
     sequence: int
     ts: float
