@@ -1,15 +1,16 @@
 """Subscribers to the engines' KV-cache events: the shell that feeds the ``kv-events`` prefix source.
 
 While the router's prefix source is :class:`~ext_proc.prefix.event_source.KvEventSource`, one task per
-pickable engine (prefill or decode, by address) holds a ZMQ SUB socket on ``tcp://<engine ip>:<port>``
-(the endpoint's ``kv_events_port`` metadata or pod annotation, else ``affinity.prefix.kv_events.port``)
-and applies each message to the source's index (:mod:`ext_proc.prefix.event_index`). Every
-``interval`` seconds the set of subscribers follows the registry: engines that joined get one, engines
-that left lose theirs (and their entries, through the router's ``retain``). When the index answers a
-gap with :class:`~ext_proc.prefix.event_index.ReplayFrom` the task asks the engine's replay socket (a
-DEALER on ``replay_port``) for the batches from there on, applies them, then goes on with the live
-ones (those the replay covered are duplicates, dropped); a replay that fails or times out drops the
-engine's entries instead and, for ``REPLAY_BACKOFF_SECONDS``, no replay is asked of it again.
+known engine (prefill or decode, healthy or not: a cache outlives a health flap; by address) holds a
+ZMQ SUB socket on ``tcp://<engine ip>:<port>`` (the endpoint's ``kv_events_port`` metadata or pod
+annotation, else ``affinity.prefix.kv_events.port``) and applies each message to the source's index
+(:mod:`ext_proc.prefix.event_index`). Every ``interval`` seconds the set of subscribers follows the
+registry: engines that joined get one, engines that left lose theirs (and their entries, through the
+router's ``retain``). When the index answers a gap with
+:class:`~ext_proc.prefix.event_index.ReplayFrom` the task asks the engine's replay socket (a DEALER on
+``replay_port``) for the batches from there on, applies them, then goes on with the live ones (those
+the replay covered are duplicates, dropped); a replay that fails or times out drops the engine's
+entries instead and, for ``REPLAY_BACKOFF_SECONDS``, no replay is asked of it again.
 
 Bad input never stops routing: a message that does not decode is counted (``garbled``) and dropped;
 the SUB socket keeps at most ``kv_events.queue_batches`` messages (ZeroMQ drops the rest, which the
@@ -94,7 +95,7 @@ class KvEventSubscribers:
     def tick(self) -> None:
         """Make the subscribers follow the registry and the prefix source.
 
-        Subscribe to every pickable engine without a subscriber (again, when its subscriber failed);
+        Subscribe to every known engine without a subscriber (again, when its subscriber failed);
         stop those of engines that left (or whose ports changed); stop all while the prefix source is not
         ``kv-events``."""
         source = self._source()
