@@ -21,7 +21,6 @@ costs its share of the loop, not the loop.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import Counter
@@ -82,8 +81,11 @@ class KvEventSubscribers:
                 self.tick()
                 await asyncio.sleep(self._interval)
         finally:
-            for address in list(self._tasks):
-                await self._stop(address)
+            tasks = [task for _, task in self._tasks.values()]
+            self._tasks.clear()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)  # a failed one's error, too, is taken
             if self._context is not None:
                 self._context.destroy(linger=0)
 
@@ -123,12 +125,6 @@ class KvEventSubscribers:
                 self._tasks[address] = (target, task)
             if source is not None:
                 source.index.watch(address, now)
-
-    async def _stop(self, address: str) -> None:
-        _, task = self._tasks.pop(address)
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
 
     def _source(self) -> KvEventSource | None:
         source = self._router.prefix

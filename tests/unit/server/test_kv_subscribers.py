@@ -258,4 +258,7 @@ async def test_a_failed_subscriber_is_logged_and_started_again(caplog: pytest.Lo
     await asyncio.sleep(0)
     assert starts == [ENGINE, ENGINE]
     assert "the KV-event subscriber of 127.0.0.1:8000 failed (restarted)" in caplog.text
+    router.set_prefix(PrefixSettings())
+    subscribers.tick()  # takes the second failure's exception too
+    assert subscribers.addresses == []
     publisher.close()
