@@ -171,6 +171,8 @@ class KvEventSubscribers:
             return None
         for kind, count in Counter(type(e).__name__ for e in batch.events).items():
             self._metrics.kv_events_decoded(address, kind, count)
+        if batch.skipped:
+            self._metrics.kv_events_dropped(address, "unknown_type", len(batch.skipped))
         return batch
 
     async def _take(

@@ -9,10 +9,10 @@ then ``[b"", -1 (8 bytes, signed), b""]``.
 Both encodings the engines use are accepted: a batch is ``[ts, events]``, ``[ts, events, dp_rank]``
 or a map ``{ts, events, data_parallel_rank}``; an event is an array tagged by its first element
 (``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, …]``) or a
-map with a ``type`` key; trailing array fields the engine omits take their defaults, fields this
-module does not know are ignored. A block hash is an integer (msgpack holds 64 bits) or raw bytes
-(1 to 64 of them; vLLM sends 32). Anything else raises :class:`DecodeError`, and nothing else is
-raised, whatever the bytes.
+map with a ``type`` key; trailing array fields the engine omits take their defaults, fields and event
+types this module does not know are skipped (a batch says which types it skipped). A block hash is an
+integer (msgpack holds 64 bits) or raw bytes (1 to 64 of them; vLLM sends 32). Anything else raises
+:class:`DecodeError`, and nothing else is raised, whatever the bytes.
 """
 
 from __future__ import annotations
@@ -74,12 +74,14 @@ class EventBatch:
     """One published batch of KV-cache events.
 
     Its ``sequence``, the engine's timestamp ``ts`` (seconds since the epoch), its data-parallel rank
-    (``None`` when not sent) and its events in order."""
+    (``None`` when not sent), its events in order, and the types of those skipped (a newer engine's
+    kinds this module does not know)."""
 
     sequence: int
     ts: float
     dp_rank: int | None
     events: tuple[Event, ...]
+    skipped: tuple[str, ...] = ()
 
 
 def decode_message(frames: list[bytes]) -> EventBatch:
@@ -123,8 +125,15 @@ def decode_batch(sequence: int, payload: bytes) -> EventBatch:
         raise DecodeError(f"the batch's events are {_kind(events)}, not an array")
     if rank is not None and not _integer(rank):
         raise DecodeError(f"the batch's data_parallel_rank is {_kind(rank)}, not an integer")
-    decoded = tuple(_event(i, e) for i, e in enumerate(events))
-    return EventBatch(sequence, float(ts), rank, decoded)
+    decoded: list[Event] = []
+    skipped: list[str] = []
+    for index, raw_event in enumerate(events):
+        event = _event(index, raw_event)
+        if isinstance(event, str):
+            skipped.append(event)
+        else:
+            decoded.append(event)
+    return EventBatch(sequence, float(ts), rank, tuple(decoded), tuple(skipped))
 
 
 _FIELDS = {
@@ -135,7 +144,8 @@ _FIELDS = {
 _REQUIRED = {"BlockStored": 4, "BlockRemoved": 1, "AllBlocksCleared": 0}
 
 
-def _event(index: int, raw: object) -> Event:
+def _event(index: int, raw: object) -> Event | str:
+    """The event ``raw``, or the type it names when that is a type this module does not know."""
     if isinstance(raw, dict):
         tag = raw.get("type")
         fields = {k: v for k, v in raw.items() if k != "type"}
@@ -144,9 +154,11 @@ def _event(index: int, raw: object) -> Event:
         fields = dict(zip(_FIELDS.get(tag, ()) if isinstance(tag, str) else (), raw[1:], strict=False))
     else:
         raise DecodeError(f"event {index} is {_kind(raw)}, not a tagged array or a map")
-    names = _FIELDS.get(tag) if isinstance(tag, str) else None
+    if not isinstance(tag, str):
+        raise DecodeError(f"event {index} has no type: its tag is {_kind(tag)}")
+    names = _FIELDS.get(tag)
     if names is None:
-        raise DecodeError(f"event {index} has the unknown type {tag!r}")
+        return tag
     missing = [n for n in names[: _REQUIRED[tag]] if n not in fields]
     if missing:
         raise DecodeError(f"event {index} ({tag}) lacks {', '.join(missing)}")

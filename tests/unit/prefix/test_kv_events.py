@@ -70,6 +70,11 @@ def test_unknown_fields_are_ignored() -> None:
     assert batch.ts == 1.0 and batch.dp_rank is None
 
 
+def test_events_of_types_not_known_are_skipped_and_named() -> None:
+    raw = msgspec.msgpack.encode([1, [["BlockPinned", [1]], {"type": "Other"}, ["BlockRemoved", [1]]]])
+    assert decode_batch(0, raw) == EventBatch(0, 1.0, None, (BlockRemoved((1,)),), ("BlockPinned", "Other"))
+
+
 def test_the_replay_answers_and_their_end_marker() -> None:
     answer = [b"", (4).to_bytes(8, "big"), payload([REMOVED])]
     assert decode_replay(answer) == EventBatch(4, 1.0, 0, (REMOVED,))
@@ -88,8 +93,8 @@ def test_the_replay_answers_and_their_end_marker() -> None:
         (msgspec.msgpack.encode([1, {}]), "events are dict, not an array"),
         (msgspec.msgpack.encode([1, [], "r"]), "data_parallel_rank is str"),
         (msgspec.msgpack.encode([1, [7]]), "event 0 is int"),
-        (msgspec.msgpack.encode([1, [["Nope"]]]), "unknown type 'Nope'"),
-        (msgspec.msgpack.encode([1, [{"block_hashes": []}]]), "unknown type None"),
+        (msgspec.msgpack.encode([1, [[3]]]), "event 0 has no type: its tag is int"),
+        (msgspec.msgpack.encode([1, [{"block_hashes": []}]]), "event 0 has no type: its tag is nil"),
         (msgspec.msgpack.encode([1, [["BlockStored", [1], None]]]), "lacks token_ids, block_size"),
         (msgspec.msgpack.encode([1, [["BlockStored", [1], None, [1] * 16, 0]]]), "not a positive integer"),
         (msgspec.msgpack.encode([1, [["BlockStored", [1], None, [1] * 15, 16]]]), "15 token_ids for 1"),
