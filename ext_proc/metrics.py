@@ -186,8 +186,8 @@ class Metrics:
         )
         self._kv_dropped = Counter(
             "pd_extproc_kv_events_dropped_total",
-            "KV-event messages (reason garbled, duplicate) or events (unknown_type, lora, block_size, orphan, "
-            "full) not applied to the index, by endpoint and reason",
+            "KV-event messages (reason garbled, duplicate) or events (unknown_type, lora, block_size, "
+            "orphan, full) not applied to the index, by endpoint and reason",
             ["endpoint", "reason"],
             registry=self.registry,
         )
