@@ -263,3 +263,55 @@ async def test_a_failed_subscriber_is_logged_and_started_again(caplog: pytest.Lo
     subscribers.tick()  # takes the second failure's exception too
     assert subscribers.addresses == []
     publisher.close()
+
+
+async def test_replicas_agree_on_a_prompt_sent_straight_to_an_engine() -> None:
+    """Two gateway replicas subscribed to the same two engines both route a prompt that neither placed
+    (a client sent it straight to the second engine) to the engine that holds it."""
+    engines = {f"127.0.0.1:{8000 + i}": Publisher(replay=False) for i in range(2)}
+    specs = tuple(endpoint(a, kv_events_port=p.port) for a, p in engines.items())
+
+    def replica() -> Router:
+        registry = Registry("prefill", "decode", 10_000.0)
+        registry.update([ClusterEndpoints("prefill", specs, "p"), ClusterEndpoints("decode", specs, "d")])
+        return Router(
+            RouterSettings(100),
+            registry=registry,
+            policy=Policy(prefix_weight=0.5),
+            handoff=SidecarHandoff("x-dest", "x-prefill"),
+            metrics=Metrics(registry.endpoints),
+            prefix=PrefixSettings(B, 100, source="kv-events"),
+        )
+
+    replicas = [replica(), replica()]
+    tasks = [
+        asyncio.create_task(KvEventSubscribers(r.registry, r, r.metrics, interval=0.05).run())
+        for r in replicas
+    ]
+    holder, publisher = "127.0.0.1:8001", engines["127.0.0.1:8001"]
+    prompt = [t for b in range(1, 9) for t in tokens(b)]
+    stored_prompt = BlockStored(tuple(range(101, 109)), None, tuple(prompt), B, None, None)
+
+    def holds(router: Router) -> bool:
+        source = router.prefix
+        assert isinstance(source, KvEventSource)
+        return source.index.match(block_hashes(prompt, B, 100, ROOT), source.clock()).get(holder) == 8
+
+    try:
+        for _ in range(200):  # until both have subscribed (a SUB socket misses what precedes it)
+            await publisher.publish(stored_prompt)
+            if all(holds(r) for r in replicas):
+                break
+            await asyncio.sleep(0.05)
+        body = json.dumps({"model": "m", "prompt": [*prompt, 7, 7]}).encode()
+        for router in replicas:
+            result = router.route_body(body, RequestMeta("/v1/completions"))
+            assert isinstance(result, Routed)
+            assert dict(result.instructions.set_headers)["x-prefill"] == holder
+            assert sample(router, "pd_extproc_prefix_predicted_hit_tokens_sum", role="prefill") == 8 * B
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for engine in engines.values():
+            engine.close()
