@@ -22,6 +22,7 @@ from ext_proc.envoy_health import EnvoyHealth
 from ext_proc.handoff.kinds import KINDS as HANDOFFS
 from ext_proc.handoff.kinds import Handoff
 from ext_proc.health import Health
+from ext_proc.kv_subscribers import KvEventSubscribers
 from ext_proc.metrics import Metrics
 from ext_proc.registry import Registry
 from ext_proc.reload import RELOAD_INTERVAL_SECONDS, ConfigWatcher
@@ -227,10 +228,12 @@ def start_watchers(
 ) -> tuple[list[asyncio.Task[None]], ConfigWatcher | None]:
     """Start the background tasks: ``(tasks, the configuration watcher or None)``.
 
-    The tasks are the discovery source, the load signal if any, Envoy's host health with
-    ``envoy_health.admin_url``, and the configuration watcher when the configuration came from a file
-    (``reload``: its source and interval)."""
+    The tasks are the discovery source, the KV-event subscribers, the load signal if any, Envoy's host
+    health with ``envoy_health.admin_url``, and the configuration watcher when the configuration came
+    from a file (``reload``: its source and interval)."""
     watchers = [asyncio.create_task(endpoints.run(), name="discovery")]
+    subscribers = KvEventSubscribers(router.registry, router, metrics)  # idle unless the source is kv-events
+    watchers.append(asyncio.create_task(subscribers.run(), name="kv-events"))
     if load_signal is not None:
         watchers.append(asyncio.create_task(load_signal.run(), name="engine-metrics"))
     if config.envoy_health.admin_url:

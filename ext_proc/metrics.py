@@ -73,6 +73,29 @@ class _EngineScrapeCollector(Collector):
         )
 
 
+class _KvEventsCollector(Collector):
+    def __init__(self, blocks: Callable[[], dict[str, dict[str, int]]], stale: Callable[[], int]) -> None:
+        self._blocks = blocks
+        self._stale = stale
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        blocks = GaugeMetricFamily(
+            "pd_extproc_kv_index_blocks",
+            "Blocks the engine reported holding (kv-events prefix source), by endpoint and tier",
+            labels=["endpoint", "tier"],
+        )
+        for address, tiers in self._blocks().items():
+            for tier, count in tiers.items():
+                blocks.add_metric([address, tier], count)
+        yield blocks
+        yield GaugeMetricFamily(
+            "pd_extproc_kv_events_stale_publishers",
+            "Engines subscribed to that published nothing within kv_events.stale_after_seconds "
+            "(routed as holding nothing)",
+            value=self._stale(),
+        )
+
+
 class Metrics:
     """The server's metrics. ``registry`` is what ``/metrics`` exposes."""
 
@@ -149,6 +172,37 @@ class Metrics:
             registry=self.registry,
         )
         self._prefix_children: dict[tuple[str, str], tuple[Counter, Counter, Histogram]] = {}
+        self._kv_received = Counter(
+            "pd_extproc_kv_events_received_total",
+            "KV-event messages received from the engine (kv-events prefix source)",
+            ["endpoint"],
+            registry=self.registry,
+        )
+        self._kv_decoded = Counter(
+            "pd_extproc_kv_events_decoded_total",
+            "KV-cache events decoded, by endpoint and kind (BlockStored, BlockRemoved, AllBlocksCleared)",
+            ["endpoint", "kind"],
+            registry=self.registry,
+        )
+        self._kv_dropped = Counter(
+            "pd_extproc_kv_events_dropped_total",
+            "KV-event messages (reason garbled, duplicate) or events (unknown_type, lora, block_size, "
+            "orphan, full) not applied to the index, by endpoint and reason",
+            ["endpoint", "reason"],
+            registry=self.registry,
+        )
+        self._kv_replays = Counter(
+            "pd_extproc_kv_events_replays_total",
+            "Replays asked of the engine's replay socket after a sequence gap, by outcome (ok, failed)",
+            ["endpoint", "outcome"],
+            registry=self.registry,
+        )
+        self._kv_resets = Counter(
+            "pd_extproc_kv_events_resets_total",
+            "Times the index dropped an engine's entries, by reason (restart, gap)",
+            ["endpoint", "reason"],
+            registry=self.registry,
+        )
         self._prefill_legs = Counter(
             "pd_extproc_prefill_leg_total",
             "Prefill legs sent by the gateway (handoffs kv-transfer-params, sglang-bootstrap), by outcome",
@@ -348,6 +402,34 @@ class Metrics:
         ``ages()``: seconds since each engine's last good sample, by address; ``stale()``: the pickable
         endpoints without a fresh one."""
         self.registry.register(_EngineScrapeCollector(ages, stale))
+
+    def watch_kv_events(
+        self, blocks: Callable[[], dict[str, dict[str, int]]], stale: Callable[[], int]
+    ) -> None:
+        """Expose ``blocks()`` (per endpoint and tier) and ``stale()`` (stale publishers).
+
+        Both are read at scrape time."""
+        self.registry.register(_KvEventsCollector(blocks, stale))
+
+    def kv_events_received(self, endpoint: str) -> None:
+        """Count one KV-event message from ``endpoint``."""
+        self._kv_received.labels(endpoint).inc()
+
+    def kv_events_decoded(self, endpoint: str, kind: str, count: int) -> None:
+        """Count ``count`` decoded events of ``kind`` from ``endpoint``."""
+        self._kv_decoded.labels(endpoint, kind).inc(count)
+
+    def kv_events_dropped(self, endpoint: str, reason: str, count: int = 1) -> None:
+        """Count ``count`` messages or events from ``endpoint`` not applied, by ``reason``."""
+        self._kv_dropped.labels(endpoint, reason).inc(count)
+
+    def kv_events_replay(self, endpoint: str, outcome: str) -> None:
+        """Count one replay asked of ``endpoint``, by ``outcome``."""
+        self._kv_replays.labels(endpoint, outcome).inc()
+
+    def kv_events_reset(self, endpoint: str, reason: str) -> None:
+        """Count one drop of ``endpoint``'s entries, by ``reason``."""
+        self._kv_resets.labels(endpoint, reason).inc()
 
     def engine_scrape(self, outcome: str, seconds: float) -> None:
         """Count one scrape of an engine's ``/metrics`` by ``outcome`` and record its ``seconds``."""

@@ -105,14 +105,14 @@ class Router:
     def set_prefix(self, settings: PrefixSettings | None) -> None:
         """Route every later decision with the prefix index of ``settings`` (``None``: without one).
 
-        The index is of the ``approximate`` kind. It is kept while its hashing stays the same, and starts
-        empty when it changes."""
+        The index is of the kind ``settings.source`` names. It is kept while its kind and hashing (and,
+        for ``kv-events``, its own settings) stay the same, and starts empty when they change."""
         if settings is None:
             self.prefix = None
-        elif self.prefix is not None and _hashing(self.prefix.settings) == _hashing(settings):
+        elif self.prefix is not None and _identity(self.prefix.settings) == _identity(settings):
             self.prefix.settings = settings
         else:
-            self.prefix = PREFIX_SOURCES[PrefixSourceKind.APPROXIMATE](settings, self.metrics)
+            self.prefix = PREFIX_SOURCES[PrefixSourceKind(settings.source)](settings, self.metrics)
 
     def engine_sampled(self, address: str, queries: float | None, hits: float | None) -> None:
         """An engine's prefix-cache counters (tokens, since it started) arrived with its load sample."""
@@ -276,9 +276,11 @@ class Router:
         return Placement(result, lease)
 
 
-def _hashing(settings: PrefixSettings) -> tuple[int, int]:
-    """What a prompt's chain depends on: an index built with other values cannot be looked up."""
-    return settings.block_tokens, settings.max_blocks
+def _identity(settings: PrefixSettings) -> tuple[object, ...]:
+    """What a prefix source's state depends on: its kind and its prompt chain (an index built with other
+    values cannot be looked up) and, for ``kv-events``, the settings its index was built with."""
+    own = settings.kv_events if settings.source == PrefixSourceKind.KV_EVENTS else None
+    return settings.source, settings.block_tokens, settings.max_blocks, own
 
 
 @dataclass(frozen=True)

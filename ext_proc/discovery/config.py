@@ -47,6 +47,7 @@ class KubernetesConfig:
     capacity_annotation: str = "pd-extproc/token-capacity"
     bootstrap_port_annotation: str = "pd-extproc/bootstrap-port"
     metrics_port_annotation: str = "pd-extproc/metrics-port"
+    kv_events_port_annotation: str = "pd-extproc/kv-events-port"
 
     def scheme(self) -> RoleScheme:
         """The preset's role scheme with each role and port key that is set here in its place."""
@@ -72,6 +73,7 @@ class KubernetesConfig:
             "capacity_annotation": self.capacity_annotation,
             "bootstrap_port_annotation": self.bootstrap_port_annotation,
             "metrics_port_annotation": self.metrics_port_annotation,
+            "kv_events_port_annotation": self.kv_events_port_annotation,
         }
         for name, value in keys.items():
             if not is_label_key(value):
@@ -167,6 +169,7 @@ class DiscoveryConfig:
             self.prefill_cluster,
             self.decode_cluster,
             kubernetes.metrics_port_annotation,
+            kubernetes.kv_events_port_annotation,
         )
 
     def check(self) -> None:
