@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
+from ext_proc.metrics import Metrics
 from ext_proc.prefix.tokens import (
     ChatTemplate,
     PrefixTokenCache,
@@ -377,3 +378,20 @@ async def test_a_missing_folder_answers_none_and_counts(
         assert recorder.reasons == ["no_tokenizer", "no_tokenizer"]
     finally:
         gateway.close()
+
+
+async def test_the_metrics_count_tokens_by_source_and_fallbacks_by_reason(folder: Path) -> None:
+    metrics = Metrics(lambda: [])
+    gateway = GatewayTokenizer.open(TokenizerSettings(str(folder)), metrics)
+    try:
+        ids = await gateway.prompt_tokens({"prompt": "counted"}, COMPLETIONS)
+        await gateway.prompt_tokens({"prompt": "counted"}, COMPLETIONS)
+        await gateway.prompt_tokens({"prompt": "x"}, "/v1/responses")
+    finally:
+        gateway.close()
+    assert ids is not None
+    value = metrics.registry.get_sample_value
+    assert value("pd_extproc_tokenize_seconds_count") == 2
+    assert value("pd_extproc_tokenize_tokens_total", {"source": "cache"}) == len(ids) - 1
+    assert value("pd_extproc_tokenize_tokens_total", {"source": "tokenizer"}) == len(ids) + 1
+    assert value("pd_extproc_tokenize_fallbacks_total", {"reason": "unsupported"}) == 1
