@@ -2,7 +2,7 @@
 
 :func:`write_tokenizer_folder` trains a byte-level BPE shaped like Llama 3's (its pre-tokenizer
 pattern, ``<|begin_of_text|>`` added in front of a prompt by the post-processor, the chat special
-tokens) on the given files and writes ``tokenizer.json`` and a ``tokenizer_config.json`` with a chat
+tokens) on the given texts and writes ``tokenizer.json`` and a ``tokenizer_config.json`` with a chat
 template, as transformers saves a tokenizer. Nothing is downloaded; training on a few hundred kB of text
 takes well under a second.
 """
@@ -51,8 +51,8 @@ LLAMA3_TEMPLATE = (
 """A chat template in the manner of Llama 3's: system message first, a header and ``<|eot_id|>`` per turn."""
 
 
-def train_tokenizer(files: Iterable[Path], vocab_size: int) -> Tokenizer:
-    """A byte-level BPE of ``vocab_size`` tokens (special tokens included) trained on ``files``."""
+def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+    """A byte-level BPE of ``vocab_size`` tokens (special tokens included) trained on ``texts``."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [
@@ -67,7 +67,7 @@ def train_tokenizer(files: Iterable[Path], vocab_size: int) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train([str(f) for f in files], trainer)
+    tokenizer.train_from_iterator(texts, trainer)
     bos = tokenizer.token_to_id(BOS)
     tokenizer.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos)]
@@ -76,11 +76,11 @@ def train_tokenizer(files: Iterable[Path], vocab_size: int) -> Tokenizer:
 
 
 def write_tokenizer_folder(
-    folder: Path, files: Iterable[Path], vocab_size: int, chat_template: str = LLAMA3_TEMPLATE
+    folder: Path, texts: Iterable[str], vocab_size: int, chat_template: str = LLAMA3_TEMPLATE
 ) -> Path:
-    """Train a tokenizer on ``files``, save it with ``chat_template`` to ``folder`` (made); ``folder``."""
+    """Train a tokenizer on ``texts``, save it with ``chat_template`` to ``folder`` (made); ``folder``."""
     folder.mkdir(parents=True, exist_ok=True)
-    train_tokenizer(files, vocab_size).save(str(folder / "tokenizer.json"))
+    train_tokenizer(texts, vocab_size).save(str(folder / "tokenizer.json"))
     config = {
         "bos_token": BOS,
         "eos_token": {"content": "<|eot_id|>", "lstrip": False, "rstrip": False, "special": True},

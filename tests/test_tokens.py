@@ -44,7 +44,9 @@ CHATML = (
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tokenizer_folder(tmp_path_factory.mktemp("tokenizer"), DOCS, vocab_size=2000)
+    return write_tokenizer_folder(
+        tmp_path_factory.mktemp("tokenizer"), (page.read_text() for page in DOCS), vocab_size=2000
+    )
 
 
 @pytest.fixture(scope="module")

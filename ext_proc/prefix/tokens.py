@@ -489,23 +489,25 @@ class PromptTokenizer:
             return Tokenized(self._encode_whole(text, True).ids, 0)
         positions = sorted({p for p in (*lookups, *stores) if 0 < p <= len(text)})
         keys = dict(zip(positions, _prefix_keys(text, positions), strict=True))
-        base, prefix, rest = 0, None, None
+        base, cached, ids, rest = 0, 0, None, None
         for position in reversed(positions):
             prefix = self.cache.get(keys[position], now)
             if prefix is None:
                 continue
             rest = self._encode_whole(text[position:], False)
-            if self._seam_agrees(text, position, prefix, rest):
-                base = position
-            else:
-                prefix = None
+            rest_ids = rest.ids  # each .ids builds a new list: read it once
+            if self._seam_agrees(text, position, prefix, rest, rest_ids):
+                base, cached, ids = position, len(prefix.ids), prefix.ids + rest_ids
             break
-        if prefix is None or rest is None:
+        if ids is None or rest is None:
             rest = self._encode_whole(text, False)
-            ids, cached = rest.ids, 0
-        else:
-            ids, cached = prefix.ids + rest.ids, len(prefix.ids)
-        self._store(text, [p for p in stores if p > base], keys, base, rest, prefix, now)
+            ids = rest.ids
+        for position in stores:
+            count = _token_boundary(rest, len(text) - base, position - base) if position > base else None
+            if count:  # the ids of text[:position], with where its last few tokens start
+                tail_count = min(SEAM_TOKENS, count)
+                tail_start = base + rest.token_to_chars(count - tail_count)[0]
+                self.cache.put(keys[position], ids[: cached + count], tail_start, tail_count, now)
         if add_special and self._added is not None:
             head, tail = self._added
             ids = head + ids + tail
@@ -517,35 +519,15 @@ class PromptTokenizer:
         except Exception as exc:  # the Rust side raises plain Exceptions (e.g. a lone surrogate)
             raise TokenizeFailure(UntokenizedReason.TOKENIZER, f"the tokenizer failed: {exc}") from exc
 
-    def _seam_agrees(self, text: str, position: int, prefix: _Prefix, rest: Encoding) -> bool:
-        """Whether joining ``prefix`` (the ids of ``text[:position]``) and ``rest`` (of the remainder)
-        tokenizes the seam as the whole text does, tested on the tokens around it."""
-        head = min(SEAM_TOKENS, len(rest.ids))
+    def _seam_agrees(
+        self, text: str, position: int, prefix: _Prefix, rest: Encoding, rest_ids: list[int]
+    ) -> bool:
+        """Whether joining ``prefix`` (the ids of ``text[:position]``) and ``rest`` (of the remainder,
+        ``rest_ids`` its ids) tokenizes the seam as the whole text does, tested on the tokens around it."""
+        head = min(SEAM_TOKENS, len(rest_ids))
         end = position + (rest.token_to_chars(head - 1)[1] if head else 0)
         window = self._encode_whole(text[prefix.tail_start : end], False).ids
-        return window == prefix.ids[len(prefix.ids) - prefix.tail_count :] + rest.ids[:head]
-
-    def _store(
-        self,
-        text: str,
-        positions: list[int],
-        keys: dict[int, bytes],
-        base: int,
-        rest: Encoding,
-        prefix: _Prefix | None,
-        now: float,
-    ) -> None:
-        """Cache the ids of ``text[:p]`` for each of ``positions`` (after ``base``) that is a token boundary.
-
-        ``rest`` tokenized ``text[base:]``; the ids before it came from ``prefix`` (``None``: none)."""
-        for position in positions:
-            count = _token_boundary(rest, len(text) - base, position - base)
-            if not count:
-                continue
-            tail_count = min(SEAM_TOKENS, count)
-            tail_start = base + rest.token_to_chars(count - tail_count)[0]
-            ids = rest.ids[:count] if prefix is None else prefix.ids + rest.ids[:count]
-            self.cache.put(keys[position], ids, tail_start, tail_count, now)
+        return window == prefix.ids[len(prefix.ids) - prefix.tail_count :] + rest_ids[:head]
 
 
 def _added_specials(tokenizer: Tokenizer) -> tuple[list[int], list[int]] | None:
