@@ -152,7 +152,7 @@ class GatewayTokenizer:
         except TokenizerLoadError as exc:
             log.error("tokenizer folder unusable, prompts are routed on the approximate index: %s", exc)
             tokenizer = None
-        return cls(tokenizer, sink, time.monotonic)
+        return cls(tokenizer, sink)
 
     async def prompt_tokens(self, body: Mapping[str, object], path: str) -> list[int] | None:
         """The engine's token ids for ``body`` sent to ``path``; ``None`` when they cannot be known.

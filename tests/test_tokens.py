@@ -206,7 +206,7 @@ def conversations(draw: st.DrawFn) -> list[dict[str, str]]:
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(turns=conversations(), template=st.sampled_from(["llama3", "bare"]))
+@given(turns=conversations(), template=st.sampled_from(["llama3", "bare", "parts"]))
 def test_cached_tokens_equal_a_full_tokenization_turn_after_turn(
     folder: Path,
     raw: Tokenizer,
@@ -215,10 +215,9 @@ def test_cached_tokens_equal_a_full_tokenization_turn_after_turn(
     template: str,
 ) -> None:
     """Each turn extends the last; the cached answer is always what tokenizing the whole text gives."""
-    if template == "bare":  # no special token between messages: boundaries may split words
-        folder = with_template(
-            folder, tmp_path_factory.mktemp("bare"), "{% for m in messages %}{{ m.content }}{% endfor %}"
-        )
+    if template != "llama3":  # bare: no special token between messages, boundaries may split words
+        source = CHATML if template == "parts" else "{% for m in messages %}{{ m.content }}{% endfor %}"
+        folder = with_template(folder, tmp_path_factory.mktemp(template), source)
     cached, uncached = fresh(folder), fresh(folder, cache_entries=0)
     for end in range(2, len(turns) + 1):
         body = {"messages": turns[:end]}
@@ -234,6 +233,18 @@ def test_a_later_turn_reuses_the_earlier_turns_tokens(folder: Path) -> None:
     second = tokenizer.tokens({"messages": longer}, CHAT, 1.0)
     assert second.cached == len(first.ids)  # the whole first prompt, generation prompt included
     assert second.ids[: len(first.ids)] == first.ids
+
+
+def test_content_parts_have_boundaries_too(folder: Path, raw: Tokenizer, tmp_path: Path) -> None:
+    tokenizer = fresh(with_template(folder, tmp_path, CHATML))
+    turns = [{"role": "user", "content": [{"type": "text", "text": LINES[0]}, {"type": "text", "text": "!"}]}]
+    first = tokenizer.tokens({"messages": turns}, CHAT, 0.0)
+    other = tokenizer.tokens(
+        {"messages": [*turns, {"role": "user", "content": "another question"}]}, CHAT, 1.0
+    )
+    header = len(raw.encode("<|start_header_id|>user<|end_header_id|>", add_special_tokens=False).ids)
+    assert other.cached == header + len(raw.encode(LINES[0] + "!", add_special_tokens=False).ids)
+    assert other.cached < len(first.ids)  # up to the end of the first message's last part
 
 
 def test_a_shared_system_prompt_is_tokenized_once(folder: Path, raw: Tokenizer) -> None:

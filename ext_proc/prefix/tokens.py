@@ -24,7 +24,10 @@ per-request ``chat_template``, ``continue_final_message``, a template that raise
 in every conversation. :class:`PromptTokenizer` keeps the token ids of recent rendered texts up to a
 message boundary, keyed by a hash of that text (:class:`PrefixTokenCache`: bounded in entries and
 tokens, each entry kept ``ttl_s`` after its last use), and tokenizes only what follows the longest
-cached prefix. Joining two tokenizations is exact only where the boundary is a token boundary in the
+cached prefix found at any message's content start or end. Each request adds at most three prefixes:
+to the end of its first message (a shared system prompt), to the end of its last, and its whole text
+(which the conversation's next turn extends); a prefix per message would hold a conversation's tokens
+once per turn. Joining two tokenizations is exact only where the boundary is a token boundary in the
 whole text; it is checked at every join by tokenizing the seam again (the last
 :data:`SEAM_TOKENS` tokens of the prefix and the first of the rest, in the new text) and comparing; a
 seam that differs falls back to tokenizing the whole text. Boundaries sit at the end of a message's
@@ -366,22 +369,37 @@ def _token_boundary(encoding: Encoding, length: int, char: int) -> int | None:
     return token
 
 
+def _find(text: str, parts: list[str], position: int) -> tuple[int, int] | None:
+    """Where ``parts`` (empty ones skipped) occur one after another in ``text`` from ``position``: from the
+    start of the first to the end of the last; ``None`` when one is missing or all are empty."""
+    span: tuple[int, int] | None = None
+    for part in filter(None, parts):
+        at = text.find(part, position)
+        if at < 0:
+            return None
+        position = at + len(part)
+        span = (span[0] if span else at, position)
+    return span
+
+
 def _message_spans(text: str, messages: list[dict[str, object]]) -> tuple[list[int], list[int]]:
-    """Where each message's content starts and ends in the rendered ``text`` (those found, in order)."""
+    """Where each message's content starts and ends in the rendered ``text`` (those found, in order).
+
+    Content is looked for as rendered: a string whole (or stripped, as templates often trim it), a list
+    of text parts one after another."""
     starts: list[int] = []
     ends: list[int] = []
     position = 0
     for message in messages:
         content = message["content"]
-        if not isinstance(content, str):
-            content = "\n".join(part["text"] for part in content)  # type: ignore[attr-defined]
-        for candidate in (content, content.strip()):
-            found = text.find(candidate, position) if candidate else -1
-            if found >= 0:
-                starts.append(found)
-                ends.append(found + len(candidate))
-                position = found + len(candidate)
-                break
+        if isinstance(content, str):
+            span = _find(text, [content], position) or _find(text, [content.strip()], position)
+        else:
+            span = _find(text, [part["text"] for part in content], position)  # type: ignore[attr-defined]
+        if span is not None:
+            starts.append(span[0])
+            ends.append(span[1])
+            position = span[1]
     return starts, ends
 
 
