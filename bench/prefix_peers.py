@@ -40,9 +40,9 @@ import numpy as np
 
 from ext_proc.affinity import Cost, Decision, Hits, Mode, Policy, Pool, choose
 from ext_proc.endpoints import ClusterEndpoints, EndpointSpec
-from ext_proc.handoff import HandoffJob, Placement, RequestMeta, Routed, RoutingInstructions
 from ext_proc.load import Lease
 from ext_proc.metrics import Metrics
+from ext_proc.outcome import HandoffJob, Placement, RequestMeta, Routed, RoutingInstructions
 from ext_proc.prefix import PrefixIndex, PrefixSettings, block_hashes, prompt_content
 from ext_proc.registry import EndpointState, Registry
 from ext_proc.request import describe

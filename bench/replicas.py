@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_json
 from routing_quality import FIRST_SEED, SCENARIOS, across_seeds
 
-from ext_proc.config import EngineMetricsConfig
+from ext_proc.engine_load.config import EngineMetricsConfig
 from sim.experiment import measure
 from sim.report import format_table
 from sim.stack import Stack, start_stack

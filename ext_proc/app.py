@@ -26,7 +26,8 @@ from ext_proc.metrics import Metrics
 from ext_proc.registry import Registry
 from ext_proc.reload import RELOAD_INTERVAL_SECONDS, ConfigWatcher
 from ext_proc.router import Router, RouterSettings
-from ext_proc.server import server_credentials, start_grpc, start_health_grpc, tls_mode
+from ext_proc.server import start_grpc, start_health_grpc
+from ext_proc.tls import server_credentials, tls_mode
 from ext_proc.xds import EdsPublisher
 
 log = logging.getLogger(__name__)

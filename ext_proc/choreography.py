@@ -29,7 +29,7 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from ext_proc import envoy_messages as msg
-from ext_proc.handoff import RoutingInstructions
+from ext_proc.outcome import RoutingInstructions
 
 BodySendMode = processing_mode_pb2.ProcessingMode.BodySendMode
 STREAMED_CHUNK_BYTES = 62_000

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import yaml
 
-from ext_proc.config import Config, ConfigError, ConfigSource, as_dict
+from ext_proc.checks import ConfigError
+from ext_proc.config import Config, ConfigSource, as_dict
 
 
 def _load(source: ConfigSource) -> Config | None:

@@ -15,7 +15,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from ext_proc.handoff import RequestMeta, RoutingInstructions
+from ext_proc.outcome import RequestMeta, RoutingInstructions
 
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"

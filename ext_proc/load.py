@@ -11,7 +11,14 @@ the endpoint's slot of the registry's load arrays). A :class:`Lease` releases ea
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from ext_proc.checks import ConfigError, in_range
 from ext_proc.registry import EndpointState
+from ext_proc.request import MAX_OUTPUT_BUDGET
+
+MAX_RETRY_AFTER = 3600
+"""Upper bound of ``limits.retry_after_seconds`` (seconds)."""
 
 
 class Lease:
@@ -87,3 +94,42 @@ class Admission:
     def release(self) -> None:
         """Give back one slot taken by :meth:`admit`."""
         self.inflight -= 1
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """Defaults for load accounting, in tokens."""
+
+    default_max_tokens: int = 256
+    default_token_capacity: float = 100_000.0
+
+    def check(self) -> None:
+        """Raise :class:`ConfigError` naming the first key out of range."""
+        if self.default_max_tokens < 0:
+            raise ConfigError("load.default_max_tokens: must be an integer >= 0")
+        if self.default_max_tokens > MAX_OUTPUT_BUDGET:
+            raise ConfigError(f"load.default_max_tokens: must be at most {MAX_OUTPUT_BUDGET}")
+        if not self.default_token_capacity > 0:
+            raise ConfigError("load.default_token_capacity: must be a number > 0")
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    """Admission control (docs/operations.md "Overload"), the :class:`Admission` limit.
+
+    ``max_inflight_requests``: the most requests this server has routed and not yet seen end (their
+    ext_proc stream open) at once; beyond it a request is answered 429 ``overloaded`` at once. 0 (the
+    default) = unlimited, as before the key existed: the right limit depends on the cluster's
+    capacity, so it is the operator's to set. ``retry_after_seconds``: the ``Retry-After`` of that 429.
+    """
+
+    max_inflight_requests: int = 0
+    retry_after_seconds: int = 1
+
+    def check(self) -> None:
+        """Raise :class:`ConfigError` naming the first key out of range."""
+        if self.max_inflight_requests < 0:
+            raise ConfigError("limits.max_inflight_requests: must be an integer >= 0 (0 = unlimited)")
+        in_range(
+            "limits.retry_after_seconds", self.retry_after_seconds, 1, MAX_RETRY_AFTER, kind="an integer"
+        )

@@ -21,7 +21,8 @@ import hashlib
 import logging
 from pathlib import Path
 
-from ext_proc.config import Config, ConfigError, ConfigSource, as_dict
+from ext_proc.checks import ConfigError
+from ext_proc.config import Config, ConfigSource, as_dict
 from ext_proc.metrics import Metrics
 from ext_proc.router import Router
 

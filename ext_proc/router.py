@@ -1,34 +1,31 @@
 """One request's routing, free of gRPC: parse, decide, charge, and hand off to the engines' protocol.
 
 The server calls :meth:`Router.route_body` (or :meth:`Router.route_bodiless`) and maps the
-outcome onto ext_proc messages: :class:`Routed`, :class:`Refused` (an HTTP status, a precise
-message and a machine-readable code), or a :class:`Handover` to complete after a prefill leg.
+outcome (:mod:`ext_proc.outcome`) onto ext_proc messages: :class:`Routed`, :class:`Refused` (an HTTP
+status, a precise message and a machine-readable code), or a :class:`PendingAnswer` to complete after
+a prefill leg.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from ext_proc.affinity import Cost, Decision, Mode, Policy, Pool, Rejection, choose
+from ext_proc.affinity import Cost, Decision, Mode, NoPair, Policy, Pool, choose
+from ext_proc.affinity.config import AutoConfig
+from ext_proc.checks import ConfigError
 from ext_proc.ejection import Ejections
-from ext_proc.handoff import (
-    HandoffJob,
-    Handover,
-    Placement,
-    Refused,
-    RequestMeta,
-    Routed,
-    kv_failure,
-)
 from ext_proc.handoff.kinds import Handoff
 from ext_proc.load import Admission, Lease
 from ext_proc.metrics import Metrics
+from ext_proc.outcome import HandoffJob, PendingAnswer, Placement, Refused, RequestMeta, Routed
 from ext_proc.prefix import PrefixSettings
+from ext_proc.prefix.config import PrefixConfig
 from ext_proc.prefix.kinds import KINDS as PREFIX_SOURCES
 from ext_proc.prefix.kinds import PrefixSource, PrefixSourceKind
+from ext_proc.refusal import refuse
 from ext_proc.registry import EndpointState, Registry
 from ext_proc.request import RequestError, describe, parse_body
 
@@ -119,23 +116,6 @@ class Router:
         if self.prefix is not None:
             self.prefix.observe(address, queries, hits)
 
-    def refuse(
-        self,
-        status: int,
-        message: str,
-        code: str,
-        param: str | None = None,
-        body: bytes | None = None,
-        retry_after: int | None = None,
-    ) -> Refused:
-        """Count, log and describe an error answer (``body``: an exact error body to send;
-        ``retry_after``: seconds for a ``retry-after`` header)."""
-        self.metrics.rejected(code)
-        log.log(
-            logging.INFO if status < 500 else logging.WARNING, "answered %d %s: %s", status, code, message
-        )
-        return Refused(status, message, code, param, body, retry_after)
-
     def admit(self) -> Refused | None:
         """Take an in-flight slot for a request about to be routed: ``None`` when taken (the caller
         gives it back with ``admission.release()`` exactly once, when the request is refused or its
@@ -144,7 +124,8 @@ class Router:
         admission = self.admission
         if admission.admit():
             return None
-        return self.refuse(
+        return refuse(
+            self.metrics,
             429,
             f"the gateway is overloaded: {admission.limit} requests are in flight, the most it admits "
             f"(limits.max_inflight_requests); retry after {admission.retry_after_seconds} s",
@@ -154,7 +135,7 @@ class Router:
 
     def route_body(
         self, raw: bytes, meta: RequestMeta, subset: frozenset[str] | None = None
-    ) -> Routed | Refused | Handover:
+    ) -> Routed | Refused | PendingAnswer:
         """Route a request by its full JSON body: prefill then decode, per the affinity policy.
 
         ``subset`` (the data plane's endpoint-subset hint) restricts the decode endpoints; ``meta``
@@ -165,7 +146,7 @@ class Router:
             body = parse_body(raw)
             info = describe(body, self._default_max_tokens)
         except RequestError as exc:
-            return self.refuse(400, str(exc), "invalid_request", exc.param)
+            return refuse(self.metrics, 400, str(exc), "invalid_request", exc.param)
         prompt = info.prompt_tokens
         cost = Cost(prompt, prompt + info.output_budget)
         disaggregated = prompt >= self._pd_threshold and urlsplit(meta.path).path in DISAGGREGATED_PATHS
@@ -231,15 +212,9 @@ class Router:
         lease.move_decode(served)
 
     def leg_failed(self, address: str, outcome: str) -> None:
-        """A prefill leg to ``address`` failed with ``outcome`` (not a 4xx): eject that prefill."""
+        """A prefill leg to ``address`` failed with ``outcome`` (not a 4xx), or a decode could not pull
+        the KV cache it computed: eject that prefill."""
         self.ejections.eject(address, outcome)
-
-    def kv_transfer_failed(self, prefill: str, decode: str, stream: bool) -> str:
-        """``decode`` could not pull the KV cache ``prefill`` computed: count it and eject that prefill
-        (it died, or was too loaded to answer the handshake); the message for the client."""
-        self.metrics.kv_transfer_failed(stream)
-        self.ejections.eject(prefill, kv_failure.CODE)
-        return kv_failure.message(decode, prefill)
 
     def _chain(self, body: dict[str, object]) -> list[int] | None:
         """The prompt's block hashes when the prefix index is on (it forgets endpoints that left)."""
@@ -266,7 +241,7 @@ class Router:
                 message = (
                     f"none of the {len(subset)} endpoints in the data plane's subset hint is a healthy decode"
                 )
-                return self.refuse(503, message, "no_endpoint_in_subset")
+                return refuse(self.metrics, 503, message, "no_endpoint_in_subset")
         decodes = self.decode_ejections.keep(decodes)
         prompt = cost.prefill_tokens
         prefix = self.prefix
@@ -276,8 +251,8 @@ class Router:
         hits = None if lookup is None else lookup.hits
         result = choose(cost, prefills, decodes, self.policy, self._ticket, hits)
         seconds = time.perf_counter() - started  # the decision alone (decision_seconds)
-        if isinstance(result, Rejection):
-            return self.refuse(503, result.message, result.reason.value)
+        if isinstance(result, NoPair):
+            return refuse(self.metrics, 503, result.message, result.reason.value)
         if prefix is not None and lookup is not None:
             prefix.placed(lookup, result, prompt)
             if result.prefill is not None:  # the prefill computes only what it does not hold
@@ -293,3 +268,34 @@ class Router:
 def _hashing(settings: PrefixSettings) -> tuple[int, int]:
     """What a prompt's chain depends on: an index built with other values cannot be looked up."""
     return settings.block_tokens, settings.max_blocks
+
+
+@dataclass(frozen=True)
+class AffinityConfig:
+    """The ``affinity`` section: the router's decision policy and prefix index.
+
+    ``mode``: off | prefer | strict | auto. ``bonus``: utilisation slack in [0, 1] for ``prefer``.
+    ``auto``: the time model of ``auto``. ``prefix``: prefix-cache aware routing. The whole section
+    applies live (:mod:`ext_proc.reload`: :meth:`Router.set_policy` with :meth:`policy`,
+    :meth:`Router.set_prefix` with ``prefix.settings()``). It lives here, above both the decision
+    (:mod:`ext_proc.affinity`) and the prefix index (:mod:`ext_proc.prefix`): the prefix index reads the
+    decision's types, so the decision's package may not import the prefix's configuration.
+    """
+
+    mode: Mode = Mode.PREFER
+    bonus: float = 0.3
+    auto: AutoConfig = field(default_factory=AutoConfig)
+    prefix: PrefixConfig = field(default_factory=PrefixConfig)
+
+    def policy(self, fallback_count: int) -> Policy:
+        """The decision's policy for this section, with ``fallback_count`` (``routing.fallback_count``)."""
+        weight = self.prefix.weight if self.prefix.enabled else 0.0
+        return Policy(self.mode, self.bonus, fallback_count, self.auto.model(), weight)
+
+    def check(self) -> None:
+        """Raise :class:`ConfigError` naming the first key of the section (or its subsections) that is
+        out of range."""
+        if not 0.0 <= self.bonus <= 1.0:
+            raise ConfigError(f"affinity.bonus: {self.bonus} is not allowed; use a number in [0, 1]")
+        self.auto.check()
+        self.prefix.check()

@@ -56,10 +56,12 @@ def trailers(kind: str = "request_trailers") -> pb.ProcessingRequest:
     return request
 
 
-def response_headers() -> pb.ProcessingRequest:
-    """The upstream's response headers (``:status 200``)."""
+def response_headers(status: int = 200, content_type: str | None = None) -> pb.ProcessingRequest:
+    """The upstream's response headers: ``:status`` and, when given, ``content-type``."""
     request = pb.ProcessingRequest()
-    request.response_headers.headers.headers.add(key=":status", raw_value=b"200")
+    request.response_headers.headers.headers.add(key=":status", raw_value=str(status).encode())
+    if content_type is not None:
+        request.response_headers.headers.headers.add(key="content-type", raw_value=content_type.encode())
     return request
 
 

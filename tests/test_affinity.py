@@ -16,10 +16,10 @@ from ext_proc.affinity import (
     Decision,
     Locality,
     Mode,
+    NoPair,
+    NoPairReason,
     Policy,
     Pool,
-    Rejection,
-    RejectReason,
     choose,
 )
 from ext_proc.affinity.decide import ticks
@@ -66,10 +66,10 @@ def reject(
     decodes: Sequence[Candidate],
     mode: Mode = Mode.PREFER,
     tiebreak: int = 0,
-) -> Rejection:
+) -> NoPair:
     """``choose`` that must reject."""
     result = choose(FREE, Pool.of(prefills), Pool.of(decodes), policy(mode), tiebreak)
-    assert isinstance(result, Rejection), result
+    assert isinstance(result, NoPair), result
     return result
 
 
@@ -81,7 +81,7 @@ ALL_MODES = pytest.mark.parametrize("mode", list(Mode))
 
 def test_package_exports_choose_and_every_model_type() -> None:
     expected = {"choose", "Candidate", "Cost", "Decision", "Locality", "Mode", "Policy", "Pool"}
-    expected |= {"Endpoint", "RejectReason", "Rejection", "AutoModel", "Estimate", "Hits"}
+    expected |= {"Endpoint", "NoPairReason", "NoPair", "AutoModel", "Estimate", "Hits"}
     assert set(affinity.__all__) == expected
     assert all(hasattr(affinity, name) for name in affinity.__all__)
 
@@ -89,17 +89,17 @@ def test_package_exports_choose_and_every_model_type() -> None:
 @ALL_MODES
 def test_no_decodes_rejects_with_no_decode_endpoint(mode: Mode) -> None:
     rejection = reject([ep("g1")], [], mode)
-    assert rejection.reason is RejectReason.NO_DECODE_ENDPOINT
+    assert rejection.reason is NoPairReason.NO_DECODE_ENDPOINT
     assert "decode" in rejection.message
 
 
 def test_no_endpoints_at_all_rejects_with_no_decode_endpoint() -> None:
-    assert reject([], [], Mode.STRICT).reason is RejectReason.NO_DECODE_ENDPOINT
+    assert reject([], [], Mode.STRICT).reason is NoPairReason.NO_DECODE_ENDPOINT
 
 
 def test_strict_rejects_when_no_prefill_group_has_decodes() -> None:
     rejection = reject([ep("a"), ep("b")], [ep("c"), ep("d")], Mode.STRICT)
-    assert rejection.reason is RejectReason.NO_SAME_GROUP_DECODE
+    assert rejection.reason is NoPairReason.NO_SAME_GROUP_DECODE
     assert "'a'" in rejection.message and "'b'" in rejection.message
     assert "strict" in rejection.message
 
@@ -342,7 +342,7 @@ def test_missing_group_is_the_empty_group_and_matches_only_itself() -> None:
 
 def test_strict_rejects_ungrouped_prefill_when_only_grouped_decodes_exist() -> None:
     rejection = reject([ep("")], [ep("g1")], Mode.STRICT)
-    assert rejection.reason is RejectReason.NO_SAME_GROUP_DECODE
+    assert rejection.reason is NoPairReason.NO_SAME_GROUP_DECODE
     assert "''" in rejection.message
 
 

@@ -24,10 +24,10 @@ from ext_proc.affinity import (
     Hits,
     Locality,
     Mode,
+    NoPair,
+    NoPairReason,
     Policy,
     Pool,
-    Rejection,
-    RejectReason,
 )
 from ext_proc.affinity import choose as choose_over_pools
 from ext_proc.affinity.decide import ticks
@@ -113,7 +113,7 @@ def choose(
     policy: Policy,
     tiebreak: int,
     hits: tuple | None = None,
-) -> Decision | Rejection:
+) -> Decision | NoPair:
     """:func:`ext_proc.affinity.choose` over pools built from candidate lists (the array form)."""
     return choose_over_pools(cost, Pool.of(prefills), Pool.of(decodes), policy, tiebreak, as_hits(hits))
 
@@ -207,12 +207,12 @@ def decode_key(keys: Keys, group: str) -> Callable:
 
 def reference(
     cost: Cost, prefills: list, decodes: list, policy: Policy, tiebreak: int, hits: tuple | None
-) -> RejectReason | tuple:
+) -> NoPairReason | tuple:
     """The expected ``(prefill, [decode, *fallbacks])``, or the expected rejection reason."""
     keys = Keys(cost, prefills, decodes, policy, hits)
     want = policy.fallback_count + 1
     if not decodes:
-        return RejectReason.NO_DECODE_ENDPOINT
+        return NoPairReason.NO_DECODE_ENDPOINT
     if not prefills:
         by_off = lambda d: (keys.decode(d), d.active_requests)  # noqa: E731
         return None, naive_rank(decodes, by_off, tiebreak)[:want]
@@ -248,7 +248,7 @@ def reference(
 
     eligible = [p for p in prefills if mode is not Mode.STRICT or p.group in groups]
     if not eligible:
-        return RejectReason.NO_SAME_GROUP_DECODE
+        return NoPairReason.NO_SAME_GROUP_DECODE
     own = keys.auto_prefill if mode is Mode.AUTO else keys.prefill
     prefill = naive_rank(eligible, lambda p: (own(p) + pair(p), p.active_requests), tiebreak)[0]
     pool = [d for d in decodes if mode is not Mode.STRICT or d.group == prefill.group]
@@ -259,8 +259,8 @@ def assert_matches_reference(scenario: tuple) -> None:
     cost, prefills, decodes, policy, tiebreak, hits = scenario
     result = choose(cost, prefills, decodes, policy, tiebreak, hits)
     expected = reference(cost, prefills, decodes, policy, tiebreak, hits)
-    if isinstance(expected, RejectReason):
-        assert isinstance(result, Rejection) and result.reason is expected
+    if isinstance(expected, NoPairReason):
+        assert isinstance(result, NoPair) and result.reason is expected
         return
     assert isinstance(result, Decision), result
     prefill, ranked = expected
@@ -308,10 +308,10 @@ def test_rejects_exactly_when_the_contract_says(scenario: tuple) -> None:
     result = choose(cost, prefills, decodes, policy, tiebreak, hits)
     decode_groups = {d.group for d in decodes}
     if not decodes:
-        assert result == Rejection(RejectReason.NO_DECODE_ENDPOINT, result.message)
+        assert result == NoPair(NoPairReason.NO_DECODE_ENDPOINT, result.message)
     elif policy.mode is Mode.STRICT and prefills and not any(p.group in decode_groups for p in prefills):
-        assert isinstance(result, Rejection)
-        assert result.reason is RejectReason.NO_SAME_GROUP_DECODE
+        assert isinstance(result, NoPair)
+        assert result.reason is NoPairReason.NO_SAME_GROUP_DECODE
     else:
         assert isinstance(result, Decision)
 

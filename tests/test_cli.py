@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from ext_proc.affinity.config import AutoConfig
 from ext_proc.cli import main
-from ext_proc.config import ENV_AFFINITY_BONUS, ENV_AFFINITY_MODE, AutoConfig, PrefixConfig, load_config
+from ext_proc.config import ENV_AFFINITY_BONUS, ENV_AFFINITY_MODE, load_config
+from ext_proc.prefix.config import PrefixConfig
 
 SHIPPED_CONFIG = Path(__file__).resolve().parents[1] / "config" / "pd-extproc.yaml"
 

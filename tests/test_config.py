@@ -10,27 +10,18 @@ import pytest
 import yaml
 
 from ext_proc.affinity import AutoModel, Mode, Policy
-from ext_proc.config import (
-    ENV_AFFINITY_BONUS,
-    ENV_AFFINITY_MODE,
-    AffinityConfig,
-    AutoConfig,
-    Config,
-    ConfigError,
-    ConfigSource,
-    DiscoveryConfig,
-    InferencePoolConfig,
-    KubernetesConfig,
-    LoadConfig,
-    PrefixConfig,
-    RoutingConfig,
-    XdsConfig,
-    as_dict,
-    load_config,
-)
+from ext_proc.affinity.config import AutoConfig
+from ext_proc.checks import ConfigError
+from ext_proc.config import ENV_AFFINITY_BONUS, ENV_AFFINITY_MODE, Config, ConfigSource, as_dict, load_config
 from ext_proc.discovery import SourceKind
+from ext_proc.discovery.config import DiscoveryConfig, InferencePoolConfig, KubernetesConfig
 from ext_proc.discovery.pods import Preset, RoleScheme
+from ext_proc.handoff.routing import RoutingConfig
+from ext_proc.load import LoadConfig
 from ext_proc.prefix import PrefixSettings
+from ext_proc.prefix.config import PrefixConfig
+from ext_proc.router import AffinityConfig
+from ext_proc.xds.config import XdsConfig
 
 NO_ENV: dict[str, str] = {}
 

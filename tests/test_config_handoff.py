@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from ext_proc.checks import ConfigError
 from ext_proc.cli import main
-from ext_proc.config import ENV_HANDOFF, MAX_PREFILL_TIMEOUT, ConfigError, load_config
+from ext_proc.config import ENV_HANDOFF, load_config
 from ext_proc.handoff import FailurePolicy, HandoffMode
+from ext_proc.handoff.config import MAX_PREFILL_TIMEOUT
 
 
 def error(overrides: dict[str, object]) -> str:

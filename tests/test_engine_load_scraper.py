@@ -12,9 +12,9 @@ import pytest
 from aiohttp import web
 from polling import until
 
-from ext_proc.config import EngineMetricsConfig
 from ext_proc.endpoints import ClusterEndpoints, EndpointSpec
 from ext_proc.engine_load import EngineScraper
+from ext_proc.engine_load.config import EngineMetricsConfig
 from ext_proc.load import Lease
 from ext_proc.metrics import Metrics
 from ext_proc.registry import Registry

@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ext_proc.config import HandoffConfig, RoutingConfig
 from ext_proc.discovery.eds import load_eds_file
 from ext_proc.handoff.base import owned_headers
+from ext_proc.handoff.config import HandoffConfig
 from ext_proc.handoff.kv_transfer import TIMEOUT_MARGIN_SECONDS
+from ext_proc.handoff.routing import RoutingConfig
 from ext_proc.server import ENVOY_BODY_LIMIT_BYTES, MAX_RECEIVE_BYTES
 from sim.gateway import (
     SHIPPED_ADS_BOOTSTRAP,

@@ -21,7 +21,7 @@ from ext_proc.envoy_messages import (
     served_endpoint,
     strip_on_headers,
 )
-from ext_proc.handoff import RoutingInstructions
+from ext_proc.outcome import RoutingInstructions
 
 OVERWRITE = base_pb2.HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
 DEST = "x-gateway-destination-endpoint"

@@ -22,7 +22,7 @@ from test_router import CHAT_META, D_SAME_IDLE, P1, ep, make_router
 from ext_proc.app import build_handoff
 from ext_proc.config import load_config
 from ext_proc.envoy_messages import error_body
-from ext_proc.handoff import Refused, Routed
+from ext_proc.outcome import Refused, Routed
 from ext_proc.request import MAX_JSON_DEPTH, RequestError, describe, parse_body
 from ext_proc.router import Router
 

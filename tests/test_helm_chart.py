@@ -34,7 +34,8 @@ from helm_chart import (
     template,
 )
 
-from ext_proc.config import MAX_PREFILL_TIMEOUT, Config, as_dict
+from ext_proc.config import Config, as_dict
+from ext_proc.handoff.config import MAX_PREFILL_TIMEOUT
 from ext_proc.handoff.kv_transfer import TIMEOUT_MARGIN_SECONDS
 from sim.gateway import SHIPPED_ADS_BOOTSTRAP, make_fail_open, validate_envoy
 

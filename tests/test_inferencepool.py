@@ -26,7 +26,8 @@ from source_run import Run
 from source_run import running as run_source
 
 from ext_proc.app import start_server
-from ext_proc.config import DiscoveryConfig, InferencePoolConfig, KubernetesConfig, load_config
+from ext_proc.config import load_config
+from ext_proc.discovery.config import DiscoveryConfig, InferencePoolConfig, KubernetesConfig
 from ext_proc.discovery.inferencepool import InferencePoolSource
 from ext_proc.discovery.kube_watch import client_settings
 from ext_proc.discovery.pods import Preset

@@ -21,7 +21,9 @@ from polling import until
 from source_run import running
 
 from ext_proc.app import start_server
-from ext_proc.config import ConfigError, DiscoveryConfig, KubernetesConfig, load_config
+from ext_proc.checks import ConfigError
+from ext_proc.config import load_config
+from ext_proc.discovery.config import DiscoveryConfig, KubernetesConfig
 from ext_proc.discovery.kube_watch import backoff_delay, client_settings, status_message
 from ext_proc.discovery.kubernetes import KubernetesSource
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 
 import pytest
 from prometheus_client import generate_latest
@@ -11,9 +12,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ext_proc.affinity import Mode, Policy
 from ext_proc.endpoints import ClusterEndpoints, EndpointSpec
-from ext_proc.handoff import Refused, RequestMeta, Routed, RoutingInstructions, SidecarHandoff
+from ext_proc.handoff import SidecarHandoff
+from ext_proc.handoff.kinds import Handoff
 from ext_proc.load import Lease
 from ext_proc.metrics import Metrics
+from ext_proc.outcome import Refused, RequestMeta, Routed, RoutingInstructions
 from ext_proc.prefix import PrefixSettings
 from ext_proc.registry import EndpointState, Registry
 from ext_proc.router import Router, RouterSettings
@@ -43,7 +46,11 @@ def make_router(
     retry_after_seconds: int = 1,
     prefix: PrefixSettings | None = None,
     prefix_weight: float = 0.0,
+    handoff: Callable[[Metrics], Handoff] | None = None,
+    eject_seconds: float = 0.0,
 ) -> Router:
+    """A router over ``prefills`` and ``decodes``; ``handoff`` builds its handoff from the router's
+    metrics (default: the sidecar handoff)."""
     registry = Registry("prefill", "decode", 10_000.0)
     registry.update(
         [
@@ -51,17 +58,19 @@ def make_router(
             ClusterEndpoints("decode", tuple(decodes), "d.yaml"),
         ]
     )
+    metrics = Metrics(registry.endpoints)
     settings = RouterSettings(
         DEFAULT_MAX_TOKENS,
         max_inflight_requests=max_inflight_requests,
         retry_after_seconds=retry_after_seconds,
+        eject_seconds=eject_seconds,
     )
     return Router(
         settings,
         registry=registry,
         policy=Policy(mode, bonus, fallback_count, prefix_weight=prefix_weight),
-        handoff=SidecarHandoff(DEST, PREFILL),
-        metrics=Metrics(registry.endpoints),
+        handoff=SidecarHandoff(DEST, PREFILL) if handoff is None else handoff(metrics),
+        metrics=metrics,
         prefix=prefix,
     )
 

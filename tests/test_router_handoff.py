@@ -8,8 +8,9 @@ import pytest
 
 from ext_proc.affinity import Cost, Mode, Policy
 from ext_proc.endpoints import ClusterEndpoints, EndpointSpec
-from ext_proc.handoff import HandoffJob, RequestMeta, Routed, SidecarHandoff
+from ext_proc.handoff import SidecarHandoff
 from ext_proc.metrics import Metrics
+from ext_proc.outcome import HandoffJob, RequestMeta, Routed
 from ext_proc.registry import Registry
 from ext_proc.router import Router, RouterSettings
 

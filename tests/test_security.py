@@ -21,26 +21,25 @@ from test_router import P1, ep, make_router
 from ext_proc.admin import build_admin_app
 from ext_proc.affinity import Cost
 from ext_proc.app import RunningServer, build_handoff, start_server
-from ext_proc.config import ConfigError, HandoffConfig, TlsConfig, load_config
+from ext_proc.checks import ConfigError
+from ext_proc.config import load_config
 from ext_proc.discovery.eds import write_eds_file
 from ext_proc.endpoints import EndpointSpec
 from ext_proc.handoff import (
     DecodeRoute,
     FailurePolicy,
-    HandoffJob,
     HandoffMode,
     KvTransferParamsHandoff,
-    Placement,
     PrefillClient,
-    RequestMeta,
-    Routed,
     SglangBootstrapHandoff,
 )
 from ext_proc.handoff.base import STEERING_HEADERS
 from ext_proc.handoff.body import HANDOFF_FIELDS, PREFILL_REQUEST_PARAMS, prefill_leg_body
+from ext_proc.handoff.config import HandoffConfig
 from ext_proc.metrics import Metrics
+from ext_proc.outcome import HandoffJob, Placement, RequestMeta, Routed
 from ext_proc.router import Router, RouterSettings
-from ext_proc.server import server_credentials, tls_mode
+from ext_proc.tls import TlsConfig, server_credentials, tls_mode
 
 DECODE = "10.0.1.1:8000"
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi " * 50}], "max_tokens": 4}

@@ -1,4 +1,4 @@
-"""The gRPC shell with a handover (the kv-transfer-params prefill leg): Envoy is asked to wait first,
+"""The gRPC shell with a pending answer (the kv-transfer-params prefill leg): Envoy is asked to wait first,
 and a stream that ends while the leg runs cancels it and leaves no charge behind."""
 
 from __future__ import annotations

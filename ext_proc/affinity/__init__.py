@@ -11,9 +11,9 @@ from ext_proc.affinity.model import (
     Hits,
     Locality,
     Mode,
+    NoPair,
+    NoPairReason,
     Policy,
-    Rejection,
-    RejectReason,
 )
 from ext_proc.affinity.pool import Pool
 
@@ -27,9 +27,9 @@ __all__ = [
     "Hits",
     "Locality",
     "Mode",
+    "NoPair",
+    "NoPairReason",
     "Policy",
     "Pool",
-    "RejectReason",
-    "Rejection",
     "choose",
 ]

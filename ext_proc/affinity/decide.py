@@ -26,9 +26,9 @@ from ext_proc.affinity.model import (
     Hits,
     Locality,
     Mode,
+    NoPair,
+    NoPairReason,
     Policy,
-    Rejection,
-    RejectReason,
 )
 from ext_proc.affinity.pool import Pool
 
@@ -82,13 +82,13 @@ def choose(
     policy: Policy,
     tiebreak: int,
     hits: Hits | None = None,
-) -> Decision[E] | Rejection:
+) -> Decision[E] | NoPair:
     """Pick where one request runs, from healthy endpoints only (the pools hold no others).
 
-    * No decodes: ``Rejection(NO_DECODE_ENDPOINT)``.
+    * No decodes: ``NoPair(NO_DECODE_ENDPOINT)``.
     * No prefills: decode-only routing in every mode (``prefill=None``, ``Locality.DECODE_ONLY``,
       decode and fallbacks ranked as in ``off``).
-    * ``strict`` with no prefill whose group has a decode: ``Rejection(NO_SAME_GROUP_DECODE)``.
+    * ``strict`` with no prefill whose group has a decode: ``NoPair(NO_SAME_GROUP_DECODE)``.
     * Otherwise the pair of the rule for ``policy.mode`` (docs/routing.md "The exact rule"), with
       ``policy.fallback_count`` more decodes of the chosen prefill's ranking (``strict``: within its
       group), all distinct, and in ``auto`` the pair's :class:`Estimate`.
@@ -97,8 +97,8 @@ def choose(
     counts must fit in int64 (``OverflowError`` otherwise); the pools are only read.
     """
     if not decodes.size:
-        return Rejection(
-            RejectReason.NO_DECODE_ENDPOINT,
+        return NoPair(
+            NoPairReason.NO_DECODE_ENDPOINT,
             f"no healthy decode endpoint (healthy prefill endpoints: {prefills.size})",
         )
     want = policy.fallback_count + 1
@@ -139,8 +139,8 @@ def choose(
                 eligible = np.flatnonzero(slots < groups)
                 if not len(eligible):
                     names = ", ".join(sorted(repr(g) for g in prefills.groups))
-                    return Rejection(
-                        RejectReason.NO_SAME_GROUP_DECODE,
+                    return NoPair(
+                        NoPairReason.NO_SAME_GROUP_DECODE,
                         f"strict pdGroupID affinity: no healthy decode endpoint in the group of any of "
                         f"the {prefills.size} healthy prefill endpoints (prefill groups: {names})",
                     )

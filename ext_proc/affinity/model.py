@@ -34,8 +34,8 @@ class Locality(enum.StrEnum):
     DECODE_ONLY = "decode_only"
 
 
-class RejectReason(enum.StrEnum):
-    """Why no decision could be made. The value is the OpenAI-style error ``code``."""
+class NoPairReason(enum.StrEnum):
+    """Why no prefill/decode pair could be chosen. The value is the OpenAI-style error ``code``."""
 
     NO_DECODE_ENDPOINT = "no_healthy_decode_endpoint"
     NO_SAME_GROUP_DECODE = "no_same_group_decode_endpoint"
@@ -160,8 +160,9 @@ class Decision(NamedTuple, Generic[E]):
 
 
 @dataclass(frozen=True, slots=True)
-class Rejection:
-    """No endpoint can serve: the shell answers 503 with ``reason.value`` as the error code."""
+class NoPair:
+    """The decision found no pair that can serve: the router refuses the request 503 with
+    ``reason.value`` as the error code."""
 
-    reason: RejectReason
+    reason: NoPairReason
     message: str

@@ -13,7 +13,7 @@ from ext_proc.discovery import SourceKind
 from ext_proc.discovery.eds_watch import Available, EdsFileSource, Publish
 
 if TYPE_CHECKING:
-    from ext_proc.config import DiscoveryConfig
+    from ext_proc.discovery.config import DiscoveryConfig
     from ext_proc.metrics import Metrics
 
 log = logging.getLogger(__name__)

@@ -36,7 +36,7 @@ from kubernetes_asyncio import client, watch
 from kubernetes_asyncio import config as kube_config
 from kubernetes_asyncio.client.exceptions import ApiException
 
-from ext_proc.config import ConfigError
+from ext_proc.checks import ConfigError
 from ext_proc.discovery.eds_watch import Available, Publish
 from ext_proc.endpoints import ClusterEndpoints
 from ext_proc.metrics import Metrics

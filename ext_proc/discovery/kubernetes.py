@@ -20,7 +20,7 @@ from typing import Any
 
 from kubernetes_asyncio import client
 
-from ext_proc.config import DiscoveryConfig
+from ext_proc.discovery.config import DiscoveryConfig
 from ext_proc.discovery.eds_watch import Publish
 from ext_proc.discovery.kube_watch import (
     SERVICE_ACCOUNT,

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 from ext_proc.engine_load.scraper import EngineScraper
 
 if TYPE_CHECKING:
-    from ext_proc.config import EngineMetricsConfig
+    from ext_proc.engine_load.config import EngineMetricsConfig
     from ext_proc.metrics import Metrics
     from ext_proc.registry import EndpointState, Registry
 

@@ -27,7 +27,7 @@ from ext_proc.metrics import Metrics
 from ext_proc.registry import EndpointState, Registry, Role
 
 if TYPE_CHECKING:
-    from ext_proc.config import EngineMetricsConfig
+    from ext_proc.engine_load.config import EngineMetricsConfig
 
 log = logging.getLogger(__name__)
 

@@ -7,24 +7,13 @@
 - :class:`VllmMooncakeHandoff`: vLLM's upstream MooncakeConnector, prefill leg alongside the decode.
 
 :mod:`ext_proc.handoff.kinds` is the seam (the :class:`~ext_proc.handoff.kinds.Handoff` protocol and the
-table of kinds), :mod:`ext_proc.handoff.base` what a handoff receives and produces;
-:mod:`~ext_proc.handoff.body` the body rewriting;
-:mod:`~ext_proc.handoff.leg` the prefill leg's HTTP client.
+table of kinds), :mod:`ext_proc.handoff.base` what a handoff may ask of the router and the decode routing
+the handoffs share (what they produce: :mod:`ext_proc.outcome`); :mod:`~ext_proc.handoff.body` the body
+rewriting; :mod:`~ext_proc.handoff.leg` the prefill leg's HTTP client; :mod:`~ext_proc.handoff.kv_failure`
+the watcher of a decode's failed KV pull.
 """
 
-from ext_proc.handoff.base import (
-    DecodeRoute,
-    FailurePolicy,
-    HandoffJob,
-    HandoffMode,
-    Handover,
-    Placement,
-    Refused,
-    RequestMeta,
-    Rerouter,
-    Routed,
-    RoutingInstructions,
-)
+from ext_proc.handoff.base import DecodeRoute, FailurePolicy, HandoffMode, Rerouter
 from ext_proc.handoff.kv_transfer import KvTransferParamsHandoff
 from ext_proc.handoff.leg import LegOutcome, PrefillClient
 from ext_proc.handoff.mooncake import VllmMooncakeHandoff
@@ -34,18 +23,11 @@ from ext_proc.handoff.sidecar import SidecarHandoff
 __all__ = [
     "DecodeRoute",
     "FailurePolicy",
-    "HandoffJob",
     "HandoffMode",
-    "Handover",
     "KvTransferParamsHandoff",
     "LegOutcome",
-    "Placement",
     "PrefillClient",
-    "Refused",
-    "RequestMeta",
     "Rerouter",
-    "Routed",
-    "RoutingInstructions",
     "SglangBootstrapHandoff",
     "SidecarHandoff",
     "VllmMooncakeHandoff",

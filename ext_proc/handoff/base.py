@@ -1,9 +1,10 @@
-"""What a handoff receives, what it produces, and the interfaces around it.
+"""What a handoff may ask of the router, and the decode routing and headers the handoffs share.
 
-The router parses and decides (:class:`Placement`: a decision and its charges) and hands the
-request to a :class:`~ext_proc.handoff.kinds.Handoff`, which answers at once (:class:`Routed` or
-:class:`Refused`) or, when it must first talk to an engine, with a :class:`Handover` that the server
-completes after asking Envoy for more time.
+The router parses and decides (:class:`~ext_proc.outcome.Placement`: a decision and its charges) and
+hands the request to a :class:`~ext_proc.handoff.kinds.Handoff`, which answers at once
+(:class:`~ext_proc.outcome.Routed` or :class:`~ext_proc.outcome.Refused`) or, when it must first talk to
+an engine, with a :class:`~ext_proc.outcome.PendingAnswer` that the server completes after asking Envoy
+for more time. The outcome types live in :mod:`ext_proc.outcome`.
 """
 
 from __future__ import annotations
@@ -14,13 +15,21 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from ext_proc.affinity import Cost, Decision
+from ext_proc.affinity import Decision
 from ext_proc.handoff.body import HANDOFF_FIELDS, without_fields
 from ext_proc.load import Lease
+from ext_proc.outcome import (
+    HandoffJob,
+    Placement,
+    RequestMeta,
+    ResponseWatcher,
+    Routed,
+    RoutingInstructions,
+)
 from ext_proc.registry import EndpointState
 
 if TYPE_CHECKING:
-    from ext_proc.config import RoutingConfig
+    from ext_proc.handoff.routing import RoutingConfig
 
 
 class HandoffMode(enum.StrEnum):
@@ -53,106 +62,8 @@ class FailurePolicy(enum.StrEnum):
     ERROR = "error"
 
 
-@dataclass(frozen=True, slots=True)
-class RoutingInstructions:
-    """What to tell Envoy for one request.
-
-    ``set_headers`` overwrite (or add) request headers; ``remove_headers`` are dropped;
-    ``lb_metadata`` goes into dynamic metadata namespace ``envoy.lb``, which Envoy's
-    ``override_host`` load balancing policy reads; ``body``, when not ``None``, replaces the
-    request body (``content-length`` is set to match).
-    """
-
-    set_headers: tuple[tuple[str, str], ...]
-    remove_headers: tuple[str, ...]
-    lb_metadata: tuple[tuple[str, str], ...]
-    body: bytes | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class RequestMeta:
-    """What the request-headers phase tells about a request.
-
-    ``path`` is the HTTP ``:path`` (query included); ``client_request_id`` the incoming
-    ``x-request-id`` (kept for logs only); ``authorization`` is forwarded to prefill legs.
-    """
-
-    path: str = ""
-    client_request_id: str | None = None
-    authorization: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class HandoffJob:
-    """One parsed request on its way to the engines.
-
-    ``raw`` is the client's body as received and ``body`` its parsed JSON object; ``cost`` is what
-    the request charges (tokens); ``subset`` the data plane's endpoint-subset hint, if any.
-    """
-
-    raw: bytes
-    body: dict[str, object]
-    meta: RequestMeta
-    cost: Cost
-    subset: frozenset[str] | None
-
-
-@dataclass(frozen=True, slots=True)
-class Placement:
-    """A routing decision and the charges it holds (released through ``lease``)."""
-
-    decision: Decision[EndpointState]
-    lease: Lease
-
-
-@dataclass(frozen=True, slots=True)
-class Routed:
-    """The request goes ahead: ``instructions`` for Envoy, ``lease`` to release when it ends, and
-    ``background`` (a prefill leg still running) to cancel when the HTTP exchange ends."""
-
-    instructions: RoutingInstructions
-    lease: Lease
-    background: asyncio.Task[None] | None = None
-    kv_source: str | None = None
-    """The prefill whose KV cache the body tells the decode to pull (the engine handoffs), else
-    ``None``: names the engines when the decode answers that its pull failed."""
-
-
-@dataclass(frozen=True, slots=True)
-class Refused:
-    """The request is answered with an error. ``code`` is also the ``rejected_total`` reason.
-
-    ``body``, when set, is the exact JSON error body to send (an engine's own error, passed through).
-    ``retry_after``, when set, is sent as the ``retry-after`` header (seconds).
-    """
-
-    status: int
-    message: str
-    code: str
-    param: str | None = None
-    body: bytes | None = None
-    retry_after: int | None = None
-
-
-class Handover(Protocol):
-    """A routing answer that needs I/O first (the kv-transfer-params prefill leg).
-
-    ``timeout`` (seconds) is how long Envoy must wait for the answer. ``lease`` holds the charges
-    of the moment (a retry replaces it). :meth:`complete` returns the answer; whatever it returns
-    or raises, every charge outside the returned :class:`Routed`'s lease has been released, except
-    when it is cancelled: then the caller releases ``lease``.
-    """
-
-    timeout: float
-    lease: Lease
-
-    async def complete(self) -> Routed | Refused:
-        """Run the I/O and produce the answer for Envoy."""
-        ...
-
-
 class Rerouter(Protocol):
-    """What a handoff may ask of the router after a prefill leg failed."""
+    """What a handoff may ask of the router after a prefill leg failed, or a decode's KV pull."""
 
     def retry(
         self, job: HandoffJob, failed: Decision[EndpointState], exclude: frozenset[str]
@@ -161,15 +72,10 @@ class Rerouter(Protocol):
         failed prefill's group), charged; ``None`` when there is none."""
         ...
 
-    def refuse(
-        self, status: int, message: str, code: str, param: str | None = None, body: bytes | None = None
-    ) -> Refused:
-        """Count, log and describe an error answer (``body``: an exact error body to send)."""
-        ...
-
     def leg_failed(self, address: str, outcome: str) -> None:
         """A prefill leg to ``address`` failed with ``outcome`` (a connect error, 5xx, timeout or
-        unusable answer; not a 4xx): the router leaves that prefill out for a while."""
+        unusable answer; not a 4xx), or a decode could not pull the KV cache it computed
+        (``kv_transfer_failed``): the router leaves that prefill out for a while."""
         ...
 
 
@@ -234,28 +140,29 @@ class DecodeRoute:
         body: bytes | None,
         lease: Lease,
         *,
-        kv_source: str | None,
+        watcher: ResponseWatcher | None,
         background: asyncio.Task[None] | None = None,
     ) -> Routed:
         """Route to the decode (and fallbacks); ``request_id`` and ``body`` replace the client's;
-        ``kv_source``: the prefill whose KV the body tells the decode to pull (the request is then
-        marked with :data:`KV_HANDOFF_HEADER`), ``None`` when the decode computes the prompt itself."""
+        ``watcher``: the body tells the decode to pull a KV cache and the watcher sees its answer (the
+        request is then marked with :data:`KV_HANDOFF_HEADER`), ``None`` when the decode computes the
+        prompt itself."""
         destination = destination_list(decision)
         headers = ((self.destination_header, destination),)
         if request_id is not None:
             headers += ((REQUEST_ID_HEADER, request_id),)
-        if kv_source is not None:
+        if watcher is not None:
             headers += ((KV_HANDOFF_HEADER, "1"),)
         metadata = ((self.destination_header, destination),)
         instructions = RoutingInstructions(headers, (self.prefill_header,), metadata, body)
-        return Routed(instructions, lease, background, kv_source)
+        return Routed(instructions, lease, background, watcher)
 
     def decode_only(
         self, job: HandoffJob, decision: Decision[EndpointState], request_id: str | None, lease: Lease
     ) -> Routed:
         """The client's body, without its handoff fields, to the decode already chosen."""
         plain = without_fields(job.raw, job.body, HANDOFF_FIELDS)
-        return self.routed(decision, request_id, plain, lease, kv_source=None)
+        return self.routed(decision, request_id, plain, lease, watcher=None)
 
 
 def owned_headers(destination_header: str, prefill_header: str) -> tuple[str, ...]:

@@ -7,22 +7,16 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from ext_proc.handoff.base import (
-    DecodeRoute,
-    FailurePolicy,
-    HandoffJob,
-    Placement,
-    Refused,
-    Rerouter,
-    Routed,
-)
+from ext_proc.handoff.base import DecodeRoute, FailurePolicy, Rerouter
 from ext_proc.handoff.leg import LegOutcome, PrefillClient
 from ext_proc.load import Lease
 from ext_proc.metrics import Metrics
+from ext_proc.outcome import HandoffJob, Placement, Refused, Routed
+from ext_proc.refusal import refuse
 from ext_proc.registry import EndpointState
 
 if TYPE_CHECKING:
-    from ext_proc.config import HandoffConfig
+    from ext_proc.handoff.config import HandoffConfig
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +45,8 @@ class LegHandoff:
 
 
 class Attempts:
-    """One request's I/O with its prefill before the answer (a
-    :class:`~ext_proc.handoff.base.Handover` once a subclass adds ``timeout`` and ``complete``):
+    """One request's I/O with its prefill before the answer (a :class:`~ext_proc.outcome.PendingAnswer`
+    once a subclass adds ``timeout`` and ``complete``):
     ``lease`` holds the current placement's charges; a failed prefill may be swapped once for the
     next-ranked one (:meth:`retry`), then :meth:`give_up` applies the policy."""
 
@@ -101,5 +95,5 @@ class Attempts:
             return self.decode_only()
         self.lease.release()
         if outcome is LegOutcome.TIMEOUT:
-            return self._router.refuse(504, failure, "prefill_timeout")
-        return self._router.refuse(502, failure, "prefill_failed")
+            return refuse(self._settings.metrics, 504, failure, "prefill_timeout")
+        return refuse(self._settings.metrics, 502, failure, "prefill_failed")

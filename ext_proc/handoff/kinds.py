@@ -9,28 +9,29 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 from ext_proc.handoff import kv_transfer, mooncake, sglang, sidecar
-from ext_proc.handoff.base import HandoffJob, HandoffMode, Handover, Placement, Rerouter, Routed
+from ext_proc.handoff.base import HandoffMode, Rerouter
+from ext_proc.outcome import HandoffJob, PendingAnswer, Placement, Routed
 
 if TYPE_CHECKING:
-    from ext_proc.config import HandoffConfig, RoutingConfig
+    from ext_proc.handoff.config import HandoffConfig
+    from ext_proc.handoff.routing import RoutingConfig
     from ext_proc.metrics import Metrics
 
 
 class Handoff(Protocol):
-    """Turns a :class:`Placement` into what Envoy and the engines need.
+    """Turns a :class:`~ext_proc.outcome.Placement` into what Envoy and the engines need.
 
     ``routing_headers`` names every request header the handoff owns: clients may not supply them.
-    ``hands_kv``: the handoff tells decodes to pull a KV cache (its answers are watched for a failed
-    pull, :mod:`ext_proc.handoff.kv_failure`); ``watch_streams``: a streamed answer's chunks are
-    watched too where that costs a message per chunk (``handoff.watch_streamed_answers``).
+    ``hands_kv``: the handoff tells decodes to pull a KV cache (the response headers are sent to
+    pd-extproc: its :class:`~ext_proc.outcome.Routed` carries a watcher for a failed pull,
+    :mod:`ext_proc.handoff.kv_failure`).
     """
 
     routing_headers: tuple[str, ...]
     hands_kv: bool
-    watch_streams: bool
 
-    def hand_off(self, job: HandoffJob, placement: Placement, router: Rerouter) -> Routed | Handover:
-        """Answer at once, or return the :class:`Handover` that will."""
+    def hand_off(self, job: HandoffJob, placement: Placement, router: Rerouter) -> Routed | PendingAnswer:
+        """Answer at once, or return the :class:`~ext_proc.outcome.PendingAnswer` that will."""
         ...
 
     async def close(self) -> None:

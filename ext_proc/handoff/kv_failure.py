@@ -9,12 +9,22 @@ the role first), then ``[DONE]``. Nothing
 in either says the KV pull failed. The gateway knows it handed that decode a KV cache to pull, so
 it answers with the cause instead: :func:`message` is what a non-streaming client gets (``502
 kv_transfer_failed``), :func:`watch_chunk` turns the stream's error event into one carrying the same.
-Pure: bytes in, bytes out.
+Those functions are pure (bytes in, bytes out); :class:`KvPullWatcher`, which the engine handoffs attach
+to a routed request, applies them to the decode's answer, counts a failed pull and ejects its prefill.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+
+from ext_proc.handoff.base import Rerouter
+from ext_proc.load import Lease
+from ext_proc.metrics import Metrics
+from ext_proc.outcome import Refused
+from ext_proc.refusal import refuse
+
+log = logging.getLogger(__name__)
 
 CODE = "kv_transfer_failed"
 STATUS = 502
@@ -59,6 +69,56 @@ def watch_chunk(chunk: bytes, decode: str, prefill: str) -> tuple[bytes | None, 
             return None, False
         start = end + 2
     return None, start == len(chunk) and start > 0
+
+
+class KvPullWatcher:
+    """Watches the decode's answer to one request that carries a KV handoff (a
+    :class:`~ext_proc.outcome.ResponseWatcher`): its 500 is a failed pull, answered ``502
+    kv_transfer_failed``; a streamed answer's first chunks are inspected (:func:`watch_chunk`). A
+    failed pull is counted in ``metrics`` and ejects the prefill through ``router``.
+
+    ``prefill`` holds the KV; the decode is the one ``lease`` charges (the one that served, once the
+    data plane said so). ``ask_for_chunks``: in BUFFERED mode, Envoy is asked to send a streamed
+    answer chunk by chunk (``handoff.watch_streamed_answers``)."""
+
+    __slots__ = ("_ask_for_chunks", "_lease", "_metrics", "_prefill", "_router")
+
+    def __init__(
+        self, prefill: str, lease: Lease, metrics: Metrics, router: Rerouter, ask_for_chunks: bool
+    ) -> None:
+        self._prefill = prefill
+        self._lease = lease
+        self._metrics = metrics
+        self._router = router
+        self._ask_for_chunks = ask_for_chunks
+
+    def headers(self, status: int, content_type: str, chunks_sent: bool) -> Refused | bool:
+        """The decode's 500 is the 502 to answer; a 200 event stream is watched chunk by chunk when the
+        chunks come anyway (``chunks_sent``) or may be asked for; anything else passes unwatched."""
+        if status == FAILED_STATUS:
+            return refuse(self._metrics, STATUS, self._failed(stream=False), CODE)
+        if status == 200 and content_type.startswith(EVENT_STREAM):
+            return chunks_sent or self._ask_for_chunks
+        return False
+
+    def chunk(self, chunk: bytes) -> tuple[bytes | None, bool]:
+        """:func:`watch_chunk` of a chunk before the answer said anything; a rewritten error is counted
+        and logged."""
+        rewritten, keep_watching = watch_chunk(chunk, self._decode(), self._prefill)
+        if rewritten is not None:
+            log.warning("streamed %s instead of the decode's error: %s", CODE, self._failed(stream=True))
+        return rewritten, keep_watching
+
+    def _decode(self) -> str:
+        decode = self._lease.decode
+        return decode.address if decode is not None else "(released)"
+
+    def _failed(self, stream: bool) -> str:
+        """The decode could not pull the prefill's KV cache: count it and eject that prefill (it died,
+        or was too loaded to answer the handshake); the message for the client."""
+        self._metrics.kv_transfer_failed(stream)
+        self._router.leg_failed(self._prefill, CODE)
+        return message(self._decode(), self._prefill)
 
 
 def _event_kind(event: bytes) -> str:

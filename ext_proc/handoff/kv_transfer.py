@@ -20,16 +20,7 @@ import json
 import logging
 from typing import TYPE_CHECKING
 
-from ext_proc.handoff.base import (
-    DecodeRoute,
-    HandoffJob,
-    Placement,
-    Refused,
-    Rerouter,
-    Routed,
-    leg_headers,
-    new_request_id,
-)
+from ext_proc.handoff.base import DecodeRoute, Rerouter, leg_headers, new_request_id
 from ext_proc.handoff.body import (
     HANDOFF_FIELDS,
     KV_TRANSFER_PARAMS,
@@ -37,12 +28,16 @@ from ext_proc.handoff.body import (
     with_fields,
 )
 from ext_proc.handoff.fallback import Attempts, LegHandoff
+from ext_proc.handoff.kv_failure import KvPullWatcher
 from ext_proc.handoff.leg import LegError, LegOutcome, LegReply, PrefillClient
 from ext_proc.metrics import Metrics
+from ext_proc.outcome import HandoffJob, Placement, Refused, Routed
+from ext_proc.refusal import refuse
 from ext_proc.registry import EndpointState
 
 if TYPE_CHECKING:
-    from ext_proc.config import HandoffConfig, RoutingConfig
+    from ext_proc.handoff.config import HandoffConfig
+    from ext_proc.handoff.routing import RoutingConfig
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +125,8 @@ class KvTransferParamsHandoff(LegHandoff):
 
 
 class PrefillFirst(Attempts):
-    """One request's prefill leg(s) and the decode answer that follows (a :class:`Handover`)."""
+    """One request's prefill leg(s) and the decode answer that follows (a
+    :class:`~ext_proc.outcome.PendingAnswer`)."""
 
     def __init__(
         self, handoff: KvTransferParamsHandoff, job: HandoffJob, placement: Placement, router: Rerouter
@@ -186,15 +182,16 @@ class PrefillFirst(Attempts):
             self.lease.release_prefill()
             if outcome is LegOutcome.OK:
                 body = with_fields(job.raw, job.body, {KV_TRANSFER_PARAMS: params}, HANDOFF_FIELDS)
-                return handoff.route.routed(
-                    decision, self._request_id, body, self.lease, kv_source=prefill.address
+                watcher = KvPullWatcher(
+                    prefill.address, self.lease, handoff.metrics, self._router, handoff.watch_streams
                 )
+                return handoff.route.routed(decision, self._request_id, body, self.lease, watcher=watcher)
             if outcome is LegOutcome.CLIENT_ERROR:
                 assert reply is not None
                 self._log(logging.INFO, prefill, outcome, detail)
                 self.lease.release()
                 message, body = engine_error(reply)
-                return self._router.refuse(reply.status, message, "prefill_rejected", body=body)
+                return refuse(handoff.metrics, reply.status, message, "prefill_rejected", body=body)
             if outcome is LegOutcome.NO_KV_TRANSFER_PARAMS:
                 level = handoff.answered_without_params(prefill.address)
                 self._log(level, prefill, outcome, NO_PARAMS_CONSEQUENCE)

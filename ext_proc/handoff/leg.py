@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 
 if TYPE_CHECKING:
-    from ext_proc.config import HandoffConfig, RoutingConfig
+    from ext_proc.handoff.config import HandoffConfig
+    from ext_proc.handoff.routing import RoutingConfig
 
 MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 """Largest prefill answer read (a one-token completion, unless the client asked for prompt logprobs)."""

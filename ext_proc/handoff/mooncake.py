@@ -36,22 +36,21 @@ from ext_proc.handoff.background import BackgroundLegs
 from ext_proc.handoff.base import (
     DP_RANK_HEADER,
     DecodeRoute,
-    HandoffJob,
-    Placement,
-    Refused,
     Rerouter,
-    Routed,
     leg_headers,
     new_request_id,
 )
 from ext_proc.handoff.body import HANDOFF_FIELDS, KV_TRANSFER_PARAMS, prefill_leg_body, with_fields
 from ext_proc.handoff.fallback import Attempts, LegHandoff
+from ext_proc.handoff.kv_failure import KvPullWatcher
 from ext_proc.handoff.leg import LegError, LegOutcome, PrefillClient
 from ext_proc.metrics import Metrics
+from ext_proc.outcome import HandoffJob, Placement, Refused, Routed
 from ext_proc.registry import EndpointState
 
 if TYPE_CHECKING:
-    from ext_proc.config import HandoffConfig, RoutingConfig
+    from ext_proc.handoff.config import HandoffConfig
+    from ext_proc.handoff.routing import RoutingConfig
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +198,8 @@ class VllmMooncakeHandoff(LegHandoff):
         leg = self.legs.start(
             prefill, job.meta.path, leg_body, headers, lease, router, lambda: self.forget(address)
         )
-        return self.route.routed(decision, request_id, body, lease, kv_source=address, background=leg)
+        watcher = KvPullWatcher(address, lease, self.metrics, router, self.watch_streams)
+        return self.route.routed(decision, request_id, body, lease, watcher=watcher, background=leg)
 
     async def close(self) -> None:
         """Cancel the prefill legs still running and close their connections."""
@@ -207,7 +207,7 @@ class VllmMooncakeHandoff(LegHandoff):
 
 
 class BootstrapQuery(Attempts):
-    """One request waiting for its prefill's engine ids (a :class:`~ext_proc.handoff.base.Handover`)."""
+    """One request waiting for its prefill's engine ids (a :class:`~ext_proc.outcome.PendingAnswer`)."""
 
     timeout = 2 * QUERY_TIMEOUT_SECONDS + TIMEOUT_MARGIN_SECONDS
 

@@ -17,21 +17,16 @@ import secrets
 from typing import TYPE_CHECKING
 
 from ext_proc.handoff.background import BackgroundLegs
-from ext_proc.handoff.base import (
-    DecodeRoute,
-    HandoffJob,
-    Placement,
-    Rerouter,
-    Routed,
-    leg_headers,
-    new_request_id,
-)
+from ext_proc.handoff.base import DecodeRoute, Rerouter, leg_headers, new_request_id
 from ext_proc.handoff.body import HANDOFF_FIELDS, with_fields
+from ext_proc.handoff.kv_failure import KvPullWatcher
 from ext_proc.handoff.leg import PrefillClient
 from ext_proc.metrics import Metrics
+from ext_proc.outcome import HandoffJob, Placement, Routed
 
 if TYPE_CHECKING:
-    from ext_proc.config import HandoffConfig, RoutingConfig
+    from ext_proc.handoff.config import HandoffConfig
+    from ext_proc.handoff.routing import RoutingConfig
 
 
 def prompt_count(body: dict[str, object]) -> int:
@@ -73,6 +68,7 @@ class SglangBootstrapHandoff:
         self, settings: HandoffConfig, *, route: DecodeRoute, client: PrefillClient, metrics: Metrics
     ) -> None:
         self.route = route
+        self.metrics = metrics
         self.watch_streams = settings.watch_streamed_answers
         self.legs = BackgroundLegs(client, metrics, "its decode fails once its bootstrap wait ends")
         self.default_bootstrap_port = settings.default_bootstrap_port
@@ -90,7 +86,8 @@ class SglangBootstrapHandoff:
         request_id = new_request_id()
         headers = leg_headers(request_id, job.meta)
         leg = self.legs.start(prefill, job.meta.path, body, headers, lease, router)
-        return self.route.routed(decision, request_id, body, lease, kv_source=prefill.address, background=leg)
+        watcher = KvPullWatcher(prefill.address, lease, self.metrics, router, self.watch_streams)
+        return self.route.routed(decision, request_id, body, lease, watcher=watcher, background=leg)
 
     async def close(self) -> None:
         """Cancel the prefill legs still running and close their connections."""

@@ -15,20 +15,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ext_proc.affinity import Decision
-from ext_proc.handoff.base import (
-    HandoffJob,
-    Placement,
-    Rerouter,
-    Routed,
-    RoutingInstructions,
-    destination_list,
-    owned_headers,
-)
+from ext_proc.handoff.base import Rerouter, destination_list, owned_headers
 from ext_proc.handoff.body import HANDOFF_FIELDS, without_fields
+from ext_proc.outcome import HandoffJob, Placement, Routed, RoutingInstructions
 from ext_proc.registry import EndpointState
 
 if TYPE_CHECKING:
-    from ext_proc.config import HandoffConfig, RoutingConfig
+    from ext_proc.handoff.config import HandoffConfig
+    from ext_proc.handoff.routing import RoutingConfig
     from ext_proc.metrics import Metrics
 
 
@@ -46,7 +40,6 @@ class SidecarHandoff:
         self._prefill = prefill_header
         self.routing_headers = owned_headers(destination_header, prefill_header)
         self.hands_kv = False
-        self.watch_streams = False
 
     def instructions(self, decision: Decision[EndpointState], body: bytes | None) -> RoutingInstructions:
         """Destination list = decode then fallbacks; the prefill header only when a prefill was chosen;

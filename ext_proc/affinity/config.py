@@ -1,0 +1,86 @@
+"""The ``affinity.auto`` section: the ``auto`` mode's time model, and its check (docs/configuration.md).
+
+The ``affinity`` section around it is :class:`ext_proc.router.AffinityConfig`, beside the router that
+applies it; its ``prefix`` subsection is :class:`ext_proc.prefix.config.PrefixConfig`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ext_proc.affinity.auto import AutoModel
+from ext_proc.checks import ConfigError, in_range
+
+MAX_KV_BYTES_PER_TOKEN = 1 << 30
+"""Upper bound of ``affinity.auto.kv_bytes_per_token`` and of the shape's product (1 GiB a token)."""
+
+
+@dataclass(frozen=True)
+class AutoConfig:
+    """The ``auto`` mode's delay model (docs/routing.md "Affinity modes"; :mod:`ext_proc.affinity.auto`).
+
+    KV cache per prompt token: ``kv_bytes_per_token`` bytes, or when it is 0 (the default) the model
+    shape's ``2 * num_layers * num_kv_heads * head_dim * dtype_bytes`` (K and V per layer; defaults:
+    Llama-3-8B in bf16, 131072 bytes). ``same_group_gbps`` / ``cross_group_gbps``: KV transfer
+    bandwidth within a ``pdGroupID`` group / across groups, GB/s (10^9 bytes/s), cross <= same.
+    ``base_latency_ms``: fixed cost of one transfer. ``wait_scale_ms``: the wait model's service time,
+    ms (about one decode step at half batch): a decode at utilisation u waits ``wait_scale_ms * u`` while
+    it has room (u <= 0.8), plus ``wait_scale_ms * (u - 0.8) / (1 - u)`` above (see ``affinity.auto``).
+    ``prefill_ms_per_token``: prefill compute per prompt token, ms (the prefill's queue and its compute
+    on the uncached tokens are priced with it).
+    """
+
+    kv_bytes_per_token: int = 0
+    num_layers: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    dtype_bytes: int = 2
+    same_group_gbps: float = 100.0
+    cross_group_gbps: float = 10.0
+    base_latency_ms: float = 1.0
+    wait_scale_ms: float = 15.0
+    prefill_ms_per_token: float = 0.05
+
+    def bytes_per_token(self) -> int:
+        """KV bytes per prompt token: ``kv_bytes_per_token``, or the model shape's when that is 0."""
+        shape = 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        return self.kv_bytes_per_token or shape
+
+    def model(self) -> AutoModel:
+        """The pure decision's view of these keys."""
+        return AutoModel(
+            self.bytes_per_token(),
+            self.same_group_gbps,
+            self.cross_group_gbps,
+            self.base_latency_ms,
+            self.wait_scale_ms,
+            self.prefill_ms_per_token,
+        )
+
+    def check(self) -> None:
+        """Raise :class:`ConfigError` naming the first key out of range, or a cross-group bandwidth
+        above the same-group one."""
+        key = "affinity.auto"
+        in_range(
+            f"{key}.kv_bytes_per_token",
+            self.kv_bytes_per_token,
+            0,
+            MAX_KV_BYTES_PER_TOKEN,
+            kind="an integer",
+            note="0 = from num_layers, num_kv_heads, head_dim and dtype_bytes",
+        )
+        for name in ("num_layers", "num_kv_heads", "head_dim", "dtype_bytes"):
+            in_range(f"{key}.{name}", getattr(self, name), 1, 65536, kind="an integer")
+        if self.bytes_per_token() > MAX_KV_BYTES_PER_TOKEN:
+            raise ConfigError(
+                f"{key}: the model shape gives more than {MAX_KV_BYTES_PER_TOKEN} KV bytes a token"
+            )
+        for name in ("same_group_gbps", "cross_group_gbps"):
+            in_range(f"{key}.{name}", getattr(self, name), 1e-3, 1e6, note="GB/s")
+        if self.cross_group_gbps > self.same_group_gbps:
+            raise ConfigError(
+                f"{key}.cross_group_gbps ({self.cross_group_gbps:g}) must not exceed same_group_gbps "
+                f"({self.same_group_gbps:g}): a group's own fabric is the fast one"
+            )
+        for name in ("base_latency_ms", "wait_scale_ms", "prefill_ms_per_token"):
+            in_range(f"{key}.{name}", getattr(self, name), 0, 1e6, note="ms")

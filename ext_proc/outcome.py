@@ -1,0 +1,134 @@
+"""What routing one request produces: the outcome vocabulary the router, the handoffs and the shell share.
+
+The router parses a request (:class:`HandoffJob`) and decides where it runs; the decision and the
+charges it holds are a :class:`Placement`. The handoff turns the placement into an outcome:
+:class:`Routed` (instructions for Envoy), :class:`Refused` (an error answer), or a
+:class:`PendingAnswer` that needs I/O with an engine first and then completes into one of the two.
+A routed request's :class:`ResponseWatcher`, when its handoff attached one, sees the upstream's answer.
+
+A leaf module: value types only (no gRPC, HTTP client, metrics or handoff module).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Protocol
+
+from ext_proc.affinity import Cost, Decision
+from ext_proc.load import Lease
+from ext_proc.registry import EndpointState
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingInstructions:
+    """What to tell Envoy for one request.
+
+    ``set_headers`` overwrite (or add) request headers; ``remove_headers`` are dropped;
+    ``lb_metadata`` goes into dynamic metadata namespace ``envoy.lb``, which Envoy's
+    ``override_host`` load balancing policy reads; ``body``, when not ``None``, replaces the
+    request body (``content-length`` is set to match).
+    """
+
+    set_headers: tuple[tuple[str, str], ...]
+    remove_headers: tuple[str, ...]
+    lb_metadata: tuple[tuple[str, str], ...]
+    body: bytes | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestMeta:
+    """What the request-headers phase tells about a request.
+
+    ``path`` is the HTTP ``:path`` (query included); ``client_request_id`` the incoming
+    ``x-request-id`` (kept for logs only); ``authorization`` is forwarded to prefill legs.
+    """
+
+    path: str = ""
+    client_request_id: str | None = None
+    authorization: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class HandoffJob:
+    """One parsed request on its way to the engines.
+
+    ``raw`` is the client's body as received and ``body`` its parsed JSON object; ``cost`` is what
+    the request charges (tokens); ``subset`` the data plane's endpoint-subset hint, if any.
+    """
+
+    raw: bytes
+    body: dict[str, object]
+    meta: RequestMeta
+    cost: Cost
+    subset: frozenset[str] | None
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """A routing decision and the charges it holds (released through ``lease``)."""
+
+    decision: Decision[EndpointState]
+    lease: Lease
+
+
+class ResponseWatcher(Protocol):
+    """Sees the upstream's answer to a routed request and may answer otherwise (attached by the handoff
+    that needs it: the engine handoffs watch a decode's answer for a failed KV pull)."""
+
+    def headers(self, status: int, content_type: str, chunks_sent: bool) -> Refused | bool:
+        """The answer's ``status`` and ``content-type`` arrived: the :class:`Refused` to answer instead,
+        or whether to see its body chunk by chunk (``chunks_sent``: the chunks come anyway; otherwise
+        Envoy is asked to send them)."""
+        ...
+
+    def chunk(self, chunk: bytes) -> tuple[bytes | None, bool]:
+        """A watched body chunk: ``(replacement, keep_watching)``; ``replacement`` is what to send
+        instead, ``None`` to pass the chunk as it came."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Routed:
+    """The request goes ahead: ``instructions`` for Envoy, ``lease`` to release when it ends, and
+    ``background`` (a prefill leg still running) to cancel when the HTTP exchange ends."""
+
+    instructions: RoutingInstructions
+    lease: Lease
+    background: asyncio.Task[None] | None = None
+    watcher: ResponseWatcher | None = None
+    """Sees the upstream's answer (the engine handoffs: a decode's failed KV pull), else ``None``."""
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """The request is answered with an error. ``code`` is also the ``rejected_total`` reason.
+
+    ``body``, when set, is the exact JSON error body to send (an engine's own error, passed through).
+    ``retry_after``, when set, is sent as the ``retry-after`` header (seconds).
+    """
+
+    status: int
+    message: str
+    code: str
+    param: str | None = None
+    body: bytes | None = None
+    retry_after: int | None = None
+
+
+class PendingAnswer(Protocol):
+    """A routing answer that needs I/O first (the kv-transfer-params prefill leg, the Mooncake
+    bootstrap query).
+
+    ``timeout`` (seconds) is how long Envoy must wait for the answer. ``lease`` holds the charges
+    of the moment (a retry replaces it). :meth:`complete` returns the answer; whatever it returns
+    or raises, every charge outside the returned :class:`Routed`'s lease has been released, except
+    when it is cancelled: then the caller releases ``lease``.
+    """
+
+    timeout: float
+    lease: Lease
+
+    async def complete(self) -> Routed | Refused:
+        """Run the I/O and produce the answer for Envoy."""
+        ...

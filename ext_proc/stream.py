@@ -1,0 +1,276 @@
+"""One ext_proc stream's state machine, without I/O: Envoy's messages in, answers (or a pending one) out.
+
+One HTTP request is one stream. Envoy's first message states the body modes; the stream's
+:class:`~ext_proc.choreography.Choreography` (BUFFERED, or FULL_DUPLEX_STREAMED as the Gateway API
+Inference Extension gateways configure it) decides which answers go out when; the routing is the same
+in every mode. By phase:
+- ``request_headers``: a request without a body is routed here; otherwise the path, ``x-request-id``
+  and ``authorization`` are noted and the body awaited (BUFFERED: client-supplied routing headers are
+  stripped at once; FULL_DUPLEX_STREAMED: the answer is held until the body is complete).
+- ``request_body``: BUFFERED, the whole body in one message after the headers; FULL_DUPLEX_STREAMED,
+  chunks collected up to :data:`~ext_proc.choreography.BODY_LIMIT_BYTES` (beyond: 413
+  ``request_too_large``) until ``end_of_stream`` (or the request trailers). Then parse, decide, charge,
+  answer with routing headers, ``envoy.lb`` metadata and, for the engine handoffs, a new body; or with
+  an ``ImmediateResponse`` error. When the handoff first runs a prefill leg, the answer is a
+  :class:`~ext_proc.outcome.PendingAnswer`: the shell asks Envoy to wait longer, awaits it and hands
+  its outcome back (:meth:`Stream.completed`). An endpoint-subset hint in the metadata (endpoint-picker
+  protocol) restricts the decode choice; no eligible endpoint in it → 503.
+  A body without headers, a BUFFERED body in chunks, or a body mode pd-extproc cannot route by means
+  Envoy is misconfigured in a way that would silently bypass routing: answered 500
+  ``ext_proc_misconfigured``. A message with no phase at all: 500 ``ext_proc_protocol_error``.
+- ``response_headers``: the prefill has finished; its charge is released. When the data plane reports
+  the endpoint that served (``envoy.lb`` ``x-gateway-destination-endpoint-served``) and it is another
+  decode than the one chosen (a retry walked the fallback list), the decode charge moves there. A routed
+  request's :class:`~ext_proc.outcome.ResponseWatcher` (the engine handoffs: a decode's failed KV pull)
+  sees the status: it may refuse instead, or watch the body's first chunks (asking Envoy to send them
+  when they would not come otherwise).
+- ``response_body``: a watched chunk is passed or replaced as the watcher says; otherwise echoed
+  unchanged in FULL_DUPLEX_STREAMED (chunk by chunk, as the engine streams tokens), else passed
+  through; anything else passes through unchanged.
+Admission control: a request about to be routed (headers without a body, or the body) first takes an
+in-flight slot (:meth:`Router.admit`); when all ``limits.max_inflight_requests`` are taken it is
+answered 429 ``overloaded`` with ``retry-after``. A refused request gives its slot back at once.
+:meth:`Stream.close` (the shell calls it whatever ends the stream) releases the request's charges and
+its in-flight slot and cancels its background prefill leg.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+from ext_proc import envoy_messages as msg
+from ext_proc.choreography import BODY_LIMIT_BYTES, Answers, BodyCollector, Choreographies, Choreography
+from ext_proc.load import Admission
+from ext_proc.metrics import Metrics
+from ext_proc.outcome import PendingAnswer, Refused, RequestMeta, ResponseWatcher, Routed, RoutingInstructions
+from ext_proc.refusal import refuse
+from ext_proc.router import Router
+
+TOO_LARGE = (
+    f"request body too large: the gateway buffers at most {BODY_LIMIT_BYTES // (1024 * 1024)} MiB "
+    f"({BODY_LIMIT_BYTES} bytes)"
+)
+"""The 413 message, the same as the shipped Envoy's own (``envoy/envoy.yaml`` local reply)."""
+
+Build = Callable[[RoutingInstructions], Answers]
+
+
+class Streams:
+    """What every stream of a server shares, built once: the router, the choreographies of its
+    handoff's routing headers and the constant answers (never modified after this)."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self.metrics: Metrics = router.metrics
+        self.choreographies = Choreographies(router.handoff.routing_headers, router.handoff.hands_kv)
+        self.passthrough = {kind: msg.passthrough(kind) for kind in msg.PHASES}
+        self.stream_body = msg.stream_response_body()
+
+    def open(self) -> Stream:
+        """The state of a new stream."""
+        return Stream(self)
+
+
+class Stream:
+    """One stream's state: its choreography (from Envoy's first message), the routed request (charges,
+    background prefill leg, response watcher) or the pending answer in progress, whether it holds an
+    in-flight slot, whether Envoy sent the request headers, what they said, the data plane's
+    endpoint-subset hint if any, the FULL_DUPLEX_STREAMED body collected so far, how a pending answer's
+    outcome becomes answers, whether the stream was answered with an error (later messages get no
+    answer), and the watcher of a streamed answer whose next chunk it still wants to see."""
+
+    __slots__ = (
+        "_admission",
+        "_shared",
+        "admitted",
+        "body",
+        "build",
+        "choreography",
+        "ended",
+        "meta",
+        "pending",
+        "routed",
+        "saw_headers",
+        "subset",
+        "watching",
+    )
+
+    def __init__(self, shared: Streams) -> None:
+        self._shared = shared
+        self._admission: Admission = shared.router.admission
+        self.admitted = False
+        self.choreography: Choreography | None = None
+        self.routed: Routed | None = None
+        self.pending: PendingAnswer | None = None
+        self.saw_headers = False
+        self.meta = RequestMeta()
+        self.subset: frozenset[str] | None = None
+        self.body: BodyCollector | None = None
+        self.build: Build | None = None
+        self.ended = False
+        self.watching: ResponseWatcher | None = None
+
+    def answer(self, request: msg.ProcessingRequest) -> Answers | PendingAnswer:
+        """The answers to Envoy's message ``request`` (none once the stream was answered with an
+        error), or the pending answer to await and pass to :meth:`completed`."""
+        if self.ended:
+            return ()
+        choreography = self.choreography
+        if choreography is None:
+            chosen = self._shared.choreographies.choreography_for(request)
+            if isinstance(chosen, str):
+                return self._misconfigured(chosen)
+            choreography = self.choreography = chosen
+            self._shared.metrics.stream_started(chosen.name)
+        kind = request.WhichOneof("request")
+        if self.subset is None and request.HasField("metadata_context"):
+            self.subset = msg.subset_hint(request)
+        if kind == "request_headers":
+            self.saw_headers = True
+            if not request.request_headers.end_of_stream:
+                self.meta = msg.request_meta(request.request_headers)
+                if choreography.full_duplex:
+                    self.body = BodyCollector()
+                return choreography.header_hold
+            overloaded = self._admit()
+            outcome = self._shared.router.route_bodiless(self.subset) if overloaded is None else overloaded
+            return self._routed(outcome, choreography.route_bodiless)
+        if kind == "request_body":
+            return self._request_body(request.request_body, choreography)
+        if kind is None:
+            return self._refuse(500, "empty ext_proc message", "ext_proc_protocol_error")
+        if kind == "request_trailers" and self.body is not None and self.routed is None:
+            # FULL_DUPLEX_STREAMED: trailers end the body (its last chunk had no end_of_stream).
+            return self._route_body(self.body.body(), choreography, trailers=True)
+        if kind == "response_headers" and self.routed is not None:
+            routed = self.routed
+            served = msg.served_endpoint(request)
+            if served is not None:
+                self._shared.router.served_by(routed.lease, served)
+            routed.lease.release_prefill()
+            if routed.watcher is not None:
+                return self._watch_headers(request.response_headers, routed.watcher, choreography)
+        if kind == "response_body":
+            if self.watching is not None:
+                return (self._watch_chunk(request.response_body, self.watching, choreography),)
+            return (choreography.response_body(request.response_body, self._shared.passthrough[kind]),)
+        return (self._shared.passthrough[kind],)
+
+    def completed(self, outcome: Routed | Refused) -> Answers:
+        """The answers once :attr:`pending` completed with ``outcome`` (until then its charges are the
+        stream's)."""
+        self.pending = None
+        assert self.build is not None
+        return self._routed(outcome, self.build)
+
+    def end(self, refused: Refused) -> Answers:
+        """End the stream with the error answer ``refused``; Envoy sends nothing more that needs one."""
+        self.ended = True
+        error = msg.immediate_error(
+            refused.status, refused.message, refused.code, refused.param, refused.body, refused.retry_after
+        )
+        return (error,)
+
+    def close(self) -> None:
+        """The stream has ended: give back its in-flight slot and release its charges (idempotent)."""
+        self._release_slot()
+        self._release_charges()
+
+    def _release_slot(self) -> None:
+        """Give back the stream's in-flight slot if it holds one (idempotent)."""
+        if self.admitted:
+            self.admitted = False
+            self._admission.release()
+
+    def _release_charges(self) -> None:
+        """Release every charge and cancel a background prefill leg (idempotent)."""
+        if self.pending is not None:
+            self.pending.lease.release()
+        routed = self.routed
+        if routed is not None:
+            routed.lease.release()
+            if routed.background is not None:
+                routed.background.cancel()
+
+    def _refuse(self, status: int, message: str, code: str) -> Answers:
+        """End the stream with an error answer of its own (counted and logged as every refusal)."""
+        return self.end(refuse(self._shared.metrics, status, message, code))
+
+    def _misconfigured(self, message: str) -> Answers:
+        return self._refuse(500, f"gateway misconfigured: {message}", "ext_proc_misconfigured")
+
+    def _routed(self, outcome: Routed | Refused, build: Build) -> Answers:
+        if isinstance(outcome, Refused):
+            self._release_slot()  # not routed: no longer in flight
+            return self.end(outcome)
+        self._release_charges()  # a stream is routed once; never leak an earlier charge
+        self.routed = outcome
+        return build(outcome.instructions)
+
+    def _admit(self) -> Refused | None:
+        """Take an in-flight slot unless the stream holds one: ``None``, or the 429 to answer."""
+        if self.admitted:
+            return None
+        overloaded = self._shared.router.admit()
+        self.admitted = overloaded is None
+        return overloaded
+
+    def _request_body(self, body: msg.HttpBody, choreography: Choreography) -> Answers | PendingAnswer:
+        if not self.saw_headers:
+            return self._misconfigured(
+                "ext_proc request_header_mode must be SEND (with SKIP, Envoy picks the upstream "
+                "before the body is answered, so no routing decision can take effect)",
+            )
+        collector = self.body
+        if collector is None:  # BUFFERED: the whole body in this one message
+            if not body.end_of_stream:
+                return self._misconfigured("ext_proc request_body_mode must be BUFFERED")
+            return self._route_body(body.body, choreography)
+        if not collector.add(body.body):
+            return self._refuse(413, TOO_LARGE, "request_too_large")
+        if not body.end_of_stream:
+            return ()
+        return self._route_body(collector.body(), choreography)
+
+    def _route_body(
+        self, raw: bytes, choreography: Choreography, trailers: bool = False
+    ) -> Answers | PendingAnswer:
+        overloaded = self._admit()
+        if overloaded is not None:
+            return self.end(overloaded)
+        outcome = self._shared.router.route_body(raw, self.meta, self.subset)
+        build = functools.partial(choreography.route_body, body=raw, trailers=trailers)
+        if isinstance(outcome, Routed | Refused):
+            return self._routed(outcome, build)
+        self.pending = outcome  # released by close() if the stream ends from here on
+        self.build = build
+        return outcome
+
+    def _watch_headers(
+        self, headers: msg.HttpHeaders, watcher: ResponseWatcher, choreography: Choreography
+    ) -> Answers:
+        """The routed request's answer starts: its watcher refuses, or says whether it sees the body's
+        chunks (in BUFFERED mode Envoy is then asked to send them one by one)."""
+        status, content_type = msg.response_status(headers)
+        chunks_sent = choreography.streams_response_body
+        verdict = watcher.headers(status, content_type, chunks_sent)
+        if isinstance(verdict, Refused):
+            return self.end(verdict)
+        self.watching = watcher if verdict else None
+        if verdict and not chunks_sent:
+            return (self._shared.stream_body,)
+        return (self._shared.passthrough["response_headers"],)
+
+    def _watch_chunk(
+        self, body: msg.HttpBody, watcher: ResponseWatcher, choreography: Choreography
+    ) -> msg.ProcessingResponse:
+        """A watched chunk of the answer: passed as it came, or replaced by what the watcher says."""
+        replacement, keep_watching = watcher.chunk(body.body)
+        if not keep_watching:
+            self.watching = None
+        if replacement is None:
+            return choreography.response_body(body, self._shared.passthrough["response_body"])
+        if choreography.streams_response_body:
+            return msg.streamed_chunk("response_body", replacement, body.end_of_stream)
+        return msg.replace_body(replacement)
