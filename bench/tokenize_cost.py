@@ -122,7 +122,7 @@ def conversation(raw: Tokenizer, pool: list[str], rng: random.Random) -> tuple[l
     total, seen = count(messages[0]["content"]), 1
     while total < PROMPT_TOKENS:
         role = ("user", "assistant")[len(messages) % 2 - 1]
-        messages.append({"role": role, "content": take(rng.randint(200, 700))})
+        messages.append({"role": role, "content": take(rng.randint(100, 400))})
         total += count(messages[-1]["content"]) + 5
         if total <= SEEN_TOKENS and role == "user":
             seen = len(messages)
