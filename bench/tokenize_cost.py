@@ -187,7 +187,10 @@ def measure(folder: Path, reps: int, seed: int = 1) -> dict[str, Any]:
         "reps": reps,
         **{name: summary(values) for name, values in results.items()},
         **{f"awaited_{name}": summary(values) for name, values in awaited.items()},
-        **{name: {"min": min(values), "max": max(values)} for name, values in sizes.items()},
+        **{
+            name: {"min": min(values), "p50": percentile(values, 0.5), "max": max(values)}
+            for name, values in sizes.items()
+        },
     }
 
 
@@ -217,12 +220,15 @@ async def measure_awaited(
     return times
 
 
+def spread(values: dict[str, float]) -> str:
+    return f"{values['min']:.0f} / {values['p50']:.0f} / {values['max']:.0f}"
+
+
 def report(result: dict[str, Any]) -> str:
     lines = [
         f"tokenizer: {result['folder']} ({result['vocab']} tokens); {result['reps']} conversations of "
-        f"{result['prompt_tokens']['min']}-{result['prompt_tokens']['max']} tokens, "
-        f"{result['seen_tokens']['min']}-{result['seen_tokens']['max']} seen before, "
-        f"{result['cached_tokens']['min']}-{result['cached_tokens']['max']} taken from the cache",
+        f"{spread(result['prompt_tokens'])} tokens, {spread(result['seen_tokens'])} seen before, "
+        f"{spread(result['cached_tokens'])} taken from the cache (min / p50 / max)",
         f"{'path':<16}{'p50 ms':>10}{'p90 ms':>10}",
     ]
     for name in ("cold", "cached", "render", "encode", "awaited_cold", "awaited_cached"):
