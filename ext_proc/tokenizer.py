@@ -5,7 +5,8 @@
 newer transformers write instead and which wins) into the pure
 :class:`~ext_proc.prefix.tokens.PromptTokenizer`. :class:`GatewayTokenizer` is what the router awaits:
 :meth:`GatewayTokenizer.prompt_tokens` runs the tokenizer on a thread of its own (the ``tokenizers``
-library releases the GIL while it encodes, so the event loop keeps serving) and answers ``None``
+library's ``encode_batch``, which the pure module calls, releases the GIL while it encodes; its
+``encode`` does not), so the event loop keeps serving, and answers ``None``
 instead of raising: a folder that is missing or unreadable, a template that fails, a body it cannot
 render are logged and counted, and the caller routes that request on the ``approximate`` index.
 """

@@ -24,6 +24,7 @@ from ext_proc.prefix.tokens import (
     TokenizeFailure,
     UntokenizedReason,
     conversation,
+    tool_schemas,
 )
 from ext_proc.tokenizer import GatewayTokenizer, TokenizerLoadError, TokenizerSettings, load_prompt_tokenizer
 from sim.tokenizer_folder import BOS, write_tokenizer_folder
@@ -137,6 +138,30 @@ def test_chat_content_parts_and_tool_calls_reach_the_template_as_vllm_hands_them
         {"messages": as_strings}
     )
     assert rendered == '{"k": "<é>"}'
+
+
+def test_tools_reach_the_template_as_vllm_dumps_them(folder: Path, tmp_path: Path) -> None:
+    tools = [
+        {"type": "function", "function": {"strict": True, "parameters": {"type": "object"}, "name": "f"}}
+    ]
+    assert tool_schemas(tools) == [
+        {
+            "type": "function",
+            "function": {"name": "f", "description": None, "parameters": {"type": "object"}, "strict": True},
+        }
+    ]
+    assert list(tool_schemas(tools)[0]["function"]) == ["name", "description", "parameters", "strict"]  # type: ignore[arg-type]
+    tokenizer = fresh(with_template(folder, tmp_path, "{{ tools | tojson }}{{ messages[0].content }}"))
+    body = {"messages": [{"role": "user", "content": "x"}], "tools": tools}
+    rendered = (
+        '[{"type": "function", "function": {"name": "f", "description": null, '
+        '"parameters": {"type": "object"}, "strict": true}}]x'
+    )
+    assert (
+        tokenizer.tokens(body, CHAT, 0.0).ids
+        == tokenizer.tokens({"prompt": rendered, "add_special_tokens": False}, COMPLETIONS, 0.0).ids
+    )
+    assert failure(tokenizer, {**body, "tools": [{"type": "function"}]}) == UntokenizedReason.UNSUPPORTED
 
 
 def test_the_content_format_follows_the_template(folder: Path, raw: Tokenizer, tmp_path: Path) -> None:

@@ -5,7 +5,8 @@ can key blocks by the token ids the engine caches (``affinity.prefix.source: kv-
 
 - ``/v1/chat/completions``: ``messages`` normalised as vLLM's ``parse_chat_messages`` does (text parts
   joined with newlines, or kept as ``{"type": "text"}`` parts when the template loops over a message's
-  content; assistant ``tool_calls`` arguments parsed from JSON), rendered by the model's chat template as
+  content; assistant ``tool_calls`` arguments parsed from JSON; ``tools`` as vLLM's request model dumps
+  them), rendered by the model's chat template (``tool_use`` when tools are given and it has one) as
   transformers' ``apply_chat_template`` renders (sandboxed jinja2, ``trim_blocks``, ``lstrip_blocks``,
   ``raise_exception``, a ``tojson`` that does not escape HTML, ``strftime_now``, the special tokens of
   ``tokenizer_config.json``, ``add_generation_prompt`` true unless the body says otherwise), then
@@ -246,6 +247,26 @@ def _tool_calls(calls: object) -> list[object]:
                 _unsupported("a tool call's arguments are not JSON")
         parsed.append({**call, "function": {**function, "arguments": arguments}})
     return parsed
+
+
+def tool_schemas(tools: object) -> list[dict[str, object]] | None:
+    """``tools`` as vLLM hands them to the chat template: each as its request model dumps it.
+
+    ``{"type", "function": {"name", "description", "parameters", …}}``, the function's declared fields
+    first (``null`` when absent), then its other keys in order. ``None`` without tools; raises
+    :class:`TokenizeFailure` for a tool that is not a function with a name."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        _unsupported("'tools' is not a list")
+    schemas: list[dict[str, object]] = []
+    for tool in tools:
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            _unsupported("a tool is not a function with a name")
+        declared = {key: function.get(key) for key in ("name", "description", "parameters")}
+        schemas.append({"type": tool.get("type", "function"), "function": {**declared, **function}})
+    return schemas
 
 
 def conversation(messages: object, content_format: ContentFormat) -> list[dict[str, object]]:
@@ -493,7 +514,7 @@ class PromptTokenizer:
             **self._special_tokens,
             **extra,
             "messages": messages,
-            "tools": tools,
+            "tools": tool_schemas(tools),
             "documents": body.get("documents"),
             "add_generation_prompt": add_generation_prompt,
         }
