@@ -14,7 +14,8 @@ can key blocks by the token ids the engine caches (``affinity.prefix.source: kv-
 - ``/v1/completions`` (``prompt``) and ``/v1/embeddings`` (``input``): text tokenized with
   ``add_special_tokens=True`` (vLLM's completions default); token ids are used as given. Several prompts
   are concatenated in order, as :func:`ext_proc.prefix.blocks.prompt_content` concatenates them.
-- A body's own ``add_special_tokens`` and ``add_generation_prompt`` are honoured, as vLLM honours them.
+- A body's own ``add_special_tokens``, ``add_generation_prompt``, ``documents`` and
+  ``chat_template_kwargs`` are honoured, as vLLM honours them.
 
 What cannot be matched exactly raises :class:`TokenizeFailure` with an :class:`UntokenizedReason`
 (the caller routes such a request on the ``approximate`` index): images and other non-text parts, a
