@@ -62,7 +62,7 @@ ENV PATH=/opt/pd-extproc/bin:$PATH \
 WORKDIR /app
 # A numeric user and group, unprivileged and not in /etc/passwd: creating a named one would take
 # groupadd/useradd, which a minimal base lacks. This stage only copies, so BASE_IMAGE needs nothing
-# but the python3 the virtualenv runs on (tests/test_dockerfile.py keeps it so).
+# but the python3 the virtualenv runs on (tests/deploy/test_dockerfile.py keeps it so).
 USER 10001:10001
 # 8080 gateway, 9090 pd-extproc metrics, 9002 pd-extproc gRPC (ext_proc + health). The metrics port
 # listens on every address of the container (pd-extproc's own default is loopback only).

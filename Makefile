@@ -5,7 +5,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
 
-.PHONY: install demo test test-compose vllm-env test-vllm lint format bench clean
+.PHONY: install demo test test-fast test-compose vllm-env test-vllm lint format bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,12 @@ test: $(STAMP)
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
 	$(BIN)/pytest -q
+
+# The unit and property tests alone (tests/unit: no Envoy, Helm or Docker; loopback servers in process)
+# but the long fuzz runs (marked slow): under a minute, for the edit-test loop. `make test` runs them all,
+# with tests/e2e and tests/deploy.
+test-fast: $(STAMP)
+	$(BIN)/pytest -q -m "not slow" tests/unit
 
 # The image and docker-compose.yml for real (tests/compose/compose_e2e.py): as root it installs Docker,
 # debootstrap and starts dockerd itself; otherwise it skips with a message. About 5-10 minutes.

@@ -25,7 +25,7 @@ from ext_proc.envoy_health import EnvoyHealthConfig
 from sim.cluster import EngineSpec
 from sim.cluster_process import EngineInfo
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' stand-ins, shared
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))  # the tests' stand-ins
 from backends import start_broken_engine
 from fake_kube_api import FakeKubeApi
 from kube_objects import pod

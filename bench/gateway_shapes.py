@@ -1,6 +1,6 @@
 """Handoffs and fail-open behind the gateways that run an InferencePool, measured with the real Envoy 1.40
-in each gateway's shape (``tests/gateway_shapes/``, the stack of ``tests/shapes.py``: ``pd-extproc serve``
-over TLS, scripted prefills, echo decodes).
+in each gateway's shape (``tests/deploy/gateway_shapes/``, the stack of ``tests/support/shapes.py``:
+``pd-extproc serve`` over TLS, scripted prefills, echo decodes).
 
 1. **Prefill legs** (issue 16 item 8). These gateways set no ``max_message_timeout`` (kgateway's
    ``message_timeout`` is 5 s), so the ``override_message_timeout`` pd-extproc sends before a
@@ -36,7 +36,7 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the shape stack, shared with tests
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))  # the shape stack
 from common import write_json
 from e2e_harness import by_outcome
 from shapes import EXT_PROC_TYPE, SHAPES, RenderedShape, ShapeStack, nodes, shape_stack

@@ -255,11 +255,21 @@ async def start_gateway(
     raise GatewayError(f"Envoy was not ready within {timeout:.0f} s:\n{tail}")
 
 
+_HANDED_OUT: set[int] = set()
+"""Every port :func:`free_port` returned in this process."""
+
+
 def free_port() -> int:
-    """An unused loopback TCP port (racy by nature; fine for local runs)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """An unused loopback TCP port that this process was never given before: two calls for one bootstrap
+    (listener, admin, prefill-leg listener) cannot collide, as two bind-to-0 probes in a row may. Still
+    racy against other processes by nature; fine for local runs."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 def start_router_process(

@@ -1,6 +1,6 @@
-"""Shared test setup: make the test helper modules importable; load benchmark scripts; Helm; the fake
-Kubernetes API server; the ``server`` and ``stub`` fixtures of the tests that drive the gRPC shell
-directly."""
+"""Shared test setup: make the test helper modules (``tests/support/``) importable by name; load benchmark
+scripts; Helm; the fake Kubernetes API server; the ``server`` and ``stub`` fixtures of the tests that drive
+the gRPC shell directly."""
 
 import importlib.util
 import sys
@@ -13,7 +13,7 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2_grpc
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent / "support"))
 
 from fake_kube_api import FakeKubeApi
 from grpc_harness import start_with

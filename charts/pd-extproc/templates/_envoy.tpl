@@ -1,6 +1,6 @@
 {{/* The pod's Envoy bootstrap: envoy/envoy-ads.yaml (envoy/envoy.yaml with the prefill/decode
 endpoints from pd-extproc over ADS) without its comments, verbatim at the default values
-(tests/test_helm_chart.py keeps them equal; see those files and docs/deploy/envoy.md "Envoy wiring" for
+(tests/deploy/test_helm_chart.py keeps them equal; see those files and docs/deploy/envoy.md "Envoy wiring" for
 every choice), plus a stats listener serving /ready and /stats/prometheus (the admin stays on
 loopback). Values set pd-extproc's port, envoy.statsPort, routing.destination_header and the
 timeouts below. */}}

@@ -93,7 +93,7 @@ host (provider none: ORIGINAL_DST, kgateway's subset load balancer). */}}
 {{- end }}
 
 {{/* The pd-extproc configuration file: every key of config/pd-extproc.yaml, from the value of the
-same name (tests/test_helm_chart.py keeps the two key sets equal), as "pd-extproc.settings" says. */}}
+same name (tests/deploy/test_helm_chart.py keeps the two key sets equal), as "pd-extproc.settings" says. */}}
 {{- define "pd-extproc.config" -}}
 {{- $v := include "pd-extproc.settings" . | fromJson -}}
 {{- $k := $v.discovery.kubernetes -}}
