@@ -123,7 +123,7 @@ def conversation(raw: Tokenizer, pool: list[str], rng: random.Random) -> tuple[l
     while total < PROMPT_TOKENS:
         role = ("user", "assistant")[len(messages) % 2 - 1]
         messages.append({"role": role, "content": take(rng.randint(100, 400))})
-        total += count(messages[-1]["content"]) + 5
+        total += count(f"<|start_header_id|>{role}<|end_header_id|>\n\n{messages[-1]['content']}<|eot_id|>")
         if total <= SEEN_TOKENS and role == "user":
             seen = len(messages)
     return messages, seen

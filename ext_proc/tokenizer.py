@@ -60,8 +60,9 @@ class TokenizerLoadError(Exception):
 
 
 def _special_tokens(config: Mapping[str, object]) -> dict[str, object]:
-    """The template's special-token variables from ``tokenizer_config.json`` (a string or an
-    ``AddedToken`` object with its ``content`` each)."""
+    """The template's special-token variables from ``tokenizer_config.json``.
+
+    Each is a string there, or an ``AddedToken`` object with its ``content``."""
     tokens: dict[str, object] = {}
     for name in _SPECIAL_TOKENS:
         value = config.get(name)

@@ -392,8 +392,9 @@ def _token_boundary(encoding: Encoding, length: int, char: int) -> int | None:
 
 
 def _find(text: str, parts: list[str], position: int) -> tuple[int, int] | None:
-    """Where ``parts`` (empty ones skipped) occur one after another in ``text`` from ``position``: from the
-    start of the first to the end of the last; ``None`` when one is missing or all are empty."""
+    """Where ``parts`` occur one after another in ``text`` from ``position`` (empty parts skipped).
+
+    From the start of the first to the end of the last; ``None`` when one is missing or all are empty."""
     span: tuple[int, int] | None = None
     for part in filter(None, parts):
         at = text.find(part, position)
@@ -523,8 +524,10 @@ class PromptTokenizer:
     def _encode(
         self, text: str, lookups: list[int], stores: list[int], add_special: bool, now: float
     ) -> Tokenized:
-        """``text``'s ids, from the longest cached prefix at one of ``lookups`` or ``stores`` when its
-        seam agrees; the prefixes at ``stores`` (character offsets) are cached for later texts."""
+        """``text``'s ids, from the longest cached prefix whose seam agrees, then tokenized whole.
+
+        Prefixes are looked up at ``lookups`` and ``stores`` (character offsets) and the ones at
+        ``stores`` are cached for later texts."""
         if add_special and self._added is None:
             return Tokenized(self._encode_whole(text, True).ids, 0)
         positions = sorted({p for p in (*lookups, *stores) if 0 < p <= len(text)})
@@ -562,8 +565,10 @@ class PromptTokenizer:
     def _seam_agrees(
         self, text: str, position: int, prefix: _Prefix, rest: Encoding, rest_ids: list[int]
     ) -> bool:
-        """Whether joining ``prefix`` (the ids of ``text[:position]``) and ``rest`` (of the remainder,
-        ``rest_ids`` its ids) tokenizes the seam as the whole text does, tested on the tokens around it."""
+        """Whether ``prefix`` and ``rest`` join as the whole text tokenizes, tested on the seam's tokens.
+
+        ``prefix`` holds the ids of ``text[:position]``, ``rest`` the encoding of the remainder and
+        ``rest_ids`` its ids."""
         head = min(SEAM_TOKENS, len(rest_ids))
         end = position + (rest.token_to_chars(head - 1)[1] if head else 0)
         window = self._encode_whole(text[prefix.tail_start : end], False).ids

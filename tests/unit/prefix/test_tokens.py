@@ -29,7 +29,7 @@ from ext_proc.prefix.tokens import (
 from ext_proc.tokenizer import GatewayTokenizer, TokenizerLoadError, TokenizerSettings, load_prompt_tokenizer
 from sim.tokenizer_folder import BOS, write_tokenizer_folder
 
-DOCS = sorted((Path(__file__).parent.parent / "docs").glob("*.md"))
+DOCS = sorted((Path(__file__).parents[3] / "docs").glob("*.md"))
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 CHATML = (
