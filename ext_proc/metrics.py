@@ -21,7 +21,7 @@ ESTIMATE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5
 """Seconds: ``auto``'s estimates, from a short in-group transfer to a queue several seconds deep."""
 HIT_BUCKETS = (0, 16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 """Tokens: a prefix-cache hit, from none to a long context held whole."""
-TOKENIZE_BUCKETS = (5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1)
+TOKENIZE_BUCKETS = (5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.2, 0.5)
 """Seconds: one prompt's tokenization, from a cached conversation to a long cold prompt behind others."""
 LEG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 180.0)
 

@@ -47,11 +47,11 @@ class TokenizerSettings:
 
     ``folder``: the model's tokenizer folder (``tokenizer.json``, ``tokenizer_config.json``); the prefix
     cache holds at most ``cache_entries`` rendered-text prefixes and ``cache_tokens`` token ids in all
-    (about 40 bytes each), an entry unused for ``cache_ttl_s`` seconds is dropped."""
+    (4 bytes each: 16 MB by default), an entry unused for ``cache_ttl_s`` seconds is dropped."""
 
     folder: str
     cache_entries: int = 1024
-    cache_tokens: int = 2_000_000
+    cache_tokens: int = 4_000_000
     cache_ttl_s: float = 60.0
 
 

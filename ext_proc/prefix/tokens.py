@@ -45,6 +45,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -307,10 +308,11 @@ def conversation(messages: object, content_format: ContentFormat) -> list[dict[s
 class _Prefix:
     """The token ids of a rendered text up to a boundary, and where its last few tokens start.
 
-    ``tail_start``: the character offset, in that text, of the first of its last ``tail_count`` tokens
-    (at most :data:`SEAM_TOKENS`); ``expires``: when the entry is dropped unless used again (seconds)."""
+    ``ids`` are unsigned 32-bit (4 bytes a token id, a tenth of a Python list's); ``tail_start``: the
+    character offset, in that text, of the first of its last ``tail_count`` tokens (at most
+    :data:`SEAM_TOKENS`); ``expires``: when the entry is dropped unless used again (seconds)."""
 
-    ids: list[int]
+    ids: array[int]
     tail_start: int
     tail_count: int
     expires: float
@@ -319,9 +321,8 @@ class _Prefix:
 class PrefixTokenCache:
     """Recent rendered-text prefixes and their token ids, least recently used first.
 
-    At most ``max_entries`` entries and ``max_tokens`` token ids in all (about 40 bytes a token id in
-    a Python list); an entry unused for ``ttl_s`` seconds is dropped. Keys are 16-byte BLAKE2b digests
-    of the prefix text's UTF-8."""
+    At most ``max_entries`` entries and ``max_tokens`` token ids in all (4 bytes each); an entry unused
+    for ``ttl_s`` seconds is dropped. Keys are 16-byte BLAKE2b digests of the prefix text's UTF-8."""
 
     def __init__(self, max_entries: int, max_tokens: int, ttl_s: float) -> None:
         self.max_entries = max_entries
@@ -352,7 +353,7 @@ class PrefixTokenCache:
             self._drop(key)
         if len(ids) > self.max_tokens or self.max_entries < 1:
             return
-        self._entries[key] = _Prefix(ids, tail_start, tail_count, now + self.ttl_s)
+        self._entries[key] = _Prefix(array("I", ids), tail_start, tail_count, now + self.ttl_s)
         self.tokens += len(ids)
         while self._entries and (
             len(self._entries) > self.max_entries
@@ -540,7 +541,7 @@ class PromptTokenizer:
             rest = self._encode_whole(text[position:], False)
             rest_ids = rest.ids  # each .ids builds a new list: read it once
             if self._seam_agrees(text, position, prefix, rest, rest_ids):
-                base, cached, ids = position, len(prefix.ids), prefix.ids + rest_ids
+                base, cached, ids = position, len(prefix.ids), prefix.ids.tolist() + rest_ids
             break
         if ids is None or rest is None:
             rest = self._encode_whole(text, False)
@@ -572,7 +573,7 @@ class PromptTokenizer:
         head = min(SEAM_TOKENS, len(rest_ids))
         end = position + (rest.token_to_chars(head - 1)[1] if head else 0)
         window = self._encode_whole(text[prefix.tail_start : end], False).ids
-        return window == prefix.ids[len(prefix.ids) - prefix.tail_count :] + rest_ids[:head]
+        return window == prefix.ids[len(prefix.ids) - prefix.tail_count :].tolist() + rest_ids[:head]
 
 
 def _added_specials(tokenizer: Tokenizer) -> tuple[list[int], list[int]] | None:
