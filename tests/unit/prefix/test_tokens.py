@@ -60,7 +60,7 @@ def fresh(folder: Path, **cache: float) -> PromptTokenizer:
     return load_prompt_tokenizer(TokenizerSettings(str(folder), **cache))  # type: ignore[arg-type]
 
 
-def with_template(folder: Path, tmp_path: Path, template: str) -> Path:
+def with_template(folder: Path, tmp_path: Path, template: str | list[dict[str, str]]) -> Path:
     """A copy of ``folder`` whose tokenizer_config.json has ``template`` as its chat template."""
     copy = tmp_path / "copy"
     copy.mkdir()
@@ -162,6 +162,27 @@ def test_tools_reach_the_template_as_vllm_dumps_them(folder: Path, tmp_path: Pat
         == tokenizer.tokens({"prompt": rendered, "add_special_tokens": False}, COMPLETIONS, 0.0).ids
     )
     assert failure(tokenizer, {**body, "tools": [{"type": "function"}]}) == UntokenizedReason.UNSUPPORTED
+
+
+def test_named_templates_and_chat_template_jinja_are_found_as_transformers_finds_them(
+    folder: Path, raw: Tokenizer, tmp_path: Path
+) -> None:
+    named = [
+        {"name": "default", "template": "D{{ messages[0].content }}"},
+        {"name": "tool_use", "template": "T"},
+    ]
+    tokenizer = fresh(with_template(folder, tmp_path, named))
+    body = {"messages": [{"role": "user", "content": "x"}]}
+    assert tokenizer.tokens(body, CHAT, 0.0).ids == raw.encode("Dx", add_special_tokens=False).ids
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    assert (
+        tokenizer.tokens({**body, "tools": tools}, CHAT, 0.0).ids
+        == raw.encode("T", add_special_tokens=False).ids
+    )
+    (tmp_path / "copy" / "chat_template.jinja").write_text("J{{ messages[0].content }}")
+    assert (
+        fresh(tmp_path / "copy").tokens(body, CHAT, 0.0).ids == raw.encode("Jx", add_special_tokens=False).ids
+    )
 
 
 def test_the_content_format_follows_the_template(folder: Path, raw: Tokenizer, tmp_path: Path) -> None:
