@@ -21,6 +21,8 @@ ESTIMATE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5
 """Seconds: ``auto``'s estimates, from a short in-group transfer to a queue several seconds deep."""
 HIT_BUCKETS = (0, 16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 """Tokens: a prefix-cache hit, from none to a long context held whole."""
+TOKENIZE_BUCKETS = (5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.2, 0.5)
+"""Seconds: one prompt's tokenization, from a cached conversation to a long cold prompt behind others."""
 LEG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 180.0)
 
 
@@ -338,6 +340,27 @@ class Metrics:
             registry=self.registry,
         )
         self._stream_children = {m: self._streams.labels(m) for m in ("buffered", "full_duplex_streamed")}
+        self._tokenize_seconds = Histogram(
+            "pd_extproc_tokenize_seconds",
+            "Time from asking the gateway tokenizer for a prompt's tokens to the answer (its queue "
+            "included), in seconds",
+            buckets=TOKENIZE_BUCKETS,
+            registry=self.registry,
+        )
+        self._tokenize_tokens = Counter(
+            "pd_extproc_tokenize_tokens_total",
+            "Prompt tokens the gateway tokenizer answered, by where they came from (cache: a recently "
+            "tokenized prefix; tokenizer: tokenized now)",
+            ["source"],
+            registry=self.registry,
+        )
+        self._tokenize_children = {s: self._tokenize_tokens.labels(s) for s in ("cache", "tokenizer")}
+        self._untokenized = Counter(
+            "pd_extproc_tokenize_fallbacks_total",
+            "Prompts the gateway tokenizer could not put in the engine's tokens, by reason",
+            ["reason"],
+            registry=self.registry,
+        )
         self.registry.register(_EndpointLoadCollector(endpoints))
         self._decision_children: dict[tuple[str, str], Counter] = {}
         self._rejected_children: dict[str, Counter] = {}
@@ -508,3 +531,13 @@ class Metrics:
     def config_reload(self, outcome: str) -> None:
         """Count one change of the configuration file: ``applied`` or ``rejected`` (invalid)."""
         self._config_reloads.labels(outcome).inc()
+
+    def tokenized(self, seconds: float, tokens: int, cached: int) -> None:
+        """Record one prompt's tokenization: ``seconds`` waited, ``tokens`` ids, ``cached`` of them reused."""
+        self._tokenize_seconds.observe(seconds)
+        self._tokenize_children["cache"].inc(cached)
+        self._tokenize_children["tokenizer"].inc(tokens - cached)
+
+    def untokenized(self, reason: str) -> None:
+        """Count one prompt the gateway tokenizer could not tokenize, by reason."""
+        self._untokenized.labels(reason).inc()
