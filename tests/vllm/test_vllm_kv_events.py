@@ -132,6 +132,7 @@ async def index_blocks(session: aiohttp.ClientSession, stack: Stack, engine: Eng
 
 
 async def decoded(session: aiohttp.ClientSession, stack: Stack, engine: Engine, kind: str) -> float:
+    """The events of ``kind`` (``BlockStored``, ...) the gateway decoded from ``engine``."""
     return await gateway_sample(
         session, stack, "pd_extproc_kv_events_decoded_total", endpoint=engine.address, kind=kind
     )
