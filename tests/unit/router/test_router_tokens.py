@@ -1,4 +1,4 @@
-"""Router with the prompt's token ids: exact charges and threshold, the prefix chain over them, when to ask."""
+"""Router with the prompt's token ids: exact charges and threshold, the chain over them, when to ask."""
 
 from __future__ import annotations
 
