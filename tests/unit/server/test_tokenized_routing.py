@@ -16,7 +16,7 @@ import grpc
 import pytest
 from builders import CHAT_META, D_SAME_IDLE, DEST, P1, PREFILL, endpoint, make_router, value
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-from extproc_messages import body, destination, headers
+from extproc_messages import body, destination, headers, trailers, with_modes
 from kv_event_wire import Publisher
 
 from ext_proc.app import start_server
@@ -62,6 +62,39 @@ async def test_an_unloadable_folder_is_counted_and_the_request_routed_on_its_tex
     assert value(router, FALLBACKS, reason="no_tokenizer") == 1
     stream.close()
     router.close()
+
+
+async def answers_of(router, messages: list) -> list:
+    """Every answer of one stream to ``messages``, its pending tokens awaited as the shell awaits them."""
+    stream = Streams(router).open()
+    out = []
+    for message in messages:
+        answers = stream.answer(message)
+        if isinstance(answers, PendingTokens):
+            answers = stream.tokenized(answers.request, await answers.tokens())
+        assert isinstance(answers, tuple)
+        out += answers
+    stream.close()
+    return out
+
+
+@pytest.mark.parametrize("full_duplex", [False, True])
+async def test_tokenizing_first_leaves_the_choreography_as_it_was(tmp_path: Path, full_duplex: bool) -> None:
+    """The same answers, message for message, with a tokenizer (which cannot load here) and without."""
+    raw = json.dumps(chat("hello")).encode()
+    first = headers(path=CHAT)
+    if full_duplex:
+        messages = [with_modes(first), body(raw[:10], end_of_stream=False), body(raw[10:], False), trailers()]
+    else:
+        messages = [first, body(raw)]
+    answers = []
+    for folder in ("", str(tmp_path / "missing")):
+        prefix = PrefixSettings(B, 100, source="kv-events", tokenizer=folder)
+        router = make_router([endpoint(P1)], [endpoint(D_SAME_IDLE)], prefix=prefix)
+        answers.append(await answers_of(router, messages))
+        router.close()
+    assert answers[0] == answers[1]
+    assert any(D_SAME_IDLE in str(answer) for answer in answers[0])  # routed, not refused
 
 
 async def test_the_stream_routes_on_the_tokens_it_awaited(folder: Path) -> None:
