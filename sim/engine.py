@@ -217,8 +217,10 @@ class Scheduler:
                 budget -= chunk
         if not decode and not prefill:
             return None
-        ms = self.timing.decode_ms(len(decode)) + self.timing.prefill_ms(
-            sum(n for _, n in prefill), len(prefill)
+        context = sum(s.prompt_tokens + s.generated for s in decode)
+        pairs = sum(n * (2 * s.prefilled + n) for s, n in prefill)
+        ms = self.timing.decode_ms(len(decode), context) + self.timing.prefill_ms(
+            sum(n for _, n in prefill), len(prefill), pairs
         )
         return StepPlan(prefill, decode, ms / 1e3)
 
