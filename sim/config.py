@@ -54,6 +54,11 @@ class TimingConfig:
     max_batch: int = _opt(64, "max sequences running at once; more wait (vLLM max_num_seqs)")
     max_num_batched_tokens: int = _opt(8192, "token budget of one step, decode tokens included")
     kv_capacity_tokens: int = _opt(262144, "KV cache capacity (tokens); requests wait when full")
+    cpu_kv_capacity_tokens: int = _opt(
+        0,
+        "CPU KV tier (tokens, 0 = none): blocks evicted from the KV cache are kept there, least "
+        "recently used dropped first, and a prompt hitting them loads them (vLLM native offloading)",
+    )
     block_size: int = _opt(16, "KV cache block size (tokens)")
     enable_prefix_caching: bool = _opt(
         False,
@@ -69,6 +74,8 @@ class TimingConfig:
         for name in ("max_batch", "max_num_batched_tokens", "kv_capacity_tokens", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.cpu_kv_capacity_tokens < 0:
+            raise ValueError("cpu_kv_capacity_tokens must be >= 0")
         for name in ("max_model_len", "default_max_tokens", "stream_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
@@ -113,6 +120,11 @@ class TimingConfig:
         """KV capacity in blocks (``kv_capacity_tokens`` rounded down, at least one block)."""
         return max(1, self.kv_capacity_tokens // self.block_size)
 
+    @property
+    def cpu_kv_capacity_blocks(self) -> int:
+        """CPU KV tier capacity in blocks (``cpu_kv_capacity_tokens`` rounded down; 0: no tier)."""
+        return self.cpu_kv_capacity_tokens // self.block_size
+
 
 @dataclass(frozen=True)
 class KvConfig:
@@ -134,6 +146,7 @@ class KvConfig:
     same_group_gbps: float = _opt(100.0, "intra-group transfer bandwidth (GB/s)")
     cross_group_gbps: float = _opt(10.0, "cross-group link bandwidth, shared by all transfers (GB/s)")
     kv_base_latency_ms: float = _opt(1.0, "fixed latency of one KV transfer (ms)")
+    cpu_kv_gbps: float = _opt(55.0, "CPU KV tier to GPU load bandwidth (GB/s; PCIe Gen5 x16 measured 55)")
     kv_connector: str = _opt("nixl", "vLLM KV connector: nixl (prefill first) or mooncake (legs concurrent)")
     kv_load_failure_policy: str = _opt(
         "fail", "a decode whose KV pull fails: fail (HTTP 500 / an error event, vLLM 0.32) or recompute"
@@ -157,7 +170,7 @@ class KvConfig:
     def __post_init__(self) -> None:
         if self.kv_bytes_per_token < 0 or self.kv_base_latency_ms < 0:
             raise ValueError("kv_bytes_per_token and kv_base_latency_ms must be >= 0")
-        if not (self.same_group_gbps > 0 and self.cross_group_gbps > 0):
+        if not (self.same_group_gbps > 0 and self.cross_group_gbps > 0 and self.cpu_kv_gbps > 0):
             raise ValueError("bandwidths must be > 0")
         for name in ("kv_lease_s", "mooncake_abort_timeout_s", "bootstrap_timeout_s"):
             if not (getattr(self, name) > 0 and math.isfinite(getattr(self, name))):
@@ -170,6 +183,10 @@ class KvConfig:
     def transfer_bytes(self, prompt_tokens: int) -> int:
         """Bytes of KV cache for ``prompt_tokens`` tokens."""
         return prompt_tokens * self.kv_bytes_per_token
+
+    def cpu_load_ms(self, tokens: int) -> float:
+        """Model ms to load ``tokens`` tokens of KV cache from the CPU tier (0 for none)."""
+        return self.transfer_bytes(tokens) / (self.cpu_kv_gbps * 1e9) * 1e3
 
     def unloaded_transfer_ms(self, prompt_tokens: int, same_group: bool) -> float:
         """Model ms of one transfer with the link to itself (no concurrent cross-group transfers)."""
