@@ -1,0 +1,284 @@
+"""Replay a production trace through pd-extproc's routing and the peers' rules on simulated engines.
+
+Reads a window of a trace (:mod:`sim.traces`: Mooncake JSON lines or the Azure CSV), synthesises each
+prompt from its block hash ids (identical ids, identical text; exactly its prompt tokens by the
+gateway's estimate), and replays it in virtual time (:mod:`sim.virtual`), once per setting: every
+request arrives at its trace time (divided by ``--speed``), is placed by the setting's router (the
+shipped ``Router`` for pd-extproc's settings; :mod:`bench.prefix_peers` for the peers' rules, NVIDIA
+Dynamo's KV router cost and the oracle), prefilled, its KV pulled by its decode and decoded, on engines
+of a named profile (:mod:`sim.profiles`, measured on a GPU by default), each with an optional CPU KV
+tier. Settings are :mod:`bench.prefix_routing`'s and ``dynamo``; clusters its ``demo`` and
+``three-group``, built from the profile (small decodes: half the KV cache and batch, a third longer
+fixed decode step).
+
+Per setting: TTFT p50/p90/p99, decode TTFT p99, TPOT p99 (ms), prefix hit rate by tier (engine truth:
+prompt tokens the prefill found in its KV cache, in its CPU tier), prompt tokens computed (millions),
+cross-group share and GB, decode load CV, router µs per request (p50 and mean), throughput (requests
+and output tokens per model second) and errors; plus the window's reuse bound (the share of prompt
+tokens an infinite cache would hold). ``--json`` writes ``{"trace", "window", "settings": {NAME:
+{METRIC: value}}, "bound"}``, ``--png`` the TTFT CDFs per setting.
+
+Run: ``python bench/trace_replay.py TRACE [--format mooncake|azure] [--start N] [--count N] [--speed X]
+[--max-output N] [--cluster NAME] [--profile NAME] [--cpu-tier TOKENS] [--kv-tokens N] [--settings a,b,...]
+[--json OUT] [--png OUT]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_json
+from prefix_peers import DynamoKvRouter
+from prefix_routing import SETTINGS as ROUTING_SETTINGS
+from prefix_routing import Record, Router, Serve, clusters, run_cluster, summarize
+
+from sim.config import DEFAULT_MODEL, TimingConfig
+from sim.engine import EngineError
+from sim.profiles import load_profile, profile_names
+from sim.report import format_table
+from sim.traces import FORMATS, TraceError, TraceRequest, prompt_text, read_window, reuse_bound
+from sim.virtual import VirtualClock, new_loop
+
+DEFAULT_PROFILE = "h200-llama-3-8b"
+DEFAULT_COUNT = 1200
+SETTINGS: dict[str, Router] = {
+    **ROUTING_SETTINGS,
+    "dynamo": lambda endpoints, engines, _: DynamoKvRouter(endpoints, engines),
+}
+
+
+def smaller(timing: TimingConfig) -> TimingConfig:
+    """A smaller, slower decode engine than ``timing``: half the KV cache and batch, a third longer
+    fixed decode step (the demo's small decodes, for the legacy profile)."""
+    return replace(
+        timing,
+        kv_capacity_tokens=timing.kv_capacity_tokens // 2,
+        max_batch=timing.max_batch // 2,
+        decode_step_ms=timing.decode_step_ms * 4 / 3,
+    )
+
+
+@dataclass(frozen=True)
+class Replay:
+    """What one replay runs: the window's requests, their output cap, the arrival speed-up, the cluster,
+    the engines' profile, CPU tier (tokens, 0: none) and KV cache (tokens of the large engines; ``None``:
+    the profile's). Every engine caches prefixes."""
+
+    requests: list[TraceRequest]
+    max_output: int | None
+    speed: float
+    cluster: str
+    profile: str
+    cpu_tier_tokens: int
+    kv_tokens: int | None = None
+
+
+def _budget(request: TraceRequest, cap: int | None) -> int:
+    return max(1, request.output_tokens if cap is None else min(request.output_tokens, cap))
+
+
+def run_setting(replay: Replay, setting: str) -> tuple[list[Record], dict]:
+    """One setting over the window in virtual time on a fresh event loop: the records and the summary."""
+    profile = load_profile(replay.profile)
+    large = replace(
+        profile.timing,
+        enable_prefix_caching=True,
+        cpu_kv_capacity_tokens=replay.cpu_tier_tokens,
+        kv_capacity_tokens=replay.kv_tokens or profile.timing.kv_capacity_tokens,
+    )
+    specs = clusters(large, smaller(large))[replay.cluster]
+    errors = 0
+
+    async def send(serve: Serve, clock: VirtualClock, index: int, request: TraceRequest) -> None:
+        nonlocal errors
+        await clock.sleep(request.arrival_s / replay.speed - clock.now())
+        body = {
+            "model": DEFAULT_MODEL,
+            "messages": [{"role": "user", "content": prompt_text(request, index)}],
+            "max_tokens": _budget(request, replay.max_output),
+        }
+        try:
+            await serve(body)
+        except (EngineError, ValueError):
+            errors += 1
+
+    async def drive(serve: Serve, clock: VirtualClock) -> None:
+        await asyncio.gather(*(send(serve, clock, i, r) for i, r in enumerate(replay.requests)))
+
+    loop = new_loop()
+    try:
+        records, capacities = loop.run_until_complete(
+            run_cluster(specs, SETTINGS[setting], large, profile.kv, drive)
+        )
+    finally:
+        loop.close()
+    row = summarize(records, capacities, profile.kv.kv_bytes_per_token) if records else {"requests": 0}
+    duration = row.get("duration_s") or float("nan")
+    row.update(
+        hbm_hit_rate=row.get("hit_rate", 0.0) - row.get("cpu_hit_rate", 0.0),
+        router_us_mean=statistics.fmean(r.router_us for r in records) if records else float("nan"),
+        throughput_rps=len(records) / duration,
+        output_tps=sum(r.generated for r in records) / duration,
+        errors=errors,
+    )
+    return records, row
+
+
+METRICS = (
+    ("hit_rate", "hit", "{:.1%}"),
+    ("hbm_hit_rate", "HBM", "{:.1%}"),
+    ("cpu_hit_rate", "CPU", "{:.1%}"),
+    ("ttft_p50_ms", "TTFT p50", "{:.0f}"),
+    ("ttft_p90_ms", "p90", "{:.0f}"),
+    ("ttft_p99_ms", "p99", "{:.0f}"),
+    ("dttft_p99_ms", "dTTFT p99", "{:.0f}"),
+    ("tpot_p99_ms", "TPOT p99", "{:.1f}"),
+    ("prefill_mtokens", "prefill Mtok", "{:.2f}"),
+    ("cross_group_share", "cross", "{:.1%}"),
+    ("cross_group_gb", "cross GB", "{:.1f}"),
+    ("decode_load_cv", "load CV", "{:.3f}"),
+    ("router_us_p50", "router µs", "{:.0f}"),
+    ("router_us_mean", "µs mean", "{:.0f}"),
+    ("throughput_rps", "req/s", "{:.2f}"),
+    ("output_tps", "out tok/s", "{:.0f}"),
+    ("errors", "errors", "{}"),
+)
+
+
+def _plot(ttfts: dict[str, list[float]], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for setting, values in ttfts.items():
+        ordered = sorted(values)
+        if ordered:
+            ax.plot(ordered, [(i + 1) / len(ordered) for i in range(len(ordered))], label=setting)
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (ms, model time)")
+    ax.set_ylabel("share of requests")
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("trace", help="the trace file")
+    parser.add_argument("--format", help=f"{' or '.join(FORMATS)} (default: by suffix, .csv is azure)")
+    parser.add_argument(
+        "--start", type=int, default=0, help="first request of the window, 0-based (default 0)"
+    )
+    parser.add_argument(
+        "--count", type=int, default=DEFAULT_COUNT, help="requests in the window (default %(default)s)"
+    )
+    parser.add_argument(
+        "--speed", type=float, default=1.0, help="arrivals this many times faster (default 1)"
+    )
+    parser.add_argument("--max-output", type=int, help="cap every request's output tokens")
+    parser.add_argument("--cluster", default="demo", help="demo or three-group (default %(default)s)")
+    parser.add_argument("--profile", default=DEFAULT_PROFILE, help="engine profile (default %(default)s)")
+    parser.add_argument(
+        "--cpu-tier", type=int, default=0, help="CPU KV tier of every engine, tokens (default 0: none)"
+    )
+    parser.add_argument(
+        "--kv-tokens", type=int, help="KV cache of the large engines, tokens (default: the profile's)"
+    )
+    parser.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated subset")
+    parser.add_argument("--json", help="write the window, the settings' numbers and the bound as JSON")
+    parser.add_argument("--png", help="write the TTFT CDFs per setting (needs matplotlib)")
+    return parser
+
+
+def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """The settings asked for; exit with one line naming the option that is wrong."""
+    settings = [n for n in args.settings.split(",") if n]
+    unknown = [n for n in settings if n not in SETTINGS]
+    if unknown or not settings:
+        parser.error(
+            f"--settings: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(SETTINGS)}"
+        )
+    if args.cluster not in clusters(TimingConfig(), TimingConfig()):
+        parser.error(f"--cluster: unknown cluster {args.cluster!r}; choose from demo, three-group")
+    if args.profile not in profile_names():
+        parser.error(f"--profile: unknown profile {args.profile!r}; choose from {', '.join(profile_names())}")
+    if not args.speed > 0:
+        parser.error("--speed must be > 0")
+    if args.max_output is not None and args.max_output < 1:
+        parser.error("--max-output must be >= 1")
+    if args.cpu_tier < 0:
+        parser.error("--cpu-tier must be >= 0")
+    if args.kv_tokens is not None and args.kv_tokens < 1:
+        parser.error("--kv-tokens must be >= 1")
+    return settings
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    settings = _check(parser, args)
+    try:
+        requests = read_window(Path(args.trace), args.format, args.start, args.count)
+    except TraceError as exc:
+        print(f"trace_replay: {exc}", file=sys.stderr)
+        return 2
+    replay = Replay(
+        requests, args.max_output, args.speed, args.cluster, args.profile, args.cpu_tier, args.kv_tokens
+    )
+    window = {
+        "start": args.start,
+        "count": len(requests),
+        "speed": args.speed,
+        "max_output": args.max_output,
+        "trace_span_s": requests[-1].arrival_s,
+        "prompt_tokens_mean": statistics.fmean(r.prompt_tokens for r in requests),
+    }
+    bound = {"hit_rate": reuse_bound(requests)}
+    rows: dict[str, dict] = {}
+    ttfts: dict[str, list[float]] = {}
+    for setting in settings:
+        started = time.perf_counter()
+        records, rows[setting] = run_setting(replay, setting)
+        ttfts[setting] = [(r.first_token - r.arrival) * 1e3 for r in records]
+        print(f"  {setting}: {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+    title = (
+        f"{args.trace} requests {args.start}-{args.start + len(requests) - 1}, cluster {args.cluster}, "
+        f"profile {args.profile}, CPU tier {args.cpu_tier} tokens"
+    )
+    print(f"\n{title}\nreuse bound (infinite cache): {bound['hit_rate']:.1%} of prompt tokens")
+    print(format_table(rows, METRICS))
+    write_json(
+        args.json,
+        {
+            "trace": args.trace,
+            "window": window,
+            "cluster": args.cluster,
+            "profile": args.profile,
+            "cpu_tier_tokens": args.cpu_tier,
+            "kv_tokens": args.kv_tokens,
+            "settings": rows,
+            "bound": bound,
+        },
+    )
+    if args.png:
+        _plot(ttfts, args.png, title)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""Smoke test of bench/trace_replay.py on a tiny window of the conversation trace's head (seconds):
+every setting runs, the JSON and the plot are written, and bad input gives one line, no traceback."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from conftest import load_bench
+
+HEAD = Path(__file__).parent / "fixtures" / "mooncake_conversation_head.jsonl"
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    return load_bench("trace_replay")
+
+
+def test_a_tiny_window_of_every_setting_writes_json_and_png(bench: ModuleType, tmp_path: Path) -> None:
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    argv = [str(HEAD), "--start", "10", "--count", "12", "--max-output", "16", "--speed", "4"]
+    assert bench.main([*argv, "--cpu-tier", "100000", "--json", str(out), "--png", str(png)]) == 0
+    data = json.loads(out.read_text())
+    assert data["window"]["start"] == 10 and data["window"]["count"] == 12
+    assert data["profile"] == "h200-llama-3-8b" and data["cpu_tier_tokens"] == 100000
+    assert set(data["settings"]) == set(bench.SETTINGS) and "dynamo" in data["settings"]
+    assert 0.0 <= data["bound"]["hit_rate"] <= 1.0
+    for row in data["settings"].values():
+        assert row["requests"] == 12 and row["errors"] == 0
+        assert row["hit_rate"] == pytest.approx(row["hbm_hit_rate"] + row["cpu_hit_rate"])
+        assert row["ttft_p50_ms"] <= row["ttft_p90_ms"] <= row["ttft_p99_ms"]
+        assert 0.0 <= row["cross_group_share"] <= 1.0 and row["throughput_rps"] > 0
+    assert png.stat().st_size > 0
+
+
+def test_the_cpu_tier_keeps_reuse_that_hbm_evicted(bench: ModuleType) -> None:
+    """With a KV cache of a dozen prompts, more of the head's repeats hit, in the CPU tier."""
+    requests = bench.read_window(HEAD, None, 0, 200)
+    without, with_tier = (
+        bench.run_setting(bench.Replay(requests, 4, 1.0, "demo", "legacy", tier, 150_000), "oracle")[1]
+        for tier in (0, 2_000_000)
+    )
+    assert without["cpu_hit_rate"] == 0.0
+    assert with_tier["cpu_hit_rate"] > 0.0 and with_tier["hit_rate"] > without["hit_rate"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--format", "sharegpt"], "--format: unknown trace format 'sharegpt'"),
+        (["--start", "500"], "--start 500 --count 1200: the window runs past the end"),
+    ],
+)
+def test_bad_input_is_one_line_naming_the_option(
+    bench: ModuleType, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    assert bench.main([str(HEAD), *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_a_malformed_line_is_named(
+    bench: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(HEAD.read_text().splitlines()[0] + "\n{oops\n")
+    assert bench.main([str(trace)]) == 2
+    assert "t.jsonl:2: not a Mooncake trace line" in capsys.readouterr().err
+
+
+def test_unknown_settings_and_clusters_exit_with_usage(bench: ModuleType) -> None:
+    for argv in (["--settings", "vllm"], ["--cluster", "huge"], ["--profile", "h100"], ["--speed", "0"]):
+        with pytest.raises(SystemExit) as exited:
+            bench.main([str(HEAD), *argv])
+        assert exited.value.code == 2
