@@ -10,11 +10,13 @@ routing benchmark and ``bench/overhead.py`` measure it); the router is timed per
 
 Clusters: ``demo`` (rack-a 2 prefills + 3 large decodes, rack-b 1 prefill + 2 small decodes) and
 ``three-group`` (g1 and g2 each 2 prefills + 3 large decodes; ``trap`` 2 prefills and 1 small decode).
-Every engine caches prefixes. Workloads (:mod:`bench.prefix_workloads`): A (shared system prompts), B
-(multi-turn), D (low reuse). Settings: ``off``, ``prefer``, ``strict``, ``auto`` as before the pair
-choice (prefill first); ``pair:*`` the pair choice; ``+prefix`` with the prefix index (``x2``: two
-gateway replicas, requests alternating, each with its own index and accounting); ``sglang``, ``llm-d``
-the peers' rules; ``oracle`` the pair choice told the engines' true caches.
+Every engine caches prefixes; its costs are a profile's (:mod:`sim.profiles`, ``legacy`` by default;
+small decodes: half the KV cache and batch, a third longer fixed decode step). Workloads
+(:mod:`bench.prefix_workloads`): A (shared system prompts), B (multi-turn), D (low reuse). Settings:
+``off``, ``prefer``, ``strict``, ``auto`` as before the pair choice (prefill first); ``pair:*`` the pair
+choice; ``+prefix`` with the prefix index (``x2``: two gateway replicas, requests alternating, each with
+its own index and accounting); ``sglang``, ``llm-d`` the peers' rules; ``oracle`` the pair choice told
+the engines' true caches.
 
 Reported per run: engine-truth prefix hit rate (prompt tokens the prefill found cached), decode-side
 hit rate (tokens the decode did not pull), TTFT p50/p90/p99 (arrival to first decoded token),
@@ -23,7 +25,7 @@ cross-group KV bytes and share, decode load CV, router µs per request. With sev
 ratios, and the issue's targets (:func:`verdicts`).
 
 Run: ``python bench/prefix_routing.py [--quick] [--seeds N] [--clusters a,b] [--workloads A,B,D]
-[--settings s,t] [--json FILE]``.
+[--settings s,t] [--profile NAME] [--json FILE]``.
 """
 
 from __future__ import annotations
@@ -56,17 +58,32 @@ from ext_proc.prefix import PrefixSettings, prompt_content
 from ext_proc.request import describe
 from sim.cluster import EngineSpec
 from sim.config import DEFAULT_MODEL, KvConfig, TimingConfig
-from sim.demo import BIG, SMALL
 from sim.engine import Engine, Hold
 from sim.prefix import PromptBlocks
+from sim.profiles import DEFAULT_PROFILE, load_profile, profile_names
 from sim.protocol import token_text
 from sim.report import format_table, load_cv, percentile
 from sim.virtual import VirtualClock, build_cluster, new_loop
 
 FIRST_SEED = 41  # seeds never used by the other benchmarks
-KV = KvConfig()
-LARGE = replace(BIG, enable_prefix_caching=True)
-SMALLER = replace(SMALL, enable_prefix_caching=True)
+
+
+def smaller(timing: TimingConfig) -> TimingConfig:
+    """A smaller, slower decode engine than ``timing``: half the KV cache and batch, a third longer
+    fixed decode step (for the legacy profile, the demo's small decodes)."""
+    return replace(
+        timing,
+        kv_capacity_tokens=timing.kv_capacity_tokens // 2,
+        max_batch=timing.max_batch // 2,
+        decode_step_ms=timing.decode_step_ms * 4 / 3,
+    )
+
+
+def engines_of(profile: str) -> tuple[TimingConfig, TimingConfig, KvConfig]:
+    """The large engines' timing (prefix caching on), the small decodes' and the KV model of ``profile``."""
+    measured = load_profile(profile)
+    large = replace(measured.timing, enable_prefix_caching=True)
+    return large, smaller(large), measured.kv
 
 
 def clusters(large: TimingConfig, small: TimingConfig) -> dict[str, list[EngineSpec]]:
@@ -84,7 +101,7 @@ def clusters(large: TimingConfig, small: TimingConfig) -> dict[str, list[EngineS
     }
 
 
-CLUSTERS = clusters(LARGE, SMALLER)
+CLUSTERS = clusters(*engines_of(DEFAULT_PROFILE)[:2])
 
 
 @dataclass(frozen=True)
@@ -332,17 +349,21 @@ def summarize(records: list[Record], capacities: dict[str, float], kv_bytes_per_
     }
 
 
-def run_one(cluster: str, workload: str, setting: str, seed: int, quick: bool) -> dict:
-    """One setting on one cluster and workload seed, in virtual time on a fresh event loop."""
+def run_one(
+    cluster: str, workload: str, setting: str, seed: int, quick: bool, profile: str = DEFAULT_PROFILE
+) -> dict:
+    """One setting on one cluster and workload seed, on engines of ``profile``, in virtual time on a
+    fresh event loop."""
+    large, small, kv = engines_of(profile)
     plan = WORKLOADS[workload].plan(seed, quick)
     loop = new_loop()
     try:
         records, capacities = loop.run_until_complete(
-            run_cluster(CLUSTERS[cluster], SETTINGS[setting], LARGE, KV, conversations(plan))
+            run_cluster(clusters(large, small)[cluster], SETTINGS[setting], large, kv, conversations(plan))
         )
     finally:
         loop.close()
-    return summarize(records, capacities, KV.kv_bytes_per_token)
+    return summarize(records, capacities, kv.kv_bytes_per_token)
 
 
 METRICS = (
@@ -430,6 +451,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clusters", default=",".join(CLUSTERS), help="comma-separated subset")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset")
     parser.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated subset")
+    parser.add_argument(
+        "--profile",
+        default=DEFAULT_PROFILE,
+        choices=profile_names(),
+        help="engine profile (default %(default)s: the numbers below were measured on it)",
+    )
     parser.add_argument("--json", help="write every run and the verdicts as JSON")
     args = parser.parse_args(argv)
     chosen = {}
@@ -449,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
                 runs[seed] = {}
                 for setting in chosen["settings"]:
                     started = time.perf_counter()
-                    runs[seed][setting] = run_one(cluster, workload, setting, seed, args.quick)
+                    runs[seed][setting] = run_one(cluster, workload, setting, seed, args.quick, args.profile)
                     took = time.perf_counter() - started
                     print(
                         f"  {cluster} {workload} seed {seed} {setting}: {took:.1f} s",

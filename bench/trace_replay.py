@@ -36,12 +36,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_json
 from prefix_peers import DynamoKvRouter
+from prefix_routing import CLUSTERS, Record, Router, Serve, clusters, engines_of, run_cluster, summarize
+from prefix_routing import METRICS as ROUTING_METRICS
 from prefix_routing import SETTINGS as ROUTING_SETTINGS
-from prefix_routing import Record, Router, Serve, clusters, run_cluster, summarize
 
-from sim.config import DEFAULT_MODEL, TimingConfig
+from sim.config import DEFAULT_MODEL
 from sim.engine import EngineError
-from sim.profiles import load_profile, profile_names
+from sim.profiles import profile_names
 from sim.report import format_table
 from sim.traces import FORMATS, TraceError, TraceRequest, prompt_text, read_window, reuse_bound
 from sim.virtual import VirtualClock, new_loop
@@ -52,17 +53,6 @@ SETTINGS: dict[str, Router] = {
     **ROUTING_SETTINGS,
     "dynamo": lambda endpoints, engines, _: DynamoKvRouter(endpoints, engines),
 }
-
-
-def smaller(timing: TimingConfig) -> TimingConfig:
-    """A smaller, slower decode engine than ``timing``: half the KV cache and batch, a third longer
-    fixed decode step (the demo's small decodes, for the legacy profile)."""
-    return replace(
-        timing,
-        kv_capacity_tokens=timing.kv_capacity_tokens // 2,
-        max_batch=timing.max_batch // 2,
-        decode_step_ms=timing.decode_step_ms * 4 / 3,
-    )
 
 
 @dataclass(frozen=True)
@@ -86,14 +76,13 @@ def _budget(request: TraceRequest, cap: int | None) -> int:
 
 def run_setting(replay: Replay, setting: str) -> tuple[list[Record], dict]:
     """One setting over the window in virtual time on a fresh event loop: the records and the summary."""
-    profile = load_profile(replay.profile)
+    large, small, kv = engines_of(replay.profile)
+    tier = replay.cpu_tier_tokens
     large = replace(
-        profile.timing,
-        enable_prefix_caching=True,
-        cpu_kv_capacity_tokens=replay.cpu_tier_tokens,
-        kv_capacity_tokens=replay.kv_tokens or profile.timing.kv_capacity_tokens,
+        large, cpu_kv_capacity_tokens=tier, kv_capacity_tokens=replay.kv_tokens or large.kv_capacity_tokens
     )
-    specs = clusters(large, smaller(large))[replay.cluster]
+    small = replace(small, cpu_kv_capacity_tokens=tier)
+    specs = clusters(large, small)[replay.cluster]
     errors = 0
 
     async def send(serve: Serve, clock: VirtualClock, index: int, request: TraceRequest) -> None:
@@ -114,12 +103,10 @@ def run_setting(replay: Replay, setting: str) -> tuple[list[Record], dict]:
 
     loop = new_loop()
     try:
-        records, capacities = loop.run_until_complete(
-            run_cluster(specs, SETTINGS[setting], large, profile.kv, drive)
-        )
+        records, capacities = loop.run_until_complete(run_cluster(specs, SETTINGS[setting], large, kv, drive))
     finally:
         loop.close()
-    row = summarize(records, capacities, profile.kv.kv_bytes_per_token) if records else {"requests": 0}
+    row = summarize(records, capacities, kv.kv_bytes_per_token) if records else {"requests": 0}
     duration = row.get("duration_s") or float("nan")
     row.update(
         hbm_hit_rate=row.get("hit_rate", 0.0) - row.get("cpu_hit_rate", 0.0),
@@ -132,19 +119,10 @@ def run_setting(replay: Replay, setting: str) -> tuple[list[Record], dict]:
 
 
 METRICS = (
-    ("hit_rate", "hit", "{:.1%}"),
+    ROUTING_METRICS[0],
     ("hbm_hit_rate", "HBM", "{:.1%}"),
     ("cpu_hit_rate", "CPU", "{:.1%}"),
-    ("ttft_p50_ms", "TTFT p50", "{:.0f}"),
-    ("ttft_p90_ms", "p90", "{:.0f}"),
-    ("ttft_p99_ms", "p99", "{:.0f}"),
-    ("dttft_p99_ms", "dTTFT p99", "{:.0f}"),
-    ("tpot_p99_ms", "TPOT p99", "{:.1f}"),
-    ("prefill_mtokens", "prefill Mtok", "{:.2f}"),
-    ("cross_group_share", "cross", "{:.1%}"),
-    ("cross_group_gb", "cross GB", "{:.1f}"),
-    ("decode_load_cv", "load CV", "{:.3f}"),
-    ("router_us_p50", "router µs", "{:.0f}"),
+    *ROUTING_METRICS[1:],
     ("router_us_mean", "µs mean", "{:.0f}"),
     ("throughput_rps", "req/s", "{:.2f}"),
     ("output_tps", "out tok/s", "{:.0f}"),
@@ -213,8 +191,8 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[st
         parser.error(
             f"--settings: unknown {', '.join(unknown) or '(none given)'}; choose from {', '.join(SETTINGS)}"
         )
-    if args.cluster not in clusters(TimingConfig(), TimingConfig()):
-        parser.error(f"--cluster: unknown cluster {args.cluster!r}; choose from demo, three-group")
+    if args.cluster not in CLUSTERS:
+        parser.error(f"--cluster: unknown cluster {args.cluster!r}; choose from {', '.join(CLUSTERS)}")
     if args.profile not in profile_names():
         parser.error(f"--profile: unknown profile {args.profile!r}; choose from {', '.join(profile_names())}")
     if not args.speed > 0:
