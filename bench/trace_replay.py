@@ -15,10 +15,13 @@ Per setting: TTFT p50/p90/p99, decode TTFT p99, TPOT p99 (ms), prefix hit rate b
 prompt tokens the prefill found in its KV cache, in its CPU tier), prompt tokens computed (millions),
 cross-group share and GB, decode load CV, router µs per request (p50 and mean), throughput (requests
 and output tokens per model second) and errors; plus the window's reuse bound (the share of prompt
-tokens an infinite cache would hold). ``--json`` writes ``{"trace", "window", "settings": {NAME:
-{METRIC: value}}, "bound"}``, ``--png`` the TTFT CDFs per setting.
+tokens an infinite cache would hold), and the issue's targets for pd-extproc's best setting
+(:func:`verdicts`). With several ``--start`` windows, each window's table, then the medians over them.
+``--json`` writes ``{"trace", "window", "settings": {NAME: {METRIC: value}}, "bound", "verdicts"}``
+(several windows: ``window`` a list, ``settings`` and ``bound`` the medians, ``windows`` each one's),
+``--png`` the TTFT CDFs per setting (one file a window).
 
-Run: ``python bench/trace_replay.py TRACE [--format mooncake|azure] [--start N] [--count N] [--speed X]
+Run: ``python bench/trace_replay.py TRACE [--format mooncake|azure] [--start N[,N...]] [--count N] [--speed X]
 [--max-output N] [--cluster NAME] [--profile NAME] [--cpu-tier TOKENS] [--kv-tokens N] [--settings a,b,...]
 [--json OUT] [--png OUT]``.
 """
@@ -160,7 +163,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("trace", help="the trace file")
     parser.add_argument("--format", help=f"{' or '.join(FORMATS)} (default: by suffix, .csv is azure)")
     parser.add_argument(
-        "--start", type=int, default=0, help="first request of the window, 0-based (default 0)"
+        "--start",
+        type=_starts,
+        default=[0],
+        help="first request of the window, 0-based (default 0); several, comma-separated: one window "
+        "each, and the medians over them",
     )
     parser.add_argument(
         "--count", type=int, default=DEFAULT_COUNT, help="requests in the window (default %(default)s)"
@@ -206,20 +213,64 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[st
     return settings
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
-    settings = _check(parser, args)
-    try:
-        requests = read_window(Path(args.trace), args.format, args.start, args.count)
-    except TraceError as exc:
-        print(f"trace_replay: {exc}", file=sys.stderr)
-        return 2
+PEERS = ("sglang", "llm-d", "dynamo")
+"""The peers' rules; every setting but these and ``oracle`` is pd-extproc's."""
+
+
+def medians(runs: list[dict[str, dict]]) -> dict[str, dict]:
+    """Per setting, each metric's median over the windows' ``runs`` (``None`` values left out)."""
+    out: dict[str, dict] = {}
+    for setting in runs[0]:
+        keys = runs[0][setting].keys()
+        values = {k: [r[setting][k] for r in runs if r[setting].get(k) is not None] for k in keys}
+        out[setting] = {k: statistics.median(v) if v else None for k, v in values.items()}
+    return out
+
+
+def verdicts(rows: dict[str, dict], bound: float) -> list[dict]:
+    """The issue's targets on ``rows`` (one window's numbers, or medians over windows): pd-extproc's
+    best setting (its least TTFT p90) against the best peer rule (least TTFT p90; least dTTFT p99 for
+    that target), ``off`` and the oracle; its hit rate against ``bound``. Only what ``rows`` holds is
+    judged."""
+    ours = [s for s in rows if s not in PEERS and s != "oracle" and rows[s].get("ttft_p90_ms") is not None]
+    peers = [s for s in PEERS if s in rows]
+    if not ours:
+        return []
+    best = min(ours, key=lambda s: rows[s]["ttft_p90_ms"])
+    row = rows[best]
+    out = []
+
+    def add(target: str, value: float, met: bool) -> None:
+        out.append({"target": f"{best}: {target}", "value": value, "met": met})
+
+    if peers:
+        peer = min(peers, key=lambda s: rows[s]["ttft_p90_ms"])
+        value = row["ttft_p90_ms"] / rows[peer]["ttft_p90_ms"]
+        add(f"TTFT p90 / best peer's ({peer}) <= 0.8", value, value <= 0.8)
+        peer = min(peers, key=lambda s: rows[s]["dttft_p99_ms"])
+        value = row["dttft_p99_ms"] / rows[peer]["dttft_p99_ms"]
+        add(f"decode TTFT p99 / best peer's ({peer}) <= 0.25", value, value <= 0.25)
+    add("cross-group share <= 2%", row["cross_group_share"], row["cross_group_share"] <= 0.02)
+    if "off" in rows and rows["off"].get("decode_load_cv"):
+        value = row["decode_load_cv"] / rows["off"]["decode_load_cv"]
+        add("decode load CV / off's <= 1.2", value, value <= 1.2)
+    if "oracle" in rows:
+        gap = row["hit_rate"] - rows["oracle"]["hit_rate"]
+        add("hit rate - oracle's >= -2 points", gap, gap >= -0.02)
+    if bound > 0:
+        value = row["hit_rate"] / bound
+        add("hit rate / the window's reuse bound >= 0.7", value, value >= 0.7)
+    return out
+
+
+def _replay_window(args: argparse.Namespace, settings: list[str], start: int) -> dict:
+    """One window: its table printed, its numbers (``window``, ``settings``, ``bound``) returned."""
+    requests = read_window(Path(args.trace), args.format, start, args.count)
     replay = Replay(
         requests, args.max_output, args.speed, args.cluster, args.profile, args.cpu_tier, args.kv_tokens
     )
     window = {
-        "start": args.start,
+        "start": start,
         "count": len(requests),
         "speed": args.speed,
         "max_output": args.max_output,
@@ -233,13 +284,52 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         records, rows[setting] = run_setting(replay, setting)
         ttfts[setting] = [(r.first_token - r.arrival) * 1e3 for r in records]
-        print(f"  {setting}: {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+        print(f"  {start} {setting}: {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
     title = (
-        f"{args.trace} requests {args.start}-{args.start + len(requests) - 1}, cluster {args.cluster}, "
+        f"{args.trace} requests {start}-{start + len(requests) - 1}, cluster {args.cluster}, "
         f"profile {args.profile}, CPU tier {args.cpu_tier} tokens"
     )
     print(f"\n{title}\nreuse bound (infinite cache): {bound['hit_rate']:.1%} of prompt tokens")
     print(format_table(rows, METRICS))
+    if args.png:
+        png = Path(args.png)
+        _plot(ttfts, str(png if start == args.start[0] else png.with_stem(f"{png.stem}-{start}")), title)
+    return {"window": window, "settings": rows, "bound": bound}
+
+
+def _starts(text: str) -> list[int]:
+    try:
+        starts = [int(n) for n in text.split(",") if n.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError("--start must be request numbers separated by commas") from None
+    if not starts:
+        raise argparse.ArgumentTypeError("--start must name at least one request")
+    return starts
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    settings = _check(parser, args)
+    try:
+        runs = [_replay_window(args, settings, start) for start in args.start]
+    except TraceError as exc:
+        print(f"trace_replay: {exc}", file=sys.stderr)
+        return 2
+    if len(runs) == 1:
+        window, rows, bound = runs[0]["window"], runs[0]["settings"], runs[0]["bound"]
+    else:
+        window = [run["window"] for run in runs]
+        rows = medians([run["settings"] for run in runs])
+        bound = {"hit_rate": statistics.median(run["bound"]["hit_rate"] for run in runs)}
+        print(f"\nmedians over the windows starting at {', '.join(map(str, args.start))}")
+        print(f"reuse bound (infinite cache), median: {bound['hit_rate']:.1%} of prompt tokens")
+        print(format_table(rows, METRICS))
+    judged = verdicts(rows, bound["hit_rate"])
+    if judged:
+        print("\ntargets" + (" (medians over the windows)" if len(runs) > 1 else "") + ":")
+        for v in judged:
+            print(f"  {'met    ' if v['met'] else 'NOT met'}  {v['target']}: {v['value']:.3f}")
     write_json(
         args.json,
         {
@@ -251,10 +341,10 @@ def main(argv: list[str] | None = None) -> int:
             "kv_tokens": args.kv_tokens,
             "settings": rows,
             "bound": bound,
+            "verdicts": judged,
+            **({"windows": runs} if len(runs) > 1 else {}),
         },
     )
-    if args.png:
-        _plot(ttfts, args.png, title)
     return 0
 
 
