@@ -185,6 +185,12 @@ def _parser() -> argparse.ArgumentParser:
         "--kv-tokens", type=int, help="KV cache of the large engines, tokens (default: the profile's)"
     )
     parser.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated subset")
+    parser.add_argument(
+        "--stack",
+        action="store_true",
+        help="replay through the real Envoy + pd-extproc serve + simulated engines over HTTP, wall clock "
+        f"(pd-extproc's settings only: {', '.join(STACK_SETTINGS)})",
+    )
     parser.add_argument("--json", help="write the window, the settings' numbers and the bound as JSON")
     parser.add_argument("--png", help="write the TTFT CDFs per setting (needs matplotlib)")
     return parser
@@ -202,6 +208,11 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[st
         parser.error(f"--cluster: unknown cluster {args.cluster!r}; choose from {', '.join(CLUSTERS)}")
     if args.profile not in profile_names():
         parser.error(f"--profile: unknown profile {args.profile!r}; choose from {', '.join(profile_names())}")
+    if args.stack:
+        virtual_only = [n for n in settings if n not in STACK_SETTINGS]
+        if virtual_only and args.settings != ",".join(SETTINGS):
+            parser.error(f"--stack: {', '.join(virtual_only)} run in virtual time only")
+        settings = [n for n in settings if n in STACK_SETTINGS]
     if not args.speed > 0:
         parser.error("--speed must be > 0")
     if args.max_output is not None and args.max_output < 1:
@@ -218,10 +229,10 @@ PEERS = ("sglang", "llm-d", "dynamo")
 
 
 def medians(runs: list[dict[str, dict]]) -> dict[str, dict]:
-    """Per setting, each metric's median over the windows' ``runs`` (``None`` values left out)."""
+    """Per setting, each numeric metric's median over the windows' ``runs`` (``None`` values left out)."""
     out: dict[str, dict] = {}
     for setting in runs[0]:
-        keys = runs[0][setting].keys()
+        keys = [k for k, v in runs[0][setting].items() if v is None or isinstance(v, int | float)]
         values = {k: [r[setting][k] for r in runs if r[setting].get(k) is not None] for k in keys}
         out[setting] = {k: statistics.median(v) if v else None for k, v in values.items()}
     return out
@@ -297,6 +308,73 @@ def _replay_window(args: argparse.Namespace, settings: list[str], start: int) ->
     return {"window": window, "settings": rows, "bound": bound}
 
 
+STACK_SETTINGS: dict[str, tuple[str, bool]] = {
+    name: (name.removeprefix("pair:").removesuffix("+prefix"), name.endswith("+prefix"))
+    for name in SETTINGS
+    if name.startswith("pair:") and " " not in name
+}
+"""The settings ``--stack`` runs: the shipped router's mode and whether its prefix index is on."""
+STACK_HANDOFF = "kv-transfer-params"
+STACK_METRICS = (
+    ("ttft_p50_ms", "TTFT p50", "{:.0f}"),
+    ("ttft_p90_ms", "p90", "{:.0f}"),
+    ("ttft_p99_ms", "p99", "{:.0f}"),
+    ("decode_ttft_p99_ms", "dTTFT p99", "{:.0f}"),
+    ("tpot_p99_ms", "TPOT p99", "{:.1f}"),
+    ("cross_group_share", "cross", "{:.1%}"),
+    ("decode_load_cv", "load CV", "{:.3f}"),
+    ("throughput_rps", "req/s", "{:.2f}"),
+    ("errors", "errors", "{}"),
+)
+
+
+def _stack_window(args: argparse.Namespace, settings: list[str], start: int) -> dict:
+    """One window through Envoy, ``pd-extproc serve`` and simulated engines over HTTP (wall clock, one
+    model second a second), each setting in turn on the same cluster; its table printed, its numbers
+    (``window``, ``settings`` as :func:`sim.report.summarize` gives them, ``bound``) returned."""
+    from sim.experiment import measure
+    from sim.stack import start_stack
+    from sim.workload import RequestPlan
+
+    requests = read_window(Path(args.trace), args.format, start, args.count)
+    plans = [
+        RequestPlan(r.arrival_s / args.speed, r.prompt_tokens, _budget(r, args.max_output), prompt_text(r, i))
+        for i, r in enumerate(requests)
+    ]
+    large, small, kv = engines_of(args.profile)
+    tier = args.cpu_tier
+    large = replace(
+        large, cpu_kv_capacity_tokens=tier, kv_capacity_tokens=args.kv_tokens or large.kv_capacity_tokens
+    )
+    stack = start_stack(clusters(large, replace(small, cpu_kv_capacity_tokens=tier))[args.cluster], large, kv)
+    rows: dict[str, dict] = {}
+    try:
+        for setting in settings:
+            mode, prefix = STACK_SETTINGS[setting]
+            started = time.perf_counter()
+            rows[setting] = asyncio.run(
+                measure(
+                    stack,
+                    mode,
+                    plans,
+                    handoff=STACK_HANDOFF,
+                    config={"affinity": {"prefix": {"enabled": prefix}}},
+                )
+            )
+            print(
+                f"  {start} {setting} (stack): {time.perf_counter() - started:.1f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+    finally:
+        stack.stop()
+    where = f"requests {start}-{start + len(requests) - 1} through the stack"
+    print(f"\n{args.trace} {where}, cluster {args.cluster}, profile {args.profile}")
+    print(format_table(rows, STACK_METRICS))
+    window = {"start": start, "count": len(requests), "speed": args.speed, "max_output": args.max_output}
+    return {"window": window, "settings": rows, "bound": {"hit_rate": reuse_bound(requests)}}
+
+
 def _starts(text: str) -> list[int]:
     try:
         starts = [int(n) for n in text.split(",") if n.strip()]
@@ -311,8 +389,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     settings = _check(parser, args)
+    replay_window = _stack_window if args.stack else _replay_window
     try:
-        runs = [_replay_window(args, settings, start) for start in args.start]
+        runs = [replay_window(args, settings, start) for start in args.start]
     except TraceError as exc:
         print(f"trace_replay: {exc}", file=sys.stderr)
         return 2
@@ -324,8 +403,8 @@ def main(argv: list[str] | None = None) -> int:
         bound = {"hit_rate": statistics.median(run["bound"]["hit_rate"] for run in runs)}
         print(f"\nmedians over the windows starting at {', '.join(map(str, args.start))}")
         print(f"reuse bound (infinite cache), median: {bound['hit_rate']:.1%} of prompt tokens")
-        print(format_table(rows, METRICS))
-    judged = verdicts(rows, bound["hit_rate"])
+        print(format_table(rows, STACK_METRICS if args.stack else METRICS))
+    judged = [] if args.stack else verdicts(rows, bound["hit_rate"])
     if judged:
         print("\ntargets" + (" (medians over the windows)" if len(runs) > 1 else "") + ":")
         for v in judged:
