@@ -7,7 +7,9 @@ request arrives at its trace time (divided by ``--speed``), is placed by the set
 shipped ``Router`` for pd-extproc's settings; :mod:`bench.prefix_peers` for the peers' rules, NVIDIA
 Dynamo's KV router cost and the oracle), prefilled, its KV pulled by its decode and decoded, on engines
 of a named profile (:mod:`sim.profiles`, measured on a GPU by default), each with an optional CPU KV
-tier. Settings are :mod:`bench.prefix_routing`'s and ``dynamo``; clusters its ``demo`` and
+tier. Settings are :mod:`bench.prefix_routing`'s, ``pair:auto+prefix tier`` (the same, its endpoints
+declaring their KV capacity plus their CPU tier's: the prefix index then remembers what the tier
+holds, and the load is weighed by that capacity too) and ``dynamo``; clusters its ``demo`` and
 ``three-group``, built from the profile (small decodes: half the KV cache and batch, a third longer
 fixed decode step).
 
@@ -38,13 +40,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_json
-from prefix_peers import DynamoKvRouter
+from prefix_peers import DynamoKvRouter, Endpoint
 from prefix_routing import CLUSTERS, Record, Router, Serve, clusters, engines_of, run_cluster, summarize
 from prefix_routing import METRICS as ROUTING_METRICS
 from prefix_routing import SETTINGS as ROUTING_SETTINGS
 
 from sim.config import DEFAULT_MODEL
-from sim.engine import EngineError
+from sim.engine import Engine, EngineError
 from sim.profiles import profile_names
 from sim.report import format_table
 from sim.traces import FORMATS, TraceError, TraceRequest, prompt_text, read_window, reuse_bound
@@ -52,8 +54,20 @@ from sim.virtual import VirtualClock, new_loop
 
 DEFAULT_PROFILE = "h200-llama-3-8b"
 DEFAULT_COUNT = 1200
+NEW = "pair:auto+prefix"
+
+
+def _with_tier(endpoints: list[Endpoint], engines: dict[str, Engine]) -> list[Endpoint]:
+    """``endpoints`` declaring their KV capacity plus their CPU tier's."""
+    tiers = {a: e.config.timing.cpu_kv_capacity_tokens for a, e in engines.items()}
+    return [e._replace(capacity=e.capacity + tiers[e.address]) for e in endpoints]
+
+
 SETTINGS: dict[str, Router] = {
     **ROUTING_SETTINGS,
+    f"{NEW} tier": lambda endpoints, engines, model: ROUTING_SETTINGS[NEW](
+        _with_tier(endpoints, engines), engines, model
+    ),
     "dynamo": lambda endpoints, engines, _: DynamoKvRouter(endpoints, engines),
 }
 
