@@ -154,10 +154,13 @@ def _plot(ttfts: dict[str, list[float]], path: str, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(9, 5.5))
-    for setting, values in ttfts.items():
+    colours = plt.get_cmap("tab20").colors
+    for index, (setting, values) in enumerate(ttfts.items()):
         ordered = sorted(values)
+        style = "--" if setting in PEERS else ":" if setting == "oracle" else "-"
         if ordered:
-            ax.plot(ordered, [(i + 1) / len(ordered) for i in range(len(ordered))], label=setting)
+            shares = [(i + 1) / len(ordered) for i in range(len(ordered))]
+            ax.plot(ordered, shares, style, color=colours[index % len(colours)], label=setting)
     ax.set_xscale("log")
     ax.set_xlabel("TTFT (ms, model time)")
     ax.set_ylabel("share of requests")
