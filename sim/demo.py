@@ -32,19 +32,20 @@ from sim.workload import RequestPlan, trace_plans
 
 MODES = ("off", "prefer", "strict")
 SAMPLE_COUNT = 60
-SAMPLE_SPEED = 2.0
+SAMPLE_SPEED = 1.5
 SAMPLE_MAX_OUTPUT = 32
-"""The default window of :data:`sim.traces.SAMPLE`: its first 60 requests (18 s of the trace, 14k-token
-prompts on average, up to 87k), arrivals twice as fast, at most 32 output tokens a request: three
-modes in about a minute on 2 cores (the prompts are 50-350 KB bodies through Envoy and Python engines;
-the trace's own outputs, 360 tokens on average, would be 360 streamed chunks a request)."""
+"""The default window of :data:`sim.traces.SAMPLE`: its first 60 requests (15 s of the trace, 12k-token
+prompts on average, up to 87k), arrivals 1.5 times as fast (the three prefills about 80% busy on
+``h200-llama-3-8b``; twice as fast would overrun them), at most 32 output tokens a request (the trace's
+own, 360 on average, would be 360 streamed chunks a request through Envoy and Python engines): three
+modes in about a minute on 2 cores."""
 CPU_TIER_TOKENS = 2_000_000
 """Every engine's CPU KV tier (tokens): what vLLM's native offloading adds to a production engine."""
 CLUSTER = "demo"
 VLLM_REQUESTS = 40
 VLLM_RATE = 1.0
-"""Requests per mode and arrivals per second on real engines: a CPU engine decodes tens of tokens a
-second, and at the simulator's rate the requests mostly queue."""
+"""Requests per mode and arrivals per second on real engines (their own synthetic workload): a CPU
+engine decodes tens of tokens a second, and at 10 requests/s the requests mostly queue."""
 HANDOFFS = ("kv-transfer-params", "sidecar", "sglang-bootstrap", "vllm-mooncake")
 CONNECTORS = {"vllm-mooncake": "mooncake"}
 """The simulated engines' ``kv_connector`` per handoff (``nixl`` for the others)."""
