@@ -8,7 +8,10 @@ import statistics
 import pytest
 
 from ext_proc.cli import main
-from sim.demo import run_demo
+from sim.cluster import clusters
+from sim.demo import CLUSTER, CPU_TIER_TOKENS, run_demo
+from sim.profiles import MEASURED_PROFILE, engines_of, load_profile
+from sim.stack import start_stack
 from sim.traces import SAMPLE, read_window
 from sim.workload import trace_plans
 
@@ -69,3 +72,19 @@ def test_demo_rejects_bad_sizes_with_a_usage_error(capsys, argv, phrase):
         main(["demo", *argv])
     assert exit_info.value.code == 2
     assert phrase in capsys.readouterr().err
+
+
+def test_the_demo_engines_run_the_measured_profile():
+    large, small, kv = engines_of(MEASURED_PROFILE, CPU_TIER_TOKENS)
+    stack = start_stack(clusters(large, small)[CLUSTER], large, kv)
+    try:
+        capacities = {(e.role, e.group): e.token_capacity for e in stack.cluster.engines}
+    finally:
+        stack.stop()
+    hbm = load_profile(MEASURED_PROFILE).timing.kv_capacity_tokens  # ~840k tokens of an H200
+    assert capacities == {
+        ("prefill", "rack-a"): hbm,
+        ("decode", "rack-a"): hbm,
+        ("prefill", "rack-b"): hbm,
+        ("decode", "rack-b"): hbm // 2,
+    }
