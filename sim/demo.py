@@ -143,7 +143,7 @@ def _window_line(args: argparse.Namespace, window: list[TraceRequest], speed: fl
     outputs = f", outputs capped at {cap} tokens" if cap is not None else ""
     return (
         f"{len(window)} requests per mode of {Path(args.trace or SAMPLE).name} (requests {start}-"
-        f"{start + len(window) - 1}: {window[-1].arrival_s:g} s of traffic at {speed:g}x, prompts "
+        f"{start + len(window) - 1}: {round(window[-1].arrival_s, 1):g} s of traffic at {speed:g}x, prompts "
         f"{prompts:,.0f} tokens mean{outputs})"
     )
 
