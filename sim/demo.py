@@ -80,7 +80,7 @@ async def run_demo(
     return results
 
 
-def trace_window(args: argparse.Namespace) -> list[TraceRequest]:
+def _trace_window(args: argparse.Namespace) -> list[TraceRequest]:
     """The requests the demo replays: ``--start``/``--count`` of ``--trace`` (default: the whole file),
     or of the shipped sample (default: its first :data:`SAMPLE_COUNT`); raise
     :class:`~sim.traces.TraceError` naming the line or option that is wrong."""
@@ -150,7 +150,7 @@ def _window_line(args: argparse.Namespace, window: list[TraceRequest], speed: fl
 
 def _replay(args: argparse.Namespace) -> tuple[str, str, dict[str, dict]]:
     """The simulated demo: what it replays, on which cluster (one line each), and the results."""
-    window = trace_window(args)
+    window = _trace_window(args)
     speed = args.speed or (1.0 if args.trace else SAMPLE_SPEED)
     cap = args.max_output or (None if args.trace else SAMPLE_MAX_OUTPUT)
     profile = args.profile or MEASURED_PROFILE
