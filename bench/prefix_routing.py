@@ -36,7 +36,7 @@ import statistics
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -56,49 +56,16 @@ from prefix_workloads import Conversation, low_reuse, messages, multi_turn, shar
 from ext_proc.affinity import AutoModel, Mode, Policy
 from ext_proc.prefix import PrefixSettings, prompt_content
 from ext_proc.request import describe
-from sim.cluster import EngineSpec
+from sim.cluster import EngineSpec, clusters
 from sim.config import DEFAULT_MODEL, KvConfig, TimingConfig
 from sim.engine import Engine, Hold
 from sim.prefix import PromptBlocks
-from sim.profiles import DEFAULT_PROFILE, load_profile, profile_names
+from sim.profiles import DEFAULT_PROFILE, engines_of, profile_names
 from sim.protocol import token_text
 from sim.report import format_table, load_cv, percentile
 from sim.virtual import VirtualClock, build_cluster, new_loop
 
 FIRST_SEED = 41  # seeds never used by the other benchmarks
-
-
-def smaller(timing: TimingConfig) -> TimingConfig:
-    """A smaller, slower decode engine than ``timing``: half the KV cache and batch, a third longer
-    fixed decode step (for the legacy profile, the demo's small decodes)."""
-    return replace(
-        timing,
-        kv_capacity_tokens=timing.kv_capacity_tokens // 2,
-        max_batch=timing.max_batch // 2,
-        decode_step_ms=timing.decode_step_ms * 4 / 3,
-    )
-
-
-def engines_of(profile: str) -> tuple[TimingConfig, TimingConfig, KvConfig]:
-    """The large engines' timing (prefix caching on), the small decodes' and the KV model of ``profile``."""
-    measured = load_profile(profile)
-    large = replace(measured.timing, enable_prefix_caching=True)
-    return large, smaller(large), measured.kv
-
-
-def clusters(large: TimingConfig, small: TimingConfig) -> dict[str, list[EngineSpec]]:
-    """The benchmark's clusters (see the module docstring): every prefill and the large decodes
-    ``large``, the small decodes ``small``."""
-
-    def engines(group: str, prefills: int, decodes: int, timing: TimingConfig) -> list[EngineSpec]:
-        return [EngineSpec("prefill", group, timing=large) for _ in range(prefills)] + [
-            EngineSpec("decode", group, timing=timing) for _ in range(decodes)
-        ]
-
-    return {
-        "demo": engines("rack-a", 2, 3, large) + engines("rack-b", 1, 2, small),
-        "three-group": engines("g1", 2, 3, large) + engines("g2", 2, 3, large) + engines("trap", 2, 1, small),
-    }
 
 
 CLUSTERS = clusters(*engines_of(DEFAULT_PROFILE)[:2])

@@ -35,24 +35,24 @@ import asyncio
 import statistics
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_json
 from prefix_peers import DynamoKvRouter, Endpoint
-from prefix_routing import CLUSTERS, Record, Router, Serve, clusters, engines_of, run_cluster, summarize
+from prefix_routing import CLUSTERS, Record, Router, Serve, run_cluster, summarize
 from prefix_routing import METRICS as ROUTING_METRICS
 from prefix_routing import SETTINGS as ROUTING_SETTINGS
 
+from sim.cluster import clusters
 from sim.config import DEFAULT_MODEL
 from sim.engine import Engine, EngineError
-from sim.profiles import profile_names
+from sim.profiles import MEASURED_PROFILE, engines_of, profile_names
 from sim.report import format_table
-from sim.traces import FORMATS, TraceError, TraceRequest, prompt_text, read_window, reuse_bound
+from sim.traces import FORMATS, TraceError, TraceRequest, output_budget, prompt_text, read_window, reuse_bound
 from sim.virtual import VirtualClock, new_loop
 
-DEFAULT_PROFILE = "h200-llama-3-8b"
 DEFAULT_COUNT = 1200
 NEW = "pair:auto+prefix"
 
@@ -87,18 +87,9 @@ class Replay:
     kv_tokens: int | None = None
 
 
-def _budget(request: TraceRequest, cap: int | None) -> int:
-    return max(1, request.output_tokens if cap is None else min(request.output_tokens, cap))
-
-
 def run_setting(replay: Replay, setting: str) -> tuple[list[Record], dict]:
     """One setting over the window in virtual time on a fresh event loop: the records and the summary."""
-    large, small, kv = engines_of(replay.profile)
-    tier = replay.cpu_tier_tokens
-    large = replace(
-        large, cpu_kv_capacity_tokens=tier, kv_capacity_tokens=replay.kv_tokens or large.kv_capacity_tokens
-    )
-    small = replace(small, cpu_kv_capacity_tokens=tier)
+    large, small, kv = engines_of(replay.profile, replay.cpu_tier_tokens, replay.kv_tokens)
     specs = clusters(large, small)[replay.cluster]
     errors = 0
 
@@ -108,7 +99,7 @@ def run_setting(replay: Replay, setting: str) -> tuple[list[Record], dict]:
         body = {
             "model": DEFAULT_MODEL,
             "messages": [{"role": "user", "content": prompt_text(request, index)}],
-            "max_tokens": _budget(request, replay.max_output),
+            "max_tokens": output_budget(request, replay.max_output),
         }
         try:
             await serve(body)
@@ -194,7 +185,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--max-output", type=int, help="cap every request's output tokens")
     parser.add_argument("--cluster", default="demo", help="demo or three-group (default %(default)s)")
-    parser.add_argument("--profile", default=DEFAULT_PROFILE, help="engine profile (default %(default)s)")
+    parser.add_argument("--profile", default=MEASURED_PROFILE, help="engine profile (default %(default)s)")
     parser.add_argument(
         "--cpu-tier", type=int, default=0, help="CPU KV tier of every engine, tokens (default 0: none)"
     )
@@ -351,19 +342,12 @@ def _stack_window(args: argparse.Namespace, settings: list[str], start: int) -> 
     (``window``, ``settings`` as :func:`sim.report.summarize` gives them, ``bound``) returned."""
     from sim.experiment import measure
     from sim.stack import start_stack
-    from sim.workload import RequestPlan
+    from sim.workload import trace_plans
 
     requests = read_window(Path(args.trace), args.format, start, args.count)
-    plans = [
-        RequestPlan(r.arrival_s / args.speed, r.prompt_tokens, _budget(r, args.max_output), prompt_text(r, i))
-        for i, r in enumerate(requests)
-    ]
-    large, small, kv = engines_of(args.profile)
-    tier = args.cpu_tier
-    large = replace(
-        large, cpu_kv_capacity_tokens=tier, kv_capacity_tokens=args.kv_tokens or large.kv_capacity_tokens
-    )
-    stack = start_stack(clusters(large, replace(small, cpu_kv_capacity_tokens=tier))[args.cluster], large, kv)
+    plans = trace_plans(requests, args.speed, args.max_output)
+    large, small, kv = engines_of(args.profile, args.cpu_tier, args.kv_tokens)
+    stack = start_stack(clusters(large, small)[args.cluster], large, kv)
     rows: dict[str, dict] = {}
     try:
         for setting in settings:

@@ -11,7 +11,7 @@ profile with ``hbm`` derives its KV capacity from the GPU's memory, as vLLM size
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
 
@@ -19,6 +19,8 @@ from sim.config import KvConfig, TimingConfig
 
 PROFILES_FILE = Path(__file__).with_name("profiles.json")
 DEFAULT_PROFILE = "legacy"
+MEASURED_PROFILE = "h200-llama-3-8b"
+"""The profile the demo and the trace replay run on by default: costs measured on a GPU."""
 
 
 @dataclass(frozen=True)
@@ -59,3 +61,28 @@ def load_profile(name: str) -> Profile:
     if "hbm" in entry:
         timing["kv_capacity_tokens"] = kv_capacity_tokens(entry["hbm"], kv.kv_bytes_per_token)
     return Profile(name, entry["description"], entry["source"], TimingConfig(**timing), kv)
+
+
+def smaller(timing: TimingConfig) -> TimingConfig:
+    """A smaller, slower decode engine than ``timing``: half the KV cache and batch, a third longer
+    fixed decode step (for the legacy profile, the old demo's small decodes)."""
+    return replace(
+        timing,
+        kv_capacity_tokens=timing.kv_capacity_tokens // 2,
+        max_batch=timing.max_batch // 2,
+        decode_step_ms=timing.decode_step_ms * 4 / 3,
+    )
+
+
+def engines_of(
+    profile: str, cpu_tier_tokens: int = 0, kv_tokens: int | None = None
+) -> tuple[TimingConfig, TimingConfig, KvConfig]:
+    """The large engines' timing, the small decodes' (:func:`smaller`) and the KV model of ``profile``;
+    every engine caches prefixes and has a CPU KV tier of ``cpu_tier_tokens`` (0: none), the large
+    ones a KV cache of ``kv_tokens`` (``None``: the profile's)."""
+    measured = load_profile(profile)
+    large = replace(measured.timing, enable_prefix_caching=True, cpu_kv_capacity_tokens=cpu_tier_tokens)
+    small = smaller(large)
+    if kv_tokens is not None:
+        large = replace(large, kv_capacity_tokens=kv_tokens)
+    return large, small, measured.kv

@@ -175,6 +175,12 @@ def prompt_text(request: TraceRequest, index: int) -> str:
     return "".join(map(block_text, keys))[: request.prompt_tokens * CHARS_PER_TOKEN]
 
 
+def output_budget(request: TraceRequest, cap: int | None) -> int:
+    """The completion budget a replay asks for: ``request``'s output tokens, at most ``cap`` (``None``:
+    no cap), at least 1 (a trace's 0-token answers still take one decode step)."""
+    return max(1, request.output_tokens if cap is None else min(request.output_tokens, cap))
+
+
 def reuse_bound(requests: list[TraceRequest], block_size: int = 16) -> float:
     """The share of ``requests``' prompt tokens an infinite cache would hold when each arrives: its
     leading blocks that an earlier request of the list had (chained, so equal as far as the ids agree),

@@ -11,7 +11,12 @@ from types import ModuleType
 import pytest
 from conftest import load_bench
 
-from sim.demo import BIG, SMALL
+from sim.config import TimingConfig
+from sim.profiles import engines_of
+
+BIG = TimingConfig()
+SMALL = replace(BIG, kv_capacity_tokens=BIG.kv_capacity_tokens // 2, decode_step_ms=16.0, max_batch=32)
+"""The old demo's large and small decode engines."""
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +79,7 @@ def test_verdicts_compare_paired_medians(bench: ModuleType) -> None:
 
 
 def test_the_legacy_profile_is_the_demo_engines_and_a_measured_profile_runs(bench: ModuleType) -> None:
-    large, small, _ = bench.engines_of("legacy")
+    large, small, _ = engines_of("legacy")
     assert (large, small) == (
         replace(BIG, enable_prefix_caching=True),
         replace(SMALL, enable_prefix_caching=True),

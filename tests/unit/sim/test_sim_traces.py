@@ -14,10 +14,12 @@ from sim.traces import (
     TRACE_BLOCK_TOKENS,
     TraceError,
     TraceRequest,
+    output_budget,
     prompt_text,
     read_window,
     reuse_bound,
 )
+from sim.workload import trace_plans
 
 HEAD = SAMPLE  # 200 requests
 
@@ -134,3 +136,17 @@ def test_the_reuse_bound_counts_leading_blocks_seen_before() -> None:
     assert reuse_bound(read_window(HEAD, None, 0, None)) == pytest.approx(
         0.0593, abs=1e-4
     )  # minutes of reuse later
+
+
+def test_a_window_as_a_workload_is_sped_up_capped_and_sends_the_synthesised_prompts() -> None:
+    window = read_window(HEAD, None, 10, 20)
+    plans = trace_plans(window, speed=3.0, max_output=100)
+    assert [p.at for p in plans] == [r.arrival_s / 3.0 for r in window]
+    assert [p.prompt for p in plans] == [prompt_text(r, i) for i, r in enumerate(window)]
+    assert [p.prompt_tokens for p in plans] == [r.prompt_tokens for r in window]
+    assert [p.max_tokens for p in plans] == [output_budget(r, 100) for r in window]
+    assert output_budget(TraceRequest(0.0, 10, 500), 100) == 100
+    assert (
+        output_budget(TraceRequest(0.0, 10, 50), 100) == output_budget(TraceRequest(0.0, 10, 50), None) == 50
+    )
+    assert output_budget(TraceRequest(0.0, 10, 0), None) == 1  # one decode step at least
