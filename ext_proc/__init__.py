@@ -1,4 +1,6 @@
-"""pd-extproc: an Envoy ext_proc server that routes OpenAI-compatible traffic in prefill/decode
-disaggregated clusters, keeping the KV-cache transfer inside the prefill's ``pdGroupID`` group."""
+"""pd-extproc: an Envoy ext_proc server routing OpenAI-compatible traffic in P/D disaggregated clusters.
+
+It routes in prefill/decode disaggregated clusters, keeping the KV-cache transfer inside the
+prefill's ``pdGroupID`` group."""
 
 __version__ = "0.1.0"

@@ -1,5 +1,6 @@
-"""The admin HTTP endpoint: ``/metrics`` (Prometheus), ``/debug/endpoints`` (JSON, unless switched
-off), ``/healthz``."""
+"""The admin HTTP endpoint: ``/metrics``, ``/debug/endpoints`` and ``/healthz``.
+
+``/metrics`` is Prometheus; ``/debug/endpoints`` is JSON, unless switched off."""
 
 from __future__ import annotations
 
@@ -29,8 +30,10 @@ EngineView = Callable[[EndpointState], dict[str, object]]
 
 
 def endpoint_rows(registry: Registry, engine_view: EngineView | None = None) -> list[dict[str, object]]:
-    """One row per known endpoint: identity, health, whether the router may pick it now (healthy
-    and still listed: not a departed endpoint finishing its requests), capacity (tokens) and live load:
+    """One row per known endpoint for ``/debug/endpoints``: identity, health, capacity and load.
+
+    Each row says whether the router may pick the endpoint now (healthy and still listed: not a
+    departed endpoint finishing its requests), its capacity (tokens) and live load:
     ``active_tokens`` (local accounting), ``blended_tokens`` (what the decision reads) and, with
     ``engine_view`` (engine metrics enabled), ``engine``: the last engine sample, its age and freshness."""
     pickable = {id(s) for s in (*registry.prefills, *registry.decodes)}
@@ -55,9 +58,10 @@ def endpoint_rows(registry: Registry, engine_view: EngineView | None = None) -> 
 def build_admin_app(
     registry: Registry, metrics: Metrics, debug_endpoints: bool = True, engine_view: EngineView | None = None
 ) -> web.Application:
-    """The aiohttp application serving the admin routes; without ``debug_endpoints``,
-    ``/debug/endpoints`` answers 404 with a JSON error (config ``admin.debug_endpoints``);
-    ``engine_view``: see :func:`endpoint_rows`."""
+    """The aiohttp application serving the admin routes.
+
+    Without ``debug_endpoints`` (config ``admin.debug_endpoints``), ``/debug/endpoints`` answers 404
+    with a JSON error; ``engine_view``: see :func:`endpoint_rows`."""
 
     async def metrics_handler(_: web.Request) -> web.Response:
         return web.Response(

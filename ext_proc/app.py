@@ -22,6 +22,7 @@ from ext_proc.envoy_health import EnvoyHealth
 from ext_proc.handoff.kinds import KINDS as HANDOFFS
 from ext_proc.handoff.kinds import Handoff
 from ext_proc.health import Health
+from ext_proc.kv_subscribers import KvEventSubscribers
 from ext_proc.metrics import Metrics
 from ext_proc.registry import Registry
 from ext_proc.reload import RELOAD_INTERVAL_SECONDS, ConfigWatcher
@@ -40,8 +41,10 @@ def _split(listen: str) -> tuple[str, int]:
 
 @dataclass
 class RunningServer:
-    """A started server. Ports are the bound ones (useful when the config asked for port 0);
-    ``health_port`` is 0 without ``health_listen``.
+    """A started server: its servers, bound ports, tasks and configuration.
+
+    Ports are the bound ones (useful when the config asked for port 0); ``health_port`` is 0 without
+    ``health_listen``.
 
     ``config`` is the configuration it started with; ``reloads`` watches the configuration file
     (``None`` without one) and holds the configuration in force.
@@ -59,9 +62,10 @@ class RunningServer:
     _watchers: tuple[asyncio.Task[None], ...]
 
     async def stop(self, grace: float = 1.0) -> None:
-        """Stop the discovery source and the config watcher, end the ADS streams, stop accepting
-        streams, let live ones finish for ``grace`` seconds, then stop the handoff's background
-        prefill legs."""
+        """Stop everything, letting live streams finish for ``grace`` seconds.
+
+        Stop the discovery source and the config watcher, end the ADS streams, stop accepting streams,
+        let live ones finish for ``grace`` seconds, then stop the handoff's background prefill legs."""
         for watcher in self._watchers:
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -74,9 +78,10 @@ class RunningServer:
 
 
 class Readiness:
-    """Readiness as discovery drives it: SERVING while the source is available (always, but for an
-    InferencePool that is absent or not usable) and the router's view has held the source's whole
-    set since it became available."""
+    """Readiness as discovery drives it: SERVING once the router holds the source's whole set.
+
+    SERVING while the source is available (always, but for an InferencePool that is absent or not
+    usable) and the router's view has held the source's whole set since it became available."""
 
     def __init__(self, registry: Registry, health: Health) -> None:
         self._registry = registry
@@ -85,8 +90,9 @@ class Readiness:
         self._usable = True
 
     def apply(self, clusters: list[ClusterEndpoints], settled: bool) -> None:
-        """The router's view is now ``clusters``; ``settled``: the source's whole set (with EDS served:
-        once Envoy has it)."""
+        """The router's view is now ``clusters``.
+
+        ``settled``: the source's whole set (with EDS served: once Envoy has it)."""
         self._registry.update(clusters)
         if settled and not self._loaded:
             self._loaded = True
@@ -97,16 +103,18 @@ class Readiness:
         self.apply(clusters, settled=True)
 
     def available(self, now: bool) -> None:
-        """Whether the source has a set to serve at all; available again: ready once the new set is
-        loaded."""
+        """Whether the source has a set to serve at all.
+
+        Available again: ready once the new set is loaded."""
         if now != self._usable:
             self._usable, self._loaded = now, False
             self._health.set_ready(False)
 
 
 def build_publisher(config: Config, readiness: Readiness, metrics: Metrics) -> EdsPublisher | None:
-    """With ``xds.serve_eds``, the publisher between the source and the router (Envoy first, then the
-    router); else ``None``."""
+    """The EDS publisher between the source and the router, or ``None`` without ``xds.serve_eds``.
+
+    With ``xds.serve_eds`` the publisher updates Envoy first, then the router."""
     if not config.xds.serve_eds:
         return None
     discovery = config.discovery
@@ -172,9 +180,11 @@ async def start_grpc_servers(
     publisher: EdsPublisher | None,
     credentials: grpc.ServerCredentials | None,
 ) -> tuple[list[grpc.aio.Server], int, int]:
-    """The ext_proc server on ``listen`` (with the ADS service when EDS is served) and, with
-    ``health_listen``, the health-only one: ``(servers, grpc port, health port or 0)``; when the
-    health port cannot be bound, what was started is stopped."""
+    """Start the ext_proc gRPC server and, with ``health_listen``, the health-only one.
+
+    The ext_proc server listens on ``listen`` (with the ADS service when EDS is served). Returns
+    ``(servers, grpc port, health port or 0)``; when the health port cannot be bound, what was started
+    is stopped."""
     ads = publisher.ads if publisher is not None else None
     grpc_server, grpc_port = await start_grpc(router, config.listen, health, ads, credentials)
     servers = [grpc_server]
@@ -191,8 +201,9 @@ async def start_grpc_servers(
 async def start_admin(
     config: Config, registry: Registry, metrics: Metrics, load_signal: LoadSignal | None
 ) -> tuple[web.AppRunner, int]:
-    """The metrics and admin endpoint on ``metrics_listen``: ``(runner, port)``; ``OSError`` says
-    where when it cannot be bound."""
+    """Start the metrics and admin endpoint on ``metrics_listen``: ``(runner, port)``.
+
+    ``OSError`` says where when it cannot be bound."""
     describe = load_signal.describe if load_signal is not None else None
     admin = build_admin_app(registry, metrics, config.admin.debug_endpoints, describe)
     runner = web.AppRunner(admin, access_log=None)
@@ -215,10 +226,14 @@ def start_watchers(
     metrics: Metrics,
     reload: tuple[ConfigSource | None, float],
 ) -> tuple[list[asyncio.Task[None]], ConfigWatcher | None]:
-    """The background tasks: the discovery source, the load signal if any, Envoy's host health with
-    ``envoy_health.admin_url``, and the configuration watcher when the configuration came from a file
-    (``reload``: its source and interval); ``(tasks, the configuration watcher or None)``."""
+    """Start the background tasks: ``(tasks, the configuration watcher or None)``.
+
+    The tasks are the discovery source, the KV-event subscribers, the load signal if any, Envoy's host
+    health with ``envoy_health.admin_url``, and the configuration watcher when the configuration came
+    from a file (``reload``: its source and interval)."""
     watchers = [asyncio.create_task(endpoints.run(), name="discovery")]
+    subscribers = KvEventSubscribers(router.registry, router, metrics)  # idle unless the source is kv-events
+    watchers.append(asyncio.create_task(subscribers.run(), name="kv-events"))
     if load_signal is not None:
         watchers.append(asyncio.create_task(load_signal.run(), name="engine-metrics"))
     if config.envoy_health.admin_url:
@@ -266,7 +281,9 @@ def _log_started(server: RunningServer, registry: Registry, load_signal: LoadSig
 async def start_server(
     config: Config, source: ConfigSource | None = None, reload_interval: float = RELOAD_INTERVAL_SECONDS
 ) -> RunningServer:
-    """Build the discovery source (files: loaded once here), start the gRPC server and the admin
+    """Build and start the whole server: discovery, gRPC, admin endpoint and watchers.
+
+    Build the discovery source (files: loaded once here), start the gRPC server and the admin
     endpoint, then the source's watcher (and, with ``engine_metrics.enabled``, the engine scraper).
     Raises :class:`~ext_proc.config.ConfigError` when a TLS file
     cannot be read or the source cannot be set up, ``OSError`` when an address cannot be bound.

@@ -47,8 +47,10 @@ _TRAILERS = msg.passthrough("request_trailers")
 
 @dataclass(frozen=True, slots=True)
 class Choreography:
-    """How one body mode's messages are answered. Stateless and shared by every stream of that
-    mode; a stream keeps its own collected body (:class:`BodyCollector`)."""
+    """How one body mode's messages are answered.
+
+    Stateless and shared by every stream of that mode; a stream keeps its own collected body
+    (:class:`BodyCollector`)."""
 
     name: str
     """The request body mode, as the metric label ``body_mode`` names it."""
@@ -62,9 +64,10 @@ class Choreography:
     """The routing headers a client may not send; a held headers answer removes those it does not set."""
 
     def route_body(self, routing: RoutingInstructions, body: bytes, trailers: bool = False) -> Answers:
-        """The answers that route a request whose complete body is ``body`` (``routing.body``, when
-        set, replaces it); ``trailers``: the request trailers ended the body (FDS only), and are
-        answered last, unchanged."""
+        """The answers that route a request whose complete body is ``body``.
+
+        ``routing.body``, when set, replaces it; ``trailers``: the request trailers ended the body (FDS
+        only), and are answered last, unchanged."""
         if not self.full_duplex:
             return (msg.route_on_body(routing),)
         sent = body if routing.body is None else routing.body
@@ -89,8 +92,9 @@ class Choreography:
 
 
 def streamed_body(body: bytes, end_of_stream: bool = True) -> list[pb.ProcessingResponse]:
-    """``body`` as request-body ``streamed_response`` answers of at most :data:`STREAMED_CHUNK_BYTES`
-    each (one empty chunk for an empty body); the last carries ``end_of_stream``."""
+    """``body`` as request-body ``streamed_response`` answers, the last with ``end_of_stream``.
+
+    Each answer carries at most :data:`STREAMED_CHUNK_BYTES` (one empty chunk for an empty body)."""
     size = len(body)
     starts = range(0, size, STREAMED_CHUNK_BYTES) if size else (0,)
     last = starts[-1]
@@ -125,11 +129,13 @@ class BodyCollector:
 
 
 class Choreographies:
-    """The choreographies of a server whose handoff owns ``routing_headers`` (a client may not send
-    them), built once: one per request body mode (BUFFERED, FULL_DUPLEX_STREAMED) and response body
-    handling (echoed in FULL_DUPLEX_STREAMED, else passed through). ``response_headers``: the
-    BUFFERED strip answer also asks for the response headers (the shipped phases skip them), which
-    the KV handoffs read to tell a decode's failed pull."""
+    """The choreographies of a server, built once: one per body mode and response handling.
+
+    The server's handoff owns ``routing_headers`` (a client may not send them). There is one
+    choreography per request body mode (BUFFERED, FULL_DUPLEX_STREAMED) and response body handling
+    (echoed in FULL_DUPLEX_STREAMED, else passed through). ``response_headers``: the BUFFERED strip
+    answer also asks for the response headers (the shipped phases skip them), which the KV handoffs
+    read to tell a decode's failed pull."""
 
     def __init__(self, routing_headers: tuple[str, ...], response_headers: bool = False) -> None:
         hold = (msg.strip_on_headers(routing_headers, response_headers),)
@@ -142,9 +148,10 @@ class Choreographies:
         }
 
     def choreography_for(self, request: pb.ProcessingRequest) -> Choreography | str:
-        """The choreography of the stream whose first message is ``request``, or why none fits (the
-        message of a 500 ``ext_proc_misconfigured`` answer). No ``protocol_config`` (an Envoy older than
-        1.33) means BUFFERED, as the shipped bootstrap configures."""
+        """The choreography of the stream whose first message is ``request``, or why none fits.
+
+        Why none fits is the message of a 500 ``ext_proc_misconfigured`` answer. No ``protocol_config``
+        (an Envoy older than 1.33) means BUFFERED, as the shipped bootstrap configures."""
         if not request.HasField("protocol_config"):
             return self.buffered
         config = request.protocol_config

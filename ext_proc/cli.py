@@ -1,5 +1,7 @@
-"""``pd-extproc`` command line: ``serve`` the router, ``check-config`` a file, run a simulated ``sim``
-engine, run the ``demo``."""
+"""The ``pd-extproc`` command line: ``serve``, ``check-config``, ``sim`` and ``demo``.
+
+``serve`` runs the router, ``check-config`` checks a file, ``sim`` runs a simulated engine and ``demo``
+runs the demo."""
 
 from __future__ import annotations
 
@@ -179,9 +181,10 @@ so ``serve`` never loads the simulator."""
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
-    """The argument parser. Every subcommand is listed; the options of ``sim`` and ``demo`` are
-    only registered (their modules imported) for the one named by ``command``, the others
-    accept anything."""
+    """The argument parser, with every subcommand listed.
+
+    The options of ``sim`` and ``demo`` are only registered (their modules imported) for the one named
+    by ``command``, the others accept anything."""
     parser = argparse.ArgumentParser(prog="pd-extproc", description=__doc__)
     parser.add_argument(
         "--log-level", default="INFO", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"]

@@ -44,10 +44,12 @@ ENV_HANDOFF = "PD_EXTPROC_HANDOFF"
 
 @dataclass(frozen=True)
 class Config:
-    """The whole configuration. ``listen``/``metrics_listen`` are ``host:port``; the admin endpoint
-    (``metrics_listen``) listens on loopback unless configured otherwise. ``health_listen``: ``""``
-    (off), or the ``host:port`` of a second, plaintext gRPC port serving only the health service
-    (GIE's endpoint picker has one, ``--grpc-health-port``, 9003); ``listen`` serves health either way."""
+    """The whole configuration: listen addresses and every section.
+
+    ``listen``/``metrics_listen`` are ``host:port``; the admin endpoint (``metrics_listen``) listens
+    on loopback unless configured otherwise. ``health_listen``: ``""`` (off), or the ``host:port`` of
+    a second, plaintext gRPC port serving only the health service (GIE's endpoint picker has one,
+    ``--grpc-health-port``, 9003); ``listen`` serves health either way."""
 
     listen: str = "0.0.0.0:9002"
     metrics_listen: str = "127.0.0.1:9090"
@@ -132,8 +134,10 @@ def _check_host_port(key: str, value: str) -> None:
 
 
 def validate(config: Config) -> Config:
-    """Check value ranges that types alone do not capture: the listen addresses here, then each
-    section's own ``check()`` (the first error found is raised); return ``config`` unchanged."""
+    """Check value ranges that types alone do not capture; return ``config`` unchanged.
+
+    The listen addresses are checked here, then each section's own ``check()`` (the first error
+    found is raised)."""
     _check_host_port("listen", config.listen)
     _check_host_port("metrics_listen", config.metrics_listen)
     if config.health_listen:
@@ -221,8 +225,10 @@ def load_config(
 
 
 def as_dict(config: Config) -> dict[str, object]:
-    """``config`` as plain YAML data (choices as their names, lists as lists), keys in file order:
-    what ``pd-extproc check-config`` prints, and what :func:`load_config` reads back unchanged."""
+    """``config`` as plain YAML data, keys in file order.
+
+    Choices appear as their names, lists as lists: what ``pd-extproc check-config`` prints, and what
+    :func:`load_config` reads back unchanged."""
 
     def plain(value: object) -> object:
         if dataclasses.is_dataclass(value):
@@ -238,8 +244,10 @@ def as_dict(config: Config) -> dict[str, object]:
 
 @dataclass(frozen=True)
 class ConfigSource:
-    """Where a configuration comes from, to load it again when its file changes: the file, the
-    environment and the flags keep their precedence on every load (see :func:`load_config`)."""
+    """Where a configuration comes from, to load it again when its file changes.
+
+    The file, the environment and the flags keep their precedence on every load (see
+    :func:`load_config`)."""
 
     path: str | None = None
     overrides: Mapping[str, object] = field(default_factory=dict)

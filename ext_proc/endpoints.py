@@ -17,7 +17,8 @@ class EndpointSpec:
     """One endpoint as a discovery source declares it.
 
     ``address`` is ``"ip:port"`` (IPv6 as ``"[ip]:port"``); ``token_capacity``,
-    ``bootstrap_port`` and ``metrics_port`` are ``None`` when the metadata does not set them;
+    ``bootstrap_port``, ``metrics_port`` and ``kv_events_port`` are ``None`` when the metadata does not
+    set them;
     ``healthy`` is true for ``HEALTHY`` and ``UNKNOWN`` health status.
     """
 
@@ -28,6 +29,7 @@ class EndpointSpec:
     health_status: str
     bootstrap_port: int | None = None
     metrics_port: int | None = None
+    kv_events_port: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -35,8 +35,9 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class EnvoyHealthConfig:
-    """Envoy's own view of endpoint health (docs/operations.md "Decode ejection"): its admin
-    ``/clusters``, polled.
+    """The ``envoy_health`` section: Envoy's own view of endpoint health, from its polled admin.
+
+    See docs/operations.md "Decode ejection". Envoy's admin ``/clusters`` is polled.
 
     ``admin_url``: the base URL of the admin of the Envoy this server answers (``""``: off; the chart
     sets ``http://127.0.0.1:9901``, its Envoy's loopback admin in the same pod). Every
@@ -49,8 +50,9 @@ class EnvoyHealthConfig:
     timeout_seconds: float = 1.0
 
     def check(self) -> None:
-        """Raise :class:`ConfigError` naming the first key out of range, or an ``admin_url`` that is
-        not a base URL."""
+        """Raise :class:`ConfigError` for a key out of range or a bad ``admin_url``.
+
+        The error names the first key out of range, or an ``admin_url`` that is not a base URL."""
         key = "envoy_health"
         if self.admin_url and not re.fullmatch(r"https?://[^\s/]+", self.admin_url):
             raise ConfigError(

@@ -75,9 +75,11 @@ def subset_hint(request: pb.ProcessingRequest) -> frozenset[str] | None:
 
 
 def served_endpoint(request: pb.ProcessingRequest) -> str | None:
-    """The endpoint that served the request as the data plane reports it at the response phase
-    (endpoint-picker protocol: ``filter_metadata["envoy.lb"]["x-gateway-destination-endpoint-served"]``,
-    ``"ip:port"``, which Envoy's override_host ``selected_host_key`` writes), or ``None``."""
+    """The ``"ip:port"`` of the endpoint that served the request, as the data plane reports it, or ``None``.
+
+    Read at the response phase (endpoint-picker protocol:
+    ``filter_metadata["envoy.lb"]["x-gateway-destination-endpoint-served"]``, which Envoy's
+    override_host ``selected_host_key`` writes)."""
     namespaces = request.metadata_context.filter_metadata
     if LB_NAMESPACE not in namespaces:
         return None
@@ -107,8 +109,9 @@ def request_meta(headers: pb.HttpHeaders) -> RequestMeta:
 
 
 def response_status(headers: pb.HttpHeaders) -> tuple[int, str]:
-    """The ``:status`` (0 when missing or not a number) and ``content-type`` of a
-    ``response_headers`` message."""
+    """The ``:status`` and ``content-type`` of a ``response_headers`` message.
+
+    The status is 0 when missing or not a number."""
     status, content_type = 0, ""
     for header in headers.headers.headers:
         key = header.key
@@ -151,8 +154,9 @@ def _fill_metadata(response: pb.ProcessingResponse, routing: RoutingInstructions
 
 
 def route_on_body(routing: RoutingInstructions) -> pb.ProcessingResponse:
-    """Answer a ``request_body`` message with the routing headers, ``envoy.lb`` metadata and, when
-    the handoff rewrote it, the new body."""
+    """Answer a ``request_body`` message with the routing headers, metadata and any new body.
+
+    The metadata is ``envoy.lb``; the body is included when the handoff rewrote it."""
     response = pb.ProcessingResponse()
     _fill_common(response.request_body.response, routing)
     _fill_metadata(response, routing)
@@ -166,8 +170,9 @@ def route_on_headers(
     content_length: int | None = None,
     clear_route_cache: bool = False,
 ) -> pb.ProcessingResponse:
-    """Answer a ``request_headers`` message with the routing headers and ``envoy.lb`` metadata (never a
-    body: a request without one, or a FULL_DUPLEX_STREAMED body, which follows in its own answers).
+    """Answer a ``request_headers`` message with the routing headers and ``envoy.lb`` metadata.
+
+    Never a body: a request without one, or a FULL_DUPLEX_STREAMED body, which follows in its own answers.
 
     ``strip``: routing headers a client may not send, removed unless ``routing`` sets them;
     ``content_length``: the length of the body that will follow, in bytes; ``clear_route_cache``: have
@@ -185,8 +190,10 @@ def route_on_headers(
 
 
 def streamed_chunk(kind: str, body: bytes, end_of_stream: bool) -> pb.ProcessingResponse:
-    """Answer a FULL_DUPLEX_STREAMED body message of ``kind`` (``request_body`` / ``response_body``)
-    with ``body`` as its ``streamed_response`` (``end_of_stream`` on the body's last chunk)."""
+    """Answer a FULL_DUPLEX_STREAMED body message of ``kind`` with ``body``.
+
+    ``kind`` is ``request_body`` / ``response_body``; ``body`` is its ``streamed_response``
+    (``end_of_stream`` on the body's last chunk)."""
     response = pb.ProcessingResponse()
     streamed = getattr(response, kind).response.body_mutation.streamed_response
     streamed.body = body
@@ -195,9 +202,10 @@ def streamed_chunk(kind: str, body: bytes, end_of_stream: bool) -> pb.Processing
 
 
 def stream_response_body() -> pb.ProcessingResponse:
-    """Answer a ``response_headers`` message unchanged, asking Envoy to send this response's body
-    chunk by chunk (``mode_override``: ``response_body_mode: STREAMED``; the filter must allow
-    mode overrides, ``allow_mode_override``)."""
+    """Answer a ``response_headers`` message unchanged, asking for the body chunk by chunk.
+
+    Envoy is asked to send this response's body chunk by chunk (``mode_override``:
+    ``response_body_mode: STREAMED``; the filter must allow mode overrides, ``allow_mode_override``)."""
     response = pb.ProcessingResponse()
     response.response_headers.SetInParent()
     response.mode_override.response_body_mode = _BodySendMode.STREAMED
@@ -212,9 +220,11 @@ def replace_body(body: bytes) -> pb.ProcessingResponse:
 
 
 def strip_on_headers(headers: tuple[str, ...], response_headers: bool = False) -> pb.ProcessingResponse:
-    """Answer a ``request_headers`` message by removing client-supplied routing headers; with
-    ``response_headers``, also ask Envoy to send this request's response headers (``mode_override``
-    of the shipped BUFFERED phases with response headers ``SEND``; needs ``allow_mode_override``)."""
+    """Answer a ``request_headers`` message by removing client-supplied routing headers.
+
+    With ``response_headers``, also ask Envoy to send this request's response headers
+    (``mode_override`` of the shipped BUFFERED phases with response headers ``SEND``; needs
+    ``allow_mode_override``)."""
     response = pb.ProcessingResponse()
     response.request_headers.response.header_mutation.remove_headers.extend(headers)
     if response_headers:
@@ -243,9 +253,10 @@ def immediate_error(
     body: bytes | None = None,
     retry_after: int | None = None,
 ) -> pb.ProcessingResponse:
-    """Answer any message by ending the HTTP exchange with ``status`` and a JSON error body
-    (``body`` when given, e.g. an engine's own error; else built from the other arguments), plus a
-    ``retry-after`` header of ``retry_after`` seconds when given."""
+    """Answer any message by ending the HTTP exchange with ``status`` and a JSON error body.
+
+    The body is ``body`` when given (e.g. an engine's own error), else built from the other
+    arguments; a ``retry-after`` header of ``retry_after`` seconds is added when given."""
     response = pb.ProcessingResponse()
     immediate = response.immediate_response
     immediate.status.code = status  # type: ignore[assignment]
@@ -258,8 +269,9 @@ def immediate_error(
 
 
 def extend_timeout(seconds: float) -> pb.ProcessingResponse:
-    """Ask Envoy to wait up to ``seconds`` for the answer to the current message
-    (``override_message_timeout``; Envoy caps it at the filter's ``max_message_timeout``)."""
+    """Ask Envoy to wait up to ``seconds`` for the answer to the current message.
+
+    This is ``override_message_timeout``; Envoy caps it at the filter's ``max_message_timeout``."""
     response = pb.ProcessingResponse()
     whole = int(seconds)
     response.override_message_timeout.seconds = whole

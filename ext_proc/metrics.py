@@ -21,6 +21,8 @@ ESTIMATE_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5
 """Seconds: ``auto``'s estimates, from a short in-group transfer to a queue several seconds deep."""
 HIT_BUCKETS = (0, 16, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 """Tokens: a prefix-cache hit, from none to a long context held whole."""
+TOKENIZE_BUCKETS = (5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.2, 0.5)
+"""Seconds: one prompt's tokenization, from a cached conversation to a long cold prompt behind others."""
 LEG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 180.0)
 
 
@@ -69,6 +71,29 @@ class _EngineScrapeCollector(Collector):
         yield GaugeMetricFamily(
             "pd_extproc_engine_stale_endpoints",
             "Pickable endpoints without a fresh engine sample (their load is local accounting alone)",
+            value=self._stale(),
+        )
+
+
+class _KvEventsCollector(Collector):
+    def __init__(self, blocks: Callable[[], dict[str, dict[str, int]]], stale: Callable[[], int]) -> None:
+        self._blocks = blocks
+        self._stale = stale
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        blocks = GaugeMetricFamily(
+            "pd_extproc_kv_index_blocks",
+            "Blocks the engine reported holding (kv-events prefix source), by endpoint and tier",
+            labels=["endpoint", "tier"],
+        )
+        for address, tiers in self._blocks().items():
+            for tier, count in tiers.items():
+                blocks.add_metric([address, tier], count)
+        yield blocks
+        yield GaugeMetricFamily(
+            "pd_extproc_kv_events_stale_publishers",
+            "Engines subscribed to that published nothing within kv_events.stale_after_seconds "
+            "(routed as holding nothing)",
             value=self._stale(),
         )
 
@@ -149,6 +174,37 @@ class Metrics:
             registry=self.registry,
         )
         self._prefix_children: dict[tuple[str, str], tuple[Counter, Counter, Histogram]] = {}
+        self._kv_received = Counter(
+            "pd_extproc_kv_events_received_total",
+            "KV-event messages received from the engine (kv-events prefix source)",
+            ["endpoint"],
+            registry=self.registry,
+        )
+        self._kv_decoded = Counter(
+            "pd_extproc_kv_events_decoded_total",
+            "KV-cache events decoded, by endpoint and kind (BlockStored, BlockRemoved, AllBlocksCleared)",
+            ["endpoint", "kind"],
+            registry=self.registry,
+        )
+        self._kv_dropped = Counter(
+            "pd_extproc_kv_events_dropped_total",
+            "KV-event messages (reason garbled, duplicate) or events (unknown_type, lora, block_size, "
+            "orphan, full) not applied to the index, by endpoint and reason",
+            ["endpoint", "reason"],
+            registry=self.registry,
+        )
+        self._kv_replays = Counter(
+            "pd_extproc_kv_events_replays_total",
+            "Replays asked of the engine's replay socket after a sequence gap, by outcome (ok, failed)",
+            ["endpoint", "outcome"],
+            registry=self.registry,
+        )
+        self._kv_resets = Counter(
+            "pd_extproc_kv_events_resets_total",
+            "Times the index dropped an engine's entries, by reason (restart, gap)",
+            ["endpoint", "reason"],
+            registry=self.registry,
+        )
         self._prefill_legs = Counter(
             "pd_extproc_prefill_leg_total",
             "Prefill legs sent by the gateway (handoffs kv-transfer-params, sglang-bootstrap), by outcome",
@@ -284,6 +340,27 @@ class Metrics:
             registry=self.registry,
         )
         self._stream_children = {m: self._streams.labels(m) for m in ("buffered", "full_duplex_streamed")}
+        self._tokenize_seconds = Histogram(
+            "pd_extproc_tokenize_seconds",
+            "Time from asking the gateway tokenizer for a prompt's tokens to the answer (its queue "
+            "included), in seconds",
+            buckets=TOKENIZE_BUCKETS,
+            registry=self.registry,
+        )
+        self._tokenize_tokens = Counter(
+            "pd_extproc_tokenize_tokens_total",
+            "Prompt tokens the gateway tokenizer answered, by where they came from (cache: a recently "
+            "tokenized prefix; tokenizer: tokenized now)",
+            ["source"],
+            registry=self.registry,
+        )
+        self._tokenize_children = {s: self._tokenize_tokens.labels(s) for s in ("cache", "tokenizer")}
+        self._untokenized = Counter(
+            "pd_extproc_tokenize_fallbacks_total",
+            "Prompts the gateway tokenizer could not put in the engine's tokens, by reason",
+            ["reason"],
+            registry=self.registry,
+        )
         self.registry.register(_EndpointLoadCollector(endpoints))
         self._decision_children: dict[tuple[str, str], Counter] = {}
         self._rejected_children: dict[str, Counter] = {}
@@ -348,6 +425,34 @@ class Metrics:
         ``ages()``: seconds since each engine's last good sample, by address; ``stale()``: the pickable
         endpoints without a fresh one."""
         self.registry.register(_EngineScrapeCollector(ages, stale))
+
+    def watch_kv_events(
+        self, blocks: Callable[[], dict[str, dict[str, int]]], stale: Callable[[], int]
+    ) -> None:
+        """Expose ``blocks()`` (per endpoint and tier) and ``stale()`` (stale publishers).
+
+        Both are read at scrape time."""
+        self.registry.register(_KvEventsCollector(blocks, stale))
+
+    def kv_events_received(self, endpoint: str) -> None:
+        """Count one KV-event message from ``endpoint``."""
+        self._kv_received.labels(endpoint).inc()
+
+    def kv_events_decoded(self, endpoint: str, kind: str, count: int) -> None:
+        """Count ``count`` decoded events of ``kind`` from ``endpoint``."""
+        self._kv_decoded.labels(endpoint, kind).inc(count)
+
+    def kv_events_dropped(self, endpoint: str, reason: str, count: int = 1) -> None:
+        """Count ``count`` messages or events from ``endpoint`` not applied, by ``reason``."""
+        self._kv_dropped.labels(endpoint, reason).inc(count)
+
+    def kv_events_replay(self, endpoint: str, outcome: str) -> None:
+        """Count one replay asked of ``endpoint``, by ``outcome``."""
+        self._kv_replays.labels(endpoint, outcome).inc()
+
+    def kv_events_reset(self, endpoint: str, reason: str) -> None:
+        """Count one drop of ``endpoint``'s entries, by ``reason``."""
+        self._kv_resets.labels(endpoint, reason).inc()
 
     def engine_scrape(self, outcome: str, seconds: float) -> None:
         """Count one scrape of an engine's ``/metrics`` by ``outcome`` and record its ``seconds``."""
@@ -426,3 +531,13 @@ class Metrics:
     def config_reload(self, outcome: str) -> None:
         """Count one change of the configuration file: ``applied`` or ``rejected`` (invalid)."""
         self._config_reloads.labels(outcome).inc()
+
+    def tokenized(self, seconds: float, tokens: int, cached: int) -> None:
+        """Record one prompt's tokenization: ``seconds`` waited, ``tokens`` ids, ``cached`` of them reused."""
+        self._tokenize_seconds.observe(seconds)
+        self._tokenize_children["cache"].inc(cached)
+        self._tokenize_children["tokenizer"].inc(tokens - cached)
+
+    def untokenized(self, reason: str) -> None:
+        """Count one prompt the gateway tokenizer could not tokenize, by reason."""
+        self._untokenized.labels(reason).inc()

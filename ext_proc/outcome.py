@@ -73,25 +73,32 @@ class Placement:
 
 
 class ResponseWatcher(Protocol):
-    """Sees the upstream's answer to a routed request and may answer otherwise (attached by the handoff
-    that needs it: the engine handoffs watch a decode's answer for a failed KV pull)."""
+    """Sees the upstream's answer to a routed request and may answer otherwise.
+
+    Attached by the handoff that needs it: the engine handoffs watch a decode's answer for a failed
+    KV pull."""
 
     def headers(self, status: int, content_type: str, chunks_sent: bool) -> Refused | bool:
-        """The answer's ``status`` and ``content-type`` arrived: the :class:`Refused` to answer instead,
-        or whether to see its body chunk by chunk (``chunks_sent``: the chunks come anyway; otherwise
-        Envoy is asked to send them)."""
+        """Judge the answer's headers: a :class:`Refused` to answer instead, or whether to watch the body.
+
+        Called when the answer's ``status`` and ``content-type`` arrived. Returns the :class:`Refused`
+        to answer instead, or whether to see its body chunk by chunk (``chunks_sent``: the chunks come
+        anyway; otherwise Envoy is asked to send them)."""
         ...
 
     def chunk(self, chunk: bytes) -> tuple[bytes | None, bool]:
-        """A watched body chunk: ``(replacement, keep_watching)``; ``replacement`` is what to send
-        instead, ``None`` to pass the chunk as it came."""
+        """A watched body chunk: ``(replacement, keep_watching)``.
+
+        ``replacement`` is what to send instead, ``None`` to pass the chunk as it came."""
         ...
 
 
 @dataclass(frozen=True, slots=True)
 class Routed:
-    """The request goes ahead: ``instructions`` for Envoy, ``lease`` to release when it ends, and
-    ``background`` (a prefill leg still running) to cancel when the HTTP exchange ends."""
+    """The request goes ahead: instructions for Envoy, a lease to release, a leg to cancel.
+
+    ``instructions`` for Envoy, ``lease`` to release when it ends, and ``background`` (a prefill leg
+    still running) to cancel when the HTTP exchange ends."""
 
     instructions: RoutingInstructions
     lease: Lease
@@ -117,8 +124,9 @@ class Refused:
 
 
 class PendingAnswer(Protocol):
-    """A routing answer that needs I/O first (the kv-transfer-params prefill leg, the Mooncake
-    bootstrap query).
+    """A routing answer that needs I/O first.
+
+    Such as the kv-transfer-params prefill leg, or the Mooncake bootstrap query.
 
     ``timeout`` (seconds) is how long Envoy must wait for the answer. ``lease`` holds the charges
     of the moment (a retry replaces it). :meth:`complete` returns the answer; whatever it returns

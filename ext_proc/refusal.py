@@ -26,9 +26,10 @@ def refuse(
     body: bytes | None = None,
     retry_after: int | None = None,
 ) -> Refused:
-    """Count (``rejected_total`` reason ``code``), log (INFO below 500, else WARNING) and describe an
-    error answer (``body``: an exact error body to send; ``retry_after``: seconds for a
-    ``retry-after`` header)."""
+    """Count, log and describe an error answer.
+
+    Counted in ``rejected_total`` with reason ``code``, logged at INFO below 500, else WARNING.
+    ``body``: an exact error body to send; ``retry_after``: seconds for a ``retry-after`` header."""
     metrics.rejected(code)
     log.log(logging.INFO if status < 500 else logging.WARNING, "answered %d %s: %s", status, code, message)
     return Refused(status, message, code, param, body, retry_after)

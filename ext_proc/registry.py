@@ -44,7 +44,8 @@ class EndpointState:
 
     Satisfies :class:`ext_proc.affinity.Endpoint` (``address``, ``group``, ``token_capacity`` in
     tokens, ``active_tokens``, ``active_requests``); ``bootstrap_port`` is the SGLang bootstrap port
-    its metadata declares, if any, ``metrics_port`` the port of its ``/metrics`` if not the serving port.
+    its metadata declares, if any, ``metrics_port`` the port of its ``/metrics`` if not the serving port,
+    ``kv_events_port`` the port of its KV-cache event publisher if not the configured one.
     The loads are properties over the endpoint's slot in its role's arrays (a private one-slot pair
     until the registry places it): ``active_tokens`` is the local accounting alone, ``blended_tokens``
     what the decision reads, ``active_tokens + engine_offset``.
@@ -60,6 +61,7 @@ class EndpointState:
         "group",
         "health_status",
         "healthy",
+        "kv_events_port",
         "metrics_port",
         "role",
         "token_capacity",
@@ -74,6 +76,7 @@ class EndpointState:
         self.health_status = "UNKNOWN"
         self.bootstrap_port: int | None = None
         self.metrics_port: int | None = None
+        self.kv_events_port: int | None = None
         self.engine_offset = 0
         self._tokens: NDArray[np.int64] = np.zeros(1, dtype=np.int64)
         self._requests: NDArray[np.int64] = np.zeros(1, dtype=np.int64)
@@ -172,6 +175,7 @@ class Registry:
                 state.health_status = spec.health_status
                 state.bootstrap_port = spec.bootstrap_port
                 state.metrics_port = spec.metrics_port
+                state.kv_events_port = spec.kv_events_port
                 fresh[key] = state
         for key, state in self._current.items():
             if key not in fresh and state.active_requests:

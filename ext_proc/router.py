@@ -56,9 +56,10 @@ class RouterSettings:
 
 
 class Router:
-    """Routes requests over ``registry`` with ``policy`` and ``settings``; owns the round-robin tie-break
-    counter and the :class:`Admission` count of requests in flight (exposed as
-    ``pd_extproc_inflight_requests``).
+    """Routes requests over ``registry`` with ``policy`` and ``settings``.
+
+    It owns the round-robin tie-break counter and the :class:`Admission` count of requests in flight
+    (exposed as ``pd_extproc_inflight_requests``).
 
     ``handoff`` turns each placement into what Envoy and the engines need; ``metrics`` counts.
     ``ejections`` / ``decode_ejections``: the prefills / decodes left out of the candidates (failed legs,
@@ -95,21 +96,23 @@ class Router:
         metrics.count_inflight(lambda: self.admission.inflight)
 
     def set_policy(self, policy: Policy) -> None:
-        """Route every later decision with ``policy`` (a live configuration reload); requests already
-        placed keep their endpoints and charges."""
+        """Route every later decision with ``policy`` (a live configuration reload).
+
+        Requests already placed keep their endpoints and charges."""
         self.policy = policy
         self._mode = policy.mode.value
 
     def set_prefix(self, settings: PrefixSettings | None) -> None:
-        """Route every later decision with the prefix index of ``settings`` (``None``: without one), of
-        the ``approximate`` kind. The index is kept while its hashing stays the same, and starts empty
-        when it changes."""
+        """Route every later decision with the prefix index of ``settings`` (``None``: without one).
+
+        The index is of the kind ``settings.source`` names. It is kept while its kind and hashing (and,
+        for ``kv-events``, its own settings) stay the same, and starts empty when they change."""
         if settings is None:
             self.prefix = None
-        elif self.prefix is not None and _hashing(self.prefix.settings) == _hashing(settings):
+        elif self.prefix is not None and _identity(self.prefix.settings) == _identity(settings):
             self.prefix.settings = settings
         else:
-            self.prefix = PREFIX_SOURCES[PrefixSourceKind.APPROXIMATE](settings, self.metrics)
+            self.prefix = PREFIX_SOURCES[PrefixSourceKind(settings.source)](settings, self.metrics)
 
     def engine_sampled(self, address: str, queries: float | None, hits: float | None) -> None:
         """An engine's prefix-cache counters (tokens, since it started) arrived with its load sample."""
@@ -117,9 +120,11 @@ class Router:
             self.prefix.observe(address, queries, hits)
 
     def admit(self) -> Refused | None:
-        """Take an in-flight slot for a request about to be routed: ``None`` when taken (the caller
-        gives it back with ``admission.release()`` exactly once, when the request is refused or its
-        stream ends), or a 429 ``overloaded`` when all ``max_inflight_requests`` are taken (nothing taken).
+        """Take an in-flight slot for a request about to be routed, or refuse 429 when none is free.
+
+        Returns ``None`` when taken (the caller gives it back with ``admission.release()`` exactly once,
+        when the request is refused or its stream ends), or a 429 ``overloaded`` when all
+        ``max_inflight_requests`` are taken (nothing taken).
         """
         admission = self.admission
         if admission.admit():
@@ -169,8 +174,10 @@ class Router:
     def retry(
         self, job: HandoffJob, failed: Decision[EndpointState], exclude: frozenset[str]
     ) -> Placement | None:
-        """A new placement on the next-ranked prefill not in ``exclude`` (``strict``: in the failed
-        prefill's group), with the decode chosen again by the same rule; ``None`` when there is none."""
+        """A new placement on the next-ranked prefill, the decode chosen again; ``None`` if there is none.
+
+        The prefill is not in ``exclude`` (``strict``: in the failed prefill's group), and the decode is
+        chosen again by the same rule."""
         group = failed.prefill.group if failed.prefill is not None else ""
         strict = self.policy.mode is Mode.STRICT
         pool = self.ejections.keep(self.registry.prefill_pool)
@@ -187,9 +194,11 @@ class Router:
         return placed
 
     def served_by(self, lease: Lease, address: str) -> None:
-        """The data plane reports that ``address`` served the request ``lease`` charges: when that is
-        another decode than the one charged (Envoy's retry walked the fallback list), move the decode
-        charge there. Counted by outcome in ``pd_extproc_served_endpoint_total``."""
+        """Record which decode served the request ``lease`` charges, moving the charge if it changed.
+
+        The data plane reports that ``address`` served it: when that is another decode than the one
+        charged (Envoy's retry walked the fallback list), move the decode charge there. Counted by
+        outcome in ``pd_extproc_served_endpoint_total``."""
         charged = lease.decode
         if charged is None or charged.address == address:
             self.metrics.served("chosen")
@@ -212,8 +221,10 @@ class Router:
         lease.move_decode(served)
 
     def leg_failed(self, address: str, outcome: str) -> None:
-        """A prefill leg to ``address`` failed with ``outcome`` (not a 4xx), or a decode could not pull
-        the KV cache it computed: eject that prefill."""
+        """Eject a prefill whose leg failed or whose KV cache a decode could not pull.
+
+        A prefill leg to ``address`` failed with ``outcome`` (not a 4xx), or a decode could not pull the
+        KV cache it computed: eject that prefill."""
         self.ejections.eject(address, outcome)
 
     def _chain(self, body: dict[str, object]) -> list[int] | None:
@@ -265,9 +276,11 @@ class Router:
         return Placement(result, lease)
 
 
-def _hashing(settings: PrefixSettings) -> tuple[int, int]:
-    """What a prompt's chain depends on: an index built with other values cannot be looked up."""
-    return settings.block_tokens, settings.max_blocks
+def _identity(settings: PrefixSettings) -> tuple[object, ...]:
+    """What a prefix source's state depends on: its kind and its prompt chain (an index built with other
+    values cannot be looked up) and, for ``kv-events``, the settings its index was built with."""
+    own = settings.kv_events if settings.source == PrefixSourceKind.KV_EVENTS else None
+    return settings.source, settings.block_tokens, settings.max_blocks, own
 
 
 @dataclass(frozen=True)
@@ -293,8 +306,7 @@ class AffinityConfig:
         return Policy(self.mode, self.bonus, fallback_count, self.auto.model(), weight)
 
     def check(self) -> None:
-        """Raise :class:`ConfigError` naming the first key of the section (or its subsections) that is
-        out of range."""
+        """Raise :class:`ConfigError` naming the first out-of-range key of the section or its subsections."""
         if not 0.0 <= self.bonus <= 1.0:
             raise ConfigError(f"affinity.bonus: {self.bonus} is not allowed; use a number in [0, 1]")
         self.auto.check()

@@ -1,5 +1,7 @@
-"""The gRPC shell: Envoy's ``ExternalProcessor.Process`` stream plus the gRPC health service of
-:mod:`ext_proc.health` (and, when pd-extproc serves EDS, the ADS service of :mod:`ext_proc.xds`).
+"""The gRPC shell: Envoy's ``ExternalProcessor.Process`` stream plus the health and ADS services.
+
+The health service is :mod:`ext_proc.health`'s; the ADS service of :mod:`ext_proc.xds` runs when
+pd-extproc serves EDS.
 
 One HTTP request is one stream, whose state machine is :class:`~ext_proc.stream.Stream` (the phases,
 the body modes and admission are described there). This shell only dispatches: it feeds Envoy's
@@ -93,14 +95,16 @@ async def start_grpc(
     ads: AdsServer | None = None,
     credentials: grpc.ServerCredentials | None = None,
 ) -> tuple[grpc.aio.Server, int]:
-    """Start the ext_proc service, ``health``'s servicer (started by the caller, :meth:`Health.start`)
-    and ``ads`` if given, on ``listen`` (``host:port``, port 0 = any), over TLS with ``credentials``
-    (else plaintext).
+    """Start the ext_proc gRPC server on ``listen``: returns the server and the bound port.
 
-    Returns the server and the bound port. The port is never shared (SO_REUSEPORT off, which gRPC
-    turns on by default): a second copy on the same port fails here instead of silently splitting
-    Envoy's streams. Messages up to :data:`MAX_RECEIVE_BYTES` are received (any size is sent). An
-    address that cannot be bound raises ``OSError``.
+    It serves the ext_proc service, ``health``'s servicer (started by the caller,
+    :meth:`Health.start`) and ``ads`` if given, on ``listen`` (``host:port``, port 0 = any), over TLS
+    with ``credentials`` (else plaintext).
+
+    The port is never shared (SO_REUSEPORT off, which gRPC turns on by default): a second copy on
+    the same port fails here instead of silently splitting Envoy's streams. Messages up to
+    :data:`MAX_RECEIVE_BYTES` are received (any size is sent). An address that cannot be bound
+    raises ``OSError``.
     """
     server = grpc.aio.server(
         options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES)]
@@ -115,8 +119,10 @@ async def start_grpc(
 
 
 async def start_health_grpc(health: Health, listen: str) -> tuple[grpc.aio.Server, int]:
-    """Serve only ``health``'s servicer, plaintext, on ``listen`` (``health_listen``; port 0 = any):
-    the server and its bound port, never shared. An address that cannot be bound raises ``OSError``."""
+    """Serve only ``health``'s servicer, plaintext, on ``listen``: the server and its bound port.
+
+    ``listen`` is ``health_listen`` (port 0 = any); the port is never shared. An address that cannot
+    be bound raises ``OSError``."""
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
     port = _bind(server, listen, None, "gRPC health")

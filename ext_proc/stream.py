@@ -57,8 +57,9 @@ Build = Callable[[RoutingInstructions], Answers]
 
 
 class Streams:
-    """What every stream of a server shares, built once: the router, the choreographies of its
-    handoff's routing headers and the constant answers (never modified after this)."""
+    """What every stream of a server shares, built once and never modified after.
+
+    The router, the choreographies of its handoff's routing headers and the constant answers."""
 
     def __init__(self, router: Router) -> None:
         self.router = router
@@ -73,12 +74,14 @@ class Streams:
 
 
 class Stream:
-    """One stream's state: its choreography (from Envoy's first message), the routed request (charges,
-    background prefill leg, response watcher) or the pending answer in progress, whether it holds an
-    in-flight slot, whether Envoy sent the request headers, what they said, the data plane's
-    endpoint-subset hint if any, the FULL_DUPLEX_STREAMED body collected so far, how a pending answer's
-    outcome becomes answers, whether the stream was answered with an error (later messages get no
-    answer), and the watcher of a streamed answer whose next chunk it still wants to see."""
+    """One stream's state: its choreography, the routed or pending request, and what Envoy sent so far.
+
+    Its choreography (from Envoy's first message), the routed request (charges, background prefill
+    leg, response watcher) or the pending answer in progress, whether it holds an in-flight slot,
+    whether Envoy sent the request headers, what they said, the data plane's endpoint-subset hint if
+    any, the FULL_DUPLEX_STREAMED body collected so far, how a pending answer's outcome becomes
+    answers, whether the stream was answered with an error (later messages get no answer), and the
+    watcher of a streamed answer whose next chunk it still wants to see."""
 
     __slots__ = (
         "_admission",
@@ -112,8 +115,10 @@ class Stream:
         self.watching: ResponseWatcher | None = None
 
     def answer(self, request: msg.ProcessingRequest) -> Answers | PendingAnswer:
-        """The answers to Envoy's message ``request`` (none once the stream was answered with an
-        error), or the pending answer to await and pass to :meth:`completed`."""
+        """The answers to Envoy's message ``request``, or the pending answer to await.
+
+        No answers once the stream was answered with an error; a pending answer is awaited and passed
+        to :meth:`completed`."""
         if self.ended:
             return ()
         choreography = self.choreography
@@ -158,8 +163,9 @@ class Stream:
         return (self._shared.passthrough[kind],)
 
     def completed(self, outcome: Routed | Refused) -> Answers:
-        """The answers once :attr:`pending` completed with ``outcome`` (until then its charges are the
-        stream's)."""
+        """The answers once :attr:`pending` completed with ``outcome``.
+
+        Until then its charges are the stream's."""
         self.pending = None
         assert self.build is not None
         return self._routed(outcome, self.build)

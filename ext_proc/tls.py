@@ -32,8 +32,10 @@ class TlsConfig:
 
 
 def server_credentials(tls: TlsConfig) -> grpc.ServerCredentials | None:
-    """The gRPC port's TLS credentials (``None``: plaintext); with ``client_ca_file``, clients must
-    present a certificate it signed. Raises :class:`ConfigError` when a file cannot be read."""
+    """The gRPC port's TLS credentials (``None``: plaintext).
+
+    With ``client_ca_file``, clients must present a certificate it signed. Raises
+    :class:`ConfigError` when a file cannot be read."""
     if not tls.cert_file:
         return None
     contents: dict[str, bytes | None] = {}

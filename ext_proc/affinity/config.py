@@ -58,8 +58,9 @@ class AutoConfig:
         )
 
     def check(self) -> None:
-        """Raise :class:`ConfigError` naming the first key out of range, or a cross-group bandwidth
-        above the same-group one."""
+        """Raise :class:`ConfigError` when a key is out of range or the bandwidths are inverted.
+
+        The error names the first key out of range, or a cross-group bandwidth above the same-group one."""
         key = "affinity.auto"
         in_range(
             f"{key}.kv_bytes_per_token",

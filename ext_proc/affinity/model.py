@@ -161,8 +161,9 @@ class Decision(NamedTuple, Generic[E]):
 
 @dataclass(frozen=True, slots=True)
 class NoPair:
-    """The decision found no pair that can serve: the router refuses the request 503 with
-    ``reason.value`` as the error code."""
+    """No pair can serve the request: the router refuses it with a 503.
+
+    The decision found no pair that can serve; ``reason.value`` is the error code of the 503."""
 
     reason: NoPairReason
     message: str

@@ -47,6 +47,7 @@ class KubernetesConfig:
     capacity_annotation: str = "pd-extproc/token-capacity"
     bootstrap_port_annotation: str = "pd-extproc/bootstrap-port"
     metrics_port_annotation: str = "pd-extproc/metrics-port"
+    kv_events_port_annotation: str = "pd-extproc/kv-events-port"
 
     def scheme(self) -> RoleScheme:
         """The preset's role scheme with each role and port key that is set here in its place."""
@@ -55,8 +56,10 @@ class KubernetesConfig:
         return dataclasses.replace(preset, **{n: getattr(self, n) for n in names if getattr(self, n) != ""})
 
     def check(self) -> None:
-        """Raise :class:`ConfigError` for a namespace, label or annotation key, role or port Kubernetes
-        would not accept, a namespace listed twice, or two roles with one value."""
+        """Raise :class:`ConfigError` for a value Kubernetes would not accept or a duplicate.
+
+        That is a namespace, label or annotation key, role or port Kubernetes would not accept, a
+        namespace listed twice, or two roles with one value."""
         key = "discovery.kubernetes"
         for index, namespace in enumerate(self.namespaces):
             if not _NAMESPACE.fullmatch(namespace):
@@ -70,6 +73,7 @@ class KubernetesConfig:
             "capacity_annotation": self.capacity_annotation,
             "bootstrap_port_annotation": self.bootstrap_port_annotation,
             "metrics_port_annotation": self.metrics_port_annotation,
+            "kv_events_port_annotation": self.kv_events_port_annotation,
         }
         for name, value in keys.items():
             if not is_label_key(value):
@@ -99,9 +103,10 @@ class KubernetesConfig:
 
 @dataclass(frozen=True)
 class InferencePoolConfig:
-    """The InferencePool whose pods are the endpoints (``discovery.source: inferencepool``;
-    docs/deploy/kubernetes.md "Discovery from an InferencePool"), as GIE's endpoint picker names it
-    (``--pool-name``, ``--pool-namespace``).
+    """The InferencePool whose pods are the endpoints (``discovery.source: inferencepool``).
+
+    See docs/deploy/kubernetes.md "Discovery from an InferencePool". Named as GIE's endpoint picker
+    names it (``--pool-name``, ``--pool-namespace``).
 
     ``name``: the ``inference.networking.k8s.io/v1`` InferencePool's name, required with that source.
     ``namespace``: its namespace, which is also its pods'; ``""`` = the server's own (in-cluster) or
@@ -112,8 +117,10 @@ class InferencePoolConfig:
     namespace: str = ""
 
     def check(self, required: bool) -> None:
-        """Raise :class:`ConfigError` for a name or namespace Kubernetes would not accept, or no name
-        when ``required`` (the source is ``inferencepool``)."""
+        """Raise :class:`ConfigError` for a bad pool name or namespace, or a missing name.
+
+        A name or namespace Kubernetes would not accept is refused, and so is no name when ``required``
+        (the source is ``inferencepool``)."""
         key = "discovery.inferencepool"
         if required and not self.name:
             raise ConfigError(
@@ -134,10 +141,12 @@ class InferencePoolConfig:
 
 @dataclass(frozen=True)
 class DiscoveryConfig:
-    """Where endpoints come from: ``source`` files (the EDS files ``eds_files``), kubernetes (pods,
-    ``kubernetes``) or inferencepool (the pods an InferencePool selects, ``inferencepool``, with the
-    pod rules and API access of ``kubernetes``). Relative ``eds_files`` (and ``kubernetes.kubeconfig``)
-    resolve against the folder of the config file's path as given (symlinks not followed: see
+    """The ``discovery`` section: where endpoints come from.
+
+    ``source``: files (the EDS files ``eds_files``), kubernetes (pods, ``kubernetes``) or
+    inferencepool (the pods an InferencePool selects, ``inferencepool``, with the pod rules and API
+    access of ``kubernetes``). Relative ``eds_files`` (and ``kubernetes.kubeconfig``) resolve against
+    the folder of the config file's path as given (symlinks not followed: see
     :func:`ext_proc.config.load_config`)."""
 
     eds_files: tuple[str, ...] = ()
@@ -160,11 +169,11 @@ class DiscoveryConfig:
             self.prefill_cluster,
             self.decode_cluster,
             kubernetes.metrics_port_annotation,
+            kubernetes.kv_events_port_annotation,
         )
 
     def check(self) -> None:
-        """Raise :class:`ConfigError` naming the first key of the section (or its subsections) that is
-        out of range."""
+        """Raise :class:`ConfigError` naming the first out-of-range key of the section or its subsections."""
         if not self.poll_interval_seconds > 0:
             raise ConfigError("discovery.poll_interval_seconds: must be a number > 0")
         if self.prefill_cluster == self.decode_cluster:

@@ -5,7 +5,8 @@ own protobuf schema (``xds-protos``) and with Envoy's own rule that a path-based
 exactly one resource. Our extra data lives in the endpoint metadata under
 ``filter_metadata.<namespace>``: ``pdGroupID`` (string), ``token_capacity`` (tokens, > 0) and
 ``bootstrap_port`` (the port of an SGLang prefill engine's KV bootstrap server, 1..65535) and
-``metrics_port`` (the port of the engine's Prometheus ``/metrics`` when it is not the serving port).
+``metrics_port`` (the port of the engine's Prometheus ``/metrics`` when it is not the serving port) and
+``kv_events_port`` (the port of the engine's KV-cache event publisher, when not the configured one).
 The values parsed into and rendered from (:class:`~ext_proc.endpoints.EndpointSpec`,
 :class:`~ext_proc.endpoints.ClusterEndpoints`) are protobuf-free, in :mod:`ext_proc.endpoints`.
 """
@@ -62,7 +63,7 @@ def _port(fields: Mapping[str, struct_pb2.Value], name: str, namespace: str) -> 
 
 def _pd_metadata(
     lb_endpoint: endpoint_pb2.LbEndpoint, namespace: str
-) -> tuple[str, float | None, int | None, int | None]:
+) -> tuple[str, float | None, int | None, int | None, int | None]:
     fields = (
         lb_endpoint.metadata.filter_metadata[namespace].fields
         if namespace in (lb_endpoint.metadata.filter_metadata)
@@ -87,6 +88,7 @@ def _pd_metadata(
         capacity,
         _port(fields, "bootstrap_port", namespace),
         _port(fields, "metrics_port", namespace),
+        _port(fields, "kv_events_port", namespace),
     )
 
 
@@ -103,7 +105,9 @@ def parse_cluster_load_assignment(
             where = f"{source}: endpoints[{locality_index}].lb_endpoints[{index}]"
             try:
                 address = _host_port(lb_endpoint)
-                group, capacity, bootstrap_port, metrics_port = _pd_metadata(lb_endpoint, namespace)
+                group, capacity, bootstrap_port, metrics_port, kv_events_port = _pd_metadata(
+                    lb_endpoint, namespace
+                )
             except ValueError as exc:
                 raise EdsError(f"{where}: {exc}") from None
             if address in seen:
@@ -119,6 +123,7 @@ def parse_cluster_load_assignment(
                     health_status=health_check_pb2.HealthStatus.Name(status),
                     bootstrap_port=bootstrap_port,
                     metrics_port=metrics_port,
+                    kv_events_port=kv_events_port,
                 )
             )
     return ClusterEndpoints(cla.cluster_name, tuple(endpoints), source)
@@ -187,6 +192,8 @@ def render_cla(cluster_name: str, endpoints: Iterable[EndpointSpec], namespace: 
             metadata["bootstrap_port"] = spec.bootstrap_port
         if spec.metrics_port is not None:
             metadata["metrics_port"] = spec.metrics_port
+        if spec.kv_events_port is not None:
+            metadata["kv_events_port"] = spec.kv_events_port
         lb_endpoints.append(
             {
                 "endpoint": {

@@ -26,8 +26,10 @@ class Source(Protocol):
 
 
 class SourceBuilder(Protocol):
-    """Builds one kind of source of the ``discovery`` section. A source that can lose its whole set
-    (the InferencePool deleted) says so through ``available``; the others never call it."""
+    """Builds one kind of source of the ``discovery`` section.
+
+    A source that can lose its whole set (the InferencePool deleted) says so through ``available``;
+    the others never call it."""
 
     async def __call__(
         self, discovery: DiscoveryConfig, publish: Publish, available: Available, metrics: Metrics

@@ -103,6 +103,7 @@ class PodRules:
     prefill_cluster: str
     decode_cluster: str
     metrics_port_annotation: str = "pd-extproc/metrics-port"
+    kv_events_port_annotation: str = "pd-extproc/kv-events-port"
     target_ports: tuple[int, ...] = ()
 
 
@@ -141,6 +142,9 @@ def view_pod(pod: Mapping[str, Any], rules: PodRules) -> PodView:
     metrics_port = _port(
         annotations.get(rules.metrics_port_annotation), rules.metrics_port_annotation, problems
     )
+    kv_events_port = _port(
+        annotations.get(rules.kv_events_port_annotation), rules.kv_events_port_annotation, problems
+    )
     ip = status["podIP"]
     group = labels.get(rules.group_label, "")
     endpoints: list[tuple[str, EndpointSpec]] = []
@@ -154,7 +158,9 @@ def view_pod(pod: Mapping[str, Any], rules: PodRules) -> PodView:
             numbers = (number,)
         for number in numbers:
             address = endpoint_address(ip, number)
-            spec = EndpointSpec(address, group, capacity, True, "HEALTHY", bootstrap, metrics_port)
+            spec = EndpointSpec(
+                address, group, capacity, True, "HEALTHY", bootstrap, metrics_port, kv_events_port
+            )
             endpoints.append((cluster, spec))
     return PodView(tuple(endpoints), tuple(problems))
 

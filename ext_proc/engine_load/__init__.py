@@ -1,5 +1,6 @@
-"""The engine load signal: each engine's own ``/metrics``, scraped and blended into the load the
-decision reads (docs/routing.md "Engine load signal").
+"""The engine load signal: each engine's ``/metrics``, scraped and blended into the decision's load.
+
+See docs/routing.md "Engine load signal".
 
 :mod:`~ext_proc.engine_load.names` maps metric names per engine type, :mod:`~ext_proc.engine_load.parse`
 turns a ``/metrics`` page into an :class:`EngineSample`, :mod:`~ext_proc.engine_load.blend` is the pure

@@ -1,5 +1,6 @@
-"""The ``engine_metrics`` section: the engine load signal's scrapes, and their checks
-(docs/configuration.md)."""
+"""The ``engine_metrics`` section: the engine load signal's scrapes, and their checks.
+
+See docs/configuration.md."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ MIN_SCRAPE_INTERVAL = 0.01
 
 @dataclass(frozen=True)
 class EngineMetricsConfig:
-    """The engine load signal (docs/routing.md "Engine load signal"): every pickable engine's Prometheus page,
+    """The ``engine_metrics`` section: the engine load signal's scrape settings.
+
+    The signal (docs/routing.md "Engine load signal") is every pickable engine's Prometheus page,
     scraped and blended into the load the decision reads.
 
     ``enabled``: scrape at all (off: local accounting alone, as before the section existed).
@@ -45,8 +48,9 @@ class EngineMetricsConfig:
         return self.stale_after_intervals * self.interval_seconds
 
     def check(self) -> None:
-        """Raise :class:`ConfigError` naming the first key out of range, or a ``path`` that is not an
-        absolute URL path."""
+        """Raise :class:`ConfigError` for a key out of range or a bad ``path``.
+
+        The error names the first key out of range, or a ``path`` that is not an absolute URL path."""
         key = "engine_metrics"
         in_range(f"{key}.interval_seconds", self.interval_seconds, MIN_SCRAPE_INTERVAL, 60)
         in_range(f"{key}.timeout_seconds", self.timeout_seconds, 0, 60, low_open=True)

@@ -29,8 +29,10 @@ class LoadSignalKind(enum.StrEnum):
 
 
 class LoadSignal(Protocol):
-    """A load signal: writes each endpoint's offset into the registry's load arrays from :meth:`run`
-    until cancelled, and describes what it knows of an endpoint (``/debug/endpoints``)."""
+    """A load signal: writes each endpoint's load offset into the registry until cancelled.
+
+    It writes the offsets into the registry's load arrays from :meth:`run` until cancelled, and
+    describes what it knows of an endpoint (``/debug/endpoints``)."""
 
     async def run(self) -> None: ...
 
@@ -38,9 +40,10 @@ class LoadSignal(Protocol):
 
 
 class LoadSignalBuilder(Protocol):
-    """Builds one kind of load signal over ``registry`` from its configuration section; ``sampled``
-    is told each engine's prefix-cache counters ``(address, queries, hits)`` (tokens since it started,
-    ``None`` when unknown), for the router's prefix index."""
+    """Builds one kind of load signal over ``registry`` from its configuration section.
+
+    ``sampled`` is told each engine's prefix-cache counters ``(address, queries, hits)`` (tokens since
+    it started, ``None`` when unknown), for the router's prefix index."""
 
     def __call__(
         self,

@@ -86,8 +86,10 @@ class EngineScraper:
             await self._session.close()
 
     def tick(self) -> None:
-        """Start a scrape of each pickable engine without one in flight; forget engines that left;
-        drop the offsets of endpoints whose sample went stale; take each role's mean request cost."""
+        """Run one round: start due scrapes, forget departed engines, drop stale offsets.
+
+        Start a scrape of each pickable engine without one in flight; forget engines that left; drop
+        the offsets of endpoints whose sample went stale; take each role's mean request cost."""
         self._states = {}
         for state in (*self._registry.prefills, *self._registry.decodes):
             self._states.setdefault(state.address, []).append(state)
@@ -119,8 +121,10 @@ class EngineScraper:
         return sum(1 for address in self._states if ages.get(address, limit + 1) > limit)
 
     def describe(self, state: EndpointState) -> dict[str, object]:
-        """The engine's view of ``state`` for ``/debug/endpoints``: the last sample, its age and whether
-        it is fresh (blended), the engine-reported tokens and the last scrape error (``None`` if ok)."""
+        """The engine's view of ``state`` for ``/debug/endpoints``.
+
+        The last sample, its age and whether it is fresh (blended), the engine-reported tokens and the
+        last scrape error (``None`` if ok)."""
         scrape = self._scrapes.get(state.address)
         row: dict[str, object] = {"error": self._errors.get(state.address)}
         if scrape is None:

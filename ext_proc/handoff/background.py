@@ -1,5 +1,7 @@
-"""Prefill legs that run alongside the decode (the concurrent handoffs: ``sglang-bootstrap``,
-``vllm-mooncake``): the decode answer goes out at once and the prefill leg is drained here.
+"""Prefill legs that run alongside the decode, drained here for the concurrent handoffs.
+
+The concurrent handoffs are ``sglang-bootstrap`` and ``vllm-mooncake``: the decode answer goes out
+at once and the prefill leg is drained here.
 
 A leg's charge is released when it returns; it is cancelled if the client's exchange ends first
 (the server cancels :attr:`~ext_proc.handoff.base.Routed.background`) or at shutdown. A failed leg
@@ -59,8 +61,9 @@ class BackgroundLegs:
         router: Rerouter,
         on_failure: Callable[[], None] | None = None,
     ) -> asyncio.Task[None]:
-        """Send the leg (``headers`` must hold the request id) in a task, returned for the server to
-        cancel when the exchange ends; ``on_failure`` runs after a failure other than a 4xx."""
+        """Send the leg in a task, returned for the server to cancel when the exchange ends.
+
+        ``headers`` must hold the request id; ``on_failure`` runs after a failure other than a 4xx."""
         leg = _Leg(prefill, path, body, headers, lease, router, on_failure)
         task = asyncio.get_running_loop().create_task(
             self._drain(leg), name=f"prefill-leg-{headers[REQUEST_ID_HEADER]}"

@@ -68,14 +68,16 @@ class Rerouter(Protocol):
     def retry(
         self, job: HandoffJob, failed: Decision[EndpointState], exclude: frozenset[str]
     ) -> Placement | None:
-        """A new placement on the next-ranked prefill (not in ``exclude``; in ``strict`` mode in the
-        failed prefill's group), charged; ``None`` when there is none."""
+        """A new, charged placement on the next-ranked prefill; ``None`` when there is none.
+
+        The prefill is not in ``exclude``, and in ``strict`` mode it is in the failed prefill's group."""
         ...
 
     def leg_failed(self, address: str, outcome: str) -> None:
-        """A prefill leg to ``address`` failed with ``outcome`` (a connect error, 5xx, timeout or
-        unusable answer; not a 4xx), or a decode could not pull the KV cache it computed
-        (``kv_transfer_failed``): the router leaves that prefill out for a while."""
+        """Report a failed prefill leg or KV pull: the router leaves that prefill out for a while.
+
+        A prefill leg to ``address`` failed with ``outcome`` (a connect error, 5xx, timeout or unusable
+        answer; not a 4xx), or a decode could not pull the KV cache it computed (``kv_transfer_failed``)."""
         ...
 
 
@@ -117,8 +119,10 @@ def leg_headers(request_id: str, meta: RequestMeta) -> dict[str, str]:
 
 @dataclass(frozen=True, slots=True)
 class DecodeRoute:
-    """The decode routing of the engine handoffs, whose body carries the handoff: the destination
-    list (header and ``envoy.lb`` metadata), no prefill header (a client's is removed)."""
+    """The decode routing of the engine handoffs, whose body carries the handoff.
+
+    It writes the destination list (header and ``envoy.lb`` metadata) and no prefill header (a
+    client's is removed)."""
 
     destination_header: str
     prefill_header: str
@@ -143,10 +147,11 @@ class DecodeRoute:
         watcher: ResponseWatcher | None,
         background: asyncio.Task[None] | None = None,
     ) -> Routed:
-        """Route to the decode (and fallbacks); ``request_id`` and ``body`` replace the client's;
-        ``watcher``: the body tells the decode to pull a KV cache and the watcher sees its answer (the
-        request is then marked with :data:`KV_HANDOFF_HEADER`), ``None`` when the decode computes the
-        prompt itself."""
+        """Route to the decode (and fallbacks), with or without a KV cache to pull.
+
+        ``request_id`` and ``body`` replace the client's. ``watcher``: the body tells the decode to pull a
+        KV cache and the watcher sees its answer (the request is then marked with
+        :data:`KV_HANDOFF_HEADER`), ``None`` when the decode computes the prompt itself."""
         destination = destination_list(decision)
         headers = ((self.destination_header, destination),)
         if request_id is not None:
@@ -166,8 +171,9 @@ class DecodeRoute:
 
 
 def owned_headers(destination_header: str, prefill_header: str) -> tuple[str, ...]:
-    """Every header a handoff owns: the two routing headers, :data:`KV_HANDOFF_HEADER` and
-    :data:`STEERING_HEADERS`."""
+    """Every header a handoff owns.
+
+    The two routing headers, :data:`KV_HANDOFF_HEADER` and :data:`STEERING_HEADERS`."""
     return (destination_header, prefill_header, KV_HANDOFF_HEADER, *STEERING_HEADERS)
 
 

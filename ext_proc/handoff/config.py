@@ -1,5 +1,6 @@
-"""The ``handoff`` section: how the engines receive a disaggregated request, and its check
-(docs/configuration.md). The ``routing`` section is :mod:`ext_proc.handoff.routing`."""
+"""The ``handoff`` section: how the engines receive a disaggregated request, and its check.
+
+See docs/configuration.md. The ``routing`` section is :mod:`ext_proc.handoff.routing`."""
 
 from __future__ import annotations
 
@@ -39,8 +40,9 @@ class HandoffConfig:
     watch_streamed_answers: bool = True
 
     def check(self) -> None:
-        """Raise :class:`ConfigError` naming the first key out of range, or a ``prefill_via`` that is
-        not a base URL."""
+        """Raise :class:`ConfigError` for a key out of range or a bad ``prefill_via``.
+
+        The error names the first key out of range, or a ``prefill_via`` that is not a base URL."""
         via = urllib.parse.urlsplit(self.prefill_via)
         if self.prefill_via and not (
             via.scheme in ("http", "https") and via.hostname and not via.path.strip("/") and not via.query

@@ -1,6 +1,7 @@
-"""The part the answer-after-I/O handoffs share (``kv-transfer-params``, ``vllm-mooncake``): one
-request's attempts on at most two prefills, and what follows when both failed
-(``handoff.on_prefill_failure``)."""
+"""What the answer-after-I/O handoffs share: up to two prefill attempts, then the failure policy.
+
+The handoffs are ``kv-transfer-params`` and ``vllm-mooncake``: one request's attempts on at most
+two prefills, and what follows when both failed (``handoff.on_prefill_failure``)."""
 
 from __future__ import annotations
 
@@ -22,10 +23,11 @@ log = logging.getLogger(__name__)
 
 
 class LegHandoff:
-    """What the handoffs that talk to a prefill before they answer hold: the decode ``route``, the
-    prefill ``client``, ``metrics``, and of ``settings`` the ``on_failure`` policy
-    (``on_prefill_failure``) and whether a streamed answer is watched for a failed KV pull
-    (``watch_streams``: ``watch_streamed_answers``)."""
+    """The state of the handoffs that talk to a prefill before they answer.
+
+    They hold the decode ``route``, the prefill ``client``, ``metrics``, and of ``settings`` the
+    ``on_failure`` policy (``on_prefill_failure``) and whether a streamed answer is watched for a
+    failed KV pull (``watch_streams``: ``watch_streamed_answers``)."""
 
     hands_kv = True
 
@@ -45,8 +47,9 @@ class LegHandoff:
 
 
 class Attempts:
-    """One request's I/O with its prefill before the answer (a :class:`~ext_proc.outcome.PendingAnswer`
-    once a subclass adds ``timeout`` and ``complete``):
+    """One request's I/O with its prefill before the answer, with one retry on another prefill.
+
+    A :class:`~ext_proc.outcome.PendingAnswer` once a subclass adds ``timeout`` and ``complete``.
     ``lease`` holds the current placement's charges; a failed prefill may be swapped once for the
     next-ranked one (:meth:`retry`), then :meth:`give_up` applies the policy."""
 
@@ -62,8 +65,10 @@ class Attempts:
         self._tried: frozenset[str] = frozenset()
 
     def retry(self, failed: EndpointState, outcome: LegOutcome) -> bool:
-        """``failed`` failed with ``outcome`` (not a 4xx): eject it and, on the first failure, move to the
-        next-ranked prefill (its charges replace the current ones); ``False`` when there is none."""
+        """Eject the ``failed`` prefill and, on the first failure, move to the next-ranked one.
+
+        ``failed`` failed with ``outcome`` (not a 4xx). The next prefill's charges replace the current
+        ones; ``False`` when there is none."""
         self._router.leg_failed(failed.address, outcome.value)
         self._tried |= {failed.address}
         retry = (
@@ -84,9 +89,11 @@ class Attempts:
         )
 
     def give_up(self, outcome: LegOutcome, failure: str) -> Routed | Refused:
-        """Count the fallback, then go decode-only (policy ``decode-only``) or release the charges and
-        answer ``504 prefill_timeout`` (a timeout) or ``502 prefill_failed``; ``failure`` says what
-        failed, e.g. "the prefill engine 10.0.0.1:8000 failed: server_error (HTTP 503)"."""
+        """Count the fallback, then apply the policy: go decode-only, or answer a 504 or 502.
+
+        Policy ``decode-only`` goes decode-only; otherwise the charges are released and the answer is
+        ``504 prefill_timeout`` (a timeout) or ``502 prefill_failed``. ``failure`` says what failed, e.g.
+        "the prefill engine 10.0.0.1:8000 failed: server_error (HTTP 503)"."""
         policy = self._settings.on_failure
         self._settings.metrics.prefill_fallback(policy.value)
         if policy is FailurePolicy.DECODE_ONLY:

@@ -51,11 +51,13 @@ def error_event(decode: str, prefill: str) -> bytes:
 
 
 def watch_chunk(chunk: bytes, decode: str, prefill: str) -> tuple[bytes | None, bool]:
-    """Scan a chunk of a streamed answer whose pull is not known to have worked yet, event by event:
-    ``(rewritten, keep_watching)``. ``rewritten`` is ``chunk`` with its first error event (what vLLM
-    streams when the pull failed) replaced by :func:`error_event`, everything around it kept (vLLM's
-    ``[DONE]``), or ``None`` when no error comes first. Events that say nothing yet come before it:
-    SSE comments (keep-alives) and a chat answer's role announcement (vLLM sends
+    """Scan a chunk of a streamed answer for a failed KV pull: ``(rewritten, keep_watching)``.
+
+    The chunk belongs to an answer whose pull is not known to have worked yet; it is scanned event
+    by event. ``rewritten`` is ``chunk`` with its first error event (what vLLM streams when the pull
+    failed) replaced by :func:`error_event`, everything around it kept (vLLM's ``[DONE]``), or
+    ``None`` when no error comes first. Events that say nothing yet come before it: SSE comments
+    (keep-alives) and a chat answer's role announcement (vLLM sends
     ``{"delta": {"role": "assistant", "content": ""}}`` before it fails). ``keep_watching``: the chunk
     held nothing but such events, so the next one decides. An event with text, or one not complete in
     the chunk, ends the watch: the pull worked (or, for an event split across chunks, nothing is
@@ -72,8 +74,9 @@ def watch_chunk(chunk: bytes, decode: str, prefill: str) -> tuple[bytes | None, 
 
 
 class KvPullWatcher:
-    """Watches the decode's answer to one request that carries a KV handoff (a
-    :class:`~ext_proc.outcome.ResponseWatcher`): its 500 is a failed pull, answered ``502
+    """Watches the decode's answer to a KV-handoff request and turns a failed pull into a 502.
+
+    A :class:`~ext_proc.outcome.ResponseWatcher`: the decode's 500 is a failed pull, answered ``502
     kv_transfer_failed``; a streamed answer's first chunks are inspected (:func:`watch_chunk`). A
     failed pull is counted in ``metrics`` and ejects the prefill through ``router``.
 
@@ -93,8 +96,10 @@ class KvPullWatcher:
         self._ask_for_chunks = ask_for_chunks
 
     def headers(self, status: int, content_type: str, chunks_sent: bool) -> Refused | bool:
-        """The decode's 500 is the 502 to answer; a 200 event stream is watched chunk by chunk when the
-        chunks come anyway (``chunks_sent``) or may be asked for; anything else passes unwatched."""
+        """Judge the decode's answer headers: the 502 to answer for its 500, else whether to watch the body.
+
+        A 200 event stream is watched chunk by chunk when the chunks come anyway (``chunks_sent``) or
+        may be asked for; anything else passes unwatched."""
         if status == FAILED_STATUS:
             return refuse(self._metrics, STATUS, self._failed(stream=False), CODE)
         if status == 200 and content_type.startswith(EVENT_STREAM):
@@ -102,8 +107,9 @@ class KvPullWatcher:
         return False
 
     def chunk(self, chunk: bytes) -> tuple[bytes | None, bool]:
-        """:func:`watch_chunk` of a chunk before the answer said anything; a rewritten error is counted
-        and logged."""
+        """:func:`watch_chunk` of a chunk before the answer said anything.
+
+        A rewritten error is counted and logged."""
         rewritten, keep_watching = watch_chunk(chunk, self._decode(), self.prefill)
         if rewritten is not None:
             log.warning("streamed %s instead of the decode's error: %s", CODE, self._failed(stream=True))

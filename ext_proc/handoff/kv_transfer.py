@@ -77,9 +77,10 @@ def read_prefill_reply(reply: LegReply) -> tuple[LegOutcome, dict[str, object] |
 
 
 def engine_error(reply: LegReply) -> tuple[str, bytes | None]:
-    """What the client gets for a prefill's 4xx: ``(message, body)``; ``body`` is the engine's own
-    error when it is an OpenAI-style JSON error (sent verbatim), else ``None`` (a gateway error
-    quoting the engine is built)."""
+    """What the client gets for a prefill's 4xx: ``(message, body)``.
+
+    ``body`` is the engine's own error when it is an OpenAI-style JSON error (sent verbatim), else
+    ``None`` (a gateway error quoting the engine is built)."""
     try:
         answer = json.loads(reply.body)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
@@ -98,8 +99,9 @@ def build(routing: RoutingConfig, settings: HandoffConfig, metrics: Metrics) -> 
 
 
 class KvTransferParamsHandoff(LegHandoff):
-    """The P-first handoff; see the module docstring. Envoy is asked to wait for two legs of
-    ``settings.prefill_timeout_seconds`` each, plus a margin."""
+    """The P-first handoff; see the module docstring.
+
+    Envoy is asked to wait for two legs of ``settings.prefill_timeout_seconds`` each, plus a margin."""
 
     def __init__(
         self, settings: HandoffConfig, *, route: DecodeRoute, client: PrefillClient, metrics: Metrics
@@ -109,8 +111,9 @@ class KvTransferParamsHandoff(LegHandoff):
         self._warned_without_params: set[str] = set()
 
     def answered_without_params(self, prefill: str) -> int:
-        """Count a leg ``prefill`` answered without ``kv_transfer_params``; the log level to say so
-        at: WARNING the first time for that prefill, INFO after (every such prompt is prefilled twice)."""
+        """Count a leg ``prefill`` answered without ``kv_transfer_params``; return the log level to say so.
+
+        WARNING the first time for that prefill, INFO after (every such prompt is prefilled twice)."""
         self.metrics.prefill_without_kv_transfer_params(prefill)
         if prefill in self._warned_without_params:
             return logging.INFO
@@ -125,8 +128,9 @@ class KvTransferParamsHandoff(LegHandoff):
 
 
 class PrefillFirst(Attempts):
-    """One request's prefill leg(s) and the decode answer that follows (a
-    :class:`~ext_proc.outcome.PendingAnswer`)."""
+    """One request's prefill leg(s) and the decode answer that follows.
+
+    A :class:`~ext_proc.outcome.PendingAnswer`."""
 
     def __init__(
         self, handoff: KvTransferParamsHandoff, job: HandoffJob, placement: Placement, router: Rerouter

@@ -77,8 +77,9 @@ class PrefillClient:
 
     @classmethod
     def of(cls, routing: RoutingConfig, settings: HandoffConfig) -> PrefillClient:
-        """The client of ``settings.prefill_via`` (bounded by ``prefill_timeout_seconds``), naming the
-        prefill in ``routing.destination_header``."""
+        """The client of ``settings.prefill_via``, naming the prefill in ``routing.destination_header``.
+
+        Each leg is bounded by ``prefill_timeout_seconds``."""
         return cls(settings.prefill_via, routing.destination_header, settings.prefill_timeout_seconds)
 
     def _client(self) -> aiohttp.ClientSession:

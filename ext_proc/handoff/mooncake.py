@@ -120,8 +120,9 @@ def build(routing: RoutingConfig, settings: HandoffConfig, metrics: Metrics) -> 
 
 
 class VllmMooncakeHandoff(LegHandoff):
-    """The concurrent Mooncake handoff; see the module docstring. Of ``settings`` it reads
-    ``default_bootstrap_port`` besides what :class:`LegHandoff` reads."""
+    """The concurrent Mooncake handoff; see the module docstring.
+
+    Of ``settings`` it reads ``default_bootstrap_port`` besides what :class:`LegHandoff` reads."""
 
     def __init__(
         self, settings: HandoffConfig, *, route: DecodeRoute, client: PrefillClient, metrics: Metrics
@@ -136,8 +137,10 @@ class VllmMooncakeHandoff(LegHandoff):
         self._bootstraps: dict[str, tuple[float, Bootstrap]] = {}
 
     def hand_off(self, job: HandoffJob, placement: Placement, router: Rerouter) -> Routed | BootstrapQuery:
-        """Decode-only at once without a prefill; else at once when the prefill's engine ids are
-        known, or after querying them."""
+        """Hand off at once when possible, else after querying the prefill's engine ids.
+
+        Decode-only at once without a prefill; else at once when the prefill's engine ids are known, or
+        after querying them."""
         prefill = placement.decision.prefill
         request_id = new_request_id()
         if prefill is None:
@@ -159,8 +162,9 @@ class VllmMooncakeHandoff(LegHandoff):
         self._bootstraps.pop(address, None)
 
     async def query(self, prefill: EndpointState) -> Bootstrap:
-        """Ask ``prefill``'s bootstrap server for its engine ids, count the outcome and cache them;
-        raise :class:`LegError` (BAD_RESPONSE / SERVER_ERROR for an answer without them)."""
+        """Ask ``prefill``'s bootstrap server for its engine ids, count the outcome and cache them.
+
+        Raise :class:`LegError` (BAD_RESPONSE / SERVER_ERROR for an answer without them)."""
         try:
             bootstrap = await self._query(prefill)
         except LegError as exc:

@@ -1,5 +1,6 @@
-"""The ``routing`` section: the headers of the answer to Envoy, and which requests are disaggregated;
-its check (docs/configuration.md).
+"""The ``routing`` section: the headers of the answer to Envoy, and which requests are disaggregated.
+
+Its check is here too (docs/configuration.md).
 
 It belongs to the handoffs because its headers are their output: every handoff writes the decode and
 its fallbacks (the decision picks ``fallback_count`` of them) to ``destination_header`` and a chosen

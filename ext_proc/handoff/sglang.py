@@ -30,8 +30,10 @@ if TYPE_CHECKING:
 
 
 def prompt_count(body: dict[str, object]) -> int:
-    """How many requests SGLang makes of a body: a completions ``prompt`` that is a list of strings or
-    of token-id lists is a batch of that many; anything else (a string, one token-id list, chat) is one."""
+    """How many requests SGLang makes of a body.
+
+    A completions ``prompt`` that is a list of strings or of token-id lists is a batch of that many;
+    anything else (a string, one token-id list, chat) is one."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and not all(type(t) is int for t in prompt):
         return len(prompt)
@@ -39,8 +41,10 @@ def prompt_count(body: dict[str, object]) -> int:
 
 
 def bootstrap_fields(host: str, port: int, count: int) -> dict[str, object]:
-    """The bootstrap fields of ``count`` requests: scalars for one; for a batch, lists of ``count``
-    (SGLang's ``GenerateReqInput`` indexes them per prompt), one random room per prompt."""
+    """The bootstrap fields of ``count`` requests.
+
+    Scalars for one; for a batch, lists of ``count`` (SGLang's ``GenerateReqInput`` indexes them per
+    prompt), one random room per prompt."""
     if count == 1:
         return {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": secrets.randbits(63)}
     rooms = [secrets.randbits(63) for _ in range(count)]
@@ -59,8 +63,9 @@ def build(routing: RoutingConfig, settings: HandoffConfig, metrics: Metrics) -> 
 
 
 class SglangBootstrapHandoff:
-    """The concurrent handoff; see the module docstring. Of ``settings`` it reads
-    ``default_bootstrap_port`` and ``watch_streamed_answers``."""
+    """The concurrent handoff; see the module docstring.
+
+    Of ``settings`` it reads ``default_bootstrap_port`` and ``watch_streamed_answers``."""
 
     hands_kv = True
 

@@ -27,8 +27,9 @@ if TYPE_CHECKING:
 
 
 def build(routing: RoutingConfig, settings: HandoffConfig, metrics: Metrics) -> SidecarHandoff:
-    """The sidecar handoff of ``routing``'s header names (it reads nothing of ``settings`` and counts
-    nothing)."""
+    """The sidecar handoff of ``routing``'s header names.
+
+    It reads nothing of ``settings`` and counts nothing."""
     return SidecarHandoff(routing.destination_header, routing.prefill_header)
 
 
@@ -42,8 +43,10 @@ class SidecarHandoff:
         self.hands_kv = False
 
     def instructions(self, decision: Decision[EndpointState], body: bytes | None) -> RoutingInstructions:
-        """Destination list = decode then fallbacks; the prefill header only when a prefill was chosen;
-        ``body``, when not ``None``, replaces the client's."""
+        """Routing instructions for a sidecar: destination list = decode then fallbacks.
+
+        The prefill header only when a prefill was chosen; ``body``, when not ``None``, replaces the
+        client's."""
         destination = destination_list(decision)
         metadata = ((self._destination, destination),)
         if decision.prefill is None:

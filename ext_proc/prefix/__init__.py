@@ -5,8 +5,11 @@ How it routes: docs/routing.md, "Prefix-cache aware routing".
 :mod:`~ext_proc.prefix.blocks` turns a prompt into chained block hashes, :mod:`~ext_proc.prefix.index`
 is the per-endpoint LRU index, :mod:`~ext_proc.prefix.correction` the pure self-correction rule from
 the engines' prefix-cache counters, and :class:`PrefixTracker` what the router calls per request (the
-``approximate`` kind of :mod:`~ext_proc.prefix.kinds`, the seam). The decision (:mod:`ext_proc.affinity`)
-reads only the hit arrays, as it reads only the load arrays.
+``approximate`` kind of :mod:`~ext_proc.prefix.kinds`, the seam). The ``kv-events`` kind
+(:mod:`~ext_proc.prefix.event_source`) reads the engines' KV-cache events instead:
+:mod:`~ext_proc.prefix.kv_events` decodes them, :mod:`~ext_proc.prefix.event_index` holds what each
+engine reported, :mod:`~ext_proc.prefix.recent` the placements of the last seconds. The decision
+(:mod:`ext_proc.affinity`) reads only the hit arrays, as it reads only the load arrays.
 """
 
 from ext_proc.prefix.blocks import block_hashes, prompt_content

@@ -33,28 +33,55 @@ from ext_proc.affinity.model import E
 _POSITIONS_KEPT = 8  # pools whose address → position map is kept (the registry's two, plus subsets)
 
 
-class PrefixIndex:
-    """Per endpoint, an LRU of the block hashes placed there; ``block_tokens`` tokens a block.
+class Holders:
+    """Per block hash, the endpoints holding it, as the bits of an int: one bit (slot) per endpoint.
 
-    Endpoints are keyed by ``"ip:port"`` address: one engine, whatever roles it serves."""
+    Endpoints are keyed by ``"ip:port"`` address and take the lowest free slot; a released slot is
+    reused. :meth:`match` walks a chain once, AND-ing the holder sets, and stops where no endpoint holds
+    the prefix any more: O(matched blocks + endpoints that matched)."""
 
-    def __init__(self, block_tokens: int) -> None:
-        if block_tokens < 1:
-            raise ValueError("block_tokens must be >= 1")
-        self.block_tokens = block_tokens
-        self._holders: dict[int, int] = {}  # block hash → bit set of the slots holding it
+    def __init__(self) -> None:
+        self._bits: dict[int, int] = {}  # block hash → bit set of the slots holding it
         self._slots: dict[str, int] = {}  # address → slot (its bit)
         self._addresses: dict[int, str] = {}  # slot → address
-        self._lrus: dict[int, OrderedDict[int, None]] = {}  # slot → its blocks, least recent first
-        self._scales: dict[int, float] = {}  # slot → self-correction factor of its capacity
-        self._free: list[int] = []  # slots of forgotten endpoints, for reuse
-        self._positions: dict[int, tuple[Pool, dict[str, int]]] = {}
+        self._free: list[int] = []  # slots of released endpoints, for reuse
+
+    def slot(self, address: str) -> int:
+        """The slot of ``address``, given the lowest free one when it has none."""
+        slot = self._slots.get(address)
+        if slot is None:
+            slot = self._free.pop() if self._free else len(self._slots)
+            self._slots[address] = slot
+            self._addresses[slot] = address
+        return slot
+
+    def find(self, address: str) -> int | None:
+        """The slot of ``address``; ``None`` when it has none."""
+        return self._slots.get(address)
+
+    def release(self, address: str) -> None:
+        """Free the slot of ``address`` for reuse; the caller removed its hashes first."""
+        slot = self._slots.pop(address)
+        del self._addresses[slot]
+        self._free.append(slot)
+
+    def add(self, slot: int, h: int) -> None:
+        """The endpoint of ``slot`` holds block ``h``."""
+        self._bits[h] = self._bits.get(h, 0) | (1 << slot)
+
+    def remove(self, slot: int, h: int) -> None:
+        """The endpoint of ``slot`` no longer holds block ``h``."""
+        rest = self._bits.get(h, 0) & ~(1 << slot)
+        if rest:
+            self._bits[h] = rest
+        else:
+            self._bits.pop(h, None)
 
     def match(self, hashes: Sequence[int]) -> dict[str, int]:
         """How many leading blocks of the chain ``hashes`` each endpoint holds, by address.
 
         Only endpoints holding at least the first block are listed (each count >= 1)."""
-        holders = self._holders
+        holders = self._bits
         alive = holders.get(hashes[0], 0) if hashes else 0
         depth: dict[str, int] = {}
         i = 1
@@ -75,10 +102,25 @@ class PrefixIndex:
             depth[self._addresses[low.bit_length() - 1]] = blocks
             bits ^= low
 
+    @property
+    def addresses(self) -> list[str]:
+        """The endpoints that have a slot."""
+        return list(self._slots)
+
+
+class HitArrays:
+    """Matched blocks per address as the decision's :class:`Hits`: hit tokens per pool position.
+
+    Keeps the address → position map of the last few pools (the registry's two, plus subsets)."""
+
+    def __init__(self, block_tokens: int) -> None:
+        self.block_tokens = block_tokens
+        self._positions: dict[int, tuple[Pool, dict[str, int]]] = {}
+
     def hits(
         self, matched: dict[str, int], prefills: Pool[E], decodes: Pool[E], prompt_tokens: int
     ) -> Hits | None:
-        """``matched`` (from :meth:`match`) as hit tokens per pool position, each at most ``prompt_tokens``.
+        """``matched`` (blocks by address) as hit tokens per pool position, each at most ``prompt_tokens``.
 
         ``None`` when no endpoint of either pool holds anything (the decision then does without)."""
         if not matched:
@@ -106,6 +148,25 @@ class PrefixIndex:
         self._positions[id(pool)] = (pool, positions)
         return positions
 
+
+class PrefixIndex:
+    """Per endpoint, an LRU of the block hashes placed there; ``block_tokens`` tokens a block.
+
+    Endpoints are keyed by ``"ip:port"`` address: one engine, whatever roles it serves."""
+
+    def __init__(self, block_tokens: int) -> None:
+        if block_tokens < 1:
+            raise ValueError("block_tokens must be >= 1")
+        self.block_tokens = block_tokens
+        self.holders = Holders()
+        self.hit_arrays = HitArrays(block_tokens)
+        self._lrus: dict[int, OrderedDict[int, None]] = {}  # slot → its blocks, least recent first
+        self._scales: dict[int, float] = {}  # slot → self-correction factor of its capacity
+
+    def match(self, hashes: Sequence[int]) -> dict[str, int]:
+        """How many leading blocks of the chain ``hashes`` each endpoint holds, by address (>= 1 each)."""
+        return self.holders.match(hashes)
+
     def record(self, hashes: Sequence[int], address: str, capacity_tokens: float) -> None:
         """``address`` now holds the chain ``hashes``, its head the most recently used block of all.
 
@@ -113,42 +174,34 @@ class PrefixIndex:
         least recently used."""
         slot = self._slot(address)
         lru = self._lrus[slot]
-        bit = 1 << slot
-        holders = self._holders
+        holders = self.holders
         for h in reversed(hashes):  # tail first: the head ends the most recent
             if h in lru:
                 lru.move_to_end(h)
             else:
                 lru[h] = None
-                holders[h] = holders.get(h, 0) | bit
+                holders.add(slot, h)
         self._evict(slot, self._capacity(slot, capacity_tokens))
 
     def _capacity(self, slot: int, capacity_tokens: float) -> int:
         return max(1, int(capacity_tokens * self._scales[slot] / self.block_tokens))
 
     def _evict(self, slot: int, keep: int) -> None:
-        lru, holders, bit = self._lrus[slot], self._holders, 1 << slot
+        lru, holders = self._lrus[slot], self.holders
         while len(lru) > keep:
             h, _ = lru.popitem(last=False)
-            rest = holders[h] & ~bit
-            if rest:
-                holders[h] = rest
-            else:
-                del holders[h]
+            holders.remove(slot, h)
 
     def _slot(self, address: str) -> int:
-        slot = self._slots.get(address)
-        if slot is None:
-            slot = self._free.pop() if self._free else len(self._slots)
-            self._slots[address] = slot
-            self._addresses[slot] = address
+        slot = self.holders.slot(address)
+        if slot not in self._lrus:
             self._lrus[slot] = OrderedDict()
             self._scales[slot] = 1.0
         return slot
 
     def scale(self, address: str) -> float:
         """The self-correction factor of ``address``'s capacity (1.0 for an endpoint never corrected)."""
-        slot = self._slots.get(address)
+        slot = self.holders.find(address)
         return 1.0 if slot is None else self._scales[slot]
 
     def set_scale(self, address: str, scale: float, capacity_tokens: float) -> None:
@@ -159,19 +212,19 @@ class PrefixIndex:
 
     def blocks(self, address: str) -> int:
         """How many blocks ``address`` is estimated to hold."""
-        slot = self._slots.get(address)
+        slot = self.holders.find(address)
         return 0 if slot is None else len(self._lrus[slot])
 
     def retain(self, addresses: Iterable[str]) -> None:
         """Forget every endpoint not in ``addresses`` (it left discovery; its slot is reused)."""
         keep = set(addresses)
-        for address in [a for a in self._slots if a not in keep]:
-            slot = self._slots.pop(address)
+        for address in [a for a in self.holders.addresses if a not in keep]:
+            slot = self.holders.slot(address)
             self._evict(slot, 0)
-            del self._addresses[slot], self._lrus[slot], self._scales[slot]
-            self._free.append(slot)
+            del self._lrus[slot], self._scales[slot]
+            self.holders.release(address)
 
     @property
     def addresses(self) -> list[str]:
         """The endpoints the index holds blocks of (or has corrected)."""
-        return list(self._slots)
+        return self.holders.addresses

@@ -1,10 +1,11 @@
 """The prefix-source seam: the :class:`PrefixSource` protocol and its kinds, one module each.
 
 A prefix source tells the router, per request, which endpoints are estimated to hold the prompt's
-leading blocks, and learns from placements and the engines' prefix-cache counters. Today's one kind,
-``approximate`` (:class:`~ext_proc.prefix.tracker.PrefixTracker`), estimates from this gateway's own
-placements. A new kind is a module with its source, one :class:`PrefixSourceKind` member and one line
-in :data:`KINDS`.
+leading blocks, and learns from placements and the engines' prefix-cache counters. ``approximate``
+(:class:`~ext_proc.prefix.tracker.PrefixTracker`) estimates from this gateway's own placements;
+``kv-events`` (:class:`~ext_proc.prefix.event_source.KvEventSource`) reads what the engines report
+holding in their KV-cache events. A new kind is a module with its source, one
+:class:`PrefixSourceKind` member and one line in :data:`KINDS`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Protocol
 
 from ext_proc.affinity import Decision, Pool
 from ext_proc.affinity.model import E
+from ext_proc.prefix.event_source import KvEventSource
 from ext_proc.prefix.tracker import Lookup, PredictionSink, PrefixSettings, PrefixTracker
 
 
@@ -22,6 +24,7 @@ class PrefixSourceKind(enum.StrEnum):
     """The kinds of prefix source."""
 
     APPROXIMATE = "approximate"
+    KV_EVENTS = "kv-events"
 
 
 class PrefixSource(Protocol):
@@ -60,5 +63,6 @@ class PrefixSource(Protocol):
 
 KINDS: dict[PrefixSourceKind, Callable[[PrefixSettings, PredictionSink], PrefixSource]] = {
     PrefixSourceKind.APPROXIMATE: PrefixTracker,
+    PrefixSourceKind.KV_EVENTS: KvEventSource,
 }
 """How to build each kind of prefix source from its settings and where it reports."""

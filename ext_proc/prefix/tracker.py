@@ -10,7 +10,7 @@ sample with prefix-cache counters, corrects that endpoint's LRU size
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 from ext_proc.affinity import Decision, Hits, Pool
@@ -21,16 +21,39 @@ from ext_proc.prefix.index import PrefixIndex
 
 
 @dataclass(frozen=True, slots=True)
+class KvEventsSettings:
+    """The ``kv-events`` prefix source's settings (``affinity.prefix.kv_events``).
+
+    ``port``: the engines' KV-event PUB port (an endpoint's ``kv_events_port`` metadata overrides it);
+    ``replay_port``: their replay (ROUTER) port, ``0`` when they have none: a gap then drops the
+    endpoint's entries; ``stale_after_seconds``: an engine that published nothing for this long is
+    routed as holding nothing; ``recent_seconds``: how long this gateway's own placements count as held
+    before the events confirm them; ``max_blocks_per_endpoint``: the most blocks indexed per engine;
+    ``queue_batches``: the most batches waiting per engine (more are dropped: a flood is bounded)."""
+
+    port: int = 5557
+    replay_port: int = 0
+    stale_after_seconds: float = 300.0
+    recent_seconds: float = 5.0
+    max_blocks_per_endpoint: int = 1 << 20
+    queue_batches: int = 10_000
+
+
+@dataclass(frozen=True, slots=True)
 class PrefixSettings:
     """The prefix index's settings (``affinity.prefix``).
 
     ``block_tokens``: tokens per hashed block (4 characters a token for text); ``max_blocks``: the
     most blocks of one prompt hashed (longer prompts match on their head only); ``self_correct``: size
-    each endpoint's LRU from its engine's prefix-cache counters too (needs engine metrics)."""
+    each endpoint's LRU from its engine's prefix-cache counters too (needs engine metrics); ``source``: the
+    kind of prefix source (:class:`~ext_proc.prefix.kinds.PrefixSourceKind`'s values); ``kv_events``:
+    the ``kv-events`` source's settings."""
 
     block_tokens: int = 16
     max_blocks: int = 2048
     self_correct: bool = True
+    source: str = "approximate"
+    kv_events: KvEventsSettings = field(default_factory=KvEventsSettings)
 
 
 class Lookup(NamedTuple):
@@ -51,6 +74,18 @@ class PredictionSink(Protocol):
     def prefix_engine(self, address: str, queries: float, hits: float, scale: float) -> None: ...
 
 
+def prompt_chain(body: dict[str, object], settings: PrefixSettings) -> list[int]:
+    """The chained block hashes of the request's prompt; empty without a prompt.
+
+    The chain is seeded with the request's ``model``: different models share no cache."""
+    content = prompt_content(body)
+    if not content:
+        return []
+    model = body.get("model")
+    seed = hash(model) if isinstance(model, str) else 0
+    return block_hashes(content, settings.block_tokens, settings.max_blocks, seed)
+
+
 class PrefixTracker:
     """Owns the index of one router; ``sink`` gets the predictions and the engine-reported counters."""
 
@@ -63,20 +98,13 @@ class PrefixTracker:
         self._counters: dict[str, tuple[float, float]] = {}  # address → the engine's last (queries, hits)
 
     def chain(self, body: dict[str, object]) -> list[int]:
-        """The chained block hashes of the request's prompt; empty without a prompt.
-
-        The chain is seeded with the request's ``model``: different models share no cache."""
-        content = prompt_content(body)
-        if not content:
-            return []
-        model = body.get("model")
-        seed = hash(model) if isinstance(model, str) else 0
-        return block_hashes(content, self.settings.block_tokens, self.settings.max_blocks, seed)
+        """The chained block hashes of the request's prompt (:func:`prompt_chain`)."""
+        return prompt_chain(body, self.settings)
 
     def lookup(self, hashes: list[int], prefills: Pool[E], decodes: Pool[E], prompt_tokens: int) -> Lookup:
         """What the candidate endpoints hold of ``hashes``."""
         matched = self.index.match(hashes) if hashes else {}
-        return Lookup(hashes, matched, self.index.hits(matched, prefills, decodes, prompt_tokens))
+        return Lookup(hashes, matched, self.index.hit_arrays.hits(matched, prefills, decodes, prompt_tokens))
 
     def predicted(self, lookup: Lookup, address: str, prompt_tokens: int) -> int:
         """The hit tokens ``lookup`` predicts at ``address`` (at most ``prompt_tokens``)."""

@@ -150,6 +150,7 @@ VALUE_SETS = {
                     "capacity_annotation": "example.com/token-capacity",
                     "bootstrap_port_annotation": "example.com/bootstrap-port",
                     "metrics_port_annotation": "example.com/metrics-port",
+                    "kv_events_port_annotation": "example.com/kv-events-port",
                     "kubeconfig": "/etc/kube/config",
                 }
             },
@@ -172,6 +173,7 @@ VALUE_SETS = {
                 "capacity_annotation": "example.com/token-capacity",
                 "bootstrap_port_annotation": "example.com/bootstrap-port",
                 "metrics_port_annotation": "example.com/metrics-port",
+                "kv_events_port_annotation": "example.com/kv-events-port",
             },
             "handoff.prefill_timeout_seconds": 400.25,
             "xds.no_envoy_delay_seconds": 0.0,

@@ -40,11 +40,14 @@ def endpoint(
     health: str = "HEALTHY",
     bootstrap_port: int | None = None,
     metrics_port: int | None = None,
+    kv_events_port: int | None = None,
 ) -> EndpointSpec:
     """One endpoint as an EDS file declares it; healthy for ``HEALTHY`` and ``UNKNOWN``, as the EDS reader
     reads a health status; ``capacity`` ``None``: none declared (the registry's default applies)."""
     healthy = health in ("HEALTHY", "UNKNOWN")
-    return EndpointSpec(address, group, capacity, healthy, health, bootstrap_port, metrics_port)
+    return EndpointSpec(
+        address, group, capacity, healthy, health, bootstrap_port, metrics_port, kv_events_port
+    )
 
 
 def registry_of(

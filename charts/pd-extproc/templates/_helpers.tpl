@@ -123,6 +123,7 @@ discovery:
     capacity_annotation: {{ $k.capacity_annotation | toJson }}
     bootstrap_port_annotation: {{ $k.bootstrap_port_annotation | toJson }}
     metrics_port_annotation: {{ $k.metrics_port_annotation | toJson }}
+    kv_events_port_annotation: {{ $k.kv_events_port_annotation | toJson }}
   inferencepool:
     name: {{ $v.discovery.inferencepool.name | toJson }}
     namespace: {{ $v.discovery.inferencepool.namespace | toJson }}
@@ -148,6 +149,15 @@ affinity:
     max_blocks: {{ int64 $p.max_blocks }}
     weight: {{ include "pd-extproc.decimal" $p.weight }}
     self_correct: {{ $p.self_correct | toJson }}
+    source: {{ $p.source | toJson }}
+    kv_events:
+      {{- $e := $p.kv_events }}
+      port: {{ int64 $e.port }}
+      replay_port: {{ int64 $e.replay_port }}
+      stale_after_seconds: {{ include "pd-extproc.decimal" $e.stale_after_seconds }}
+      recent_seconds: {{ include "pd-extproc.decimal" $e.recent_seconds }}
+      max_blocks_per_endpoint: {{ int64 $e.max_blocks_per_endpoint }}
+      queue_batches: {{ int64 $e.queue_batches }}
 load:
   default_max_tokens: {{ int64 $v.load.default_max_tokens }}
   default_token_capacity: {{ include "pd-extproc.decimal" $v.load.default_token_capacity }}

@@ -20,6 +20,7 @@ from ext_proc.handoff.routing import RoutingConfig
 from ext_proc.load import LoadConfig
 from ext_proc.prefix import PrefixSettings
 from ext_proc.prefix.config import PrefixConfig
+from ext_proc.prefix.tracker import KvEventsSettings
 from ext_proc.router import AffinityConfig
 from ext_proc.xds.config import XdsConfig
 
@@ -249,6 +250,32 @@ def test_bad_auto_values_are_named(override: dict[str, object], expected: str) -
         ({"max_blocks": 70000}, "affinity.prefix.max_blocks: must be an integer in [1, 65536]"),
         ({"weight": -0.1}, "affinity.prefix.weight: must be a number in [0, 100]"),
         ({"enabled": "yes"}, "affinity.prefix.enabled: 'yes' is not allowed; use true or false"),
+        (
+            {"source": "exact"},
+            "affinity.prefix.source: 'exact' is not allowed; use one of approximate, kv-events",
+        ),
+        ({"kv_events.port": 0}, "affinity.prefix.kv_events.port: must be a port in [1, 65535]"),
+        (
+            {"kv_events.replay_port": 70000},
+            "affinity.prefix.kv_events.replay_port: must be a port in [0, 65535]",
+        ),
+        (
+            {"kv_events.stale_after_seconds": 0},
+            "affinity.prefix.kv_events.stale_after_seconds: must be a number in (0, 86400]",
+        ),
+        (
+            {"kv_events.recent_seconds": -1},
+            "affinity.prefix.kv_events.recent_seconds: must be a number in [0, 600]",
+        ),
+        (
+            {"kv_events.max_blocks_per_endpoint": 0},
+            "affinity.prefix.kv_events.max_blocks_per_endpoint: must be an integer in [1, 16777216]",
+        ),
+        (
+            {"kv_events.queue_batches": 0},
+            "affinity.prefix.kv_events.queue_batches: must be an integer in [1, 1000000]",
+        ),
+        ({"kv_events.bogus": 1}, "affinity.prefix.kv_events.bogus: unknown key"),
     ],
 )
 def test_bad_prefix_values_are_named(override: dict[str, object], expected: str) -> None:
@@ -262,6 +289,17 @@ def test_the_prefix_section_gives_the_policy_its_weight_only_when_enabled() -> N
     on = load(overrides={"affinity.prefix.weight": 0.5, "affinity.prefix.enabled": True}).affinity
     assert on.policy(2).prefix_weight == 0.5
     assert on.prefix.settings() == PrefixSettings(16, 2048, True)
+    events = load(
+        overrides={
+            "affinity.prefix.enabled": True,
+            "affinity.prefix.source": "kv-events",
+            "affinity.prefix.kv_events.port": 6000,
+            "affinity.prefix.kv_events.replay_port": 6001,
+        }
+    ).affinity.prefix.settings()
+    assert events == PrefixSettings(
+        source="kv-events", kv_events=KvEventsSettings(port=6000, replay_port=6001)
+    )
     assert (
         load(overrides={"affinity.auto.prefill_ms_per_token": 0.2})
         .affinity.policy(0)

@@ -322,17 +322,17 @@ def test_token_capacity_must_be_a_positive_number(tmp_path: Path, capacity: obje
 
 
 def test_bootstrap_and_metrics_ports_are_read_and_written_back(tmp_path: Path) -> None:
-    metadata = {"pdGroupID": "g", "bootstrap_port": 8998, "metrics_port": 9100}
+    metadata = {"pdGroupID": "g", "bootstrap_port": 8998, "metrics_port": 9100, "kv_events_port": 5600}
     path = write_doc(
         tmp_path / "p.yaml", response(cla("prefill", lb_endpoint("10.0.0.1", 30000, metadata=metadata)))
     )
-    spec = EndpointSpec("10.0.0.1:30000", "g", None, True, "HEALTHY", 8998, 9100)
+    spec = EndpointSpec("10.0.0.1:30000", "g", None, True, "HEALTHY", 8998, 9100, 5600)
     assert load_eds_file(path).endpoints == (spec,)
     write_eds_file(tmp_path / "again.json", "prefill", [spec])
     assert load_eds_file(tmp_path / "again.json").endpoints == (spec,)
 
 
-@pytest.mark.parametrize("key", ["bootstrap_port", "metrics_port"])
+@pytest.mark.parametrize("key", ["bootstrap_port", "metrics_port", "kv_events_port"])
 @pytest.mark.parametrize("port", [0, 65536, 8998.5, "8998", True, None])
 def test_ports_must_be_integer_ports(tmp_path: Path, key: str, port: object) -> None:
     path = write_doc(tmp_path / "d.yaml", response(cla("prefill", lb_endpoint(metadata={key: port}))))

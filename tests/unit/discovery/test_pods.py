@@ -262,6 +262,14 @@ def test_a_metrics_port_annotation_sets_the_metrics_port_and_a_bad_one_is_a_prob
     )
 
 
+def test_a_kv_events_port_annotation_sets_the_kv_events_port() -> None:
+    view = view_pod(pod(annotations={"pd-extproc/kv-events-port": "5600"}), INFERNEX)
+    assert view == PodView((("decode", dataclasses.replace(endpoint("10.0.0.1:8200"), kv_events_port=5600)),))
+    rules = dataclasses.replace(INFERNEX, kv_events_port_annotation="kv")
+    view = view_pod(pod(annotations={"kv": "x"}), rules)
+    assert view.problems == ("annotation kv='x' is not a port in 1..65535; ignored",)
+
+
 def test_annotations_of_a_pod_that_is_not_routable_raise_no_problem() -> None:
     bad = pod(ready="False", annotations={"pd-extproc/token-capacity": "lots"})
     assert view_pod(bad, INFERNEX) == PodView(())

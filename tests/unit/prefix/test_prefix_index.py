@@ -87,11 +87,13 @@ def test_hits_align_with_the_pools_and_are_capped_at_the_prompt() -> None:
     index.record(chain("a", "b", "c"), "p1", 1e6)
     index.record(chain("a"), "d2", 1e6)
     matched = index.match(chain("a", "b", "c"))
-    hits = index.hits(matched, pool("p0", "p1"), pool("d1", "d2"), prompt_tokens=40)
+    hits = index.hit_arrays.hits(matched, pool("p0", "p1"), pool("d1", "d2"), prompt_tokens=40)
     assert hits is not None
     assert hits.prefill.tolist() == [0, 40] and hits.decode.tolist() == [0, 16]
-    assert index.hits(matched, pool("p0"), pool("d1"), 40) is None  # nobody of these pools holds it
-    assert index.hits({}, pool("p1"), pool("d2"), 40) is None
+    assert (
+        index.hit_arrays.hits(matched, pool("p0"), pool("d1"), 40) is None
+    )  # nobody of these pools holds it
+    assert index.hit_arrays.hits({}, pool("p1"), pool("d2"), 40) is None
 
 
 def test_the_lru_keeps_capacity_over_block_tokens_blocks_and_evicts_the_oldest_prompt_tail_first() -> None:

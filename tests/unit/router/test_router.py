@@ -22,8 +22,10 @@ from builders import (
 
 from ext_proc.affinity import Mode
 from ext_proc.load import Lease
-from ext_proc.outcome import Refused, Routed, RoutingInstructions
-from ext_proc.prefix import PrefixSettings
+from ext_proc.outcome import Refused, RequestMeta, Routed, RoutingInstructions
+from ext_proc.prefix import PrefixSettings, PrefixTracker
+from ext_proc.prefix.event_source import KvEventSource
+from ext_proc.prefix.tracker import KvEventsSettings
 from ext_proc.registry import EndpointState
 from ext_proc.router import Router
 
@@ -302,3 +304,23 @@ def test_set_prefix_keeps_the_index_while_its_hashing_stays_and_drops_it_when_of
     router.set_prefix(None)
     assert router.prefix is None
     routed(router.route_body(chat(TENANT), CHAT_META))  # routes without an index
+
+
+def test_set_prefix_builds_the_kind_the_settings_name() -> None:
+    prefills = [endpoint(f"10.0.0.{i}:8000", "a") for i in (1, 2, 3)]
+    router = make_router(
+        prefills, [endpoint("10.0.1.1:8000", "a")], prefix=PrefixSettings(), prefix_weight=0.1
+    )
+    assert isinstance(router.prefix, PrefixTracker)
+    router.set_prefix(PrefixSettings(source="kv-events"))
+    events = router.prefix
+    assert isinstance(events, KvEventSource)
+    router.set_prefix(PrefixSettings(source="kv-events", self_correct=False))
+    assert router.prefix is events
+    router.set_prefix(PrefixSettings(source="kv-events", kv_events=KvEventsSettings(stale_after_seconds=1)))
+    assert router.prefix is not events and isinstance(router.prefix, KvEventSource)
+    prompt = json.dumps({"model": "m", "prompt": list(range(1000))}).encode()
+    meta = RequestMeta("/v1/completions")
+    first = routed(router.route_body(prompt, meta))
+    again = routed(router.route_body(prompt, meta))  # met by the recent placement, before any event
+    assert dict(first.instructions.set_headers)[PREFILL] == dict(again.instructions.set_headers)[PREFILL]

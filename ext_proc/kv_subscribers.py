@@ -1,0 +1,239 @@
+"""Subscribers to the engines' KV-cache events: the shell that feeds the ``kv-events`` prefix source.
+
+While the router's prefix source is :class:`~ext_proc.prefix.event_source.KvEventSource`, one task per
+known engine (prefill or decode, healthy or not: a cache outlives a health flap; by address) holds a
+ZMQ SUB socket on ``tcp://<engine ip>:<port>`` (the endpoint's ``kv_events_port`` metadata or pod
+annotation, else ``affinity.prefix.kv_events.port``) and applies each message to the source's index
+(:mod:`ext_proc.prefix.event_index`). Every ``interval`` seconds the set of subscribers follows the
+registry: engines that joined get one, engines that left lose theirs (and their entries, through the
+router's ``retain``). When the index answers a gap with
+:class:`~ext_proc.prefix.event_index.ReplayFrom` the task asks the engine's replay socket (a DEALER on
+``replay_port``) for the batches from there on, applies them, then goes on with the live ones (those
+the replay covered are duplicates, dropped); a replay that fails or times out drops the engine's
+entries instead and, for ``REPLAY_BACKOFF_SECONDS``, no replay is asked of it again.
+
+Bad input never stops routing: a message that does not decode is counted (``garbled``) and dropped;
+the SUB socket keeps at most ``kv_events.queue_batches`` messages (ZeroMQ drops the rest, which the
+sequence shows as a gap); the task yields to the event loop after every message, so a flooding engine
+costs its share of the loop, not the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import NamedTuple
+
+import zmq
+import zmq.asyncio
+
+from ext_proc.metrics import Metrics
+from ext_proc.prefix.event_index import Applied, ReplayFrom
+from ext_proc.prefix.event_source import KvEventSource
+from ext_proc.prefix.kv_events import DecodeError, EventBatch, decode_message, decode_replay
+from ext_proc.registry import Registry
+from ext_proc.router import Router
+
+log = logging.getLogger(__name__)
+
+REPLAY_TIMEOUT_SECONDS = 2.0
+"""How long a replay may pause between two answers before it counts as failed."""
+REPLAY_BACKOFF_SECONDS = 60.0
+"""How long no replay is asked of an engine whose last one failed."""
+
+
+class Target(NamedTuple):
+    """Where one engine publishes: ``host`` (an IP; IPv6 in brackets), its PUB and replay ports (0: none)."""
+
+    host: str
+    port: int
+    replay_port: int
+
+
+class KvEventSubscribers:
+    """The subscribers of one server; ``clock`` (seconds, monotonic) is the index's clock."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        router: Router,
+        metrics: Metrics,
+        interval: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._registry = registry
+        self._router = router
+        self._metrics = metrics
+        self._interval = interval
+        self._clock = clock
+        self._context: zmq.asyncio.Context | None = None  # made with the first subscriber
+        self._tasks: dict[str, tuple[Target, asyncio.Task[None]]] = {}
+        self._no_replay_until: dict[str, float] = {}
+        metrics.watch_kv_events(self._blocks, self._stale_count)
+
+    async def run(self) -> None:
+        """Follow the registry every ``interval`` seconds until cancelled; the subscribers end with it."""
+        try:
+            while True:
+                self.tick()
+                await asyncio.sleep(self._interval)
+        finally:
+            tasks = [task for _, task in self._tasks.values()]
+            self._tasks.clear()
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)  # a failed one's error, too, is taken
+            if self._context is not None:
+                self._context.destroy(linger=0)
+
+    @property
+    def addresses(self) -> list[str]:
+        """The engines subscribed to."""
+        return list(self._tasks)
+
+    def tick(self) -> None:
+        """Make the subscribers follow the registry and the prefix source.
+
+        Subscribe to every known engine without a subscriber (again, when its subscriber failed);
+        stop those of engines that left (or whose ports changed); stop all while the prefix source is not
+        ``kv-events``."""
+        source = self._source()
+        wanted: dict[str, Target] = {}
+        if source is not None:
+            settings = source.settings.kv_events
+            for state in self._registry.endpoints():
+                host = state.address.rpartition(":")[0]
+                port = state.kv_events_port or settings.port
+                wanted[state.address] = Target(host, port, settings.replay_port)
+        for address, (target, task) in list(self._tasks.items()):
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                log.error(
+                    "the KV-event subscriber of %s failed (restarted)", address, exc_info=task.exception()
+                )
+            if wanted.get(address) != target or task.done():
+                task.cancel()
+                del self._tasks[address]
+        now = self._clock()
+        for address, target in wanted.items():
+            if address not in self._tasks:
+                task = asyncio.get_running_loop().create_task(
+                    self._subscribe(address, target), name=f"kv-events {address}"
+                )
+                self._tasks[address] = (target, task)
+            if source is not None:
+                source.index.watch(address, now)
+
+    def _source(self) -> KvEventSource | None:
+        source = self._router.prefix
+        return source if isinstance(source, KvEventSource) else None
+
+    def _blocks(self) -> dict[str, dict[str, int]]:
+        source = self._source()
+        return {} if source is None else source.index.blocks()
+
+    def _stale_count(self) -> int:
+        source = self._source()
+        if source is None:
+            return 0
+        now = self._clock()
+        return sum(1 for address in self._tasks if source.index.is_stale(address, now))
+
+    async def _subscribe(self, address: str, target: Target) -> None:
+        source = self._source()
+        queue = source.settings.kv_events.queue_batches if source is not None else 1000
+        sub = self._socket(zmq.SUB, target.host, target.port)
+        sub.setsockopt(zmq.RCVHWM, queue)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        log.info("subscribed to the KV-cache events of %s on port %d", address, target.port)
+        replayed_from: int | None = (
+            None  # the start of the last replay: live batches it covered are duplicates
+        )
+        try:
+            while True:
+                frames = await sub.recv_multipart()
+                self._metrics.kv_events_received(address)
+                batch = self._decode(address, frames)
+                if batch is not None:
+                    replayed_from = await self._take(address, target, batch, replayed_from)
+                await asyncio.sleep(0)  # a flood shares the loop
+        finally:
+            sub.close(linger=0)
+
+    def _decode(self, address: str, frames: list[bytes]) -> EventBatch | None:
+        try:
+            batch = decode_message(frames)
+        except DecodeError as exc:
+            self._metrics.kv_events_dropped(address, "garbled")
+            log.warning("dropped a KV-event message from %s: %s", address, exc)
+            return None
+        for kind, count in Counter(type(e).__name__ for e in batch.events).items():
+            self._metrics.kv_events_decoded(address, kind, count)
+        if batch.skipped:
+            self._metrics.kv_events_dropped(address, "unknown_type", len(batch.skipped))
+        return batch
+
+    async def _take(
+        self, address: str, target: Target, batch: EventBatch, replayed_from: int | None
+    ) -> int | None:
+        """Apply one live batch, replaying first when the index asks; the new ``replayed_from``."""
+        source = self._source()
+        if source is None:
+            return replayed_from
+        expected = source.index.expected(address)
+        if replayed_from is not None and expected is not None and replayed_from <= batch.sequence < expected:
+            self._metrics.kv_events_dropped(address, "duplicate")
+            return replayed_from
+        now = self._clock()
+        replayable = target.replay_port > 0 and now >= self._no_replay_until.get(address, 0.0)
+        result = source.index.apply(address, batch, now, replayable)
+        if isinstance(result, ReplayFrom):
+            ok = await self._replay(address, target, result.sequence, source)
+            self._metrics.kv_events_replay(address, "ok" if ok else "failed")
+            if not ok:
+                self._no_replay_until[address] = self._clock() + REPLAY_BACKOFF_SECONDS
+            expected = source.index.expected(address)
+            if expected is None or batch.sequence >= expected:  # the replay did not cover it
+                self._count(address, source.index.apply(address, batch, self._clock(), replayable=False))
+            return result.sequence
+        self._count(address, result)
+        return None  # the live stream is past the replay
+
+    async def _replay(self, address: str, target: Target, start: int, source: KvEventSource) -> bool:
+        """Ask for the batches from ``start`` on and apply them; whether the end marker came."""
+        dealer = self._socket(zmq.DEALER, target.host, target.replay_port)
+        try:
+            await dealer.send_multipart([b"", start.to_bytes(8, "big")])
+            while True:
+                frames = await asyncio.wait_for(dealer.recv_multipart(), REPLAY_TIMEOUT_SECONDS)
+                batch = decode_replay(frames)
+                if batch is None:
+                    return True
+                self._count(address, source.index.apply(address, batch, self._clock(), replayable=False))
+        except (TimeoutError, DecodeError, zmq.ZMQError) as exc:
+            log.warning(
+                "the replay of %s's KV-cache events from %d failed: %s", address, start, exc or "timeout"
+            )
+            return False
+        finally:
+            dealer.close(linger=0)
+
+    def _count(self, address: str, applied: Applied | ReplayFrom) -> None:
+        if not isinstance(applied, Applied):
+            return
+        for reason, count in applied.dropped.items():
+            self._metrics.kv_events_dropped(address, reason, count)
+        if applied.reset is not None:
+            self._metrics.kv_events_reset(address, applied.reset)
+            log.info("dropped the index entries of %s: %s", address, applied.reset)
+
+    def _socket(self, kind: int, host: str, port: int) -> zmq.asyncio.Socket:
+        if self._context is None:
+            self._context = zmq.asyncio.Context()
+        socket = self._context.socket(kind)
+        if host.startswith("["):
+            socket.setsockopt(zmq.IPV6, 1)
+        socket.connect(f"tcp://{host}:{port}")
+        return socket

@@ -1,0 +1,84 @@
+"""The ``kv-events`` prefix source: what the engines' KV-cache events say they hold, plus recent placements.
+
+The router's view (:class:`~ext_proc.prefix.kinds.PrefixSource`) of an
+:class:`~ext_proc.prefix.event_index.EventIndex`, which the subscribers (:mod:`ext_proc.kv_subscribers`)
+feed, and of the :class:`~ext_proc.prefix.recent.RecentPlacements` of the last
+``kv_events.recent_seconds``, which the router feeds. A request's hit at an endpoint is the longer of
+the two matches.
+
+The events name blocks by token ids, so only a prompt given as token ids (completions' ``prompt`` as a
+list of ints, or a list of such lists) can match them; its chain is started at
+:data:`~ext_proc.prefix.event_index.ROOT`, as the events' chains are (one engine serves one model). A
+text prompt's chain is the approximate index's (text in 4-character tokens, seeded with the model):
+it matches the recent placements only. The engines' prefix-cache counters correct nothing here: the
+events say what each engine holds. No I/O; the clock is injectable (seconds, monotonic).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from ext_proc.affinity import Decision, Pool
+from ext_proc.affinity.model import E
+from ext_proc.prefix.blocks import block_hashes, prompt_content
+from ext_proc.prefix.event_index import ROOT, EventIndex
+from ext_proc.prefix.index import HitArrays
+from ext_proc.prefix.recent import RecentPlacements
+from ext_proc.prefix.tracker import Lookup, PredictionSink, PrefixSettings, prompt_chain
+
+
+class KvEventSource:
+    """The event-fed index of one router and its recent placements; ``sink`` gets the predictions."""
+
+    def __init__(
+        self, settings: PrefixSettings, sink: PredictionSink, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.settings = settings
+        events = settings.kv_events
+        self.index = EventIndex(
+            settings.block_tokens, events.stale_after_seconds, events.max_blocks_per_endpoint
+        )
+        self.recent = RecentPlacements(events.recent_seconds)
+        self.hit_arrays = HitArrays(settings.block_tokens)
+        self.clock = clock
+        self._sink = sink
+
+    def chain(self, body: dict[str, object]) -> list[int]:
+        """The prompt's chain: over its token ids from :data:`ROOT`, else the approximate text chain."""
+        content = prompt_content(body)
+        if isinstance(content, list) and content:
+            return block_hashes(content, self.settings.block_tokens, self.settings.max_blocks, ROOT)
+        return prompt_chain(body, self.settings)
+
+    def lookup(self, hashes: list[int], prefills: Pool[E], decodes: Pool[E], prompt_tokens: int) -> Lookup:
+        """What the fresh endpoints reported holding of ``hashes``, or were given of it lately."""
+        now = self.clock()
+        matched = self.index.match(hashes, now)
+        for address, blocks in self.recent.match(hashes, now).items():
+            if blocks > matched.get(address, 0):
+                matched[address] = blocks
+        return Lookup(hashes, matched, self.hit_arrays.hits(matched, prefills, decodes, prompt_tokens))
+
+    def predicted(self, lookup: Lookup, address: str, prompt_tokens: int) -> int:
+        """The hit tokens ``lookup`` predicts at ``address`` (at most ``prompt_tokens``)."""
+        return min(lookup.matched.get(address, 0) * self.settings.block_tokens, prompt_tokens)
+
+    def placed(self, lookup: Lookup, decision: Decision[E], prompt_tokens: int) -> None:
+        """Count the hits predicted at the chosen endpoints and keep the prompt as recently placed there."""
+        now = self.clock()
+        for role, endpoint in (("prefill", decision.prefill), ("decode", decision.decode)):
+            if endpoint is not None:
+                address = endpoint.address
+                self._sink.prefix_predicted(
+                    role, address, prompt_tokens, self.predicted(lookup, address, prompt_tokens)
+                )
+                self.recent.record(lookup.hashes, address, now)
+
+    def observe(self, address: str, queries: float | None, hits: float | None) -> None:
+        """Nothing to learn from an engine's prefix-cache counters: its events say what it holds."""
+
+    def retain(self, addresses: set[str]) -> None:
+        """Forget every endpoint not in ``addresses``."""
+        self.index.retain(addresses)
+        self.recent.retain(addresses)

@@ -1,0 +1,266 @@
+"""The event-fed prefix index, the recent placements and the ``kv-events`` prefix source (all pure)."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ext_proc.affinity import Candidate, Decision, Locality, Pool
+from ext_proc.prefix import PrefixSettings
+from ext_proc.prefix.blocks import block_hashes
+from ext_proc.prefix.event_index import ROOT, Applied, EventIndex, ReplayFrom
+from ext_proc.prefix.event_source import KvEventSource
+from ext_proc.prefix.kinds import KINDS, PrefixSourceKind
+from ext_proc.prefix.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, Event, EventBatch
+from ext_proc.prefix.recent import RecentPlacements
+from ext_proc.prefix.tracker import KvEventsSettings
+
+B = 4  # tokens a block in these tests
+
+
+def tokens(*blocks: int) -> list[int]:
+    """Token ids of whole blocks, block ``b`` being ``B`` copies of ``b``."""
+    return [b for b in blocks for _ in range(B)]
+
+
+def chain(*blocks: int) -> list[int]:
+    return block_hashes(tokens(*blocks), B, 1000, ROOT)
+
+
+def stored(
+    hashes: list[int], blocks: list[int], parent: int | None = None, medium: str | None = None
+) -> BlockStored:
+    return BlockStored(tuple(hashes), parent, tuple(tokens(*blocks)), B, None, medium)
+
+
+def batch(sequence: int, *events: Event) -> EventBatch:
+    return EventBatch(sequence, 0.0, 0, events)
+
+
+def fed(*batches: EventBatch, address: str = "e1") -> EventIndex:
+    index = EventIndex(B, stale_after=10.0, max_blocks=1000)
+    for b in batches:
+        assert isinstance(index.apply(address, b, 0.0, replayable=False), Applied)
+    return index
+
+
+def test_stored_blocks_match_a_request_chained_over_the_same_tokens() -> None:
+    index = fed(batch(0, stored([101, 102], [1, 2])), batch(1, stored([103], [3], parent=102)))
+    assert index.match(chain(1, 2, 3, 4), 0.0) == {"e1": 3}
+    assert index.match(chain(1, 9), 0.0) == {"e1": 1}
+    assert index.match(chain(2), 0.0) == {}  # a block's hash stands for its whole prefix
+    assert index.blocks() == {"e1": {"GPU": 3}}
+
+
+def test_the_engines_hash_form_does_not_matter() -> None:
+    index = fed(batch(0, stored([b"\x01" * 32], [1]), stored([b"\x02" * 32], [2], parent=b"\x01" * 32)))
+    assert index.match(chain(1, 2), 0.0) == {"e1": 2}
+
+
+def test_blocks_that_cannot_be_indexed_are_dropped_by_reason() -> None:
+    index = EventIndex(B, stale_after=10.0, max_blocks=2)
+    lora = BlockStored((1,), None, tuple(tokens(1)), B, 7, None)
+    other_size = BlockStored((2,), None, (1,) * 8, 8, None, None)
+    orphan = stored([3], [1], parent=999)
+    applied = index.apply("e1", batch(0, lora, other_size, orphan, stored([4, 5, 6], [1, 2, 3])), 0.0, False)
+    assert applied == Applied(Counter({"lora": 1, "block_size": 1, "orphan": 1, "full": 1}), None)
+    assert index.match(chain(1, 2, 3), 0.0) == {"e1": 2}  # the first two blocks fitted
+
+
+def test_removals_apply_per_tier_by_the_engines_hash() -> None:
+    index = fed(
+        batch(0, stored([1, 2], [1, 2]), stored([1, 2], [1, 2], medium="CPU")),
+        batch(1, BlockRemoved((2,), None), BlockRemoved((77,), None)),  # 77: never stored, ignored
+    )
+    assert index.blocks() == {"e1": {"GPU": 1, "CPU": 2}}
+    assert index.match(chain(1, 2), 0.0) == {"e1": 2}  # block 2 is still in the CPU tier
+    index.apply("e1", batch(2, BlockRemoved((2,), "CPU")), 0.0, False)
+    assert index.match(chain(1, 2), 0.0) == {"e1": 1}
+    index.apply("e1", batch(3, AllBlocksCleared()), 0.0, False)
+    assert index.match(chain(1), 0.0) == {} and index.blocks() == {"e1": {}}
+
+
+def test_a_child_stored_in_another_tier_finds_its_parent() -> None:
+    index = fed(batch(0, stored([1], [1]), stored([2], [2], parent=1, medium="CPU")))
+    assert index.match(chain(1, 2), 0.0) == {"e1": 2}
+
+
+def test_the_sequence_gap_asks_for_a_replay_when_one_can_be_asked_else_drops_the_entries() -> None:
+    index = fed(batch(0, stored([1], [1])))
+    assert index.apply("e1", batch(3, stored([2], [2])), 0.0, replayable=True) == ReplayFrom(1)
+    assert index.expected("e1") == 1 and index.match(chain(2), 0.0) == {}  # nothing applied
+    assert index.apply("e1", batch(3, stored([2], [2])), 0.0, replayable=False) == Applied(Counter(), "gap")
+    assert index.match(chain(1), 0.0) == {} and index.match(chain(2), 0.0) == {"e1": 1}
+    assert index.expected("e1") == 4
+
+
+def test_a_sequence_going_back_is_a_restart_that_empties_the_endpoint() -> None:
+    index = fed(batch(0, stored([1], [1])), batch(1, stored([2], [2])))
+    assert index.apply("e1", batch(0, stored([3], [3])), 0.0, True) == Applied(Counter(), "restart")
+    assert index.match(chain(1), 0.0) == {} and index.match(chain(3), 0.0) == {"e1": 1}
+    index.apply("e1", batch(1), 0.0, True)
+    assert index.apply("e1", batch(1), 0.0, True) == ReplayFrom(0)  # went back, not to 0: ask it all
+    assert index.expected("e1") is None and index.match(chain(3), 0.0) == {}
+
+
+def test_joining_mid_stream_replays_from_the_start_or_takes_what_comes() -> None:
+    index = EventIndex(B, 10.0, 100)
+    assert index.apply("e1", batch(40, stored([1], [1])), 0.0, True) == ReplayFrom(0)
+    assert index.apply("e1", batch(40, stored([1], [1])), 0.0, False) == Applied(Counter(), None)
+    assert index.match(chain(1), 0.0) == {"e1": 1} and index.expected("e1") == 41
+
+
+def test_an_endpoint_silent_past_the_bound_is_stale_and_holds_nothing() -> None:
+    index = EventIndex(B, stale_after=10.0, max_blocks=100)
+    index.watch("quiet", 0.0)
+    index.apply("e1", batch(0, stored([1], [1])), 0.0, False)
+    index.apply("e2", batch(0, stored([1], [1])), 5.0, False)
+    assert index.match(chain(1), 10.0) == {"e1": 1, "e2": 1}
+    assert index.match(chain(1), 12.0) == {"e2": 1}
+    assert index.stale(12.0) == ["quiet", "e1"]
+    index.apply("e1", batch(1), 12.0, False)  # publishes again: fresh, its blocks count again
+    assert index.match(chain(1), 12.0) == {"e1": 1, "e2": 1}
+
+
+def test_reset_and_retain_forget_endpoints() -> None:
+    index = fed(batch(0, stored([1], [1])))
+    index.apply("e2", batch(0, stored([1], [1])), 0.0, False)
+    index.reset("e1")
+    assert index.match(chain(1), 0.0) == {"e2": 1} and index.expected("e1") is None
+    index.retain({"e1"})
+    assert index.match(chain(1), 0.0) == {} and set(index.blocks()) == {"e1"}
+
+
+_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["store", "remove", "clear"]), st.integers(0, 5), st.sampled_from([None, "CPU"])
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_OPS)
+def test_the_index_holds_what_a_plain_model_of_the_events_holds(
+    ops: list[tuple[str, int, str | None]],
+) -> None:
+    """Store block ``k`` as a prompt's first block (engine hash ``k``), remove it, or clear everything:
+    the index matches a one-block chain exactly where a set of (tier, k) says it is held."""
+    index = EventIndex(B, 10.0, 1000)
+    model: set[tuple[str | None, int]] = set()
+    for sequence, (op, k, medium) in enumerate(ops):
+        event: Event
+        if op == "store":
+            event = stored([k], [k], medium=medium)
+            model.add((medium, k))
+        elif op == "remove":
+            event = BlockRemoved((k,), medium)
+            model.discard((medium, k))
+        else:
+            event = AllBlocksCleared()
+            model.clear()
+        index.apply("e", batch(sequence, event), 0.0, False)
+    for k in range(6):
+        held = any((m, k) in model for m in (None, "CPU"))
+        assert index.match(chain(k), 0.0) == ({"e": 1} if held else {})
+    assert sum(index.blocks().get("e", {}).values()) == len(model)
+
+
+def test_recent_placements_count_for_their_seconds_only() -> None:
+    recent = RecentPlacements(5.0)
+    recent.record(chain(1, 2), "e1", 0.0)
+    recent.record(chain(1), "e1", 3.0)
+    recent.record(chain(1, 2, 3), "e2", 3.0)
+    assert recent.match(chain(1, 2, 3), 4.0) == {"e1": 2, "e2": 3}
+    assert recent.match(chain(1, 2, 3), 6.0) == {"e1": 1, "e2": 3}  # the first placement expired
+    recent.retain({"e1"})
+    assert recent.match(chain(1, 2, 3), 6.0) == {"e1": 1}
+    assert recent.match(chain(1), 9.0) == {}
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.predicted: list[tuple[str, str, int, int]] = []
+
+    def prefix_predicted(self, role: str, address: str, placed: int, hit: int) -> None:
+        self.predicted.append((role, address, placed, hit))
+
+    def prefix_engine(self, address: str, queries: float, hits: float, scale: float) -> None:
+        raise AssertionError("the kv-events source corrects nothing")
+
+
+def pool(*addresses: str) -> Pool:
+    return Pool.of([Candidate(a, "g", 1000.0, 0, 0) for a in addresses])
+
+
+def source(now: list[float]) -> tuple[KvEventSource, Sink]:
+    sink = Sink()
+    settings_ = PrefixSettings(B, 100, source="kv-events", kv_events=KvEventsSettings(recent_seconds=2.0))
+    built = KINDS[PrefixSourceKind.KV_EVENTS](settings_, sink)
+    assert isinstance(built, KvEventSource)
+    built.clock = lambda: now[0]
+    return built, sink
+
+
+def test_the_source_reads_token_prompts_from_the_events_and_text_from_recent_placements() -> None:
+    now = [0.0]
+    kv, sink = source(now)
+    kv.index.apply("p1", batch(0, stored([1, 2], [1, 2])), 0.0, False)
+    body = {"model": "m", "prompt": tokens(1, 2, 3)}
+    assert kv.chain(body) == chain(1, 2, 3)
+    lookup = kv.lookup(kv.chain(body), pool("p1", "p2"), pool("d1"), prompt_tokens=12)
+    assert lookup.matched == {"p1": 2}
+    assert lookup.hits is not None and lookup.hits.prefill.tolist() == [8, 0]
+    p2, d1 = pool("p2").endpoints[0], pool("d1").endpoints[0]
+    kv.placed(lookup, Decision(p2, d1, (), Locality.SAME_GROUP), 12)
+    assert sink.predicted == [("prefill", "p2", 12, 0), ("decode", "d1", 12, 0)]
+    again = kv.lookup(kv.chain(body), pool("p1", "p2"), pool("d1"), 12)
+    assert again.matched == {"p1": 2, "p2": 3, "d1": 3}  # the placement counts before its events come
+    now[0] = 3.0
+    assert kv.lookup(kv.chain(body), pool("p1"), pool("d1"), 12).matched == {"p1": 2}
+    text = {"model": "m", "prompt": "x" * 64}
+    assert kv.lookup(kv.chain(text), pool("p1"), pool("d1"), 16).matched == {}
+    kv.placed(
+        kv.lookup(kv.chain(text), pool("p1"), pool("d1"), 16), Decision(p2, d1, (), Locality.SAME_GROUP), 16
+    )
+    assert kv.lookup(kv.chain(text), pool("p2"), pool("d1"), 16).matched == {"p2": 4, "d1": 4}
+    kv.observe("p1", 100.0, 50.0)  # no correction, no report
+    kv.retain({"p1"})
+    assert kv.lookup(kv.chain(text), pool("p2"), pool("d1"), 16).matched == {}
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["e1", "e2", "e3"]), st.lists(st.integers(1, 4), max_size=4), st.floats(0, 3)
+        ),
+        max_size=20,
+    ),
+    st.sets(st.sampled_from(["e1", "e2", "e3"])),
+)
+def test_recent_placements_match_what_was_placed_within_the_window_and_leave_nothing_behind(
+    placements: list[tuple[str, list[int], float]], kept: set[str]
+) -> None:
+    recent = RecentPlacements(2.0)
+    now = 0.0
+    log: list[tuple[float, str, list[int]]] = []
+    for address, blocks, step in placements:
+        now += step
+        recent.record(chain(*blocks), address, now)
+        log.append((now, address, blocks))
+        for probe in ([1], [1, 2], [4, 4]):
+            expected: dict[str, int] = {}
+            for t, a, b in log:
+                if t >= now - 2.0:
+                    depth = next((i for i, (x, y) in enumerate(zip(b, probe, strict=False)) if x != y), None)
+                    depth = min(len(b), len(probe)) if depth is None else depth
+                    if depth:
+                        expected[a] = max(expected.get(a, 0), depth)
+            assert recent.match(chain(*probe), now) == expected
+    recent.retain(kept)
+    assert set(recent.match(chain(1), now)) <= kept
+    recent.expire(now + 10)
+    assert recent.holders.addresses == [] and recent.match(chain(1), now + 10) == {}

@@ -1,0 +1,317 @@
+"""The KV-event subscribers over real ZeroMQ on loopback: live batches, a gap replayed, a restart, garbage."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import zmq
+from builders import endpoint
+from kv_event_wire import Encoding, Publisher
+from polling import until
+
+from ext_proc import kv_subscribers
+from ext_proc.affinity import Policy
+from ext_proc.app import start_server
+from ext_proc.config import load_config
+from ext_proc.discovery.eds import write_eds_file
+from ext_proc.endpoints import ClusterEndpoints
+from ext_proc.handoff import SidecarHandoff
+from ext_proc.kv_subscribers import KvEventSubscribers
+from ext_proc.metrics import Metrics
+from ext_proc.outcome import RequestMeta, Routed
+from ext_proc.prefix import PrefixSettings
+from ext_proc.prefix.blocks import block_hashes
+from ext_proc.prefix.event_index import ROOT
+from ext_proc.prefix.event_source import KvEventSource
+from ext_proc.prefix.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from ext_proc.prefix.tracker import KvEventsSettings
+from ext_proc.registry import Registry
+from ext_proc.router import Router, RouterSettings
+
+B = 16
+ENGINE = "127.0.0.1:8000"
+
+
+def tokens(block: int) -> tuple[int, ...]:
+    return (block,) * B
+
+
+def chain(*blocks: int) -> list[int]:
+    return block_hashes([t for b in blocks for t in tokens(b)], B, 100, ROOT)
+
+
+def stored(engine_hash: int, block: int, parent: int | None = None) -> BlockStored:
+    return BlockStored((engine_hash,), parent, tokens(block), B, None, None)
+
+
+def router_for(publisher: Publisher, replay_port: int | None = None, queue_batches: int = 10_000) -> Router:
+    registry = Registry("prefill", "decode", 10_000.0)
+    spec = endpoint(ENGINE, kv_events_port=publisher.port)  # not on 5557
+    registry.update([ClusterEndpoints("prefill", (spec,), "p"), ClusterEndpoints("decode", (spec,), "d")])
+    replay = publisher.replay_port if replay_port is None else replay_port
+    kv = KvEventsSettings(replay_port=replay, queue_batches=queue_batches)
+    return Router(
+        RouterSettings(100),
+        registry=registry,
+        policy=Policy(),
+        handoff=SidecarHandoff("x-dest", "x-prefill"),
+        metrics=Metrics(registry.endpoints),
+        prefix=PrefixSettings(B, 100, source="kv-events", kv_events=kv),
+    )
+
+
+def held(router: Router, *blocks: int) -> int:
+    source = router.prefix
+    assert isinstance(source, KvEventSource)
+    return source.index.match(chain(*blocks), source.clock()).get(ENGINE, 0)
+
+
+def sample(router: Router, name: str, **labels: str) -> float:
+    return router.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+@contextlib.asynccontextmanager
+async def subscribed(router: Router, publisher: Publisher) -> AsyncIterator[None]:
+    """The router's subscribers running (and the publisher's replay socket answering) for a block."""
+    subscribers = KvEventSubscribers(router.registry, router, router.metrics, interval=0.05)
+    tasks = [asyncio.create_task(subscribers.run())]
+    if publisher.replay is not None:
+        tasks.append(asyncio.create_task(publisher.serve_replays()))
+    try:
+        await connected(publisher, router)
+        yield
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        publisher.close()
+
+
+async def gap(publisher: Publisher) -> None:
+    """Blocks 1, 2 and 3, each a prompt's first, the batch of 2 lost on the way."""
+    await publisher.publish(stored(1, 1))
+    await publisher.publish(stored(2, 2), send=False)
+    await publisher.publish(stored(3, 3))
+
+
+async def connected(publisher: Publisher, router: Router, probe: int = 99) -> None:
+    """Publish a probe block until the subscriber has seen it (a SUB socket misses what precedes its
+    connection)."""
+    for _ in range(200):
+        await publisher.publish(stored(900 + probe, probe))
+        if held(router, probe):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the subscriber never connected")
+
+
+@pytest.mark.parametrize("encoding", ["array", "map", "mixed"])
+async def test_live_batches_a_replayed_gap_a_restart_and_garbage(encoding: Encoding) -> None:
+    publisher = Publisher(encoding)
+    router = router_for(publisher)
+    async with subscribed(router, publisher):
+        assert publisher.replays in ([], [0])  # joined at 0, or replayed from it
+        await publisher.publish(stored(1, 1))
+        await until(lambda: held(router, 1) == 1)
+
+        await publisher.publish(stored(2, 2, parent=1), send=False)  # lost on the way: a gap
+        await publisher.publish(BlockRemoved((999,), None))
+        await until(lambda: held(router, 1, 2) == 2 and held(router, 99) == 0)
+        assert publisher.replays[-1] == publisher.sequence - 2
+        assert sample(router, "pd_extproc_kv_events_replays_total", endpoint=ENGINE, outcome="ok") >= 1
+
+        await publisher.pub.send_multipart([b"", b"\x00", b"junk"])
+        garbled = {"endpoint": ENGINE, "reason": "garbled"}
+        await until(lambda: sample(router, "pd_extproc_kv_events_dropped_total", **garbled) == 1)
+
+        publisher.restart()  # the engine restarted with an empty cache
+        await publisher.publish(stored(7, 7))
+        await until(lambda: held(router, 7) == 1)
+        assert held(router, 1) == 0
+        assert sample(router, "pd_extproc_kv_events_resets_total", endpoint=ENGINE, reason="restart") == 1
+
+        await publisher.publish(AllBlocksCleared())
+        await until(lambda: held(router, 7) == 0)
+        decoded = sample(router, "pd_extproc_kv_events_decoded_total", endpoint=ENGINE, kind="BlockStored")
+        assert decoded >= 3
+        assert sample(router, "pd_extproc_kv_index_blocks", endpoint=ENGINE, tier="GPU") == 0
+
+
+async def test_without_a_replay_socket_a_gap_drops_the_entries_and_routing_goes_on() -> None:
+    publisher = Publisher(replay=False)
+    router = router_for(publisher)
+    async with subscribed(router, publisher):
+        await gap(publisher)
+        await until(lambda: held(router, 3) == 1)
+        assert held(router, 1) == 0  # dropped at the gap
+        assert sample(router, "pd_extproc_kv_events_resets_total", endpoint=ENGINE, reason="gap") == 1
+        body = json.dumps({"model": "m", "prompt": list(tokens(3)) * 2}).encode()
+        assert isinstance(router.route_body(body, RequestMeta("/v1/completions")), Routed)
+        assert sample(router, "pd_extproc_prefix_predicted_hit_tokens_sum", role="prefill") == B
+
+
+async def test_subscribers_follow_the_registry_and_the_source_kind() -> None:
+    publisher = Publisher()
+    router = router_for(publisher)
+    subscribers = KvEventSubscribers(router.registry, router, router.metrics)
+    subscribers.tick()
+    assert subscribers.addresses == [ENGINE]
+    router.registry.update([ClusterEndpoints("prefill", (), "p"), ClusterEndpoints("decode", (), "d")])
+    subscribers.tick()
+    assert subscribers.addresses == []
+    router.registry.update([ClusterEndpoints("decode", (endpoint(ENGINE),), "d")])
+    subscribers.tick()
+    assert subscribers.addresses == [ENGINE]
+    router.set_prefix(PrefixSettings())  # approximate: no subscriber
+    subscribers.tick()
+    assert subscribers.addresses == []
+    publisher.close()
+
+
+async def test_a_replay_that_never_answers_fails_drops_the_entries_and_backs_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(kv_subscribers, "REPLAY_TIMEOUT_SECONDS", 0.2)
+    publisher = Publisher(replay=False)
+    silent = publisher.context.socket(zmq.ROUTER)  # a replay socket that never answers
+    router = router_for(publisher, replay_port=silent.bind_to_random_port("tcp://127.0.0.1"))
+    failed = {"endpoint": ENGINE, "outcome": "failed"}
+    async with subscribed(router, publisher):
+        await gap(publisher)
+        await until(lambda: held(router, 3) == 1)
+        assert held(router, 1) == 0
+        assert sample(router, "pd_extproc_kv_events_replays_total", **failed) == 1
+        await publisher.publish(stored(4, 4), send=False)  # another gap: no replay asked (backing off)
+        await publisher.publish(stored(5, 5))
+        await until(lambda: held(router, 5) == 1)
+        assert sample(router, "pd_extproc_kv_events_replays_total", **failed) == 1
+        assert sample(router, "pd_extproc_kv_events_resets_total", endpoint=ENGINE, reason="gap") >= 1
+
+
+async def test_a_flooding_engine_is_bounded_and_the_loop_keeps_turning() -> None:
+    publisher = Publisher(replay=False)
+    router = router_for(publisher, queue_batches=100)
+    lags: list[float] = []
+
+    async def ticker() -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            start = loop.time()
+            await asyncio.sleep(0.001)
+            lags.append(loop.time() - start - 0.001)
+
+    ticking = asyncio.create_task(ticker())
+    try:
+        async with subscribed(router, publisher):
+            block = BlockStored(tuple(range(1000, 1064)), None, tuple(range(64 * B)), B, None, None)
+            for _ in range(5000):  # 64 blocks each: a flood, as fast as the PUB socket takes them
+                await publisher.publish(block, BlockRemoved(block.block_hashes, None))
+            await connected(publisher, router, probe=8)  # the PUB socket drops what exceeds its own queue
+            assert (
+                sample(router, "pd_extproc_kv_events_received_total", endpoint=ENGINE) <= publisher.sequence
+            )
+        median = sorted(lags)[len(lags) // 2]  # the maximum depends on this shared machine's load too
+        assert median < 0.05 and max(lags) < 2, f"the event loop stalled: {median:.3f} s, {max(lags):.3f} s"
+    finally:
+        ticking.cancel()
+
+
+async def test_the_server_subscribes_to_its_engines_with_the_kv_events_source(tmp_path: Path) -> None:
+    publisher = Publisher()
+    spec = endpoint(ENGINE, kv_events_port=publisher.port)
+    write_eds_file(tmp_path / "p.json", "prefill", [spec])
+    write_eds_file(tmp_path / "d.json", "decode", [spec])
+    overrides = {
+        "listen": "127.0.0.1:0",
+        "metrics_listen": "127.0.0.1:0",
+        "discovery.eds_files": [str(tmp_path / "p.json"), str(tmp_path / "d.json")],
+        "affinity.prefix.enabled": True,
+        "affinity.prefix.source": "kv-events",
+    }
+    server = await start_server(load_config(None, overrides, environ={}))
+    try:
+        await connected(publisher, server.router)
+        assert sample(server.router, "pd_extproc_kv_index_blocks", endpoint=ENGINE, tier="GPU") == 1
+    finally:
+        await server.stop()
+        publisher.close()
+
+
+async def test_a_failed_subscriber_is_logged_and_started_again(caplog: pytest.LogCaptureFixture) -> None:
+    publisher = Publisher()
+    router = router_for(publisher)
+    subscribers = KvEventSubscribers(router.registry, router, router.metrics)
+    starts: list[str] = []
+
+    async def broken(address: str, target: object) -> None:
+        starts.append(address)
+        raise RuntimeError("boom")
+
+    subscribers._subscribe = broken  # type: ignore[method-assign]
+    subscribers.tick()
+    await asyncio.sleep(0)
+    subscribers.tick()
+    await asyncio.sleep(0)
+    assert starts == [ENGINE, ENGINE]
+    assert "the KV-event subscriber of 127.0.0.1:8000 failed (restarted)" in caplog.text
+    router.set_prefix(PrefixSettings())
+    subscribers.tick()  # takes the second failure's exception too
+    assert subscribers.addresses == []
+    publisher.close()
+
+
+async def test_replicas_agree_on_a_prompt_sent_straight_to_an_engine() -> None:
+    """Two gateway replicas subscribed to the same two engines both route a prompt that neither placed
+    (a client sent it straight to the second engine) to the engine that holds it."""
+    engines = {f"127.0.0.1:{8000 + i}": Publisher(replay=False) for i in range(2)}
+    specs = tuple(endpoint(a, kv_events_port=p.port) for a, p in engines.items())
+
+    def replica() -> Router:
+        registry = Registry("prefill", "decode", 10_000.0)
+        registry.update([ClusterEndpoints("prefill", specs, "p"), ClusterEndpoints("decode", specs, "d")])
+        return Router(
+            RouterSettings(100),
+            registry=registry,
+            policy=Policy(prefix_weight=0.5),
+            handoff=SidecarHandoff("x-dest", "x-prefill"),
+            metrics=Metrics(registry.endpoints),
+            prefix=PrefixSettings(B, 100, source="kv-events"),
+        )
+
+    replicas = [replica(), replica()]
+    tasks = [
+        asyncio.create_task(KvEventSubscribers(r.registry, r, r.metrics, interval=0.05).run())
+        for r in replicas
+    ]
+    holder, publisher = "127.0.0.1:8001", engines["127.0.0.1:8001"]
+    prompt = [t for b in range(1, 9) for t in tokens(b)]
+    stored_prompt = BlockStored(tuple(range(101, 109)), None, tuple(prompt), B, None, None)
+
+    def holds(router: Router) -> bool:
+        source = router.prefix
+        assert isinstance(source, KvEventSource)
+        return source.index.match(block_hashes(prompt, B, 100, ROOT), source.clock()).get(holder) == 8
+
+    try:
+        for _ in range(200):  # until both have subscribed (a SUB socket misses what precedes it)
+            await publisher.publish(stored_prompt)
+            if all(holds(r) for r in replicas):
+                break
+            await asyncio.sleep(0.05)
+        body = json.dumps({"model": "m", "prompt": [*prompt, 7, 7]}).encode()
+        for router in replicas:
+            result = router.route_body(body, RequestMeta("/v1/completions"))
+            assert isinstance(result, Routed)
+            assert dict(result.instructions.set_headers)["x-prefill"] == holder
+            assert sample(router, "pd_extproc_prefix_predicted_hit_tokens_sum", role="prefill") == 8 * B
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for engine in engines.values():
+            engine.close()
