@@ -12,11 +12,11 @@ prefix they measure is the same within a block.
 Pure: no I/O. One pass, no Python loop per block: the prompt becomes a sequence of 64-bit values
 ``v`` (text: its UTF-32 code points two to a value, each value keyed and mixed with a per-process
 secret; token ids: Python's ``hash`` of each block's ids), the chain value ``c_w = c_{w-1} * M + v_w``
-modulo 2**64 (``c_{-1}`` the seed, ``M`` odd) runs over all of them, and block ``i``'s hash is a
-bijective mix of ``c`` at the block's last value: it stands for every character (id) before it.
-Written out, ``c_w = M**w * (seed * M + sum over u <= w of v_u * M**-u)``: one cumulative sum
-(numpy). Values are equal within one process only (the secret and Python's string hashing are per
-process, so each gateway replica keeps its own index).
+modulo 2**64 (``c_{-1}`` the seed, ``M`` odd) runs over all of them, and block ``i``'s hash is ``c``
+at the block's last value: it stands for every character (id) before it, and a chain continues from
+any block's hash (the seed of the blocks after it). Written out, ``c_w = M**w * (seed * M + sum over
+u <= w of v_u * M**-u)``: one cumulative sum (numpy). Values are equal within one process only (the
+secret and Python's string hashing are per process, so each gateway replica keeps its own index).
 """
 
 from __future__ import annotations
@@ -81,7 +81,8 @@ def block_hashes(
 
     A block is ``block_tokens`` ids for token ids, else ``CHARS_PER_TOKEN * block_tokens`` characters;
     a partial last block is not cached (as in vLLM). ``seed`` starts the chain (e.g. the model name's
-    hash: different models share no cache). O(blocks hashed), whatever the length of ``content``."""
+    hash: different models share no cache; or the hash of the block before ``content``, continuing its
+    chain). O(blocks hashed), whatever the length of ``content``."""
     size = block_tokens if not isinstance(content, str) else CHARS_PER_TOKEN * block_tokens
     count = min(len(content) // size, max_blocks)
     if not count:
@@ -97,7 +98,7 @@ def block_hashes(
     chained = np.cumsum(terms, dtype=np.uint64)[per_block - 1 :: per_block]
     np.add(chained, np.uint64((seed * _MULTIPLIER) & _MASK), out=chained)
     np.multiply(chained, powers[per_block - 1 : len(values) : per_block], out=chained)
-    return _mix(chained).view(np.int64).tolist()
+    return chained.view(np.int64).tolist()
 
 
 _MASK = (1 << 64) - 1
@@ -119,19 +120,10 @@ def _powers(count: int) -> list[np.ndarray]:
 
 def _keyed(values: np.ndarray) -> np.ndarray:
     """Each value keyed with the process's secret and mixed (one multiply, one xor-shift): the sums of
-    the chain cannot be steered by chosen text without the secret. A new array."""
+    the chain cannot be steered by chosen text without the secret. A new array.
+
+    Numpy's functions rather than operators: an operator on arrays of 256 KiB and more looks for a
+    temporary to reuse by walking the C stack, which costs more than the arithmetic."""
     mixed = np.bitwise_xor(values, _SECRET)
     np.multiply(mixed, np.uint64(0xBF58476D1CE4E5B9), out=mixed)
     return np.bitwise_xor(mixed, np.right_shift(mixed, np.uint64(31)), out=mixed)
-
-
-def _mix(values: np.ndarray) -> np.ndarray:
-    """SplitMix64's finaliser, element-wise and in place: a bijection of 64-bit values that spreads every
-    bit.
-
-    Numpy's functions rather than operators throughout: an operator on arrays of 256 KiB and more
-    looks for a temporary to reuse by walking the C stack, which costs more than the arithmetic."""
-    for shift, factor in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
-        np.bitwise_xor(values, np.right_shift(values, np.uint64(shift)), out=values)
-        np.multiply(values, np.uint64(factor), out=values)
-    return np.bitwise_xor(values, np.right_shift(values, np.uint64(31)), out=values)

@@ -54,3 +54,14 @@ def test_a_block_equal_to_another_prompts_block_after_a_different_head_hashes_di
 def test_at_most_max_blocks_are_hashed_whatever_the_length() -> None:
     long = "q" * (TEXT * 10_000)
     assert block_hashes(long, BLOCK_TOKENS, 7) == block_hashes(long[: TEXT * 7], BLOCK_TOKENS, 1000)
+
+
+@settings(deadline=None)
+@given(st.integers(0, 6), st.integers(0, 6), st.integers(-(2**63), 2**63 - 1))
+def test_a_chain_continues_from_any_blocks_hash(head: int, tail: int, seed: int) -> None:
+    ids = list(range(100, 100 + (head + tail) * BLOCK_TOKENS))
+    text = "".join(chr(0x61 + i % 7) for i in range((head + tail) * TEXT))
+    for content, size in ((ids, BLOCK_TOKENS), (text, TEXT)):
+        whole = block_hashes(content, BLOCK_TOKENS, 1000, seed)
+        start = whole[head - 1] if head else seed
+        assert block_hashes(content[head * size :], BLOCK_TOKENS, 1000, start) == whole[head:]
