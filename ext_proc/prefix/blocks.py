@@ -85,23 +85,45 @@ def block_hashes(
     chain). O(blocks hashed), whatever the length of ``content``."""
     size = block_tokens if not isinstance(content, str) else CHARS_PER_TOKEN * block_tokens
     count = min(len(content) // size, max_blocks)
-    if not count:
-        return []
-    if isinstance(content, str):  # two code points a value: size // 2 values a block
-        points = np.frombuffer(content[: count * size].encode("utf-32-le", "surrogatepass"), np.uint64)
-        values, per_block = _keyed(points), size // 2
-    else:
-        blocks = map(tuple, (content[start : start + size] for start in range(0, count * size, size)))
-        values, per_block = np.fromiter(map(hash, blocks), np.int64, count).view(np.uint64), 1
-    powers, inverses = _powers(len(values))
-    terms = np.multiply(values, inverses[: len(values)], out=values)
-    chained = np.cumsum(terms, dtype=np.uint64)[per_block - 1 :: per_block]
-    np.add(chained, np.uint64((seed * _MULTIPLIER) & _MASK), out=chained)
-    np.multiply(chained, powers[per_block - 1 : len(values) : per_block], out=chained)
-    return chained.view(np.int64).tolist()
+    per_block = size // 2 if isinstance(content, str) else 1  # text: two code points a value
+    powers, inverses = _powers(count * per_block)
+    step = max(1, _CHUNK_VALUES // per_block)  # blocks a chunk
+    carry = np.uint64((seed * _MULTIPLIER) & _MASK)
+    hashes: list[int] = []
+    for first in range(0, count, step):
+        last = min(first + step, count)
+        values = (
+            _text_values(content, size, first, last)
+            if isinstance(content, str)
+            else _id_values(content, size, first, last)
+        )
+        offset = first * per_block
+        np.multiply(values, inverses[offset : offset + len(values)], out=values)
+        sums = np.cumsum(values, dtype=np.uint64)
+        np.add(sums, carry, out=sums)
+        carry = sums[-1]
+        ends = np.multiply(
+            sums[per_block - 1 :: per_block],
+            powers[offset + per_block - 1 : offset + len(values) : per_block],
+        )
+        hashes += ends.view(np.int64).tolist()
+    return hashes
+
+
+def _text_values(text: str, size: int, first: int, last: int) -> np.ndarray:
+    """The chain's values of blocks ``first..last-1`` of ``text``: code points two a value, keyed."""
+    points = np.frombuffer(text[first * size : last * size].encode("utf-32-le", "surrogatepass"), np.uint64)
+    return _keyed(points)
+
+
+def _id_values(ids: Sequence[int], size: int, first: int, last: int) -> np.ndarray:
+    """The chain's values of blocks ``first..last-1`` of ``ids``: Python's hash of each block's ids."""
+    blocks = map(tuple, (ids[start : start + size] for start in range(first * size, last * size, size)))
+    return np.fromiter(map(hash, blocks), np.int64, last - first).view(np.uint64)
 
 
 _MASK = (1 << 64) - 1
+_CHUNK_VALUES = 4096  # values hashed at a time: 32 KiB arrays, below the allocator's fresh-pages threshold
 _MULTIPLIER = 0x9E3779B97F4A7C15  # odd, so invertible modulo 2**64
 _SECRET = np.uint64(secrets.randbits(64))
 _POWERS: list[np.ndarray] = [np.ones(1, dtype=np.uint64), np.ones(1, dtype=np.uint64)]
