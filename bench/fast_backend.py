@@ -44,7 +44,7 @@ async def _info(request: web.Request) -> web.Response:
 
 
 async def _main(port: int) -> None:
-    app = web.Application()
+    app = web.Application(client_max_size=64 * 1024 * 1024)  # bodies up to what Envoy buffers, and more
     app.router.add_post("/v1/completions", _complete)
     app.router.add_post("/v1/chat/completions", _complete)
     for path in (

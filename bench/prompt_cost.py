@@ -7,8 +7,8 @@ Three measurements, each at the trace's prompt lengths (``../shared/traces/``: m
   ``PdExtproc`` drives it (8 endpoints, 4 prefill and 4 decode in 2 groups, ``auto``, one chat message
   per request, every prompt new from its first block: the index records every block), with and
   without the prefix index: ``route_body`` per request on the JSON bytes Envoy would hand over (the
-  client's encoding is timed apart), median and p99 in µs; plus one 16 MiB body (the largest Envoy
-  buffers) with the index on.
+  client's encoding is timed apart), median and p99 in µs, and the process CPU time per request; plus
+  the slowest of two 16 MiB bodies (the largest Envoy buffers) with the index on.
 * ``gateway``: per prompt length, the same requests side by side, rotating targets request by request
   (machine noise hits all alike): the decode backend ``direct``; Envoy ``without_filter``; Envoy with
   the bare Python ext_proc floor (``bench/bare_extproc.py``); Envoy + pd-extproc without the index,
@@ -18,6 +18,7 @@ Three measurements, each at the trace's prompt lengths (``../shared/traces/``: m
   the decode). Latency p50/p99 at concurrency 1 and what each adds over ``direct``; then per target a
   closed loop at ``--concurrency`` for ``--seconds``: requests/s and CPU per request of the router
   process (pd-extproc, the bare processor or ``smg``) and of Envoy, from /proc over the whole window.
+* ``largest_body``: a 16 MiB body's latency through Envoy without the filter and with pd-extproc.
 * ``interference``: a short request's latency (about 250 tokens), sequentially, alone and while
   ``--long-streams`` closed loops send streamed 100k-token requests beside it: through Envoy +
   pd-extproc (index on), and through Envoy without the filter (what the machine's own contention adds).
@@ -92,18 +93,24 @@ def chat_body(tokens: int, serial: int, **extra: object) -> bytes:
     return json.dumps({"model": "bench", "messages": [message], "max_tokens": 32, **extra}).encode()
 
 
-def _router_cost(prefix: PrefixSettings | None, bodies: list[bytes], warmup: int) -> list[float]:
-    """Seconds of ``route_body`` for each of ``bodies`` after ``warmup`` of them (leases released)."""
+def _router_cost(
+    prefix: PrefixSettings | None, bodies: list[bytes], warmup: int
+) -> tuple[list[float], float]:
+    """Seconds of ``route_body`` for each of ``bodies`` after ``warmup`` of them (leases released), and
+    the process CPU seconds per request over them (on a shared machine, the figure descheduling
+    does not inflate)."""
     router = PdExtproc(ENDPOINTS, Policy(Mode.AUTO), prefix)
     times = []
+    cpu = 0.0
     for i, raw in enumerate(bodies):
-        started = time.perf_counter()
+        cpu_before, started = time.process_time(), time.perf_counter()
         placed = router.place_raw(raw)
-        elapsed = time.perf_counter() - started
+        elapsed, spent = time.perf_counter() - started, time.process_time() - cpu_before
         placed.release()
         if i >= warmup:
             times.append(elapsed)
-    return times
+            cpu += spent
+    return times, cpu / max(len(times), 1)
 
 
 def in_process(requests: int) -> dict:
@@ -118,11 +125,15 @@ def in_process(requests: int) -> dict:
         encode_us = (time.perf_counter() - started) / requests * 1e6
         row: dict = {"tokens": tokens, "body_bytes": len(bodies[0]), "client_encode_us": encode_us}
         for name, prefix in (("without_index", None), ("with_index", PrefixSettings())):
-            times = _router_cost(prefix, bodies, warmup)
-            row[name] = {"p50_us": statistics.median(times) * 1e6, "p99_us": percentile(times, 0.99) * 1e6}
+            times, cpu = _router_cost(prefix, bodies, warmup)
+            row[name] = {
+                "p50_us": statistics.median(times) * 1e6,
+                "p99_us": percentile(times, 0.99) * 1e6,
+                "cpu_us": cpu * 1e6,
+            }
         results[label] = row
     big = [chat_body(BIG_BODY_BYTES // 4 - 40, i) for i in range(3)]
-    times = _router_cost(PrefixSettings(), big, 1)
+    times, _ = _router_cost(PrefixSettings(), big, 1)
     results["16MiB"] = {"body_bytes": len(big[0]), "with_index": {"max_ms": max(times) * 1e3}}
     return results
 
@@ -274,6 +285,17 @@ async def interference(url: str, requests: int, long_streams: int) -> dict:
     return results
 
 
+async def largest_body(urls: dict[str, str], requests: int) -> dict:
+    """Latency of a 16 MiB chat body (the largest Envoy buffers) through each of ``urls``, in turns."""
+    body = chat_body(BIG_BODY_BYTES // 4 - 40, 0)
+    times: dict[str, list[float]] = {name: [] for name in urls}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        for _ in range(requests):
+            for name, url in urls.items():
+                times[name].append(await _post(session, url, body))
+    return {"body_bytes": len(body)} | {name: summary_ms(values) for name, values in times.items()}
+
+
 async def _backends(workdir: Path) -> tuple[list[subprocess.Popen], str, str, list[str]]:
     """Two fast backends (prefill, decode) and the EDS files naming them."""
     processes = [spawn_python([str(BENCH / "fast_backend.py")]) for _ in range(2)]
@@ -351,6 +373,8 @@ async def through_gateways(
             name: await interference(targets[name].url, requests, long_streams)
             for name in ("without_filter", "pd_extproc_index")
         }
+        big = {name: targets[name].url for name in ("without_filter", "pd_extproc", "pd_extproc_index")}
+        results["largest_body"] = await largest_body(big, max(2, requests // 20))
         return results
     finally:
         for gateway in gateways:
@@ -360,15 +384,17 @@ async def through_gateways(
 
 def _print(results: dict) -> None:
     if "in_process" in results:
-        print(f"{'prompt':<8}{'body':>10}{'no index p50 us':>17}{'index p50 us':>14}{'index p99 us':>14}")
+        print(
+            f"{'prompt':<8}{'body':>10}{'no index p50/CPU us':>21}{'index p50/CPU us':>18}"
+            f"{'index p99 us':>14}"
+        )
         for label, row in results["in_process"].items():
             if label == "16MiB":
                 print(f"16 MiB body, index on: {row['with_index']['max_ms']:.1f} ms (the slowest of 2)")
                 continue
             off, on = row["without_index"], row["with_index"]
-            print(
-                f"{label:<8}{row['body_bytes']:>10}{off['p50_us']:>17.0f}{on['p50_us']:>14.0f}{on['p99_us']:>14.0f}"
-            )
+            cells = f"{off['p50_us']:>14.0f}/{off['cpu_us']:<6.0f}{on['p50_us']:>11.0f}/{on['cpu_us']:<6.0f}"
+            print(f"{label:<8}{row['body_bytes']:>10}{cells}{on['p99_us']:>14.0f}")
     for label, row in results.get("gateway", {}).items():
         print(f"\n{label} tokens ({row['body_bytes']} B)")
         print(
@@ -382,6 +408,10 @@ def _print(results: dict) -> None:
                     f"{cells['requests_per_s']:>8.0f}{cells['router_cpu_us_per_request']:>10.0f}"
                     f"{cells['envoy_cpu_us_per_request']:>9.0f}"
                 )
+    if "largest_body" in results:
+        big = results["largest_body"]
+        cells = ", ".join(f"{k} p50 {v['p50_ms']:.1f} ms" for k, v in big.items() if isinstance(v, dict))
+        print(f"{big['body_bytes']} B body: {cells}")
     for target, rows in results.get("interference", {}).items():
         for name, cells in rows.items():
             print(

@@ -28,3 +28,4 @@ def test_in_process_and_gateways_write_every_row(tmp_path):
         assert all(row[name]["errors"] == 0 for name in prompt_cost.ROUTERS), row
     for target in ("without_filter", "pd_extproc_index"):
         assert set(results["interference"][target]) == {"alone", "beside_long"}
+    assert results["largest_body"]["pd_extproc_index"]["p50_ms"] > 0
