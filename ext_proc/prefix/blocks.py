@@ -123,7 +123,7 @@ def _id_values(ids: Sequence[int], size: int, first: int, last: int) -> np.ndarr
 
 
 _MASK = (1 << 64) - 1
-_CHUNK_VALUES = 4096  # values hashed at a time: 32 KiB arrays, below the allocator's fresh-pages threshold
+_CHUNK_VALUES = 8192  # values hashed at a time: 64 KiB arrays, below the allocator's fresh-pages threshold
 _MULTIPLIER = 0x9E3779B97F4A7C15  # odd, so invertible modulo 2**64
 _SECRET = np.uint64(secrets.randbits(64))
 _POWERS: list[np.ndarray] = [np.ones(1, dtype=np.uint64), np.ones(1, dtype=np.uint64)]
