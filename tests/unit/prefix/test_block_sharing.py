@@ -72,6 +72,6 @@ def test_long_chains_continue_across_the_hashing_chunks() -> None:
     whole = block_hashes(ids, 1, 20_000)
     for head in (8191, 8192, 8193, 16_385):
         assert block_hashes(ids[head:], 1, 20_000, whole[head - 1]) == whole[head:]
-    text = "".join(chr(0x61 + i * 31 % 26) for i in range(80_000))  # 2,500 blocks of 32 values
+    text = "".join(chr(0x61 + i * 31 % 26) for i in range(80_000))  # 2,500 blocks of 16 values: five chunks
     whole = block_hashes(text, 8, 10_000)
     assert block_hashes(text[256 * 32 :], 8, 10_000, whole[255]) == whole[256:]
