@@ -44,7 +44,16 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cpu_seconds, first_line, spawn_python, summary_ms, write_json
+from common import (
+    closed_loop,
+    cpu_seconds,
+    first_line,
+    spawn_python,
+    start_envoy,
+    summary_ms,
+    timed_post,
+    write_json,
+)
 from prefix_peers import Endpoint, PdExtproc
 
 from ext_proc.affinity import Mode, Policy
@@ -54,8 +63,6 @@ from ext_proc.prefix import PrefixSettings
 from sim.gateway import (
     Gateway,
     free_port,
-    render_bootstrap,
-    start_gateway,
     start_router_process,
     terminate,
     wait_router_ready,
@@ -77,7 +84,6 @@ ENDPOINTS = [
 ]
 """8 endpoints of 200k tokens of KV each: 2 prefill and 2 decode in each of 2 groups."""
 _WORDS = ("the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "engines", "share")
-JSON_HEADERS = {"Content-Type": "application/json"}
 
 
 def prompt_text(tokens: int, serial: int) -> str:
@@ -176,23 +182,13 @@ async def start_smg(prefill: str, decode: str, port: int, log: Path) -> subproce
             if process.poll() is not None:
                 raise RuntimeError(f"smg exited with code {process.returncode}: see {log}")
             try:
-                async with session.post(url, data=body, headers=JSON_HEADERS) as response:
-                    if response.status == 200:
-                        return process
-            except aiohttp.ClientError:
+                await timed_post(session, url, body)
+                return process
+            except (RuntimeError, aiohttp.ClientError):
                 pass
             await asyncio.sleep(0.25)
     terminate(process)
     raise RuntimeError(f"smg did not route within 60 s: see {log}")
-
-
-async def _post(session: aiohttp.ClientSession, url: str, body: bytes) -> float:
-    started = time.perf_counter()
-    async with session.post(url, data=body, headers=JSON_HEADERS) as response:
-        await response.read()
-        if response.status != 200:
-            raise RuntimeError(f"{url} answered {response.status}: {await response.text()}")
-    return time.perf_counter() - started
 
 
 class Target:
@@ -210,22 +206,12 @@ class Target:
 
 async def _closed_loop(target: Target, bodies: list[bytes], concurrency: int, seconds: float) -> dict:
     """``concurrency`` clients back to back for ``seconds``: requests/s, errors, CPU µs per request."""
-    done = errors = 0
-    deadline = time.perf_counter() + seconds
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-
-        async def client() -> None:
-            nonlocal done, errors
-            while time.perf_counter() < deadline:
-                try:
-                    await _post(session, target.url, bodies[(done + errors) % len(bodies)])
-                    done += 1
-                except (RuntimeError, aiohttp.ClientError):
-                    errors += 1
-
-        started, before = time.perf_counter(), target.cpu()
-        await asyncio.gather(*(client() for _ in range(concurrency)))
-        elapsed, after = time.perf_counter() - started, target.cpu()
+        before = target.cpu()
+        done, errors, elapsed = await closed_loop(
+            lambda n: timed_post(session, target.url, bodies[n % len(bodies)]), concurrency, seconds
+        )
+        after = target.cpu()
     per = max(done, 1)
     return {
         "requests_per_s": done / elapsed,
@@ -244,7 +230,7 @@ async def gateway_costs(targets: dict[str, Target], requests: int, concurrency: 
             latencies: dict[str, list[float]] = {name: [] for name in targets}
             for i in range(requests + 10):
                 for name, target in targets.items():
-                    elapsed = await _post(session, target.url, bodies[i % len(bodies)])
+                    elapsed = await timed_post(session, target.url, bodies[i % len(bodies)])
                     if i >= 10:
                         latencies[name].append(elapsed)
             row: dict = {"tokens": tokens, "body_bytes": len(bodies[0])}
@@ -274,11 +260,11 @@ async def interference(url: str, requests: int, long_streams: int) -> dict:
                 nonlocal sent
                 while not stop.is_set():
                     sent += 1
-                    await _post(session, url, long_bodies[sent % len(long_bodies)])
+                    await timed_post(session, url, long_bodies[sent % len(long_bodies)])
 
             loops = [asyncio.create_task(long_loop(stop)) for _ in range(streams)]
             await asyncio.sleep(0.5 if streams else 0)
-            times = [await _post(session, url, short) for _ in range(requests)]
+            times = [await timed_post(session, url, short) for _ in range(requests)]
             stop.set()
             await asyncio.gather(*loops)
             results[name] = summary_ms(times) | {"long_requests": sent}
@@ -292,7 +278,7 @@ async def largest_body(urls: dict[str, str], requests: int) -> dict:
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         for _ in range(requests):
             for name, url in urls.items():
-                times[name].append(await _post(session, url, body))
+                times[name].append(await timed_post(session, url, body))
     return {"body_bytes": len(body)} | {name: summary_ms(values) for name, values in times.items()}
 
 
@@ -318,20 +304,6 @@ async def _router(workdir: Path, eds: list[str], name: str, config: dict) -> tup
     return process, grpc_port
 
 
-async def _envoy(eds: list[str], extproc_port: int | None, fail_open: bool) -> Gateway:
-    listen, admin = free_port(), free_port()
-    bootstrap = render_bootstrap(
-        listen_port=listen,
-        admin_port=admin,
-        extproc_port=extproc_port,
-        decode_eds_path=eds[1],
-        prefill_eds_path=eds[0],
-        prefill_leg_port=free_port(),
-        fail_open=fail_open,
-    )
-    return await start_gateway(bootstrap, listen, admin, concurrency=1)
-
-
 ROUTERS = {
     "pd_extproc": {"affinity": {"mode": "auto"}},
     "pd_extproc_index": {"affinity": {"mode": "auto", "prefix": {"enabled": True}}},
@@ -351,16 +323,16 @@ async def through_gateways(
         bare = spawn_python([str(BENCH / "bare_extproc.py")])
         processes.append(bare)
         targets = {"direct": Target(f"http://{decode}/v1/chat/completions")}
-        plain = await _envoy(eds, None, False)
+        plain = await start_envoy(eds, None)
         gateways.append(plain)
         targets["without_filter"] = Target(f"{plain.url}/v1/chat/completions", None, plain.process.pid)
-        floor = await _envoy(eds, int(first_line(bare)), True)
+        floor = await start_envoy(eds, int(first_line(bare)), fail_open=True)
         gateways.append(floor)
         targets["bare_ext_proc"] = Target(f"{floor.url}/v1/chat/completions", bare.pid, floor.process.pid)
         for name, config in ROUTERS.items():
             router, port = await _router(workdir, eds, name, config)
             processes.append(router)
-            gateway = await _envoy(eds, port, False)
+            gateway = await start_envoy(eds, port)
             gateways.append(gateway)
             targets[name] = Target(f"{gateway.url}/v1/chat/completions", router.pid, gateway.process.pid)
         if with_smg:
