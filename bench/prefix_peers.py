@@ -126,7 +126,11 @@ class PdExtproc:
         )
 
     def place(self, body: dict[str, object]) -> Placed:
-        outcome = self.router.route_body(json.dumps(body).encode(), RequestMeta(path=CHAT_PATH))
+        return self.place_raw(json.dumps(body).encode())
+
+    def place_raw(self, raw: bytes) -> Placed:
+        """Place the chat request whose JSON body is ``raw`` (as Envoy hands it to pd-extproc)."""
+        outcome = self.router.route_body(raw, RequestMeta(path=CHAT_PATH))
         assert isinstance(outcome, Routed) and self._handoff.last is not None, outcome
         return _placed(self._handoff.last.decision, self._handoff.last.lease)
 
