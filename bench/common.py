@@ -1,14 +1,20 @@
-"""Shared pieces of the benchmark scripts: subprocesses, latency summaries, JSON/PNG output."""
+"""Shared pieces of the benchmark scripts: subprocesses, latency summaries, closed loops, JSON output."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import statistics
 import subprocess
 import sys
+import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import aiohttp
+
+from sim.gateway import Gateway, free_port, render_bootstrap, start_gateway
 from sim.report import percentile
 
 
@@ -21,6 +27,64 @@ def summary_ms(seconds: list[float]) -> dict[str, float]:
         "p99_ms": percentile(seconds, 0.99) * 1e3,
         "mean_ms": statistics.fmean(seconds) * 1e3,
     }
+
+
+async def timed_post(session: aiohttp.ClientSession, url: str, body: dict | bytes) -> float:
+    """Seconds one POST of ``body`` (a JSON object, or its encoding) to ``url`` took to be answered
+    in full; ``RuntimeError`` unless the answer is a 200."""
+    started = time.perf_counter()
+    sent = {"json": body} if isinstance(body, dict) else {"data": body, "headers": _JSON}
+    async with session.post(url, **sent) as response:
+        await response.read()
+        if response.status != 200:
+            raise RuntimeError(f"{url} answered {response.status}: {await response.text()}")
+    return time.perf_counter() - started
+
+
+_JSON = {"Content-Type": "application/json"}
+
+
+async def closed_loop(
+    send: Callable[[int], Awaitable[object]], concurrency: int, seconds: float
+) -> tuple[int, int, float]:
+    """``concurrency`` clients awaiting ``send(n)`` back to back for ``seconds`` (``n``: the requests
+    sent so far); the requests completed, those failed (``RuntimeError`` or ``aiohttp.ClientError``),
+    and the seconds elapsed."""
+    done = errors = 0
+    deadline = time.perf_counter() + seconds
+
+    async def client() -> None:
+        nonlocal done, errors
+        while time.perf_counter() < deadline:
+            try:
+                await send(done + errors)
+                done += 1
+            except (RuntimeError, aiohttp.ClientError):
+                errors += 1
+
+    started = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    return done, errors, time.perf_counter() - started
+
+
+async def start_envoy(
+    eds: list[str], extproc_port: int | None, *, fail_open: bool = False, full_duplex: bool = False
+) -> Gateway:
+    """Envoy from the shipped bootstrap on free loopback ports, one worker thread, its clusters read
+    from the EDS files ``eds`` (prefill, decode); ``extproc_port`` ``None``: without the ext_proc filter
+    (the other options: :func:`sim.gateway.render_bootstrap`'s)."""
+    listen, admin = free_port(), free_port()
+    bootstrap = render_bootstrap(
+        listen_port=listen,
+        admin_port=admin,
+        extproc_port=extproc_port,
+        decode_eds_path=eds[1],
+        prefill_eds_path=eds[0],
+        prefill_leg_port=free_port(),
+        fail_open=fail_open,
+        full_duplex=full_duplex,
+    )
+    return await start_gateway(bootstrap, listen, admin, concurrency=1)
 
 
 def spawn_python(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:

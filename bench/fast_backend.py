@@ -3,6 +3,8 @@
 Non-streaming requests are answered at once. A streaming request (``"stream": true``) gets its
 headers and one chunk at once, then is held open for ``x-hold-ms`` milliseconds (header) before
 ``data: [DONE]``: how the benchmark keeps many streams in flight.
+GETs of ``/health``, ``/v1/models`` and ``/[get_]model_info``, ``/[get_]server_info`` answer what SGLang's
+model gateway (``smg``) asks of a worker before it routes to it.
 Run: ``python bench/fast_backend.py [PORT]`` (0 or nothing = any free port).
 """
 
@@ -22,8 +24,8 @@ CHUNK = b'data: {"id":"cmpl-bench","object":"text_completion","choices":[{"index
 
 
 async def _complete(request: web.Request) -> web.StreamResponse:
-    body = json.loads(await request.read())
-    if not body.get("stream"):
+    raw = await request.read()
+    if b'"stream"' not in raw or not json.loads(raw).get("stream"):  # parse long bodies only when needed
         return web.Response(body=ANSWER, content_type="application/json")
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await response.prepare(request)
@@ -34,10 +36,26 @@ async def _complete(request: web.Request) -> web.StreamResponse:
     return response
 
 
+async def _info(request: web.Request) -> web.Response:
+    """What a gateway's worker checks ask: health, the served model, the server's info."""
+    if request.path == "/v1/models":
+        return web.json_response({"object": "list", "data": [{"id": "bench", "object": "model"}]})
+    return web.json_response({"model_path": "bench", "is_generation": True})
+
+
 async def _main(port: int) -> None:
-    app = web.Application()
+    app = web.Application(client_max_size=64 * 1024 * 1024)  # bodies up to what Envoy buffers, and more
     app.router.add_post("/v1/completions", _complete)
     app.router.add_post("/v1/chat/completions", _complete)
+    for path in (
+        "/health",
+        "/v1/models",
+        "/model_info",
+        "/server_info",
+        "/get_model_info",
+        "/get_server_info",
+    ):
+        app.router.add_get(path, _info)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port, backlog=4096).start()

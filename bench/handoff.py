@@ -1,8 +1,9 @@
 """Handoff protocols and the decode-only threshold: what the gateway's prefill leg costs, and when to skip it.
 
-1. **Handoff comparison.** One simulated cluster (the demo's ``DEFAULT_CLUSTER``: rack-a 2 prefill +
-   3 large decodes, rack-b 1 prefill + 2 smaller, slower decodes), one seeded streaming chat workload
-   (OpenAI SDK, prompts 512-4,096 tokens, as the demo), affinity ``prefer``, sent through the real Envoy
+1. **Handoff comparison.** One simulated cluster (the ``demo`` cluster of :func:`sim.cluster.clusters` on
+   the ``legacy`` profile, no prefix caching: rack-a 2 prefill + 3 large decodes, rack-b 1 prefill + 2
+   smaller, slower decodes), one seeded streaming chat workload (OpenAI SDK, prompts 512-4,096 tokens,
+   as the demo's before it replayed a trace), affinity ``prefer``, sent through the real Envoy
    and pd-extproc once per handoff: ``sidecar`` (the decode's sidecar calls the prefill),
    ``kv-transfer-params`` with the prefill leg through Envoy's prefill-leg listener, the same with the
    leg sent straight to the engine (``-direct``), and ``sglang-bootstrap`` (both legs at once). Client
@@ -45,15 +46,21 @@ from prometheus_client.parser import text_string_to_metric_families
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_json
 
+from sim.cluster import clusters
 from sim.config import KV_CONNECTORS, KvConfig
-from sim.demo import DEFAULT_CLUSTER, PROMPT_TOKENS
 from sim.experiment import measure
+from sim.profiles import load_profile, smaller
 from sim.report import format_table
 from sim.stack import Stack, start_stack
 from sim.workload import RequestPlan, plan_workload
 
 FIRST_SEED = 7  # --seeds N uses workload seeds FIRST_SEED .. FIRST_SEED + N - 1
 MODE, BONUS = "prefer", 0.3
+LEGACY = load_profile("legacy").timing
+CLUSTER = clusters(LEGACY, smaller(LEGACY))["demo"]
+"""rack-a 2 prefill + 3 large decodes, rack-b 1 prefill + 2 small decodes, on the simulator's chosen costs."""
+PROMPT_TOKENS = (512, 4096)
+"""Prompt lengths of the handoff comparison (tokens, uniform): chat with history / RAG sized."""
 SWEEP_PROMPT_TOKENS = (16, 2048)
 """Prompt lengths of the sweep workload (tokens, uniform): chat turns, short to medium."""
 SWEEP_THRESHOLDS = (0, 64, 128, 256, 512, 1024)
@@ -401,7 +408,7 @@ async def run_all(
     (per-seed comparisons, per-seed sweeps)."""
     compared: dict[int, dict[str, dict]] = {}
     swept: dict[int, dict[str, dict]] = {}
-    stack = start_stack(DEFAULT_CLUSTER, kv=KvConfig(kv_connector=kv_connector))
+    stack = start_stack(CLUSTER, kv=KvConfig(kv_connector=kv_connector))
     try:
         for index, seed in enumerate(seeds):
             compared[seed], swept[seed] = await run_seed(
@@ -461,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
         run_all(handoffs, args.requests, args.rate, seeds, not args.skip_sweep, args.kv_connector)
     )
     output: dict = {
-        "cluster": "sim.demo.DEFAULT_CLUSTER: rack-a 2P + 3 large D, rack-b 1P + 2 small D",
+        "cluster": "demo (legacy profile): rack-a 2P + 3 large D, rack-b 1P + 2 small D",
         "kv_connector": args.kv_connector,
         "workload": {"requests": args.requests, "rate_rps": args.rate, "prompt_tokens": PROMPT_TOKENS},
         "affinity": {"mode": MODE, "bonus": BONUS},

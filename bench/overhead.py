@@ -32,15 +32,23 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cpu_seconds, first_line, rss_mib, spawn_python, summary_ms, write_json
+from common import (
+    closed_loop,
+    cpu_seconds,
+    first_line,
+    rss_mib,
+    spawn_python,
+    start_envoy,
+    summary_ms,
+    timed_post,
+    write_json,
+)
 
 from ext_proc.discovery.eds import write_eds_file
 from ext_proc.endpoints import EndpointSpec
 from sim.gateway import (
     Gateway,
     free_port,
-    render_bootstrap,
-    start_gateway,
     start_router_process,
     terminate,
     wait_router_ready,
@@ -56,15 +64,6 @@ BODY_MODE_GATEWAYS = ("bare_buffered", "bare_full_duplex", "buffered", "full_dup
 prompt adds a few dozen)."""
 
 
-async def _timed(session: aiohttp.ClientSession, url: str, body: dict = BODY) -> float:
-    started = time.perf_counter()
-    async with session.post(url, json=body) as response:
-        await response.read()
-        if response.status != 200:
-            raise RuntimeError(f"{url} answered {response.status}: {await response.text()}")
-    return time.perf_counter() - started
-
-
 async def _side_by_side(urls: dict[str, str], requests: int, concurrency: int, server_pid: int) -> dict:
     """``requests`` per gateway in rounds of ``concurrency`` parallel requests, rotating gateways."""
     latencies: dict[str, list[float]] = {name: [] for name in urls}
@@ -74,7 +73,7 @@ async def _side_by_side(urls: dict[str, str], requests: int, concurrency: int, s
         for _ in range(max(1, requests // concurrency)):
             for name, url in urls.items():
                 before = cpu_seconds(server_pid) if name == "pd_extproc" else 0.0
-                batch = await asyncio.gather(*(_timed(session, url) for _ in range(concurrency)))
+                batch = await asyncio.gather(*(timed_post(session, url, BODY) for _ in range(concurrency)))
                 if name == "pd_extproc":
                     cpu += cpu_seconds(server_pid) - before
                 latencies[name].extend(batch)
@@ -91,22 +90,11 @@ async def _max_throughput(url: str, concurrency: int, seconds: float, server_pid
     With ``server_pid``, also the CPU time that process spent per completed request (µs): over a
     whole window of many requests, so /proc's clock-tick granularity (10 ms) does not matter.
     """
-    done = errors = 0
-    deadline = time.perf_counter() + seconds
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-
-        async def worker() -> None:
-            nonlocal done, errors
-            while time.perf_counter() < deadline:
-                try:
-                    await _timed(session, url)
-                    done += 1
-                except (RuntimeError, aiohttp.ClientError):
-                    errors += 1
-
-        started, cpu_before = time.perf_counter(), cpu_seconds(server_pid) if server_pid else 0.0
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        elapsed = time.perf_counter() - started
+        cpu_before = cpu_seconds(server_pid) if server_pid else 0.0
+        done, errors, elapsed = await closed_loop(
+            lambda _: timed_post(session, url, BODY), concurrency, seconds
+        )
         cpu = cpu_seconds(server_pid) - cpu_before if server_pid else 0.0
     result = {"concurrency": concurrency, "requests_per_s": done / elapsed, "errors": errors}
     if server_pid:
@@ -162,7 +150,7 @@ async def _body_modes(urls: dict[str, str], requests: int, server_pid: int) -> d
             for _ in range(requests):
                 for name, url in urls.items():
                     before = cpu_seconds(server_pid)
-                    latencies[name].append(await _timed(session, url, body))
+                    latencies[name].append(await timed_post(session, url, body))
                     cpu[name] += cpu_seconds(server_pid) - before
             row = {name: summary_ms(values) for name, values in latencies.items()}
             base = row["without_filter"]["p50_ms"]
@@ -205,18 +193,11 @@ async def measure(
             ("full_duplex", grpc_port),
             ("bare_full_duplex", bare_port),
         ):
-            listen, admin = free_port(), free_port()
-            bootstrap = render_bootstrap(
-                listen_port=listen,
-                admin_port=admin,
-                extproc_port=extproc,
-                decode_eds_path=eds[1],
-                prefill_eds_path=eds[0],
-                prefill_leg_port=free_port(),
-                fail_open=name.startswith("bare_"),  # it names no decode: Envoy's fallback policy picks
-                full_duplex=name.endswith("full_duplex"),
+            # The bare processor names no decode: Envoy's fallback policy picks (fail open).
+            full_duplex = name.endswith("full_duplex")
+            gateways.append(
+                await start_envoy(eds, extproc, fail_open=name.startswith("bare_"), full_duplex=full_duplex)
             )
-            gateways.append(await start_gateway(bootstrap, listen, admin, concurrency=1))
             urls[name] = f"{gateways[-1].url}/v1/chat/completions"
         modes = {
             "without_filter": urls["without_filter"],

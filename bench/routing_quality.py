@@ -34,8 +34,8 @@ from common import write_json
 
 from sim.cluster import EngineSpec
 from sim.config import KvConfig, TimingConfig
-from sim.demo import BIG, SMALL
 from sim.experiment import BASELINE, Disruption, measure
+from sim.profiles import smaller
 from sim.report import format_table
 from sim.stack import Stack, start_stack
 from sim.workload import RequestPlan, plan_workload
@@ -57,6 +57,10 @@ AUTO, MISCONFIGURED = "auto", "auto:bw10x"
 """``auto`` told the simulated fabric; and told a cross-group bandwidth 10x the real one."""
 SETTINGS = ("off", *(f"prefer@{b}" for b in PREFER_BONUSES), "strict", AUTO, BASELINE)
 """A scenario's settings unless it names others."""
+BIG = TimingConfig()
+"""A large decode engine (the simulator's defaults, the ``legacy`` profile)."""
+SMALL = smaller(BIG)
+"""A smaller, slower decode engine: half the KV cache and batch, 16 ms decode steps."""
 SATURATED = replace(BIG, max_batch=4, decode_step_per_seq_ms=3.0, kv_capacity_tokens=16384)
 """A decode whose batch fills at the benchmark's rates: 4 sequences, 3 ms more per step for each (a
 full batch steps in 24 ms, twice an empty one's), and a KV cache (16k tokens, what pd-extproc sees as

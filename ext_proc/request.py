@@ -1,6 +1,11 @@
 """Parse an OpenAI-compatible request body into the few numbers routing needs.
 
-One ``json.loads`` per request and a walk over the prompt: no schema library on the hot path.
+One parse per request and a walk over the prompt: no schema library on the hot path. The body is
+parsed by ``msgspec`` (C, several times faster than ``json`` on long prompts); a body it refuses is
+parsed again by Python's ``json``, which decides, so what is accepted, its values and the error
+messages are exactly ``json``'s (``msgspec`` accepts a subset of what the hooks below let through,
+with the same values: it refuses lone surrogates, non-UTF-8 encodings and out-of-range numbers that
+``json`` may take).
 Token counts are estimates the load accounting can trust to be monotone in request size:
 exact for token-id prompts, ``ceil(chars / 4)`` for text. Nothing here recurses with the body's
 nesting (the prompt walk reads a fixed few levels); Python's ``json`` does, so bodies nesting
@@ -19,6 +24,8 @@ import json
 import math
 from dataclasses import dataclass
 
+import msgspec
+
 MAX_OUTPUT_BUDGET = 2**40
 """The most output tokens one request may reserve, all sequences together: far beyond any model's
 context, and small enough that the in-flight token sums (int64 load arrays) cannot overflow."""
@@ -28,6 +35,8 @@ beyond any OpenAI request (a tool's JSON schema nests a few dozen levels), and f
 Python's recursive ``json`` parses and the handoffs re-serialise (about 1,000 levels)."""
 _TOO_DEEP = f"request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels"
 _CONTAINERS = frozenset({dict, list})  # the only container types json.loads makes
+_DECODER = msgspec.json.Decoder()
+_WALK_BUDGET = 4096  # values a depth walk looks at before the brackets are counted instead
 
 
 class RequestError(ValueError):
@@ -136,13 +145,18 @@ def _sequences(body: dict, field: str) -> int:
     return value
 
 
-def _nests_deeper(body: dict[str, object], limit: int) -> bool:
+def _nests_deeper(body: dict[str, object], limit: int, budget: int | None = None) -> bool | None:
     """Whether ``body`` nests arrays and objects more than ``limit`` levels deep (``body`` is level 1).
 
     Iterative, one level at a time: any depth is measured without recursion, in about 60 ns per value.
+    With ``budget``: ``None`` (undecided) once more than ``budget`` values would be looked at.
     """
     level: list[dict[str, object] | list[object]] = [body]
     for _ in range(limit):
+        if budget is not None:
+            budget -= sum(map(len, level))
+            if budget < 0:
+                return None
         level = [
             child
             for value in level
@@ -171,17 +185,30 @@ def parse_body(raw: bytes) -> dict[str, object]:
     Raises :class:`RequestError` when it is not one, or when it nests arrays and objects deeper than
     :data:`MAX_JSON_DEPTH` levels."""
     try:
-        body = json.loads(raw, parse_constant=_no_constant, parse_float=_finite_float)
+        body = _DECODER.decode(raw)
+    except (msgspec.MsgspecError, RecursionError):  # json decides: see the module docstring
+        body = _parse_strictly(raw)
+    if not isinstance(body, dict):
+        raise RequestError("request body must be a JSON object")
+    # A body of few values (a chat request, however long its text) is walked; one of many (token ids)
+    # has its bracket bytes counted first: each level opens with one (in any JSON encoding), so a body
+    # with few of them is shallow. Either way, linear in the body.
+    deep = _nests_deeper(body, MAX_JSON_DEPTH, _WALK_BUDGET)
+    if deep is None:
+        deep = raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and _nests_deeper(body, MAX_JSON_DEPTH)
+    if deep:
+        raise RequestError(_TOO_DEEP)
+    return body
+
+
+def _parse_strictly(raw: bytes) -> object:
+    """``raw`` parsed by Python's ``json`` with the strict-JSON hooks; :class:`RequestError` if invalid."""
+    try:
+        return json.loads(raw, parse_constant=_no_constant, parse_float=_finite_float)
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, the hooks', too many digits
         raise RequestError(f"request body is not valid JSON: {exc}") from None
     except RecursionError:  # deeper than the interpreter's recursion limit (about 1,000 levels)
         raise RequestError(_TOO_DEEP) from None
-    if not isinstance(body, dict):
-        raise RequestError("request body must be a JSON object")
-    # Each level opens with a bracket byte (in any JSON encoding), so a body with few of them is shallow.
-    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and _nests_deeper(body, MAX_JSON_DEPTH):
-        raise RequestError(_TOO_DEEP)
-    return body
 
 
 def parse_request(raw: bytes, default_max_tokens: int) -> RequestInfo:

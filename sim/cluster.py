@@ -31,6 +31,23 @@ class EngineSpec:
     timing: TimingConfig | None = None
 
 
+def clusters(large: TimingConfig, small: TimingConfig) -> dict[str, list[EngineSpec]]:
+    """The named clusters of the demo and the benchmarks: ``demo`` (pdGroup rack-a 2 prefills + 3
+    large decodes, rack-b 1 prefill + 2 small decodes) and ``three-group`` (g1 and g2 each 2 prefills
+    + 3 large decodes; ``trap`` 2 prefills and 1 small decode); every prefill and the large decodes
+    ``large``, the small decodes ``small``."""
+
+    def engines(group: str, prefills: int, decodes: int, timing: TimingConfig) -> list[EngineSpec]:
+        return [EngineSpec("prefill", group, timing=large) for _ in range(prefills)] + [
+            EngineSpec("decode", group, timing=timing) for _ in range(decodes)
+        ]
+
+    return {
+        "demo": engines("rack-a", 2, 3, large) + engines("rack-b", 1, 2, small),
+        "three-group": engines("g1", 2, 3, large) + engines("g2", 2, 3, large) + engines("trap", 2, 1, small),
+    }
+
+
 async def start_cluster(
     specs: Sequence[EngineSpec],
     eds_files: Sequence[str | Path] = (),

@@ -12,6 +12,12 @@ its blocks tail first, so its prompt's head outlives its tail (vLLM's ``FreeKVCa
 Blocks in use are never evicted. Two sequences computing the same block at once keep a copy each;
 the first to finish it caches it.
 
+With a CPU tier (``cpu_capacity`` blocks, vLLM's native KV offloading), a block evicted from the KV
+cache is copied there, and the tier drops its least recently used blocks when full. A prompt's cached
+run then continues past its KV-cache hit into the CPU tier: those blocks are given fresh KV blocks,
+loaded (the engine charges the copy at the CPU-to-GPU bandwidth, :mod:`sim.engine`) and cached again,
+and are neither computed nor pulled. Hits are counted per tier.
+
 The "tokens" of a text prompt are its characters in fours (the gateway's and the simulator's token
 estimate, :mod:`ext_proc.request`), so a block is ``4 * block_size`` characters of the concatenated
 prompt text; token-id prompts are blocks of ids. Generated tokens extend the text (the simulator
@@ -74,17 +80,21 @@ class BlockCache:
     """An engine's KV blocks: in use, free and cached, or free and empty; see the module docstring.
 
     ``used`` counts blocks in use (private ones plus cached ones with references). ``queries`` and
-    ``hits`` count prompt tokens looked up and found (vLLM's ``prefix_cache_queries`` / ``_hits``).
+    ``hits`` count prompt tokens looked up and found in the KV cache (vLLM's ``prefix_cache_queries`` /
+    ``_hits``), ``cpu_hits`` those found in the CPU tier (``cpu_capacity`` blocks, 0: none).
     """
 
-    def __init__(self, capacity: int, block_size: int) -> None:
+    def __init__(self, capacity: int, block_size: int, cpu_capacity: int = 0) -> None:
         self.capacity = capacity
         self.block_size = block_size
+        self.cpu_capacity = cpu_capacity
         self.used = 0
         self.queries = 0
         self.hits = 0
+        self.cpu_hits = 0
         self._refs: dict[int, int] = {}  # cached block hash → sequences referencing it
         self._free: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody references, LRU first
+        self._cpu: OrderedDict[int, None] = OrderedDict()  # the CPU tier's blocks, least recently used first
 
     @property
     def cached_blocks(self) -> int:
@@ -94,11 +104,23 @@ class BlockCache:
     def lookup(self, hashes: Sequence[int], prompt_tokens: int) -> int:
         """How many leading blocks of ``hashes`` are cached, at most ``(prompt_tokens - 1) //
         block_size`` (at least one prompt token is always computed)."""
-        limit = min(len(hashes), max(0, prompt_tokens - 1) // self.block_size)
+        limit = self._limit(hashes, prompt_tokens)
         hit = 0
         while hit < limit and hashes[hit] in self._refs:
             hit += 1
         return hit
+
+    def lookup_cpu(self, hashes: Sequence[int], prompt_tokens: int, start: int) -> int:
+        """How many blocks of ``hashes`` from ``start`` on (the KV-cache hit's end) are in the CPU tier
+        and not in the KV cache, within :meth:`lookup`'s limit."""
+        limit = self._limit(hashes, prompt_tokens)
+        end = start
+        while end < limit and hashes[end] in self._cpu and hashes[end] not in self._refs:
+            end += 1
+        return end - start
+
+    def _limit(self, hashes: Sequence[int], prompt_tokens: int) -> int:
+        return min(len(hashes), max(0, prompt_tokens - 1) // self.block_size)
 
     def fits(self, hit: Sequence[int], fresh: int) -> bool:
         """Whether ``fresh`` new blocks fit once the cached blocks ``hit`` are taken (free ones among
@@ -106,22 +128,38 @@ class BlockCache:
         taken = sum(1 for h in hit if self._refs[h] == 0)
         return self.used + taken + fresh <= self.capacity
 
-    def take(self, hit: Sequence[int], fresh: int, prompt_tokens: int) -> Holding:
+    def take(self, hit: Sequence[int], fresh: int, prompt_tokens: int, loaded: Sequence[int] = ()) -> Holding:
         """Reference the cached blocks ``hit`` and allocate ``fresh`` blocks (evicting free cached
-        ones as needed; :meth:`fits` must hold); count the lookup of ``prompt_tokens`` tokens."""
+        ones as needed, into the CPU tier; :meth:`fits` must hold), the first ``len(loaded)`` of them
+        filled from the CPU tier's blocks ``loaded`` (:meth:`lookup_cpu`) and cached; count the lookup
+        of ``prompt_tokens`` tokens."""
         for h in hit:
             if self._refs[h] == 0:
                 del self._free[h]
                 self.used += 1
             self._refs[h] += 1
+        for h in loaded:  # used now: not the tier's next to drop
+            self._cpu.move_to_end(h)
         empty = self.capacity - self.used - len(self._free)
         for _ in range(max(0, fresh - empty)):
             evicted, _ = self._free.popitem(last=False)
             del self._refs[evicted]
+            self._offload(evicted)
         self.used += fresh
+        for h in loaded:
+            self._refs[h] = 1
         self.queries += prompt_tokens
         self.hits += len(hit) * self.block_size
-        return Holding(list(hit), fresh)
+        self.cpu_hits += len(loaded) * self.block_size
+        return Holding([*hit, *loaded], fresh - len(loaded))
+
+    def _offload(self, block: int) -> None:
+        """Keep an evicted block in the CPU tier (if any), dropping its least recently used one when full."""
+        if self.cpu_capacity:
+            self._cpu[block] = None
+            self._cpu.move_to_end(block)
+            if len(self._cpu) > self.cpu_capacity:
+                self._cpu.popitem(last=False)
 
     def cache(self, holding: Holding, hashes: Sequence[int]) -> None:
         """The sequence of ``holding`` computed the blocks ``hashes`` (its chain from the start): each

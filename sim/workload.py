@@ -1,10 +1,10 @@
 """Open-loop workloads sent through a gateway with the OpenAI SDK, recording what each request saw.
 
 Requests are planned up front (:func:`plan_workload`: arrival time, prompt size, output budget;
-seeded, so every mode sees the same workload) and sent at their arrival times, streaming, by
-:func:`run_workload`. Each :class:`Record` holds the client-side timings and the simulator's
-ground truth from the response headers (which engine decoded, where the KV cache came from and
-how long its transfer took).
+seeded, so every mode sees the same workload; or :func:`trace_plans`, a production trace's window)
+and sent at their arrival times, streaming, by :func:`run_workload`. Each :class:`Record` holds the
+client-side timings and the simulator's ground truth from the response headers (which engine decoded,
+where the KV cache came from and how long its transfer took).
 """
 
 from __future__ import annotations
@@ -18,17 +18,20 @@ from dataclasses import dataclass
 import openai
 
 from sim.config import DEFAULT_MODEL
+from sim.traces import TraceRequest, output_budget, prompt_text
 
 WORDS = ("the", "cache", "prefill", "decode", "token", "group", "router", "envoy", "batch", "latency")
 
 
 @dataclass(frozen=True)
 class RequestPlan:
-    """One request: send ``at`` seconds after the start, ``prompt_tokens`` long, up to ``max_tokens``."""
+    """One request: send ``at`` seconds after the start, ``prompt_tokens`` long, up to ``max_tokens``;
+    its text ``prompt`` (``None``: words, :func:`_prompt`)."""
 
     at: float
     prompt_tokens: int
     max_tokens: int
+    prompt: str | None = None
 
 
 def plan_workload(
@@ -48,6 +51,16 @@ def plan_workload(
         for _ in range(min(burst, requests - len(plans))):
             plans.append(RequestPlan(now, rng.randint(*prompt_tokens), rng.randint(*output_tokens)))
     return plans
+
+
+def trace_plans(requests: Sequence[TraceRequest], speed: float, max_output: int | None) -> list[RequestPlan]:
+    """A trace window (:func:`sim.traces.read_window`) as a workload: each request sent at its arrival
+    divided by ``speed``, its prompt :func:`sim.traces.prompt_text` (the ``i``-th of the window), its
+    budget :func:`sim.traces.output_budget` under ``max_output``."""
+    return [
+        RequestPlan(r.arrival_s / speed, r.prompt_tokens, output_budget(r, max_output), prompt_text(r, i))
+        for i, r in enumerate(requests)
+    ]
 
 
 @dataclass
@@ -105,7 +118,7 @@ async def _one(client: openai.AsyncOpenAI, model: str, record: Record, t0: float
     try:
         stream = await client.chat.completions.create(
             model=model,
-            messages=[{"role": "user", "content": _prompt(plan.prompt_tokens)}],
+            messages=[{"role": "user", "content": plan.prompt or _prompt(plan.prompt_tokens)}],
             max_tokens=plan.max_tokens,
             stream=True,
             stream_options={"include_usage": True},

@@ -53,7 +53,7 @@ def with_fields(
         added = _dumps(fields)[1:-1]
         if not added:
             return raw
-        return end[:-1] + (b"," if body else b"") + added + b"}"
+        return b"".join((memoryview(end)[:-1], b"," if body else b"", added, b"}"))  # one copy of the body
     kept = {key: value for key, value in body.items() if key not in owned}
     kept.update(fields)
     return _dumps(kept)

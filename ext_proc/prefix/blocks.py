@@ -9,13 +9,22 @@ accounting estimates (:mod:`ext_proc.request`). Text chunks do not line up with 
 blocks, but both chains stop agreeing where the prompts stop agreeing, so the length of the common
 prefix they measure is the same within a block.
 
-Pure: no I/O. Hashes are Python's ``hash`` of ``(previous, block)`` tuples: equal within one process
-(string hashing is salted per process, so each gateway replica keeps its own index).
+Pure: no I/O. One pass, no Python loop per block: the prompt becomes a sequence of 64-bit values
+``v`` (text: its UTF-32 code points two to a value, each value keyed and mixed with a per-process
+secret; token ids: Python's ``hash`` of each block's ids), the chain value ``c_w = c_{w-1} * M + v_w``
+modulo 2**64 (``c_{-1}`` the seed, ``M`` odd) runs over all of them, and block ``i``'s hash is ``c``
+at the block's last value: it stands for every character (id) before it, and a chain continues from
+any block's hash (the seed of the blocks after it). Written out, ``c_w = M**w * (seed * M + sum over
+u <= w of v_u * M**-u)``: one cumulative sum (numpy). Values are equal within one process only (the
+secret and Python's string hashing are per process, so each gateway replica keeps its own index).
 """
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Sequence
+
+import numpy as np
 
 CHARS_PER_TOKEN = 4
 """Characters of prompt text per estimated token (:func:`ext_proc.request.describe` counts so)."""
@@ -72,17 +81,71 @@ def block_hashes(
 
     A block is ``block_tokens`` ids for token ids, else ``CHARS_PER_TOKEN * block_tokens`` characters;
     a partial last block is not cached (as in vLLM). ``seed`` starts the chain (e.g. the model name's
-    hash: different models share no cache)."""
+    hash: different models share no cache; or the hash of the block before ``content``, continuing its
+    chain). O(blocks hashed), whatever the length of ``content``."""
     size = block_tokens if not isinstance(content, str) else CHARS_PER_TOKEN * block_tokens
     count = min(len(content) // size, max_blocks)
+    per_block = size // 2 if isinstance(content, str) else 1  # text: two code points a value
+    powers, inverses = _powers(count * per_block)
+    step = max(1, _CHUNK_VALUES // per_block)  # blocks a chunk
+    carry = np.uint64((seed * _MULTIPLIER) & _MASK)
     hashes: list[int] = []
-    h = seed
-    if isinstance(content, str):
-        for start in range(0, count * size, size):
-            h = hash((h, content[start : start + size]))
-            hashes.append(h)
-    else:
-        for start in range(0, count * size, size):
-            h = hash((h, *content[start : start + size]))
-            hashes.append(h)
+    for first in range(0, count, step):
+        last = min(first + step, count)
+        values = (
+            _text_values(content, size, first, last)
+            if isinstance(content, str)
+            else _id_values(content, size, first, last)
+        )
+        offset = first * per_block
+        np.multiply(values, inverses[offset : offset + len(values)], out=values)
+        sums = np.cumsum(values, dtype=np.uint64)
+        np.add(sums, carry, out=sums)
+        carry = sums[-1]
+        ends = np.multiply(
+            sums[per_block - 1 :: per_block],
+            powers[offset + per_block - 1 : offset + len(values) : per_block],
+        )
+        hashes += ends.view(np.int64).tolist()
     return hashes
+
+
+def _text_values(text: str, size: int, first: int, last: int) -> np.ndarray:
+    """The chain's values of blocks ``first..last-1`` of ``text``: code points two a value, keyed."""
+    points = np.frombuffer(text[first * size : last * size].encode("utf-32-le", "surrogatepass"), np.uint64)
+    return _keyed(points)
+
+
+def _id_values(ids: Sequence[int], size: int, first: int, last: int) -> np.ndarray:
+    """The chain's values of blocks ``first..last-1`` of ``ids``: Python's hash of each block's ids."""
+    blocks = map(tuple, (ids[start : start + size] for start in range(first * size, last * size, size)))
+    return np.fromiter(map(hash, blocks), np.int64, last - first).view(np.uint64)
+
+
+_MASK = (1 << 64) - 1
+_CHUNK_VALUES = 8192  # values hashed at a time: 64 KiB arrays, below the allocator's fresh-pages threshold
+_MULTIPLIER = 0x9E3779B97F4A7C15  # odd, so invertible modulo 2**64
+_SECRET = np.uint64(secrets.randbits(64))
+_POWERS: list[np.ndarray] = [np.ones(1, dtype=np.uint64), np.ones(1, dtype=np.uint64)]
+
+
+def _powers(count: int) -> list[np.ndarray]:
+    """``M**i`` and ``M**-i`` modulo 2**64 for ``i`` in ``0..count-1`` (at least), computed once."""
+    if len(_POWERS[0]) < count:
+        size = max(count, 2 * len(_POWERS[0]))
+        for k, base in enumerate((_MULTIPLIER, pow(_MULTIPLIER, -1, 1 << 64))):
+            steps = np.full(size, base, dtype=np.uint64)
+            steps[0] = 1
+            _POWERS[k] = np.cumprod(steps, dtype=np.uint64)
+    return _POWERS
+
+
+def _keyed(values: np.ndarray) -> np.ndarray:
+    """Each value keyed with the process's secret and mixed (one multiply, one xor-shift): the sums of
+    the chain cannot be steered by chosen text without the secret. A new array.
+
+    Numpy's functions rather than operators: an operator on arrays of 256 KiB and more looks for a
+    temporary to reuse by walking the C stack, which costs more than the arithmetic."""
+    mixed = np.bitwise_xor(values, _SECRET)
+    np.multiply(mixed, np.uint64(0xBF58476D1CE4E5B9), out=mixed)
+    return np.bitwise_xor(mixed, np.right_shift(mixed, np.uint64(31)), out=mixed)

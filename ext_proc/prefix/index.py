@@ -12,18 +12,28 @@ evicts free blocks least recently used first; it frees a request's blocks tail f
 head outlives its tail. :meth:`PrefixIndex.record` touches a prompt's blocks tail first for the same
 reason, so the LRU evicts a prompt from its tail and a shared head stays.
 
-Cost: one dictionary holds, per block hash, the set of endpoints holding it as the bits of an int, so
-:meth:`PrefixIndex.match` walks the prompt's chain once, AND-ing the holder sets, and stops where no
-endpoint holds the prefix any more: O(matched blocks + endpoints that matched), independent of the
-number of endpoints otherwise. :meth:`PrefixIndex.record` is O(blocks) per endpoint recorded.
+Cost, per prompt rather than per block in Python: each endpoint keeps, per block, the number of the
+recording that last touched it (recordings are numbered in order), and the log of its recordings
+oldest first (each one's blocks tail first). :meth:`PrefixIndex.record` stamps a whole chain with one
+``dict.update`` and evicts from the log's oldest recording on: its blocks still stamped with its
+number, in its order (a block touched since is evicted later, with that recording). Both loops run in
+C (``map``, ``compress``), and the log is compacted when it outgrows the blocks held twice over, so
+:meth:`PrefixIndex.record` is O(blocks) with small constants and no Python step per block. The order
+is the per-block LRU's: least recently touched first, a recording's tail before its head. Because a
+chain is touched tail first and evicted in that order, the blocks an endpoint holds of any chain are a
+prefix of it, so :meth:`PrefixIndex.match` finds each endpoint's depth by binary search: O(endpoints x
+log blocks). (The event-fed index and the recent placements keep per-block holder sets instead:
+:class:`Holders`.)
 
 Pure bookkeeping: no clock, no I/O.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import deque
 from collections.abc import Iterable, Sequence
+from itertools import compress, repeat
+from operator import eq
 
 import numpy as np
 
@@ -118,10 +128,17 @@ class HitArrays:
         self._positions: dict[int, tuple[Pool, dict[str, int]]] = {}
 
     def hits(
-        self, matched: dict[str, int], prefills: Pool[E], decodes: Pool[E], prompt_tokens: int
+        self,
+        matched: dict[str, int],
+        prefills: Pool[E],
+        decodes: Pool[E],
+        prompt_tokens: int,
+        gpu: dict[str, int] | None = None,
     ) -> Hits | None:
         """``matched`` (blocks by address) as hit tokens per pool position, each at most ``prompt_tokens``.
 
+        ``gpu`` (``None``: all of it): the leading blocks of ``matched`` each address holds in GPU
+        memory; the rest of its hit is a CPU-tier hit (:class:`Hits` ``prefill_cpu``, ``decode_cpu``).
         ``None`` when no endpoint of either pool holds anything (the decision then does without)."""
         if not matched:
             return None
@@ -129,14 +146,20 @@ class HitArrays:
         found = False
         for pool in (prefills, decodes):
             tokens = np.zeros(pool.size, dtype=np.int64)
+            cpu = None if gpu is None else np.zeros(pool.size, dtype=np.int64)
             positions = self._positions_of(pool)
             for address, blocks in matched.items():
                 position = positions.get(address)
                 if position is not None:
-                    tokens[position] = min(blocks * self.block_tokens, prompt_tokens)
+                    hit = tokens[position] = min(blocks * self.block_tokens, prompt_tokens)
                     found = True
-            arrays.append(tokens)
-        return Hits(arrays[0], arrays[1]) if found else None
+                    if cpu is not None and gpu is not None:
+                        cpu[position] = hit - min(gpu.get(address, 0) * self.block_tokens, hit)
+            arrays.append((tokens, cpu))
+        if not found:
+            return None
+        (prefill, prefill_cpu), (decode, decode_cpu) = arrays
+        return Hits(prefill, decode, prefill_cpu, decode_cpu)
 
     def _positions_of(self, pool: Pool[E]) -> dict[str, int]:
         kept = self._positions.get(id(pool))
@@ -149,82 +172,130 @@ class HitArrays:
         return positions
 
 
+class _Lru:
+    """One endpoint's blocks: each one's last recording, and the log of recordings that orders them."""
+
+    __slots__ = ("log", "logged", "stamps")
+
+    def __init__(self) -> None:
+        self.stamps: dict[int, int] = {}  # block hash → the number of the recording that last touched it
+        self.log: deque[tuple[int, list[int]]] = deque()  # (number, its blocks tail first), oldest first
+        self.logged = 0  # blocks in the log, live or not
+
+    def live(self, number: int, blocks: list[int]) -> list[int]:
+        """The blocks of recording ``number`` that no later recording touched, in the order it did."""
+        return list(compress(blocks, map(eq, map(self.stamps.get, blocks), repeat(number))))
+
+    def evict(self, keep: int) -> None:
+        """Drop the least recently touched blocks until at most ``keep`` are left."""
+        stamps = self.stamps
+        while len(stamps) > keep and self.log:
+            number, logged = self.log.popleft()
+            self.logged -= len(logged)
+            blocks = self.live(number, logged)
+            excess = len(stamps) - keep
+            _consume(map(stamps.pop, blocks[:excess], repeat(None)))
+            if len(blocks) > excess:
+                self.log.appendleft((number, blocks[excess:]))
+                self.logged += len(blocks) - excess
+
+    def compact(self) -> None:
+        """Keep only the live blocks of each recording in the log (O(log), in C)."""
+        entries = [(number, self.live(number, blocks)) for number, blocks in self.log]
+        self.log = deque(entry for entry in entries if entry[1])
+        self.logged = sum(len(blocks) for _, blocks in self.log)
+
+
+def _consume(items: Iterable[object]) -> None:
+    deque(items, maxlen=0)
+
+
 class PrefixIndex:
     """Per endpoint, an LRU of the block hashes placed there; ``block_tokens`` tokens a block.
 
-    Endpoints are keyed by ``"ip:port"`` address: one engine, whatever roles it serves."""
+    Endpoints are keyed by ``"ip:port"`` address: one engine, whatever roles it serves. The chains
+    recorded and matched are :func:`~ext_proc.prefix.blocks.block_hashes` chains (a block's hash
+    stands for every block before it)."""
 
     def __init__(self, block_tokens: int) -> None:
         if block_tokens < 1:
             raise ValueError("block_tokens must be >= 1")
         self.block_tokens = block_tokens
-        self.holders = Holders()
         self.hit_arrays = HitArrays(block_tokens)
-        self._lrus: dict[int, OrderedDict[int, None]] = {}  # slot → its blocks, least recent first
-        self._scales: dict[int, float] = {}  # slot → self-correction factor of its capacity
+        self._lrus: dict[str, _Lru] = {}  # address → its blocks
+        self._scales: dict[str, float] = {}  # address → self-correction factor of its capacity
+        self._recordings = 0  # numbers every recording: a later one has a larger number
 
     def match(self, hashes: Sequence[int]) -> dict[str, int]:
         """How many leading blocks of the chain ``hashes`` each endpoint holds, by address (>= 1 each)."""
-        return self.holders.match(hashes)
+        depth: dict[str, int] = {}
+        if not hashes:
+            return depth
+        first = hashes[0]
+        for address, lru in self._lrus.items():
+            held = lru.stamps
+            if first not in held:
+                continue
+            low, high = 1, len(hashes)  # held: a prefix of at least ``low`` blocks, at most ``high``
+            while low < high:
+                middle = (low + high + 1) // 2
+                if hashes[middle - 1] in held:
+                    low = middle
+                else:
+                    high = middle - 1
+            depth[address] = low
+        return depth
 
     def record(self, hashes: Sequence[int], address: str, capacity_tokens: float) -> None:
         """``address`` now holds the chain ``hashes``, its head the most recently used block of all.
 
         It keeps at most ``capacity_tokens * scale / block_tokens`` blocks (at least one), evicting its
         least recently used."""
-        slot = self._slot(address)
-        lru = self._lrus[slot]
-        holders = self.holders
-        for h in reversed(hashes):  # tail first: the head ends the most recent
-            if h in lru:
-                lru.move_to_end(h)
-            else:
-                lru[h] = None
-                holders.add(slot, h)
-        self._evict(slot, self._capacity(slot, capacity_tokens))
+        lru = self._lru(address)
+        tail_first = list(reversed(hashes))  # tail first: the head ends the most recent
+        self._recordings += 1
+        number = self._recordings
+        lru.stamps.update(zip(tail_first, repeat(number)))
+        lru.log.append((number, tail_first))
+        lru.logged += len(tail_first)
+        self._evict(address, capacity_tokens)
+        if lru.logged > 2 * len(lru.stamps) + 64:
+            lru.compact()
 
-    def _capacity(self, slot: int, capacity_tokens: float) -> int:
-        return max(1, int(capacity_tokens * self._scales[slot] / self.block_tokens))
+    def _evict(self, address: str, capacity_tokens: float) -> None:
+        lru = self._lrus[address]
+        keep = max(1, int(capacity_tokens * self._scales[address] / self.block_tokens))
+        lru.evict(keep)
 
-    def _evict(self, slot: int, keep: int) -> None:
-        lru, holders = self._lrus[slot], self.holders
-        while len(lru) > keep:
-            h, _ = lru.popitem(last=False)
-            holders.remove(slot, h)
-
-    def _slot(self, address: str) -> int:
-        slot = self.holders.slot(address)
-        if slot not in self._lrus:
-            self._lrus[slot] = OrderedDict()
-            self._scales[slot] = 1.0
-        return slot
+    def _lru(self, address: str) -> _Lru:
+        lru = self._lrus.get(address)
+        if lru is None:
+            lru = self._lrus[address] = _Lru()
+            self._scales[address] = 1.0
+        return lru
 
     def scale(self, address: str) -> float:
         """The self-correction factor of ``address``'s capacity (1.0 for an endpoint never corrected)."""
-        slot = self.holders.find(address)
-        return 1.0 if slot is None else self._scales[slot]
+        return self._scales.get(address, 1.0)
 
     def set_scale(self, address: str, scale: float, capacity_tokens: float) -> None:
         """Keep ``scale`` (in (0, 1]) of ``address``'s capacity from now on, evicting down to it."""
-        slot = self._slot(address)
-        self._scales[slot] = scale
-        self._evict(slot, self._capacity(slot, capacity_tokens))
+        self._lru(address)
+        self._scales[address] = scale
+        self._evict(address, capacity_tokens)
 
     def blocks(self, address: str) -> int:
         """How many blocks ``address`` is estimated to hold."""
-        slot = self.holders.find(address)
-        return 0 if slot is None else len(self._lrus[slot])
+        lru = self._lrus.get(address)
+        return 0 if lru is None else len(lru.stamps)
 
     def retain(self, addresses: Iterable[str]) -> None:
-        """Forget every endpoint not in ``addresses`` (it left discovery; its slot is reused)."""
+        """Forget every endpoint not in ``addresses`` (it left discovery)."""
         keep = set(addresses)
-        for address in [a for a in self.holders.addresses if a not in keep]:
-            slot = self.holders.slot(address)
-            self._evict(slot, 0)
-            del self._lrus[slot], self._scales[slot]
-            self.holders.release(address)
+        for address in [a for a in self._lrus if a not in keep]:
+            del self._lrus[address], self._scales[address]
 
     @property
     def addresses(self) -> list[str]:
         """The endpoints the index holds blocks of (or has corrected)."""
-        return self.holders.addresses
+        return list(self._lrus)

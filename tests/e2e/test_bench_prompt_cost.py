@@ -1,0 +1,31 @@
+"""Smoke tests of the prompt-length cost benchmark (bench/prompt_cost.py) at reduced sizes (never timing)."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import load_bench
+
+prompt_cost = load_bench("prompt_cost")
+
+
+def test_prompt_text_has_the_asked_length_and_a_unique_first_block():
+    text = prompt_cost.prompt_text(1000, 7)
+    assert len(text) == 4000
+    assert text[:64] != prompt_cost.prompt_text(1000, 8)[:64]
+
+
+def test_in_process_and_gateways_write_every_row(tmp_path):
+    out = tmp_path / "cost.json"
+    argv = ["--requests", "2", "--seconds", "0.2", "--long-streams", "1", "--no-smg", "--json", str(out)]
+    assert prompt_cost.main(argv) == 0
+    results = json.loads(out.read_text())
+    assert set(results["in_process"]) == {*prompt_cost.PROMPT_TOKENS, "16MiB"}
+    assert results["in_process"]["16MiB"]["body_bytes"] <= prompt_cost.BIG_BODY_BYTES
+    for label in prompt_cost.PROMPT_TOKENS:
+        row = results["gateway"][label]
+        assert {"direct", "without_filter", "bare_ext_proc", *prompt_cost.ROUTERS} <= set(row)
+        assert all(row[name]["errors"] == 0 for name in prompt_cost.ROUTERS), row
+    for target in ("without_filter", "pd_extproc_index"):
+        assert set(results["interference"][target]) == {"alone", "beside_long"}
+    assert results["largest_body"]["pd_extproc_index"]["p50_ms"] > 0
