@@ -8,8 +8,9 @@ are this module's own (the session's four-engine cluster is not started for it).
 its own ``pd-extproc serve`` (an empty index) with ``affinity.prefix.source: kv-events`` behind the
 shipped Envoy; every prompt is below ``pd_threshold_tokens``, so a request goes to one engine, the
 one whose reported blocks match more of it (the prefix weight outweighs any load). Prompts are
-token ids (completions ``prompt: [ints]``), which the events' token ids are matched against; the
-gateway's own tokens for text are checked against the engine's ``POST /tokenize``.
+token ids (completions ``prompt: [ints]``), which the events' token ids are matched against, or text
+(a chat, a completions prompt) that the gateway tokenizes itself (``affinity.prefix.tokenizer``: the
+rig's model folder); those tokens are also checked against the engine's ``POST /tokenize``.
 
 What vLLM 0.32 for CPU publishes, seen here: a batch ``[ts, events, data_parallel_rank]`` per engine
 step that changed its cache, its events maps with ``type`` (``BlockStored`` with ``medium: "GPU"``
@@ -52,6 +53,8 @@ GATEWAY_CONFIG = {
         "prefix": {"enabled": True, "source": "kv-events", "block_tokens": BLOCK_TOKENS, "weight": 10.0}
     }
 }
+Prompt = list[int] | str | list[dict[str, str]]
+"""A completions prompt (token ids or text), or a chat's messages."""
 HEARD_ATTEMPTS = 10
 """One-block prompts sent to an engine before the gateway must have heard from it (a ZeroMQ
 subscriber misses what is published before it is connected)."""
@@ -99,9 +102,14 @@ def engines(stack: Stack) -> tuple[Engine, Engine]:
 
 
 @contextlib.asynccontextmanager
-async def routed(stack: Stack) -> AsyncIterator[aiohttp.ClientSession]:
-    """A fresh gateway (``kv-events``, an empty index) that has heard from both engines, and a session."""
-    await stack.route_with("prefer", pd_threshold_tokens=PD_THRESHOLD_TOKENS, config=GATEWAY_CONFIG)
+async def routed(stack: Stack, tokenizer: bool = False) -> AsyncIterator[aiohttp.ClientSession]:
+    """A fresh gateway (``kv-events``, an empty index; with ``tokenizer``, the model's folder as its
+    tokenizer) that has heard from both engines, and a session."""
+    prefix = GATEWAY_CONFIG["affinity"]["prefix"]
+    if tokenizer:
+        prefix = {**prefix, "tokenizer": str(cluster_of(stack).model)}
+    config = {"affinity": {"prefix": prefix}}
+    await stack.route_with("prefer", pd_threshold_tokens=PD_THRESHOLD_TOKENS, config=config)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
         for engine in engines(stack):
             await heard(session, stack, engine)
@@ -109,19 +117,29 @@ async def routed(stack: Stack) -> AsyncIterator[aiohttp.ClientSession]:
         assert await wait_idle(session, stack.admin_url) == []
 
 
-async def complete(session: aiohttp.ClientSession, base_url: str, ids: list[int]) -> None:
-    """One completion of ``ids`` (one token generated) at ``base_url``, an engine or the gateway."""
-    body = {"model": MODEL_NAME, "prompt": ids, "max_tokens": 1}
-    async with session.post(f"{base_url}/v1/completions", json=body) as response:
+async def complete(session: aiohttp.ClientSession, base_url: str, prompt: Prompt) -> None:
+    """One request generating one token at ``base_url`` (an engine or the gateway): a chat of
+    ``prompt``'s messages, else a completion of ``prompt``."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+        path, body = "/v1/chat/completions", {"messages": prompt}
+    else:
+        path, body = "/v1/completions", {"prompt": prompt}
+    async with session.post(
+        f"{base_url}{path}", json={"model": MODEL_NAME, "max_tokens": 1, **body}
+    ) as response:
         assert response.status == 200, await response.text()
 
 
-async def gateway_sample(session: aiohttp.ClientSession, stack: Stack, name: str, **labels: str) -> float:
-    """The gateway's sample ``name`` with exactly ``labels`` (0 when absent)."""
+async def gateway_samples(session: aiohttp.ClientSession, stack: Stack) -> dict[str, float]:
+    """The gateway's metrics, keyed as :func:`rig.engine.parse_metrics` keys them."""
     async with session.get(f"{stack.admin_url}/metrics") as response:
-        samples = parse_metrics(await response.text())
+        return parse_metrics(await response.text())
+
+
+async def gateway_sample(session: aiohttp.ClientSession, stack: Stack, name: str, **labels: str) -> float:
+    """The gateway's sample ``name`` with exactly ``labels`` (at least one; 0 when absent)."""
     key = name + "{" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())) + "}"
-    return samples.get(key, 0.0)
+    return (await gateway_samples(session, stack)).get(key, 0.0)
 
 
 async def index_blocks(session: aiohttp.ClientSession, stack: Stack, engine: Engine) -> float:
@@ -139,12 +157,12 @@ async def decoded(session: aiohttp.ClientSession, stack: Stack, engine: Engine, 
 
 
 async def straight(
-    session: aiohttp.ClientSession, stack: Stack, engine: Engine, ids: list[int], deadline: float = 20.0
+    session: aiohttp.ClientSession, stack: Stack, engine: Engine, prompt: Prompt, deadline: float = 20.0
 ) -> None:
-    """Send ``ids`` straight to ``engine`` (not through the gateway) and wait until the gateway has
-    received the batch that publishes the blocks it stored (``ids`` must hold a block no engine has)."""
+    """Send ``prompt`` straight to ``engine`` (not through the gateway) and wait until the gateway has
+    received the batch that publishes the blocks it stored (``prompt`` must hold a block no engine has)."""
     stored = await decoded(session, stack, engine, "BlockStored")
-    await complete(session, engine.url, ids)
+    await complete(session, engine.url, prompt)
 
     async def published() -> bool:
         return await decoded(session, stack, engine, "BlockStored") > stored
@@ -162,8 +180,8 @@ async def heard(session: aiohttp.ClientSession, stack: Stack, engine: Engine) ->
     pytest.fail(f"the gateway heard nothing from {engine.spec.name} in {HEARD_ATTEMPTS} prompts")
 
 
-async def served(session: aiohttp.ClientSession, stack: Stack, ids: list[int]) -> tuple[str, float]:
-    """Send ``ids`` through the gateway: the address of the engine that served it and its prefix-cache
+async def served(session: aiohttp.ClientSession, stack: Stack, prompt: Prompt) -> tuple[str, float]:
+    """Send ``prompt`` through the gateway: the address of the engine that served it and its prefix-cache
     hit in tokens (the engines' own counters)."""
     running = list(cluster_of(stack).running.values())
 
@@ -178,7 +196,7 @@ async def served(session: aiohttp.ClientSession, stack: Stack, ids: list[int]) -
         ]
 
     before = await counters()
-    await complete(session, stack.url, ids)
+    await complete(session, stack.url, prompt)
     after: list[tuple[float, float]] = []
 
     async def counted() -> bool:
@@ -206,6 +224,41 @@ async def test_a_prompt_sent_straight_to_an_engine_draws_the_next_request_sharin
             await straight(session, events_stack, other, shared[: 2 * BLOCK_TOKENS])
             address, hit = await served(session, events_stack, shared + fresh_ids(100))
             assert (address, hit) == (holder.address, 4 * BLOCK_TOKENS)
+
+
+def text_prompts(kind: str) -> tuple[Prompt, Prompt, Prompt]:
+    """A text prompt of four full blocks (``kind``: ``chat`` or ``completions``), the same prompt's
+    first two blocks alone, and the prompt extended (a chat's next turn).
+
+    A chat renders ``system : <300 words> user : <250 words> assistant :`` (556 tokens; its system
+    message alone, 304), a completions prompt is BOS and 550 words (its first 300 words, 301)."""
+    seed = next(_SEEDS)
+    if kind == "chat":
+        system = {"role": "system", "content": prompt(300, seed)}
+        chat = [system, {"role": "user", "content": prompt(250, seed + 1)}]
+        more = [
+            {"role": "assistant", "content": prompt(20, seed + 2)},
+            {"role": "user", "content": prompt(80, seed + 3)},
+        ]
+        return chat, [system], [*chat, *more]
+    words = prompt(550, seed).split()
+    return " ".join(words), " ".join(words[:300]), " ".join(words) + " " + prompt(100, seed + 1)
+
+
+async def test_text_prompts_the_gateway_tokenizes_meet_the_blocks_the_engines_reported(events_stack):
+    """With the gateway tokenizer, a chat or a completions text sent straight to an engine draws the
+    next request that extends it (the chat's next turn), as token ids do: ``rack-a`` holds a chat,
+    then a completions text, ``rack-b`` a chat, the other engine their first two blocks each."""
+    a, b = engines(events_stack)
+    async with routed(events_stack, tokenizer=True) as session:
+        for holder, other, kind in ((a, b, "chat"), (a, b, "completions"), (b, a, "chat")):
+            whole, head, extended = text_prompts(kind)
+            await straight(session, events_stack, holder, whole)
+            await straight(session, events_stack, other, head)
+            assert await served(session, events_stack, extended) == (holder.address, 4 * BLOCK_TOKENS), kind
+        samples = await gateway_samples(session, events_stack)
+        assert samples.get("pd_extproc_tokenize_tokens_total{source=tokenizer}", 0.0) > 0
+        assert not [k for k in samples if k.startswith("pd_extproc_tokenize_fallbacks_total")]
 
 
 async def test_a_prefix_cache_reset_empties_the_engines_entries(events_stack):
