@@ -9,6 +9,10 @@ loaded machine the first transfer of a pair sometimes takes longer; the warm-up 
 directly (not through the gateway), so the gateway's counters and the engines' transfer counters
 start from pairs that have shaken hands. Route with :meth:`sim.stack.Stack.route_with` (handoff
 ``kv-transfer-params``), exactly as on the simulator.
+
+:func:`start_kv_events_stack` runs engines of role ``both`` instead (no connector: each prefills and
+decodes its own requests), each publishing its KV-cache events on ports of its own, which the EDS
+files name (``kv_events_port``): the cluster the ``kv-events`` prefix source is checked against.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from pathlib import Path
 
 import aiohttp
 
-from rig.engine import KV_CACHE_GIB, MODEL_NAME, Engine, EngineError, EngineSpec, start_engine
+from rig.engine import BLOCK_TOKENS, KV_CACHE_GIB, MODEL_NAME, Engine, EngineError, EngineSpec, start_engine
 from rig.model import HEAD_DIM, HIDDEN_SIZE, LAYERS, write_tiny_llama
 from rig.venv import VllmUnavailable, venv_python
 from sim.cluster_process import EngineInfo, write_cluster_eds
@@ -35,6 +39,11 @@ heads x ``HEAD_DIM``) per token."""
 WARM_UP_ATTEMPTS = 4
 WARM_UP_PROMPT = " ".join(["w1"] * 20)
 assert HIDDEN_SIZE % HEAD_DIM == 0
+
+
+def capacity(spec: EngineSpec) -> int:
+    """The KV cache of ``spec``'s engine in tokens (what EDS declares as its ``token_capacity``)."""
+    return KV_TOKENS if spec.kv_blocks is None else spec.kv_blocks * BLOCK_TOKENS
 
 
 def available_memory() -> int:
@@ -164,11 +173,6 @@ async def start_vllm_cluster(
     and waited for, with ``kv_load_failure_policy`` on the decodes; logs under ``workdir``. Raises
     :class:`~rig.venv.VllmUnavailable` (no environment, too little memory) or
     :class:`~rig.engine.EngineError`; nothing is left running then."""
-    python = venv_python()
-    if python is None:
-        raise VllmUnavailable("vLLM for CPU is not installed: run `make vllm-env` (about 3.7 GB, 10-15 min)")
-    check_memory(2 * len(groups))
-    model = write_tiny_llama(workdir / "model")
     specs = [
         EngineSpec(
             role, group, free_port(), free_port(), kv_load_failure_policy if role == "decode" else "fail"
@@ -176,6 +180,18 @@ async def start_vllm_cluster(
         for group in groups
         for role in ("prefill", "decode")
     ]
+    return await start_engines(specs, workdir)
+
+
+async def start_engines(specs: list[EngineSpec], workdir: Path) -> VllmCluster:
+    """The engines of ``specs``, started at once and waited for; logs and the model under ``workdir``.
+    Raises :class:`~rig.venv.VllmUnavailable` (no environment, too little memory) or
+    :class:`~rig.engine.EngineError`; nothing is left running then."""
+    python = venv_python()
+    if python is None:
+        raise VllmUnavailable("vLLM for CPU is not installed: run `make vllm-env` (about 3.7 GB, 10-15 min)")
+    check_memory(len(specs))
+    model = write_tiny_llama(workdir / "model")
     running: dict[str, Engine] = {}
     try:
         for spec in specs:
@@ -185,7 +201,9 @@ async def start_vllm_cluster(
         for engine in running.values():
             engine.stop()
         raise
-    infos = [EngineInfo(s.address, s.role, s.group, KV_TOKENS) for s in specs]
+    infos = [
+        EngineInfo(s.address, s.role, s.group, capacity(s), kv_events_port=s.kv_events_port) for s in specs
+    ]
     return VllmCluster(infos, running, workdir, python, model)
 
 
@@ -199,6 +217,36 @@ async def start_vllm_stack(groups: list[str], kv_load_failure_policy: str = "fai
         write_cluster_eds(cluster.engines, prefill_eds, decode_eds)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
             await cluster.warm_up(session)
+    except BaseException:
+        cluster.stop()
+        raise
+    return Stack(cluster, workdir, prefill_eds, decode_eds)
+
+
+def kv_events_spec(group: str, int_block_hashes: bool = True, kv_blocks: int | None = None) -> EngineSpec:
+    """An engine of role ``both`` (no connector) in ``group``, publishing its KV-cache events with a
+    replay socket, its blocks named by integers or (``int_block_hashes`` false) 32 raw bytes, its KV
+    cache ``kv_blocks`` blocks (``None``: the default); every port free."""
+    return EngineSpec(
+        "both",
+        group,
+        free_port(),
+        free_port(),
+        kv_events_port=free_port(),
+        kv_replay_port=free_port(),
+        int_block_hashes=int_block_hashes,
+        kv_blocks=kv_blocks,
+    )
+
+
+async def start_kv_events_stack(specs: list[EngineSpec]) -> Stack:
+    """The engines of ``specs`` (see :func:`kv_events_spec`) with their EDS files written (each in both
+    clusters, with its ``kv_events_port``), as a :class:`~sim.stack.Stack` (no gateway yet)."""
+    workdir = Path(tempfile.mkdtemp(prefix="pd-vllm-events-"))
+    cluster = await start_engines(specs, workdir)
+    prefill_eds, decode_eds = workdir / "prefill.json", workdir / "decode.json"
+    try:
+        write_cluster_eds(cluster.engines, prefill_eds, decode_eds)
     except BaseException:
         cluster.stop()
         raise

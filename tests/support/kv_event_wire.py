@@ -61,7 +61,8 @@ class Publisher:
 
     ``publish`` numbers batches from 0 as vLLM does (``restart`` starts again at 0); ``skip`` numbers a
     batch without sending it live (a gap the replay can fill); the replay socket answers
-    ``[b"", start]`` with every buffered batch from ``start`` on and the end marker, like vLLM's."""
+    ``[b"", start]`` with every buffered batch from ``start`` on and the end marker, like vLLM 0.32's
+    (topic frame included)."""
 
     def __init__(self, encoding: Encoding = "array", replay: bool = True) -> None:
         import zmq
@@ -102,8 +103,8 @@ class Publisher:
             self.replays.append(first)
             for sequence, body in self.buffer:
                 if sequence >= first:
-                    await self.replay.send_multipart([client, b"", sequence.to_bytes(8, "big"), body])
-            await self.replay.send_multipart([client, b"", (-1).to_bytes(8, "big", signed=True), b""])
+                    await self.replay.send_multipart([client, b"", b"", sequence.to_bytes(8, "big"), body])
+            await self.replay.send_multipart([client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
 
     def close(self) -> None:
         self.context.destroy(linger=0)

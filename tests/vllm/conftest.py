@@ -1,10 +1,12 @@
-"""The real-engine suite (``make test-vllm``): one cluster of real vLLM engines for the session.
+"""The real-engine suite (``make test-vllm``): one cluster of real vLLM engines for the module using it.
 
 Two pdGroups, ``rack-a`` and ``rack-b``, each a NixlConnector prefill and decode (4 engines,
-:mod:`rig.cluster`), every pair warmed up before the first test. The tests route through the
-shipped Envoy bootstrap and ``pd-extproc serve --handoff kv-transfer-params`` started by
-:meth:`sim.stack.Stack.route_with`. A test that kills an engine starts it again before it ends, so
-every test begins with four live, warmed-up engines.
+:mod:`rig.cluster`), every pair warmed up before the first test that asks for it (``vllm_stack``) and
+stopped after the module's last. The tests route through the shipped Envoy bootstrap and
+``pd-extproc serve --handoff kv-transfer-params`` started by :meth:`sim.stack.Stack.route_with`. A
+test that kills an engine starts it again before it ends, so every such test begins with four live,
+warmed-up engines. A module that needs other engines (``test_vllm_kv_events.py``) starts its own,
+once these are stopped: the machine's two cores do not run six.
 
 Not collected by ``make test`` (``norecursedirs``): the engines need the cached vLLM environment
 (``make vllm-env``) and about 10.5 GiB of memory. Without the environment the suite fails with the
@@ -28,14 +30,14 @@ GROUPS = ["rack-a", "rack-b"]
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """A SIGTERM (a CI timeout, a stopped job) ends the run as Ctrl-C does: the session's fixtures are
+    """A SIGTERM (a CI timeout, a stopped job) ends the run as Ctrl-C does: the fixtures are
     torn down, so the engines stop and their files go (the engines would die with the run anyway)."""
     signal.signal(signal.SIGTERM, signal.default_int_handler)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def vllm_stack() -> Iterator[Stack]:
-    """The session's cluster as a :class:`~sim.stack.Stack` (no gateway until a test routes)."""
+    """The module's cluster as a :class:`~sim.stack.Stack` (no gateway until a test routes)."""
     started = time.monotonic()
     stack = asyncio.run(start_vllm_stack(GROUPS))
     cluster = stack.cluster
@@ -57,10 +59,12 @@ def vllm_stack() -> Iterator[Stack]:
 
 
 @pytest.fixture(autouse=True)
-def live_engines(vllm_stack: Stack) -> None:
-    """Start the engines an earlier test killed again (same ports, new NIXL engine ids) and warm up
-    their pairs before this test."""
-    cluster = vllm_stack.cluster
+def live_engines(request: pytest.FixtureRequest) -> None:
+    """Before a test of the four-engine cluster: start the engines an earlier test killed again (same
+    ports, new NIXL engine ids) and warm up their pairs (tests without ``vllm_stack`` do not start it)."""
+    if "vllm_stack" not in request.fixturenames:
+        return
+    cluster = request.getfixturevalue("vllm_stack").cluster
     assert isinstance(cluster, VllmCluster)
     if cluster.dead:
         asyncio.run(_restart(cluster))

@@ -75,13 +75,18 @@ def test_events_of_types_not_known_are_skipped_and_named() -> None:
     assert decode_batch(0, raw) == EventBatch(0, 1.0, None, (BlockRemoved((1,)),), ("BlockPinned", "Other"))
 
 
-def test_the_replay_answers_and_their_end_marker() -> None:
+def test_the_replay_answers_and_their_end_marker_with_or_without_a_topic_frame() -> None:
+    end = (-1).to_bytes(8, "big", signed=True)
     answer = [b"", (4).to_bytes(8, "big"), payload([REMOVED])]
     assert decode_replay(answer) == EventBatch(4, 1.0, 0, (REMOVED,))
-    assert decode_replay([b"", (-1).to_bytes(8, "big", signed=True), b""]) is None
-    assert int.from_bytes((-1).to_bytes(8, "big", signed=True), "big") == END_OF_REPLAY
+    assert decode_replay([b"", b"kv", *answer[1:]]) == EventBatch(4, 1.0, 0, (REMOVED,))  # vLLM 0.32
+    assert decode_replay([b"", end, b""]) is None
+    assert decode_replay([b"", b"", end, b""]) is None
+    assert int.from_bytes(end, "big") == END_OF_REPLAY
     with pytest.raises(DecodeError, match="replay answer"):
         decode_replay([b"x", (4).to_bytes(8, "big"), b""])
+    with pytest.raises(DecodeError, match="replay answer"):
+        decode_replay([b"", b"", b"", (4).to_bytes(8, "big"), b""])
 
 
 @pytest.mark.parametrize(
