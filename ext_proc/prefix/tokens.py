@@ -357,13 +357,14 @@ class PrefixTokenCache:
         self._entries.move_to_end(key)
         return entry
 
-    def put(self, key: bytes, ids: list[int], now: float) -> None:
-        """Hold ``ids`` under ``key`` (replacing what was there), then evict to the bounds."""
+    def put(self, key: bytes, ids: array[int], now: float) -> None:
+        """Hold ``ids`` (kept, not copied: the caller leaves it unchanged) under ``key``, replacing what
+        was there, then evict to the bounds."""
         if key in self._entries:
             self._drop(key)
         if len(ids) > self.max_tokens or self.max_entries < 1:
             return
-        self._entries[key] = _Prefix(array("I", ids), now + self.ttl_s)
+        self._entries[key] = _Prefix(ids, now + self.ttl_s)
         self.tokens += len(ids)
         while self._entries and (
             len(self._entries) > self.max_entries
@@ -527,22 +528,24 @@ class PromptTokenizer:
             return Tokenized(self._encode_piece(text, True), 0)
         positions = sorted({p for p in (*lookups, *stores) if 0 < p <= len(text)})
         keys = dict(zip(positions, _prefix_keys(text, positions), strict=True))
-        base, ids = 0, []
+        base, known = 0, array("I")  # the ids of text[:base], as the cache holds them
         for position in reversed(positions):
             prefix = self.cache.get(keys[position], now)
             if prefix is not None:
                 if self._seam_agrees(text, position):
-                    base, ids = position, prefix.ids.tolist()
+                    base, known = position, prefix.ids[:]  # copied: extended below
                 break
-        cached = len(ids)
+        ids, cached = known.tolist(), len(known)
         start = base
         for end in sorted({s for s in stores if base < s < len(text)} | {len(text)}):
             if start > base and not self._seam_agrees(text, start):
                 ids, cached = self._encode_piece(text, False), 0
                 break
-            ids += self._encode_piece(text[start:end], False)
+            piece = self._encode_piece(text[start:end], False)
+            ids += piece
+            known.extend(piece)  # only the new ids are converted; the cache gets a copy of the array
             if end in keys and end in stores:
-                self.cache.put(keys[end], ids, now)
+                self.cache.put(keys[end], known[:], now)
             start = end
         if add_special and self._added is not None:
             head, tail = self._added

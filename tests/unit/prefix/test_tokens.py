@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+from array import array
 from pathlib import Path
 
 import pytest
@@ -326,15 +327,15 @@ def test_cached_prefixes_expire_after_their_ttl(folder: Path) -> None:
 
 def test_the_cache_keeps_its_bounds() -> None:
     cache = PrefixTokenCache(max_entries=2, max_tokens=10, ttl_s=5.0)
-    cache.put(b"a", [1, 2, 3], now=0.0)
-    cache.put(b"b", [1, 2, 3], now=0.0)
+    cache.put(b"a", array("I", [1, 2, 3]), now=0.0)
+    cache.put(b"b", array("I", [1, 2, 3]), now=0.0)
     assert cache.get(b"a", now=1.0) is not None  # a is now the most recent
-    cache.put(b"c", [1, 2, 3], now=1.0)
+    cache.put(b"c", array("I", [1, 2, 3]), now=1.0)
     assert (len(cache), cache.tokens) == (2, 6)
     assert cache.get(b"b", now=1.0) is None  # the least recent went first
-    cache.put(b"d", list(range(8)), now=1.0)
+    cache.put(b"d", array("I", list(range(8))), now=1.0)
     assert (len(cache), cache.tokens) == (1, 8)  # ten tokens at most
-    cache.put(b"e", list(range(11)), now=1.0)
+    cache.put(b"e", array("I", list(range(11))), now=1.0)
     assert cache.get(b"e", now=1.0) is None  # longer than the whole cache: not held
     assert cache.get(b"d", now=6.0) is None  # unused for ttl_s
     assert (len(cache), cache.tokens) == (0, 0)
