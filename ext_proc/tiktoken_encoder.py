@@ -14,8 +14,9 @@ computes the same ids, which :func:`tiktoken_encoder` makes sure of, raising :cl
   pair whose merge rule ranks lowest; they agree when the merge rules, in order, make tokens of
   non-decreasing id (vocabularies trained the usual way, Llama 3's among them). Checked on every rule.
 - Ids: both encode a check corpus (the chat template rendered over sample messages, Unicode, whitespace
-  and digit edge cases, the special tokens inside text, random strings from a seeded generator, a few
-  hundred kB in all), with and without the post-processor's special tokens; every id must agree.
+  and digit edge cases, the special tokens inside text, random strings from a seeded generator, and
+  every vocabulary token's bytes once, in a seeded random order: a few hundred kB for a 32k
+  vocabulary), with and without the post-processor's special tokens; every id must agree.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ CHECK_SEED = 26
 CHECK_RANDOM_TEXTS = 400
 """Random strings in the check corpus (each up to :data:`_RANDOM_CHARS` characters)."""
 _RANDOM_CHARS = 400
+_VOCAB_CHUNK_BYTES = 4096
+"""The vocabulary's bytes are checked in texts of about this size (a difference names a short one)."""
 _EDGE_CASES = (
     "",
     " ",
@@ -192,9 +195,12 @@ def tiktoken_encoding(spec: Mapping[str, object]) -> tiktoken.Encoding:
         raise NotRepresentable(f"tiktoken refused it: {exc}") from exc
 
 
-def check_corpus(texts: Iterable[str], specials: Iterable[str], seed: int = CHECK_SEED) -> list[str]:
-    """``texts`` (e.g. rendered chat templates), the edge cases, ``specials`` written into text, and
-    :data:`CHECK_RANDOM_TEXTS` random strings mixing scripts, digits, punctuation and whitespace."""
+def check_corpus(
+    texts: Iterable[str], specials: Iterable[str], vocabulary: Iterable[bytes], seed: int = CHECK_SEED
+) -> list[str]:
+    """``texts`` (e.g. rendered chat templates), the edge cases, ``specials`` written into text,
+    :data:`CHECK_RANDOM_TEXTS` random strings mixing scripts, digits, punctuation and whitespace, and the
+    ``vocabulary`` tokens' bytes one after another in a random order (invalid UTF-8 replaced)."""
     rng = random.Random(seed)
     corpus = [*texts, *_EDGE_CASES]
     corpus += [f"x{token} {token}\n{token}{token}y" for token in specials]
@@ -202,17 +208,24 @@ def check_corpus(texts: Iterable[str], specials: Iterable[str], seed: int = CHEC
         alphabets = rng.sample(_ALPHABETS, rng.randint(1, 4))
         pool = "".join(alphabets)
         corpus.append("".join(rng.choice(pool) for _ in range(rng.randint(1, _RANDOM_CHARS))))
+    tokens = sorted(vocabulary)
+    rng.shuffle(tokens)
+    joined = b"".join(tokens)
+    for start in range(0, len(joined), _VOCAB_CHUNK_BYTES):
+        corpus.append(joined[start : start + _VOCAB_CHUNK_BYTES].decode("utf-8", "replace"))
     return corpus
 
 
 def tiktoken_encoder(
-    spec: Mapping[str, object], reference: TextEncoder, corpus: Iterable[str]
+    spec: Mapping[str, object], reference: TextEncoder, texts: Iterable[str]
 ) -> TiktokenEncoder:
     """tiktoken standing in for ``reference`` (the tokenizer ``spec`` loaded by ``tokenizers``).
 
-    Raises :class:`NotRepresentable` when :func:`tiktoken_encoding` does, or when an id of ``corpus``
-    (see :func:`check_corpus`), encoded with and without special tokens, differs from ``reference``'s."""
+    Raises :class:`NotRepresentable` when :func:`tiktoken_encoding` does, or when an id of the check
+    corpus (:func:`check_corpus` of ``texts``, the added tokens and the vocabulary), encoded with and
+    without special tokens, differs from ``reference``'s."""
     encoding = tiktoken_encoding(spec)
+    corpus = check_corpus(texts, sorted(encoding.special_tokens_set), encoding.token_byte_values())
     added = added_specials(reference)
     if added is None:
         raise NotRepresentable("the post-processor does not add a plain head and tail around a prompt")

@@ -38,7 +38,7 @@ from ext_proc.prefix.tokens import (
     TokenizeFailure,
     UntokenizedReason,
 )
-from ext_proc.tiktoken_encoder import NotRepresentable, check_corpus, tiktoken_encoder
+from ext_proc.tiktoken_encoder import NotRepresentable, tiktoken_encoder
 
 log = logging.getLogger(__name__)
 
@@ -152,9 +152,8 @@ def _fast_encoder(
             )
         except Exception:  # a template may raise anything; it is checked again on real requests
             continue
-    added = [t["content"] for t in spec.get("added_tokens") or [] if isinstance(t, dict) and "content" in t]
     try:
-        fast = tiktoken_encoder(spec, reference, check_corpus(rendered, added))
+        fast = tiktoken_encoder(spec, reference, rendered)
     except NotRepresentable as exc:
         return reference, "tokenizers", str(exc)
     return fast, "tiktoken", "its ids equal the tokenizer's on the check corpus"
