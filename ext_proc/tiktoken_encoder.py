@@ -14,9 +14,10 @@ computes the same ids, which :func:`tiktoken_encoder` makes sure of, raising :cl
   pair whose merge rule ranks lowest; they agree when the merge rules, in order, make tokens of
   non-decreasing id (vocabularies trained the usual way, Llama 3's among them). Checked on every rule.
 - Ids: both encode a check corpus (the chat template rendered over sample messages, Unicode, whitespace
-  and digit edge cases, the special tokens inside text, random strings from a seeded generator, and
-  every vocabulary token's bytes once, in a seeded random order: a few hundred kB for a 32k
-  vocabulary), with and without the post-processor's special tokens; every id must agree.
+  and digit edge cases, the special tokens inside text, random strings from a seeded generator, all
+  these with and without the post-processor's special tokens; then every vocabulary token's bytes
+  once, in a seeded random order: a few hundred kB for a 32k vocabulary); every id must agree. 0.35 s
+  for a 32k vocabulary on a two-vCPU box, about a second when it is busy.
 """
 
 from __future__ import annotations
@@ -113,9 +114,9 @@ def _byte_alphabet() -> dict[str, int]:
 def _pattern(pre_tokenizer: object) -> str:
     """The ``Split`` regex of a ``Sequence[Split(regex, Isolated), ByteLevel(use_regex=False)]``."""
     steps = pre_tokenizer.get("pretokenizers") if isinstance(pre_tokenizer, dict) else None
-    if pre_tokenizer is None or pre_tokenizer.get("type") != "Sequence" or not isinstance(steps, list):
+    if not isinstance(steps, list) or pre_tokenizer.get("type") != "Sequence":  # type: ignore[union-attr]
         raise NotRepresentable("the pre-tokenizer is not a Sequence of a Split and a ByteLevel")
-    if len(steps) != 2 or [s.get("type") for s in steps] != ["Split", "ByteLevel"]:
+    if [s.get("type") if isinstance(s, dict) else None for s in steps] != ["Split", "ByteLevel"]:
         raise NotRepresentable("the pre-tokenizer is not a Split then a ByteLevel")
     split, byte_level = steps
     pattern = split.get("pattern")
@@ -195,12 +196,9 @@ def tiktoken_encoding(spec: Mapping[str, object]) -> tiktoken.Encoding:
         raise NotRepresentable(f"tiktoken refused it: {exc}") from exc
 
 
-def check_corpus(
-    texts: Iterable[str], specials: Iterable[str], vocabulary: Iterable[bytes], seed: int = CHECK_SEED
-) -> list[str]:
-    """``texts`` (e.g. rendered chat templates), the edge cases, ``specials`` written into text,
-    :data:`CHECK_RANDOM_TEXTS` random strings mixing scripts, digits, punctuation and whitespace, and the
-    ``vocabulary`` tokens' bytes one after another in a random order (invalid UTF-8 replaced)."""
+def check_corpus(texts: Iterable[str], specials: Iterable[str], seed: int = CHECK_SEED) -> list[str]:
+    """``texts`` (e.g. rendered chat templates), the edge cases, ``specials`` written into text, and
+    :data:`CHECK_RANDOM_TEXTS` random strings mixing scripts, digits, punctuation and whitespace."""
     rng = random.Random(seed)
     corpus = [*texts, *_EDGE_CASES]
     corpus += [f"x{token} {token}\n{token}{token}y" for token in specials]
@@ -208,12 +206,17 @@ def check_corpus(
         alphabets = rng.sample(_ALPHABETS, rng.randint(1, 4))
         pool = "".join(alphabets)
         corpus.append("".join(rng.choice(pool) for _ in range(rng.randint(1, _RANDOM_CHARS))))
-    tokens = sorted(vocabulary)
-    rng.shuffle(tokens)
-    joined = b"".join(tokens)
-    for start in range(0, len(joined), _VOCAB_CHUNK_BYTES):
-        corpus.append(joined[start : start + _VOCAB_CHUNK_BYTES].decode("utf-8", "replace"))
     return corpus
+
+
+def vocabulary_corpus(vocabulary: Iterable[bytes], seed: int = CHECK_SEED) -> list[str]:
+    """The ``vocabulary`` tokens' bytes one after another in a random order, in texts of about
+    :data:`_VOCAB_CHUNK_BYTES` (invalid UTF-8 replaced): every token's bytes, next to others."""
+    tokens = sorted(vocabulary)
+    random.Random(seed).shuffle(tokens)
+    joined = b"".join(tokens)
+    step = _VOCAB_CHUNK_BYTES
+    return [joined[start : start + step].decode("utf-8", "replace") for start in range(0, len(joined), step)]
 
 
 def tiktoken_encoder(
@@ -221,17 +224,21 @@ def tiktoken_encoder(
 ) -> TiktokenEncoder:
     """tiktoken standing in for ``reference`` (the tokenizer ``spec`` loaded by ``tokenizers``).
 
-    Raises :class:`NotRepresentable` when :func:`tiktoken_encoding` does, or when an id of the check
-    corpus (:func:`check_corpus` of ``texts``, the added tokens and the vocabulary), encoded with and
-    without special tokens, differs from ``reference``'s."""
+    Raises :class:`NotRepresentable` when :func:`tiktoken_encoding` does, or when an id differs from
+    ``reference``'s on :func:`check_corpus` of ``texts`` and the added tokens (encoded with and without
+    special tokens) or on :func:`vocabulary_corpus` (without)."""
     encoding = tiktoken_encoding(spec)
-    corpus = check_corpus(texts, sorted(encoding.special_tokens_set), encoding.token_byte_values())
     added = added_specials(reference)
     if added is None:
         raise NotRepresentable("the post-processor does not add a plain head and tail around a prompt")
     encoder = TiktokenEncoder(encoding, *added)
-    for text in corpus:
-        for add_special in (False, True):
-            if encoder.encode(text, add_special) != reference.encode(text, add_special):
-                raise NotRepresentable(f"tiktoken's ids differ from the tokenizer's on {text[:80]!r}")
+    checks = [
+        (text, special)
+        for text in check_corpus(texts, sorted(encoding.special_tokens_set))
+        for special in (False, True)
+    ]
+    checks += [(text, False) for text in vocabulary_corpus(encoding.token_byte_values())]
+    for text, add_special in checks:
+        if encoder.encode(text, add_special) != reference.encode(text, add_special):
+            raise NotRepresentable(f"tiktoken's ids differ from the tokenizer's on {text[:80]!r}")
     return encoder

@@ -105,7 +105,7 @@ def test_ids_that_differ_on_the_check_corpus_load_with_tokenizers(folder: Path, 
     """A merge rule dropped: its token stays in the vocabulary, tiktoken still makes it, tokenizers cannot."""
     spec = spec_of(folder)
     reference = TokenizersEncoder(Tokenizer.from_file(str(folder / "tokenizer.json")))
-    made = set(reference.encode(" ".join(check_corpus([], [], [])[:40]), False))
+    made = set(reference.encode(" ".join(check_corpus([], [])[:40]), False))
     vocab, merges = spec["model"]["vocab"], spec["model"]["merges"]  # type: ignore[index]
     dropped = max(i for i, (left, right) in enumerate(merges) if vocab[left + right] in made)
     del merges[dropped]
