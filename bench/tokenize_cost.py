@@ -14,7 +14,11 @@ model's). The prompt is a conversation of prose paragraphs from those docs: a sy
   tokens) was tokenized: only the new turns are tokenized, after the seam check.
 - ``awaited``: ``cached`` through :class:`~ext_proc.tokenizer.GatewayTokenizer` (the hop to its worker
   thread and back included), and ``cold`` likewise.
-- ``render``, ``encode``: the cold path's two parts, the chat template alone and the tokenizer alone.
+- ``render``, ``encode``: the cold path's two parts, the chat template alone and the encoder alone.
+
+Each path is timed for both encoders the gateway may run (:data:`ext_proc.tokenizer.ENCODERS`):
+``tiktoken`` (when it loads for the folder: checked equal to ``tokenizers`` at load) and ``tokenizers``,
+on the same conversations, and the two answers are compared id for id.
 
 Each is timed with ``time.perf_counter`` over ``--reps`` repetitions: p50 and p90 in ms (nearest rank).
 
@@ -36,13 +40,14 @@ import sys
 import sysconfig
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer
 
 from ext_proc.prefix.tokens import PrefixTokenCache
-from ext_proc.tokenizer import GatewayTokenizer, TokenizerSettings, load_prompt_tokenizer
+from ext_proc.tokenizer import ENCODERS, GatewayTokenizer, TokenizerSettings, load_prompt_tokenizer
 from sim.report import percentile
 from sim.tokenizer_folder import write_tokenizer_folder
 
@@ -145,24 +150,41 @@ def summary(seconds: list[float]) -> dict[str, float]:
 
 
 def measure(folder: Path, reps: int, seed: int = 1) -> dict[str, Any]:
-    """Time the cold and cached paths over ``reps`` conversations (see the module docstring)."""
-    settings = TokenizerSettings(str(folder))
+    """Time the cold and cached paths over ``reps`` conversations with each encoder (module docstring)."""
     raw = Tokenizer.from_file(str(folder / "tokenizer.json"))
     rng = random.Random(seed)
     pool = paragraphs()
     chats = [conversation(raw, pool, rng) for _ in range(reps)]
     bodies = [({"messages": messages}, {"messages": messages[:seen]}) for messages, seen in chats]
-    cold_tokenizer = load_prompt_tokenizer(TokenizerSettings(str(folder), cache_entries=0))
+    result: dict[str, Any] = {"folder": str(folder), "vocab": raw.get_vocab_size(), "reps": reps}
+    answers: dict[str, list[list[int]]] = {}
+    for encoder in ENCODERS:
+        settings = TokenizerSettings(str(folder), try_tiktoken=encoder == "tiktoken")
+        loaded = load_prompt_tokenizer(settings)
+        if loaded.encoder != encoder:
+            print(f"{encoder} not used for {folder}: {loaded.why}", file=sys.stderr)
+            continue
+        result[encoder], answers[encoder] = measure_encoder(settings, bodies)
+    if len(answers) == len(ENCODERS):
+        result["ids_equal"] = answers["tiktoken"] == answers["tokenizers"]
+    return result
+
+
+def measure_encoder(
+    settings: TokenizerSettings, bodies: list[tuple[dict[str, Any], dict[str, Any]]]
+) -> tuple[dict[str, Any], list[list[int]]]:
+    """One encoder's timings over ``bodies`` (its setting ``try_tiktoken``), and its cached answers."""
+    cold_tokenizer = load_prompt_tokenizer(replace(settings, cache_entries=0)).tokenizer
     for body, _ in bodies[:3]:  # warm the BPE's word cache and jinja's compiled template
         cold_tokenizer.tokens(body, CHAT, 0.0)
-    warm = load_prompt_tokenizer(
-        settings
-    )  # one tokenizer, long-lived as in a gateway: a new cache per conversation
+    warm = load_prompt_tokenizer(settings).tokenizer  # long-lived as in a gateway: a cache per conversation
     template = cold_tokenizer._template  # the render alone
+    encoder = cold_tokenizer._encoder  # the encoder alone
     assert template is not None
     variables = {"bos_token": "<|begin_of_text|>", "add_generation_prompt": True}
     results: dict[str, list[float]] = {k: [] for k in ("cold", "cached", "render", "encode")}
     sizes: dict[str, list[int]] = {"prompt_tokens": [], "cached_tokens": [], "seen_tokens": []}
+    answers: list[list[int]] = []
     for body, earlier in bodies:
         started = time.perf_counter()
         cold_tokenizer.tokens(body, CHAT, 0.0)
@@ -171,27 +193,25 @@ def measure(folder: Path, reps: int, seed: int = 1) -> dict[str, Any]:
         text = template.render({**variables, "messages": body["messages"]})
         results["render"].append(time.perf_counter() - started)
         started = time.perf_counter()
-        raw.encode_batch([text], add_special_tokens=False)
+        encoder.encode(text, False)
         results["encode"].append(time.perf_counter() - started)
         warm.cache = empty_cache(settings)
         sizes["seen_tokens"].append(len(warm.tokens(earlier, CHAT, 0.0).ids))
         started = time.perf_counter()
         answer = warm.tokens(body, CHAT, 1.0)
         results["cached"].append(time.perf_counter() - started)
+        answers.append(answer.ids)
         sizes["prompt_tokens"].append(len(answer.ids))
         sizes["cached_tokens"].append(answer.cached)
     awaited = asyncio.run(measure_awaited(settings, bodies))
     return {
-        "folder": str(folder),
-        "vocab": raw.get_vocab_size(),
-        "reps": reps,
         **{name: summary(values) for name, values in results.items()},
         **{f"awaited_{name}": summary(values) for name, values in awaited.items()},
         **{
             name: {"min": min(values), "p50": percentile(values, 0.5), "max": max(values)}
             for name, values in sizes.items()
         },
-    }
+    }, answers
 
 
 async def measure_awaited(
@@ -202,6 +222,7 @@ async def measure_awaited(
     class Quiet:
         def tokenized(self, seconds: float, tokens: int, cached: int) -> None: ...
         def untokenized(self, reason: str) -> None: ...
+        def tokenizer_encoder(self, encoder: str | None) -> None: ...
 
     times: dict[str, list[float]] = {"cold": [], "cached": []}
     gateway = GatewayTokenizer.open(settings, Quiet())
@@ -225,15 +246,20 @@ def spread(values: dict[str, float]) -> str:
 
 
 def report(result: dict[str, Any]) -> str:
+    encoders = [e for e in ENCODERS if e in result]
+    sizes = result[encoders[0]]
     lines = [
         f"tokenizer: {result['folder']} ({result['vocab']} tokens); {result['reps']} conversations of "
-        f"{spread(result['prompt_tokens'])} tokens, {spread(result['seen_tokens'])} seen before, "
-        f"{spread(result['cached_tokens'])} taken from the cache (min / p50 / max)",
-        f"{'path':<16}{'p50 ms':>10}{'p90 ms':>10}",
+        f"{spread(sizes['prompt_tokens'])} tokens, {spread(sizes['seen_tokens'])} seen before, "
+        f"{spread(sizes['cached_tokens'])} taken from the cache (min / p50 / max)",
+        "".join([f"{'path':<16}", *(f"{e + ' p50':>18}{'p90 ms':>8}" for e in encoders)]),
     ]
     for name in ("cold", "cached", "render", "encode", "awaited_cold", "awaited_cached"):
-        lines.append(f"{name:<16}{result[name]['p50_ms']:>10.3f}{result[name]['p90_ms']:>10.3f}")
+        cells = [f"{result[e][name]['p50_ms']:>18.3f}{result[e][name]['p90_ms']:>8.3f}" for e in encoders]
+        lines.append(f"{name:<16}" + "".join(cells))
     lines.append("(awaited_cold: the ~10k-token earlier turn, cold, through the worker thread)")
+    if "ids_equal" in result:
+        lines.append(f"tiktoken's ids equal tokenizers' on every cached answer: {result['ids_equal']}")
     for when in ("before", "after"):
         machine = result["machine"][when]
         lines.append(

@@ -355,6 +355,13 @@ class Metrics:
             registry=self.registry,
         )
         self._tokenize_children = {s: self._tokenize_tokens.labels(s) for s in ("cache", "tokenizer")}
+        self._tokenizer_encoder = Gauge(
+            "pd_extproc_tokenizer_encoder",
+            "The gateway tokenizer's encoder: 1 for the one in use (tiktoken, when checked equal to the "
+            "folder's tokenizer; else tokenizers), 0 for the other; all 0 without a tokenizer",
+            ["encoder"],
+            registry=self.registry,
+        )
         self._untokenized = Counter(
             "pd_extproc_tokenize_fallbacks_total",
             "Prompts the gateway tokenizer could not put in the engine's tokens, by reason",
@@ -537,6 +544,11 @@ class Metrics:
         self._tokenize_seconds.observe(seconds)
         self._tokenize_children["cache"].inc(cached)
         self._tokenize_children["tokenizer"].inc(tokens - cached)
+
+    def tokenizer_encoder(self, encoder: str | None) -> None:
+        """Mark ``encoder`` (``tiktoken``, ``tokenizers``) as the one in use; ``None``: no tokenizer."""
+        for name in ("tiktoken", "tokenizers"):
+            self._tokenizer_encoder.labels(name).set(1 if name == encoder else 0)
 
     def untokenized(self, reason: str) -> None:
         """Count one prompt the gateway tokenizer could not tokenize, by reason."""

@@ -136,8 +136,11 @@ class Router:
             self._tokenizer_folder = folder
             if self.tokenizer is not None:
                 self.tokenizer.close()
-            opened = GatewayTokenizer.open(TokenizerSettings(folder), self.metrics) if folder else None
-            self.tokenizer = opened
+            if folder:
+                self.tokenizer = GatewayTokenizer.open(TokenizerSettings(folder), self.metrics)
+            else:
+                self.tokenizer = None
+                self.metrics.tokenizer_encoder(None)
         if settings is None:
             self.prefix = None
         elif self.prefix is not None and _identity(self.prefix.settings) == _identity(settings):

@@ -29,13 +29,18 @@ tokens, each entry kept ``ttl_s`` after its last use), and tokenizes only what f
 cached prefix found at any message's content start or end. Each request adds at most three prefixes:
 to the end of its first message (a shared system prompt), to the end of its last, and its whole text
 (which the conversation's next turn extends); a prefix per message would hold a conversation's tokens
-once per turn. Joining two tokenizations is exact only where the boundary is a token boundary in the
-whole text; it is checked at every join by tokenizing the seam again (the last
-:data:`SEAM_TOKENS` tokens of the prefix and the first of the rest, in the new text) and comparing; a
-seam that differs falls back to tokenizing the whole text. Boundaries sit at the end of a message's
-content, where templates write an end-of-turn special token, which the tokenizer always splits at.
+once per turn. The text after the cached prefix is encoded in pieces cut at those three points, so each
+stored prefix's ids are known without token offsets. Joining two separately encoded pieces is exact only
+where the cut is a token boundary in the whole text; it is checked at every join by encoding the
+:data:`SEAM_CHARS` characters on each side of the cut together and apart and comparing; a join at the
+cached prefix that differs drops the prefix, one further on falls back to encoding the whole text.
+Cuts sit at the end of a message's content, where templates write an end-of-turn special token, which
+the tokenizer always splits at.
 
-Pure apart from the tokenizer's own state: the clock is an argument (``now``, seconds), and no file
+The encoder is injected (:class:`TextEncoder`: text to ids, nothing else), so the shell can give the
+model's own ``tokenizers`` tokenizer or a faster equivalent it has checked against it.
+
+Pure apart from the encoder's own state: the clock is an argument (``now``, seconds), and no file
 is read (:mod:`ext_proc.tokenizer` loads a tokenizer folder and runs this off the event loop). Not
 thread-safe: one thread at a time per :class:`PromptTokenizer`.
 """
@@ -50,17 +55,16 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Literal, NamedTuple, NoReturn
+from typing import Literal, NamedTuple, NoReturn, Protocol
 from urllib.parse import urlsplit
 
 import jinja2
 import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import Encoding, Tokenizer
 
-SEAM_TOKENS = 3
-"""Tokens on each side of a join between a cached prefix and the rest that are tokenized again."""
+SEAM_CHARS = 64
+"""Characters on each side of a join between two separately encoded pieces that are encoded again."""
 _TEXT_PARTS = {
     "text": "text",
     "input_text": "text",
@@ -98,6 +102,16 @@ class TokenizeFailure(Exception):
     def __init__(self, reason: UntokenizedReason, message: str) -> None:
         super().__init__(message)
         self.reason = reason
+
+
+class TextEncoder(Protocol):
+    """A tokenizer's text-to-ids step: what :class:`PromptTokenizer` needs of a tokenizer."""
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """``text``'s token ids; with the post-processor's special tokens (e.g. BOS) when asked.
+
+        May raise any exception for a text it cannot encode (e.g. a lone surrogate)."""
+        ...
 
 
 class Tokenized(NamedTuple):
@@ -306,15 +320,11 @@ def conversation(messages: object, content_format: ContentFormat) -> list[dict[s
 
 @dataclass(slots=True)
 class _Prefix:
-    """The token ids of a rendered text up to a boundary, and where its last few tokens start.
+    """The token ids of a rendered text up to a boundary, and when the entry is dropped unless used again.
 
-    ``ids`` are unsigned 32-bit (4 bytes a token id, a tenth of a Python list's); ``tail_start``: the
-    character offset, in that text, of the first of its last ``tail_count`` tokens (at most
-    :data:`SEAM_TOKENS`); ``expires``: when the entry is dropped unless used again (seconds)."""
+    ``ids`` are unsigned 32-bit (4 bytes a token id, a tenth of a Python list's); ``expires`` in seconds."""
 
     ids: array[int]
-    tail_start: int
-    tail_count: int
     expires: float
 
 
@@ -347,13 +357,14 @@ class PrefixTokenCache:
         self._entries.move_to_end(key)
         return entry
 
-    def put(self, key: bytes, ids: list[int], tail_start: int, tail_count: int, now: float) -> None:
-        """Hold ``ids`` under ``key`` (replacing what was there), then evict to the bounds."""
+    def put(self, key: bytes, ids: array[int], now: float) -> None:
+        """Hold ``ids`` (kept, not copied: the caller leaves it unchanged) under ``key``, replacing what
+        was there, then evict to the bounds."""
         if key in self._entries:
             self._drop(key)
         if len(ids) > self.max_tokens or self.max_entries < 1:
             return
-        self._entries[key] = _Prefix(array("I", ids), tail_start, tail_count, now + self.ttl_s)
+        self._entries[key] = _Prefix(ids, now + self.ttl_s)
         self.tokens += len(ids)
         while self._entries and (
             len(self._entries) > self.max_entries
@@ -376,20 +387,6 @@ def _prefix_keys(text: str, positions: list[int]) -> list[bytes]:
         keys.append(digest.copy().digest())
         start = position
     return keys
-
-
-def _token_boundary(encoding: Encoding, length: int, char: int) -> int | None:
-    """How many of ``encoding``'s tokens lie before character ``char`` when a token starts exactly there.
-
-    ``length`` is the encoded text's length in characters; ``None`` when a token spans ``char``."""
-    if char >= length:
-        return len(encoding.ids)
-    token = encoding.char_to_token(char)
-    if token is None or encoding.token_to_chars(token)[0] != char:
-        return None
-    if token and encoding.token_to_chars(token - 1)[1] > char:
-        return None
-    return token
 
 
 def _find(text: str, parts: list[str], position: int) -> tuple[int, int] | None:
@@ -428,7 +425,7 @@ def _message_spans(text: str, messages: list[dict[str, object]]) -> tuple[list[i
 
 
 class PromptTokenizer:
-    """A model's tokenizer and chat template, with a cache of recent prefixes (see the module docstring).
+    """A model's encoder and chat template, with a cache of recent prefixes (see the module docstring).
 
     ``template`` renders chats (``None``: the folder has none, chats are not tokenized); ``tool_template``
     renders chats with ``tools`` when the folder names one (``tool_use``); ``special_tokens`` are the
@@ -436,20 +433,18 @@ class PromptTokenizer:
 
     def __init__(
         self,
-        tokenizer: Tokenizer,
+        encoder: TextEncoder,
         template: ChatTemplate | None,
         tool_template: ChatTemplate | None,
         special_tokens: Mapping[str, str],
         cache: PrefixTokenCache,
     ) -> None:
-        tokenizer.no_truncation()
-        tokenizer.no_padding()
-        self._tokenizer = tokenizer
+        self._encoder = encoder
         self._template = template
         self._tool_template = tool_template
         self._special_tokens = dict(special_tokens)
         self.cache = cache
-        self._added = _added_specials(tokenizer)
+        self._added = added_specials(encoder)
 
     def tokens(self, body: Mapping[str, object], path: str, now: float) -> Tokenized:
         """The token ids the engine would compute for ``body`` sent to ``path`` (``now`` in seconds).
@@ -525,63 +520,60 @@ class PromptTokenizer:
     def _encode(
         self, text: str, lookups: list[int], stores: list[int], add_special: bool, now: float
     ) -> Tokenized:
-        """``text``'s ids, from the longest cached prefix whose seam agrees, then tokenized whole.
+        """``text``'s ids: the longest cached prefix whose join agrees, then the rest encoded in pieces.
 
-        Prefixes are looked up at ``lookups`` and ``stores`` (character offsets) and the ones at
-        ``stores`` are cached for later texts."""
+        Prefixes are looked up at ``lookups`` and ``stores`` (character offsets); the rest is cut at the
+        ``stores`` past the prefix, and the ids up to each of them are cached for later texts."""
         if add_special and self._added is None:
-            return Tokenized(self._encode_whole(text, True).ids, 0)
+            return Tokenized(self._encode_piece(text, True), 0)
         positions = sorted({p for p in (*lookups, *stores) if 0 < p <= len(text)})
         keys = dict(zip(positions, _prefix_keys(text, positions), strict=True))
-        base, cached, ids, rest = 0, 0, None, None
+        base, known = 0, array("I")  # the ids of text[:base], as the cache holds them
         for position in reversed(positions):
             prefix = self.cache.get(keys[position], now)
-            if prefix is None:
-                continue
-            rest = self._encode_whole(text[position:], False)
-            rest_ids = rest.ids  # each .ids builds a new list: read it once
-            if self._seam_agrees(text, position, prefix, rest, rest_ids):
-                base, cached, ids = position, len(prefix.ids), prefix.ids.tolist() + rest_ids
-            break
-        if ids is None or rest is None:
-            rest = self._encode_whole(text, False)
-            ids = rest.ids
-        for position in stores:
-            count = _token_boundary(rest, len(text) - base, position - base) if position > base else None
-            if count:  # the ids of text[:position], with where its last few tokens start
-                tail_count = min(SEAM_TOKENS, count)
-                tail_start = base + rest.token_to_chars(count - tail_count)[0]
-                self.cache.put(keys[position], ids[: cached + count], tail_start, tail_count, now)
+            if prefix is not None:
+                if self._seam_agrees(text, position):
+                    base, known = position, prefix.ids[:]  # copied: extended below
+                break
+        ids, cached = known.tolist(), len(known)
+        start = base
+        for end in sorted({s for s in stores if base < s < len(text)} | {len(text)}):
+            if start > base and not self._seam_agrees(text, start):
+                ids, cached = self._encode_piece(text, False), 0
+                break
+            piece = self._encode_piece(text[start:end], False)
+            ids += piece
+            known.extend(piece)  # only the new ids are converted; the cache gets a copy of the array
+            if end in keys and end in stores:
+                self.cache.put(keys[end], known[:], now)
+            start = end
         if add_special and self._added is not None:
             head, tail = self._added
             ids = head + ids + tail
         return Tokenized(ids, cached)
 
-    def _encode_whole(self, text: str, add_special: bool) -> Encoding:
-        try:  # encode_batch releases the GIL while it works, encode holds it
-            return self._tokenizer.encode_batch([text], add_special_tokens=add_special)[0]
-        except Exception as exc:  # the Rust side raises plain Exceptions (e.g. a lone surrogate)
+    def _encode_piece(self, text: str, add_special: bool) -> list[int]:
+        try:
+            return self._encoder.encode(text, add_special)
+        except Exception as exc:  # an encoder may raise anything (the Rust side's plain Exception)
             raise TokenizeFailure(UntokenizedReason.TOKENIZER, f"the tokenizer failed: {exc}") from exc
 
-    def _seam_agrees(
-        self, text: str, position: int, prefix: _Prefix, rest: Encoding, rest_ids: list[int]
-    ) -> bool:
-        """Whether ``prefix`` and ``rest`` join as the whole text tokenizes, tested on the seam's tokens.
+    def _seam_agrees(self, text: str, position: int) -> bool:
+        """Whether ``text`` encodes across ``position`` as its two sides do apart.
 
-        ``prefix`` holds the ids of ``text[:position]``, ``rest`` the encoding of the remainder and
-        ``rest_ids`` its ids."""
-        head = min(SEAM_TOKENS, len(rest_ids))
-        end = position + (rest.token_to_chars(head - 1)[1] if head else 0)
-        window = self._encode_whole(text[prefix.tail_start : end], False).ids
-        return window == prefix.ids[len(prefix.ids) - prefix.tail_count :].tolist() + rest_ids[:head]
+        Tested on the :data:`SEAM_CHARS` characters on each side of ``position``."""
+        left = text[max(0, position - SEAM_CHARS) : position]
+        right = text[position : position + SEAM_CHARS]
+        encode = self._encode_piece
+        return encode(left + right, False) == encode(left, False) + encode(right, False)
 
 
-def _added_specials(tokenizer: Tokenizer) -> tuple[list[int], list[int]] | None:
+def added_specials(encoder: TextEncoder) -> tuple[list[int], list[int]] | None:
     """The ids the post-processor adds before and after a prompt (e.g. ``[BOS]``, ``[]``).
 
     ``None`` when they are not a plain head and tail around the prompt's own ids."""
-    plain = tokenizer.encode(_PROBE, add_special_tokens=False).ids
-    full = tokenizer.encode(_PROBE, add_special_tokens=True).ids
+    plain = encoder.encode(_PROBE, False)
+    full = encoder.encode(_PROBE, True)
     for start in range(len(full) - len(plain) + 1):
         if full[start : start + len(plain)] == plain:
             return full[:start], full[start + len(plain) :]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+from array import array
 from pathlib import Path
 
 import pytest
@@ -57,7 +58,7 @@ def raw(folder: Path) -> Tokenizer:
 
 
 def fresh(folder: Path, **cache: float) -> PromptTokenizer:
-    return load_prompt_tokenizer(TokenizerSettings(str(folder), **cache))  # type: ignore[arg-type]
+    return load_prompt_tokenizer(TokenizerSettings(str(folder), **cache)).tokenizer  # type: ignore[arg-type]
 
 
 def with_template(folder: Path, tmp_path: Path, template: str | list[dict[str, str]]) -> Path:
@@ -267,7 +268,11 @@ def test_cached_tokens_equal_a_full_tokenization_turn_after_turn(
     cached, uncached = fresh(folder), fresh(folder, cache_entries=0)
     for end in range(2, len(turns) + 1):
         body = {"messages": turns[:end]}
-        assert cached.tokens(body, CHAT, float(end)).ids == uncached.tokens(body, CHAT, float(end)).ids
+        ids = cached.tokens(body, CHAT, float(end)).ids
+        assert ids == uncached.tokens(body, CHAT, float(end)).ids
+        if template == "bare":  # the rendered text is the contents joined: the whole of it tokenized
+            whole = "".join(turn["content"] for turn in turns[:end])
+            assert ids == raw.encode(whole, add_special_tokens=False).ids
 
 
 def test_a_later_turn_reuses_the_earlier_turns_tokens(folder: Path) -> None:
@@ -326,15 +331,15 @@ def test_cached_prefixes_expire_after_their_ttl(folder: Path) -> None:
 
 def test_the_cache_keeps_its_bounds() -> None:
     cache = PrefixTokenCache(max_entries=2, max_tokens=10, ttl_s=5.0)
-    cache.put(b"a", [1, 2, 3], 0, 1, now=0.0)
-    cache.put(b"b", [1, 2, 3], 0, 1, now=0.0)
+    cache.put(b"a", array("I", [1, 2, 3]), now=0.0)
+    cache.put(b"b", array("I", [1, 2, 3]), now=0.0)
     assert cache.get(b"a", now=1.0) is not None  # a is now the most recent
-    cache.put(b"c", [1, 2, 3], 0, 1, now=1.0)
+    cache.put(b"c", array("I", [1, 2, 3]), now=1.0)
     assert (len(cache), cache.tokens) == (2, 6)
     assert cache.get(b"b", now=1.0) is None  # the least recent went first
-    cache.put(b"d", list(range(8)), 0, 1, now=1.0)
+    cache.put(b"d", array("I", list(range(8))), now=1.0)
     assert (len(cache), cache.tokens) == (1, 8)  # ten tokens at most
-    cache.put(b"e", list(range(11)), 0, 1, now=1.0)
+    cache.put(b"e", array("I", list(range(11))), now=1.0)
     assert cache.get(b"e", now=1.0) is None  # longer than the whole cache: not held
     assert cache.get(b"d", now=6.0) is None  # unused for ttl_s
     assert (len(cache), cache.tokens) == (0, 0)
@@ -393,6 +398,7 @@ class Recorder:
     def __init__(self) -> None:
         self.done: list[tuple[int, int]] = []
         self.reasons: list[str] = []
+        self.encoder: str | None = None
 
     def tokenized(self, seconds: float, tokens: int, cached: int) -> None:
         assert seconds >= 0
@@ -400,6 +406,9 @@ class Recorder:
 
     def untokenized(self, reason: str) -> None:
         self.reasons.append(reason)
+
+    def tokenizer_encoder(self, encoder: str | None) -> None:
+        self.encoder = encoder
 
 
 async def test_the_gateway_tokenizes_off_the_event_loop(folder: Path, raw: Tokenizer) -> None:

@@ -137,7 +137,7 @@ async def test_a_chat_sent_straight_to_an_engine_routes_the_next_turn_there(
     # The first engine: on a tie (no hit known) the server's first decision takes the second.
     holder, publisher = "127.0.0.1:8000", engines["127.0.0.1:8000"]
     first = chat("How does the gateway pick a prefill engine for a long prompt?")
-    ids = load_prompt_tokenizer(TokenizerSettings(str(folder))).tokens(first, CHAT, 0.0).ids
+    ids = load_prompt_tokenizer(TokenizerSettings(str(folder))).tokenizer.tokens(first, CHAT, 0.0).ids
     blocks = len(ids) // B
     assert blocks >= 4
     stored = BlockStored(tuple(range(1, blocks + 1)), None, tuple(ids[: blocks * B]), B)
