@@ -163,6 +163,7 @@ _TAGGED = st.tuples(
 )
 
 
+@pytest.mark.slow  # 400 random events: `make test-fast` leaves it out
 @settings(max_examples=400, deadline=None)
 @given(st.lists(_TAGGED, max_size=3), st.booleans())
 def test_tagged_events_with_random_fields_raise_nothing_but_decode_error(

@@ -252,6 +252,7 @@ def conversations(draw: st.DrawFn) -> list[dict[str, str]]:
     return turns
 
 
+@pytest.mark.slow  # 60 conversations through three templates: `make test-fast` leaves it out
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(turns=conversations(), template=st.sampled_from(["llama3", "bare", "parts"]))
 def test_cached_tokens_equal_a_full_tokenization_turn_after_turn(
