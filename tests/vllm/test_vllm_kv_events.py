@@ -331,7 +331,7 @@ async def test_the_gateway_tokenizes_a_chat_and_a_completions_prompt_as_the_engi
     ``tokenizer_config.json``) against the engine's ``POST /tokenize``: a completions prompt (the
     tokenizer's BOS added), a chat, and the chat's next turn (tokenized from the cached first turn)."""
     a, _ = engines(events_stack)
-    tokenizer = load_prompt_tokenizer(TokenizerSettings(str(cluster_of(events_stack).model)))
+    tokenizer = load_prompt_tokenizer(TokenizerSettings(str(cluster_of(events_stack).model))).tokenizer
     turn = [
         {"role": "system", "content": prompt(40, 1)},
         {"role": "user", "content": prompt(30, 2)},
