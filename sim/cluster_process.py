@@ -2,8 +2,9 @@
 
 The parent starts it with :func:`spawn_cluster`, which returns once every engine listens and the
 EDS files (``prefill`` and ``decode`` clusters, with each engine's KV capacity as
-``token_capacity`` and each prefill engine's HTTP port as its SGLang ``bootstrap_port``) are
-written. It can then stop single engines (a node dying) and the whole cluster.
+``token_capacity``, each prefill engine's HTTP port as its SGLang ``bootstrap_port`` and, when the
+engines publish KV-cache events, each one's PUB port as ``kv_events_port``) are written. It can
+then stop single engines (a node dying) and the whole cluster.
 """
 
 from __future__ import annotations
@@ -18,25 +19,33 @@ from pathlib import Path
 from ext_proc.discovery.eds import write_eds_file
 from ext_proc.endpoints import EndpointSpec
 from sim.cluster import EngineSpec, bootstrap_port, start_cluster, stop_cluster
-from sim.config import KvConfig, TimingConfig
+from sim.config import KvConfig, KvEventsConfig, TimingConfig
 from sim.server import RunningEngine
 
 
 @dataclass(frozen=True)
 class EngineInfo:
-    """One started engine as the parent sees it (``bootstrap_port``: :func:`sim.cluster.bootstrap_port`)."""
+    """One started engine as the parent sees it (``bootstrap_port``: :func:`sim.cluster.bootstrap_port`;
+    ``kv_events_port``: its KV-cache event publisher's, ``None`` without one)."""
 
     address: str
     role: str
     group: str
     token_capacity: int
     bootstrap_port: int | None = None
+    kv_events_port: int | None = None
 
 
 def _endpoint(info: EngineInfo, healthy: bool = True) -> EndpointSpec:
     status = "HEALTHY" if healthy else "UNHEALTHY"
     return EndpointSpec(
-        info.address, info.group, float(info.token_capacity), healthy, status, info.bootstrap_port
+        info.address,
+        info.group,
+        float(info.token_capacity),
+        healthy,
+        status,
+        info.bootstrap_port,
+        kv_events_port=info.kv_events_port,
     )
 
 
@@ -50,9 +59,14 @@ def write_cluster_eds(
 
 
 async def _serve(
-    specs: list[EngineSpec], eds: list[str], timing: TimingConfig, kv: KvConfig, conn: Connection
+    specs: list[EngineSpec],
+    eds: list[str],
+    timing: TimingConfig,
+    kv: KvConfig,
+    kv_events: KvEventsConfig | None,
+    conn: Connection,
 ) -> None:
-    engines: list[RunningEngine] = await start_cluster(specs, eds, timing=timing, kv=kv)
+    engines: list[RunningEngine] = await start_cluster(specs, eds, timing=timing, kv=kv, kv_events=kv_events)
     by_address = {e.address: e for e in engines}
     conn.send(
         [
@@ -62,6 +76,7 @@ async def _serve(
                 e.engine.config.group,
                 e.engine.config.timing.kv_capacity_tokens,
                 bootstrap_port(e),
+                e.kv_events_port,
             )
             for e in engines
         ]
@@ -88,10 +103,15 @@ async def _serve(
 
 
 def _child(
-    specs: list[EngineSpec], eds: list[str], timing: TimingConfig, kv: KvConfig, conn: Connection
+    specs: list[EngineSpec],
+    eds: list[str],
+    timing: TimingConfig,
+    kv: KvConfig,
+    kv_events: KvEventsConfig | None,
+    conn: Connection,
 ) -> None:
     with contextlib.suppress(KeyboardInterrupt, EOFError):
-        asyncio.run(_serve(specs, eds, timing, kv, conn))
+        asyncio.run(_serve(specs, eds, timing, kv, kv_events, conn))
 
 
 @dataclass
@@ -126,13 +146,15 @@ def spawn_cluster(
     timing: TimingConfig | None = None,
     kv: KvConfig | None = None,
     timeout: float = 30.0,
+    kv_events: KvEventsConfig | None = None,
 ) -> ClusterProcess:
-    """Start the engines in a child process and write the EDS files; return when all listen."""
+    """Start the engines in a child process and write the EDS files; return when all listen
+    (``kv_events``: every engine publishes its KV-cache events so)."""
     parent, child = multiprocessing.get_context("spawn").Pipe()
     eds = [str(prefill_eds), str(decode_eds)]
     process = multiprocessing.get_context("spawn").Process(
         target=_child,
-        args=(specs, eds, timing or TimingConfig(), kv or KvConfig(), child),
+        args=(specs, eds, timing or TimingConfig(), kv or KvConfig(), kv_events, child),
         daemon=True,
         name="pd-sim-cluster",
     )

@@ -7,12 +7,14 @@ of :data:`~ext_proc.prefix.kv_events.Event` values; a replay ROUTER socket that 
 ``[b"", start]`` with ``[b"", sequence, payload]`` for every buffered batch from ``start`` on, then
 ``[b"", -1 (8 signed bytes), b""]``.
 
-Encodings (:data:`Encoding`): ``"array"``, a batch ``[ts, events, dp_rank]`` of tagged arrays
-(``["BlockStored", block_hashes, …]``), as ``msgspec`` writes vLLM's ``array_like`` structs; ``"map"``,
-maps with a ``type`` key inside a map batch, as newer vLLM writes them; ``"mixed"``, map events inside
-an array batch, as vLLM 0.32 for CPU was seen to send. Hash forms (:data:`HashForm`): ``"int"``, a
-64-bit unsigned integer (a negative hash is sent as its two's complement), or ``"bytes"``, 32 raw bytes
-big-endian, as vLLM's sha256 block hashes; a hash already in bytes is sent as it is.
+Encodings (:data:`~sim.config.KvEventEncoding`): ``"array"``, a batch ``[ts, events, dp_rank]`` of
+tagged arrays (``["BlockStored", block_hashes, …]``), as ``msgspec`` writes vLLM's ``array_like``
+structs; ``"map"``, maps with a ``type`` key inside a map batch, as newer vLLM writes them;
+``"mixed"``, map events inside an array batch, as vLLM 0.32 for CPU was seen to send. Hash forms
+(:data:`~sim.config.KvEventHashForm`): ``"int"``, a 64-bit unsigned integer (a negative hash is sent
+as its two's complement), or ``"bytes"``, 32 raw bytes big-endian, as vLLM's sha256 block hashes; a
+hash already in bytes is sent as it is. A simulated engine publishes what its prefix cache reports
+(:mod:`sim.prefix`): one batch per change.
 """
 
 from __future__ import annotations
@@ -20,20 +22,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from typing import Literal
 
 import msgspec
 import zmq
 import zmq.asyncio
 
 from ext_proc.prefix.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, Event
+from sim.config import KvEventEncoding, KvEventHashForm
 
-Encoding = Literal["array", "map", "mixed"]
-ENCODINGS: tuple[Encoding, ...] = ("array", "map", "mixed")
-HashForm = Literal["int", "bytes"]
-HASH_FORMS: tuple[HashForm, ...] = ("int", "bytes")
-MEDIUM_GPU = "GPU"
-"""The ``medium`` of blocks in the engine's KV cache (vLLM's name for its GPU memory)."""
 REPLAY_BUFFER_BATCHES = 10_000
 """Batches the replay socket can answer from (vLLM's ``buffer_steps`` default)."""
 
@@ -41,7 +37,7 @@ _MASK = (1 << 64) - 1
 _END = (-1).to_bytes(8, "big", signed=True)
 
 
-def wire_hash(block_hash: EngineHash, form: HashForm = "int") -> EngineHash:
+def wire_hash(block_hash: EngineHash, form: KvEventHashForm = "int") -> EngineHash:
     """``block_hash`` as the wire carries it in ``form``."""
     if isinstance(block_hash, bytes):
         return block_hash
@@ -49,7 +45,7 @@ def wire_hash(block_hash: EngineHash, form: HashForm = "int") -> EngineHash:
     return unsigned if form == "int" else unsigned.to_bytes(32, "big")
 
 
-def event_value(event: Event, as_map: bool, hashes: HashForm = "int") -> object:
+def event_value(event: Event, as_map: bool, hashes: KvEventHashForm = "int") -> object:
     """One event as the engine encodes it (a tagged array, or a map with ``type``)."""
     if isinstance(event, BlockStored):
         parent = event.parent_block_hash
@@ -77,10 +73,10 @@ def event_value(event: Event, as_map: bool, hashes: HashForm = "int") -> object:
 
 def payload(
     events: list[Event],
-    encoding: Encoding = "array",
+    encoding: KvEventEncoding = "array",
     ts: float = 1.0,
     dp_rank: int = 0,
-    hashes: HashForm = "int",
+    hashes: KvEventHashForm = "int",
 ) -> bytes:
     """The msgpack batch of ``events`` (``ts``: seconds since the epoch)."""
     values = [event_value(e, encoding != "array", hashes) for e in events]
@@ -95,9 +91,9 @@ def payload(
 def frames(
     sequence: int,
     events: list[Event],
-    encoding: Encoding = "array",
+    encoding: KvEventEncoding = "array",
     topic: bytes = b"",
-    hashes: HashForm = "int",
+    hashes: KvEventHashForm = "int",
 ) -> list[bytes]:
     """One published message ``[topic, sequence, payload]``."""
     return [topic, sequence.to_bytes(8, "big"), payload(events, encoding, hashes=hashes)]
@@ -115,9 +111,9 @@ class Publisher:
 
     def __init__(
         self,
-        encoding: Encoding = "array",
+        encoding: KvEventEncoding = "array",
         replay: bool = True,
-        hashes: HashForm = "int",
+        hashes: KvEventHashForm = "int",
         host: str = "127.0.0.1",
         port: int = 0,
         replay_port: int = 0,

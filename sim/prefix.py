@@ -12,21 +12,56 @@ its blocks tail first, so its prompt's head outlives its tail (vLLM's ``FreeKVCa
 Blocks in use are never evicted. Two sequences computing the same block at once keep a copy each;
 the first to finish it caches it.
 
+With an event sink (``events``) the cache reports its changes as vLLM's KV-cache events do
+(:mod:`ext_proc.prefix.kv_events`), one batch a change: the blocks a sequence newly cached (one
+``BlockStored`` per run of consecutive blocks, with its parent's hash and its token ids, medium
+:data:`MEDIUM_GPU`), the blocks an admission evicted (``BlockRemoved``), a reset (``AllBlocksCleared``).
+Block hashes are the cache's own (Python's ``hash``, salted per process): opaque to a subscriber.
+
 The "tokens" of a text prompt are its characters in fours (the gateway's and the simulator's token
 estimate, :mod:`ext_proc.request`), so a block is ``4 * block_size`` characters of the concatenated
-prompt text; token-id prompts are blocks of ids. Generated tokens extend the text (the simulator
+prompt text (:func:`token_ids` numbers those tokens for the events); token-id prompts are blocks of
+ids. Generated tokens extend the text (the simulator
 generates a fixed cycle of four-character tokens, :func:`sim.protocol.token_text`), so a chat's next
 turn, which carries the reply, hits the blocks its reply filled on the engine that generated it.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ext_proc.prefix.blocks import CHARS_PER_TOKEN
+from ext_proc.prefix.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, Event
 from sim.protocol import token_text
+
+MEDIUM_GPU = "GPU"
+"""The ``medium`` of the KV cache's blocks in the events (vLLM's name for its GPU memory)."""
+EventSink = Callable[[list[Event]], None]
+"""Where a :class:`BlockCache` reports one batch of KV-cache events."""
+
+
+def token_ids(content: str | Sequence[int]) -> list[int]:
+    """The simulator's token ids of ``content``: token ids as they are; text in tokens of
+    ``CHARS_PER_TOKEN`` characters, each its UTF-8 bytes read as a big-endian integer when they are at
+    most 8 (any ASCII token), else the first 8 bytes of their BLAKE2b digest (ids below ``2**64``)."""
+    if not isinstance(content, str):
+        return list(content)
+    ids = []
+    for start in range(0, len(content), CHARS_PER_TOKEN):
+        raw = content[start : start + CHARS_PER_TOKEN].encode()
+        if len(raw) > 8:
+            raw = hashlib.blake2b(raw, digest_size=8).digest()
+        ids.append(int.from_bytes(raw, "big"))
+    return ids
+
+
+def block_content(content: str | Sequence[int], block_size: int, index: int) -> str | Sequence[int]:
+    """Block ``index`` of ``content`` (``block_size`` tokens; text ``CHARS_PER_TOKEN`` characters a token)."""
+    size = CHARS_PER_TOKEN * block_size if isinstance(content, str) else block_size
+    return content[index * size : (index + 1) * size]
 
 
 def chain(content: str | Sequence[int], block_size: int) -> list[int]:
@@ -58,7 +93,13 @@ class PromptBlocks:
         tokens (token-id prompts: the prompt's alone, the generated ids being unknown)."""
         if not isinstance(self.content, str) or generated <= 0:
             return self.hashes
-        return chain(self.content + token_text(0, generated), self.block_size)
+        return chain(self.output_content(generated), self.block_size)
+
+    def output_content(self, generated: int) -> str | list[int]:
+        """The content :meth:`with_output` chains: the prompt's followed by ``generated`` output tokens'."""
+        if not isinstance(self.content, str) or generated <= 0:
+            return self.content
+        return self.content + token_text(0, generated)
 
 
 @dataclass
@@ -75,11 +116,13 @@ class BlockCache:
 
     ``used`` counts blocks in use (private ones plus cached ones with references). ``queries`` and
     ``hits`` count prompt tokens looked up and found (vLLM's ``prefix_cache_queries`` / ``_hits``).
+    ``events``: where the changes are reported (``None``: nowhere).
     """
 
-    def __init__(self, capacity: int, block_size: int) -> None:
+    def __init__(self, capacity: int, block_size: int, events: EventSink | None = None) -> None:
         self.capacity = capacity
         self.block_size = block_size
+        self.events = events
         self.used = 0
         self.queries = 0
         self.hits = 0
@@ -115,25 +158,64 @@ class BlockCache:
                 self.used += 1
             self._refs[h] += 1
         empty = self.capacity - self.used - len(self._free)
-        for _ in range(max(0, fresh - empty)):
-            evicted, _ = self._free.popitem(last=False)
-            del self._refs[evicted]
+        evicted = [self._free.popitem(last=False)[0] for _ in range(max(0, fresh - empty))]
+        for h in evicted:
+            del self._refs[h]
+        if evicted and self.events is not None:
+            self.events([BlockRemoved(tuple(evicted), MEDIUM_GPU)])
         self.used += fresh
         self.queries += prompt_tokens
         self.hits += len(hit) * self.block_size
         return Holding(list(hit), fresh)
 
-    def cache(self, holding: Holding, hashes: Sequence[int]) -> None:
-        """The sequence of ``holding`` computed the blocks ``hashes`` (its chain from the start): each
-        one not cached yet becomes a cached block referenced by it (one private block less)."""
+    def cache(self, holding: Holding, hashes: Sequence[int], content: str | Sequence[int] = "") -> None:
+        """The sequence of ``holding`` computed the blocks ``hashes`` (its chain over ``content``, from
+        the start): each one not cached yet becomes a cached block referenced by it (one private block
+        less), reported in one batch."""
         held = set(holding.refs)
-        for h in hashes:
+        new: list[int] = []  # indexes in ``hashes`` of the blocks cached now
+        for index, h in enumerate(hashes):
             if holding.private == 0:
-                return
+                break
             if h not in held and h not in self._refs:
                 self._refs[h] = 1
                 holding.refs.append(h)
                 holding.private -= 1
+                new.append(index)
+        if new and self.events is not None:
+            self.events(self._stored(hashes, content, new))
+
+    def _stored(self, hashes: Sequence[int], content: str | Sequence[int], new: list[int]) -> list[Event]:
+        """One ``BlockStored`` per run of consecutive indexes of ``new`` (blocks of ``hashes``)."""
+        runs: list[list[int]] = []
+        for index in new:
+            if runs and runs[-1][-1] == index - 1:
+                runs[-1].append(index)
+            else:
+                runs.append([index])
+        size = self.block_size
+        return [
+            BlockStored(
+                tuple(hashes[i] for i in run),
+                hashes[run[0] - 1] if run[0] else None,
+                tuple(t for i in run for t in token_ids(block_content(content, size, i))),
+                size,
+                None,
+                MEDIUM_GPU,
+            )
+            for run in runs
+        ]
+
+    def reset(self) -> bool:
+        """Drop every cached block, as vLLM's ``reset_prefix_cache``: only while no block is in use
+        (whether it did)."""
+        if self.used:
+            return False
+        self._refs.clear()
+        self._free.clear()
+        if self.events is not None:
+            self.events([AllBlocksCleared()])
+        return True
 
     def release(self, holding: Holding) -> None:
         """Free every block of ``holding``: private ones become empty, cached ones free (evictable),

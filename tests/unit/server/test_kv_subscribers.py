@@ -31,7 +31,8 @@ from ext_proc.prefix.kv_events import AllBlocksCleared, BlockRemoved, BlockStore
 from ext_proc.prefix.tracker import KvEventsSettings
 from ext_proc.registry import Registry
 from ext_proc.router import Router, RouterSettings
-from sim.kv_events import Encoding, Publisher
+from sim.config import KvEventEncoding
+from sim.kv_events import Publisher
 
 B = 16
 ENGINE = "127.0.0.1:8000"
@@ -111,7 +112,7 @@ async def connected(publisher: Publisher, router: Router, probe: int = 99) -> No
 
 
 @pytest.mark.parametrize("encoding", ["array", "map", "mixed"])
-async def test_live_batches_a_replayed_gap_a_restart_and_garbage(encoding: Encoding) -> None:
+async def test_live_batches_a_replayed_gap_a_restart_and_garbage(encoding: KvEventEncoding) -> None:
     publisher = Publisher(encoding)
     router = router_for(publisher)
     async with subscribed(router, publisher):
