@@ -13,7 +13,10 @@ Clusters: ``demo`` (rack-a 2 prefills + 3 large decodes, rack-b 1 prefill + 2 sm
 Every engine caches prefixes. Workloads (:mod:`bench.prefix_workloads`): A (shared system prompts), B
 (multi-turn), D (low reuse). Settings: ``off``, ``prefer``, ``strict``, ``auto`` as before the pair
 choice (prefill first); ``pair:*`` the pair choice; ``+prefix`` with the prefix index (``x2``: two
-gateway replicas, requests alternating, each with its own index and accounting); ``sglang``, ``llm-d``
+gateway replicas, requests alternating, each with its own index and accounting; ``x4``: four);
+``pair:auto+events`` the same on the ``kv-events`` source (the engines' KV-cache events, fed in process
+through the wire encoding and the gateway's decoder, :mod:`bench.kv_event_feed`; ``x2``, ``x4``: that
+many replicas, each subscribed to every engine, requests round robin); ``sglang``, ``llm-d``
 the peers' rules; ``oracle`` the pair choice told the engines' true caches.
 
 Reported per run: engine-truth prefix hit rate (prompt tokens the prefill found cached), decode-side
@@ -35,10 +38,12 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_json
+from kv_event_feed import EventReplica, KvEventFeed
 from prefix_peers import (
     Endpoint,
     LlmdScorer,
@@ -127,12 +132,23 @@ def auto_model(specs: Sequence[EngineSpec]) -> AutoModel:
 PREFIX = PrefixSettings()
 NEW = "pair:auto+prefix"
 """The setting the targets judge: the pair choice of ``auto`` with the prefix index."""
+EVENTS = "pair:auto+events"
+"""The pair choice of ``auto`` with the prefix index on the ``kv-events`` source."""
 WEIGHT = 0.1  # affinity.prefix.weight's default
 Router = Callable[[list[Endpoint], dict[str, Engine], AutoModel], object]
 
 
 def _policy(mode: Mode, model: AutoModel, weight: float = 0.0) -> Policy:
     return Policy(mode, 0.3, 0, model, weight)
+
+
+def _event_replicas(
+    count: int, endpoints: list[Endpoint], engines: dict[str, Engine], model: AutoModel
+) -> Replicas:
+    """``count`` replicas on the ``kv-events`` source, each fed every engine's events."""
+    feed = KvEventFeed(engines)
+    policy = _policy(Mode.AUTO, model, WEIGHT)
+    return Replicas([EventReplica(endpoints, policy, feed) for _ in range(count)])
 
 
 SETTINGS: dict[str, Router] = {
@@ -150,6 +166,10 @@ SETTINGS: dict[str, Router] = {
     f"{NEW} x2": lambda e, _, a: Replicas(
         [PdExtproc(e, _policy(Mode.AUTO, a, WEIGHT), PREFIX) for _ in (0, 1)]
     ),
+    f"{NEW} x4": lambda e, _, a: Replicas(
+        [PdExtproc(e, _policy(Mode.AUTO, a, WEIGHT), PREFIX) for _ in range(4)]
+    ),
+    **{f"{EVENTS}{'' if n == 1 else f' x{n}'}": partial(_event_replicas, n) for n in (1, 2, 4)},
     "sglang": lambda e, _, a: SGLangCacheAware(e),
     "llm-d": lambda e, engines, a: LlmdScorer(e, engines),
     "oracle": lambda e, engines, a: Oracle(e, _policy(Mode.AUTO, a), engines),
