@@ -68,3 +68,15 @@ def test_verdicts_compare_paired_medians(bench: ModuleType) -> None:
     assert best["value"] == pytest.approx((0.25 + 100 / 150) / 2) and best["met"]
     peer = judged[f"{bench.NEW} TTFT p90 / sglang's < 1"]
     assert peer["value"] == pytest.approx((100 / 90 + 100 / 120) / 2) and peer["met"]  # 0.97
+
+
+def test_replicas_on_the_kv_events_source_see_what_the_others_placed(bench: ModuleType) -> None:
+    """Four replicas round robin over a few conversations: fed every engine's events (through the
+    wire encoding and the gateway's decoder), they hit what the oracle hits; on their own
+    placements alone they miss the turns the other replicas placed."""
+    hit = {
+        s: bench.run_one("demo", "B", s, 41, True)["hit_rate"]
+        for s in ("pair:auto+events x4", "pair:auto+prefix x4", "oracle")
+    }
+    assert hit["pair:auto+events x4"] == pytest.approx(hit["oracle"], abs=0.01)
+    assert hit["pair:auto+events x4"] > hit["pair:auto+prefix x4"] + 0.1
