@@ -58,15 +58,21 @@ def write_cluster_eds(
     write_eds_file(decode_path, "decode", [_endpoint(e) for e in live if e.role in ("decode", "both")])
 
 
-async def _serve(
-    specs: list[EngineSpec],
-    eds: list[str],
-    timing: TimingConfig,
-    kv: KvConfig,
-    kv_events: KvEventsConfig | None,
-    conn: Connection,
-) -> None:
-    engines: list[RunningEngine] = await start_cluster(specs, eds, timing=timing, kv=kv, kv_events=kv_events)
+@dataclass(frozen=True)
+class _Setup:
+    """What the child process starts: :func:`sim.cluster.start_cluster`'s arguments."""
+
+    specs: list[EngineSpec]
+    eds: list[str]
+    timing: TimingConfig
+    kv: KvConfig
+    kv_events: KvEventsConfig | None
+
+
+async def _serve(setup: _Setup, conn: Connection) -> None:
+    engines: list[RunningEngine] = await start_cluster(
+        setup.specs, setup.eds, timing=setup.timing, kv=setup.kv, kv_events=setup.kv_events
+    )
     by_address = {e.address: e for e in engines}
     conn.send(
         [
@@ -102,16 +108,9 @@ async def _serve(
         await stop_cluster(by_address.values())
 
 
-def _child(
-    specs: list[EngineSpec],
-    eds: list[str],
-    timing: TimingConfig,
-    kv: KvConfig,
-    kv_events: KvEventsConfig | None,
-    conn: Connection,
-) -> None:
+def _child(setup: _Setup, conn: Connection) -> None:
     with contextlib.suppress(KeyboardInterrupt, EOFError):
-        asyncio.run(_serve(specs, eds, timing, kv, kv_events, conn))
+        asyncio.run(_serve(setup, conn))
 
 
 @dataclass
@@ -154,7 +153,7 @@ def spawn_cluster(
     eds = [str(prefill_eds), str(decode_eds)]
     process = multiprocessing.get_context("spawn").Process(
         target=_child,
-        args=(specs, eds, timing or TimingConfig(), kv or KvConfig(), kv_events, child),
+        args=(_Setup(specs, eds, timing or TimingConfig(), kv or KvConfig(), kv_events), child),
         daemon=True,
         name="pd-sim-cluster",
     )
