@@ -21,9 +21,9 @@ Block hashes are the cache's own (Python's ``hash``, salted per process): opaque
 The "tokens" of a text prompt are its characters in fours (the gateway's and the simulator's token
 estimate, :mod:`ext_proc.request`), so a block is ``4 * block_size`` characters of the concatenated
 prompt text (:func:`token_ids` numbers those tokens for the events); token-id prompts are blocks of
-ids. Generated tokens extend the text (the simulator
-generates a fixed cycle of four-character tokens, :func:`sim.protocol.token_text`), so a chat's next
-turn, which carries the reply, hits the blocks its reply filled on the engine that generated it.
+ids. Generated tokens extend the text (the simulator generates a fixed cycle of four-character tokens,
+:func:`sim.protocol.token_text`), so a chat's next turn, which carries the reply, hits the blocks its
+reply filled on the engine that generated it.
 """
 
 from __future__ import annotations
