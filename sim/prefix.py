@@ -119,7 +119,7 @@ class BlockCache:
     ``events``: where the changes are reported (``None``: nowhere).
     """
 
-    def __init__(self, capacity: int, block_size: int, events: EventSink | None = None) -> None:
+    def __init__(self, capacity: int, block_size: int, *, events: EventSink | None = None) -> None:
         self.capacity = capacity
         self.block_size = block_size
         self.events = events

@@ -46,7 +46,7 @@ TEXT = "".join(chr(ord("a") + i % 26) * 64 for i in range(8))  # 8 distinct bloc
 
 def recording(capacity: int) -> tuple[BlockCache, list[list[Event]]]:
     batches: list[list[Event]] = []
-    return BlockCache(capacity, BLOCK, batches.append), batches
+    return BlockCache(capacity, BLOCK, events=batches.append), batches
 
 
 def computed(cache: BlockCache, content: str | list[int], fresh: int | None = None):  # type: ignore[no-untyped-def]
