@@ -4,6 +4,7 @@ the gateway's own decoder into the gateway's own index), and an engine publishin
 from __future__ import annotations
 
 import argparse
+from itertools import count
 from dataclasses import replace
 
 import aiohttp
@@ -172,20 +173,24 @@ async def test_an_engine_publishes_on_zmq_and_replays() -> None:
         assert spec.kv_events_port == port and endpoint(spec.address).address == running.address
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(f"tcp://127.0.0.1:{port}")
-        ids = list(range(100, 140))  # 2 full blocks and 8 tokens
+        ids: list[int] = []
+        firsts = count(100, 40)
         async with aiohttp.ClientSession() as http:
 
             async def send() -> bool:
+                """A fresh prompt of 2 full blocks and 8 tokens; whether its batch came (a slow
+                joiner misses the first ones)."""
+                first = next(firsts)
+                ids[:] = range(first, first + 40)
                 body = {"prompt": ids, "max_tokens": 1}
                 async with http.post(running.url + "/v1/completions", json=body) as response:
                     assert response.status == 200
-                return await sub.poll(200) != 0  # a slow joiner misses the first batches
+                return await sub.poll(200) != 0
 
             await until(send)
             batch = decode_message(await sub.recv_multipart())
-            assert any(
-                isinstance(e, BlockStored) and e.token_ids[:16] == tuple(ids[:16]) for e in batch.events
-            )
+            (event,) = batch.events
+            assert isinstance(event, BlockStored) and event.token_ids == tuple(ids[:32])
             async with http.post(running.url + "/reset_prefix_cache") as response:
                 assert response.status == 200
         dealer = context.socket(zmq.DEALER)
