@@ -4,8 +4,8 @@ the gateway's own decoder into the gateway's own index), and an engine publishin
 from __future__ import annotations
 
 import argparse
-from itertools import count
 from dataclasses import replace
+from itertools import count
 
 import aiohttp
 import pytest
