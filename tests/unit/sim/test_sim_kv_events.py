@@ -4,7 +4,6 @@ the gateway's own decoder into the gateway's own index), and an engine publishin
 from __future__ import annotations
 
 import argparse
-from dataclasses import replace
 from itertools import count
 
 import aiohttp
@@ -209,9 +208,7 @@ async def test_an_engine_publishes_on_zmq_and_replays() -> None:
 
 
 async def test_an_engine_without_kv_events_publishes_nothing() -> None:
-    running = await start_engine(
-        EngineConfig(role="both", group="g", timing=replace(TimingConfig(), time_scale=0.01))
-    )
+    running = await start_engine(EngineConfig(role="both", group="g", timing=TimingConfig(time_scale=0.01)))
     try:
         assert running.kv_events_port is None and running.engine.scheduler.cache.events is None
     finally:
