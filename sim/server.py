@@ -519,9 +519,10 @@ class RunningEngine:
         """The KV-event PUB socket's port (``None``: the engine publishes none)."""
         return None if self.publisher is None else self.publisher.port
 
-    def _close_publisher(self) -> None:
+    async def _close_publisher(self) -> None:
         if self._replays is not None:
             self._replays.cancel()
+            await asyncio.gather(self._replays, return_exceptions=True)
         if self.publisher is not None:
             self.publisher.close()
 
@@ -543,14 +544,14 @@ class RunningEngine:
     async def stop(self) -> None:
         """Stop accepting, let in-flight requests finish (up to ``shutdown_timeout_s``), stop."""
         await self.runner.cleanup()
-        self._close_publisher()
+        await self._close_publisher()
 
     async def kill(self) -> None:
         """Die like a crashed node: refuse new connections, reset open ones, fail what is in flight."""
         await drop_connections(self.runner)
         await self.engine.stop()
         await self.runner.cleanup()
-        self._close_publisher()
+        await self._close_publisher()
 
 
 async def start_engine(
