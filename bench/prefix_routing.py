@@ -17,7 +17,8 @@ gateway replicas, requests alternating, each with its own index and accounting; 
 ``pair:auto+events`` the same on the ``kv-events`` source (the engines' KV-cache events, fed in process
 through the wire encoding and the gateway's decoder, :mod:`bench.kv_event_feed`; ``x2``, ``x4``: that
 many replicas, each subscribed to every engine, requests round robin); ``sglang``, ``llm-d``
-the peers' rules; ``oracle`` the pair choice told the engines' true caches.
+the peers' rules; ``oracle`` the pair choice told the engines' true caches (``x4``: four such replicas,
+each with its own load accounting).
 
 Reported per run: engine-truth prefix hit rate (prompt tokens the prefill found cached), decode-side
 hit rate (tokens the decode did not pull), TTFT p50/p90/p99 (arrival to first decoded token),
@@ -173,6 +174,9 @@ SETTINGS: dict[str, Router] = {
     "sglang": lambda e, _, a: SGLangCacheAware(e),
     "llm-d": lambda e, engines, a: LlmdScorer(e, engines),
     "oracle": lambda e, engines, a: Oracle(e, _policy(Mode.AUTO, a), engines),
+    "oracle x4": lambda e, engines, a: Replicas(
+        [Oracle(e, _policy(Mode.AUTO, a), engines) for _ in range(4)]
+    ),
 }
 TODAY = ("off", "prefer", "strict", "auto")
 
