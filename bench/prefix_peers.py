@@ -9,7 +9,7 @@
   prefill of least utilisation (as ``off`` ranks prefills), then the mode's decode for that prefill
   alone (a one-prefill pool), no prefix index; ``strict`` only among prefills whose group has decodes.
 * :class:`Oracle`: the pair choice of ``auto`` told every engine's *true* cache hit for the prompt,
-  read from the simulated engines' caches: the best the index could do.
+  read from the simulated engines' caches (the CPU tier's blocks included): the best the index could do.
 * :class:`SGLangCacheAware`: SGLang's model gateway's ``cache_aware`` policy, per role and
   independently (its PD mode picks prefill and decode by its policy each, knowing no groups): if the
   router's in-flight request counts are imbalanced (``max - min > 64`` and ``max > 1.5 * min``), the
@@ -23,6 +23,12 @@
   endpoint, its default), recorded on both endpoints; the queue score is ``(max - q) / (max - min)``
   over the candidates' waiting requests (1 when all equal), read from the engines live (llm-d reads
   scraped metrics, so this is kinder to it); the highest total wins, ties rotated.
+* :class:`DynamoKvRouter`: NVIDIA Dynamo's KV router cost per role, independently (knowing no groups):
+  ``overlap_score_weight`` (1.0, its default) x the prefill blocks a worker would have (its active
+  prefill tokens plus the prompt's tokens it lacks, in KV blocks) + its decode blocks (the KV blocks
+  of its active requests plus this one's); the least wins, ties rotated. The overlap is the engine's
+  true cache (both tiers: Dynamo learns it from the engines' KV events); the active tokens and blocks
+  are the router's own accounting, a prefill's released when its prefill ends, a decode's at the end.
 
 Every router gets the cluster's endpoints (address, role, group, KV capacity) and charges and releases
 its own load accounting: the prefill's when its prefill ends (the prefill leg returned), the decode's
@@ -176,6 +182,13 @@ class PrefillFirst:
         )
 
 
+def cached_tokens(engine: Engine, blocks: PromptBlocks, prompt: int) -> int:
+    """Prompt tokens ``engine`` holds cached for ``blocks`` (its KV cache, then its CPU tier)."""
+    cache = engine.scheduler.cache
+    hbm = cache.lookup(blocks.hashes, prompt)
+    return (hbm + cache.lookup_cpu(blocks.hashes, prompt, hbm)) * cache.block_size
+
+
 class Oracle:
     """``auto`` told the true hits (see the module docstring); ``engines`` by address."""
 
@@ -186,11 +199,8 @@ class Oracle:
         self._ticket = 0
 
     def _hits(self, pool: Pool[EndpointState], blocks: PromptBlocks, prompt: int) -> np.ndarray:
-        def hit(address: str) -> int:
-            cache = self._engines[address].scheduler.cache
-            return cache.lookup(blocks.hashes, prompt) * cache.block_size
-
-        return np.array([hit(e.address) for e in pool.endpoints], dtype=np.int64)
+        hits = [cached_tokens(self._engines[e.address], blocks, prompt) for e in pool.endpoints]
+        return np.array(hits, dtype=np.int64)
 
     def place(self, body: dict[str, object]) -> Placed:
         cost, registry = _cost(body), self._registry
@@ -317,3 +327,58 @@ class LlmdScorer:
             if hashes:
                 self._index.record(hashes, address, self.LRU_BLOCKS * self.BLOCK_TOKENS)
         return Placed(prefill, decode, lambda: None, lambda: None)
+
+
+class DynamoKvRouter:
+    """NVIDIA Dynamo's KV router cost per role (see the module docstring)."""
+
+    OVERLAP_SCORE_WEIGHT = 1.0
+
+    def __init__(self, endpoints: Sequence[Endpoint], engines: dict[str, Engine]) -> None:
+        self._roles = {
+            role: [e.address for e in endpoints if e.role == role] for role in ("prefill", "decode")
+        }
+        self._engines = engines
+        self._prefill_tokens = {e.address: 0 for e in endpoints}
+        self._blocks = {e.address: 0 for e in endpoints}
+        self._ticket = 0
+
+    def _pick(self, role: str, blocks: PromptBlocks, cost: Cost) -> tuple[str, int, int]:
+        """The worker of least cost; with the prefill tokens and KV blocks this request adds to it."""
+        size = blocks.block_size
+        request_blocks = -(-cost.decode_tokens // size)
+        best: list[tuple[str, int]] = []
+        least = float("inf")
+        for address in self._roles[role]:
+            new = cost.prefill_tokens - cached_tokens(self._engines[address], blocks, cost.prefill_tokens)
+            prefill_blocks = (self._prefill_tokens[address] + new) / size
+            total = self.OVERLAP_SCORE_WEIGHT * prefill_blocks + self._blocks[address] + request_blocks
+            if total < least:
+                least, best = total, [(address, new)]
+            elif total == least:
+                best.append((address, new))
+        address, new = best[self._ticket % len(best)]
+        return address, new, request_blocks
+
+    def place(self, body: dict[str, object]) -> Placed:
+        self._ticket += 1
+        blocks = PromptBlocks(_text(body), 16)
+        cost = _cost(body)
+        prefill, new, prefill_blocks = self._pick("prefill", blocks, cost)
+        decode, _, decode_blocks = self._pick("decode", blocks, cost)
+        self._prefill_tokens[prefill] += new
+        self._blocks[prefill] += prefill_blocks
+        self._blocks[decode] += decode_blocks
+        charges = {"prefill": True, "decode": True}
+
+        def release_prefill() -> None:
+            if charges.pop("prefill", False):
+                self._prefill_tokens[prefill] -= new
+                self._blocks[prefill] -= prefill_blocks
+
+        def release() -> None:
+            release_prefill()
+            if charges.pop("decode", False):
+                self._blocks[decode] -= decode_blocks
+
+        return Placed(prefill, decode, release_prefill, release)

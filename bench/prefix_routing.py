@@ -10,15 +10,16 @@ routing benchmark and ``bench/overhead.py`` measure it); the router is timed per
 
 Clusters: ``demo`` (rack-a 2 prefills + 3 large decodes, rack-b 1 prefill + 2 small decodes) and
 ``three-group`` (g1 and g2 each 2 prefills + 3 large decodes; ``trap`` 2 prefills and 1 small decode).
-Every engine caches prefixes. Workloads (:mod:`bench.prefix_workloads`): A (shared system prompts), B
-(multi-turn), D (low reuse). Settings: ``off``, ``prefer``, ``strict``, ``auto`` as before the pair
-choice (prefill first); ``pair:*`` the pair choice; ``+prefix`` with the prefix index (``x2``: two
-gateway replicas, requests alternating, each with its own index and accounting; ``x4``: four);
-``pair:auto+events`` the same on the ``kv-events`` source (the engines' KV-cache events, fed in process
-through the wire encoding and the gateway's decoder, :mod:`bench.kv_event_feed`; ``x2``, ``x4``: that
-many replicas, each subscribed to every engine, requests round robin); ``sglang``, ``llm-d``
-the peers' rules; ``oracle`` the pair choice told the engines' true caches (``x4``: four such replicas,
-each with its own load accounting).
+Every engine caches prefixes; its costs are a profile's (:mod:`sim.profiles`, ``legacy`` by default;
+small decodes: half the KV cache and batch, a third longer fixed decode step). Workloads
+(:mod:`bench.prefix_workloads`): A (shared system prompts), B (multi-turn), D (low reuse). Settings:
+``off``, ``prefer``, ``strict``, ``auto`` as before the pair choice (prefill first); ``pair:*`` the pair
+choice; ``+prefix`` with the prefix index (``x2``: two gateway replicas, requests alternating, each with
+its own index and accounting; ``x4``: four); ``pair:auto+events`` the same on the ``kv-events`` source
+(the engines' KV-cache events, fed in process through the wire encoding and the gateway's decoder,
+:mod:`bench.kv_event_feed`; ``x2``, ``x4``: that many replicas, each subscribed to every engine, requests
+round robin); ``sglang``, ``llm-d`` the peers' rules; ``oracle`` the pair choice told the engines' true
+caches (``x4``: four such replicas, each with its own load accounting).
 
 Reported per run: engine-truth prefix hit rate (prompt tokens the prefill found cached), decode-side
 hit rate (tokens the decode did not pull), TTFT p50/p90/p99 (arrival to first decoded token),
@@ -27,7 +28,7 @@ cross-group KV bytes and share, decode load CV, router µs per request. With sev
 ratios, and the issue's targets (:func:`verdicts`).
 
 Run: ``python bench/prefix_routing.py [--quick] [--seeds N] [--clusters a,b] [--workloads A,B,D]
-[--settings s,t] [--json FILE]``.
+[--settings s,t] [--profile NAME] [--json FILE]``.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import asyncio
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -62,31 +63,50 @@ from ext_proc.prefix import PrefixSettings, prompt_content
 from ext_proc.request import describe
 from sim.cluster import EngineSpec
 from sim.config import DEFAULT_MODEL, KvConfig, TimingConfig
-from sim.demo import BIG, SMALL
 from sim.engine import Engine, Hold
 from sim.prefix import PromptBlocks
+from sim.profiles import DEFAULT_PROFILE, load_profile, profile_names
 from sim.protocol import token_text
 from sim.report import format_table, load_cv, percentile
 from sim.virtual import VirtualClock, build_cluster, new_loop
 
 FIRST_SEED = 41  # seeds never used by the other benchmarks
-KV = KvConfig()
-LARGE = replace(BIG, enable_prefix_caching=True)
-SMALLER = replace(SMALL, enable_prefix_caching=True)
 
 
-def _engines(group: str, prefills: int, decodes: int, timing: TimingConfig) -> list[EngineSpec]:
-    return [EngineSpec("prefill", group, timing=LARGE) for _ in range(prefills)] + [
-        EngineSpec("decode", group, timing=timing) for _ in range(decodes)
-    ]
+def smaller(timing: TimingConfig) -> TimingConfig:
+    """A smaller, slower decode engine than ``timing``: half the KV cache and batch, a third longer
+    fixed decode step (for the legacy profile, the demo's small decodes)."""
+    return replace(
+        timing,
+        kv_capacity_tokens=timing.kv_capacity_tokens // 2,
+        max_batch=timing.max_batch // 2,
+        decode_step_ms=timing.decode_step_ms * 4 / 3,
+    )
 
 
-CLUSTERS: dict[str, list[EngineSpec]] = {
-    "demo": _engines("rack-a", 2, 3, LARGE) + _engines("rack-b", 1, 2, SMALLER),
-    "three-group": _engines("g1", 2, 3, LARGE)
-    + _engines("g2", 2, 3, LARGE)
-    + _engines("trap", 2, 1, SMALLER),
-}
+def engines_of(profile: str) -> tuple[TimingConfig, TimingConfig, KvConfig]:
+    """The large engines' timing (prefix caching on), the small decodes' and the KV model of ``profile``."""
+    measured = load_profile(profile)
+    large = replace(measured.timing, enable_prefix_caching=True)
+    return large, smaller(large), measured.kv
+
+
+def clusters(large: TimingConfig, small: TimingConfig) -> dict[str, list[EngineSpec]]:
+    """The benchmark's clusters (see the module docstring): every prefill and the large decodes
+    ``large``, the small decodes ``small``."""
+
+    def engines(group: str, prefills: int, decodes: int, timing: TimingConfig) -> list[EngineSpec]:
+        return [EngineSpec("prefill", group, timing=large) for _ in range(prefills)] + [
+            EngineSpec("decode", group, timing=timing) for _ in range(decodes)
+        ]
+
+    return {
+        "demo": engines("rack-a", 2, 3, large) + engines("rack-b", 1, 2, small),
+        "three-group": engines("g1", 2, 3, large) + engines("g2", 2, 3, large) + engines("trap", 2, 1, small),
+    }
+
+
+CLUSTERS = clusters(*engines_of(DEFAULT_PROFILE)[:2])
 
 
 @dataclass(frozen=True)
@@ -114,19 +134,22 @@ WORKLOADS = {
 }
 
 
-def auto_model(specs: Sequence[EngineSpec]) -> AutoModel:
-    """``affinity.auto`` told the simulated fabric; the wait scale one decode step at half batch of the
-    median decode engine, the prefill cost the prefill engines' per-token cost."""
+def auto_model(specs: Sequence[EngineSpec], timing: TimingConfig, kv: KvConfig) -> AutoModel:
+    """``affinity.auto`` told the simulated fabric ``kv``; the wait scale one decode step at half batch of
+    the median decode engine (``timing`` where a spec has none), the prefill cost ``timing``'s per-token
+    cost."""
     steps = sorted(
-        (s.timing or LARGE).decode_ms((s.timing or LARGE).max_batch // 2) for s in specs if s.role == "decode"
+        (s.timing or timing).decode_ms((s.timing or timing).max_batch // 2)
+        for s in specs
+        if s.role == "decode"
     )
     return AutoModel(
-        KV.kv_bytes_per_token,
-        KV.same_group_gbps,
-        KV.cross_group_gbps,
-        KV.kv_base_latency_ms,
+        kv.kv_bytes_per_token,
+        kv.same_group_gbps,
+        kv.cross_group_gbps,
+        kv.kv_base_latency_ms,
         statistics.median(steps),
-        LARGE.prefill_per_token_ms,
+        timing.prefill_per_token_ms,
     )
 
 
@@ -183,11 +206,13 @@ TODAY = ("off", "prefer", "strict", "auto")
 
 @dataclass
 class Record:
-    """One request as the engines served it; times in model seconds, counts in tokens."""
+    """One request as the engines served it; times in model seconds, counts in tokens (``prefill_hit``
+    the prompt tokens its prefill found cached, ``prefill_cpu_hit`` of them in the CPU tier)."""
 
     arrival: float
     prompt: int
     prefill_hit: int
+    prefill_cpu_hit: int
     decode_hit: int
     cross: bool
     decode: str
@@ -215,8 +240,10 @@ async def _serve(
     placed: Placed = router.place(body)  # type: ignore[attr-defined]
     router_us = (time.perf_counter() - started) * 1e6
     prefill, decode = engines[placed.prefill], engines[placed.decode]
-    blocks = PromptBlocks(content, LARGE.block_size)
-    hold = Hold(f"bench-{id(body)}", KV.kv_lease_s)  # released by the pull below, never renewed
+    blocks = PromptBlocks(content, prefill.config.timing.block_size)
+    hold = Hold(
+        f"bench-{id(body)}", prefill.config.kv.kv_lease_s
+    )  # released by the pull below, never renewed
     first = prefill.submit(info.prompt_tokens, 1, 1, prefix=blocks, hold=hold)
     await prefill.wait_done(first)
     placed.release_prefill()
@@ -237,6 +264,7 @@ async def _serve(
             arrival,
             info.prompt_tokens,
             first.cached_tokens,
+            first.cpu_tokens,
             seq.cached_tokens,
             seq.transfer.kind == "cross_group",
             decode.address,
@@ -251,21 +279,49 @@ async def _serve(
     return seq.generated
 
 
-async def _run(specs: list[EngineSpec], plan: list[Conversation], setting: str) -> tuple[list[Record], dict]:
-    engines = build_cluster(specs, LARGE, KV)
+Serve = Callable[[dict[str, object]], Awaitable[int]]
+"""Place and serve one chat request on the cluster, recording it; returns the tokens it generated."""
+
+
+async def run_cluster(
+    specs: list[EngineSpec],
+    router_of: Router,
+    timing: TimingConfig,
+    kv: KvConfig,
+    drive: Callable[[Serve, VirtualClock], Awaitable[None]],
+) -> tuple[list[Record], dict[str, float]]:
+    """Start the cluster of ``specs`` (``timing`` where a spec has none) in virtual time with the router
+    ``router_of`` makes, let ``drive`` send its requests through ``serve``, stop the cluster; return
+    the records and the decode engines' KV capacities by address. Run it on a :func:`new_loop`."""
+    engines = build_cluster(specs, timing, kv)
     by_address = {e.address: e for e in engines}
     endpoints = [
         Endpoint(e.address, e.config.role, e.config.group, float(e.config.timing.kv_capacity_tokens))
         for e in engines
     ]
-    router = SETTINGS[setting](endpoints, by_address, auto_model(specs))
+    router = router_of(endpoints, by_address, auto_model(specs, timing, kv))
     clock = engines[0].clock
     assert isinstance(clock, VirtualClock)
     for engine in engines:
         await engine.start()
     records: list[Record] = []
 
-    async def converse(conversation: Conversation) -> None:
+    def serve(body: dict[str, object]) -> Awaitable[int]:
+        return _serve(body, router, by_address, clock, records)
+
+    await drive(serve, clock)
+    capacities = {
+        e.address: float(e.config.timing.kv_capacity_tokens) for e in engines if e.config.role == "decode"
+    }
+    for engine in engines:
+        await engine.stop()
+    return records, capacities
+
+
+def conversations(plan: list[Conversation]) -> Callable[[Serve, VirtualClock], Awaitable[None]]:
+    """A ``drive`` of :func:`run_cluster` sending ``plan``'s conversations, turn after turn."""
+
+    async def converse(serve: Serve, clock: VirtualClock, conversation: Conversation) -> None:
         await clock.sleep(conversation.start - clock.now())
         replies: list[str] = []
         for i, turn in enumerate(conversation.turns):
@@ -275,18 +331,15 @@ async def _run(specs: list[EngineSpec], plan: list[Conversation], setting: str) 
                 "messages": messages(conversation, i, replies),
                 "max_tokens": turn.max_tokens,
             }
-            replies.append(token_text(0, await _serve(body, router, by_address, clock, records)))
+            replies.append(token_text(0, await serve(body)))
 
-    await asyncio.gather(*(converse(c) for c in plan))
-    capacities = {
-        e.address: float(e.config.timing.kv_capacity_tokens) for e in engines if e.config.role == "decode"
-    }
-    for engine in engines:
-        await engine.stop()
-    return records, capacities
+    async def drive(serve: Serve, clock: VirtualClock) -> None:
+        await asyncio.gather(*(converse(serve, clock, c) for c in plan))
+
+    return drive
 
 
-def summarize(records: list[Record], capacities: dict[str, float]) -> dict:
+def summarize(records: list[Record], capacities: dict[str, float], kv_bytes_per_token: int) -> dict:
     """The numbers of one run (see the module docstring); times in ms, bytes in GB."""
     start, end = min(r.arrival for r in records), max(r.end for r in records)
     duration = end - start
@@ -303,6 +356,7 @@ def summarize(records: list[Record], capacities: dict[str, float]) -> dict:
     return {
         "requests": len(records),
         "hit_rate": sum(r.prefill_hit for r in records) / prompt,
+        "cpu_hit_rate": sum(r.prefill_cpu_hit for r in records) / prompt,
         "decode_hit_rate": sum(r.decode_hit for r in records) / prompt,
         "ttft_p50_ms": percentile(ttft, 0.5),
         "ttft_p90_ms": percentile(ttft, 0.9),
@@ -311,22 +365,28 @@ def summarize(records: list[Record], capacities: dict[str, float]) -> dict:
         "tpot_p99_ms": percentile(tpot, 0.99),
         "prefill_mtokens": sum(r.prompt - r.prefill_hit for r in records) / 1e6,
         "cross_group_share": sum(r.cross for r in records) / len(records),
-        "cross_group_gb": pulled_cross * KV.kv_bytes_per_token / 1e9,
+        "cross_group_gb": pulled_cross * kv_bytes_per_token / 1e9,
         "decode_load_cv": load_cv(loads),
         "router_us_p50": percentile([r.router_us for r in records], 0.5),
         "duration_s": duration,
     }
 
 
-def run_one(cluster: str, workload: str, setting: str, seed: int, quick: bool) -> dict:
-    """One setting on one cluster and workload seed, in virtual time on a fresh event loop."""
+def run_one(
+    cluster: str, workload: str, setting: str, seed: int, quick: bool, profile: str = DEFAULT_PROFILE
+) -> dict:
+    """One setting on one cluster and workload seed, on engines of ``profile``, in virtual time on a
+    fresh event loop."""
+    large, small, kv = engines_of(profile)
     plan = WORKLOADS[workload].plan(seed, quick)
     loop = new_loop()
     try:
-        records, capacities = loop.run_until_complete(_run(CLUSTERS[cluster], plan, setting))
+        records, capacities = loop.run_until_complete(
+            run_cluster(clusters(large, small)[cluster], SETTINGS[setting], large, kv, conversations(plan))
+        )
     finally:
         loop.close()
-    return summarize(records, capacities)
+    return summarize(records, capacities, kv.kv_bytes_per_token)
 
 
 METRICS = (
@@ -414,6 +474,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--clusters", default=",".join(CLUSTERS), help="comma-separated subset")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset")
     parser.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated subset")
+    parser.add_argument(
+        "--profile",
+        default=DEFAULT_PROFILE,
+        choices=profile_names(),
+        help="engine profile (default %(default)s: the numbers below were measured on it)",
+    )
     parser.add_argument("--json", help="write every run and the verdicts as JSON")
     args = parser.parse_args(argv)
     chosen = {}
@@ -433,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
                 runs[seed] = {}
                 for setting in chosen["settings"]:
                     started = time.perf_counter()
-                    runs[seed][setting] = run_one(cluster, workload, setting, seed, args.quick)
+                    runs[seed][setting] = run_one(cluster, workload, setting, seed, args.quick, args.profile)
                     took = time.perf_counter() - started
                     print(
                         f"  {cluster} {workload} seed {seed} {setting}: {took:.1f} s",

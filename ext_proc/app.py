@@ -65,7 +65,8 @@ class RunningServer:
         """Stop everything, letting live streams finish for ``grace`` seconds.
 
         Stop the discovery source and the config watcher, end the ADS streams, stop accepting streams,
-        let live ones finish for ``grace`` seconds, then stop the handoff's background prefill legs."""
+        let live ones finish for ``grace`` seconds, then stop the handoff's background prefill legs and
+        the gateway tokenizer's thread."""
         for watcher in self._watchers:
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -74,6 +75,7 @@ class RunningServer:
             self.publisher.close()
         await asyncio.gather(*(server.stop(grace) for server in self._grpc))
         await self.router.handoff.close()
+        self.router.close()
         await self._admin.cleanup()
 
 

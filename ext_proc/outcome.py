@@ -54,7 +54,8 @@ class HandoffJob:
     """One parsed request on its way to the engines.
 
     ``raw`` is the client's body as received and ``body`` its parsed JSON object; ``cost`` is what
-    the request charges (tokens); ``subset`` the data plane's endpoint-subset hint, if any.
+    the request charges (tokens); ``subset`` the data plane's endpoint-subset hint, if any;
+    ``tokens`` the prompt in the engine's token ids when the gateway tokenized it (``None``: unknown).
     """
 
     raw: bytes
@@ -62,6 +63,7 @@ class HandoffJob:
     meta: RequestMeta
     cost: Cost
     subset: frozenset[str] | None
+    tokens: list[int] | None = None
 
 
 @dataclass(frozen=True, slots=True)

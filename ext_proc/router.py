@@ -1,9 +1,11 @@
 """One request's routing, free of gRPC: parse, decide, charge, and hand off to the engines' protocol.
 
-The server calls :meth:`Router.route_body` (or :meth:`Router.route_bodiless`) and maps the
-outcome (:mod:`ext_proc.outcome`) onto ext_proc messages: :class:`Routed`, :class:`Refused` (an HTTP
-status, a precise message and a machine-readable code), or a :class:`PendingAnswer` to complete after
-a prefill leg.
+The server reads a body (:meth:`Router.read`), awaits its prompt's token ids when the gateway
+tokenizes it (:meth:`Router.wants_tokens`, :meth:`Router.prompt_tokens`), routes it
+(:meth:`Router.route`; :meth:`Router.route_body` does both steps without tokens; a request without a
+body: :meth:`Router.route_bodiless`) and maps the outcome (:mod:`ext_proc.outcome`) onto ext_proc
+messages: :class:`Routed`, :class:`Refused` (an HTTP status, a precise message and a machine-readable
+code), or a :class:`PendingAnswer` to complete after a prefill leg.
 """
 
 from __future__ import annotations
@@ -22,17 +24,34 @@ from ext_proc.load import Admission, Lease
 from ext_proc.metrics import Metrics
 from ext_proc.outcome import HandoffJob, PendingAnswer, Placement, Refused, RequestMeta, Routed
 from ext_proc.prefix import PrefixSettings
+from ext_proc.prefix.blocks import prompt_content
 from ext_proc.prefix.config import PrefixConfig
 from ext_proc.prefix.kinds import KINDS as PREFIX_SOURCES
 from ext_proc.prefix.kinds import PrefixSource, PrefixSourceKind
 from ext_proc.refusal import refuse
 from ext_proc.registry import EndpointState, Registry
-from ext_proc.request import RequestError, describe, parse_body
+from ext_proc.request import RequestError, RequestInfo, describe, parse_body
+from ext_proc.tokenizer import GatewayTokenizer, TokenizerSettings
 
 log = logging.getLogger(__name__)
 
 DISAGGREGATED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 """Paths whose requests get a prefill endpoint; every other path is routed decode-only."""
+TOKENIZED_PATHS = DISAGGREGATED_PATHS | {"/v1/embeddings"}
+"""Paths whose text prompts the gateway tokenizer puts in token ids (``affinity.prefix.tokenizer``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BodyRequest:
+    """A request's body as read, before it is routed.
+
+    ``raw`` as received, ``body`` its JSON object, ``info`` its estimated prompt tokens and output
+    budget, ``meta`` what its headers said."""
+
+    raw: bytes
+    body: dict[str, object]
+    info: RequestInfo
+    meta: RequestMeta
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +84,8 @@ class Router:
     ``ejections`` / ``decode_ejections``: the prefills / decodes left out of the candidates (failed legs,
     and what Envoy marks as failed: :mod:`ext_proc.envoy_health`). ``prefix`` (``None``: off): the
     prefix index's settings; the decision then gets each endpoint's estimated cache hit and a prefill
-    is charged only the prompt tokens it is estimated to compute.
+    is charged only the prompt tokens it is estimated to compute. ``tokenizer``: the gateway tokenizer
+    of ``prefix.tokenizer`` (``None``: none configured).
     """
 
     def __init__(
@@ -91,6 +111,8 @@ class Router:
         self.ejections = Ejections(settings.eject_seconds, metrics)
         self.decode_ejections = Ejections(0.0, metrics)
         self.prefix: PrefixSource | None = None
+        self.tokenizer: GatewayTokenizer | None = None
+        self._tokenizer_folder = ""
         self._indexed: tuple[Pool[EndpointState], Pool[EndpointState]] | None = None
         self.set_prefix(prefix)
         metrics.count_inflight(lambda: self.admission.inflight)
@@ -106,7 +128,16 @@ class Router:
         """Route every later decision with the prefix index of ``settings`` (``None``: without one).
 
         The index is of the kind ``settings.source`` names. It is kept while its kind and hashing (and,
-        for ``kv-events``, its own settings) stay the same, and starts empty when they change."""
+        for ``kv-events``, its own settings) stay the same, and starts empty when they change. The
+        tokenizer folder ``settings.tokenizer`` is opened when it changes (one that does not load is
+        logged, and its prompts are counted and routed untokenized)."""
+        folder = "" if settings is None else settings.tokenizer
+        if folder != self._tokenizer_folder:
+            self._tokenizer_folder = folder
+            if self.tokenizer is not None:
+                self.tokenizer.close()
+            opened = GatewayTokenizer.open(TokenizerSettings(folder), self.metrics) if folder else None
+            self.tokenizer = opened
         if settings is None:
             self.prefix = None
         elif self.prefix is not None and _identity(self.prefix.settings) == _identity(settings):
@@ -141,25 +172,61 @@ class Router:
     def route_body(
         self, raw: bytes, meta: RequestMeta, subset: frozenset[str] | None = None
     ) -> Routed | Refused | PendingAnswer:
-        """Route a request by its full JSON body: prefill then decode, per the affinity policy.
+        """Route a request by its full JSON body (:meth:`read`, then :meth:`route` without tokens)."""
+        request = self.read(raw, meta)
+        return request if isinstance(request, Refused) else self.route(request, subset)
 
-        ``subset`` (the data plane's endpoint-subset hint) restricts the decode endpoints; ``meta``
-        (from the request headers) gives the path: only completions and chat completions whose
-        prompt reaches ``pd_threshold_tokens`` get a prefill.
-        """
+    def read(self, raw: bytes, meta: RequestMeta) -> BodyRequest | Refused:
+        """Parse the JSON body ``raw`` of the request ``meta`` describes; 400 ``invalid_request`` if bad."""
         try:
             body = parse_body(raw)
             info = describe(body, self._default_max_tokens)
         except RequestError as exc:
             return refuse(self.metrics, 400, str(exc), "invalid_request", exc.param)
-        prompt = info.prompt_tokens
+        return BodyRequest(raw, body, info, meta)
+
+    def wants_tokens(self, request: BodyRequest) -> bool:
+        """Whether ``request``'s prompt is to be put in token ids (:meth:`prompt_tokens`) before routing.
+
+        With a tokenizer configured, for a path it tokenizes (:data:`TOKENIZED_PATHS`) and a prompt not
+        already given as token ids (those are used as they are)."""
+        return (
+            self.tokenizer is not None
+            and urlsplit(request.meta.path).path in TOKENIZED_PATHS
+            and not isinstance(prompt_content(request.body), list)
+        )
+
+    async def prompt_tokens(self, request: BodyRequest) -> list[int] | None:
+        """The engine's token ids of ``request``'s prompt; ``None`` (counted, logged) when unknown.
+
+        Tokenized off the event loop by the tokenizer configured now (:mod:`ext_proc.tokenizer`)."""
+        tokenizer = self.tokenizer
+        if tokenizer is None:  # removed by a reload since wants_tokens
+            return None
+        return await tokenizer.prompt_tokens(request.body, request.meta.path)
+
+    def route(
+        self, request: BodyRequest, subset: frozenset[str] | None = None, tokens: list[int] | None = None
+    ) -> Routed | Refused | PendingAnswer:
+        """Route a read request: prefill then decode, per the affinity policy.
+
+        ``subset`` (the data plane's endpoint-subset hint) restricts the decode endpoints; the path
+        (``request.meta``) says whether a prefill is wanted: only completions and chat completions whose
+        prompt reaches ``pd_threshold_tokens`` get one. ``tokens``: the prompt's token ids from
+        :meth:`prompt_tokens` (``None``: unknown); when known, the prompt is charged and compared to
+        the threshold at their exact count instead of the estimate, and the prefix index looks up
+        their chain.
+        """
+        info, meta = request.info, request.meta
+        prompt = info.prompt_tokens if tokens is None else len(tokens)
         cost = Cost(prompt, prompt + info.output_budget)
         disaggregated = prompt >= self._pd_threshold and urlsplit(meta.path).path in DISAGGREGATED_PATHS
         prefills = self.ejections.keep(self.registry.prefill_pool) if disaggregated else self._no_prefills
-        placed = self._place(cost, prefills, subset, self._chain(body))
+        placed = self._place(cost, prefills, subset, self._chain(request.body, tokens))
         if isinstance(placed, Refused):
             return placed
-        return self.handoff.hand_off(HandoffJob(raw, body, meta, cost, subset), placed, self)
+        job = HandoffJob(request.raw, request.body, meta, cost, subset, tokens)
+        return self.handoff.hand_off(job, placed, self)
 
     def route_bodiless(self, subset: frozenset[str] | None = None) -> Routed | Refused:
         """Route a request without a body (e.g. ``GET /v1/models``) to the least-loaded decode."""
@@ -186,7 +253,7 @@ class Router:
         }
         if not keep:
             return None
-        placed = self._place(job.cost, pool.only(keep), job.subset, self._chain(job.body))
+        placed = self._place(job.cost, pool.only(keep), job.subset, self._chain(job.body, job.tokens))
         if isinstance(placed, Refused) or placed.decision.prefill is None:
             if isinstance(placed, Placement):
                 placed.lease.release()
@@ -220,6 +287,11 @@ class Router:
         )
         lease.move_decode(served)
 
+    def close(self) -> None:
+        """Stop the gateway tokenizer's thread, if any (the server is stopping)."""
+        if self.tokenizer is not None:
+            self.tokenizer.close()
+
     def leg_failed(self, address: str, outcome: str) -> None:
         """Eject a prefill whose leg failed or whose KV cache a decode could not pull.
 
@@ -227,8 +299,10 @@ class Router:
         KV cache it computed: eject that prefill."""
         self.ejections.eject(address, outcome)
 
-    def _chain(self, body: dict[str, object]) -> list[int] | None:
-        """The prompt's block hashes when the prefix index is on (it forgets endpoints that left)."""
+    def _chain(self, body: dict[str, object], tokens: list[int] | None) -> list[int] | None:
+        """The prompt's block hashes (over ``tokens`` when known) when the prefix index is on.
+
+        The index forgets the endpoints that left first."""
         prefix = self.prefix
         if prefix is None:
             return None
@@ -236,7 +310,7 @@ class Router:
         if self._indexed != pools:
             self._indexed = pools
             prefix.retain({e.address for e in self.registry.endpoints()})
-        return prefix.chain(body)
+        return prefix.chain(body, tokens)
 
     def _place(
         self,
@@ -302,8 +376,10 @@ class AffinityConfig:
 
     def policy(self, fallback_count: int) -> Policy:
         """The decision's policy for this section, with ``fallback_count`` (``routing.fallback_count``)."""
-        weight = self.prefix.weight if self.prefix.enabled else 0.0
-        return Policy(self.mode, self.bonus, fallback_count, self.auto.model(), weight)
+        prefix = self.prefix
+        weight = prefix.weight if prefix.enabled else 0.0
+        model = self.auto.model()
+        return Policy(self.mode, self.bonus, fallback_count, model, weight, prefix.cpu_tier_weight)
 
     def check(self) -> None:
         """Raise :class:`ConfigError` naming the first out-of-range key of the section or its subsections."""

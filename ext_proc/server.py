@@ -5,8 +5,9 @@ pd-extproc serves EDS.
 
 One HTTP request is one stream, whose state machine is :class:`~ext_proc.stream.Stream` (the phases,
 the body modes and admission are described there). This shell only dispatches: it feeds Envoy's
-messages to the stream and sends its answers; when the answer is pending (a prefill leg first), it
-first asks Envoy to wait longer (``override_message_timeout``), then awaits it. Whatever ends the
+messages to the stream and sends its answers; when the prompt is to be tokenized first, it awaits the
+tokens and hands them back; when the answer is pending (a prefill leg first), it first asks Envoy to
+wait longer (``override_message_timeout``), then awaits it. Whatever ends the
 stream (completion, upstream error, client abort, cancellation, even in the middle of a prefill leg,
 which is then cancelled), the stream is closed in a ``finally``: its charges and its in-flight slot
 are released and its background prefill leg cancelled. No exception escapes a stream: an unexpected
@@ -28,7 +29,7 @@ from ext_proc.choreography import BODY_LIMIT_BYTES
 from ext_proc.health import Health
 from ext_proc.refusal import refuse
 from ext_proc.router import Router
-from ext_proc.stream import Streams
+from ext_proc.stream import PendingTokens, Streams
 from ext_proc.xds import AdsServer
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             async for request in request_iterator:
                 try:
                     answers = stream.answer(request)
+                    if isinstance(answers, PendingTokens):
+                        answers = stream.tokenized(answers.request, await answers.tokens())
                     if not isinstance(answers, tuple):
                         yield msg.extend_timeout(answers.timeout)
                         answers = stream.completed(await answers.complete())

@@ -11,7 +11,10 @@ in every mode. By phase:
   chunks collected up to :data:`~ext_proc.choreography.BODY_LIMIT_BYTES` (beyond: 413
   ``request_too_large``) until ``end_of_stream`` (or the request trailers). Then parse, decide, charge,
   answer with routing headers, ``envoy.lb`` metadata and, for the engine handoffs, a new body; or with
-  an ``ImmediateResponse`` error. When the handoff first runs a prefill leg, the answer is a
+  an ``ImmediateResponse`` error. With a gateway tokenizer (``affinity.prefix.tokenizer``) a text
+  prompt is first put in token ids: the answer is then :class:`PendingTokens`, which the shell awaits
+  and hands back (:meth:`Stream.tokenized`) before routing goes on; Envoy is sent nothing meanwhile,
+  so the choreography is the same. When the handoff first runs a prefill leg, the answer is a
   :class:`~ext_proc.outcome.PendingAnswer`: the shell asks Envoy to wait longer, awaits it and hands
   its outcome back (:meth:`Stream.completed`). An endpoint-subset hint in the metadata (endpoint-picker
   protocol) restricts the decode choice; no eligible endpoint in it → 503.
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from ext_proc import envoy_messages as msg
 from ext_proc.choreography import BODY_LIMIT_BYTES, Answers, BodyCollector, Choreographies, Choreography
@@ -45,7 +49,7 @@ from ext_proc.load import Admission
 from ext_proc.metrics import Metrics
 from ext_proc.outcome import PendingAnswer, Refused, RequestMeta, ResponseWatcher, Routed, RoutingInstructions
 from ext_proc.refusal import refuse
-from ext_proc.router import Router
+from ext_proc.router import BodyRequest, Router
 
 TOO_LARGE = (
     f"request body too large: the gateway buffers at most {BODY_LIMIT_BYTES // (1024 * 1024)} MiB "
@@ -54,6 +58,20 @@ TOO_LARGE = (
 """The 413 message, the same as the shipped Envoy's own (``envoy/envoy.yaml`` local reply)."""
 
 Build = Callable[[RoutingInstructions], Answers]
+
+
+@dataclass(frozen=True, slots=True)
+class PendingTokens:
+    """A read request whose prompt the gateway tokenizer puts in token ids before it is routed.
+
+    The shell awaits :meth:`tokens` and passes them, with ``request``, to :meth:`Stream.tokenized`."""
+
+    router: Router
+    request: BodyRequest
+
+    async def tokens(self) -> list[int] | None:
+        """The prompt's token ids (``None``: unknown; the request is then routed on its text)."""
+        return await self.router.prompt_tokens(self.request)
 
 
 class Streams:
@@ -114,11 +132,11 @@ class Stream:
         self.ended = False
         self.watching: ResponseWatcher | None = None
 
-    def answer(self, request: msg.ProcessingRequest) -> Answers | PendingAnswer:
-        """The answers to Envoy's message ``request``, or the pending answer to await.
+    def answer(self, request: msg.ProcessingRequest) -> Answers | PendingAnswer | PendingTokens:
+        """The answers to Envoy's message ``request``, or the pending answer or tokens to await.
 
         No answers once the stream was answered with an error; a pending answer is awaited and passed
-        to :meth:`completed`."""
+        to :meth:`completed`, pending tokens to :meth:`tokenized`."""
         if self.ended:
             return ()
         choreography = self.choreography
@@ -161,6 +179,11 @@ class Stream:
                 return (self._watch_chunk(request.response_body, self.watching, choreography),)
             return (choreography.response_body(request.response_body, self._shared.passthrough[kind]),)
         return (self._shared.passthrough[kind],)
+
+    def tokenized(self, request: BodyRequest, tokens: list[int] | None) -> Answers | PendingAnswer:
+        """Route ``request`` (of :class:`PendingTokens`) now that its prompt's ``tokens`` are known."""
+        assert self.build is not None
+        return self._route(request, tokens, self.build)
 
     def completed(self, outcome: Routed | Refused) -> Answers:
         """The answers once :attr:`pending` completed with ``outcome``.
@@ -222,7 +245,9 @@ class Stream:
         self.admitted = overloaded is None
         return overloaded
 
-    def _request_body(self, body: msg.HttpBody, choreography: Choreography) -> Answers | PendingAnswer:
+    def _request_body(
+        self, body: msg.HttpBody, choreography: Choreography
+    ) -> Answers | PendingAnswer | PendingTokens:
         if not self.saw_headers:
             return self._misconfigured(
                 "ext_proc request_header_mode must be SEND (with SKIP, Envoy picks the upstream "
@@ -241,12 +266,22 @@ class Stream:
 
     def _route_body(
         self, raw: bytes, choreography: Choreography, trailers: bool = False
-    ) -> Answers | PendingAnswer:
+    ) -> Answers | PendingAnswer | PendingTokens:
         overloaded = self._admit()
         if overloaded is not None:
             return self.end(overloaded)
-        outcome = self._shared.router.route_body(raw, self.meta, self.subset)
         build = functools.partial(choreography.route_body, body=raw, trailers=trailers)
+        router = self._shared.router
+        request = router.read(raw, self.meta)
+        if isinstance(request, Refused):
+            return self._routed(request, build)
+        if router.wants_tokens(request):
+            self.build = build
+            return PendingTokens(router, request)
+        return self._route(request, None, build)
+
+    def _route(self, request: BodyRequest, tokens: list[int] | None, build: Build) -> Answers | PendingAnswer:
+        outcome = self._shared.router.route(request, self.subset, tokens)
         if isinstance(outcome, Routed | Refused):
             return self._routed(outcome, build)
         self.pending = outcome  # released by close() if the stream ends from here on

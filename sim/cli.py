@@ -1,8 +1,10 @@
 """The ``sim`` subcommand: run one simulated engine until SIGINT/SIGTERM.
 
 ``add_parser(subparsers)`` registers it on the ``pd-extproc`` CLI; ``python -m sim`` runs
-:func:`main`, the same options without a subcommand. One ``--option`` exists per field of
-:class:`~sim.config.TimingConfig` and :class:`~sim.config.KvConfig` (``--decode-step-ms`` ...).
+:func:`main`, the same options without a subcommand. ``--profile`` names the engine profile
+(:mod:`sim.profiles`) whose costs are the defaults; one ``--option`` exists per field of
+:class:`~sim.config.TimingConfig` and :class:`~sim.config.KvConfig` (``--decode-step-ms`` ...), each
+overriding the profile's value when given.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from sim.config import (
     KvEventsConfig,
     TimingConfig,
 )
+from sim.profiles import DEFAULT_PROFILE, load_profile, profile_names
 
 log = logging.getLogger(__name__)
 _MODELS: dict[type, str] = {
@@ -51,6 +54,12 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--shutdown-timeout-s", type=float, default=5.0, help="drain time on shutdown (s)")
     parser.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    parser.add_argument(
+        "--profile",
+        default=DEFAULT_PROFILE,
+        choices=profile_names(),
+        help="engine profile giving the defaults of the options below (default %(default)s)",
+    )
     events = parser.add_argument_group("KV-cache events (vLLM's --kv-events-config; needs prefix caching)")
     events.add_argument(
         "--kv-events-port",
@@ -80,8 +89,7 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
             group.add_argument(
                 "--" + f.name.replace("_", "-"),
                 **(kind or {"type": type(f.default)}),
-                default=f.default,
-                help=f"{f.metadata['help']} (default %(default)s)",
+                help=f"{f.metadata['help']} (default: the profile's; {DEFAULT_PROFILE} {f.default})",
             )
 
 
@@ -93,8 +101,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """Build the :class:`EngineConfig` from parsed options; raise ``ValueError`` if invalid."""
-    models = [m(**{f.name: getattr(args, f.name) for f in dataclasses.fields(m)}) for m in _MODELS]  # type: ignore[call-overload]
+    """Build the :class:`EngineConfig` from parsed options (the profile's costs, overridden by the
+    options given); raise ``ValueError`` if invalid."""
+    profile = load_profile(args.profile)
+    models = [
+        dataclasses.replace(
+            base,
+            **{
+                f.name: getattr(args, f.name)
+                for f in dataclasses.fields(base)
+                if getattr(args, f.name) is not None
+            },
+        )
+        for base in (profile.timing, profile.kv)
+    ]
     return EngineConfig(
         role=args.role,
         group=args.group,

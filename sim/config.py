@@ -27,22 +27,38 @@ class TimingConfig:
 
     A scheduler step prefills up to ``max_num_batched_tokens`` prompt tokens and decodes one
     token for every running sequence whose prefill is done. Its duration in ms is
-    ``decode_step_ms + decode_step_per_seq_ms * n_decode`` (if any sequence decodes) plus
-    ``prefill_base_ms + prefill_per_token_ms * tokens * (1 + prefill_batch_penalty * (n_prefill - 1))``
-    (if any sequence prefills). Defaults are roughly Llama-3-8B on one fast GPU, scaled so that a
-    demo of a few hundred requests over 6-8 engines finishes in seconds.
+    ``decode_step_ms + decode_step_per_seq_ms * n_decode + decode_step_per_seq_ctx_ms * context`` (if
+    any sequence decodes; ``context`` the decoding sequences' tokens so far, summed: reading their KV)
+    plus ``prefill_base_ms + prefill_per_token_ms * tokens * (1 + prefill_batch_penalty * (n_prefill -
+    1)) + prefill_per_token2_ms * pairs`` (if any sequence prefills; ``pairs`` counts attention: a
+    chunk of ``k`` tokens after ``p`` tokens already in its sequence's KV adds ``k * (2p + k)``, so a
+    whole prompt of ``n`` tokens costs ``prefill_per_token2_ms * n**2`` however it is chunked).
+    Defaults are the ``legacy`` profile (:mod:`sim.profiles`): roughly Llama-3-8B on one fast GPU,
+    chosen, not measured, scaled so that a demo of a few hundred requests over 6-8 engines finishes
+    in seconds; the measured profiles come from a GPU's calibration.
     """
 
     prefill_base_ms: float = _opt(3.0, "fixed cost of a step that prefills (ms)")
     prefill_per_token_ms: float = _opt(0.05, "prefill cost per prompt token (ms/token)")
+    prefill_per_token2_ms: float = _opt(
+        0.0, "prefill attention cost (ms per token squared: a whole n-token prompt adds it times n**2)"
+    )
     prefill_batch_penalty: float = _opt(
         0.05, "relative prefill slowdown per extra sequence prefilled in the same step"
     )
     decode_step_ms: float = _opt(12.0, "fixed cost of a decode step (ms)")
     decode_step_per_seq_ms: float = _opt(0.1, "decode step cost per running sequence (ms/seq)")
+    decode_step_per_seq_ctx_ms: float = _opt(
+        0.0, "decode step cost per context token of every decoding sequence: its KV read (ms/token)"
+    )
     max_batch: int = _opt(64, "max sequences running at once; more wait (vLLM max_num_seqs)")
     max_num_batched_tokens: int = _opt(8192, "token budget of one step, decode tokens included")
     kv_capacity_tokens: int = _opt(262144, "KV cache capacity (tokens); requests wait when full")
+    cpu_kv_capacity_tokens: int = _opt(
+        0,
+        "CPU KV tier (tokens, 0 = none): blocks evicted from the KV cache are kept there, least "
+        "recently used dropped first, and a prompt hitting them loads them (vLLM native offloading)",
+    )
     block_size: int = _opt(16, "KV cache block size (tokens)")
     enable_prefix_caching: bool = _opt(
         False,
@@ -58,6 +74,8 @@ class TimingConfig:
         for name in ("max_batch", "max_num_batched_tokens", "kv_capacity_tokens", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.cpu_kv_capacity_tokens < 0:
+            raise ValueError("cpu_kv_capacity_tokens must be >= 0")
         for name in ("max_model_len", "default_max_tokens", "stream_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
@@ -66,31 +84,46 @@ class TimingConfig:
         for name in (
             "prefill_base_ms",
             "prefill_per_token_ms",
+            "prefill_per_token2_ms",
             "prefill_batch_penalty",
             "decode_step_ms",
             "decode_step_per_seq_ms",
+            "decode_step_per_seq_ctx_ms",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
 
-    def prefill_ms(self, tokens: int, seqs: int) -> float:
-        """Model ms to prefill ``tokens`` prompt tokens spread over ``seqs`` sequences in one step."""
+    def prefill_ms(self, tokens: int, seqs: int, pairs: int = 0) -> float:
+        """Model ms to prefill ``tokens`` prompt tokens spread over ``seqs`` sequences in one step,
+        ``pairs`` attended token pairs among them (see the class docstring)."""
         if seqs <= 0:
             return 0.0
-        return self.prefill_base_ms + self.prefill_per_token_ms * tokens * (
-            1.0 + self.prefill_batch_penalty * (seqs - 1)
+        return (
+            self.prefill_base_ms
+            + self.prefill_per_token_ms * tokens * (1.0 + self.prefill_batch_penalty * (seqs - 1))
+            + self.prefill_per_token2_ms * pairs
         )
 
-    def decode_ms(self, seqs: int) -> float:
-        """Model ms of one decode step over ``seqs`` running sequences (0 when none decode)."""
+    def decode_ms(self, seqs: int, context: int = 0) -> float:
+        """Model ms of one decode step over ``seqs`` running sequences holding ``context`` tokens in
+        all (0 when none decode)."""
         if seqs <= 0:
             return 0.0
-        return self.decode_step_ms + self.decode_step_per_seq_ms * seqs
+        return (
+            self.decode_step_ms
+            + self.decode_step_per_seq_ms * seqs
+            + self.decode_step_per_seq_ctx_ms * context
+        )
 
     @property
     def kv_capacity_blocks(self) -> int:
         """KV capacity in blocks (``kv_capacity_tokens`` rounded down, at least one block)."""
         return max(1, self.kv_capacity_tokens // self.block_size)
+
+    @property
+    def cpu_kv_capacity_blocks(self) -> int:
+        """CPU KV tier capacity in blocks (``cpu_kv_capacity_tokens`` rounded down; 0: no tier)."""
+        return self.cpu_kv_capacity_tokens // self.block_size
 
 
 @dataclass(frozen=True)
@@ -113,6 +146,7 @@ class KvConfig:
     same_group_gbps: float = _opt(100.0, "intra-group transfer bandwidth (GB/s)")
     cross_group_gbps: float = _opt(10.0, "cross-group link bandwidth, shared by all transfers (GB/s)")
     kv_base_latency_ms: float = _opt(1.0, "fixed latency of one KV transfer (ms)")
+    cpu_kv_gbps: float = _opt(55.0, "CPU KV tier to GPU load bandwidth (GB/s; PCIe Gen5 x16 measured 55)")
     kv_connector: str = _opt("nixl", "vLLM KV connector: nixl (prefill first) or mooncake (legs concurrent)")
     kv_load_failure_policy: str = _opt(
         "fail", "a decode whose KV pull fails: fail (HTTP 500 / an error event, vLLM 0.32) or recompute"
@@ -136,7 +170,7 @@ class KvConfig:
     def __post_init__(self) -> None:
         if self.kv_bytes_per_token < 0 or self.kv_base_latency_ms < 0:
             raise ValueError("kv_bytes_per_token and kv_base_latency_ms must be >= 0")
-        if not (self.same_group_gbps > 0 and self.cross_group_gbps > 0):
+        if not (self.same_group_gbps > 0 and self.cross_group_gbps > 0 and self.cpu_kv_gbps > 0):
             raise ValueError("bandwidths must be > 0")
         for name in ("kv_lease_s", "mooncake_abort_timeout_s", "bootstrap_timeout_s"):
             if not (getattr(self, name) > 0 and math.isfinite(getattr(self, name))):
@@ -149,6 +183,10 @@ class KvConfig:
     def transfer_bytes(self, prompt_tokens: int) -> int:
         """Bytes of KV cache for ``prompt_tokens`` tokens."""
         return prompt_tokens * self.kv_bytes_per_token
+
+    def cpu_load_ms(self, tokens: int) -> float:
+        """Model ms to load ``tokens`` tokens of KV cache from the CPU tier (0 for none)."""
+        return self.transfer_bytes(tokens) / (self.cpu_kv_gbps * 1e9) * 1e3
 
     def unloaded_transfer_ms(self, prompt_tokens: int, same_group: bool) -> float:
         """Model ms of one transfer with the link to itself (no concurrent cross-group transfers)."""

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from sim.clock import SimClock
-from sim.config import EngineConfig, TimingConfig
+from sim.config import EngineConfig, KvConfig, TimingConfig
 from sim.kv import NO_TRANSFER_RESULT, GroupMap, KvTransferModel, SharedLink, TransferResult, host_port
 from sim.metrics import EngineMetrics
 from sim.prefix import BlockCache, Holding, PromptBlocks
@@ -77,8 +77,10 @@ class Sequence:
     keys the request by (``None``: nothing is cached); ``cached_tokens``: the prompt tokens found
     cached at admission (not computed, not pulled); ``holding``: its KV blocks. ``hold`` keeps
     its KV blocks reserved after it finishes, as ``held_block_ids``, until :meth:`Engine.release_kv`
-    or the hold's time runs out. ``warning`` says why a pull fell back to a local prefill. ``ready`` is
-    set once its KV cache is in place (or it failed); ``progress`` whenever it gains a token or ends.
+    or the hold's time runs out. ``cpu_tokens`` of the ``cached_tokens`` were found in the CPU KV tier
+    (loaded, not computed; the first step it runs in pays the load, then it is ``cpu_loaded``).
+    ``warning`` says why a pull fell back to a local prefill. ``ready`` is set once its KV cache is in
+    place (or it failed); ``progress`` whenever it gains a token or ends.
     """
 
     request_id: str
@@ -97,6 +99,8 @@ class Sequence:
     generated: int = 0
     kv_blocks: int = 0
     cached_tokens: int = 0
+    cpu_tokens: int = 0
+    cpu_loaded: bool = False
     holding: Holding = field(default_factory=Holding, repr=False)
     admitted_at: float | None = None
     first_token_at: float | None = None
@@ -122,22 +126,25 @@ class Sequence:
 
 @dataclass
 class StepPlan:
-    """One scheduler step: ``prefill`` (sequence, prompt tokens this step), ``decode`` sequences."""
+    """One scheduler step: ``prefill`` (sequence, prompt tokens this step), ``decode`` sequences,
+    ``loads`` the sequences whose CPU-tier blocks it loads first (the step waits for the copy)."""
 
     prefill: list[tuple[Sequence, int]]
     decode: list[Sequence]
     duration_s: float
+    loads: list[Sequence] = field(default_factory=list)
 
 
 class Scheduler:
     """Pure scheduler state; see the module docstring. Not thread-safe, no asyncio needed."""
 
-    def __init__(self, timing: TimingConfig) -> None:
+    def __init__(self, timing: TimingConfig, kv: KvConfig | None = None) -> None:
         self.timing = timing
+        self.kv = kv or KvConfig()
         self.waiting: deque[Sequence] = deque()
         self.pulling: list[Sequence] = []
         self.running: list[Sequence] = []
-        self.cache = BlockCache(timing.kv_capacity_blocks, timing.block_size)
+        self.cache = BlockCache(timing.kv_capacity_blocks, timing.block_size, timing.cpu_kv_capacity_blocks)
 
     @property
     def used_blocks(self) -> int:
@@ -165,13 +172,16 @@ class Scheduler:
             seq = self.waiting[0]
             need = self.blocks_for(seq)
             hashes = seq.prefix.hashes if seq.prefix is not None else ()
-            hit = hashes[: cache.lookup(hashes, seq.prompt_tokens)]
+            hbm = cache.lookup(hashes, seq.prompt_tokens)
+            hit = hashes[:hbm]
+            loaded = hashes[hbm : hbm + cache.lookup_cpu(hashes, seq.prompt_tokens, hbm)]
             if not cache.fits(hit, need - len(hit)):
                 break
             self.waiting.popleft()
             queried = seq.prompt_tokens if seq.prefix is not None else 0
-            seq.holding = cache.take(hit, need - len(hit), queried)
-            seq.cached_tokens = len(hit) * self.timing.block_size
+            seq.holding = cache.take(hit, need - len(hit), queried, loaded)
+            seq.cached_tokens = (len(hit) + len(loaded)) * self.timing.block_size
+            seq.cpu_tokens = len(loaded) * self.timing.block_size
             seq.kv_blocks, seq.admitted_at = need, now
             if seq.pull is not None:
                 seq.state = PULLING
@@ -219,14 +229,21 @@ class Scheduler:
                 budget -= chunk
         if not decode and not prefill:
             return None
-        ms = self.timing.decode_ms(len(decode)) + self.timing.prefill_ms(
-            sum(n for _, n in prefill), len(prefill)
+        context = sum(s.prompt_tokens + s.generated for s in decode)
+        pairs = sum(n * (2 * s.prefilled + n) for s, n in prefill)
+        loads = [s for s in self.running if s.cpu_tokens and not s.cpu_loaded]
+        ms = (
+            self.timing.decode_ms(len(decode), context)
+            + self.timing.prefill_ms(sum(n for _, n in prefill), len(prefill), pairs)
+            + self.kv.cpu_load_ms(sum(s.cpu_tokens for s in loads))
         )
-        return StepPlan(prefill, decode, ms / 1e3)
+        return StepPlan(prefill, decode, ms / 1e3, loads)
 
     def apply(self, plan: StepPlan, now: float) -> list[Sequence]:
         """Account a step ending at ``now``; return the sequences that gained a token."""
         progressed: list[Sequence] = []
+        for seq in plan.loads:
+            seq.cpu_loaded = True
         for seq, chunk in plan.prefill:
             if seq.state == RUNNING:
                 seq.prefilled += chunk
@@ -296,7 +313,7 @@ class Engine:
     ) -> None:
         self.config = config
         self.clock = clock or SimClock(config.timing.time_scale)
-        self.scheduler = Scheduler(config.timing)
+        self.scheduler = Scheduler(config.timing, config.kv)
         sched = self.scheduler
         self._holds: dict[tuple[int, ...], tuple[Sequence, asyncio.TimerHandle]] = {}
         self._held_keys: dict[str, Sequence] = {}
@@ -310,6 +327,11 @@ class Engine:
         )
         self.metrics.add_counter(
             "vllm:prefix_cache_hits", "Prefix cache hits, in cached tokens.", lambda: cache.hits
+        )
+        self.metrics.add_counter(
+            "sim:prefix_cache_cpu_hits",
+            "Prefix cache hits in the CPU KV tier, in loaded tokens.",
+            lambda: cache.cpu_hits,
         )
         self.metrics.add_gauge(
             "sim:kv_held_requests",

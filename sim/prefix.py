@@ -12,11 +12,20 @@ its blocks tail first, so its prompt's head outlives its tail (vLLM's ``FreeKVCa
 Blocks in use are never evicted. Two sequences computing the same block at once keep a copy each;
 the first to finish it caches it.
 
+With a CPU tier (``cpu_capacity`` blocks, vLLM's native KV offloading), a block evicted from the KV
+cache is copied there, and the tier drops its least recently used blocks when full. A prompt's cached
+run then continues past its KV-cache hit into the CPU tier: those blocks are given fresh KV blocks,
+loaded (the engine charges the copy at the CPU-to-GPU bandwidth, :mod:`sim.engine`) and cached again,
+and are neither computed nor pulled. Hits are counted per tier.
+
 With an event sink (``events``) the cache reports its changes as vLLM's KV-cache events do
-(:mod:`ext_proc.prefix.kv_events`), one batch a change: the blocks a sequence newly cached (one
-``BlockStored`` per run of consecutive blocks, with its parent's hash and its token ids, medium
-:data:`MEDIUM_GPU`), the blocks an admission evicted (``BlockRemoved``), a reset (``AllBlocksCleared``).
-Block hashes are the cache's own (Python's ``hash``, salted per process): opaque to a subscriber.
+(:mod:`ext_proc.prefix.kv_events`), one batch a change, each stored run of blocks a ``BlockStored``
+with its parent's hash and its token ids: the blocks a sequence newly cached (medium
+:data:`MEDIUM_GPU`); an admission's evictions, each block copied to the CPU tier reported stored there
+(:data:`MEDIUM_CPU`) and removed from the KV cache, the blocks the tier dropped removed from it, the
+blocks loaded from it stored in the KV cache again (as vLLM's offloading reports them); a reset
+(``AllBlocksCleared``, both tiers emptied). Block hashes are the cache's own (Python's ``hash``,
+salted per process): opaque to a subscriber.
 
 The "tokens" of a text prompt are its characters in fours (the gateway's and the simulator's token
 estimate, :mod:`ext_proc.request`), so a block is ``4 * block_size`` characters of the concatenated
@@ -39,6 +48,8 @@ from sim.protocol import token_text
 
 MEDIUM_GPU = "GPU"
 """The ``medium`` of the KV cache's blocks in the events (vLLM's name for its GPU memory)."""
+MEDIUM_CPU = "CPU"
+"""The ``medium`` of the CPU tier's blocks in the events (vLLM's offloading names it so)."""
 EventSink = Callable[[list[Event]], None]
 """Where a :class:`BlockCache` reports one batch of KV-cache events."""
 
@@ -115,19 +126,26 @@ class BlockCache:
     """An engine's KV blocks: in use, free and cached, or free and empty; see the module docstring.
 
     ``used`` counts blocks in use (private ones plus cached ones with references). ``queries`` and
-    ``hits`` count prompt tokens looked up and found (vLLM's ``prefix_cache_queries`` / ``_hits``).
+    ``hits`` count prompt tokens looked up and found in the KV cache (vLLM's ``prefix_cache_queries`` /
+    ``_hits``), ``cpu_hits`` those found in the CPU tier (``cpu_capacity`` blocks, 0: none).
     ``events``: where the changes are reported (``None``: nowhere).
     """
 
-    def __init__(self, capacity: int, block_size: int, *, events: EventSink | None = None) -> None:
+    def __init__(
+        self, capacity: int, block_size: int, cpu_capacity: int = 0, *, events: EventSink | None = None
+    ) -> None:
         self.capacity = capacity
         self.block_size = block_size
+        self.cpu_capacity = cpu_capacity
         self.events = events
         self.used = 0
         self.queries = 0
         self.hits = 0
+        self.cpu_hits = 0
         self._refs: dict[int, int] = {}  # cached block hash → sequences referencing it
         self._free: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody references, LRU first
+        self._cpu: OrderedDict[int, None] = OrderedDict()  # the CPU tier's blocks, least recently used first
+        self._blocks: dict[int, tuple[int | None, tuple[int, ...]]] = {}  # with events: parent, token ids
 
     @property
     def cached_blocks(self) -> int:
@@ -137,11 +155,23 @@ class BlockCache:
     def lookup(self, hashes: Sequence[int], prompt_tokens: int) -> int:
         """How many leading blocks of ``hashes`` are cached, at most ``(prompt_tokens - 1) //
         block_size`` (at least one prompt token is always computed)."""
-        limit = min(len(hashes), max(0, prompt_tokens - 1) // self.block_size)
+        limit = self._limit(hashes, prompt_tokens)
         hit = 0
         while hit < limit and hashes[hit] in self._refs:
             hit += 1
         return hit
+
+    def lookup_cpu(self, hashes: Sequence[int], prompt_tokens: int, start: int) -> int:
+        """How many blocks of ``hashes`` from ``start`` on (the KV-cache hit's end) are in the CPU tier
+        and not in the KV cache, within :meth:`lookup`'s limit."""
+        limit = self._limit(hashes, prompt_tokens)
+        end = start
+        while end < limit and hashes[end] in self._cpu and hashes[end] not in self._refs:
+            end += 1
+        return end - start
+
+    def _limit(self, hashes: Sequence[int], prompt_tokens: int) -> int:
+        return min(len(hashes), max(0, prompt_tokens - 1) // self.block_size)
 
     def fits(self, hit: Sequence[int], fresh: int) -> bool:
         """Whether ``fresh`` new blocks fit once the cached blocks ``hit`` are taken (free ones among
@@ -149,24 +179,58 @@ class BlockCache:
         taken = sum(1 for h in hit if self._refs[h] == 0)
         return self.used + taken + fresh <= self.capacity
 
-    def take(self, hit: Sequence[int], fresh: int, prompt_tokens: int) -> Holding:
+    def take(self, hit: Sequence[int], fresh: int, prompt_tokens: int, loaded: Sequence[int] = ()) -> Holding:
         """Reference the cached blocks ``hit`` and allocate ``fresh`` blocks (evicting free cached
-        ones as needed; :meth:`fits` must hold); count the lookup of ``prompt_tokens`` tokens."""
+        ones as needed, into the CPU tier; :meth:`fits` must hold), the first ``len(loaded)`` of them
+        filled from the CPU tier's blocks ``loaded`` (:meth:`lookup_cpu`) and cached; count the lookup
+        of ``prompt_tokens`` tokens."""
         for h in hit:
             if self._refs[h] == 0:
                 del self._free[h]
                 self.used += 1
             self._refs[h] += 1
+        for h in loaded:  # used now: not the tier's next to drop
+            self._cpu.move_to_end(h)
         empty = self.capacity - self.used - len(self._free)
         evicted = [self._free.popitem(last=False)[0] for _ in range(max(0, fresh - empty))]
         for h in evicted:
             del self._refs[h]
-        if evicted and self.events is not None:
-            self.events([BlockRemoved(tuple(evicted), MEDIUM_GPU)])
+        offloaded, dropped = self._offload(evicted)
         self.used += fresh
+        for h in loaded:
+            self._refs[h] = 1
         self.queries += prompt_tokens
         self.hits += len(hit) * self.block_size
-        return Holding(list(hit), fresh)
+        self.cpu_hits += len(loaded) * self.block_size
+        if self.events is not None and (evicted or loaded):
+            self.events(
+                [
+                    *self._runs(offloaded, MEDIUM_CPU),
+                    *([BlockRemoved(tuple(evicted), MEDIUM_GPU)] if evicted else []),
+                    *([BlockRemoved(tuple(dropped), MEDIUM_CPU)] if dropped else []),
+                    *self._runs(loaded, MEDIUM_GPU),
+                ]
+            )
+            for h in [*evicted, *dropped]:
+                if h not in self._refs and h not in self._cpu:
+                    self._blocks.pop(h, None)
+        return Holding([*hit, *loaded], fresh - len(loaded))
+
+    def _offload(self, blocks: list[int]) -> tuple[list[int], list[int]]:
+        """Keep evicted ``blocks`` in the CPU tier (if any), dropping its least recently used ones when
+        full; the blocks new to the tier, and those it dropped."""
+        added: list[int] = []
+        dropped: list[int] = []
+        if not self.cpu_capacity:
+            return added, dropped
+        for block in blocks:
+            if block not in self._cpu:
+                added.append(block)
+            self._cpu[block] = None
+            self._cpu.move_to_end(block)
+            if len(self._cpu) > self.cpu_capacity:
+                dropped.append(self._cpu.popitem(last=False)[0])
+        return added, dropped
 
     def cache(self, holding: Holding, hashes: Sequence[int], content: str | Sequence[int] = "") -> None:
         """The sequence of ``holding`` computed the blocks ``hashes`` (its chain over ``content``, from
@@ -183,36 +247,42 @@ class BlockCache:
                 holding.private -= 1
                 new.append(index)
         if new and self.events is not None:
-            self.events(self._stored(hashes, content, new))
+            size = self.block_size
+            for index in new:
+                parent = hashes[index - 1] if index else None
+                self._blocks[hashes[index]] = (parent, tuple(token_ids(block_content(content, size, index))))
+            self.events(self._runs([hashes[i] for i in new], MEDIUM_GPU))
 
-    def _stored(self, hashes: Sequence[int], content: str | Sequence[int], new: list[int]) -> list[Event]:
-        """One ``BlockStored`` per run of consecutive indexes of ``new`` (blocks of ``hashes``)."""
+    def _runs(self, blocks: Sequence[int], medium: str) -> list[Event]:
+        """``blocks`` (each a child of the one before or of a block already reported) stored in
+        ``medium``: one ``BlockStored`` per run of blocks chained to each other."""
         runs: list[list[int]] = []
-        for index in new:
-            if runs and runs[-1][-1] == index - 1:
-                runs[-1].append(index)
+        for h in blocks:
+            if runs and self._blocks[h][0] == runs[-1][-1]:
+                runs[-1].append(h)
             else:
-                runs.append([index])
-        size = self.block_size
+                runs.append([h])
         return [
             BlockStored(
-                tuple(hashes[i] for i in run),
-                hashes[run[0] - 1] if run[0] else None,
-                tuple(t for i in run for t in token_ids(block_content(content, size, i))),
-                size,
+                tuple(run),
+                self._blocks[run[0]][0],
+                tuple(t for h in run for t in self._blocks[h][1]),
+                self.block_size,
                 None,
-                MEDIUM_GPU,
+                medium,
             )
             for run in runs
         ]
 
     def reset(self) -> bool:
-        """Drop every cached block, as vLLM's ``reset_prefix_cache``: only while no block is in use
-        (whether it did)."""
+        """Drop every cached block, the CPU tier's too, as vLLM's ``reset_prefix_cache``: only while no
+        block is in use (whether it did)."""
         if self.used:
             return False
         self._refs.clear()
         self._free.clear()
+        self._cpu.clear()
+        self._blocks.clear()
         if self.events is not None:
             self.events([AllBlocksCleared()])
         return True

@@ -75,6 +75,7 @@ def summarize(records: Sequence[Record], duration_s: float, capacities: Mapping[
         "decode_ttft_p50_ms": percentile(decode_ttft, 0.5),
         "decode_ttft_p99_ms": percentile(decode_ttft, 0.99),
         "ttft_p50_ms": percentile(ttft, 0.5),
+        "ttft_p90_ms": percentile(ttft, 0.9),
         "ttft_p99_ms": percentile(ttft, 0.99),
         "ttft_mean_ms": statistics.fmean(ttft) if ttft else None,
         "tpot_p50_ms": percentile(tpot, 0.5),

@@ -24,11 +24,13 @@ WORDS = ("the", "cache", "prefill", "decode", "token", "group", "router", "envoy
 
 @dataclass(frozen=True)
 class RequestPlan:
-    """One request: send ``at`` seconds after the start, ``prompt_tokens`` long, up to ``max_tokens``."""
+    """One request: send ``at`` seconds after the start, ``prompt_tokens`` long, up to ``max_tokens``;
+    its text ``prompt`` (``None``: words, :func:`_prompt`)."""
 
     at: float
     prompt_tokens: int
     max_tokens: int
+    prompt: str | None = None
 
 
 def plan_workload(
@@ -105,7 +107,7 @@ async def _one(client: openai.AsyncOpenAI, model: str, record: Record, t0: float
     try:
         stream = await client.chat.completions.create(
             model=model,
-            messages=[{"role": "user", "content": _prompt(plan.prompt_tokens)}],
+            messages=[{"role": "user", "content": plan.prompt or _prompt(plan.prompt_tokens)}],
             max_tokens=plan.max_tokens,
             stream=True,
             stream_options={"include_usage": True},

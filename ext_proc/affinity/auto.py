@@ -35,9 +35,11 @@ class AutoModel:
     ``kv_bytes_per_token``: bytes of KV cache per prompt token (>= 0); ``same_group_gbps`` >=
     ``cross_group_gbps`` > 0: KV transfer bandwidths in GB/s within a ``pdGroupID`` group and across
     groups; ``base_latency_ms`` >= 0: fixed cost of one transfer; ``wait_scale_ms`` >= 0: the wait
-    model's service time (ms); ``prefill_ms_per_token`` >= 0: prefill compute per prompt token (ms).
-    Defaults: Llama-3-8B in bf16 (128 KiB/token), 100 GB/s in a group, 10 GB/s across, 1 ms per
-    transfer, 0.05 ms per prefilled token (the simulator's defaults) and a 15 ms decode step.
+    model's service time (ms); ``prefill_ms_per_token`` >= 0: prefill compute per prompt token (ms);
+    ``cpu_tier_gbps`` > 0: the bandwidth at which an engine loads blocks held in its CPU tier into GPU
+    memory (GB/s). Defaults: Llama-3-8B in bf16 (128 KiB/token), 100 GB/s in a group, 10 GB/s across,
+    1 ms per transfer, 0.05 ms per prefilled token (the simulator's defaults), a 15 ms decode step and
+    PCIe's 55 GB/s as measured (docs/routing.md "Tiers").
     """
 
     kv_bytes_per_token: int = 131_072
@@ -46,6 +48,11 @@ class AutoModel:
     base_latency_ms: float = 1.0
     wait_scale_ms: float = 15.0
     prefill_ms_per_token: float = 0.05
+    cpu_tier_gbps: float = 55.0
+
+    def cpu_load_s(self, tokens: U) -> U:
+        """Seconds to load ``tokens`` prompt tokens' KV cache from the CPU tier (element-wise on arrays)."""
+        return tokens * (self.kv_bytes_per_token / (self.cpu_tier_gbps * 1e9))  # type: ignore[return-value]
 
     def prefill_s(self, tokens: U) -> U:
         """Seconds to prefill ``tokens`` prompt tokens (a count or an array of counts, element-wise)."""

@@ -27,7 +27,9 @@ class AutoConfig:
     ms (about one decode step at half batch): a decode at utilisation u waits ``wait_scale_ms * u`` while
     it has room (u <= 0.8), plus ``wait_scale_ms * (u - 0.8) / (1 - u)`` above (see ``affinity.auto``).
     ``prefill_ms_per_token``: prefill compute per prompt token, ms (the prefill's queue and its compute
-    on the uncached tokens are priced with it).
+    on the uncached tokens are priced with it). ``cpu_tier_gbps``: the bandwidth at which an engine
+    loads a block held in its CPU tier back into GPU memory, GB/s (PCIe; a hit there is priced as that
+    load instead of the prefill it saves).
     """
 
     kv_bytes_per_token: int = 0
@@ -40,6 +42,7 @@ class AutoConfig:
     base_latency_ms: float = 1.0
     wait_scale_ms: float = 15.0
     prefill_ms_per_token: float = 0.05
+    cpu_tier_gbps: float = 55.0
 
     def bytes_per_token(self) -> int:
         """KV bytes per prompt token: ``kv_bytes_per_token``, or the model shape's when that is 0."""
@@ -55,6 +58,7 @@ class AutoConfig:
             self.base_latency_ms,
             self.wait_scale_ms,
             self.prefill_ms_per_token,
+            self.cpu_tier_gbps,
         )
 
     def check(self) -> None:
@@ -76,7 +80,7 @@ class AutoConfig:
             raise ConfigError(
                 f"{key}: the model shape gives more than {MAX_KV_BYTES_PER_TOKEN} KV bytes a token"
             )
-        for name in ("same_group_gbps", "cross_group_gbps"):
+        for name in ("same_group_gbps", "cross_group_gbps", "cpu_tier_gbps"):
             in_range(f"{key}.{name}", getattr(self, name), 1e-3, 1e6, note="GB/s")
         if self.cross_group_gbps > self.same_group_gbps:
             raise ConfigError(

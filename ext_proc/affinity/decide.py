@@ -68,11 +68,16 @@ def _ints(a: Keys) -> NDArray[np.object_]:
     return a if a.dtype == object else np.array([int(x) for x in a.tolist()], dtype=object)
 
 
-def _credit(hits: Ints | None, prompt: int, weight: float, exact: bool) -> Keys | int:
-    """``credit(hits)`` of docs/routing.md "The exact rule", per endpoint (0 when nothing is credited)."""
+def _credit(hits: Ints | None, cpu: Ints | None, prompt: int, policy: Policy, exact: bool) -> Keys | int:
+    """``credit(hits)`` of docs/routing.md "The exact rule", per endpoint (0 when nothing is credited).
+
+    ``cpu``: the hit tokens held only in a CPU tier, worth ``policy.cpu_tier_weight`` of one in GPU."""
+    weight = policy.prefix_weight
     if hits is None or weight <= 0.0 or prompt <= 0:
         return 0
-    return _ticks(hits * (weight / prompt), exact)
+    if cpu is None:
+        return _ticks(hits * (weight / prompt), exact)
+    return _ticks((hits - (1.0 - policy.cpu_tier_weight) * cpu) * (weight / prompt), exact)
 
 
 def choose(
@@ -106,14 +111,14 @@ def choose(
     u = (decodes.tokens + cost.decode_tokens) / decodes.capacity
     out = decodes.endpoints
     mode = policy.mode
-    phits, dhits = (None, None) if hits is None else hits
+    phits, dhits = (None, None) if hits is None else (hits.prefill, hits.decode)
     uncached = prompt if phits is None else prompt - phits
     backlog = prefills.tokens + uncached
     if mode is _AUTO and prefills.size:
         slots = prefills.slots_in(decodes)
         priced = backlog + uncached  # a miss priced twice (docs/routing.md "The exact rule")
         return _choose_auto(
-            prompt, prefills, decodes, u, dhits, backlog, priced, slots, want, tiebreak, policy
+            prompt, prefills, decodes, u, hits, backlog, priced, slots, want, tiebreak, policy
         )
     weight = policy.prefix_weight
     inflight = prefills.tokens
@@ -122,11 +127,12 @@ def choose(
     pu = (inflight + uncached) / prefills.capacity
     top = float(u.max()) + (float(pu.max()) if prefills.size else 0.0)
     exact = top + 2.0 * weight + policy.bonus < _SAFE_U
-    dkey = _ticks(u, exact) - _credit(dhits, prompt, weight, exact)
+    pcpu, dcpu = (None, None) if hits is None else (hits.prefill_cpu, hits.decode_cpu)
+    dkey = _ticks(u, exact) - _credit(dhits, dcpu, prompt, policy, exact)
     if not prefills.size:
         picked = [out[i] for i in _top(dkey, want, tiebreak, decodes.requests)]
         return Decision(None, picked[0], tuple(picked[1:]), _DECODE_ONLY)
-    keys = _ticks(pu, exact) - _credit(phits, prompt, weight, exact)
+    keys = _ticks(pu, exact) - _credit(phits, pcpu, prompt, policy, exact)
     groups = len(decodes.groups)
     eligible = None
     if mode is not _OFF:  # off: the decode does not depend on the prefill's group
@@ -175,7 +181,7 @@ def _choose_auto(
     prefills: Pool[E],
     decodes: Pool[E],
     u: Floats,
-    dhits: Ints | None,
+    hits: Hits | None,
     backlog: Ints,
     priced: Ints,
     slots: Positions,
@@ -188,14 +194,22 @@ def _choose_auto(
     ``u`` holds the decodes' utilisations with the request placed, ``backlog`` each prefill's prompt
     tokens in flight plus the ones this request makes it compute, ``priced`` the tokens its cost is
     priced at; ``slots`` maps each prefill to its group's index in ``decodes.groups``; ``want`` = 1 +
-    fallbacks.
+    fallbacks. A hit held only in a CPU tier adds its load (:meth:`AutoModel.cpu_load_s`) to the
+    prefill's time at a prefill, to the transfer's at a decode.
     """
     model = policy.auto
     wait = model.wait_s(u)
+    dhits = None if hits is None else hits.decode
+    pcpu, dcpu = (None, None) if hits is None else (hits.prefill_cpu, hits.decode_cpu)
     lack = prompt if dhits is None else prompt - dhits
     same_s = wait + lack * model.seconds_per_token(True)
     cross_s = wait + lack * model.seconds_per_token(False)
     prefill_s = model.prefill_s(priced)
+    if dcpu is not None:
+        dload = model.cpu_load_s(dcpu)
+        same_s, cross_s = same_s + dload, cross_s + dload
+    if pcpu is not None:
+        prefill_s = prefill_s + model.cpu_load_s(pcpu)
     exact = max(float(cross_s.max()), float(same_s.max()), float(prefill_s.max())) < _EXACT / 4 / _SCALE_F
     same_key, cross_key = _ticks(same_s, exact), _ticks(cross_s, exact)
     order, starts = decodes.group_order, decodes.group_starts
@@ -235,12 +249,13 @@ def _choose_auto(
         others = keys[outside if home_pick else ~outside].min()
         margin = float(others - keys[chosen]) / _SCALE_F
     moved = lack if dhits is None else int(lack[chosen])
-    estimate = Estimate(
-        float(model.prefill_s(backlog[first])),
-        model.transfer_s(moved, home_pick),
-        float(wait[chosen]),
-        margin,
-    )
+    prefill_first = float(model.prefill_s(backlog[first]))
+    transfer = model.transfer_s(moved, home_pick)
+    if pcpu is not None:
+        prefill_first += float(model.cpu_load_s(pcpu[first]))
+    if dcpu is not None:
+        transfer += float(model.cpu_load_s(dcpu[chosen]))
+    estimate = Estimate(prefill_first, transfer, float(wait[chosen]), margin)
     return Decision(prefill, decode, tuple(picked[1:]), _SAME if home_pick else _CROSS, estimate)
 
 

@@ -100,10 +100,15 @@ class Hits(NamedTuple):
 
     ``prefill[i]`` belongs to position ``i`` of the prefill pool, ``decode[j]`` to position ``j`` of
     the decode pool; int64, each in [0, ``Cost.prefill_tokens``] (the prefix index guarantees it).
+    ``prefill_cpu`` / ``decode_cpu`` (``None``: all in GPU memory): of those, the tokens held only in a
+    CPU tier, each in [0, the endpoint's hit]; such a hit is worth less (:class:`Policy`
+    ``cpu_tier_weight``; ``auto`` prices loading it at ``AutoModel.cpu_tier_gbps``).
     """
 
     prefill: NDArray[np.int64]
     decode: NDArray[np.int64]
+    prefill_cpu: NDArray[np.int64] | None = None
+    decode_cpu: NDArray[np.int64] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +120,9 @@ class Policy:
     utilisation units, read in ``off``, ``prefer`` and ``strict`` when :class:`Hits` are given): what
     a prompt held whole in an endpoint's prefix cache is worth; a share ``h`` of the prompt held
     lowers that endpoint's score by ``prefix_weight * h``. ``auto``: the time model of ``Mode.AUTO``
-    (read in that mode only; it prices cache hits in seconds instead).
+    (read in that mode only; it prices cache hits in seconds instead). ``cpu_tier_weight`` (in [0, 1],
+    read with ``prefix_weight``): what a prompt token held only in a CPU tier (:class:`Hits`
+    ``prefill_cpu`` / ``decode_cpu``) is worth against one held in GPU memory.
     """
 
     mode: Mode = Mode.PREFER
@@ -123,14 +130,16 @@ class Policy:
     fallback_count: int = 2
     auto: AutoModel = field(default_factory=AutoModel)
     prefix_weight: float = 0.0
+    cpu_tier_weight: float = 0.5
 
 
 class Estimate(NamedTuple):
     """Why ``auto`` chose its pair, in seconds (:mod:`ext_proc.affinity.auto`).
 
     ``prefill_s``: the chosen prefill's queue and compute estimate (its uncached backlog plus this
-    prompt's uncached tokens); ``transfer_s``: the KV transfer estimate from the prefill to the chosen
-    decode (the blocks the decode lacks); ``wait_s``: the wait estimate at the chosen decode;
+    prompt's uncached tokens, plus loading its CPU-tier hit); ``transfer_s``: the KV transfer estimate
+    from the prefill to the chosen decode (the blocks the decode lacks, plus loading its CPU-tier
+    hit); ``wait_s``: the wait estimate at the chosen decode;
     ``margin_s``: the best estimate among decodes of the other locality (cross-group when the choice
     is in the group, in-group when it crossed) minus the chosen one's — the delay the decode choice
     saves, >= 0 up to the 1 ns grid — or ``None`` when every decode has the chosen locality.

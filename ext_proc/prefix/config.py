@@ -24,6 +24,11 @@ class PrefixConfig:
     ``_hits`` too (with ``engine_metrics.enabled``; the ``approximate`` source only). ``source``: where
     the index learns what each engine holds: ``approximate`` (this gateway's own placements) or
     ``kv-events`` (the engines' KV-cache events). ``kv_events``: the ``kv-events`` source's settings.
+    ``tokenizer``: the model's tokenizer folder (``tokenizer.json``, ``tokenizer_config.json``; ``""``:
+    none): text prompts are then put in the engine's token ids before they are routed, so the
+    ``kv-events`` index can match them, and their token counts are exact. ``cpu_tier_weight``: in
+    ``off``, ``prefer`` and ``strict``, what a prompt token held in a CPU tier (an event's ``medium``
+    other than GPU memory) is worth against one held in GPU memory (``auto`` prices its load instead).
     """
 
     enabled: bool = False
@@ -33,13 +38,15 @@ class PrefixConfig:
     self_correct: bool = True
     source: PrefixSourceKind = PrefixSourceKind.APPROXIMATE
     kv_events: KvEventsSettings = field(default_factory=KvEventsSettings)
+    tokenizer: str = ""
+    cpu_tier_weight: float = 0.5
 
     def settings(self) -> PrefixSettings | None:
         """The prefix tracker's settings, ``None`` when disabled."""
         if not self.enabled:
             return None
         return PrefixSettings(
-            self.block_tokens, self.max_blocks, self.self_correct, self.source, self.kv_events
+            self.block_tokens, self.max_blocks, self.self_correct, self.source, self.kv_events, self.tokenizer
         )
 
     def check(self) -> None:
@@ -48,6 +55,7 @@ class PrefixConfig:
         in_range(f"{key}.block_tokens", self.block_tokens, 1, 4096, kind="an integer")
         in_range(f"{key}.max_blocks", self.max_blocks, 1, MAX_PREFIX_BLOCKS, kind="an integer")
         in_range(f"{key}.weight", self.weight, 0, 100, note="utilisation units")
+        in_range(f"{key}.cpu_tier_weight", self.cpu_tier_weight, 0, 1, note="a GPU-held token is 1")
         events, key = self.kv_events, f"{key}.kv_events"
         in_range(f"{key}.port", events.port, 1, 65535, kind="a port")
         in_range(f"{key}.replay_port", events.replay_port, 0, 65535, kind="a port", note="0: none")

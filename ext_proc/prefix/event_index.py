@@ -6,7 +6,8 @@ time per endpoint. A stored block is keyed by our own chained hash of its token 
 prompt's first block and at the parent's hash otherwise), so a request given as token ids is looked up
 by the same chain; the engine's hash, which depends on its settings and seed, is kept only to find a
 stored block's parent and to apply removals. Blocks are held per tier (the event's ``medium``;
-``None`` is :data:`DEFAULT_TIER`).
+``None`` is :data:`DEFAULT_TIER`); a block held in none of the :data:`GPU_TIERS` is held in a CPU tier
+(:meth:`EventIndex.match_gpu` tells the two apart).
 
 Per endpoint the batches' sequence is tracked: the next one expected is applied; a gap, or a first
 batch that is not the engine's first, is answered :class:`ReplayFrom` when a replay can be asked
@@ -25,7 +26,7 @@ unknown: stored before this gateway listened, or missed), ``full`` (the endpoint
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 from ext_proc.prefix.blocks import block_hashes
@@ -36,6 +37,8 @@ ROOT = 0
 """The chain's start for a prompt's first block, in the events and in a request's token chain."""
 DEFAULT_TIER = "GPU"
 """The tier of a block whose event names no ``medium`` (vLLM's own name for its GPU memory)."""
+GPU_TIERS = frozenset({DEFAULT_TIER, "HBM"})
+"""The tiers in GPU memory; a block held only in another (``CPU``, ``DISK``, …) must be loaded first."""
 
 
 class Applied(NamedTuple):
@@ -57,13 +60,14 @@ class ReplayFrom(NamedTuple):
 class _Endpoint:
     """What one endpoint reported: its blocks and where its sequence stands."""
 
-    __slots__ = ("expected", "heard", "refs", "stored", "tiers")
+    __slots__ = ("expected", "gpu_refs", "heard", "refs", "stored", "tiers")
 
     def __init__(self, now: float) -> None:
         self.expected: int | None = None  # the next sequence; None before the first batch (or a reset)
         self.heard = now  # when a batch (or the subscription) last came
         self.stored: dict[tuple[str, EngineHash], int] = {}  # (tier, engine hash) → our hash
         self.refs: dict[int, int] = {}  # our hash → its stored entries, all tiers
+        self.gpu_refs: dict[int, int] = {}  # our hash → its stored entries in the GPU tiers
         self.tiers: Counter[str] = Counter()  # tier → blocks held there
 
 
@@ -78,6 +82,7 @@ class EventIndex:
         self.stale_after = stale_after
         self.max_blocks = max_blocks
         self.holders = Holders()
+        self.gpu_holders = Holders()  # the same, GPU tiers only
         self._endpoints: dict[str, _Endpoint] = {}
 
     def watch(self, address: str, now: float) -> None:
@@ -133,7 +138,10 @@ class EventIndex:
                 return "orphan"
             start = parent
         ours = block_hashes(event.token_ids, event.block_size, len(event.block_hashes), start)
-        slot, stored, refs, add = self.holders.slot(address), endpoint.stored, endpoint.refs, self.holders.add
+        holders, stored, refs = self.holders, endpoint.stored, endpoint.refs
+        slot = holders.slot(address)
+        gpu = tier in GPU_TIERS
+        gpu_slot = self.gpu_holders.slot(address) if gpu else 0
         room = self.max_blocks - len(stored)
         added = 0
         for engine_hash, h in zip(event.block_hashes, ours, strict=True):
@@ -145,37 +153,34 @@ class EventIndex:
                 return "full"
             stored[key] = h
             added += 1
-            held = refs.get(h, 0)
-            refs[h] = held + 1
-            if not held:
-                add(slot, h)
+            _hold(refs, holders, slot, h)
+            if gpu:
+                _hold(endpoint.gpu_refs, self.gpu_holders, gpu_slot, h)
         endpoint.tiers[tier] += added
         return None
 
     def _remove(self, address: str, endpoint: _Endpoint, event: BlockRemoved) -> None:
         tier = event.medium or DEFAULT_TIER
         slot = self.holders.find(address)
+        gpu_slot = self.gpu_holders.find(address) if tier in GPU_TIERS else None
         for engine_hash in event.block_hashes:
             h = endpoint.stored.pop((tier, engine_hash), None)
             if h is None:  # stored before this gateway listened, or dropped
                 continue
             endpoint.tiers[tier] -= 1
-            held = endpoint.refs[h] - 1
-            if held:
-                endpoint.refs[h] = held
-            else:
-                del endpoint.refs[h]
-                if slot is not None:
-                    self.holders.remove(slot, h)
+            _release(endpoint.refs, self.holders, slot, h)
+            if gpu_slot is not None:
+                _release(endpoint.gpu_refs, self.gpu_holders, gpu_slot, h)
 
     def _clear(self, address: str, endpoint: _Endpoint) -> None:
-        slot = self.holders.find(address)
-        if slot is not None:
-            for h in endpoint.refs:
-                self.holders.remove(slot, h)
-            self.holders.release(address)
+        for holders, refs in ((self.holders, endpoint.refs), (self.gpu_holders, endpoint.gpu_refs)):
+            slot = holders.find(address)
+            if slot is not None:
+                for h in refs:
+                    holders.remove(slot, h)
+                holders.release(address)
+            refs.clear()
         endpoint.stored.clear()
-        endpoint.refs.clear()
         endpoint.tiers.clear()
 
     def reset(self, address: str) -> None:
@@ -191,6 +196,21 @@ class EventIndex:
         for address in [a for a in matched if self.is_stale(a, now)]:
             del matched[address]
         return matched
+
+    def match_gpu(self, hashes: Sequence[int], matched: Mapping[str, int]) -> dict[str, int] | None:
+        """Of ``matched`` (:meth:`match`), the leading blocks each endpoint holds in a GPU tier.
+
+        ``None`` when every endpoint in ``matched`` holds all its matched blocks in GPU memory (no
+        endpoint holds a block in another tier, or none of ``matched`` does)."""
+        tiered = [a for a in matched if any(n and t not in GPU_TIERS for t, n in self._tiers(a).items())]
+        if not tiered:
+            return None
+        gpu = self.gpu_holders.match(hashes)
+        return {a: gpu.get(a, 0) if a in tiered else n for a, n in matched.items()}
+
+    def _tiers(self, address: str) -> Counter[str]:
+        endpoint = self._endpoints.get(address)
+        return Counter() if endpoint is None else endpoint.tiers
 
     def is_stale(self, address: str, now: float) -> bool:
         """``address`` has not published for more than ``stale_after`` seconds (or is not watched)."""
@@ -210,6 +230,25 @@ class EventIndex:
         keep = set(addresses)
         for address in [a for a in self._endpoints if a not in keep]:
             self._clear(address, self._endpoints.pop(address))
+
+
+def _hold(refs: dict[int, int], holders: Holders, slot: int, h: int) -> None:
+    """One more stored entry of ``h`` at the endpoint of ``slot``: it holds ``h`` from the first."""
+    held = refs.get(h, 0)
+    refs[h] = held + 1
+    if not held:
+        holders.add(slot, h)
+
+
+def _release(refs: dict[int, int], holders: Holders, slot: int | None, h: int) -> None:
+    """One stored entry of ``h`` fewer: the endpoint of ``slot`` no longer holds ``h`` after the last."""
+    held = refs[h] - 1
+    if held:
+        refs[h] = held
+    else:
+        del refs[h]
+        if slot is not None:
+            holders.remove(slot, h)
 
 
 def _find(endpoint: _Endpoint, tier: str, engine_hash: EngineHash) -> int | None:

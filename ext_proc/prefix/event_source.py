@@ -6,12 +6,13 @@ feed, and of the :class:`~ext_proc.prefix.recent.RecentPlacements` of the last
 ``kv_events.recent_seconds``, which the router feeds. A request's hit at an endpoint is the longer of
 the two matches.
 
-The events name blocks by token ids, so only a prompt given as token ids (completions' ``prompt`` as a
-list of ints, or a list of such lists) can match them; its chain is started at
+The events name blocks by token ids, so only a prompt in token ids can match them: given so
+(completions' ``prompt`` as a list of ints, or a list of such lists), or put so by the gateway's
+tokenizer (``affinity.prefix.tokenizer``; :mod:`ext_proc.tokenizer`); its chain is started at
 :data:`~ext_proc.prefix.event_index.ROOT`, as the events' chains are (one engine serves one model). A
-text prompt's chain is the approximate index's (text in 4-character tokens, seeded with the model):
-it matches the recent placements only. The engines' prefix-cache counters correct nothing here: the
-events say what each engine holds. No I/O; the clock is injectable (seconds, monotonic).
+text prompt not tokenized has the approximate index's chain (text in 4-character tokens, seeded with
+the model): it matches the recent placements only. The engines' prefix-cache counters correct
+nothing here: the events say what each engine holds. No I/O; the clock is injectable (seconds, monotonic).
 """
 
 from __future__ import annotations
@@ -44,21 +45,30 @@ class KvEventSource:
         self.clock = clock
         self._sink = sink
 
-    def chain(self, body: dict[str, object]) -> list[int]:
-        """The prompt's chain: over its token ids from :data:`ROOT`, else the approximate text chain."""
-        content = prompt_content(body)
+    def chain(self, body: dict[str, object], tokens: list[int] | None = None) -> list[int]:
+        """The prompt's chain over its token ids from :data:`ROOT`, else the approximate text chain.
+
+        The token ids are ``tokens`` (the gateway tokenized the prompt), else the body's own."""
+        content = prompt_content(body) if tokens is None else tokens
         if isinstance(content, list) and content:
             return block_hashes(content, self.settings.block_tokens, self.settings.max_blocks, ROOT)
         return prompt_chain(body, self.settings)
 
     def lookup(self, hashes: list[int], prefills: Pool[E], decodes: Pool[E], prompt_tokens: int) -> Lookup:
-        """What the fresh endpoints reported holding of ``hashes``, or were given of it lately."""
+        """What the fresh endpoints reported holding of ``hashes``, or were given of it lately.
+
+        A block recently placed counts as held in GPU memory; one reported only in a CPU tier as held
+        there (the decision's :class:`~ext_proc.affinity.Hits` ``prefill_cpu``, ``decode_cpu``)."""
         now = self.clock()
         matched = self.index.match(hashes, now)
+        gpu = self.index.match_gpu(hashes, matched)
         for address, blocks in self.recent.match(hashes, now).items():
             if blocks > matched.get(address, 0):
                 matched[address] = blocks
-        return Lookup(hashes, matched, self.hit_arrays.hits(matched, prefills, decodes, prompt_tokens))
+            if gpu is not None and blocks > gpu.get(address, 0):
+                gpu[address] = blocks
+        hits = self.hit_arrays.hits(matched, prefills, decodes, prompt_tokens, gpu)
+        return Lookup(hashes, matched, hits)
 
     def predicted(self, lookup: Lookup, address: str, prompt_tokens: int) -> int:
         """The hit tokens ``lookup`` predicts at ``address`` (at most ``prompt_tokens``)."""

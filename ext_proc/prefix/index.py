@@ -118,10 +118,17 @@ class HitArrays:
         self._positions: dict[int, tuple[Pool, dict[str, int]]] = {}
 
     def hits(
-        self, matched: dict[str, int], prefills: Pool[E], decodes: Pool[E], prompt_tokens: int
+        self,
+        matched: dict[str, int],
+        prefills: Pool[E],
+        decodes: Pool[E],
+        prompt_tokens: int,
+        gpu: dict[str, int] | None = None,
     ) -> Hits | None:
         """``matched`` (blocks by address) as hit tokens per pool position, each at most ``prompt_tokens``.
 
+        ``gpu`` (``None``: all of it): the leading blocks of ``matched`` each address holds in GPU
+        memory; the rest of its hit is a CPU-tier hit (:class:`Hits` ``prefill_cpu``, ``decode_cpu``).
         ``None`` when no endpoint of either pool holds anything (the decision then does without)."""
         if not matched:
             return None
@@ -129,14 +136,20 @@ class HitArrays:
         found = False
         for pool in (prefills, decodes):
             tokens = np.zeros(pool.size, dtype=np.int64)
+            cpu = None if gpu is None else np.zeros(pool.size, dtype=np.int64)
             positions = self._positions_of(pool)
             for address, blocks in matched.items():
                 position = positions.get(address)
                 if position is not None:
-                    tokens[position] = min(blocks * self.block_tokens, prompt_tokens)
+                    hit = tokens[position] = min(blocks * self.block_tokens, prompt_tokens)
                     found = True
-            arrays.append(tokens)
-        return Hits(arrays[0], arrays[1]) if found else None
+                    if cpu is not None and gpu is not None:
+                        cpu[position] = hit - min(gpu.get(address, 0) * self.block_tokens, hit)
+            arrays.append((tokens, cpu))
+        if not found:
+            return None
+        (prefill, prefill_cpu), (decode, decode_cpu) = arrays
+        return Hits(prefill, decode, prefill_cpu, decode_cpu)
 
     def _positions_of(self, pool: Pool[E]) -> dict[str, int]:
         kept = self._positions.get(id(pool))

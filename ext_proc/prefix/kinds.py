@@ -36,8 +36,11 @@ class PrefixSource(Protocol):
 
     settings: PrefixSettings
 
-    def chain(self, body: dict[str, object]) -> list[int]:
-        """The chained block hashes of the request's prompt (empty without a prompt)."""
+    def chain(self, body: dict[str, object], tokens: list[int] | None = None) -> list[int]:
+        """The chained block hashes of the request's prompt (empty without a prompt).
+
+        ``tokens``: the prompt in the engine's token ids when the gateway tokenized it (the chain is
+        then over them, whatever the body's prompt)."""
         ...
 
     def lookup(self, hashes: list[int], prefills: Pool[E], decodes: Pool[E], prompt_tokens: int) -> Lookup:

@@ -47,13 +47,14 @@ class PrefixSettings:
     most blocks of one prompt hashed (longer prompts match on their head only); ``self_correct``: size
     each endpoint's LRU from its engine's prefix-cache counters too (needs engine metrics); ``source``: the
     kind of prefix source (:class:`~ext_proc.prefix.kinds.PrefixSourceKind`'s values); ``kv_events``:
-    the ``kv-events`` source's settings."""
+    the ``kv-events`` source's settings; ``tokenizer``: the model's tokenizer folder (``""``: none)."""
 
     block_tokens: int = 16
     max_blocks: int = 2048
     self_correct: bool = True
     source: str = "approximate"
     kv_events: KvEventsSettings = field(default_factory=KvEventsSettings)
+    tokenizer: str = ""
 
 
 class Lookup(NamedTuple):
@@ -74,11 +75,13 @@ class PredictionSink(Protocol):
     def prefix_engine(self, address: str, queries: float, hits: float, scale: float) -> None: ...
 
 
-def prompt_chain(body: dict[str, object], settings: PrefixSettings) -> list[int]:
-    """The chained block hashes of the request's prompt; empty without a prompt.
+def prompt_chain(
+    body: dict[str, object], settings: PrefixSettings, tokens: list[int] | None = None
+) -> list[int]:
+    """The chained block hashes of the request's prompt (``tokens`` when given); empty without a prompt.
 
     The chain is seeded with the request's ``model``: different models share no cache."""
-    content = prompt_content(body)
+    content = prompt_content(body) if tokens is None else tokens
     if not content:
         return []
     model = body.get("model")
@@ -97,9 +100,9 @@ class PrefixTracker:
         self._pending: dict[str, list[float]] = {}  # address → [placed, predicted] since its last sample
         self._counters: dict[str, tuple[float, float]] = {}  # address → the engine's last (queries, hits)
 
-    def chain(self, body: dict[str, object]) -> list[int]:
-        """The chained block hashes of the request's prompt (:func:`prompt_chain`)."""
-        return prompt_chain(body, self.settings)
+    def chain(self, body: dict[str, object], tokens: list[int] | None = None) -> list[int]:
+        """The chained block hashes of the request's prompt, or of ``tokens`` (:func:`prompt_chain`)."""
+        return prompt_chain(body, self.settings, tokens)
 
     def lookup(self, hashes: list[int], prefills: Pool[E], decodes: Pool[E], prompt_tokens: int) -> Lookup:
         """What the candidate endpoints hold of ``hashes``."""

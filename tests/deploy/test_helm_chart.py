@@ -572,3 +572,39 @@ def test_notes_say_how_to_reach_the_gateway(helm: Path, tmp_path: Path) -> None:
     assert "curl http://$GATEWAY/v1/chat/completions" in notes
     assert f"kubectl edit configmap --namespace {NAMESPACE} {FULLNAME}-config" in notes
     assert "2 replicas and engine_metrics.enabled false" in notes
+
+
+@pytest.mark.parametrize(
+    ("prefix", "expected"),
+    [({}, "/var/lib/pd-extproc/tokenizer"), ({"tokenizer": "/models/tok"}, "/models/tok")],
+)
+def test_a_tokenizer_volume_is_mounted_and_named_in_the_config(
+    helm: Path, tmp_path: Path, prefix: dict[str, object], expected: str
+) -> None:
+    """The volume is mounted read-only into pd-extproc alone, its subPath the model's folder; the
+    config's affinity.prefix.tokenizer is the mount path unless a value names another folder."""
+    volume = {"persistentVolumeClaim": {"claimName": "models", "readOnly": True}}
+    values = {
+        "tokenizer": {"volume": volume, "subPath": "meta-llama/Llama-3.1-8B-Instruct"},
+        "affinity": {"prefix": {"enabled": True, "source": "kv-events", **prefix}},
+    }
+    manifests = Manifests(template(helm, tmp_path, values))
+    (mount,) = [m for m in manifests.container("pd-extproc")["volumeMounts"] if m["name"] == "tokenizer"]
+    assert mount == {
+        "name": "tokenizer",
+        "mountPath": "/var/lib/pd-extproc/tokenizer",
+        "readOnly": True,
+        "subPath": "meta-llama/Llama-3.1-8B-Instruct",
+    }
+    assert all(m["name"] != "tokenizer" for m in manifests.container("envoy")["volumeMounts"])
+    assert {"name": "tokenizer", **volume} in manifests.pod["volumes"]
+    assert lookup(effective_config(manifests, tmp_path), "affinity.prefix.tokenizer") == expected
+
+
+def test_without_a_tokenizer_volume_nothing_is_mounted(helm: Path, tmp_path: Path) -> None:
+    manifests = Manifests(template(helm, tmp_path, {"affinity": {"prefix": {"cpu_tier_weight": "0.25"}}}))
+    assert all(v["name"] != "tokenizer" for v in manifests.pod["volumes"])
+    config = effective_config(manifests, tmp_path)
+    assert lookup(config, "affinity.prefix.tokenizer") == ""
+    assert lookup(config, "affinity.prefix.cpu_tier_weight") == 0.25
+    assert lookup(config, "affinity.auto.cpu_tier_gbps") == 55.0

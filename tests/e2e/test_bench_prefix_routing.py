@@ -4,11 +4,14 @@ deterministic, and the verdicts judge what they say (never a measurement)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 from conftest import load_bench
+
+from sim.demo import BIG, SMALL
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +71,16 @@ def test_verdicts_compare_paired_medians(bench: ModuleType) -> None:
     assert best["value"] == pytest.approx((0.25 + 100 / 150) / 2) and best["met"]
     peer = judged[f"{bench.NEW} TTFT p90 / sglang's < 1"]
     assert peer["value"] == pytest.approx((100 / 90 + 100 / 120) / 2) and peer["met"]  # 0.97
+
+
+def test_the_legacy_profile_is_the_demo_engines_and_a_measured_profile_runs(bench: ModuleType) -> None:
+    large, small, _ = bench.engines_of("legacy")
+    assert (large, small) == (
+        replace(BIG, enable_prefix_caching=True),
+        replace(SMALL, enable_prefix_caching=True),
+    )
+    row = bench.run_one("demo", "D", "pair:auto+prefix", 7, True, "h200-llama-3-8b")
+    assert row["requests"] == 12 and row["ttft_p50_ms"] > 0
 
 
 def test_replicas_on_the_kv_events_source_see_what_the_others_placed(bench: ModuleType) -> None:

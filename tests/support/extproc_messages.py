@@ -14,12 +14,14 @@ BODY = json.dumps({"model": "m", "prompt": "x" * 40, "max_tokens": 10}).encode()
 """A completions body: 10 prompt tokens, a budget of 10 output tokens."""
 
 
-def headers(end_of_stream: bool = False, extra: dict[str, bytes] | None = None) -> pb.ProcessingRequest:
-    """Request headers of ``POST /v1/completions`` (``end_of_stream``: a request without a body), and
-    the ``extra`` headers a client sent."""
+def headers(
+    end_of_stream: bool = False, extra: dict[str, bytes] | None = None, path: str = "/v1/completions"
+) -> pb.ProcessingRequest:
+    """Request headers of ``POST path`` (``end_of_stream``: a request without a body), and the ``extra``
+    headers a client sent."""
     request = pb.ProcessingRequest()
     header = request.request_headers.headers.headers.add()
-    header.key, header.raw_value = ":path", b"/v1/completions"
+    header.key, header.raw_value = ":path", path.encode()
     for key, value in (extra or {}).items():
         request.request_headers.headers.headers.add(key=key, raw_value=value)
     request.request_headers.end_of_stream = end_of_stream

@@ -74,6 +74,9 @@ gRPC probes cannot speak TLS), and no fallback list where the gateway's cluster 
 host (provider none: ORIGINAL_DST, kgateway's subset load balancer). */}}
 {{- define "pd-extproc.settings" -}}
 {{- $v := deepCopy .Values -}}
+{{- if and .Values.tokenizer.volume (not .Values.affinity.prefix.tokenizer) -}}
+{{- $_ := set $v.affinity.prefix "tokenizer" .Values.tokenizer.mountPath -}}
+{{- end -}}
 {{- if include "pd-extproc.picker" . -}}
 {{- $pool := dict "name" (include "pd-extproc.fullname" .) "namespace" .Release.Namespace -}}
 {{- $_ := set $v.discovery "source" "inferencepool" -}}
@@ -142,6 +145,7 @@ affinity:
     base_latency_ms: {{ include "pd-extproc.decimal" $a.base_latency_ms }}
     wait_scale_ms: {{ include "pd-extproc.decimal" $a.wait_scale_ms }}
     prefill_ms_per_token: {{ include "pd-extproc.decimal" $a.prefill_ms_per_token }}
+    cpu_tier_gbps: {{ include "pd-extproc.decimal" $a.cpu_tier_gbps }}
   prefix:
     {{- $p := $v.affinity.prefix }}
     enabled: {{ $p.enabled | toJson }}
@@ -150,6 +154,8 @@ affinity:
     weight: {{ include "pd-extproc.decimal" $p.weight }}
     self_correct: {{ $p.self_correct | toJson }}
     source: {{ $p.source | toJson }}
+    tokenizer: {{ $p.tokenizer | toJson }}
+    cpu_tier_weight: {{ include "pd-extproc.decimal" $p.cpu_tier_weight }}
     kv_events:
       {{- $e := $p.kv_events }}
       port: {{ int64 $e.port }}

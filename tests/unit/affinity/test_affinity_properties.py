@@ -71,6 +71,7 @@ auto_models = st.builds(
     base_latency_ms=st.sampled_from([1.0, 0.0]),
     wait_scale_ms=st.sampled_from([15.0, 0.0, 200.0]),
     prefill_ms_per_token=st.sampled_from([0.05, 0.0, 1.0]),
+    cpu_tier_gbps=st.sampled_from([55.0, 1.0, 0.001]),
 )
 policies = st.builds(
     Policy,
@@ -79,6 +80,7 @@ policies = st.builds(
     fallback_count=st.integers(min_value=0, max_value=5),
     auto=auto_models,
     prefix_weight=st.sampled_from([0.0, 0.1, 1.0]) | st.floats(min_value=0.0, max_value=2.0),
+    cpu_tier_weight=st.sampled_from([0.5, 0.0, 1.0]) | st.floats(min_value=0.0, max_value=1.0),
 )
 tiebreaks = st.integers(min_value=0, max_value=10_000)
 
@@ -100,10 +102,21 @@ def scenarios(draw: st.DrawFn, max_size: int = 10, min_size: int = 0) -> tuple:
     return cost, prefills, decodes, draw(policies), draw(tiebreaks), draw(hit_lists(cost, prefills, decodes))
 
 
+@st.composite
+def tiered_scenarios(draw: st.DrawFn, max_size: int = 10) -> tuple:
+    """Scenarios with hits, part of each held only in a CPU tier (``(hp, hd, cp, cd)``)."""
+    cost = draw(costs)
+    prefills, decodes = draw(candidates("p", max_size)), draw(candidates("d", max_size))
+    hits = draw(hit_lists(cost, prefills, decodes).filter(lambda h: h is not None))
+    cpu = [[draw(st.sampled_from([0, h]) | st.integers(0, h)) for h in side] for side in hits]
+    return cost, prefills, decodes, draw(policies), draw(tiebreaks), (*hits, *cpu)
+
+
 def as_hits(hits: tuple | None) -> Hits | None:
+    """The decision's :class:`Hits` of ``(hp, hd)`` or, with CPU-tier parts, ``(hp, hd, cp, cd)``."""
     if hits is None:
         return None
-    return Hits(np.array(hits[0], dtype=np.int64), np.array(hits[1], dtype=np.int64))
+    return Hits(*(np.array(side, dtype=np.int64) for side in hits))
 
 
 def choose(
@@ -145,9 +158,14 @@ class Keys:
 
     def __init__(self, cost: Cost, prefills: list, decodes: list, policy: Policy, hits: tuple | None):
         self.cost, self.policy = cost, policy
-        p_hits, d_hits = hits if hits is not None else ([0] * len(prefills), [0] * len(decodes))
+        p_hits, d_hits = hits[:2] if hits is not None else ([0] * len(prefills), [0] * len(decodes))
+        p_cpu, d_cpu = (
+            hits[2:] if hits is not None and len(hits) == 4 else ([0] * len(prefills), [0] * len(decodes))
+        )
         self.hp = {c.address: h for c, h in zip(prefills, p_hits, strict=True)}
         self.hd = {c.address: h for c, h in zip(decodes, d_hits, strict=True)}
+        self.cp = {c.address: h for c, h in zip(prefills, p_cpu, strict=True)}
+        self.cd = {c.address: h for c, h in zip(decodes, d_cpu, strict=True)}
         self.indexed = hits is not None
         self.ratio = {p.group: 1.0 for p in prefills}
         if policy.mode in (Mode.PREFER, Mode.STRICT) and decodes:
@@ -155,28 +173,33 @@ class Keys:
                 (g, share(prefills, g) / share(decodes, g)) for g in self.ratio if share(decodes, g)
             )
 
-    def credit(self, hit: int) -> int:
+    def credit(self, hit: int, cpu: int) -> int:
+        """A hit's credit; ``cpu`` of it held in a CPU tier, worth ``cpu_tier_weight`` of a GPU token."""
         prompt, weight = self.cost.prefill_tokens, self.policy.prefix_weight
         if not self.indexed or weight <= 0.0 or prompt <= 0:
             return 0
-        return ticks(hit * (weight / prompt))
+        return ticks((hit - (1.0 - self.policy.cpu_tier_weight) * cpu) * (weight / prompt))
 
     def decode(self, d: Candidate) -> int:
-        return ticks(d.utilisation(self.cost.decode_tokens)) - self.credit(self.hd[d.address])
+        credit = self.credit(self.hd[d.address], self.cd[d.address])
+        return ticks(d.utilisation(self.cost.decode_tokens)) - credit
 
     def prefill(self, p: Candidate) -> int:
         backlog = p.active_tokens * self.ratio[p.group] + (self.cost.prefill_tokens - self.hp[p.address])
-        return ticks(backlog / p.token_capacity) - self.credit(self.hp[p.address])
+        return ticks(backlog / p.token_capacity) - self.credit(self.hp[p.address], self.cp[p.address])
 
     def auto_decode(self, d: Candidate, same: bool) -> int:
+        """The wait, the transfer of what ``d`` lacks, and the load of what it holds in a CPU tier."""
         model = self.policy.auto
         wait = model.wait_s(d.utilisation(self.cost.decode_tokens))
         lack = self.cost.prefill_tokens - self.hd[d.address]
-        return ticks(wait + lack * model.seconds_per_token(same))
+        return ticks(wait + lack * model.seconds_per_token(same) + model.cpu_load_s(self.cd[d.address]))
 
     def auto_prefill(self, p: Candidate) -> int:
+        """The queue, the uncached tokens twice (a miss priced twice), the load of its CPU-tier hit."""
+        model = self.policy.auto
         uncached = self.cost.prefill_tokens - self.hp[p.address]
-        return ticks(self.policy.auto.prefill_s(p.active_tokens + 2 * uncached))  # a miss priced twice
+        return ticks(model.prefill_s(p.active_tokens + 2 * uncached) + model.cpu_load_s(self.cp[p.address]))
 
 
 def pair_cost(keys: Keys, p: Candidate, d: Candidate) -> int | None:
@@ -430,3 +453,34 @@ def test_rotation_spreads_tied_pairs_over_every_tied_prefill(prefills: list, mod
     tied = {p.address for p in prefills if key(p) == best}
     picks = {choose(Cost(0, 0), prefills, decodes, policy, start + t).prefill.address for t in range(8)}
     assert picks == tied
+
+
+@no_deadline
+@given(tiered_scenarios())
+def test_hits_in_a_cpu_tier_follow_the_documented_rule(scenario: tuple) -> None:
+    assert_matches_reference(scenario)
+
+
+@no_deadline
+@given(tiered_scenarios())
+def test_a_cpu_tier_weighed_as_gpu_memory_is_the_decision_without_tiers(scenario: tuple) -> None:
+    cost, prefills, decodes, policy, tiebreak, hits = scenario
+    policy = replace(
+        policy, mode=Mode.PREFER if policy.mode is Mode.AUTO else policy.mode, cpu_tier_weight=1.0
+    )
+    tiered = choose(cost, prefills, decodes, policy, tiebreak, hits)
+    assert tiered == choose(cost, prefills, decodes, policy, tiebreak, hits[:2])
+
+
+@no_deadline
+@given(tiered_scenarios(), st.integers(1, 5000))
+def test_moving_the_chosen_prefills_hit_to_gpu_memory_keeps_the_decision(scenario: tuple, moved: int) -> None:
+    cost, prefills, decodes, policy, tiebreak, hits = scenario
+    result = choose(cost, prefills, decodes, policy, tiebreak, hits)
+    if not isinstance(result, Decision) or result.prefill is None:
+        return
+    p_cpu = list(hits[2])
+    i = prefills.index(result.prefill)
+    p_cpu[i] = max(0, p_cpu[i] - moved)
+    again = choose(cost, prefills, decodes, policy, tiebreak, (hits[0], hits[1], p_cpu, hits[3]))
+    assert isinstance(again, Decision) and again.prefill == result.prefill

@@ -236,6 +236,7 @@ def test_auto_kv_bytes_come_from_the_model_shape_unless_given() -> None:
         ({"base_latency_ms": -1}, "affinity.auto.base_latency_ms: must be a number in [0, 1000000] (ms)"),
         ({"wait_scale_ms": float("nan")}, "affinity.auto.wait_scale_ms: must be a number in [0, 1000000]"),
         ({"wait_scale_ms": "fast"}, "affinity.auto.wait_scale_ms: 'fast' is not allowed; use a number"),
+        ({"cpu_tier_gbps": 0}, "affinity.auto.cpu_tier_gbps: must be a number in [0.001, 1000000] (GB/s)"),
     ],
 )
 def test_bad_auto_values_are_named(override: dict[str, object], expected: str) -> None:
@@ -276,6 +277,8 @@ def test_bad_auto_values_are_named(override: dict[str, object], expected: str) -
             "affinity.prefix.kv_events.queue_batches: must be an integer in [1, 1000000]",
         ),
         ({"kv_events.bogus": 1}, "affinity.prefix.kv_events.bogus: unknown key"),
+        ({"cpu_tier_weight": 1.5}, "affinity.prefix.cpu_tier_weight: must be a number in [0, 1]"),
+        ({"tokenizer": 3}, "affinity.prefix.tokenizer: 3 is not allowed; use a string"),
     ],
 )
 def test_bad_prefix_values_are_named(override: dict[str, object], expected: str) -> None:
@@ -915,3 +918,19 @@ def test_cli_unusable_kubeconfig_exits_2_naming_it(
         f"pd-extproc: invalid configuration: discovery.kubernetes: cannot use the kubeconfig {kubeconfig}"
         in err
     )
+
+
+def test_the_tokenizer_and_the_tiers_reach_the_router_and_the_policy(tmp_path) -> None:
+    config = load(
+        overrides={
+            "affinity.prefix.enabled": True,
+            "affinity.prefix.tokenizer": str(tmp_path),
+            "affinity.prefix.cpu_tier_weight": 0.25,
+            "affinity.auto.cpu_tier_gbps": 25,
+        }
+    ).affinity
+    assert config.prefix.settings() == PrefixSettings(tokenizer=str(tmp_path))
+    policy = config.policy(2)
+    assert policy.cpu_tier_weight == 0.25 and policy.auto.cpu_tier_gbps == 25.0
+    defaults = load().affinity.policy(2)
+    assert defaults.cpu_tier_weight == 0.5 and defaults.auto.cpu_tier_gbps == 55.0

@@ -264,3 +264,46 @@ def test_recent_placements_match_what_was_placed_within_the_window_and_leave_not
     assert set(recent.match(chain(1), now)) <= kept
     recent.expire(now + 10)
     assert recent.holders.addresses == [] and recent.match(chain(1), now + 10) == {}
+
+
+def test_the_gpu_match_tells_a_cpu_tier_hit_apart() -> None:
+    """e1 holds blocks 1-2 in GPU memory and 3-4 only in the CPU tier; e2 all in GPU memory."""
+    index = fed(
+        batch(0, stored([1, 2], [1, 2]), stored([3, 4], [3, 4], parent=2, medium="CPU")),
+        batch(1, stored([2], [2], parent=1, medium="CPU")),  # also offloaded: still in GPU memory
+    )
+    index.apply("e2", batch(0, stored([1, 2, 3, 4], [1, 2, 3, 4], medium="HBM")), 0.0, False)
+    hashes = chain(1, 2, 3, 4)
+    matched = index.match(hashes, 0.0)
+    assert matched == {"e1": 4, "e2": 4}
+    assert index.match_gpu(hashes, matched) == {"e1": 2, "e2": 4}
+    assert index.match_gpu(hashes, {"e2": 4}) is None  # every block of e2 in GPU memory
+    index.apply("e1", batch(2, BlockRemoved((2,), None)), 0.0, False)  # evicted from GPU memory
+    assert index.match_gpu(hashes, index.match(hashes, 0.0)) == {"e1": 1, "e2": 4}
+    index.apply("e1", batch(3, BlockRemoved((3, 4), "CPU")), 0.0, False)
+    assert index.match(hashes, 0.0)["e1"] == 2  # block 2 still held in the CPU tier
+    index.apply("e1", batch(4, AllBlocksCleared()), 0.0, False)
+    assert index.match_gpu(hashes, {"e1": 0, "e2": 4}) is None and index.gpu_holders.addresses == ["e2"]
+
+
+def test_the_source_hands_the_decision_the_cpu_tier_part_of_each_hit() -> None:
+    now = [0.0]
+    kv, _ = source(now)
+    kv.index.apply(
+        "p1", batch(0, stored([1], [1]), stored([2, 3], [2, 3], parent=1, medium="CPU")), 0.0, False
+    )
+    kv.index.apply("d1", batch(0, stored([1, 2, 3], [1, 2, 3])), 0.0, False)
+    body = {"model": "m", "prompt": tokens(1, 2, 3)}
+    lookup = kv.lookup(kv.chain(body), pool("p1", "p2"), pool("d1"), prompt_tokens=12)
+    assert lookup.hits is not None
+    assert lookup.hits.prefill.tolist() == [12, 0] and lookup.hits.decode.tolist() == [12]
+    assert lookup.hits.prefill_cpu is not None and lookup.hits.decode_cpu is not None
+    assert lookup.hits.prefill_cpu.tolist() == [8, 0] and lookup.hits.decode_cpu.tolist() == [0]
+    p1, d1 = pool("p1").endpoints[0], pool("d1").endpoints[0]
+    kv.placed(lookup, Decision(p1, d1, (), Locality.SAME_GROUP), 12)  # now in p1's GPU memory too
+    again = kv.lookup(kv.chain(body), pool("p1", "p2"), pool("d1"), 12)
+    assert again.hits is not None and again.hits.prefill_cpu is not None
+    assert again.hits.prefill_cpu.tolist() == [0, 0]
+    kv.index.apply("p1", batch(1, BlockRemoved((2, 3), "CPU")), 0.0, False)
+    gpu_only = kv.lookup(kv.chain(body), pool("p2"), pool("d1"), 12)
+    assert gpu_only.hits is not None and gpu_only.hits.prefill_cpu is None  # no tier holds a block now

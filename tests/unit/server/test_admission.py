@@ -164,7 +164,7 @@ async def test_an_exception_while_routing_keeps_no_slot_once_the_stream_ends(mon
     def broken(*args: object) -> None:
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(router, "route_body", broken)
+    monkeypatch.setattr(router, "route", broken)
     stream = Stream(processor)
     await stream.send(headers())
     assert (await stream.send(body())).immediate_response.status.code == 500

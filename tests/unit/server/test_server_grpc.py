@@ -79,7 +79,7 @@ async def test_an_unexpected_error_is_a_logged_500_and_the_server_keeps_serving(
     def explode(*args: object):
         raise KeyError("boom")
 
-    monkeypatch.setattr(server.router, "route_body", explode)
+    monkeypatch.setattr(server.router, "route", explode)
     call = stub[0].Process()
     await call.write(headers())
     await call.read()

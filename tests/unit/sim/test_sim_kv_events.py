@@ -130,6 +130,42 @@ def test_the_bytes_decode_into_the_gateways_index_and_evictions_remove(
     cache.release(held)
 
 
+def test_the_cpu_tier_reports_what_it_holds_as_vllm_offloading_does() -> None:
+    """4 GPU blocks and a 2-block CPU tier: a prompt's evicted blocks are stored in the tier and removed
+    from the KV cache, the tier's dropped ones removed from it, those loaded back stored in the KV cache
+    again; the gateway's index follows, block for block and tier by tier."""
+    batches: list[list[Event]] = []
+    cache = BlockCache(4, BLOCK, 2, events=batches.append)
+    first = TEXT[: 64 * 3]
+    cache.release(computed(cache, first))
+    cache.release(computed(cache, TEXT[64 * 4 : 64 * 7], fresh=3))  # evicts 2 of first's 3, tail first
+    index = index_of(batches, "array", "int")
+    assert index.blocks() == {"e:1": {"GPU": 4, "CPU": 2}}
+    assert matched(index, first) == 3  # its head in GPU memory, the rest in the tier
+    offload = batches[-2]
+    assert [(type(e).__name__, e.medium) for e in offload] == [  # type: ignore[union-attr]
+        ("BlockStored", "CPU"),
+        ("BlockStored", "CPU"),
+        ("BlockRemoved", "GPU"),
+    ]
+    prompt = PromptBlocks(first + "x", BLOCK)
+    hbm = cache.lookup(prompt.hashes, 3 * BLOCK + 1)
+    loaded = prompt.hashes[hbm : hbm + cache.lookup_cpu(prompt.hashes, 3 * BLOCK + 1, hbm)]
+    assert (hbm, len(loaded)) == (1, 2)
+    cache.take(prompt.hashes[:hbm], 3, 3 * BLOCK + 1, loaded)  # evicts 3: the tier keeps 2 of 5
+    kinds = [(type(e).__name__, e.medium) for e in batches[-1]]  # type: ignore[union-attr]
+    assert [k for i, k in enumerate(kinds) if not i or kinds[i - 1] != k] == [
+        ("BlockStored", "CPU"),  # offloaded first: their parents are still in GPU memory
+        ("BlockRemoved", "GPU"),
+        ("BlockRemoved", "CPU"),
+        ("BlockStored", "GPU"),  # the 2 loaded, one run
+    ]
+    assert kinds[-1] == ("BlockStored", "GPU") and len(batches[-1][-1].block_hashes) == 2  # type: ignore[union-attr]
+    index = index_of(batches, "array", "int")
+    assert index.blocks() == {"e:1": {"GPU": 3, "CPU": 2}} and matched(index, first) == 3
+    assert cache.reset() is False
+
+
 def test_a_reset_clears_only_when_nothing_is_in_use() -> None:
     cache, batches = recording(10)
     holding = computed(cache, TEXT[: 64 * 2])

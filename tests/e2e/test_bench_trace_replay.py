@@ -1,0 +1,122 @@
+"""Smoke test of bench/trace_replay.py on a tiny window of the conversation trace's head (seconds):
+every setting runs, the JSON and the plot are written, and bad input gives one line, no traceback."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from conftest import load_bench
+
+from sim.traces import SAMPLE
+
+HEAD = SAMPLE  # 200 requests
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    return load_bench("trace_replay")
+
+
+def test_a_tiny_window_of_every_setting_writes_json_and_png(bench: ModuleType, tmp_path: Path) -> None:
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    argv = [str(HEAD), "--start", "10", "--count", "12", "--max-output", "16", "--speed", "4"]
+    assert bench.main([*argv, "--cpu-tier", "100000", "--json", str(out), "--png", str(png)]) == 0
+    data = json.loads(out.read_text())
+    assert data["window"]["start"] == 10 and data["window"]["count"] == 12
+    assert data["profile"] == "h200-llama-3-8b" and data["cpu_tier_tokens"] == 100000
+    assert set(data["settings"]) == set(bench.SETTINGS) and "dynamo" in data["settings"]
+    assert 0.0 <= data["bound"]["hit_rate"] <= 1.0
+    for row in data["settings"].values():
+        assert row["requests"] == 12 and row["errors"] == 0
+        assert row["hit_rate"] == pytest.approx(row["hbm_hit_rate"] + row["cpu_hit_rate"])
+        assert row["ttft_p50_ms"] <= row["ttft_p90_ms"] <= row["ttft_p99_ms"]
+        assert 0.0 <= row["cross_group_share"] <= 1.0 and row["throughput_rps"] > 0
+    assert png.stat().st_size > 0
+
+
+def test_the_cpu_tier_keeps_reuse_that_hbm_evicted(bench: ModuleType) -> None:
+    """With a KV cache of a dozen prompts, more of the head's repeats hit, in the CPU tier."""
+    requests = bench.read_window(HEAD, None, 0, 200)
+    without, with_tier = (
+        bench.run_setting(bench.Replay(requests, 4, 1.0, "demo", "legacy", tier, 150_000), "oracle")[1]
+        for tier in (0, 2_000_000)
+    )
+    assert without["cpu_hit_rate"] == 0.0
+    assert with_tier["cpu_hit_rate"] > 0.0 and with_tier["hit_rate"] > without["hit_rate"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--format", "sharegpt"], "--format: unknown trace format 'sharegpt'"),
+        (["--start", "500"], "--start 500 --count 1200: the window runs past the end"),
+    ],
+)
+def test_bad_input_is_one_line_naming_the_option(
+    bench: ModuleType, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    assert bench.main([str(HEAD), *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_a_malformed_line_is_named(
+    bench: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(HEAD.read_text().splitlines()[0] + "\n{oops\n")
+    assert bench.main([str(trace)]) == 2
+    assert "t.jsonl:2: not a Mooncake trace line" in capsys.readouterr().err
+
+
+def test_unknown_settings_and_clusters_exit_with_usage(bench: ModuleType) -> None:
+    for argv in (["--settings", "vllm"], ["--cluster", "huge"], ["--profile", "h100"], ["--speed", "0"]):
+        with pytest.raises(SystemExit) as exited:
+            bench.main([str(HEAD), *argv])
+        assert exited.value.code == 2
+
+
+def test_several_windows_give_each_one_and_the_medians(bench: ModuleType, tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    argv = [str(HEAD), "--start", "0,30,60", "--count", "6", "--max-output", "4", "--settings", "off,oracle"]
+    assert bench.main([*argv, "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert [w["start"] for w in data["window"]] == [0, 30, 60]
+    assert len(data["windows"]) == 3 and set(data["settings"]) == {"off", "oracle"}
+    p90s = sorted(w["settings"]["off"]["ttft_p90_ms"] for w in data["windows"])
+    assert data["settings"]["off"]["ttft_p90_ms"] == p90s[1]
+
+
+def _row(p90: float, dttft: float, cross: float, cv: float, hit: float) -> dict:
+    return {
+        "ttft_p90_ms": p90,
+        "dttft_p99_ms": dttft,
+        "cross_group_share": cross,
+        "decode_load_cv": cv,
+        "hit_rate": hit,
+    }
+
+
+def test_verdicts_judge_the_best_setting_against_the_best_peer(bench: ModuleType) -> None:
+    rows = {
+        "off": _row(1000, 900, 0.4, 0.10, 0.09),
+        "pair:auto+prefix": _row(700, 100, 0.01, 0.11, 0.20),
+        "sglang": _row(900, 1000, 0.4, 0.3, 0.21),
+        "dynamo": _row(950, 500, 0.3, 0.2, 0.22),
+        "oracle": _row(690, 100, 0.0, 0.11, 0.23),
+    }
+    judged = {v["target"]: v for v in bench.verdicts(rows, 0.25)}
+    best = "pair:auto+prefix"
+    p90 = judged[f"{best}: TTFT p90 / best peer's (sglang) <= 0.8"]
+    assert p90["value"] == pytest.approx(700 / 900) and p90["met"]
+    dttft = judged[f"{best}: decode TTFT p99 / best peer's (dynamo) <= 0.25"]
+    assert dttft["value"] == pytest.approx(0.2) and dttft["met"]
+    assert judged[f"{best}: cross-group share <= 2%"]["met"]
+    assert judged[f"{best}: decode load CV / off's <= 1.2"]["value"] == pytest.approx(1.1)
+    gap = judged[f"{best}: hit rate - oracle's >= -2 points"]
+    assert gap["value"] == pytest.approx(-0.03) and not gap["met"]
+    share = judged[f"{best}: hit rate / the window's reuse bound >= 0.7"]
+    assert share["value"] == pytest.approx(0.8) and share["met"]
