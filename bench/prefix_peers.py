@@ -40,7 +40,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -57,6 +57,7 @@ from sim.engine import Engine
 from sim.prefix import PromptBlocks
 
 CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
 DEFAULT_MAX_TOKENS = 256
 
 
@@ -126,19 +127,27 @@ class PdExtproc:
         )
 
     def place(self, body: dict[str, object]) -> Placed:
-        return self.place_raw(json.dumps(body).encode())
+        """Route ``body``: a chat request, or a completions one (a ``prompt``)."""
+        path = CHAT_PATH if "messages" in body else COMPLETIONS_PATH
+        return self.place_raw(json.dumps(body).encode(), path)
 
-    def place_raw(self, raw: bytes) -> Placed:
-        """Place the chat request whose JSON body is ``raw`` (as Envoy hands it to pd-extproc)."""
-        outcome = self.router.route_body(raw, RequestMeta(path=CHAT_PATH))
+    def place_raw(self, raw: bytes, path: str = CHAT_PATH) -> Placed:
+        """Place the request whose JSON body is ``raw`` (as Envoy hands it to pd-extproc) at ``path``."""
+        outcome = self.router.route_body(raw, RequestMeta(path=path))
         assert isinstance(outcome, Routed) and self._handoff.last is not None, outcome
         return _placed(self._handoff.last.decision, self._handoff.last.lease)
+
+
+class Placing(Protocol):
+    """A router: places one request."""
+
+    def place(self, body: dict[str, object]) -> Placed: ...
 
 
 class Replicas:
     """Requests take turns among ``routers`` (gateway replicas that share nothing but the engines)."""
 
-    def __init__(self, routers: Sequence[PdExtproc]) -> None:
+    def __init__(self, routers: Sequence[Placing]) -> None:
         self._routers = list(routers)
         self._turn = 0
 

@@ -15,8 +15,11 @@ small decodes: half the KV cache and batch, a third longer fixed decode step). W
 (:mod:`bench.prefix_workloads`): A (shared system prompts), B (multi-turn), D (low reuse). Settings:
 ``off``, ``prefer``, ``strict``, ``auto`` as before the pair choice (prefill first); ``pair:*`` the pair
 choice; ``+prefix`` with the prefix index (``x2``: two gateway replicas, requests alternating, each with
-its own index and accounting); ``sglang``, ``llm-d`` the peers' rules; ``oracle`` the pair choice told
-the engines' true caches.
+its own index and accounting; ``x4``: four); ``pair:auto+events`` the same on the ``kv-events`` source
+(the engines' KV-cache events, fed in process through the wire encoding and the gateway's decoder,
+:mod:`bench.kv_event_feed`; ``x2``, ``x4``: that many replicas, each subscribed to every engine, requests
+round robin); ``sglang``, ``llm-d`` the peers' rules; ``oracle`` the pair choice told the engines' true
+caches (``x4``: four such replicas, each with its own load accounting).
 
 Reported per run: engine-truth prefix hit rate (prompt tokens the prefill found cached), decode-side
 hit rate (tokens the decode did not pull), TTFT p50/p90/p99 (arrival to first decoded token),
@@ -37,10 +40,12 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_json
+from kv_event_feed import EventReplica, KvEventFeed
 from prefix_peers import (
     Endpoint,
     LlmdScorer,
@@ -118,12 +123,23 @@ def auto_model(specs: Sequence[EngineSpec], timing: TimingConfig, kv: KvConfig) 
 PREFIX = PrefixSettings()
 NEW = "pair:auto+prefix"
 """The setting the targets judge: the pair choice of ``auto`` with the prefix index."""
+EVENTS = "pair:auto+events"
+"""The pair choice of ``auto`` with the prefix index on the ``kv-events`` source."""
 WEIGHT = 0.1  # affinity.prefix.weight's default
 Router = Callable[[list[Endpoint], dict[str, Engine], AutoModel], object]
 
 
 def _policy(mode: Mode, model: AutoModel, weight: float = 0.0) -> Policy:
     return Policy(mode, 0.3, 0, model, weight)
+
+
+def _event_replicas(
+    count: int, endpoints: list[Endpoint], engines: dict[str, Engine], model: AutoModel
+) -> Replicas:
+    """``count`` replicas on the ``kv-events`` source, each fed every engine's events."""
+    feed = KvEventFeed(engines)
+    policy = _policy(Mode.AUTO, model, WEIGHT)
+    return Replicas([EventReplica(endpoints, policy, feed) for _ in range(count)])
 
 
 SETTINGS: dict[str, Router] = {
@@ -141,9 +157,16 @@ SETTINGS: dict[str, Router] = {
     f"{NEW} x2": lambda e, _, a: Replicas(
         [PdExtproc(e, _policy(Mode.AUTO, a, WEIGHT), PREFIX) for _ in (0, 1)]
     ),
+    f"{NEW} x4": lambda e, _, a: Replicas(
+        [PdExtproc(e, _policy(Mode.AUTO, a, WEIGHT), PREFIX) for _ in range(4)]
+    ),
+    **{f"{EVENTS}{'' if n == 1 else f' x{n}'}": partial(_event_replicas, n) for n in (1, 2, 4)},
     "sglang": lambda e, _, a: SGLangCacheAware(e),
     "llm-d": lambda e, engines, a: LlmdScorer(e, engines),
     "oracle": lambda e, engines, a: Oracle(e, _policy(Mode.AUTO, a), engines),
+    "oracle x4": lambda e, engines, a: Replicas(
+        [Oracle(e, _policy(Mode.AUTO, a), engines) for _ in range(4)]
+    ),
 }
 TODAY = ("off", "prefer", "strict", "auto")
 

@@ -17,7 +17,16 @@ import logging
 import signal
 import sys
 
-from sim.config import DEFAULT_MODEL, ROLES, EngineConfig, KvConfig, TimingConfig
+from sim.config import (
+    DEFAULT_MODEL,
+    KV_EVENT_ENCODINGS,
+    KV_EVENT_HASH_FORMS,
+    ROLES,
+    EngineConfig,
+    KvConfig,
+    KvEventsConfig,
+    TimingConfig,
+)
 from sim.profiles import DEFAULT_PROFILE, load_profile, profile_names
 
 log = logging.getLogger(__name__)
@@ -50,6 +59,28 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_PROFILE,
         choices=profile_names(),
         help="engine profile giving the defaults of the options below (default %(default)s)",
+    )
+    events = parser.add_argument_group("KV-cache events (vLLM's --kv-events-config; needs prefix caching)")
+    events.add_argument(
+        "--kv-events-port",
+        type=int,
+        help="publish KV-cache events on this port, 0 = ephemeral (default: none)",
+    )
+    events.add_argument(
+        "--kv-events-replay-port", type=int, help="the replay socket's port, 0 = ephemeral (default: none)"
+    )
+    events.add_argument(
+        "--kv-events-encoding",
+        default="array",
+        choices=KV_EVENT_ENCODINGS,
+        help="array: vLLM 0.32's tagged arrays; map: newer vLLM's maps; mixed: map events in an array "
+        "batch (default %(default)s)",
+    )
+    events.add_argument(
+        "--kv-events-hashes",
+        default="int",
+        choices=KV_EVENT_HASH_FORMS,
+        help="block hashes as 64-bit unsigned integers or 32 bytes (default %(default)s)",
     )
     for model, title in _MODELS.items():
         group = parser.add_argument_group(title)
@@ -98,6 +129,11 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         prefill_timeout_s=args.prefill_timeout_s,
         shutdown_timeout_s=args.shutdown_timeout_s,
         access_log=args.access_log,
+        kv_events=None
+        if args.kv_events_port is None
+        else KvEventsConfig(
+            args.kv_events_port, args.kv_events_replay_port, args.kv_events_encoding, args.kv_events_hashes
+        ),
     )
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ext_proc.endpoints import EndpointSpec
 from sim.clock import SimClock
-from sim.config import DEFAULT_MODEL, EngineConfig, KvConfig, Role, TimingConfig
+from sim.config import DEFAULT_MODEL, EngineConfig, KvConfig, KvEventsConfig, Role, TimingConfig
 from sim.kv import GroupMap, SharedLink
 from sim.server import RunningEngine, start_engine
 
@@ -57,8 +57,11 @@ async def start_cluster(
     kv: KvConfig | None = None,
     model: str = DEFAULT_MODEL,
     namespace: str = "pd",
+    kv_events: KvEventsConfig | None = None,
 ) -> list[RunningEngine]:
-    """Start one engine per spec (in order); stop them all and re-raise if any fails to start."""
+    """Start one engine per spec (in order); stop them all and re-raise if any fails to start.
+
+    ``kv_events``: every engine publishes its KV-cache events so (ports 0: each its own ephemeral ones)."""
     timing = timing or TimingConfig()
     kv = kv or KvConfig()
     clock = SimClock(timing.time_scale)
@@ -71,6 +74,7 @@ async def start_cluster(
         eds_namespace=namespace,
         timing=timing,
         kv=kv,
+        kv_events=kv_events,
     )
     started: list[RunningEngine] = []
     try:
@@ -101,11 +105,19 @@ def bootstrap_port(engine: RunningEngine) -> int | None:
 def endpoint_specs(
     engines: Iterable[RunningEngine], roles: Iterable[str] | None = None
 ) -> list[EndpointSpec]:
-    """EDS endpoints (address, ``pdGroupID``, :func:`bootstrap_port`) of the engines whose role is in
-    ``roles`` (default all)."""
+    """EDS endpoints (address, ``pdGroupID``, :func:`bootstrap_port`, ``kv_events_port`` when the
+    engine publishes KV-cache events) of the engines whose role is in ``roles`` (default all)."""
     wanted = set(roles) if roles is not None else None
     return [
-        EndpointSpec(e.address, e.engine.config.group, None, True, "HEALTHY", bootstrap_port(e))
+        EndpointSpec(
+            e.address,
+            e.engine.config.group,
+            None,
+            True,
+            "HEALTHY",
+            bootstrap_port(e),
+            kv_events_port=e.kv_events_port,
+        )
         for e in engines
         if wanted is None or e.engine.config.role in wanted
     ]

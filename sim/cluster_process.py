@@ -2,8 +2,9 @@
 
 The parent starts it with :func:`spawn_cluster`, which returns once every engine listens and the
 EDS files (``prefill`` and ``decode`` clusters, with each engine's KV capacity as
-``token_capacity`` and each prefill engine's HTTP port as its SGLang ``bootstrap_port``) are
-written. It can then stop single engines (a node dying) and the whole cluster.
+``token_capacity``, each prefill engine's HTTP port as its SGLang ``bootstrap_port`` and, when the
+engines publish KV-cache events, each one's PUB port as ``kv_events_port``) are written. It can
+then stop single engines (a node dying) and the whole cluster.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 from ext_proc.discovery.eds import write_eds_file
 from ext_proc.endpoints import EndpointSpec
 from sim.cluster import EngineSpec, bootstrap_port, start_cluster, stop_cluster
-from sim.config import KvConfig, TimingConfig
+from sim.config import KvConfig, KvEventsConfig, TimingConfig
 from sim.server import RunningEngine
 
 
@@ -57,10 +58,21 @@ def write_cluster_eds(
     write_eds_file(decode_path, "decode", [_endpoint(e) for e in live if e.role in ("decode", "both")])
 
 
-async def _serve(
-    specs: list[EngineSpec], eds: list[str], timing: TimingConfig, kv: KvConfig, conn: Connection
-) -> None:
-    engines: list[RunningEngine] = await start_cluster(specs, eds, timing=timing, kv=kv)
+@dataclass(frozen=True)
+class _Setup:
+    """What the child process starts: :func:`sim.cluster.start_cluster`'s arguments."""
+
+    specs: list[EngineSpec]
+    eds: list[str]
+    timing: TimingConfig
+    kv: KvConfig
+    kv_events: KvEventsConfig | None
+
+
+async def _serve(setup: _Setup, conn: Connection) -> None:
+    engines: list[RunningEngine] = await start_cluster(
+        setup.specs, setup.eds, timing=setup.timing, kv=setup.kv, kv_events=setup.kv_events
+    )
     by_address = {e.address: e for e in engines}
     conn.send(
         [
@@ -70,6 +82,7 @@ async def _serve(
                 e.engine.config.group,
                 e.engine.config.timing.kv_capacity_tokens,
                 bootstrap_port(e),
+                e.kv_events_port,
             )
             for e in engines
         ]
@@ -95,11 +108,9 @@ async def _serve(
         await stop_cluster(by_address.values())
 
 
-def _child(
-    specs: list[EngineSpec], eds: list[str], timing: TimingConfig, kv: KvConfig, conn: Connection
-) -> None:
+def _child(setup: _Setup, conn: Connection) -> None:
     with contextlib.suppress(KeyboardInterrupt, EOFError):
-        asyncio.run(_serve(specs, eds, timing, kv, conn))
+        asyncio.run(_serve(setup, conn))
 
 
 @dataclass
@@ -134,13 +145,15 @@ def spawn_cluster(
     timing: TimingConfig | None = None,
     kv: KvConfig | None = None,
     timeout: float = 30.0,
+    kv_events: KvEventsConfig | None = None,
 ) -> ClusterProcess:
-    """Start the engines in a child process and write the EDS files; return when all listen."""
+    """Start the engines in a child process and write the EDS files; return when all listen
+    (``kv_events``: every engine publishes its KV-cache events so)."""
     parent, child = multiprocessing.get_context("spawn").Pipe()
     eds = [str(prefill_eds), str(decode_eds)]
     process = multiprocessing.get_context("spawn").Process(
         target=_child,
-        args=(specs, eds, timing or TimingConfig(), kv or KvConfig(), child),
+        args=(_Setup(specs, eds, timing or TimingConfig(), kv or KvConfig(), kv_events), child),
         daemon=True,
         name="pd-sim-cluster",
     )

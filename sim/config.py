@@ -194,13 +194,45 @@ class KvConfig:
         return self.kv_base_latency_ms + self.transfer_bytes(prompt_tokens) / (gbps * 1e9) * 1e3
 
 
+KvEventEncoding = Literal["array", "map", "mixed"]
+KV_EVENT_ENCODINGS: tuple[KvEventEncoding, ...] = ("array", "map", "mixed")
+KvEventHashForm = Literal["int", "bytes"]
+KV_EVENT_HASH_FORMS: tuple[KvEventHashForm, ...] = ("int", "bytes")
+
+
+@dataclass(frozen=True)
+class KvEventsConfig:
+    """The engine's KV-cache event publisher, as vLLM's ``--kv-events-config`` sets it (:mod:`sim.kv_events`).
+
+    ``port``: the PUB socket's (0: an ephemeral one); ``replay_port``: the replay ROUTER socket's (0:
+    an ephemeral one, ``None``: no replay socket); ``encoding``: ``array`` (vLLM 0.32's tagged arrays),
+    ``map`` (newer vLLM's maps) or ``mixed`` (map events in an array batch); ``hashes``: block hashes
+    as ``int`` (64-bit unsigned) or ``bytes`` (32 of them)."""
+
+    port: int = 0
+    replay_port: int | None = 0
+    encoding: KvEventEncoding = "array"
+    hashes: KvEventHashForm = "int"
+
+    def __post_init__(self) -> None:
+        for name in ("port", "replay_port"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 65535:
+                raise ValueError(f"kv events {name} out of range: {value}")
+        if self.encoding not in KV_EVENT_ENCODINGS:
+            raise ValueError(f"kv events encoding must be one of {', '.join(KV_EVENT_ENCODINGS)}")
+        if self.hashes not in KV_EVENT_HASH_FORMS:
+            raise ValueError(f"kv events hashes must be one of {', '.join(KV_EVENT_HASH_FORMS)}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """One simulated engine: identity, listen address, EDS files and the two models.
 
     ``port`` 0 binds an ephemeral port. ``advertise_host`` (default: ``host``) is the host this
     engine reports in ``x-sim-engine`` and ``kv_transfer_params.remote_host``; it must match the
-    address in the EDS files for group lookups to work.
+    address in the EDS files for group lookups to work. ``kv_events``: publish the KV cache's events
+    (``None``: not; it needs ``timing.enable_prefix_caching`` to have any).
     """
 
     role: Role = "both"
@@ -216,6 +248,7 @@ class EngineConfig:
     prefill_timeout_s: float = 300.0
     shutdown_timeout_s: float = 5.0
     access_log: bool = False
+    kv_events: KvEventsConfig | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -197,12 +197,14 @@ class Scheduler:
         """A pulled sequence's KV cache arrived: it decodes from the next step on."""
         self._start(seq)
         seq.prefilled = seq.prompt_tokens
-        self._computed(seq, seq.prefix.hashes if seq.prefix is not None else ())
+        self._computed(seq)
 
-    def _computed(self, seq: Sequence, hashes: list[int] | tuple[()]) -> None:
-        """``seq`` now holds the full blocks ``hashes`` (its chain from the start): cache them."""
-        if hashes:
-            self.cache.cache(seq.holding, hashes)
+    def _computed(self, seq: Sequence, generated: int = 0) -> None:
+        """``seq`` now holds the full blocks of its prompt and ``generated`` output tokens: cache them."""
+        if seq.prefix is not None:
+            hashes = seq.prefix.with_output(generated)
+            if hashes:
+                self.cache.cache(seq.holding, hashes, seq.prefix.output_content(generated))
 
     def recompute(self, seq: Sequence) -> None:
         """A pulled sequence's KV cache cannot be loaded: it prefills locally from the next step on
@@ -247,7 +249,7 @@ class Scheduler:
                 seq.prefilled += chunk
                 if seq.prefilled >= seq.prompt_tokens:
                     progressed.append(seq)
-                    self._computed(seq, seq.prefix.hashes if seq.prefix is not None else ())
+                    self._computed(seq)
         progressed.extend(s for s in plan.decode if s.state == RUNNING)
         for seq in progressed:
             seq.generated += 1
@@ -256,8 +258,7 @@ class Scheduler:
             if seq.generated >= seq.output_tokens:
                 seq.state, seq.finished_at = FINISHED, now
                 self._dequeue(seq)
-                if seq.prefix is not None:  # the blocks its output filled are cached too
-                    self._computed(seq, seq.prefix.with_output(seq.generated))
+                self._computed(seq, seq.generated)  # the blocks its output filled are cached too
                 if seq.hold is None:
                     self.free(seq)
         return progressed

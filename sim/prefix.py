@@ -18,21 +18,61 @@ run then continues past its KV-cache hit into the CPU tier: those blocks are giv
 loaded (the engine charges the copy at the CPU-to-GPU bandwidth, :mod:`sim.engine`) and cached again,
 and are neither computed nor pulled. Hits are counted per tier.
 
+With an event sink (``events``) the cache reports its changes as vLLM's KV-cache events do
+(:mod:`ext_proc.prefix.kv_events`), one batch a change, each stored run of blocks a ``BlockStored``
+with its parent's hash and its token ids: the blocks a sequence newly cached (medium
+:data:`MEDIUM_GPU`); an admission's evictions, each block copied to the CPU tier reported stored there
+(:data:`MEDIUM_CPU`) and removed from the KV cache, the blocks the tier dropped removed from it, the
+blocks loaded from it stored in the KV cache again (as vLLM's offloading reports them); a reset
+(``AllBlocksCleared``, both tiers emptied). Block hashes are the cache's own (Python's ``hash``,
+salted per process): opaque to a subscriber.
+
 The "tokens" of a text prompt are its characters in fours (the gateway's and the simulator's token
 estimate, :mod:`ext_proc.request`), so a block is ``4 * block_size`` characters of the concatenated
-prompt text; token-id prompts are blocks of ids. Generated tokens extend the text (the simulator
-generates a fixed cycle of four-character tokens, :func:`sim.protocol.token_text`), so a chat's next
-turn, which carries the reply, hits the blocks its reply filled on the engine that generated it.
+prompt text (:func:`token_ids` numbers those tokens for the events); token-id prompts are blocks of
+ids. Generated tokens extend the text (the simulator generates a fixed cycle of four-character tokens,
+:func:`sim.protocol.token_text`), so a chat's next turn, which carries the reply, hits the blocks its
+reply filled on the engine that generated it.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ext_proc.prefix.blocks import CHARS_PER_TOKEN
+from ext_proc.prefix.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, Event
 from sim.protocol import token_text
+
+MEDIUM_GPU = "GPU"
+"""The ``medium`` of the KV cache's blocks in the events (vLLM's name for its GPU memory)."""
+MEDIUM_CPU = "CPU"
+"""The ``medium`` of the CPU tier's blocks in the events (vLLM's offloading names it so)."""
+EventSink = Callable[[list[Event]], None]
+"""Where a :class:`BlockCache` reports one batch of KV-cache events."""
+
+
+def token_ids(content: str | Sequence[int]) -> list[int]:
+    """The simulator's token ids of ``content``: token ids as they are; text in tokens of
+    ``CHARS_PER_TOKEN`` characters, each its UTF-8 bytes read as a big-endian integer when they are at
+    most 8 (any ASCII token), else the first 8 bytes of their BLAKE2b digest (ids below ``2**64``)."""
+    if not isinstance(content, str):
+        return list(content)
+    ids = []
+    for start in range(0, len(content), CHARS_PER_TOKEN):
+        raw = content[start : start + CHARS_PER_TOKEN].encode()
+        if len(raw) > 8:
+            raw = hashlib.blake2b(raw, digest_size=8).digest()
+        ids.append(int.from_bytes(raw, "big"))
+    return ids
+
+
+def block_content(content: str | Sequence[int], block_size: int, index: int) -> str | Sequence[int]:
+    """Block ``index`` of ``content`` (``block_size`` tokens; text ``CHARS_PER_TOKEN`` characters a token)."""
+    size = CHARS_PER_TOKEN * block_size if isinstance(content, str) else block_size
+    return content[index * size : (index + 1) * size]
 
 
 def chain(content: str | Sequence[int], block_size: int) -> list[int]:
@@ -64,7 +104,13 @@ class PromptBlocks:
         tokens (token-id prompts: the prompt's alone, the generated ids being unknown)."""
         if not isinstance(self.content, str) or generated <= 0:
             return self.hashes
-        return chain(self.content + token_text(0, generated), self.block_size)
+        return chain(self.output_content(generated), self.block_size)
+
+    def output_content(self, generated: int) -> str | list[int]:
+        """The content :meth:`with_output` chains: the prompt's followed by ``generated`` output tokens'."""
+        if not isinstance(self.content, str) or generated <= 0:
+            return self.content
+        return self.content + token_text(0, generated)
 
 
 @dataclass
@@ -82,12 +128,16 @@ class BlockCache:
     ``used`` counts blocks in use (private ones plus cached ones with references). ``queries`` and
     ``hits`` count prompt tokens looked up and found in the KV cache (vLLM's ``prefix_cache_queries`` /
     ``_hits``), ``cpu_hits`` those found in the CPU tier (``cpu_capacity`` blocks, 0: none).
+    ``events``: where the changes are reported (``None``: nowhere).
     """
 
-    def __init__(self, capacity: int, block_size: int, cpu_capacity: int = 0) -> None:
+    def __init__(
+        self, capacity: int, block_size: int, cpu_capacity: int = 0, *, events: EventSink | None = None
+    ) -> None:
         self.capacity = capacity
         self.block_size = block_size
         self.cpu_capacity = cpu_capacity
+        self.events = events
         self.used = 0
         self.queries = 0
         self.hits = 0
@@ -95,6 +145,7 @@ class BlockCache:
         self._refs: dict[int, int] = {}  # cached block hash → sequences referencing it
         self._free: OrderedDict[int, None] = OrderedDict()  # cached blocks nobody references, LRU first
         self._cpu: OrderedDict[int, None] = OrderedDict()  # the CPU tier's blocks, least recently used first
+        self._blocks: dict[int, tuple[int | None, tuple[int, ...]]] = {}  # with events: parent, token ids
 
     @property
     def cached_blocks(self) -> int:
@@ -141,37 +192,100 @@ class BlockCache:
         for h in loaded:  # used now: not the tier's next to drop
             self._cpu.move_to_end(h)
         empty = self.capacity - self.used - len(self._free)
-        for _ in range(max(0, fresh - empty)):
-            evicted, _ = self._free.popitem(last=False)
-            del self._refs[evicted]
-            self._offload(evicted)
+        evicted = [self._free.popitem(last=False)[0] for _ in range(max(0, fresh - empty))]
+        for h in evicted:
+            del self._refs[h]
+        offloaded, dropped = self._offload(evicted)
         self.used += fresh
         for h in loaded:
             self._refs[h] = 1
         self.queries += prompt_tokens
         self.hits += len(hit) * self.block_size
         self.cpu_hits += len(loaded) * self.block_size
+        if self.events is not None and (evicted or loaded):
+            self.events(
+                [
+                    *self._runs(offloaded, MEDIUM_CPU),
+                    *([BlockRemoved(tuple(evicted), MEDIUM_GPU)] if evicted else []),
+                    *([BlockRemoved(tuple(dropped), MEDIUM_CPU)] if dropped else []),
+                    *self._runs(loaded, MEDIUM_GPU),
+                ]
+            )
+            for h in [*evicted, *dropped]:
+                if h not in self._refs and h not in self._cpu:
+                    self._blocks.pop(h, None)
         return Holding([*hit, *loaded], fresh - len(loaded))
 
-    def _offload(self, block: int) -> None:
-        """Keep an evicted block in the CPU tier (if any), dropping its least recently used one when full."""
-        if self.cpu_capacity:
+    def _offload(self, blocks: list[int]) -> tuple[list[int], list[int]]:
+        """Keep evicted ``blocks`` in the CPU tier (if any), dropping its least recently used ones when
+        full; the blocks new to the tier, and those it dropped."""
+        added: list[int] = []
+        dropped: list[int] = []
+        if not self.cpu_capacity:
+            return added, dropped
+        for block in blocks:
+            if block not in self._cpu:
+                added.append(block)
             self._cpu[block] = None
             self._cpu.move_to_end(block)
             if len(self._cpu) > self.cpu_capacity:
-                self._cpu.popitem(last=False)
+                dropped.append(self._cpu.popitem(last=False)[0])
+        return added, dropped
 
-    def cache(self, holding: Holding, hashes: Sequence[int]) -> None:
-        """The sequence of ``holding`` computed the blocks ``hashes`` (its chain from the start): each
-        one not cached yet becomes a cached block referenced by it (one private block less)."""
+    def cache(self, holding: Holding, hashes: Sequence[int], content: str | Sequence[int] = "") -> None:
+        """The sequence of ``holding`` computed the blocks ``hashes`` (its chain over ``content``, from
+        the start): each one not cached yet becomes a cached block referenced by it (one private block
+        less), reported in one batch."""
         held = set(holding.refs)
-        for h in hashes:
+        new: list[int] = []  # indexes in ``hashes`` of the blocks cached now
+        for index, h in enumerate(hashes):
             if holding.private == 0:
-                return
+                break
             if h not in held and h not in self._refs:
                 self._refs[h] = 1
                 holding.refs.append(h)
                 holding.private -= 1
+                new.append(index)
+        if new and self.events is not None:
+            size = self.block_size
+            for index in new:
+                parent = hashes[index - 1] if index else None
+                self._blocks[hashes[index]] = (parent, tuple(token_ids(block_content(content, size, index))))
+            self.events(self._runs([hashes[i] for i in new], MEDIUM_GPU))
+
+    def _runs(self, blocks: Sequence[int], medium: str) -> list[Event]:
+        """``blocks`` (each a child of the one before or of a block already reported) stored in
+        ``medium``: one ``BlockStored`` per run of blocks chained to each other."""
+        runs: list[list[int]] = []
+        for h in blocks:
+            if runs and self._blocks[h][0] == runs[-1][-1]:
+                runs[-1].append(h)
+            else:
+                runs.append([h])
+        return [
+            BlockStored(
+                tuple(run),
+                self._blocks[run[0]][0],
+                tuple(t for h in run for t in self._blocks[h][1]),
+                self.block_size,
+                None,
+                medium,
+            )
+            for run in runs
+        ]
+
+    def reset(self) -> bool:
+        """Drop every cached block, the CPU tier's too, as vLLM's ``reset_prefix_cache``: only while no
+        block is in use (whether it did)."""
+        if self.used:
+            return False
+        self._refs.clear()
+        self._free.clear()
+        self._cpu.clear()
+        self._blocks.clear()
+        if self.events is not None:
+            self.events([AllBlocksCleared()])
+        return True
 
     def release(self, holding: Holding) -> None:
         """Free every block of ``holding``: private ones become empty, cached ones free (evictable),

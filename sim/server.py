@@ -52,10 +52,15 @@ first chunk, once the request is admitted and its KV cache is in place:
 * ``x-sim-warning``: why a KV load failed and the engine prefilled locally instead; or, with a
   pull, that the prefill is in no EDS file (then counted as ``cross_group``) or that EDS disagrees
   with the group the prefill reported itself.
+
+``POST /reset_prefix_cache`` empties the prefix cache as vLLM's does (200), or answers 409 while blocks
+are in use. With ``EngineConfig.kv_events`` the engine publishes its prefix cache's KV-cache events on
+vLLM's wire (:mod:`sim.kv_events`), one batch per change.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -73,6 +78,7 @@ from sim.config import EngineConfig
 from sim.engine import ABORTED, Engine, EngineError, Hold, KvLoadError, Pull, Sequence
 from sim.handoff import PREFILL_CACHED_PARAM, PREFILL_MS_PARAM, BootstrapError, Handoff
 from sim.kv import GroupMap, SharedLink
+from sim.kv_events import Publisher
 from sim.metrics import CONTENT_TYPE
 from sim.prefix import PromptBlocks
 from sim.protocol import (
@@ -450,6 +456,12 @@ async def _metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
+async def _reset_prefix_cache(request: web.Request) -> web.Response:
+    if request.app[ENGINE_KEY].scheduler.cache.reset():
+        return web.Response(status=200)
+    return web.Response(status=409, text="blocks are in use")
+
+
 async def _lifecycle(app: web.Application) -> Any:
     engine, handoff = app[ENGINE_KEY], app[HANDOFF_KEY]
     handoff.open()
@@ -464,8 +476,8 @@ async def _shutdown(app: web.Application) -> None:
 
 
 def build_app(engine: Engine) -> web.Application:
-    """The aiohttp application serving ``engine`` (OpenAI API, ``/health``, ``/metrics`` and the
-    ``/sim/`` handoff endpoints); the engine loop runs while the app runs."""
+    """The aiohttp application serving ``engine`` (OpenAI API, ``/health``, ``/metrics``,
+    ``/reset_prefix_cache`` and the ``/sim/`` handoff endpoints); the engine loop runs while the app runs."""
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app[ENGINE_KEY] = engine
     handoff = app[HANDOFF_KEY] = Handoff(engine)
@@ -474,6 +486,7 @@ def build_app(engine: Engine) -> web.Application:
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
+    app.router.add_post("/reset_prefix_cache", _reset_prefix_cache)
     handoff.add_routes(app)
     app.on_shutdown.append(_shutdown)
     app.cleanup_ctx.append(_lifecycle)
@@ -493,10 +506,25 @@ async def drop_connections(runner: web.AppRunner) -> None:
 
 @dataclass
 class RunningEngine:
-    """A started engine: its :class:`Engine` and HTTP runner. ``address`` is ``"host:port"``."""
+    """A started engine: its :class:`Engine`, HTTP runner and KV-event publisher (``None``: none).
+    ``address`` is ``"host:port"``."""
 
     engine: Engine
     runner: web.AppRunner
+    publisher: Publisher | None = None
+    _replays: asyncio.Task[None] | None = None
+
+    @property
+    def kv_events_port(self) -> int | None:
+        """The KV-event PUB socket's port (``None``: the engine publishes none)."""
+        return None if self.publisher is None else self.publisher.port
+
+    async def _close_publisher(self) -> None:
+        if self._replays is not None:
+            self._replays.cancel()
+            await asyncio.gather(self._replays, return_exceptions=True)
+        if self.publisher is not None:
+            self.publisher.close()
 
     @property
     def address(self) -> str:
@@ -516,12 +544,14 @@ class RunningEngine:
     async def stop(self) -> None:
         """Stop accepting, let in-flight requests finish (up to ``shutdown_timeout_s``), stop."""
         await self.runner.cleanup()
+        await self._close_publisher()
 
     async def kill(self) -> None:
         """Die like a crashed node: refuse new connections, reset open ones, fail what is in flight."""
         await drop_connections(self.runner)
         await self.engine.stop()
         await self.runner.cleanup()
+        await self._close_publisher()
 
 
 async def start_engine(
@@ -544,4 +574,20 @@ async def start_engine(
         await runner.cleanup()
         raise
     engine.port = runner.addresses[0][1]
-    return RunningEngine(engine, runner)
+    events = config.kv_events
+    if events is None:
+        return RunningEngine(engine, runner)
+    try:
+        publisher = Publisher(
+            events.encoding,
+            events.replay_port is not None,
+            events.hashes,
+            config.host,
+            events.port,
+            events.replay_port or 0,
+        )
+    except BaseException:
+        await runner.cleanup()
+        raise
+    engine.scheduler.cache.events = lambda batch: publisher.publish(*batch)
+    return RunningEngine(engine, runner, publisher, publisher.start())

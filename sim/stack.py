@@ -20,7 +20,7 @@ from typing import Protocol
 
 from sim.cluster import EngineSpec
 from sim.cluster_process import EngineInfo, spawn_cluster, write_cluster_eds
-from sim.config import KvConfig, TimingConfig
+from sim.config import KvConfig, KvEventsConfig, TimingConfig
 from sim.gateway import (
     Gateway,
     GatewayError,
@@ -235,13 +235,17 @@ class Stack:
 
 
 def start_stack(
-    specs: list[EngineSpec], timing: TimingConfig | None = None, kv: KvConfig | None = None
+    specs: list[EngineSpec],
+    timing: TimingConfig | None = None,
+    kv: KvConfig | None = None,
+    kv_events: KvEventsConfig | None = None,
 ) -> Stack:
-    """Start the simulated cluster and write its EDS files; gateways start on demand."""
+    """Start the simulated cluster and write its EDS files; gateways start on demand (``kv_events``:
+    the engines publish their KV-cache events so, each on its own ports, named in EDS)."""
     workdir = Path(tempfile.mkdtemp(prefix="pd-stack-"))
     prefill_eds, decode_eds = workdir / "prefill.json", workdir / "decode.json"
     try:
-        cluster = spawn_cluster(specs, prefill_eds, decode_eds, timing, kv)
+        cluster = spawn_cluster(specs, prefill_eds, decode_eds, timing, kv, kv_events=kv_events)
     except RuntimeError as exc:
         shutil.rmtree(workdir, ignore_errors=True)
         raise StackError(str(exc)) from None

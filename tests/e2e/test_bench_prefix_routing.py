@@ -86,3 +86,15 @@ def test_the_legacy_profile_is_the_demo_engines_and_a_measured_profile_runs(benc
     )
     row = bench.run_one("demo", "D", "pair:auto+prefix", 7, True, "h200-llama-3-8b")
     assert row["requests"] == 12 and row["ttft_p50_ms"] > 0
+
+
+def test_replicas_on_the_kv_events_source_see_what_the_others_placed(bench: ModuleType) -> None:
+    """Four replicas round robin over a few conversations: fed every engine's events (through the
+    wire encoding and the gateway's decoder), they hit what the oracle hits; on their own
+    placements alone they miss the turns the other replicas placed."""
+    hit = {
+        s: bench.run_one("demo", "B", s, 41, True)["hit_rate"]
+        for s in ("pair:auto+events x4", "pair:auto+prefix x4", "oracle")
+    }
+    assert hit["pair:auto+events x4"] == pytest.approx(hit["oracle"], abs=0.01)
+    assert hit["pair:auto+events x4"] > hit["pair:auto+prefix x4"] + 0.1

@@ -8,7 +8,6 @@ import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kv_event_wire import frames, payload
 
 from ext_proc.prefix.kv_events import (
     END_OF_REPLAY,
@@ -21,6 +20,7 @@ from ext_proc.prefix.kv_events import (
     decode_message,
     decode_replay,
 )
+from sim.kv_events import frames, payload
 
 STORED = BlockStored((11, 12), None, tuple(range(32)), 16, None, "GPU")
 STORED_BYTES = BlockStored((b"\x01" * 32,), b"\x02" * 32, tuple(range(16)), 16, 3, None)

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import zmq
 from builders import endpoint
-from kv_event_wire import Encoding, Publisher
 from polling import until
 
 from ext_proc import kv_subscribers
@@ -32,6 +31,8 @@ from ext_proc.prefix.kv_events import AllBlocksCleared, BlockRemoved, BlockStore
 from ext_proc.prefix.tracker import KvEventsSettings
 from ext_proc.registry import Registry
 from ext_proc.router import Router, RouterSettings
+from sim.config import KvEventEncoding
+from sim.kv_events import Publisher
 
 B = 16
 ENGINE = "127.0.0.1:8000"
@@ -94,16 +95,16 @@ async def subscribed(router: Router, publisher: Publisher) -> AsyncIterator[None
 
 async def gap(publisher: Publisher) -> None:
     """Blocks 1, 2 and 3, each a prompt's first, the batch of 2 lost on the way."""
-    await publisher.publish(stored(1, 1))
-    await publisher.publish(stored(2, 2), send=False)
-    await publisher.publish(stored(3, 3))
+    publisher.publish(stored(1, 1))
+    publisher.publish(stored(2, 2), send=False)
+    publisher.publish(stored(3, 3))
 
 
 async def connected(publisher: Publisher, router: Router, probe: int = 99) -> None:
     """Publish a probe block until the subscriber has seen it (a SUB socket misses what precedes its
     connection)."""
     for _ in range(200):
-        await publisher.publish(stored(900 + probe, probe))
+        publisher.publish(stored(900 + probe, probe))
         if held(router, probe):
             return
         await asyncio.sleep(0.05)
@@ -111,31 +112,31 @@ async def connected(publisher: Publisher, router: Router, probe: int = 99) -> No
 
 
 @pytest.mark.parametrize("encoding", ["array", "map", "mixed"])
-async def test_live_batches_a_replayed_gap_a_restart_and_garbage(encoding: Encoding) -> None:
+async def test_live_batches_a_replayed_gap_a_restart_and_garbage(encoding: KvEventEncoding) -> None:
     publisher = Publisher(encoding)
     router = router_for(publisher)
     async with subscribed(router, publisher):
         assert publisher.replays in ([], [0])  # joined at 0, or replayed from it
-        await publisher.publish(stored(1, 1))
+        publisher.publish(stored(1, 1))
         await until(lambda: held(router, 1) == 1)
 
-        await publisher.publish(stored(2, 2, parent=1), send=False)  # lost on the way: a gap
-        await publisher.publish(BlockRemoved((999,), None))
+        publisher.publish(stored(2, 2, parent=1), send=False)  # lost on the way: a gap
+        publisher.publish(BlockRemoved((999,), None))
         await until(lambda: held(router, 1, 2) == 2 and held(router, 99) == 0)
         assert publisher.replays[-1] == publisher.sequence - 2
         assert sample(router, "pd_extproc_kv_events_replays_total", endpoint=ENGINE, outcome="ok") >= 1
 
-        await publisher.pub.send_multipart([b"", b"\x00", b"junk"])
+        publisher.pub.send_multipart([b"", b"\x00", b"junk"])
         garbled = {"endpoint": ENGINE, "reason": "garbled"}
         await until(lambda: sample(router, "pd_extproc_kv_events_dropped_total", **garbled) == 1)
 
         publisher.restart()  # the engine restarted with an empty cache
-        await publisher.publish(stored(7, 7))
+        publisher.publish(stored(7, 7))
         await until(lambda: held(router, 7) == 1)
         assert held(router, 1) == 0
         assert sample(router, "pd_extproc_kv_events_resets_total", endpoint=ENGINE, reason="restart") == 1
 
-        await publisher.publish(AllBlocksCleared())
+        publisher.publish(AllBlocksCleared())
         await until(lambda: held(router, 7) == 0)
         decoded = sample(router, "pd_extproc_kv_events_decoded_total", endpoint=ENGINE, kind="BlockStored")
         assert decoded >= 3
@@ -186,8 +187,8 @@ async def test_a_replay_that_never_answers_fails_drops_the_entries_and_backs_off
         await until(lambda: held(router, 3) == 1)
         assert held(router, 1) == 0
         assert sample(router, "pd_extproc_kv_events_replays_total", **failed) == 1
-        await publisher.publish(stored(4, 4), send=False)  # another gap: no replay asked (backing off)
-        await publisher.publish(stored(5, 5))
+        publisher.publish(stored(4, 4), send=False)  # another gap: no replay asked (backing off)
+        publisher.publish(stored(5, 5))
         await until(lambda: held(router, 5) == 1)
         assert sample(router, "pd_extproc_kv_events_replays_total", **failed) == 1
         assert sample(router, "pd_extproc_kv_events_resets_total", endpoint=ENGINE, reason="gap") >= 1
@@ -210,7 +211,7 @@ async def test_a_flooding_engine_is_bounded_and_the_loop_keeps_turning() -> None
         async with subscribed(router, publisher):
             block = BlockStored(tuple(range(1000, 1064)), None, tuple(range(64 * B)), B, None, None)
             for _ in range(5000):  # 64 blocks each: a flood, as fast as the PUB socket takes them
-                await publisher.publish(block, BlockRemoved(block.block_hashes, None))
+                publisher.publish(block, BlockRemoved(block.block_hashes, None))
             await connected(publisher, router, probe=8)  # the PUB socket drops what exceeds its own queue
             assert (
                 sample(router, "pd_extproc_kv_events_received_total", endpoint=ENGINE) <= publisher.sequence
@@ -299,7 +300,7 @@ async def test_replicas_agree_on_a_prompt_sent_straight_to_an_engine() -> None:
 
     try:
         for _ in range(200):  # until both have subscribed (a SUB socket misses what precedes it)
-            await publisher.publish(stored_prompt)
+            publisher.publish(stored_prompt)
             if all(holds(r) for r in replicas):
                 break
             await asyncio.sleep(0.05)

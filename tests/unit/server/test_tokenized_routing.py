@@ -1,7 +1,7 @@
 """Text prompts put in the engine's token ids before routing: the stream's step, its fallback, end to end.
 
 End to end in-process: a server with the ``kv-events`` source and a tokenizer folder, two engines
-publishing their KV-cache events on loopback (:mod:`kv_event_wire`), a chat sent straight to one of them
+publishing their KV-cache events on loopback (:mod:`sim.kv_events`), a chat sent straight to one of them
 (not through the gateway), then the conversation's next turn through the gRPC shell.
 """
 
@@ -17,7 +17,6 @@ import pytest
 from builders import CHAT_META, D_SAME_IDLE, DEST, P1, PREFILL, endpoint, make_router, value
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from extproc_messages import body, destination, headers, trailers, with_modes
-from kv_event_wire import Publisher
 
 from ext_proc.app import start_server
 from ext_proc.config import load_config
@@ -27,6 +26,7 @@ from ext_proc.prefix.event_source import KvEventSource
 from ext_proc.prefix.kv_events import BlockStored
 from ext_proc.stream import PendingTokens, Streams
 from ext_proc.tokenizer import TokenizerSettings, load_prompt_tokenizer
+from sim.kv_events import Publisher
 from sim.tokenizer_folder import write_tokenizer_folder
 
 B = 16
@@ -145,7 +145,7 @@ async def test_a_chat_sent_straight_to_an_engine_routes_the_next_turn_there(
     assert isinstance(source, KvEventSource)
     try:
         for _ in range(200):  # until subscribed (a SUB socket misses what precedes its connection)
-            await publisher.publish(stored)
+            publisher.publish(stored)
             if source.index.match(source.chain({}, ids), source.clock()).get(holder) == blocks:
                 break
             await asyncio.sleep(0.05)
