@@ -546,8 +546,8 @@ class Metrics:
         self._tokenize_children["tokenizer"].inc(tokens - cached)
 
     def tokenizer_encoder(self, encoder: str | None) -> None:
-        """Mark ``encoder`` (``tiktoken``, ``tokenizers``) as the one in use; ``None``: no tokenizer."""
-        for name in ("tiktoken", "tokenizers"):
+        """Mark ``encoder`` (``fastokens``, ``tiktoken``, ``tokenizers``) as in use; ``None``: none."""
+        for name in ("fastokens", "tiktoken", "tokenizers"):
             self._tokenizer_encoder.labels(name).set(1 if name == encoder else 0)
 
     def untokenized(self, reason: str) -> None:

@@ -13,68 +13,21 @@ computes the same ids, which :func:`tiktoken_encoder` makes sure of, raising :cl
 - Merge order: tiktoken merges the adjacent pair whose concatenation ranks lowest, ``tokenizers`` the
   pair whose merge rule ranks lowest; they agree when the merge rules, in order, make tokens of
   non-decreasing id (vocabularies trained the usual way, Llama 3's among them). Checked on every rule.
-- Ids: both encode a check corpus (the chat template rendered over sample messages, Unicode, whitespace
-  and digit edge cases, the special tokens inside text, random strings from a seeded generator, all
-  these with and without the post-processor's special tokens; then every vocabulary token's bytes
-  once, in a seeded random order: a few hundred kB for a 32k vocabulary); every id must agree. 0.35 s
-  for a 32k vocabulary on a two-vCPU box, about a second when it is busy.
+- Ids: both encode the check corpus of :func:`ext_proc.encoder_check.check_ids`; every id must agree.
+  0.35 s for a 32k vocabulary on a two-vCPU box, about a second when it is busy.
+
+:mod:`ext_proc.fastokens_encoder` is tried first (faster again, and not bound to this shape); tiktoken
+is the fast path where fastokens refuses the tokenizer or does not give the same ids.
 """
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterable, Mapping
 
 import tiktoken
 
+from ext_proc.encoder_check import NotRepresentable, byte_alphabet, check_ids
 from ext_proc.prefix.tokens import TextEncoder, added_specials
-
-CHECK_SEED = 26
-CHECK_RANDOM_TEXTS = 400
-"""Random strings in the check corpus (each up to :data:`_RANDOM_CHARS` characters)."""
-_RANDOM_CHARS = 400
-_VOCAB_CHUNK_BYTES = 4096
-"""The vocabulary's bytes are checked in texts of about this size (a difference names a short one)."""
-_EDGE_CASES = (
-    "",
-    " ",
-    "  ",
-    "\n",
-    "\n\n\n",
-    " \n \n",
-    "\r\n",
-    "\t\t x",
-    "a  b   c    d",
-    "trailing   ",
-    "   leading",
-    "1234567890 12 345 6789 0.5 -3e10 1,000,000",
-    "٣٤٥ ١٢ 一二三 ①②③ ½",
-    "don't I'LL we've You'RE it's HE'D",
-    "naïve café Straße İstanbul ǅ ﬁ",
-    "日本語のテキストと中文文本 한국어",
-    "emoji 👩‍👩‍👧‍👦 🇫🇷 ✔️ 🤖🤖🤖",
-    "combining é ñ a\u0301\u0302",
-    "zero\u200bwidth\u00a0nbsp\u3000ideographic",
-    "<tag attr='x'>&amp;</tag> {\"json\": [1, 2]} $x_{i}^2",
-    "def f(x):\n    return x ** 2  # comment\n\n\n",
-    "\u0000\u0001\u001f\u007f\u0085",
-)
-"""Texts where pre-tokenizers and byte-level alphabets tend to differ."""
-_ALPHABETS = (
-    " \n\t\r",
-    "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ",
-    "0123456789",
-    "!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~",
-    "àéîõüçñßøåæœÀÉÎÕÜ",
-    "абвгдежзийклмнопрстуфхцчшщъыьэюя",
-    "的一是不了人我在有他这为之大来以个中上们",
-    "😀😁😂🤣😃🚀🌍👍",
-    "\u0301\u200b\u00a0\u3000\u2028",
-)
-
-
-class NotRepresentable(Exception):
-    """tiktoken cannot stand in for this tokenizer; the message says why."""
 
 
 class TiktokenEncoder:
@@ -96,19 +49,6 @@ class TiktokenEncoder:
         text.encode("utf-8")  # raises on a lone surrogate
         ids = self.encoding.encode(text, allowed_special=self._specials, disallowed_special=())
         return self._head + ids + self._tail if add_special_tokens else ids
-
-
-def _byte_alphabet() -> dict[str, int]:
-    """The byte-level alphabet read back: each of its 256 characters to the byte it stands for (GPT-2's)."""
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("¡"), ord("¬") + 1),
-        *range(ord("®"), ord("ÿ") + 1),
-    ]
-    chars = {b: chr(b) for b in printable}
-    for extra, b in enumerate(b for b in range(256) if b not in chars):
-        chars[b] = chr(256 + extra)
-    return {c: b for b, c in chars.items()}
 
 
 def _pattern(pre_tokenizer: object) -> str:
@@ -173,7 +113,7 @@ def tiktoken_encoding(spec: Mapping[str, object]) -> tiktoken.Encoding:
         if any(token.get(key) for key in ("lstrip", "rstrip", "single_word")):
             raise NotRepresentable(f"added token {token.get('content')!r} strips or matches single words")
         specials[token["content"]] = token["id"]
-    alphabet = _byte_alphabet()
+    alphabet = byte_alphabet()
     special_ids = set(specials.values())
     try:
         ranks = {
@@ -196,49 +136,18 @@ def tiktoken_encoding(spec: Mapping[str, object]) -> tiktoken.Encoding:
         raise NotRepresentable(f"tiktoken refused it: {exc}") from exc
 
 
-def check_corpus(texts: Iterable[str], specials: Iterable[str], seed: int = CHECK_SEED) -> list[str]:
-    """``texts`` (e.g. rendered chat templates), the edge cases, ``specials`` written into text, and
-    :data:`CHECK_RANDOM_TEXTS` random strings mixing scripts, digits, punctuation and whitespace."""
-    rng = random.Random(seed)
-    corpus = [*texts, *_EDGE_CASES]
-    corpus += [f"x{token} {token}\n{token}{token}y" for token in specials]
-    for _ in range(CHECK_RANDOM_TEXTS):
-        alphabets = rng.sample(_ALPHABETS, rng.randint(1, 4))
-        pool = "".join(alphabets)
-        corpus.append("".join(rng.choice(pool) for _ in range(rng.randint(1, _RANDOM_CHARS))))
-    return corpus
-
-
-def vocabulary_corpus(vocabulary: Iterable[bytes], seed: int = CHECK_SEED) -> list[str]:
-    """The ``vocabulary`` tokens' bytes one after another in a random order, in texts of about
-    :data:`_VOCAB_CHUNK_BYTES` (invalid UTF-8 replaced): every token's bytes, next to others."""
-    tokens = sorted(vocabulary)
-    random.Random(seed).shuffle(tokens)
-    joined = b"".join(tokens)
-    step = _VOCAB_CHUNK_BYTES
-    return [joined[start : start + step].decode("utf-8", "replace") for start in range(0, len(joined), step)]
-
-
 def tiktoken_encoder(
     spec: Mapping[str, object], reference: TextEncoder, texts: Iterable[str]
 ) -> TiktokenEncoder:
     """tiktoken standing in for ``reference`` (the tokenizer ``spec`` loaded by ``tokenizers``).
 
     Raises :class:`NotRepresentable` when :func:`tiktoken_encoding` does, or when an id differs from
-    ``reference``'s on :func:`check_corpus` of ``texts`` and the added tokens (encoded with and without
-    special tokens) or on :func:`vocabulary_corpus` (without)."""
+    ``reference``'s on the check corpus of ``texts``, the added tokens and the vocabulary
+    (:func:`ext_proc.encoder_check.check_ids`)."""
     encoding = tiktoken_encoding(spec)
     added = added_specials(reference)
     if added is None:
         raise NotRepresentable("the post-processor does not add a plain head and tail around a prompt")
     encoder = TiktokenEncoder(encoding, *added)
-    checks = [
-        (text, special)
-        for text in check_corpus(texts, sorted(encoding.special_tokens_set))
-        for special in (False, True)
-    ]
-    checks += [(text, False) for text in vocabulary_corpus(encoding.token_byte_values())]
-    for text, add_special in checks:
-        if encoder.encode(text, add_special) != reference.encode(text, add_special):
-            raise NotRepresentable(f"tiktoken's ids differ from the tokenizer's on {text[:80]!r}")
+    check_ids(encoder, reference, texts, encoding.special_tokens_set, encoding.token_byte_values())
     return encoder

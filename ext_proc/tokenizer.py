@@ -3,13 +3,14 @@
 :func:`load_prompt_tokenizer` reads a folder as transformers saves a tokenizer (``tokenizer.json``;
 ``tokenizer_config.json`` with the chat template and the special tokens; ``chat_template.jinja``, which
 newer transformers write instead and which wins) into the pure
-:class:`~ext_proc.prefix.tokens.PromptTokenizer`, with one of two encoders (:data:`ENCODERS`): tiktoken
-when :mod:`ext_proc.tiktoken_encoder` can build one from ``tokenizer.json`` that gives the same ids as
-the ``tokenizers`` library on its check corpus (about ten times faster), else ``tokenizers`` itself; the
-choice and its reason are logged. :class:`GatewayTokenizer` is what the router awaits:
-:meth:`GatewayTokenizer.prompt_tokens` runs the tokenizer on a thread of its own (both encoders release
-the GIL while they encode: tiktoken's ``encode``, ``tokenizers``' ``encode_batch_fast``), so the event
-loop keeps serving, and answers ``None``
+:class:`~ext_proc.prefix.tokens.PromptTokenizer`, with one of three encoders (:data:`ENCODERS`): the
+first fast one (:data:`FAST_ENCODERS`: :mod:`ext_proc.fastokens_encoder`, then
+:mod:`ext_proc.tiktoken_encoder`) that builds from ``tokenizer.json`` and gives the same ids as the
+``tokenizers`` library on its check corpus (:mod:`ext_proc.encoder_check`), else ``tokenizers`` itself;
+the choice and its reason are logged. :class:`GatewayTokenizer` is what the router awaits:
+:meth:`GatewayTokenizer.prompt_tokens` runs the tokenizer on a thread of its own (the encoders release
+the GIL while they encode: fastokens' and tiktoken's ``encode``, ``tokenizers``' ``encode_batch_fast``),
+so the event loop keeps serving, and answers ``None``
 instead of raising: a folder that is missing or unreadable, a template that fails, a body it cannot
 render are logged and counted, and the caller routes that request on the ``approximate`` index.
 """
@@ -29,6 +30,8 @@ from typing import Literal, Protocol
 import jinja2
 from tokenizers import Tokenizer
 
+from ext_proc.encoder_check import NotRepresentable
+from ext_proc.fastokens_encoder import fastokens_encoder
 from ext_proc.prefix.tokens import (
     ChatTemplate,
     PrefixTokenCache,
@@ -38,13 +41,17 @@ from ext_proc.prefix.tokens import (
     TokenizeFailure,
     UntokenizedReason,
 )
-from ext_proc.tiktoken_encoder import NotRepresentable, tiktoken_encoder
+from ext_proc.tiktoken_encoder import tiktoken_encoder
 
 log = logging.getLogger(__name__)
 
-EncoderName = Literal["tiktoken", "tokenizers"]
-ENCODERS: tuple[EncoderName, ...] = ("tiktoken", "tokenizers")
-"""The encoders a folder may load with (a metric label): tiktoken when checked equal, else ``tokenizers``."""
+FastEncoderName = Literal["fastokens", "tiktoken"]
+EncoderName = Literal["fastokens", "tiktoken", "tokenizers"]
+FAST_ENCODERS: tuple[FastEncoderName, ...] = ("fastokens", "tiktoken")
+"""The fast encoders, in the order they are tried (each checked equal to ``tokenizers``)."""
+ENCODERS: tuple[EncoderName, ...] = (*FAST_ENCODERS, "tokenizers")
+"""The encoders a folder may load with (a metric label): the first fast one checked equal, else
+``tokenizers``."""
 _SAMPLE_CHAT = (
     {"role": "system", "content": "You are a helpful assistant.\n\nAnswer briefly."},
     {"role": "user", "content": "What is 12 345 + 6 789? Explain   step by step:\n1. add\n2. carry"},
@@ -63,13 +70,14 @@ class TokenizerSettings:
     ``folder``: the model's tokenizer folder (``tokenizer.json``, ``tokenizer_config.json``); the prefix
     cache holds at most ``cache_entries`` rendered-text prefixes and ``cache_tokens`` token ids in all
     (4 bytes each: 16 MB by default), an entry unused for ``cache_ttl_s`` seconds is dropped;
-    ``try_tiktoken``: whether tiktoken is tried (and checked) before the ``tokenizers`` encoder."""
+    ``fast_encoders``: the fast encoders tried (and checked), in order, before the ``tokenizers``
+    encoder."""
 
     folder: str
     cache_entries: int = 1024
     cache_tokens: int = 4_000_000
     cache_ttl_s: float = 60.0
-    try_tiktoken: bool = True
+    fast_encoders: tuple[FastEncoderName, ...] = FAST_ENCODERS
 
 
 class TokenizerLoadError(Exception):
@@ -136,12 +144,17 @@ def _template_sources(folder: Path, config: Mapping[str, object]) -> dict[str, s
 
 
 def _fast_encoder(
+    settings: TokenizerSettings,
+    spec_text: str,
     spec: object,
     reference: TextEncoder,
     templates: Mapping[str, ChatTemplate],
     specials: Mapping[str, object],
 ) -> tuple[TextEncoder, EncoderName, str]:
-    """tiktoken when it gives ``reference``'s ids on the check corpus, else ``reference``; and why."""
+    """The first of ``settings.fast_encoders`` that gives ``reference``'s ids on the check corpus, else
+    ``reference``; and why."""
+    if not settings.fast_encoders:
+        return reference, "tokenizers", "no fast encoder tried"
     if not isinstance(spec, dict):
         return reference, "tokenizers", "tokenizer.json is not an object"
     rendered: list[str] = []
@@ -152,19 +165,28 @@ def _fast_encoder(
             )
         except Exception:  # a template may raise anything; it is checked again on real requests
             continue
-    try:
-        fast = tiktoken_encoder(spec, reference, rendered)
-    except NotRepresentable as exc:
-        return reference, "tokenizers", str(exc)
-    except Exception as exc:  # either library failing on the check corpus: tokenizers, as without tiktoken
-        return reference, "tokenizers", f"the check failed: {exc!r}"
-    return fast, "tiktoken", "its ids equal the tokenizer's on the check corpus"
+    refused: list[str] = []
+    for name in settings.fast_encoders:
+        try:
+            fast = (
+                fastokens_encoder(spec_text, spec, reference, rendered)
+                if name == "fastokens"
+                else tiktoken_encoder(spec, reference, rendered)
+            )
+        except NotRepresentable as exc:
+            refused.append(f"{name}: {exc}")
+            continue
+        except Exception as exc:  # either library failing on the check corpus: the next encoder
+            refused.append(f"{name}: the check failed: {exc!r}")
+            continue
+        return fast, name, "its ids equal the tokenizer's on the check corpus"
+    return reference, "tokenizers", "; ".join(refused)
 
 
 def load_prompt_tokenizer(settings: TokenizerSettings) -> LoadedTokenizer:
     """The folder's tokenizer and chat template, with an empty prefix cache sized by ``settings``.
 
-    The encoder is tiktoken when it stands in exactly for the folder's tokenizer (see the module
+    The encoder is the first fast one that stands in exactly for the folder's tokenizer (see the module
     docstring), else ``tokenizers``. Raises :class:`TokenizerLoadError` naming the file and what is
     wrong with it. A folder without a chat template loads (chats are then not tokenized)."""
     folder = Path(settings.folder)
@@ -186,11 +208,7 @@ def load_prompt_tokenizer(settings: TokenizerSettings) -> LoadedTokenizer:
         raise TokenizerLoadError(f"{folder}: {exc}") from exc
     specials = _special_tokens(config if isinstance(config, dict) else {})
     reference = TokenizersEncoder(tokenizer)
-    encoder, name, why = (
-        _fast_encoder(spec, reference, templates, specials)
-        if settings.try_tiktoken
-        else (reference, "tokenizers", "tiktoken not tried")
-    )
+    encoder, name, why = _fast_encoder(settings, spec_text, spec, reference, templates, specials)
     prompt_tokenizer = PromptTokenizer(
         encoder,
         templates.get("default"),
