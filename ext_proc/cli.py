@@ -154,9 +154,30 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     serve.set_defaults(func=_serve)
 
 
+def _tokenizer_problem(config: Config) -> str | None:
+    """Why ``affinity.prefix.tokenizer`` does not load; ``None`` when it does or none is used."""
+    from ext_proc.tokenizer import TokenizerLoadError, check_folder  # the tokenizer libraries: when used
+
+    prefix = config.affinity.prefix
+    if not (prefix.enabled and prefix.tokenizer):
+        return None
+    try:
+        check_folder(prefix.tokenizer)
+    except TokenizerLoadError as exc:
+        return (
+            f"affinity.prefix.tokenizer: {exc} (serve would run with no tokenizer: every text prompt "
+            'routed on its text and counted in pd_extproc_tokenize_fallbacks_total{reason="no_tokenizer"})'
+        )
+    return None
+
+
 def _check_config(args: argparse.Namespace) -> int:
     config = _load(ConfigSource(args.config))
     if config is None:
+        return 2
+    problem = _tokenizer_problem(config)
+    if problem is not None:
+        print(f"pd-extproc: invalid configuration: {problem}", file=sys.stderr)
         return 2
     print(f"# {args.config} is valid. Effective configuration (defaults and environment applied):")
     print(yaml.safe_dump(as_dict(config), sort_keys=False), end="")

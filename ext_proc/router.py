@@ -10,6 +10,7 @@ code), or a :class:`PendingAnswer` to complete after a prefill leg.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
@@ -111,8 +112,13 @@ class Router:
         self.ejections = Ejections(settings.eject_seconds, metrics)
         self.decode_ejections = Ejections(0.0, metrics)
         self.prefix: PrefixSource | None = None
-        self.tokenizer: GatewayTokenizer | None = None
-        self._tokenizer_folder = ""
+        folder = "" if prefix is None else prefix.tokenizer
+        self.tokenizer: GatewayTokenizer | None = (
+            GatewayTokenizer.open(TokenizerSettings(folder), metrics) if folder else None
+        )
+        self._tokenizer_folder = folder
+        self.tokenizer_opening: asyncio.Task[None] | None = None
+        """The load of a tokenizer folder a reload named, while it runs (:meth:`set_prefix`)."""
         self._indexed: tuple[Pool[EndpointState], Pool[EndpointState]] | None = None
         self.set_prefix(prefix)
         metrics.count_inflight(lambda: self.admission.inflight)
@@ -129,24 +135,49 @@ class Router:
 
         The index is of the kind ``settings.source`` names. It is kept while its kind and hashing (and,
         for ``kv-events``, its own settings) stay the same, and starts empty when they change. The
-        tokenizer folder ``settings.tokenizer`` is opened when it changes (one that does not load is
-        logged, and its prompts are counted and routed untokenized)."""
+        tokenizer folder ``settings.tokenizer`` is opened when it changes: on a worker thread when the
+        event loop runs (:attr:`tokenizer_opening`; a second or so with its fast encoder's check), the
+        previous tokenizer (or none: prompts routed on their text) serving meanwhile; a folder that does
+        not load is logged, and its prompts are counted and routed untokenized."""
         folder = "" if settings is None else settings.tokenizer
         if folder != self._tokenizer_folder:
             self._tokenizer_folder = folder
-            if self.tokenizer is not None:
-                self.tokenizer.close()
-            if folder:
-                self.tokenizer = GatewayTokenizer.open(TokenizerSettings(folder), self.metrics)
+            if self.tokenizer_opening is not None:
+                self.tokenizer_opening.cancel()  # superseded: its folder is no longer the configured one
+                self.tokenizer_opening = None
+            try:
+                loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+            except RuntimeError:  # no event loop to keep serving: load here
+                loop = None
+            if not folder:
+                self._use_tokenizer(None)
+            elif loop is None:
+                self._use_tokenizer(GatewayTokenizer.open(TokenizerSettings(folder), self.metrics))
             else:
-                self.tokenizer = None
-                self.metrics.tokenizer_encoder(None)
+                self.tokenizer_opening = loop.create_task(self._open_tokenizer(folder))
         if settings is None:
             self.prefix = None
         elif self.prefix is not None and _identity(self.prefix.settings) == _identity(settings):
             self.prefix.settings = settings
         else:
             self.prefix = PREFIX_SOURCES[PrefixSourceKind(settings.source)](settings, self.metrics)
+
+    async def _open_tokenizer(self, folder: str) -> None:
+        """Load ``folder`` on a worker thread, then tokenize with it (unless a later change superseded it)."""
+        opened = await GatewayTokenizer.open_off_loop(TokenizerSettings(folder), self.metrics)
+        if folder == self._tokenizer_folder:
+            self.tokenizer_opening = None
+            self._use_tokenizer(opened)
+        else:
+            opened.close()
+
+    def _use_tokenizer(self, tokenizer: GatewayTokenizer | None) -> None:
+        """Tokenize later prompts with ``tokenizer`` (``None``: none), the previous one closed."""
+        if self.tokenizer is not None:
+            self.tokenizer.close()
+        self.tokenizer = tokenizer
+        if tokenizer is None:
+            self.metrics.tokenizer_encoder(None)
 
     def engine_sampled(self, address: str, queries: float | None, hits: float | None) -> None:
         """An engine's prefix-cache counters (tokens, since it started) arrived with its load sample."""
@@ -291,7 +322,9 @@ class Router:
         lease.move_decode(served)
 
     def close(self) -> None:
-        """Stop the gateway tokenizer's thread, if any (the server is stopping)."""
+        """Stop the gateway tokenizer's thread, if any, and a tokenizer load (the server is stopping)."""
+        if self.tokenizer_opening is not None:
+            self.tokenizer_opening.cancel()
         if self.tokenizer is not None:
             self.tokenizer.close()
 

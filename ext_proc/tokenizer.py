@@ -191,14 +191,23 @@ def load_prompt_tokenizer(settings: TokenizerSettings) -> LoadedTokenizer:
     wrong with it. A folder without a chat template loads (chats are then not tokenized)."""
     folder = Path(settings.folder)
     spec_file = folder / "tokenizer.json"
+    if not folder.is_dir():
+        raise TokenizerLoadError(
+            f"{folder}: no such folder" if not folder.exists() else f"{folder}: not a folder"
+        )
+    if not spec_file.exists():
+        raise TokenizerLoadError(
+            f"{folder}: no tokenizer.json in it (a model's tokenizer as transformers saves it)"
+        )
     try:
         spec_text = spec_file.read_text(encoding="utf-8")
+    except (OSError, ValueError) as exc:  # ValueError: not UTF-8
+        raise TokenizerLoadError(f"{spec_file}: cannot read: {exc}") from exc
+    try:
         tokenizer = Tokenizer.from_str(spec_text)
         spec = json.loads(spec_text)
-    except (
-        Exception
-    ) as exc:  # OSError, ValueError, or the Rust side's Exception for a file that is not a tokenizer
-        raise TokenizerLoadError(f"{spec_file}: {exc}") from exc
+    except Exception as exc:  # ValueError, or the Rust side's Exception for a file that is not a tokenizer
+        raise TokenizerLoadError(f"{spec_file}: not a tokenizer: {exc}") from exc
     config_file = folder / "tokenizer_config.json"
     try:
         config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.exists() else {}
@@ -217,6 +226,22 @@ def load_prompt_tokenizer(settings: TokenizerSettings) -> LoadedTokenizer:
         PrefixTokenCache(settings.cache_entries, settings.cache_tokens, settings.cache_ttl_s),
     )
     return LoadedTokenizer(prompt_tokenizer, name, why)
+
+
+def check_folder(folder: str) -> None:
+    """Raise :class:`TokenizerLoadError` when ``folder`` does not load (``pd-extproc check-config``).
+
+    Its files are read and parsed as :func:`load_prompt_tokenizer` reads them; no fast encoder is
+    checked (a folder that loads always has an encoder: ``tokenizers``)."""
+    load_prompt_tokenizer(TokenizerSettings(folder, cache_entries=0, fast_encoders=()))
+
+
+def load_folder(settings: TokenizerSettings) -> LoadedTokenizer | TokenizerLoadError:
+    """:func:`load_prompt_tokenizer`, its error returned rather than raised (for a worker thread)."""
+    try:
+        return load_prompt_tokenizer(settings)
+    except TokenizerLoadError as exc:
+        return exc
 
 
 class TokenizeSink(Protocol):
@@ -250,11 +275,22 @@ class GatewayTokenizer:
     def open(cls, settings: TokenizerSettings, sink: TokenizeSink) -> GatewayTokenizer:
         """A gateway tokenizer for ``settings.folder``; one that answers ``None`` when it does not load.
 
-        Logs which encoder it runs and why, and tells ``sink`` (``None``: no tokenizer)."""
-        try:
-            loaded = load_prompt_tokenizer(settings)
-        except TokenizerLoadError as exc:
-            log.error("tokenizer folder unusable, prompts are routed on the approximate index: %s", exc)
+        Loads on the calling thread (:meth:`open_off_loop` does not), logs which encoder it runs and why,
+        and tells ``sink`` (``None``: no tokenizer)."""
+        return cls.opened(settings, load_folder(settings), sink)
+
+    @classmethod
+    async def open_off_loop(cls, settings: TokenizerSettings, sink: TokenizeSink) -> GatewayTokenizer:
+        """:meth:`open`, the folder loaded (and its fast encoder checked) on a worker thread."""
+        return cls.opened(settings, await asyncio.to_thread(load_folder, settings), sink)
+
+    @classmethod
+    def opened(
+        cls, settings: TokenizerSettings, loaded: LoadedTokenizer | TokenizerLoadError, sink: TokenizeSink
+    ) -> GatewayTokenizer:
+        """The gateway tokenizer of ``loaded`` (what :func:`load_folder` gave); logged, ``sink`` told."""
+        if isinstance(loaded, TokenizerLoadError):
+            log.error("tokenizer folder unusable, prompts are routed on the approximate index: %s", loaded)
             sink.tokenizer_encoder(None)
             return cls(None, sink)
         log.info("tokenizer %s encodes with %s: %s", settings.folder, loaded.encoder, loaded.why)
@@ -290,5 +326,5 @@ class GatewayTokenizer:
             log.warning("prompt not tokenized (%s, logged once; counted after): %s", reason.value, message)
 
     def close(self) -> None:
-        """Stop the worker thread (after the prompt it is tokenizing, if any)."""
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        """Stop the worker thread once the prompts already asked for are tokenized (without waiting)."""
+        self._executor.shutdown(wait=False)

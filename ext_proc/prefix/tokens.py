@@ -24,8 +24,9 @@ per-request ``chat_template``, ``continue_final_message``, a template that raise
 **The prefix cache.** A conversation's next turn renders to a text that extends the previous turn's
 (the messages so far, then the new ones), and a shared system prompt renders to the same leading text
 in every conversation. :class:`PromptTokenizer` keeps the token ids of recent rendered texts up to a
-message boundary, keyed by a hash of that text (:class:`PrefixTokenCache`: bounded in entries and
-tokens, each entry kept ``ttl_s`` after its last use), and tokenizes only what follows the longest
+message boundary (:class:`PrefixTokenCache`: bounded in entries and tokens, each entry kept ``ttl_s``
+after its last use; looked up by the prefix's length and its last :data:`KEY_CHARS` characters, a hit
+then compared whole with the text, a memory compare), and tokenizes only what follows the longest
 cached prefix found at any message's content start or end. Each request adds at most three prefixes:
 to the end of its first message (a shared system prompt), to the end of its last, and its whole text
 (which the conversation's next turn extends); a prefix per message would hold a conversation's tokens
@@ -48,7 +49,6 @@ thread-safe: one thread at a time per :class:`PromptTokenizer`.
 from __future__ import annotations
 
 import enum
-import hashlib
 import json
 from array import array
 from collections import OrderedDict
@@ -65,6 +65,10 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 SEAM_CHARS = 64
 """Characters on each side of a join between two separately encoded pieces that are encoded again."""
+KEY_CHARS = 64
+"""The last characters of a prefix that, with its length, look it up in the :class:`PrefixTokenCache`."""
+_PROBE_CHARS = 32
+"""The leading characters of a message's content searched for before the whole content is compared."""
 _TEXT_PARTS = {
     "text": "text",
     "input_text": "text",
@@ -320,10 +324,11 @@ def conversation(messages: object, content_format: ContentFormat) -> list[dict[s
 
 @dataclass(slots=True)
 class _Prefix:
-    """The token ids of a rendered text up to a boundary, and when the entry is dropped unless used again.
+    """A rendered text up to a boundary, its token ids, and when the entry is dropped unless used again.
 
     ``ids`` are unsigned 32-bit (4 bytes a token id, a tenth of a Python list's); ``expires`` in seconds."""
 
+    text: str
     ids: array[int]
     expires: float
 
@@ -331,40 +336,46 @@ class _Prefix:
 class PrefixTokenCache:
     """Recent rendered-text prefixes and their token ids, least recently used first.
 
-    At most ``max_entries`` entries and ``max_tokens`` token ids in all (4 bytes each); an entry unused
-    for ``ttl_s`` seconds is dropped. Keys are 16-byte BLAKE2b digests of the prefix text's UTF-8."""
+    At most ``max_entries`` entries and ``max_tokens`` token ids in all (4 bytes each, and the prefix's
+    text: about as much again for English text); an entry unused for ``ttl_s`` seconds is dropped. An
+    entry is found by its text's length and last :data:`KEY_CHARS` characters, and answers only when
+    its whole text is the one asked for."""
 
     def __init__(self, max_entries: int, max_tokens: int, ttl_s: float) -> None:
         self.max_entries = max_entries
         self.max_tokens = max_tokens
         self.ttl_s = ttl_s
-        self._entries: OrderedDict[bytes, _Prefix] = OrderedDict()
+        self._entries: OrderedDict[tuple[int, str], _Prefix] = OrderedDict()
         self.tokens = 0
         """Token ids held, all entries together."""
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, key: bytes, now: float) -> _Prefix | None:
-        """The entry under ``key``, made most recent, kept ``ttl_s`` more; ``None`` when absent or old."""
+    def get(self, text: str, end: int, now: float) -> array[int] | None:
+        """The ids of ``text[:end]`` (made most recent, kept ``ttl_s`` more); ``None`` when not held.
+
+        The caller leaves them unchanged. O(``end``) at most (one compare), O(:data:`KEY_CHARS`) on a miss."""
+        key = _key(text, end)
         entry = self._entries.get(key)
-        if entry is None:
+        if entry is None or not text.startswith(entry.text):
             return None
         if entry.expires <= now:
             self._drop(key)
             return None
         entry.expires = now + self.ttl_s
         self._entries.move_to_end(key)
-        return entry
+        return entry.ids
 
-    def put(self, key: bytes, ids: array[int], now: float) -> None:
-        """Hold ``ids`` (kept, not copied: the caller leaves it unchanged) under ``key``, replacing what
-        was there, then evict to the bounds."""
+    def put(self, text: str, end: int, ids: array[int], now: float) -> None:
+        """Hold ``ids`` (kept, not copied: the caller leaves it unchanged) as those of ``text[:end]``,
+        replacing what was held for a text of that length and ending, then evict to the bounds."""
+        key = _key(text, end)
         if key in self._entries:
             self._drop(key)
         if len(ids) > self.max_tokens or self.max_entries < 1:
             return
-        self._entries[key] = _Prefix(ids, now + self.ttl_s)
+        self._entries[key] = _Prefix(text[:end], ids, now + self.ttl_s)
         self.tokens += len(ids)
         while self._entries and (
             len(self._entries) > self.max_entries
@@ -373,20 +384,23 @@ class PrefixTokenCache:
         ):
             self._drop(next(iter(self._entries)))
 
-    def _drop(self, key: bytes) -> None:
+    def _drop(self, key: tuple[int, str]) -> None:
         self.tokens -= len(self._entries.pop(key).ids)
 
 
-def _prefix_keys(text: str, positions: list[int]) -> list[bytes]:
-    """The cache key of ``text[:p]`` for each of the ascending ``positions``, in one pass over the text."""
-    digest = hashlib.blake2b(digest_size=16)
-    keys: list[bytes] = []
-    start = 0
-    for position in positions:
-        digest.update(text[start:position].encode("utf-8", "surrogatepass"))
-        keys.append(digest.copy().digest())
-        start = position
-    return keys
+def _key(text: str, end: int) -> tuple[int, str]:
+    """The cache key of ``text[:end]``: its length and its last :data:`KEY_CHARS` characters."""
+    return end, text[max(0, end - KEY_CHARS) : end]
+
+
+def _find_part(text: str, part: str, position: int) -> int:
+    """``text.find(part, position)``, found faster for a long ``part``: its first :data:`_PROBE_CHARS`
+    characters searched for, then the whole compared where they occur."""
+    probe = part[:_PROBE_CHARS]
+    at = text.find(probe, position)
+    while at >= 0 and not text.startswith(part, at):
+        at = text.find(probe, at + 1)
+    return at
 
 
 def _find(text: str, parts: list[str], position: int) -> tuple[int, int] | None:
@@ -395,7 +409,7 @@ def _find(text: str, parts: list[str], position: int) -> tuple[int, int] | None:
     From the start of the first to the end of the last; ``None`` when one is missing or all are empty."""
     span: tuple[int, int] | None = None
     for part in filter(None, parts):
-        at = text.find(part, position)
+        at = _find_part(text, part, position)
         if at < 0:
             return None
         position = at + len(part)
@@ -527,13 +541,12 @@ class PromptTokenizer:
         if add_special and self._added is None:
             return Tokenized(self._encode_piece(text, True), 0)
         positions = sorted({p for p in (*lookups, *stores) if 0 < p <= len(text)})
-        keys = dict(zip(positions, _prefix_keys(text, positions), strict=True))
         base, known = 0, array("I")  # the ids of text[:base], as the cache holds them
         for position in reversed(positions):
-            prefix = self.cache.get(keys[position], now)
+            prefix = self.cache.get(text, position, now)
             if prefix is not None:
                 if self._seam_agrees(text, position):
-                    base, known = position, prefix.ids[:]  # copied: extended below
+                    base, known = position, prefix[:]  # copied: extended below
                 break
         ids, cached = known.tolist(), len(known)
         start = base
@@ -544,8 +557,8 @@ class PromptTokenizer:
             piece = self._encode_piece(text[start:end], False)
             ids += piece
             known.extend(piece)  # only the new ids are converted; the cache gets a copy of the array
-            if end in keys and end in stores:
-                self.cache.put(keys[end], known[:], now)
+            if end in stores:
+                self.cache.put(text, end, known[:], now)
             start = end
         if add_special and self._added is not None:
             head, tail = self._added

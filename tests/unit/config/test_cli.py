@@ -14,6 +14,7 @@ from ext_proc.affinity.config import AutoConfig
 from ext_proc.cli import main
 from ext_proc.config import ENV_AFFINITY_BONUS, ENV_AFFINITY_MODE, load_config
 from ext_proc.prefix.config import PrefixConfig
+from sim.tokenizer_folder import write_tokenizer_folder
 
 SHIPPED_CONFIG = Path(__file__).resolve().parents[3] / "config" / "pd-extproc.yaml"
 
@@ -145,3 +146,48 @@ def test_check_config_needs_a_file(capsys: pytest.CaptureFixture[str]) -> None:
         main(["check-config"])
     assert exit_info.value.code == 2
     assert "the following arguments are required: --config" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda folder: None, "no such folder"),
+        (lambda folder: folder.mkdir(), "no tokenizer.json in it"),
+        (
+            lambda folder: (folder.mkdir(), (folder / "tokenizer.json").mkdir())[-1],
+            "tokenizer.json: cannot read",
+        ),
+        (
+            lambda folder: (folder.mkdir(), (folder / "tokenizer.json").write_text("{}"))[-1],
+            "not a tokenizer",
+        ),
+    ],
+    ids=["missing", "empty", "unreadable", "not-a-tokenizer"],
+)
+def test_check_config_exits_2_for_a_tokenizer_folder_that_does_not_load(
+    clean_env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path, damage, message: str
+) -> None:
+    folder = tmp_path / "tokenizer"
+    damage(folder)
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        f"affinity:\n  prefix:\n    enabled: true\n    source: kv-events\n    tokenizer: '{folder}'\n"
+    )
+    assert main(["check-config", "--config", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith(f"pd-extproc: invalid configuration: affinity.prefix.tokenizer: {folder}")
+    assert message in captured.err and "no_tokenizer" in captured.err
+    path.write_text(f"affinity:\n  prefix:\n    enabled: false\n    tokenizer: '{folder}'\n")
+    assert main(["check-config", "--config", str(path)]) == 0  # not used: not loaded
+
+
+def test_check_config_accepts_a_tokenizer_folder_that_loads(
+    clean_env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    docs = sorted((SHIPPED_CONFIG.parents[1] / "docs").glob("*.md"))[:2]
+    folder = write_tokenizer_folder(tmp_path / "tokenizer", (p.read_text() for p in docs), vocab_size=500)
+    path = tmp_path / "c.yaml"
+    path.write_text(f"affinity:\n  prefix:\n    enabled: true\n    tokenizer: '{folder}'\n")
+    assert main(["check-config", "--config", str(path)]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["affinity"]["prefix"]["tokenizer"] == str(folder)

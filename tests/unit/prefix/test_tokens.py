@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import threading
 from array import array
 from pathlib import Path
@@ -19,6 +20,7 @@ from tokenizers import Tokenizer
 
 from ext_proc.metrics import Metrics
 from ext_proc.prefix.tokens import (
+    KEY_CHARS,
     ChatTemplate,
     PrefixTokenCache,
     PromptTokenizer,
@@ -332,18 +334,28 @@ def test_cached_prefixes_expire_after_their_ttl(folder: Path) -> None:
 
 def test_the_cache_keeps_its_bounds() -> None:
     cache = PrefixTokenCache(max_entries=2, max_tokens=10, ttl_s=5.0)
-    cache.put(b"a", array("I", [1, 2, 3]), now=0.0)
-    cache.put(b"b", array("I", [1, 2, 3]), now=0.0)
-    assert cache.get(b"a", now=1.0) is not None  # a is now the most recent
-    cache.put(b"c", array("I", [1, 2, 3]), now=1.0)
+    cache.put("a", 1, array("I", [1, 2, 3]), now=0.0)
+    cache.put("b", 1, array("I", [1, 2, 3]), now=0.0)
+    assert cache.get("a", 1, now=1.0) is not None  # a is now the most recent
+    cache.put("c", 1, array("I", [1, 2, 3]), now=1.0)
     assert (len(cache), cache.tokens) == (2, 6)
-    assert cache.get(b"b", now=1.0) is None  # the least recent went first
-    cache.put(b"d", array("I", list(range(8))), now=1.0)
+    assert cache.get("b", 1, now=1.0) is None  # the least recent went first
+    cache.put("d", 1, array("I", list(range(8))), now=1.0)
     assert (len(cache), cache.tokens) == (1, 8)  # ten tokens at most
-    cache.put(b"e", array("I", list(range(11))), now=1.0)
-    assert cache.get(b"e", now=1.0) is None  # longer than the whole cache: not held
-    assert cache.get(b"d", now=6.0) is None  # unused for ttl_s
+    cache.put("e", 1, array("I", list(range(11))), now=1.0)
+    assert cache.get("e", 1, now=1.0) is None  # longer than the whole cache: not held
+    assert cache.get("d", 1, now=6.0) is None  # unused for ttl_s
     assert (len(cache), cache.tokens) == (0, 0)
+
+
+def test_the_cache_answers_only_for_the_same_whole_text() -> None:
+    """Two prefixes of one length and one ending share a key: the held one answers only for its text."""
+    cache = PrefixTokenCache(max_entries=8, max_tokens=100, ttl_s=5.0)
+    ending = "x" * KEY_CHARS
+    cache.put("first " + ending + " and more", 6 + KEY_CHARS, array("I", [1, 2]), now=0.0)
+    assert cache.get("first " + ending + " then", 6 + KEY_CHARS, now=1.0) == array("I", [1, 2])
+    assert cache.get("other " + ending + " and more", 6 + KEY_CHARS, now=1.0) is None
+    assert cache.get("first " + ending, 5 + KEY_CHARS, now=1.0) is None  # another length
 
 
 # --- failures -----------------------------------------------------------------------------------------
@@ -390,6 +402,24 @@ def test_an_unusable_folder_is_a_load_error(folder: Path, tmp_path: Path, damage
     copy = with_template(folder, tmp_path, "{{ messages }}")
     damage(copy)
     with pytest.raises(TokenizerLoadError, match=str(copy)):
+        load_prompt_tokenizer(TokenizerSettings(str(copy)))
+
+
+@pytest.mark.parametrize(
+    ("damage", "says"),
+    [
+        (lambda d: shutil.rmtree(d), "no such folder"),
+        (lambda d: (shutil.rmtree(d), d.write_text("a file"))[-1], "not a folder"),
+        (lambda d: (d / "tokenizer.json").unlink(), "no tokenizer.json in it"),
+        (lambda d: ((d / "tokenizer.json").unlink(), (d / "tokenizer.json").mkdir())[-1], "cannot read"),
+        (lambda d: (d / "tokenizer.json").write_text("{not json"), "not a tokenizer"),
+    ],
+    ids=["no-folder", "a-file", "no-tokenizer-json", "unreadable", "not-a-tokenizer"],
+)
+def test_an_unusable_folder_says_what_is_wrong(folder: Path, tmp_path: Path, damage, says: str) -> None:
+    copy = with_template(folder, tmp_path, "{{ messages }}")
+    damage(copy)
+    with pytest.raises(TokenizerLoadError, match=says):
         load_prompt_tokenizer(TokenizerSettings(str(copy)))
 
 

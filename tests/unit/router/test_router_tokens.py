@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import threading
+from pathlib import Path
 
 from builders import CHAT_META, DEFAULT_MAX_TOKENS, P1, PREFILL, endpoint, make_router, registry_of
 
+from ext_proc import tokenizer as tokenizer_module
 from ext_proc.affinity import Policy
 from ext_proc.handoff import SidecarHandoff
 from ext_proc.metrics import Metrics
@@ -14,6 +17,7 @@ from ext_proc.prefix import PrefixSettings
 from ext_proc.prefix.event_source import KvEventSource
 from ext_proc.prefix.kv_events import BlockStored, EventBatch
 from ext_proc.router import BodyRequest, Router, RouterSettings
+from ext_proc.tokenizer import TokenizerLoadError, TokenizerSettings
 
 P2 = "10.0.0.2:8000"
 D1 = "10.0.1.1:8000"
@@ -119,3 +123,28 @@ async def test_a_reload_that_removes_the_tokenizer_leaves_a_pending_request_unto
     router.set_prefix(PrefixSettings(B, 100, source="kv-events"))
     assert await router.prompt_tokens(request) is None
     assert not isinstance(router.route(request), Refused)
+
+
+async def test_a_folder_changed_again_while_loading_is_superseded(tmp_path, monkeypatch) -> None:
+    """Only the folder configured last is used; the load of one changed away from is dropped."""
+    released = {name: threading.Event() for name in "bc"}
+
+    def load(settings: TokenizerSettings) -> TokenizerLoadError:
+        released[Path(settings.folder).name].wait(10)
+        return TokenizerLoadError(settings.folder)
+
+    router = kv_router(str(tmp_path / "a"))
+    first = router.tokenizer
+    monkeypatch.setattr(tokenizer_module, "load_folder", load)
+    router.set_prefix(PrefixSettings(B, 100, source="kv-events", tokenizer=str(tmp_path / "b")))
+    loading_b = router.tokenizer_opening
+    router.set_prefix(PrefixSettings(B, 100, source="kv-events", tokenizer=str(tmp_path / "c")))
+    assert (loading_b is not None and loading_b.cancelled()) or loading_b.cancelling()
+    assert router.tokenizer is first  # the old one serves until the new one is loaded
+    released["c"].set()
+    opening = router.tokenizer_opening
+    assert opening is not None
+    await opening
+    assert router.tokenizer is not first and router.tokenizer_opening is None
+    released["b"].set()
+    router.close()

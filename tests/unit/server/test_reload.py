@@ -9,6 +9,7 @@ import itertools
 import logging
 import os
 import shutil
+import threading
 from pathlib import Path
 
 import grpc
@@ -18,11 +19,13 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from extproc_messages import body, destination, headers, response_headers
 from polling import until
 
+from ext_proc import tokenizer as tokenizer_module
 from ext_proc.affinity import Mode
 from ext_proc.app import RunningServer, start_server
 from ext_proc.config import ConfigSource
 from ext_proc.discovery.eds import write_eds_file
 from ext_proc.reload import ConfigWatcher
+from ext_proc.tokenizer import TokenizerLoadError, TokenizerSettings
 
 PREFILL, SAME_GROUP, OTHER_GROUP = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
 RELOAD_INTERVAL = 0.05
@@ -305,3 +308,40 @@ async def test_a_server_without_a_config_file_watches_nothing() -> None:
     assert server.reloads is None
     with pytest.raises(ValueError, match="nothing to watch"):
         ConfigWatcher(source, server.config, server.router, server.router.metrics)
+
+
+async def test_a_changed_tokenizer_folder_loads_off_the_loop_while_the_old_one_serves(
+    tmp_path: Path, eds: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The new folder is loaded on a worker thread; requests meanwhile are routed with the old tokenizer."""
+    loading, release, threads = threading.Event(), threading.Event(), []
+
+    def slow_load(settings: TokenizerSettings) -> TokenizerLoadError:
+        threads.append(threading.current_thread().name)
+        loading.set()
+        release.wait(10)
+        return TokenizerLoadError(f"{settings.folder}: no such folder")
+
+    def prefix(folder: str) -> str:
+        return f"{{enabled: true, source: kv-events, tokenizer: '{tmp_path / folder}'}}"
+
+    mount = ConfigMapMount(tmp_path / "mount", config_text(eds, "prefer", prefix=prefix("a")))
+    server = await serve(mount)
+    try:
+        old = server.router.tokenizer
+        assert old is not None and old.tokenizer is None  # the folder is missing: loaded, unusable
+        monkeypatch.setattr(tokenizer_module, "load_folder", slow_load)
+        mount.update(config_text(eds, "prefer", prefix=prefix("b")))
+        await asyncio.to_thread(loading.wait, 10)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+            stub = pb_grpc.ExternalProcessorStub(channel)
+            assert await route(stub) in (SAME_GROUP, OTHER_GROUP)  # the loop serves while it loads
+        assert server.router.tokenizer is old
+        assert sample(server, "pd_extproc_tokenize_fallbacks_total", reason="no_tokenizer") == 1
+        release.set()
+        await until(lambda: server.router.tokenizer is not old)
+        assert threads and threads[0] != threading.main_thread().name
+        assert server.router.tokenizer_opening is None
+    finally:
+        release.set()
+        await server.stop(grace=0)
