@@ -114,7 +114,7 @@ def check_ids(
     checks = [(text, special) for text in check_corpus(texts, sorted(specials)) for special in (False, True)]
     checks += [(text, False) for text in vocabulary_corpus(vocabulary)]
     for text, add_special in checks:
-        if candidate.encode(text, add_special) != reference.encode(text, add_special):
+        if list(candidate.encode(text, add_special)) != list(reference.encode(text, add_special)):
             raise NotRepresentable(f"its ids differ from the tokenizer's on {text[:80]!r}")
 
 

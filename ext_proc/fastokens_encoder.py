@@ -14,6 +14,8 @@ encodes one prompt at a time on its tokenizer thread, and the other cores serve 
 from __future__ import annotations
 
 import os
+import sys
+from array import array
 from collections.abc import Iterable, Mapping
 
 import fastokens
@@ -29,16 +31,21 @@ class FastokensEncoder:
     """A :class:`~ext_proc.prefix.tokens.TextEncoder` on fastokens (releases the GIL while it encodes).
 
     Added tokens written in the text are encoded as themselves and the post-processor adds its special
-    tokens, as in ``tokenizers``; a lone surrogate raises :class:`UnicodeEncodeError`."""
+    tokens, as in ``tokenizers``; a lone surrogate raises :class:`UnicodeEncodeError`. The ids come as
+    an unsigned 32-bit array, copied from fastokens' buffer: no Python int is made for them."""
 
     def __init__(self, tokenizer: fastokens.Tokenizer) -> None:
         tokenizer.no_truncation()
         tokenizer.no_padding()
         self._tokenizer = tokenizer
 
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool) -> array[int]:
         """``text``'s token ids, with the post-processor's special tokens when ``add_special_tokens``."""
-        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        flat, _ = self._tokenizer.encode_batch_flat([text], add_special_tokens=add_special_tokens)
+        ids = array("I", flat)  # little-endian uint32
+        if sys.byteorder == "big":
+            ids.byteswap()
+        return ids
 
 
 def fastokens_encoder(
@@ -49,6 +56,8 @@ def fastokens_encoder(
     Raises :class:`~ext_proc.encoder_check.NotRepresentable` when fastokens refuses the tokenizer, or
     when an id differs from ``reference``'s on the check corpus of ``texts``, the added tokens and the
     vocabulary (:func:`ext_proc.encoder_check.check_ids`)."""
+    if array("I").itemsize != 4:
+        raise NotRepresentable("this machine's unsigned int is not the 32 bits of fastokens' ids")
     os.environ.setdefault("FASTOKENS_BPE_THREADS", BPE_THREADS)
     try:
         encoder = FastokensEncoder(fastokens.Tokenizer.from_json_str(spec_text))

@@ -52,7 +52,7 @@ import enum
 import json
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Literal, NamedTuple, NoReturn, Protocol
@@ -111,8 +111,9 @@ class TokenizeFailure(Exception):
 class TextEncoder(Protocol):
     """A tokenizer's text-to-ids step: what :class:`PromptTokenizer` needs of a tokenizer."""
 
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        """``text``'s token ids; with the post-processor's special tokens (e.g. BOS) when asked.
+    def encode(self, text: str, add_special_tokens: bool) -> Sequence[int]:
+        """``text``'s token ids (a list, or an unsigned 32-bit array); with the post-processor's special
+        tokens (e.g. BOS) when asked.
 
         May raise any exception for a text it cannot encode (e.g. a lone surrogate)."""
         ...
@@ -539,7 +540,7 @@ class PromptTokenizer:
         Prefixes are looked up at ``lookups`` and ``stores`` (character offsets); the rest is cut at the
         ``stores`` past the prefix, and the ids up to each of them are cached for later texts."""
         if add_special and self._added is None:
-            return Tokenized(self._encode_piece(text, True), 0)
+            return Tokenized(list(self._encode_piece(text, True)), 0)
         positions = sorted({p for p in (*lookups, *stores) if 0 < p <= len(text)})
         base, known = 0, array("I")  # the ids of text[:base], as the cache holds them
         for position in reversed(positions):
@@ -548,24 +549,22 @@ class PromptTokenizer:
                 if self._seam_agrees(text, position):
                     base, known = position, prefix[:]  # copied: extended below
                 break
-        ids, cached = known.tolist(), len(known)
-        start = base
+        cached, start = len(known), base
         for end in sorted({s for s in stores if base < s < len(text)} | {len(text)}):
             if start > base and not self._seam_agrees(text, start):
-                ids, cached = self._encode_piece(text, False), 0
+                known, cached = array("I", self._encode_piece(text, False)), 0
                 break
-            piece = self._encode_piece(text[start:end], False)
-            ids += piece
-            known.extend(piece)  # only the new ids are converted; the cache gets a copy of the array
+            known.extend(self._encode_piece(text[start:end], False))
             if end in stores:
-                self.cache.put(text, end, known[:], now)
+                self.cache.put(text, end, known[:], now)  # a copy: extended after
             start = end
+        ids = known.tolist()  # the one conversion to Python ints, as the chain of blocks reads them
         if add_special and self._added is not None:
             head, tail = self._added
             ids = head + ids + tail
         return Tokenized(ids, cached)
 
-    def _encode_piece(self, text: str, add_special: bool) -> list[int]:
+    def _encode_piece(self, text: str, add_special: bool) -> Sequence[int]:
         try:
             return self._encoder.encode(text, add_special)
         except Exception as exc:  # an encoder may raise anything (the Rust side's plain Exception)
@@ -589,5 +588,5 @@ def added_specials(encoder: TextEncoder) -> tuple[list[int], list[int]] | None:
     full = encoder.encode(_PROBE, True)
     for start in range(len(full) - len(plain) + 1):
         if full[start : start + len(plain)] == plain:
-            return full[:start], full[start + len(plain) :]
+            return list(full[:start]), list(full[start + len(plain) :])
     return None
