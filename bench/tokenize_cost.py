@@ -16,9 +16,10 @@ model's). The prompt is a conversation of prose paragraphs from those docs: a sy
   thread and back included), and ``cold`` likewise.
 - ``render``, ``encode``: the cold path's two parts, the chat template alone and the encoder alone.
 
-Each path is timed for both encoders the gateway may run (:data:`ext_proc.tokenizer.ENCODERS`):
-``tiktoken`` (when it loads for the folder: checked equal to ``tokenizers`` at load) and ``tokenizers``,
-on the same conversations, and the two answers are compared id for id.
+Each path is timed for each encoder the gateway may run (:data:`ext_proc.tokenizer.ENCODERS`):
+``fastokens`` and ``tiktoken`` (each when it loads for the folder: checked equal to ``tokenizers`` at
+load) and ``tokenizers``, on the same conversations, and every answer is compared id for id with
+``tokenizers``'.
 
 Each is timed with ``time.perf_counter`` over ``--reps`` repetitions: p50 and p90 in ms (nearest rank).
 
@@ -47,7 +48,13 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from ext_proc.prefix.tokens import PrefixTokenCache
-from ext_proc.tokenizer import ENCODERS, GatewayTokenizer, TokenizerSettings, load_prompt_tokenizer
+from ext_proc.tokenizer import (
+    ENCODERS,
+    FAST_ENCODERS,
+    GatewayTokenizer,
+    TokenizerSettings,
+    load_prompt_tokenizer,
+)
 from sim.report import percentile
 from sim.tokenizer_folder import write_tokenizer_folder
 
@@ -159,21 +166,21 @@ def measure(folder: Path, reps: int, seed: int = 1) -> dict[str, Any]:
     result: dict[str, Any] = {"folder": str(folder), "vocab": raw.get_vocab_size(), "reps": reps}
     answers: dict[str, list[list[int]]] = {}
     for encoder in ENCODERS:
-        settings = TokenizerSettings(str(folder), try_tiktoken=encoder == "tiktoken")
+        fast = tuple(e for e in FAST_ENCODERS if e == encoder)
+        settings = TokenizerSettings(str(folder), fast_encoders=fast)
         loaded = load_prompt_tokenizer(settings)
         if loaded.encoder != encoder:
             print(f"{encoder} not used for {folder}: {loaded.why}", file=sys.stderr)
             continue
         result[encoder], answers[encoder] = measure_encoder(settings, bodies)
-    if len(answers) == len(ENCODERS):
-        result["ids_equal"] = answers["tiktoken"] == answers["tokenizers"]
+    result["ids_equal"] = {e: answers[e] == answers["tokenizers"] for e in answers if e != "tokenizers"}
     return result
 
 
 def measure_encoder(
     settings: TokenizerSettings, bodies: list[tuple[dict[str, Any], dict[str, Any]]]
 ) -> tuple[dict[str, Any], list[list[int]]]:
-    """One encoder's timings over ``bodies`` (its setting ``try_tiktoken``), and its cached answers."""
+    """One encoder's timings over ``bodies`` (its setting ``fast_encoders``), and its cached answers."""
     cold_tokenizer = load_prompt_tokenizer(replace(settings, cache_entries=0)).tokenizer
     for body, _ in bodies[:3]:  # warm the BPE's word cache and jinja's compiled template
         cold_tokenizer.tokens(body, CHAT, 0.0)
@@ -258,8 +265,8 @@ def report(result: dict[str, Any]) -> str:
         cells = [f"{result[e][name]['p50_ms']:>18.3f}{result[e][name]['p90_ms']:>8.3f}" for e in encoders]
         lines.append(f"{name:<16}" + "".join(cells))
     lines.append("(awaited_cold: the ~10k-token earlier turn, cold, through the worker thread)")
-    if "ids_equal" in result:
-        lines.append(f"tiktoken's ids equal tokenizers' on every cached answer: {result['ids_equal']}")
+    for encoder, equal in result["ids_equal"].items():
+        lines.append(f"{encoder}'s ids equal tokenizers' on every cached answer: {equal}")
     for when in ("before", "after"):
         machine = result["machine"][when]
         lines.append(
