@@ -163,13 +163,10 @@ class Router:
             self.prefix = PREFIX_SOURCES[PrefixSourceKind(settings.source)](settings, self.metrics)
 
     async def _open_tokenizer(self, folder: str) -> None:
-        """Load ``folder`` on a worker thread, then tokenize with it (unless a later change superseded it)."""
+        """Load ``folder`` on a worker thread, then tokenize with it (a later change cancels this first)."""
         opened = await GatewayTokenizer.open_off_loop(TokenizerSettings(folder), self.metrics)
-        if folder == self._tokenizer_folder:
-            self.tokenizer_opening = None
-            self._use_tokenizer(opened)
-        else:
-            opened.close()
+        self.tokenizer_opening = None
+        self._use_tokenizer(opened)
 
     def _use_tokenizer(self, tokenizer: GatewayTokenizer | None) -> None:
         """Tokenize later prompts with ``tokenizer`` (``None``: none), the previous one closed."""

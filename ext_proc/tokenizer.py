@@ -69,7 +69,8 @@ class TokenizerSettings:
 
     ``folder``: the model's tokenizer folder (``tokenizer.json``, ``tokenizer_config.json``); the prefix
     cache holds at most ``cache_entries`` rendered-text prefixes and ``cache_tokens`` token ids in all
-    (4 bytes each: 16 MB by default), an entry unused for ``cache_ttl_s`` seconds is dropped;
+    (4 bytes each: 16 MB by default, and the prefixes' text, about as much again for English text), an
+    entry unused for ``cache_ttl_s`` seconds is dropped;
     ``fast_encoders``: the fast encoders tried (and checked), in order, before the ``tokenizers``
     encoder."""
 
