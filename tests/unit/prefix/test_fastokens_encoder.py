@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from array import array
 from pathlib import Path
 
@@ -112,3 +113,16 @@ def test_the_encoder_in_use_is_logged_and_in_the_metrics(
     value = metrics.registry.get_sample_value
     encoders = ("fastokens", "tiktoken", "tokenizers")
     assert [value("pd_extproc_tokenizer_encoder", {"encoder": e}) for e in encoders] == [1, 0, 0]
+
+
+@pytest.mark.parametrize(("preset", "threads"), [(None, "1"), ("3", "3")])
+def test_fastokens_is_held_to_one_encoder_thread_unless_the_environment_says(
+    folder: Path, monkeypatch: pytest.MonkeyPatch, preset: str | None, threads: str
+) -> None:
+    if preset is None:
+        monkeypatch.delenv("FASTOKENS_BPE_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("FASTOKENS_BPE_THREADS", preset)
+    spec_text = (folder / "tokenizer.json").read_text(encoding="utf-8")
+    fastokens_encoder(spec_text, json.loads(spec_text), reference_of(folder), [])
+    assert os.environ["FASTOKENS_BPE_THREADS"] == threads
