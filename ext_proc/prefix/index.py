@@ -205,7 +205,8 @@ class _Lru:
     def touch(self, hashes: Sequence[int]) -> None:
         """Touch the chain ``hashes`` tail first: its head becomes the most recently used block."""
         held = self.depth(hashes)
-        self._supersede(hashes, held)
+        if held:
+            self._supersede(hashes, held)
         self.live += len(hashes) - held
         top = self.base + len(self.order)
         self.positions.update(zip(hashes, repeat(top + len(hashes) - 1)))
@@ -218,8 +219,11 @@ class _Lru:
         positions, superseded, base = self.positions, self.superseded, self.base
         depth = 0
         while depth < held:
-            value = positions[hashes[depth]]
-            end = _last_true(lambda n, value=value: positions[hashes[n - 1]] == value, depth + 1, held)
+            value = positions.get(hashes[depth])
+            if value is None:  # (a hash met twice in one chain: the prefix is not all held)
+                depth += 1
+                continue
+            end = _last_true(lambda n, value=value: positions.get(hashes[n - 1]) == value, depth + 1, held)
             superseded[value - end + 1 - base : value - depth + 1 - base] = b"\x01" * (end - depth)
             depth = end
 
@@ -247,8 +251,8 @@ class _Lru:
             return
         kept = self.superseded[start:].translate(_NOT)
         held = list(compress(self.order[start:], kept))
-        old = compress(range(self.floor, self.base + len(self.order)), kept)
-        depths = map(sub, map(self.positions.__getitem__, held), old)
+        old = list(compress(range(self.floor, self.base + len(self.order)), kept))
+        depths = map(sub, map(self.positions.get, held, old), old)
         self.positions = dict(zip(held, map(add, depths, range(len(held))), strict=True))
         self.order, self.superseded = held, bytearray(len(held))
         self.base = self.floor = 0
