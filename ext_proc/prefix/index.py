@@ -12,17 +12,19 @@ evicts free blocks least recently used first; it frees a request's blocks tail f
 head outlives its tail. :meth:`PrefixIndex.record` touches a prompt's blocks tail first for the same
 reason, so the LRU evicts a prompt from its tail and a shared head stays.
 
-Cost, per prompt rather than per block in Python: each endpoint keeps, per block, the number of the
-recording that last touched it (recordings are numbered in order), and the log of its recordings
-oldest first (each one's blocks tail first). :meth:`PrefixIndex.record` stamps a whole chain with one
-``dict.update`` and evicts from the log's oldest recording on: its blocks still stamped with its
-number, in its order (a block touched since is evicted later, with that recording). Both loops run in
-C (``map``, ``compress``), and the log is compacted when it outgrows the blocks held twice over, so
-:meth:`PrefixIndex.record` is O(blocks) with small constants and no Python step per block. The order
-is the per-block LRU's: least recently touched first, a recording's tail before its head. Because a
-chain is touched tail first and evicted in that order, the blocks an endpoint holds of any chain are a
-prefix of it, so :meth:`PrefixIndex.match` finds each endpoint's depth by binary search: O(endpoints x
-log blocks). (The event-fed index and the recent placements keep per-block holder sets instead:
+Cost, per prompt rather than per block in Python: each endpoint numbers the blocks it was given in
+the order they were touched (positions; a chain tail first), maps each held block to its last position
+plus its depth (the same value for every block of one recording: one ``dict.update`` a prompt), and
+keeps, per position, the hash touched there and whether the block was touched again since
+(superseded). Eviction is a floor moved up over as many held positions as it drops (``bytearray.count``
+skips the superseded ones) and one C loop deleting those blocks; touching a held head again marks its
+old positions superseded a slice per recording it came from. So :meth:`PrefixIndex.record` is one
+insertion and, later, one deletion a block, both in C, plus O(log blocks) Python steps; the positions
+kept are trimmed (or numbered again) when they outgrow twice the blocks held. The order is the
+per-block LRU's: least recently touched first, a recording's tail before its head. Because a chain is
+touched tail first and evicted in that order, the blocks an endpoint holds of any chain are a prefix
+of it, so :meth:`PrefixIndex.match` finds each endpoint's depth by binary search: O(endpoints x log
+blocks). (The event-fed index and the recent placements keep per-block holder sets instead:
 :class:`Holders`.)
 
 Pure bookkeeping: no clock, no I/O.
