@@ -12,17 +12,19 @@ evicts free blocks least recently used first; it frees a request's blocks tail f
 head outlives its tail. :meth:`PrefixIndex.record` touches a prompt's blocks tail first for the same
 reason, so the LRU evicts a prompt from its tail and a shared head stays.
 
-Cost, per prompt rather than per block in Python: each endpoint keeps, per block, the number of the
-recording that last touched it (recordings are numbered in order), and the log of its recordings
-oldest first (each one's blocks tail first). :meth:`PrefixIndex.record` stamps a whole chain with one
-``dict.update`` and evicts from the log's oldest recording on: its blocks still stamped with its
-number, in its order (a block touched since is evicted later, with that recording). Both loops run in
-C (``map``, ``compress``), and the log is compacted when it outgrows the blocks held twice over, so
-:meth:`PrefixIndex.record` is O(blocks) with small constants and no Python step per block. The order
-is the per-block LRU's: least recently touched first, a recording's tail before its head. Because a
-chain is touched tail first and evicted in that order, the blocks an endpoint holds of any chain are a
-prefix of it, so :meth:`PrefixIndex.match` finds each endpoint's depth by binary search: O(endpoints x
-log blocks). (The event-fed index and the recent placements keep per-block holder sets instead:
+Cost, per prompt rather than per block in Python: each endpoint numbers the blocks it was given in
+the order they were touched (positions; a chain tail first), maps each held block to its last position
+plus its depth (the same value for every block of one recording: one ``dict.update`` a prompt), and
+keeps, per position, the hash touched there and whether the block was touched again since
+(superseded). Eviction is a floor moved up over as many held positions as it drops (``bytearray.count``
+skips the superseded ones) and one C loop deleting those blocks; touching a held head again marks its
+old positions superseded a slice per recording it came from. So :meth:`PrefixIndex.record` is one
+insertion and, later, one deletion a block, both in C, plus O(log blocks) Python steps; the positions
+kept are trimmed (or numbered again) when they outgrow twice the blocks held. The order is the
+per-block LRU's: least recently touched first, a recording's tail before its head. Because a chain is
+touched tail first and evicted in that order, the blocks an endpoint holds of any chain are a prefix
+of it, so :meth:`PrefixIndex.match` finds each endpoint's depth by binary search: O(endpoints x log
+blocks). (The event-fed index and the recent placements keep per-block holder sets instead:
 :class:`Holders`.)
 
 Pure bookkeeping: no clock, no I/O.
@@ -31,9 +33,9 @@ Pure bookkeeping: no clock, no I/O.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import compress, repeat
-from operator import eq
+from operator import add, sub
 
 import numpy as np
 
@@ -173,37 +175,105 @@ class HitArrays:
 
 
 class _Lru:
-    """One endpoint's blocks: each one's last recording, and the log of recordings that orders them."""
+    """One endpoint's blocks in the order they were touched, as positions in that order.
 
-    __slots__ = ("log", "logged", "stamps")
+    Positions number the blocks touched, one after another (a recording's tail first); ``order`` and
+    ``superseded`` cover those from ``base`` on. Positions below ``floor`` are evicted; a position is
+    superseded (1) once its block was touched again, at a later one. A held block maps to its last
+    position plus its depth in its chain (for every block of one recording, its head's position: one
+    value a recording, and a chain's held blocks are runs of equal values). Eviction moves ``floor``
+    up over as many held positions as it drops (``bytearray.count`` skips the superseded ones) and
+    deletes those blocks, all in C loops. Once the positions kept outgrow twice the blocks held, the
+    evicted ones are dropped, or, when superseded ones are most of the rest, the held blocks are
+    numbered again from 0 in the same order."""
+
+    __slots__ = ("base", "floor", "live", "order", "positions", "superseded")
 
     def __init__(self) -> None:
-        self.stamps: dict[int, int] = {}  # block hash → the number of the recording that last touched it
-        self.log: deque[tuple[int, list[int]]] = deque()  # (number, its blocks tail first), oldest first
-        self.logged = 0  # blocks in the log, live or not
+        self.positions: dict[int, int] = {}  # held block hash → its last position + its depth
+        self.order: list[int] = []  # the block hash touched at each position from ``base`` on
+        self.superseded = bytearray()  # per position from ``base`` on: 1 once its block was touched again
+        self.base = 0  # the position of ``order[0]``
+        self.floor = 0  # the first position not evicted
+        self.live = 0  # blocks held: the positions from ``floor`` on that are not superseded
 
-    def live(self, number: int, blocks: list[int]) -> list[int]:
-        """The blocks of recording ``number`` that no later recording touched, in the order it did."""
-        return list(compress(blocks, map(eq, map(self.stamps.get, blocks), repeat(number))))
+    def depth(self, hashes: Sequence[int]) -> int:
+        """How many leading blocks of the chain ``hashes`` are held (they are a prefix: binary search)."""
+        held = self.positions
+        if not hashes or hashes[0] not in held:
+            return 0
+        return _last_true(lambda blocks: hashes[blocks - 1] in held, 1, len(hashes))
+
+    def touch(self, hashes: Sequence[int]) -> None:
+        """Touch the chain ``hashes`` tail first: its head becomes the most recently used block."""
+        held = self.depth(hashes)
+        if held:
+            self._supersede(hashes, held)
+        self.live += len(hashes) - held
+        top = self.base + len(self.order)
+        self.positions.update(zip(hashes, repeat(top + len(hashes) - 1)))
+        self.order += reversed(hashes)
+        self.superseded += bytes(len(hashes))
+
+    def _supersede(self, hashes: Sequence[int], held: int) -> None:
+        """Mark the last positions of the ``held`` leading blocks of ``hashes`` superseded: a slice per
+        run of blocks last touched by one recording (equal values, found by binary search)."""
+        positions, superseded, base = self.positions, self.superseded, self.base
+        depth = 0
+        while depth < held:
+            value = positions.get(hashes[depth])
+            if value is None:  # (a hash met twice in one chain: the prefix is not all held)
+                depth += 1
+                continue
+            end = _last_true(lambda n, value=value: positions.get(hashes[n - 1]) == value, depth + 1, held)
+            superseded[value - end + 1 - base : value - depth + 1 - base] = b"\x01" * (end - depth)
+            depth = end
 
     def evict(self, keep: int) -> None:
-        """Drop the least recently touched blocks until at most ``keep`` are left."""
-        stamps = self.stamps
-        while len(stamps) > keep and self.log:
-            number, logged = self.log.popleft()
-            self.logged -= len(logged)
-            blocks = self.live(number, logged)
-            excess = len(stamps) - keep
-            _consume(map(stamps.pop, blocks[:excess], repeat(None)))
-            if len(blocks) > excess:
-                self.log.appendleft((number, blocks[excess:]))
-                self.logged += len(blocks) - excess
+        """Drop the least recently touched blocks until at most ``keep`` are held."""
+        excess = self.live - keep
+        if excess > 0:
+            start = end = self.floor - self.base
+            skipped = excess  # positions to pass: the held ones to drop, then the superseded among them
+            while skipped and end < len(self.order):
+                end, skipped = end + skipped, self.superseded.count(1, end, end + skipped)
+            end = min(end, len(self.order))
+            dropped = compress(self.order[start:end], self.superseded[start:end].translate(_NOT))
+            _consume(map(self.positions.pop, dropped, repeat(None)))
+            self.floor = self.base + end
+            self.live = keep
+        if len(self.order) > 2 * self.live + 64:
+            self._compact()
 
-    def compact(self) -> None:
-        """Keep only the live blocks of each recording in the log (O(log), in C)."""
-        entries = [(number, self.live(number, blocks)) for number, blocks in self.log]
-        self.log = deque(entry for entry in entries if entry[1])
-        self.logged = sum(len(blocks) for _, blocks in self.log)
+    def _compact(self) -> None:
+        start = self.floor - self.base
+        if self.superseded.count(1, start) <= self.live:  # what is left is at most twice the blocks held
+            del self.order[:start], self.superseded[:start]
+            self.base = self.floor
+            return
+        kept = self.superseded[start:].translate(_NOT)
+        held = list(compress(self.order[start:], kept))
+        old = list(compress(range(self.floor, self.base + len(self.order)), kept))
+        depths = map(sub, map(self.positions.get, held, old), old)
+        self.positions = dict(zip(held, map(add, depths, range(len(held))), strict=True))
+        self.order, self.superseded = held, bytearray(len(held))
+        self.base = self.floor = 0
+        self.live = len(held)
+
+
+def _last_true(holds: Callable[[int], bool], low: int, high: int) -> int:
+    """The largest ``n`` in ``[low, high]`` with ``holds(n)``, for ``holds`` true up to some ``n`` and
+    false after, and true at ``low``: binary search."""
+    while low < high:
+        middle = (low + high + 1) // 2
+        if holds(middle):
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+_NOT = bytes([1, 0]) + bytes(254)  # a bytes.translate table: 0 → 1, 1 → 0
 
 
 def _consume(items: Iterable[object]) -> None:
@@ -224,26 +294,16 @@ class PrefixIndex:
         self.hit_arrays = HitArrays(block_tokens)
         self._lrus: dict[str, _Lru] = {}  # address → its blocks
         self._scales: dict[str, float] = {}  # address → self-correction factor of its capacity
-        self._recordings = 0  # numbers every recording: a later one has a larger number
 
     def match(self, hashes: Sequence[int]) -> dict[str, int]:
         """How many leading blocks of the chain ``hashes`` each endpoint holds, by address (>= 1 each)."""
         depth: dict[str, int] = {}
         if not hashes:
             return depth
-        first = hashes[0]
         for address, lru in self._lrus.items():
-            held = lru.stamps
-            if first not in held:
-                continue
-            low, high = 1, len(hashes)  # held: a prefix of at least ``low`` blocks, at most ``high``
-            while low < high:
-                middle = (low + high + 1) // 2
-                if hashes[middle - 1] in held:
-                    low = middle
-                else:
-                    high = middle - 1
-            depth[address] = low
+            held = lru.depth(hashes)
+            if held:
+                depth[address] = held
         return depth
 
     def record(self, hashes: Sequence[int], address: str, capacity_tokens: float) -> None:
@@ -251,16 +311,8 @@ class PrefixIndex:
 
         It keeps at most ``capacity_tokens * scale / block_tokens`` blocks (at least one), evicting its
         least recently used."""
-        lru = self._lru(address)
-        tail_first = list(reversed(hashes))  # tail first: the head ends the most recent
-        self._recordings += 1
-        number = self._recordings
-        lru.stamps.update(zip(tail_first, repeat(number)))
-        lru.log.append((number, tail_first))
-        lru.logged += len(tail_first)
+        self._lru(address).touch(hashes)
         self._evict(address, capacity_tokens)
-        if lru.logged > 2 * len(lru.stamps) + 64:
-            lru.compact()
 
     def _evict(self, address: str, capacity_tokens: float) -> None:
         lru = self._lrus[address]
@@ -287,7 +339,7 @@ class PrefixIndex:
     def blocks(self, address: str) -> int:
         """How many blocks ``address`` is estimated to hold."""
         lru = self._lrus.get(address)
-        return 0 if lru is None else len(lru.stamps)
+        return 0 if lru is None else lru.live
 
     def retain(self, addresses: Iterable[str]) -> None:
         """Forget every endpoint not in ``addresses`` (it left discovery)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections import OrderedDict
 
 import pytest
@@ -170,6 +171,24 @@ def test_the_index_matches_a_naive_lru_model(ops: list, probe: list[int]) -> Non
         naive.record(hashes, address, keep)
         assert index.match(probe) == naive.match(probe)
     for address in naive.lrus:
+        assert index.blocks(address) == len(naive.lrus[address])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_index_matches_a_naive_lru_model_over_prompts_that_continue_earlier_ones(seed: int) -> None:
+    """Held heads touched again (their old positions superseded), on endpoints that evict often,
+    now and then, and never (whose positions kept are then numbered again)."""
+    rng = random.Random(seed)
+    keeps = {"p1": 3, "p2": 20, "d1": 10_000}  # blocks kept
+    index, naive, prompts = PrefixIndex(16), NaiveLru(), [[]]
+    for _ in range(300):
+        before = rng.choice(prompts)
+        prompts.append(before[: rng.randrange(61)] + rng.choices("abc", k=rng.randrange(31)))
+        hashes, address = chain(*prompts[-1]), rng.choice(list(keeps))
+        index.record(hashes, address, keeps[address] * 16)
+        naive.record(hashes, address, keeps[address])
+        for probe in (hashes, chain(*before)):
+            assert index.match(probe) == naive.match(probe)
         assert index.blocks(address) == len(naive.lrus[address])
 
 
