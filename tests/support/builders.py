@@ -41,12 +41,23 @@ def endpoint(
     bootstrap_port: int | None = None,
     metrics_port: int | None = None,
     kv_events_port: int | None = None,
+    kv_events_replay_port: int | None = None,
+    data_parallel_size: int = 1,
 ) -> EndpointSpec:
     """One endpoint as an EDS file declares it; healthy for ``HEALTHY`` and ``UNKNOWN``, as the EDS reader
     reads a health status; ``capacity`` ``None``: none declared (the registry's default applies)."""
     healthy = health in ("HEALTHY", "UNKNOWN")
     return EndpointSpec(
-        address, group, capacity, healthy, health, bootstrap_port, metrics_port, kv_events_port
+        address,
+        group,
+        capacity,
+        healthy,
+        health,
+        bootstrap_port,
+        metrics_port,
+        kv_events_port,
+        kv_events_replay_port,
+        data_parallel_size,
     )
 
 
