@@ -12,7 +12,8 @@ start from pairs that have shaken hands. Route with :meth:`sim.stack.Stack.route
 
 :func:`start_kv_events_stack` runs engines of role ``both`` instead (no connector: each prefills and
 decodes its own requests), each publishing its KV-cache events on ports of its own, which the EDS
-files name (``kv_events_port``): the cluster the ``kv-events`` prefix source is checked against.
+files name (``kv_events_port``, ``kv_events_replay_port``): the cluster the ``kv-events`` prefix source
+is checked against.
 """
 
 from __future__ import annotations
@@ -202,7 +203,15 @@ async def start_engines(specs: list[EngineSpec], workdir: Path) -> VllmCluster:
             engine.stop()
         raise
     infos = [
-        EngineInfo(s.address, s.role, s.group, capacity(s), kv_events_port=s.kv_events_port) for s in specs
+        EngineInfo(
+            s.address,
+            s.role,
+            s.group,
+            capacity(s),
+            kv_events_port=s.kv_events_port,
+            kv_events_replay_port=s.kv_replay_port,
+        )
+        for s in specs
     ]
     return VllmCluster(infos, running, workdir, python, model)
 
@@ -241,7 +250,8 @@ def kv_events_spec(group: str, int_block_hashes: bool = True, kv_blocks: int | N
 
 async def start_kv_events_stack(specs: list[EngineSpec]) -> Stack:
     """The engines of ``specs`` (see :func:`kv_events_spec`) with their EDS files written (each in both
-    clusters, with its ``kv_events_port``), as a :class:`~sim.stack.Stack` (no gateway yet)."""
+    clusters, with its ``kv_events_port`` and ``kv_events_replay_port``), as a :class:`~sim.stack.Stack`
+    (no gateway yet)."""
     workdir = Path(tempfile.mkdtemp(prefix="pd-vllm-events-"))
     cluster = await start_engines(specs, workdir)
     prefill_eds, decode_eds = workdir / "prefill.json", workdir / "decode.json"

@@ -26,7 +26,8 @@ from sim.server import RunningEngine
 @dataclass(frozen=True)
 class EngineInfo:
     """One started engine as the parent sees it (``bootstrap_port``: :func:`sim.cluster.bootstrap_port`;
-    ``kv_events_port``: where it publishes its KV-cache events, ``None`` when it does not)."""
+    ``kv_events_port``: where it publishes its KV-cache events, ``None`` when it does not;
+    ``kv_events_replay_port``: its replay socket, ``None`` when it has none)."""
 
     address: str
     role: str
@@ -34,6 +35,7 @@ class EngineInfo:
     token_capacity: int
     bootstrap_port: int | None = None
     kv_events_port: int | None = None
+    kv_events_replay_port: int | None = None
 
 
 def _endpoint(info: EngineInfo, healthy: bool = True) -> EndpointSpec:
@@ -46,6 +48,7 @@ def _endpoint(info: EngineInfo, healthy: bool = True) -> EndpointSpec:
         status,
         info.bootstrap_port,
         kv_events_port=info.kv_events_port,
+        kv_events_replay_port=info.kv_events_replay_port,
     )
 
 
@@ -83,6 +86,7 @@ async def _serve(setup: _Setup, conn: Connection) -> None:
                 e.engine.config.timing.kv_capacity_tokens,
                 bootstrap_port(e),
                 e.kv_events_port,
+                e.kv_events_replay_port,
             )
             for e in engines
         ]

@@ -68,11 +68,16 @@ def test_an_engine_of_both_roles_publishing_kv_events_has_no_connector_and_its_p
     assert env["VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"] == "0" and env["VLLM_SERVER_DEV_MODE"] == "1"
     assert engine_environment(kv_events_spec("rack-a"), base={})["VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"] == "1"
     assert capacity(spec) == 48 * BLOCK_TOKENS
-    info = EngineInfo(spec.address, spec.role, spec.group, capacity(spec), kv_events_port=spec.kv_events_port)
+    ports = {"kv_events_port": spec.kv_events_port, "kv_events_replay_port": spec.kv_replay_port}
+    info = EngineInfo(spec.address, spec.role, spec.group, capacity(spec), **ports)
     write_cluster_eds([info], tmp_path / "p.json", tmp_path / "d.json")
     for path in ("p.json", "d.json"):
         (listed,) = load_eds_file(tmp_path / path).endpoints
-        assert (listed.address, listed.kv_events_port) == (spec.address, spec.kv_events_port)
+        assert (listed.address, listed.kv_events_port, listed.kv_events_replay_port) == (
+            spec.address,
+            spec.kv_events_port,
+            spec.kv_replay_port,
+        )
 
 
 def test_metrics_are_keyed_by_name_and_labels_without_engine_and_model():
