@@ -209,6 +209,7 @@ class KvEventSubscribers:
         replayable = target.replay_port > 0 and now >= self._no_replay_until.get(address, 0.0)
         result = source.index.apply(address, batch, now, replayable)
         if isinstance(result, ReplayFrom):
+            self._reset(address, result.reset)
             ok = await self._replay(address, target, result.sequence, source)
             self._metrics.kv_events_replay(address, "ok" if ok else "failed")
             if not ok:
@@ -244,9 +245,13 @@ class KvEventSubscribers:
             return
         for reason, count in applied.dropped.items():
             self._metrics.kv_events_dropped(address, reason, count)
-        if applied.reset is not None:
-            self._metrics.kv_events_reset(address, applied.reset)
-            log.info("dropped the index entries of %s: %s", address, applied.reset)
+        self._reset(address, applied.reset)
+
+    def _reset(self, address: str, reason: str | None) -> None:
+        """Count and log a drop of ``address``'s entries for ``reason`` (``None``: none)."""
+        if reason is not None:
+            self._metrics.kv_events_reset(address, reason)
+            log.info("dropped the index entries of %s: %s", address, reason)
 
     def _socket(self, kind: int, host: str, port: int) -> zmq.asyncio.Socket:
         if self._context is None:

@@ -55,9 +55,13 @@ class Applied(NamedTuple):
 
 
 class ReplayFrom(NamedTuple):
-    """A batch was not applied: ask the engine's replay socket for the batches from ``sequence`` on."""
+    """A batch was not applied: ask the engine's replay socket for the batches from ``sequence`` on.
+
+    ``reset``: ``"restart"`` when the endpoint's entries were dropped first (the sequence went back),
+    else ``None``."""
 
     sequence: int
+    reset: str | None = None
 
 
 class _Endpoint:
@@ -111,7 +115,7 @@ class EventIndex:
             reset = "restart"
         if sequence != (0 if expected is None else expected):
             if replayable:
-                return ReplayFrom(0 if expected is None else expected)
+                return ReplayFrom(0 if expected is None else expected, reset)
             if expected is not None:
                 self._clear(address, endpoint)
                 reset = "gap"
