@@ -11,11 +11,10 @@ from itertools import count
 from pathlib import Path
 
 import aiohttp
+from builders import kv_events_config
 from polling import until
 
 from ext_proc.app import start_server
-from ext_proc.config import load_config
-from ext_proc.discovery.eds import write_eds_file
 from ext_proc.outcome import RequestMeta, Routed
 from ext_proc.prefix.blocks import block_hashes
 from ext_proc.prefix.event_index import ROOT
@@ -56,17 +55,8 @@ async def test_the_gateway_replays_a_gap_and_what_follows_a_restart_from_each_en
     specs = endpoint_specs(engines)
     replay_ports = {s.kv_events_replay_port for s in specs}
     assert None not in replay_ports and len(replay_ports) == 2  # each engine's own: no global port
-    write_eds_file(tmp_path / "p.json", "prefill", specs)
-    write_eds_file(tmp_path / "d.json", "decode", specs)
-    overrides = {
-        "listen": "127.0.0.1:0",
-        "metrics_listen": "127.0.0.1:0",
-        "discovery.eds_files": [str(tmp_path / "p.json"), str(tmp_path / "d.json")],
-        "affinity.prefix.enabled": True,
-        "affinity.prefix.source": "kv-events",
-        "affinity.prefix.kv_events.recent_seconds": 0,
-    }
-    server = await start_server(load_config(None, overrides, environ={}))
+    overrides = {"affinity.prefix.kv_events.recent_seconds": 0}
+    server = await start_server(kv_events_config(tmp_path, specs, overrides))
     router, engine, fresh = server.router, engines[1], prompts()
     publisher = engine.publisher
     assert publisher is not None

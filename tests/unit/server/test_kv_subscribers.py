@@ -11,14 +11,12 @@ from pathlib import Path
 
 import pytest
 import zmq
-from builders import endpoint
+from builders import endpoint, kv_events_config
 from polling import until
 
 from ext_proc import kv_subscribers
 from ext_proc.affinity import Policy
 from ext_proc.app import start_server
-from ext_proc.config import load_config
-from ext_proc.discovery.eds import write_eds_file
 from ext_proc.endpoints import ClusterEndpoints
 from ext_proc.handoff import SidecarHandoff, kv_transfer
 from ext_proc.handoff.config import HandoffConfig
@@ -228,16 +226,7 @@ async def test_a_flooding_engine_is_bounded_and_the_loop_keeps_turning() -> None
 async def test_the_server_subscribes_to_its_engines_with_the_kv_events_source(tmp_path: Path) -> None:
     publisher = Publisher()
     spec = endpoint(ENGINE, kv_events_port=publisher.port)
-    write_eds_file(tmp_path / "p.json", "prefill", [spec])
-    write_eds_file(tmp_path / "d.json", "decode", [spec])
-    overrides = {
-        "listen": "127.0.0.1:0",
-        "metrics_listen": "127.0.0.1:0",
-        "discovery.eds_files": [str(tmp_path / "p.json"), str(tmp_path / "d.json")],
-        "affinity.prefix.enabled": True,
-        "affinity.prefix.source": "kv-events",
-    }
-    server = await start_server(load_config(None, overrides, environ={}))
+    server = await start_server(kv_events_config(tmp_path, [spec]))
     try:
         await connected(publisher, server.router)
         assert sample(server.router, "pd_extproc_kv_index_blocks", endpoint=ENGINE, tier="GPU") == 1
