@@ -418,7 +418,8 @@ def test_rendered_document_round_trips_through_yaml_with_custom_namespace(tmp_pa
 
 
 def test_the_protobuf_assignment_round_trips_every_field_with_custom_namespace() -> None:
-    specs = (spec("10.1.1.1:1", "a", 5.0), spec("[::1]:2", "", None, "DRAINING"))
+    events = dataclasses.replace(spec("10.1.1.2:3", "a"), kv_events_replay_port=5558, data_parallel_size=2)
+    specs = (spec("10.1.1.1:1", "a", 5.0), spec("[::1]:2", "", None, "DRAINING"), events)
     cluster = ClusterEndpoints("decode", specs, "ads")
     cla = cluster_load_assignment(cluster, "acme")
     assert parse_cluster_load_assignment(cla, "acme", "ads") == cluster

@@ -366,10 +366,9 @@ async def test_every_rank_is_subscribed_and_a_request_is_pinned_to_the_rank_hold
     tasks = [asyncio.create_task(subscribers.run()), *(p.start() for p in ranks)]
     prompt = [t for b in range(1, 5) for t in tokens(b)]
 
-    def held_at(rank: int) -> int:
-        return source.index.match(block_hashes(prompt, B, 100, ROOT), source.clock()).get(
-            f"{ENGINE}@dp{rank}", 0
-        )
+    def held_at(rank: int, ids: list[int] = prompt) -> int:
+        chain = block_hashes(ids, B, 100, ROOT)
+        return source.index.match(chain, source.clock()).get(f"{ENGINE}@dp{rank}", 0)
 
     try:
         for _ in range(200):  # until subscribed (a SUB socket misses what precedes its connection)
@@ -389,6 +388,11 @@ async def test_every_rank_is_subscribed_and_a_request_is_pinned_to_the_rank_hold
         assert isinstance(unheld, Routed) and "x-data-parallel-rank" not in dict(
             unheld.instructions.set_headers
         )
+
+        ranks[1].publish(stored(205, 5, parent=104), send=False)  # a gap on rank 1: its own replay port
+        ranks[1].publish(stored(206, 6, parent=205))
+        await until(lambda: held_at(1, [*prompt, *tokens(5), *tokens(6)]) == 6)
+        assert ranks[1].replays[-1] > 0 and ranks[0].replays in ([], [0])
 
         registry.update([ClusterEndpoints("decode", (dataclasses.replace(spec, data_parallel_size=1),), "d")])
         subscribers.tick()  # rank 1 is gone: its entries with it
