@@ -48,6 +48,7 @@ REPLAY_TIMEOUT_SECONDS = 2.0
 REPLAY_BACKOFF_SECONDS = 60.0
 """How long no replay is asked of an engine whose last one failed."""
 MAX_PORT = 65535
+"""The highest TCP port: a rank whose port would pass it is not subscribed to."""
 
 
 class Target(NamedTuple):

@@ -87,7 +87,8 @@ SGLang's bootstrap fields): the shipped Envoy routes it with a retry policy that
 second decode once the first may have pulled the KV, and removes the header before forwarding."""
 DP_RANK_HEADER = "x-data-parallel-rank"
 """Pins a request to one data-parallel rank of a vLLM engine (read by vLLM's OpenAI server, set by
-llm-d's sidecar and by the ``vllm-mooncake`` handoff on its prefill leg)."""
+llm-d's sidecar, and by the ``kv-transfer-params`` and ``vllm-mooncake`` handoffs on the prefill leg and
+the decode request to the ranks of the :class:`~ext_proc.outcome.Placement`)."""
 STEERING_HEADERS = (
     "x-encoder-hosts-ports",
     "x-kv-cache-source-host-port",
