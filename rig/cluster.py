@@ -191,7 +191,7 @@ async def start_engines(specs: list[EngineSpec], workdir: Path) -> VllmCluster:
     python = venv_python()
     if python is None:
         raise VllmUnavailable("vLLM for CPU is not installed: run `make vllm-env` (about 3.7 GB, 10-15 min)")
-    check_memory(len(specs))
+    check_memory(sum(s.data_parallel_size for s in specs))  # each rank an engine core of its own
     model = write_tiny_llama(workdir / "model")
     running: dict[str, Engine] = {}
     try:
@@ -210,6 +210,7 @@ async def start_engines(specs: list[EngineSpec], workdir: Path) -> VllmCluster:
             capacity(s),
             kv_events_port=s.kv_events_port,
             kv_events_replay_port=s.kv_replay_port,
+            data_parallel_size=s.data_parallel_size,
         )
         for s in specs
     ]
@@ -232,10 +233,13 @@ async def start_vllm_stack(groups: list[str], kv_load_failure_policy: str = "fai
     return Stack(cluster, workdir, prefill_eds, decode_eds)
 
 
-def kv_events_spec(group: str, int_block_hashes: bool = True, kv_blocks: int | None = None) -> EngineSpec:
+def kv_events_spec(
+    group: str, int_block_hashes: bool = True, kv_blocks: int | None = None, data_parallel_size: int = 1
+) -> EngineSpec:
     """An engine of role ``both`` (no connector) in ``group``, publishing its KV-cache events with a
     replay socket, its blocks named by integers or (``int_block_hashes`` false) 32 raw bytes, its KV
-    cache ``kv_blocks`` blocks (``None``: the default); every port free."""
+    cache ``kv_blocks`` blocks (``None``: the default), of ``data_parallel_size`` ranks; every port free
+    (for ranks past the first, the ports after them: most likely free too)."""
     return EngineSpec(
         "both",
         group,
@@ -245,6 +249,7 @@ def kv_events_spec(group: str, int_block_hashes: bool = True, kv_blocks: int | N
         kv_replay_port=free_port(),
         int_block_hashes=int_block_hashes,
         kv_blocks=kv_blocks,
+        data_parallel_size=data_parallel_size,
     )
 
 

@@ -27,7 +27,8 @@ from sim.server import RunningEngine
 class EngineInfo:
     """One started engine as the parent sees it (``bootstrap_port``: :func:`sim.cluster.bootstrap_port`;
     ``kv_events_port``: where it publishes its KV-cache events, ``None`` when it does not;
-    ``kv_events_replay_port``: its replay socket, ``None`` when it has none)."""
+    ``kv_events_replay_port``: its replay socket, ``None`` when it has none; ``data_parallel_size``: its
+    data-parallel ranks, a real engine's)."""
 
     address: str
     role: str
@@ -36,6 +37,7 @@ class EngineInfo:
     bootstrap_port: int | None = None
     kv_events_port: int | None = None
     kv_events_replay_port: int | None = None
+    data_parallel_size: int = 1
 
 
 def _endpoint(info: EngineInfo, healthy: bool = True) -> EndpointSpec:
@@ -49,6 +51,7 @@ def _endpoint(info: EngineInfo, healthy: bool = True) -> EndpointSpec:
         info.bootstrap_port,
         kv_events_port=info.kv_events_port,
         kv_events_replay_port=info.kv_events_replay_port,
+        data_parallel_size=info.data_parallel_size,
     )
 
 
