@@ -102,6 +102,7 @@ class _Capture:
     """A handoff that answers at once and keeps the placement (the benchmark moves the KV itself)."""
 
     last: Placement | None = None
+    pins_ranks = False  # the simulated engines have one data-parallel rank each
 
     def hand_off(self, job: HandoffJob, placement: Placement, router: object) -> Routed:
         self.last = placement

@@ -11,14 +11,18 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+MAX_DATA_PARALLEL_SIZE = 1024
+"""The most data-parallel ranks an endpoint may declare (EDS metadata, pod annotation)."""
+
 
 @dataclass(frozen=True, slots=True)
 class EndpointSpec:
     """One endpoint as a discovery source declares it.
 
     ``address`` is ``"ip:port"`` (IPv6 as ``"[ip]:port"``); ``token_capacity``,
-    ``bootstrap_port``, ``metrics_port`` and ``kv_events_port`` are ``None`` when the metadata does not
-    set them;
+    ``bootstrap_port``, ``metrics_port``, ``kv_events_port`` and ``kv_events_replay_port`` are ``None``
+    when the metadata does not set them; ``data_parallel_size`` is the engine's number of data-parallel
+    ranks (1 when not set: rank ``r`` publishes its KV-cache events on the ports plus ``r``);
     ``healthy`` is true for ``HEALTHY`` and ``UNKNOWN`` health status.
     """
 
@@ -30,6 +34,8 @@ class EndpointSpec:
     bootstrap_port: int | None = None
     metrics_port: int | None = None
     kv_events_port: int | None = None
+    kv_events_replay_port: int | None = None
+    data_parallel_size: int = 1
 
 
 @dataclass(frozen=True, slots=True)

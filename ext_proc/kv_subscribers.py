@@ -1,16 +1,18 @@
 """Subscribers to the engines' KV-cache events: the shell that feeds the ``kv-events`` prefix source.
 
 While the router's prefix source is :class:`~ext_proc.prefix.event_source.KvEventSource`, one task per
-known engine (prefill or decode, healthy or not: a cache outlives a health flap; by address) holds a
+publisher of a known engine (prefill or decode, healthy or not: a cache outlives a health flap; by
+address, and by data-parallel rank for an engine of several: :mod:`ext_proc.prefix.ranks`) holds a
 ZMQ SUB socket on ``tcp://<engine ip>:<port>`` (the endpoint's ``kv_events_port`` metadata or pod
-annotation, else ``affinity.prefix.kv_events.port``) and applies each message to the source's index
-(:mod:`ext_proc.prefix.event_index`). Every ``interval`` seconds the set of subscribers follows the
-registry: engines that joined get one, engines that left lose theirs (and their entries, through the
-router's ``retain``). When the index answers a gap with
-:class:`~ext_proc.prefix.event_index.ReplayFrom` the task asks the engine's replay socket (a DEALER on
-``replay_port``) for the batches from there on, applies them, then goes on with the live ones (those
-the replay covered are duplicates, dropped); a replay that fails or times out drops the engine's
-entries instead and, for ``REPLAY_BACKOFF_SECONDS``, no replay is asked of it again.
+annotation, else ``affinity.prefix.kv_events.port``; plus the rank) and applies each message to the
+source's index (:mod:`ext_proc.prefix.event_index`). Every ``interval`` seconds the set of
+subscribers follows the registry: engines that joined get one, engines that left lose theirs (and
+their entries, through the router's ``retain``; a rank an engine no longer has, here). When the index
+answers a gap with :class:`~ext_proc.prefix.event_index.ReplayFrom` the task asks the engine's replay
+socket (a DEALER on its ``kv_events_replay_port``, else ``replay_port``, plus the rank) for the
+batches from there on, applies them, then goes on with the live ones (those the replay covered are
+duplicates, dropped); a replay that fails or times out drops the engine's entries instead and, for
+``REPLAY_BACKOFF_SECONDS``, no replay is asked of it again.
 
 Bad input never stops routing: a message that does not decode is counted (``garbled``) and dropped;
 the SUB socket keeps at most ``kv_events.queue_batches`` messages (ZeroMQ drops the rest, which the
@@ -24,7 +26,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 import zmq
@@ -34,7 +36,9 @@ from ext_proc.metrics import Metrics
 from ext_proc.prefix.event_index import Applied, ReplayFrom
 from ext_proc.prefix.event_source import KvEventSource
 from ext_proc.prefix.kv_events import DecodeError, EventBatch, decode_message, decode_replay
-from ext_proc.registry import Registry
+from ext_proc.prefix.ranks import publisher
+from ext_proc.prefix.tracker import KvEventsSettings
+from ext_proc.registry import EndpointState, Registry
 from ext_proc.router import Router
 
 log = logging.getLogger(__name__)
@@ -43,6 +47,8 @@ REPLAY_TIMEOUT_SECONDS = 2.0
 """How long a replay may pause between two answers before it counts as failed."""
 REPLAY_BACKOFF_SECONDS = 60.0
 """How long no replay is asked of an engine whose last one failed."""
+MAX_PORT = 65535
+"""The highest TCP port: a rank whose port would pass it is not subscribed to."""
 
 
 class Target(NamedTuple):
@@ -51,6 +57,24 @@ class Target(NamedTuple):
     host: str
     port: int
     replay_port: int
+
+
+def targets(endpoints: Iterable[EndpointState], settings: KvEventsSettings) -> dict[str, Target]:
+    """Where each publisher of ``endpoints`` publishes, by publisher name (:mod:`ext_proc.prefix.ranks`).
+
+    An endpoint's ports are its ``kv_events_port`` and ``kv_events_replay_port``, else ``settings``';
+    its data-parallel rank ``r`` publishes on both plus ``r`` (vLLM's offset; a replay port of 0 stays
+    0), and a rank whose port would pass 65535 is left out."""
+    wanted: dict[str, Target] = {}
+    for state in endpoints:
+        host = state.address.rpartition(":")[0]
+        port = state.kv_events_port or settings.port
+        replay = state.kv_events_replay_port or settings.replay_port
+        size = state.data_parallel_size
+        for rank in range(min(size, MAX_PORT + 1 - port)):
+            replay_port = replay + rank if replay and replay + rank <= MAX_PORT else 0
+            wanted[publisher(state.address, rank, size)] = Target(host, port + rank, replay_port)
+    return wanted
 
 
 class KvEventSubscribers:
@@ -101,13 +125,7 @@ class KvEventSubscribers:
         stop those of engines that left (or whose ports changed); stop all while the prefix source is not
         ``kv-events``."""
         source = self._source()
-        wanted: dict[str, Target] = {}
-        if source is not None:
-            settings = source.settings.kv_events
-            for state in self._registry.endpoints():
-                host = state.address.rpartition(":")[0]
-                port = state.kv_events_port or settings.port
-                wanted[state.address] = Target(host, port, settings.replay_port)
+        wanted = {} if source is None else targets(self._registry.endpoints(), source.settings.kv_events)
         for address, (target, task) in list(self._tasks.items()):
             if task.done() and not task.cancelled() and task.exception() is not None:
                 log.error(
@@ -116,6 +134,8 @@ class KvEventSubscribers:
             if wanted.get(address) != target or task.done():
                 task.cancel()
                 del self._tasks[address]
+                if source is not None and address not in wanted:  # e.g. a rank the engine no longer has
+                    source.index.forget(address)
         now = self._clock()
         for address, target in wanted.items():
             if address not in self._tasks:
@@ -190,6 +210,7 @@ class KvEventSubscribers:
         replayable = target.replay_port > 0 and now >= self._no_replay_until.get(address, 0.0)
         result = source.index.apply(address, batch, now, replayable)
         if isinstance(result, ReplayFrom):
+            self._reset(address, result.reset)
             ok = await self._replay(address, target, result.sequence, source)
             self._metrics.kv_events_replay(address, "ok" if ok else "failed")
             if not ok:
@@ -225,9 +246,13 @@ class KvEventSubscribers:
             return
         for reason, count in applied.dropped.items():
             self._metrics.kv_events_dropped(address, reason, count)
-        if applied.reset is not None:
-            self._metrics.kv_events_reset(address, applied.reset)
-            log.info("dropped the index entries of %s: %s", address, applied.reset)
+        self._reset(address, applied.reset)
+
+    def _reset(self, address: str, reason: str | None) -> None:
+        """Count and log a drop of ``address``'s entries for ``reason`` (``None``: none)."""
+        if reason is not None:
+            self._metrics.kv_events_reset(address, reason)
+            log.info("dropped the index entries of %s: %s", address, reason)
 
     def _socket(self, kind: int, host: str, port: int) -> zmq.asyncio.Socket:
         if self._context is None:

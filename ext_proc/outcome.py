@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from ext_proc.affinity import Cost, Decision
 from ext_proc.load import Lease
@@ -66,12 +66,26 @@ class HandoffJob:
     tokens: list[int] | None = None
 
 
+class Ranks(NamedTuple):
+    """The data-parallel rank the chosen prefill's and decode's engine requests are pinned to.
+
+    ``None``: not pinned (the engine's own balancer picks; :mod:`ext_proc.prefix.ranks`)."""
+
+    prefill: int | None = None
+    decode: int | None = None
+
+
+NO_RANKS = Ranks()
+"""Neither engine request pinned."""
+
+
 @dataclass(frozen=True, slots=True)
 class Placement:
-    """A routing decision and the charges it holds (released through ``lease``)."""
+    """A routing decision, the charges it holds (released through ``lease``) and the ranks it pins."""
 
     decision: Decision[EndpointState]
     lease: Lease
+    ranks: Ranks = NO_RANKS
 
 
 class ResponseWatcher(Protocol):

@@ -45,7 +45,8 @@ class EndpointState:
     Satisfies :class:`ext_proc.affinity.Endpoint` (``address``, ``group``, ``token_capacity`` in
     tokens, ``active_tokens``, ``active_requests``); ``bootstrap_port`` is the SGLang bootstrap port
     its metadata declares, if any, ``metrics_port`` the port of its ``/metrics`` if not the serving port,
-    ``kv_events_port`` the port of its KV-cache event publisher if not the configured one.
+    ``kv_events_port`` / ``kv_events_replay_port`` the ports of its KV-cache event publisher and replay
+    socket if not the configured ones, ``data_parallel_size`` its number of data-parallel ranks.
     The loads are properties over the endpoint's slot in its role's arrays (a private one-slot pair
     until the registry places it): ``active_tokens`` is the local accounting alone, ``blended_tokens``
     what the decision reads, ``active_tokens + engine_offset``.
@@ -57,11 +58,13 @@ class EndpointState:
         "_tokens",
         "address",
         "bootstrap_port",
+        "data_parallel_size",
         "engine_offset",
         "group",
         "health_status",
         "healthy",
         "kv_events_port",
+        "kv_events_replay_port",
         "metrics_port",
         "role",
         "token_capacity",
@@ -77,6 +80,8 @@ class EndpointState:
         self.bootstrap_port: int | None = None
         self.metrics_port: int | None = None
         self.kv_events_port: int | None = None
+        self.kv_events_replay_port: int | None = None
+        self.data_parallel_size = 1
         self.engine_offset = 0
         self._tokens: NDArray[np.int64] = np.zeros(1, dtype=np.int64)
         self._requests: NDArray[np.int64] = np.zeros(1, dtype=np.int64)
@@ -176,6 +181,8 @@ class Registry:
                 state.bootstrap_port = spec.bootstrap_port
                 state.metrics_port = spec.metrics_port
                 state.kv_events_port = spec.kv_events_port
+                state.kv_events_replay_port = spec.kv_events_replay_port
+                state.data_parallel_size = spec.data_parallel_size
                 fresh[key] = state
         for key, state in self._current.items():
             if key not in fresh and state.active_requests:

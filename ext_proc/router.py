@@ -23,7 +23,7 @@ from ext_proc.ejection import Ejections
 from ext_proc.handoff.kinds import Handoff
 from ext_proc.load import Admission, Lease
 from ext_proc.metrics import Metrics
-from ext_proc.outcome import HandoffJob, PendingAnswer, Placement, Refused, RequestMeta, Routed
+from ext_proc.outcome import HandoffJob, PendingAnswer, Placement, Ranks, Refused, RequestMeta, Routed
 from ext_proc.prefix import PrefixSettings
 from ext_proc.prefix.blocks import prompt_content
 from ext_proc.prefix.config import PrefixConfig
@@ -363,7 +363,11 @@ class Router:
         decodes = self.decode_ejections.keep(decodes)
         prompt = cost.prefill_tokens
         prefix = self.prefix
-        lookup = None if prefix is None or not chain else prefix.lookup(chain, prefills, decodes, prompt)
+        lookup = (
+            None
+            if prefix is None or not chain
+            else prefix.lookup(chain, prefills, decodes, prompt, self.handoff.pins_ranks)
+        )
         self._ticket += 1
         started = time.perf_counter()
         hits = None if lookup is None else lookup.hits
@@ -380,7 +384,10 @@ class Router:
         self.metrics.decided(self._mode, locality, seconds)
         if result.estimate is not None:
             self.metrics.estimated(locality, result.estimate)
-        return Placement(result, lease)
+        if lookup is None or not lookup.ranks:
+            return Placement(result, lease)
+        prefill = None if result.prefill is None else lookup.ranks.get(result.prefill.address)
+        return Placement(result, lease, Ranks(prefill, lookup.ranks.get(result.decode.address)))
 
 
 def _identity(settings: PrefixSettings) -> tuple[object, ...]:

@@ -12,7 +12,8 @@ start from pairs that have shaken hands. Route with :meth:`sim.stack.Stack.route
 
 :func:`start_kv_events_stack` runs engines of role ``both`` instead (no connector: each prefills and
 decodes its own requests), each publishing its KV-cache events on ports of its own, which the EDS
-files name (``kv_events_port``): the cluster the ``kv-events`` prefix source is checked against.
+files name (``kv_events_port``, ``kv_events_replay_port``): the cluster the ``kv-events`` prefix source
+is checked against.
 """
 
 from __future__ import annotations
@@ -190,7 +191,7 @@ async def start_engines(specs: list[EngineSpec], workdir: Path) -> VllmCluster:
     python = venv_python()
     if python is None:
         raise VllmUnavailable("vLLM for CPU is not installed: run `make vllm-env` (about 3.7 GB, 10-15 min)")
-    check_memory(len(specs))
+    check_memory(sum(s.data_parallel_size for s in specs))  # each rank an engine core of its own
     model = write_tiny_llama(workdir / "model")
     running: dict[str, Engine] = {}
     try:
@@ -202,7 +203,16 @@ async def start_engines(specs: list[EngineSpec], workdir: Path) -> VllmCluster:
             engine.stop()
         raise
     infos = [
-        EngineInfo(s.address, s.role, s.group, capacity(s), kv_events_port=s.kv_events_port) for s in specs
+        EngineInfo(
+            s.address,
+            s.role,
+            s.group,
+            capacity(s),
+            kv_events_port=s.kv_events_port,
+            kv_events_replay_port=s.kv_replay_port,
+            data_parallel_size=s.data_parallel_size,
+        )
+        for s in specs
     ]
     return VllmCluster(infos, running, workdir, python, model)
 
@@ -223,10 +233,13 @@ async def start_vllm_stack(groups: list[str], kv_load_failure_policy: str = "fai
     return Stack(cluster, workdir, prefill_eds, decode_eds)
 
 
-def kv_events_spec(group: str, int_block_hashes: bool = True, kv_blocks: int | None = None) -> EngineSpec:
+def kv_events_spec(
+    group: str, int_block_hashes: bool = True, kv_blocks: int | None = None, data_parallel_size: int = 1
+) -> EngineSpec:
     """An engine of role ``both`` (no connector) in ``group``, publishing its KV-cache events with a
     replay socket, its blocks named by integers or (``int_block_hashes`` false) 32 raw bytes, its KV
-    cache ``kv_blocks`` blocks (``None``: the default); every port free."""
+    cache ``kv_blocks`` blocks (``None``: the default), of ``data_parallel_size`` ranks; every port free
+    (for ranks past the first, the ports after them: most likely free too)."""
     return EngineSpec(
         "both",
         group,
@@ -236,12 +249,14 @@ def kv_events_spec(group: str, int_block_hashes: bool = True, kv_blocks: int | N
         kv_replay_port=free_port(),
         int_block_hashes=int_block_hashes,
         kv_blocks=kv_blocks,
+        data_parallel_size=data_parallel_size,
     )
 
 
 async def start_kv_events_stack(specs: list[EngineSpec]) -> Stack:
     """The engines of ``specs`` (see :func:`kv_events_spec`) with their EDS files written (each in both
-    clusters, with its ``kv_events_port``), as a :class:`~sim.stack.Stack` (no gateway yet)."""
+    clusters, with its ``kv_events_port`` and ``kv_events_replay_port``), as a :class:`~sim.stack.Stack`
+    (no gateway yet)."""
     workdir = Path(tempfile.mkdtemp(prefix="pd-vllm-events-"))
     cluster = await start_engines(specs, workdir)
     prefill_eds, decode_eds = workdir / "prefill.json", workdir / "decode.json"

@@ -64,7 +64,8 @@ class EngineSpec:
     ``kv_replay_port`` its replay socket's; ``int_block_hashes``: the events name blocks by 64-bit
     integers (vLLM's default) rather than 32 raw bytes (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``);
     ``kv_blocks``: its KV cache in blocks of :data:`BLOCK_TOKENS` (``None``: as many as
-    ``KV_CACHE_GIB`` holds)."""
+    ``KV_CACHE_GIB`` holds); ``data_parallel_size``: its data-parallel ranks behind its one API server
+    (``--data-parallel-size``; rank ``r`` publishes its events on both ports plus ``r``)."""
 
     role: str
     group: str
@@ -75,6 +76,7 @@ class EngineSpec:
     kv_replay_port: int | None = None
     int_block_hashes: bool = True
     kv_blocks: int | None = None
+    data_parallel_size: int = 1
 
     @property
     def address(self) -> str:
@@ -120,6 +122,7 @@ def engine_command(python: Path, model: Path, spec: EngineSpec, nice: int = DEFA
         *(("--kv-transfer-config", json.dumps(kv_transfer_config(spec))) if spec.role in KV_ROLES else ()),
         *(() if spec.kv_events_port is None else ("--kv-events-config", json.dumps(kv_events_config(spec)))),
         *(() if spec.kv_blocks is None else ("--num-gpu-blocks-override", str(spec.kv_blocks))),
+        *(() if spec.data_parallel_size == 1 else ("--data-parallel-size", str(spec.data_parallel_size))),
     ]
 
 

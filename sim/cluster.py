@@ -105,8 +105,9 @@ def bootstrap_port(engine: RunningEngine) -> int | None:
 def endpoint_specs(
     engines: Iterable[RunningEngine], roles: Iterable[str] | None = None
 ) -> list[EndpointSpec]:
-    """EDS endpoints (address, ``pdGroupID``, :func:`bootstrap_port`, ``kv_events_port`` when the
-    engine publishes KV-cache events) of the engines whose role is in ``roles`` (default all)."""
+    """EDS endpoints (address, ``pdGroupID``, :func:`bootstrap_port`, ``kv_events_port`` and
+    ``kv_events_replay_port`` when the engine publishes KV-cache events) of the engines whose role is in
+    ``roles`` (default all)."""
     wanted = set(roles) if roles is not None else None
     return [
         EndpointSpec(
@@ -117,6 +118,7 @@ def endpoint_specs(
             "HEALTHY",
             bootstrap_port(e),
             kv_events_port=e.kv_events_port,
+            kv_events_replay_port=e.kv_events_replay_port,
         )
         for e in engines
         if wanted is None or e.engine.config.role in wanted

@@ -26,7 +26,9 @@ from sim.server import RunningEngine
 @dataclass(frozen=True)
 class EngineInfo:
     """One started engine as the parent sees it (``bootstrap_port``: :func:`sim.cluster.bootstrap_port`;
-    ``kv_events_port``: where it publishes its KV-cache events, ``None`` when it does not)."""
+    ``kv_events_port``: where it publishes its KV-cache events, ``None`` when it does not;
+    ``kv_events_replay_port``: its replay socket, ``None`` when it has none; ``data_parallel_size``: its
+    data-parallel ranks, a real engine's)."""
 
     address: str
     role: str
@@ -34,6 +36,8 @@ class EngineInfo:
     token_capacity: int
     bootstrap_port: int | None = None
     kv_events_port: int | None = None
+    kv_events_replay_port: int | None = None
+    data_parallel_size: int = 1
 
 
 def _endpoint(info: EngineInfo, healthy: bool = True) -> EndpointSpec:
@@ -46,6 +50,8 @@ def _endpoint(info: EngineInfo, healthy: bool = True) -> EndpointSpec:
         status,
         info.bootstrap_port,
         kv_events_port=info.kv_events_port,
+        kv_events_replay_port=info.kv_events_replay_port,
+        data_parallel_size=info.data_parallel_size,
     )
 
 
@@ -83,6 +89,7 @@ async def _serve(setup: _Setup, conn: Connection) -> None:
                 e.engine.config.timing.kv_capacity_tokens,
                 bootstrap_port(e),
                 e.kv_events_port,
+                e.kv_events_replay_port,
             )
             for e in engines
         ]

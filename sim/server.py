@@ -519,6 +519,11 @@ class RunningEngine:
         """The KV-event PUB socket's port (``None``: the engine publishes none)."""
         return None if self.publisher is None else self.publisher.port
 
+    @property
+    def kv_events_replay_port(self) -> int | None:
+        """The KV-event replay socket's port (``None``: the engine publishes none, or has no replay)."""
+        return None if self.publisher is None else self.publisher.replay_port or None
+
     async def _close_publisher(self) -> None:
         if self._replays is not None:
             self._replays.cancel()

@@ -45,8 +45,9 @@ class Endpoint(Protocol):
     """An endpoint as a :class:`~ext_proc.affinity.Pool` holds it; any object with these attributes will do.
 
     The decision itself reads only ``address`` and ``group`` (load comes from the pool's arrays);
-    ``Pool.of`` snapshots the other three. The server's pools hold its live registry entries; tests
-    use :class:`Candidate` values.
+    ``Pool.of`` snapshots the load and capacity; ``data_parallel_size`` (the engine's data-parallel
+    ranks) is read by the ``kv-events`` prefix source. The server's pools hold its live registry
+    entries; tests use :class:`Candidate` values.
     """
 
     @property
@@ -59,6 +60,8 @@ class Endpoint(Protocol):
     def active_tokens(self) -> int: ...
     @property
     def active_requests(self) -> int: ...
+    @property
+    def data_parallel_size(self) -> int: ...
 
 
 E = TypeVar("E", bound=Endpoint)
@@ -70,7 +73,8 @@ class Candidate:
 
     ``address`` is ``"ip:port"``; ``group`` is the ``pdGroupID`` (``""`` when absent);
     ``token_capacity`` is in tokens and strictly positive; ``active_tokens`` and
-    ``active_requests`` are the in-flight load charged to this endpoint for this role.
+    ``active_requests`` are the in-flight load charged to this endpoint for this role;
+    ``data_parallel_size`` its engine's data-parallel ranks.
     """
 
     address: str
@@ -78,6 +82,7 @@ class Candidate:
     token_capacity: float
     active_tokens: int
     active_requests: int
+    data_parallel_size: int = 1
 
     def utilisation(self, cost: int) -> float:
         """``(active_tokens + cost) / token_capacity``: the load after placing ``cost`` tokens."""

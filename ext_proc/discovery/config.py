@@ -48,6 +48,8 @@ class KubernetesConfig:
     bootstrap_port_annotation: str = "pd-extproc/bootstrap-port"
     metrics_port_annotation: str = "pd-extproc/metrics-port"
     kv_events_port_annotation: str = "pd-extproc/kv-events-port"
+    kv_events_replay_port_annotation: str = "pd-extproc/kv-events-replay-port"
+    data_parallel_size_annotation: str = "pd-extproc/data-parallel-size"
 
     def scheme(self) -> RoleScheme:
         """The preset's role scheme with each role and port key that is set here in its place."""
@@ -74,6 +76,8 @@ class KubernetesConfig:
             "bootstrap_port_annotation": self.bootstrap_port_annotation,
             "metrics_port_annotation": self.metrics_port_annotation,
             "kv_events_port_annotation": self.kv_events_port_annotation,
+            "kv_events_replay_port_annotation": self.kv_events_replay_port_annotation,
+            "data_parallel_size_annotation": self.data_parallel_size_annotation,
         }
         for name, value in keys.items():
             if not is_label_key(value):
@@ -170,6 +174,8 @@ class DiscoveryConfig:
             self.decode_cluster,
             kubernetes.metrics_port_annotation,
             kubernetes.kv_events_port_annotation,
+            kubernetes.kv_events_replay_port_annotation,
+            kubernetes.data_parallel_size_annotation,
         )
 
     def check(self) -> None:

@@ -5,8 +5,10 @@ own protobuf schema (``xds-protos``) and with Envoy's own rule that a path-based
 exactly one resource. Our extra data lives in the endpoint metadata under
 ``filter_metadata.<namespace>``: ``pdGroupID`` (string), ``token_capacity`` (tokens, > 0) and
 ``bootstrap_port`` (the port of an SGLang prefill engine's KV bootstrap server, 1..65535) and
-``metrics_port`` (the port of the engine's Prometheus ``/metrics`` when it is not the serving port) and
-``kv_events_port`` (the port of the engine's KV-cache event publisher, when not the configured one).
+``metrics_port`` (the port of the engine's Prometheus ``/metrics`` when it is not the serving port),
+``kv_events_port`` and ``kv_events_replay_port`` (the ports of the engine's KV-cache event publisher and
+replay socket, when not the configured ones) and ``data_parallel_size`` (the engine's data-parallel
+ranks, 1..1024, default 1: rank ``r`` publishes on those ports plus ``r``).
 The values parsed into and rendered from (:class:`~ext_proc.endpoints.EndpointSpec`,
 :class:`~ext_proc.endpoints.ClusterEndpoints`) are protobuf-free, in :mod:`ext_proc.endpoints`.
 """
@@ -18,6 +20,7 @@ import json
 import math
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import yaml
 from envoy.config.core.v3 import health_check_pb2
@@ -25,12 +28,14 @@ from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 from google.protobuf import json_format, struct_pb2
 
-from ext_proc.endpoints import ClusterEndpoints, EndpointSpec, endpoint_address
+from ext_proc.endpoints import MAX_DATA_PARALLEL_SIZE, ClusterEndpoints, EndpointSpec, endpoint_address
 
 _CANDIDATE_STATUSES = frozenset(
     {health_check_pb2.HealthStatus.UNKNOWN, health_check_pb2.HealthStatus.HEALTHY}
 )
 CLA_TYPE_URL = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+_PORT_KEYS = ("bootstrap_port", "metrics_port", "kv_events_port", "kv_events_replay_port")
+"""The port metadata keys, each the :class:`EndpointSpec` field of its name."""
 
 
 class EdsError(ValueError):
@@ -61,9 +66,19 @@ def _port(fields: Mapping[str, struct_pb2.Value], name: str, namespace: str) -> 
     return int(number)
 
 
-def _pd_metadata(
-    lb_endpoint: endpoint_pb2.LbEndpoint, namespace: str
-) -> tuple[str, float | None, int | None, int | None, int | None]:
+def _size(fields: Mapping[str, struct_pb2.Value], name: str, namespace: str) -> int:
+    """The rank count (1..:data:`MAX_DATA_PARALLEL_SIZE`) under ``name``, 1 when absent; ``ValueError``."""
+    if name not in fields:
+        return 1
+    value = fields[name]
+    number = value.number_value if value.WhichOneof("kind") == "number_value" else -1.0
+    if not (number.is_integer() and 1 <= number <= MAX_DATA_PARALLEL_SIZE):
+        raise ValueError(f"metadata {namespace}.{name} must be an integer in 1..{MAX_DATA_PARALLEL_SIZE}")
+    return int(number)
+
+
+def _pd_metadata(lb_endpoint: endpoint_pb2.LbEndpoint, namespace: str) -> dict[str, Any]:
+    """The :class:`EndpointSpec` fields the metadata under ``namespace`` sets; raises ``ValueError``."""
     fields = (
         lb_endpoint.metadata.filter_metadata[namespace].fields
         if namespace in (lb_endpoint.metadata.filter_metadata)
@@ -83,13 +98,9 @@ def _pd_metadata(
         ):
             raise ValueError(f"metadata {namespace}.token_capacity must be a finite number > 0")
         capacity = value.number_value
-    return (
-        group,
-        capacity,
-        _port(fields, "bootstrap_port", namespace),
-        _port(fields, "metrics_port", namespace),
-        _port(fields, "kv_events_port", namespace),
-    )
+    ports = {name: _port(fields, name, namespace) for name in _PORT_KEYS}
+    size = _size(fields, "data_parallel_size", namespace)
+    return {"group": group, "token_capacity": capacity, **ports, "data_parallel_size": size}
 
 
 def parse_cluster_load_assignment(
@@ -105,9 +116,7 @@ def parse_cluster_load_assignment(
             where = f"{source}: endpoints[{locality_index}].lb_endpoints[{index}]"
             try:
                 address = _host_port(lb_endpoint)
-                group, capacity, bootstrap_port, metrics_port, kv_events_port = _pd_metadata(
-                    lb_endpoint, namespace
-                )
+                metadata = _pd_metadata(lb_endpoint, namespace)
             except ValueError as exc:
                 raise EdsError(f"{where}: {exc}") from None
             if address in seen:
@@ -117,13 +126,9 @@ def parse_cluster_load_assignment(
             endpoints.append(
                 EndpointSpec(
                     address=address,
-                    group=group,
-                    token_capacity=capacity,
                     healthy=status in _CANDIDATE_STATUSES,
                     health_status=health_check_pb2.HealthStatus.Name(status),
-                    bootstrap_port=bootstrap_port,
-                    metrics_port=metrics_port,
-                    kv_events_port=kv_events_port,
+                    **metadata,
                 )
             )
     return ClusterEndpoints(cla.cluster_name, tuple(endpoints), source)
@@ -188,12 +193,11 @@ def render_cla(cluster_name: str, endpoints: Iterable[EndpointSpec], namespace: 
         metadata: dict[str, object] = {"pdGroupID": spec.group}
         if spec.token_capacity is not None:
             metadata["token_capacity"] = spec.token_capacity
-        if spec.bootstrap_port is not None:
-            metadata["bootstrap_port"] = spec.bootstrap_port
-        if spec.metrics_port is not None:
-            metadata["metrics_port"] = spec.metrics_port
-        if spec.kv_events_port is not None:
-            metadata["kv_events_port"] = spec.kv_events_port
+        for name in _PORT_KEYS:
+            if getattr(spec, name) is not None:
+                metadata[name] = getattr(spec, name)
+        if spec.data_parallel_size != 1:
+            metadata["data_parallel_size"] = spec.data_parallel_size
         lb_endpoints.append(
             {
                 "endpoint": {

@@ -4,8 +4,9 @@ A pod is an endpoint of the prefill cluster, of the decode cluster, or of both, 
 says, at its pod IP and the container port its role names. Only a routable pod counts: phase
 ``Running``, condition ``Ready`` true, a pod IP, no deletion timestamp, and in a LeaderWorkerSet
 only the leader (worker-index label absent or ``"0"``). Its group is the group label's value
-(missing = group ``""``); two optional annotations declare its token capacity (tokens) and its
-SGLang bootstrap port. Pods are the JSON objects the API server sends (camelCase keys), as dicts.
+(missing = group ``""``); optional annotations declare its token capacity (tokens), its SGLang
+bootstrap port, the ports of its ``/metrics``, KV-cache event publisher and replay socket, and its
+number of data-parallel ranks. Pods are the JSON objects the API server sends (camelCase keys), as dicts.
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ext_proc.endpoints import ClusterEndpoints, EndpointSpec, endpoint_address
+from ext_proc.endpoints import MAX_DATA_PARALLEL_SIZE, ClusterEndpoints, EndpointSpec, endpoint_address
 
 LWS_WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
 """Label LeaderWorkerSet puts on every pod of a group: ``"0"`` on the leader."""
 
 _PORT_NUMBER = re.compile(r"[0-9]{1,5}")
+_COUNT = re.compile(r"[0-9]{1,4}")
 _DNS_SUBDOMAIN = re.compile(r"(?=.{1,253}$)[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
 _LABEL_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
 
@@ -104,6 +106,8 @@ class PodRules:
     decode_cluster: str
     metrics_port_annotation: str = "pd-extproc/metrics-port"
     kv_events_port_annotation: str = "pd-extproc/kv-events-port"
+    kv_events_replay_port_annotation: str = "pd-extproc/kv-events-replay-port"
+    data_parallel_size_annotation: str = "pd-extproc/data-parallel-size"
     target_ports: tuple[int, ...] = ()
 
 
@@ -145,6 +149,14 @@ def view_pod(pod: Mapping[str, Any], rules: PodRules) -> PodView:
     kv_events_port = _port(
         annotations.get(rules.kv_events_port_annotation), rules.kv_events_port_annotation, problems
     )
+    replay_port = _port(
+        annotations.get(rules.kv_events_replay_port_annotation),
+        rules.kv_events_replay_port_annotation,
+        problems,
+    )
+    size = _size(
+        annotations.get(rules.data_parallel_size_annotation), rules.data_parallel_size_annotation, problems
+    )
     ip = status["podIP"]
     group = labels.get(rules.group_label, "")
     endpoints: list[tuple[str, EndpointSpec]] = []
@@ -159,7 +171,16 @@ def view_pod(pod: Mapping[str, Any], rules: PodRules) -> PodView:
         for number in numbers:
             address = endpoint_address(ip, number)
             spec = EndpointSpec(
-                address, group, capacity, True, "HEALTHY", bootstrap, metrics_port, kv_events_port
+                address,
+                group,
+                capacity,
+                True,
+                "HEALTHY",
+                bootstrap,
+                metrics_port,
+                kv_events_port,
+                replay_port,
+                size,
             )
             endpoints.append((cluster, spec))
     return PodView(tuple(endpoints), tuple(problems))
@@ -228,6 +249,15 @@ def _port(text: str | None, name: str, problems: list[str]) -> int | None:
         return int(text)
     problems.append(f"annotation {name}={text!r} is not a port in 1..65535; ignored")
     return None
+
+
+def _size(text: str | None, name: str, problems: list[str]) -> int:
+    if text is None:
+        return 1
+    if _COUNT.fullmatch(text) and 1 <= int(text) <= MAX_DATA_PARALLEL_SIZE:
+        return int(text)
+    problems.append(f"annotation {name}={text!r} is not a rank count in 1..{MAX_DATA_PARALLEL_SIZE}; ignored")
+    return 1
 
 
 def cluster_endpoints(views: Iterable[PodView], rules: PodRules, source: str) -> list[ClusterEndpoints]:

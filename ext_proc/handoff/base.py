@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Protocol
 
 from ext_proc.affinity import Decision
 from ext_proc.handoff.body import HANDOFF_FIELDS, without_fields
-from ext_proc.load import Lease
 from ext_proc.outcome import (
     HandoffJob,
     Placement,
@@ -88,7 +87,8 @@ SGLang's bootstrap fields): the shipped Envoy routes it with a retry policy that
 second decode once the first may have pulled the KV, and removes the header before forwarding."""
 DP_RANK_HEADER = "x-data-parallel-rank"
 """Pins a request to one data-parallel rank of a vLLM engine (read by vLLM's OpenAI server, set by
-llm-d's sidecar and by the ``vllm-mooncake`` handoff on its prefill leg)."""
+llm-d's sidecar, and by the ``kv-transfer-params`` and ``vllm-mooncake`` handoffs on the prefill leg and
+the decode request to the ranks of the :class:`~ext_proc.outcome.Placement`)."""
 STEERING_HEADERS = (
     "x-encoder-hosts-ports",
     "x-kv-cache-source-host-port",
@@ -139,35 +139,43 @@ class DecodeRoute:
 
     def routed(
         self,
-        decision: Decision[EndpointState],
+        placement: Placement,
         request_id: str | None,
         body: bytes | None,
-        lease: Lease,
         *,
         watcher: ResponseWatcher | None,
         background: asyncio.Task[None] | None = None,
     ) -> Routed:
-        """Route to the decode (and fallbacks), with or without a KV cache to pull.
+        """Route to the placement's decode (and fallbacks), with or without a KV cache to pull.
 
         ``request_id`` and ``body`` replace the client's. ``watcher``: the body tells the decode to pull a
         KV cache and the watcher sees its answer (the request is then marked with
-        :data:`KV_HANDOFF_HEADER`), ``None`` when the decode computes the prompt itself."""
-        destination = destination_list(decision)
+        :data:`KV_HANDOFF_HEADER`), ``None`` when the decode computes the prompt itself. A decode rank
+        in ``placement.ranks`` pins the request to it (:data:`DP_RANK_HEADER`)."""
+        destination = destination_list(placement.decision)
         headers = ((self.destination_header, destination),)
         if request_id is not None:
             headers += ((REQUEST_ID_HEADER, request_id),)
         if watcher is not None:
             headers += ((KV_HANDOFF_HEADER, "1"),)
+        if placement.ranks.decode is not None:
+            headers += ((DP_RANK_HEADER, str(placement.ranks.decode)),)
         metadata = ((self.destination_header, destination),)
         instructions = RoutingInstructions(headers, (self.prefill_header,), metadata, body)
-        return Routed(instructions, lease, background, watcher)
+        return Routed(instructions, placement.lease, background, watcher)
 
-    def decode_only(
-        self, job: HandoffJob, decision: Decision[EndpointState], request_id: str | None, lease: Lease
-    ) -> Routed:
+    def decode_only(self, job: HandoffJob, placement: Placement, request_id: str | None) -> Routed:
         """The client's body, without its handoff fields, to the decode already chosen."""
         plain = without_fields(job.raw, job.body, HANDOFF_FIELDS)
-        return self.routed(decision, request_id, plain, lease, watcher=None)
+        return self.routed(placement, request_id, plain, watcher=None)
+
+
+def prefill_leg_headers(request_id: str, meta: RequestMeta, placement: Placement) -> dict[str, str]:
+    """:func:`leg_headers`, and :data:`DP_RANK_HEADER` when ``placement`` pins the prefill to a rank."""
+    headers = leg_headers(request_id, meta)
+    if placement.ranks.prefill is not None:
+        headers[DP_RANK_HEADER] = str(placement.ranks.prefill)
+    return headers
 
 
 def owned_headers(destination_header: str, prefill_header: str) -> tuple[str, ...]:

@@ -30,6 +30,7 @@ class LegHandoff:
     failed KV pull (``watch_streams``: ``watch_streamed_answers``)."""
 
     hands_kv = True
+    pins_ranks = True
 
     def __init__(
         self, settings: HandoffConfig, *, route: DecodeRoute, client: PrefillClient, metrics: Metrics
@@ -84,9 +85,7 @@ class Attempts:
 
     def decode_only(self) -> Routed:
         """The client's body, without its handoff fields, to the current decode."""
-        return self._settings.route.decode_only(
-            self._job, self._placement.decision, self._request_id, self.lease
-        )
+        return self._settings.route.decode_only(self._job, self._placement, self._request_id)
 
     def give_up(self, outcome: LegOutcome, failure: str) -> Routed | Refused:
         """Count the fallback, then apply the policy: go decode-only, or answer a 504 or 502.

@@ -24,11 +24,15 @@ class Handoff(Protocol):
     ``routing_headers`` names every request header the handoff owns: clients may not supply them.
     ``hands_kv``: the handoff tells decodes to pull a KV cache (the response headers are sent to
     pd-extproc: its :class:`~ext_proc.outcome.Routed` carries a watcher for a failed pull,
-    :mod:`ext_proc.handoff.kv_failure`).
+    :mod:`ext_proc.handoff.kv_failure`). ``pins_ranks``: the handoff pins the engine requests to the
+    data-parallel ranks of the :class:`~ext_proc.outcome.Placement` (``X-data-parallel-rank`` on the
+    prefill leg it sends and on the decode request); without, an engine of several ranks is credited
+    no prefix-cache hit (:mod:`ext_proc.prefix.ranks`).
     """
 
     routing_headers: tuple[str, ...]
     hands_kv: bool
+    pins_ranks: bool
 
     def hand_off(self, job: HandoffJob, placement: Placement, router: Rerouter) -> Routed | PendingAnswer:
         """Answer at once, or return the :class:`~ext_proc.outcome.PendingAnswer` that will."""

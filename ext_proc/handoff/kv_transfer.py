@@ -20,7 +20,7 @@ import json
 import logging
 from typing import TYPE_CHECKING
 
-from ext_proc.handoff.base import DecodeRoute, Rerouter, leg_headers, new_request_id
+from ext_proc.handoff.base import DecodeRoute, Rerouter, new_request_id, prefill_leg_headers
 from ext_proc.handoff.body import (
     HANDOFF_FIELDS,
     KV_TRANSFER_PARAMS,
@@ -123,7 +123,7 @@ class KvTransferParamsHandoff(LegHandoff):
     def hand_off(self, job: HandoffJob, placement: Placement, router: Rerouter) -> Routed | PrefillFirst:
         """Decode-only at once when no prefill was chosen; else the prefill leg first."""
         if placement.decision.prefill is None:
-            return self.route.decode_only(job, placement.decision, None, placement.lease)
+            return self.route.decode_only(job, placement, None)
         return PrefillFirst(self, job, placement, router)
 
 
@@ -154,7 +154,7 @@ class PrefillFirst(Attempts):
         self, prefill: EndpointState, body: bytes
     ) -> tuple[LegOutcome, LegReply | None, dict[str, object] | None, str]:
         """One leg: ``(outcome, the HTTP answer if any, kv_transfer_params when OK, detail for logs)``."""
-        headers = leg_headers(self._request_id, self._job.meta)
+        headers = prefill_leg_headers(self._request_id, self._job.meta, self._placement)
         metrics = self._handoff.metrics
         try:
             reply = await self._handoff.client.send(prefill.address, self._job.meta.path, body, headers)
@@ -189,7 +189,7 @@ class PrefillFirst(Attempts):
                 watcher = KvPullWatcher(
                     prefill.address, self.lease, handoff.metrics, self._router, handoff.watch_streams
                 )
-                return handoff.route.routed(decision, self._request_id, body, self.lease, watcher=watcher)
+                return handoff.route.routed(self._placement, self._request_id, body, watcher=watcher)
             if outcome is LegOutcome.CLIENT_ERROR:
                 assert reply is not None
                 self._log(logging.INFO, prefill, outcome, detail)

@@ -7,8 +7,8 @@ same): every prefill engine runs a bootstrap server (``VLLM_MOONCAKE_BOOTSTRAP_P
 
 1. the prefill's engine ids come from that ``/query`` (``http://<prefill ip>:<bootstrap_port
    metadata, else handoff.default_bootstrap_port>``), cached per prefill for
-   :data:`ENGINE_IDS_MAX_AGE_SECONDS` and dropped after a failed leg; one data-parallel rank is
-   picked at random;
+   :data:`ENGINE_IDS_MAX_AGE_SECONDS` and dropped after a failed leg; the data-parallel rank is the
+   one the placement pins (:mod:`ext_proc.prefix.ranks`) when listed, else one picked at random;
 2. the decode gets the client's body plus ``kv_transfer_params = {do_remote_prefill: true,
    do_remote_decode: false, transfer_id, remote_bootstrap_addr, remote_engine_id}`` (that rank's
    engine id) and is answered at once;
@@ -144,7 +144,7 @@ class VllmMooncakeHandoff(LegHandoff):
         prefill = placement.decision.prefill
         request_id = new_request_id()
         if prefill is None:
-            return self.route.decode_only(job, placement.decision, request_id, placement.lease)
+            return self.route.decode_only(job, placement, request_id)
         known = self.known(prefill.address)
         if known is not None:
             return self.route_both(job, placement, known, request_id, router)
@@ -188,11 +188,16 @@ class VllmMooncakeHandoff(LegHandoff):
     def route_both(
         self, job: HandoffJob, placement: Placement, bootstrap: Bootstrap, request_id: str, router: Rerouter
     ) -> Routed:
-        """Start the prefill leg and answer with the decode's body (one random data-parallel rank)."""
+        """Start the prefill leg and answer with the decode's body.
+
+        The prefill's data-parallel rank is the one the placement pins when the bootstrap lists it, else
+        one at random."""
         decision, lease = placement.decision, placement.lease
         prefill = decision.prefill
         assert prefill is not None
-        rank = secrets.choice(sorted(bootstrap.engine_ids))
+        rank = placement.ranks.prefill
+        if rank not in bootstrap.engine_ids:
+            rank = secrets.choice(sorted(bootstrap.engine_ids))
         transfer_id = f"xfer-{uuid.uuid4()}"
         params = decode_params(transfer_id, bootstrap, rank)
         body = with_fields(job.raw, job.body, {KV_TRANSFER_PARAMS: params}, HANDOFF_FIELDS)
@@ -203,7 +208,7 @@ class VllmMooncakeHandoff(LegHandoff):
             prefill, job.meta.path, leg_body, headers, lease, router, lambda: self.forget(address)
         )
         watcher = KvPullWatcher(address, lease, self.metrics, router, self.watch_streams)
-        return self.route.routed(decision, request_id, body, lease, watcher=watcher, background=leg)
+        return self.route.routed(placement, request_id, body, watcher=watcher, background=leg)
 
     async def close(self) -> None:
         """Cancel the prefill legs still running and close their connections."""

@@ -68,6 +68,7 @@ class SglangBootstrapHandoff:
     Of ``settings`` it reads ``default_bootstrap_port`` and ``watch_streamed_answers``."""
 
     hands_kv = True
+    pins_ranks = False  # SGLang engines read no X-data-parallel-rank
 
     def __init__(
         self, settings: HandoffConfig, *, route: DecodeRoute, client: PrefillClient, metrics: Metrics
@@ -84,7 +85,7 @@ class SglangBootstrapHandoff:
         decision, lease = placement.decision, placement.lease
         prefill = decision.prefill
         if prefill is None:
-            return self.route.decode_only(job, decision, None, lease)
+            return self.route.decode_only(job, placement, None)
         port = prefill.bootstrap_port or self.default_bootstrap_port
         fields = bootstrap_fields(bootstrap_host(prefill.address), port, prompt_count(job.body))
         body = with_fields(job.raw, job.body, fields, HANDOFF_FIELDS)
@@ -92,7 +93,7 @@ class SglangBootstrapHandoff:
         headers = leg_headers(request_id, job.meta)
         leg = self.legs.start(prefill, job.meta.path, body, headers, lease, router)
         watcher = KvPullWatcher(prefill.address, lease, self.metrics, router, self.watch_streams)
-        return self.route.routed(decision, request_id, body, lease, watcher=watcher, background=leg)
+        return self.route.routed(placement, request_id, body, watcher=watcher, background=leg)
 
     async def close(self) -> None:
         """Cancel the prefill legs still running and close their connections."""

@@ -41,6 +41,7 @@ class SidecarHandoff:
         self._prefill = prefill_header
         self.routing_headers = owned_headers(destination_header, prefill_header)
         self.hands_kv = False
+        self.pins_ranks = False  # the sidecar sends the prefill request: its rank cannot be set here
 
     def instructions(self, decision: Decision[EndpointState], body: bytes | None) -> RoutingInstructions:
         """Routing instructions for a sidecar: destination list = decode then fallbacks.

@@ -1,7 +1,9 @@
 """The event-fed prefix index: the blocks each engine reported holding, per tier (pure).
 
 Fed by the engines' KV-cache events (:mod:`ext_proc.prefix.kv_events`), one :class:`EventBatch` at a
-time per endpoint. A stored block is keyed by our own chained hash of its token ids
+time per endpoint (per publisher, strictly: each data-parallel rank of an engine is indexed apart, under
+the name :func:`~ext_proc.prefix.ranks.publisher` gives it; "endpoint" and "address" below mean that).
+A stored block is keyed by our own chained hash of its token ids
 (:func:`~ext_proc.prefix.blocks.block_hashes` over token ids, the chain started at :data:`ROOT` for a
 prompt's first block and at the parent's hash otherwise), so a request given as token ids is looked up
 by the same chain; the engine's hash, which depends on its settings and seed, is kept only to find a
@@ -32,6 +34,7 @@ from typing import NamedTuple
 from ext_proc.prefix.blocks import block_hashes
 from ext_proc.prefix.index import Holders
 from ext_proc.prefix.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, EventBatch
+from ext_proc.prefix.ranks import endpoint_of
 
 ROOT = 0
 """The chain's start for a prompt's first block, in the events and in a request's token chain."""
@@ -52,9 +55,13 @@ class Applied(NamedTuple):
 
 
 class ReplayFrom(NamedTuple):
-    """A batch was not applied: ask the engine's replay socket for the batches from ``sequence`` on."""
+    """A batch was not applied: ask the engine's replay socket for the batches from ``sequence`` on.
+
+    ``reset``: ``"restart"`` when the endpoint's entries were dropped first (the sequence went back),
+    else ``None``."""
 
     sequence: int
+    reset: str | None = None
 
 
 class _Endpoint:
@@ -108,7 +115,7 @@ class EventIndex:
             reset = "restart"
         if sequence != (0 if expected is None else expected):
             if replayable:
-                return ReplayFrom(0 if expected is None else expected)
+                return ReplayFrom(0 if expected is None else expected, reset)
             if expected is not None:
                 self._clear(address, endpoint)
                 reset = "gap"
@@ -226,10 +233,16 @@ class EventIndex:
         return {a: {t: n for t, n in e.tiers.items() if n} for a, e in self._endpoints.items()}
 
     def retain(self, addresses: Iterable[str]) -> None:
-        """Forget every endpoint not in ``addresses`` (it left discovery)."""
+        """Forget every endpoint not in ``addresses`` (it left discovery), each of its ranks."""
         keep = set(addresses)
-        for address in [a for a in self._endpoints if a not in keep]:
-            self._clear(address, self._endpoints.pop(address))
+        for address in [a for a in self._endpoints if endpoint_of(a) not in keep]:
+            self.forget(address)
+
+    def forget(self, address: str) -> None:
+        """Forget the publisher ``address`` (an endpoint, or a rank it no longer has)."""
+        endpoint = self._endpoints.pop(address, None)
+        if endpoint is not None:
+            self._clear(address, endpoint)
 
 
 def _hold(refs: dict[int, int], holders: Holders, slot: int, h: int) -> None:

@@ -11,7 +11,8 @@ The events name blocks by token ids, so only a prompt in token ids can match the
 tokenizer (``affinity.prefix.tokenizer``; :mod:`ext_proc.tokenizer`); its chain is started at
 :data:`~ext_proc.prefix.event_index.ROOT`, as the events' chains are (one engine serves one model). A
 text prompt not tokenized has the approximate index's chain (text in 4-character tokens, seeded with
-the model): it matches the recent placements only. The engines' prefix-cache counters correct
+the model): it matches the recent placements only. An engine of several data-parallel ranks is indexed
+rank by rank (:mod:`ext_proc.prefix.ranks`). The engines' prefix-cache counters correct
 nothing here: the events say what each engine holds. No I/O; the clock is injectable (seconds, monotonic).
 """
 
@@ -25,6 +26,7 @@ from ext_proc.affinity.model import E
 from ext_proc.prefix.blocks import block_hashes, prompt_content
 from ext_proc.prefix.event_index import ROOT, EventIndex
 from ext_proc.prefix.index import HitArrays
+from ext_proc.prefix.ranks import credited, credited_publisher
 from ext_proc.prefix.recent import RecentPlacements
 from ext_proc.prefix.tracker import Lookup, PredictionSink, PrefixSettings, prompt_chain
 
@@ -54,28 +56,38 @@ class KvEventSource:
             return block_hashes(content, self.settings.block_tokens, self.settings.max_blocks, ROOT)
         return prompt_chain(body, self.settings)
 
-    def lookup(self, hashes: list[int], prefills: Pool[E], decodes: Pool[E], prompt_tokens: int) -> Lookup:
+    def lookup(
+        self, hashes: list[int], prefills: Pool[E], decodes: Pool[E], prompt_tokens: int, pinned: bool = False
+    ) -> Lookup:
         """What the fresh endpoints reported holding of ``hashes``, or were given of it lately.
 
         A block recently placed counts as held in GPU memory; one reported only in a CPU tier as held
-        there (the decision's :class:`~ext_proc.affinity.Hits` ``prefill_cpu``, ``decode_cpu``)."""
+        there (the decision's :class:`~ext_proc.affinity.Hits` ``prefill_cpu``, ``decode_cpu``). An
+        endpoint of several data-parallel ranks is credited one rank's blocks, and only when
+        ``pinned`` (:func:`~ext_proc.prefix.ranks.credited`)."""
         now = self.clock()
-        matched = self.index.match(hashes, now)
-        gpu = self.index.match_gpu(hashes, matched)
-        for address, blocks in self.recent.match(hashes, now).items():
-            if blocks > matched.get(address, 0):
-                matched[address] = blocks
-            if gpu is not None and blocks > gpu.get(address, 0):
-                gpu[address] = blocks
+        held = self.index.match(hashes, now)
+        gpu = self.index.match_gpu(hashes, held)
+        for name, blocks in self.recent.match(hashes, now).items():
+            if blocks > held.get(name, 0):
+                held[name] = blocks
+            if gpu is not None and blocks > gpu.get(name, 0):
+                gpu[name] = blocks
+        matched, ranks = credited(held, pinned)
+        if gpu is not None and ranks:
+            gpu = {a: gpu.get(credited_publisher(a, ranks), 0) for a in matched}
         hits = self.hit_arrays.hits(matched, prefills, decodes, prompt_tokens, gpu)
-        return Lookup(hashes, matched, hits)
+        return Lookup(hashes, matched, hits, ranks)
 
     def predicted(self, lookup: Lookup, address: str, prompt_tokens: int) -> int:
         """The hit tokens ``lookup`` predicts at ``address`` (at most ``prompt_tokens``)."""
         return min(lookup.matched.get(address, 0) * self.settings.block_tokens, prompt_tokens)
 
     def placed(self, lookup: Lookup, decision: Decision[E], prompt_tokens: int) -> None:
-        """Count the hits predicted at the chosen endpoints and keep the prompt as recently placed there."""
+        """Count the hits predicted at the chosen endpoints and keep the prompt as recently placed there.
+
+        At an endpoint of several data-parallel ranks, on the rank the request is pinned to; nowhere
+        when it is not pinned (the rank that serves it is not known)."""
         now = self.clock()
         for role, endpoint in (("prefill", decision.prefill), ("decode", decision.decode)):
             if endpoint is not None:
@@ -83,12 +95,13 @@ class KvEventSource:
                 self._sink.prefix_predicted(
                     role, address, prompt_tokens, self.predicted(lookup, address, prompt_tokens)
                 )
-                self.recent.record(lookup.hashes, address, now)
+                if endpoint.data_parallel_size == 1 or address in lookup.ranks:
+                    self.recent.record(lookup.hashes, credited_publisher(address, lookup.ranks), now)
 
     def observe(self, address: str, queries: float | None, hits: float | None) -> None:
         """Nothing to learn from an engine's prefix-cache counters: its events say what it holds."""
 
     def retain(self, addresses: set[str]) -> None:
-        """Forget every endpoint not in ``addresses``."""
+        """Forget every endpoint not in ``addresses`` (all its ranks)."""
         self.index.retain(addresses)
         self.recent.retain(addresses)

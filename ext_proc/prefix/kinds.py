@@ -43,8 +43,14 @@ class PrefixSource(Protocol):
         then over them, whatever the body's prompt)."""
         ...
 
-    def lookup(self, hashes: list[int], prefills: Pool[E], decodes: Pool[E], prompt_tokens: int) -> Lookup:
-        """What the candidate endpoints hold of ``hashes``, with the decision's hit arrays."""
+    def lookup(
+        self, hashes: list[int], prefills: Pool[E], decodes: Pool[E], prompt_tokens: int, pinned: bool = False
+    ) -> Lookup:
+        """What the candidate endpoints hold of ``hashes``, with the decision's hit arrays.
+
+        ``pinned``: the handoff pins the engine requests to the data-parallel rank the lookup credits
+        (:attr:`Lookup.ranks`); without, an endpoint of several ranks is credited only what it is known
+        to hold whichever rank serves."""
         ...
 
     def predicted(self, lookup: Lookup, address: str, prompt_tokens: int) -> int:

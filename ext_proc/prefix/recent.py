@@ -13,10 +13,12 @@ from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 
 from ext_proc.prefix.index import Holders
+from ext_proc.prefix.ranks import endpoint_of
 
 
 class RecentPlacements:
-    """The chains placed on each endpoint (``"ip:port"``) in the last ``seconds``."""
+    """The chains placed on each endpoint (``"ip:port"``, or one data-parallel rank of it) in the last
+    ``seconds``."""
 
     def __init__(self, seconds: float) -> None:
         self.seconds = seconds
@@ -62,10 +64,10 @@ class RecentPlacements:
             self.holders.release(address)
 
     def retain(self, addresses: Iterable[str]) -> None:
-        """Forget every endpoint not in ``addresses``."""
+        """Forget every endpoint not in ``addresses`` (each of its data-parallel ranks)."""
         keep = set(addresses)
-        self._placed = deque(p for p in self._placed if p[1] in keep)
-        for address in [a for a in self._refs if a not in keep]:
+        self._placed = deque(p for p in self._placed if endpoint_of(p[1]) in keep)
+        for address in [a for a in self._refs if endpoint_of(a) not in keep]:
             slot = self.holders.slot(address)
             for h in self._refs.pop(address):
                 self.holders.remove(slot, h)

@@ -10,7 +10,9 @@ sample with prefix-cache counters, corrects that endpoint's LRU size
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import NamedTuple, Protocol
 
 from ext_proc.affinity import Decision, Hits, Pool
@@ -25,8 +27,9 @@ class KvEventsSettings:
     """The ``kv-events`` prefix source's settings (``affinity.prefix.kv_events``).
 
     ``port``: the engines' KV-event PUB port (an endpoint's ``kv_events_port`` metadata overrides it);
-    ``replay_port``: their replay (ROUTER) port, ``0`` when they have none: a gap then drops the
-    endpoint's entries; ``stale_after_seconds``: an engine that published nothing for this long is
+    ``replay_port``: their replay (ROUTER) port (an endpoint's ``kv_events_replay_port`` overrides it),
+    ``0`` when they have none: a gap then drops the endpoint's entries; data-parallel rank ``r``
+    publishes on both plus ``r``; ``stale_after_seconds``: an engine that published nothing for this long is
     routed as holding nothing; ``recent_seconds``: how long this gateway's own placements count as held
     before the events confirm them; ``max_blocks_per_endpoint``: the most blocks indexed per engine;
     ``queue_batches``: the most batches waiting per engine (more are dropped: a flood is bounded)."""
@@ -60,12 +63,15 @@ class PrefixSettings:
 class Lookup(NamedTuple):
     """One request's view of the index.
 
-    Its prompt's chain, the blocks each endpoint holds of it (by address), and the decision's
-    :class:`Hits` (``None`` when no candidate holds anything)."""
+    Its prompt's chain, the blocks each endpoint holds of it (by address), the decision's
+    :class:`Hits` (``None`` when no candidate holds anything), and the data-parallel rank whose blocks
+    an endpoint of several ranks was credited with, by address (the request is pinned to it there:
+    :mod:`ext_proc.prefix.ranks`)."""
 
     hashes: list[int]
     matched: dict[str, int]
     hits: Hits | None
+    ranks: Mapping[str, int] = MappingProxyType({})
 
 
 class PredictionSink(Protocol):
@@ -104,8 +110,10 @@ class PrefixTracker:
         """The chained block hashes of the request's prompt, or of ``tokens`` (:func:`prompt_chain`)."""
         return prompt_chain(body, self.settings, tokens)
 
-    def lookup(self, hashes: list[int], prefills: Pool[E], decodes: Pool[E], prompt_tokens: int) -> Lookup:
-        """What the candidate endpoints hold of ``hashes``."""
+    def lookup(
+        self, hashes: list[int], prefills: Pool[E], decodes: Pool[E], prompt_tokens: int, pinned: bool = False
+    ) -> Lookup:
+        """What the candidate endpoints hold of ``hashes`` (estimated per endpoint: ``pinned`` is moot)."""
         matched = self.index.match(hashes) if hashes else {}
         return Lookup(hashes, matched, self.index.hit_arrays.hits(matched, prefills, decodes, prompt_tokens))
 

@@ -151,6 +151,8 @@ VALUE_SETS = {
                     "bootstrap_port_annotation": "example.com/bootstrap-port",
                     "metrics_port_annotation": "example.com/metrics-port",
                     "kv_events_port_annotation": "example.com/kv-events-port",
+                    "kv_events_replay_port_annotation": "example.com/kv-events-replay-port",
+                    "data_parallel_size_annotation": "example.com/dp-size",
                     "kubeconfig": "/etc/kube/config",
                 }
             },
@@ -174,6 +176,8 @@ VALUE_SETS = {
                 "bootstrap_port_annotation": "example.com/bootstrap-port",
                 "metrics_port_annotation": "example.com/metrics-port",
                 "kv_events_port_annotation": "example.com/kv-events-port",
+                "kv_events_replay_port_annotation": "example.com/kv-events-replay-port",
+                "data_parallel_size_annotation": "example.com/dp-size",
             },
             "handoff.prefill_timeout_seconds": 400.25,
             "xds.no_envoy_delay_seconds": 0.0,

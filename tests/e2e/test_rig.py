@@ -68,11 +68,26 @@ def test_an_engine_of_both_roles_publishing_kv_events_has_no_connector_and_its_p
     assert env["VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"] == "0" and env["VLLM_SERVER_DEV_MODE"] == "1"
     assert engine_environment(kv_events_spec("rack-a"), base={})["VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"] == "1"
     assert capacity(spec) == 48 * BLOCK_TOKENS
-    info = EngineInfo(spec.address, spec.role, spec.group, capacity(spec), kv_events_port=spec.kv_events_port)
+    ports = {"kv_events_port": spec.kv_events_port, "kv_events_replay_port": spec.kv_replay_port}
+    info = EngineInfo(spec.address, spec.role, spec.group, capacity(spec), **ports)
     write_cluster_eds([info], tmp_path / "p.json", tmp_path / "d.json")
     for path in ("p.json", "d.json"):
         (listed,) = load_eds_file(tmp_path / path).endpoints
-        assert (listed.address, listed.kv_events_port) == (spec.address, spec.kv_events_port)
+        assert (listed.address, listed.kv_events_port, listed.kv_events_replay_port) == (
+            spec.address,
+            spec.kv_events_port,
+            spec.kv_replay_port,
+        )
+
+
+def test_an_engine_of_several_data_parallel_ranks_starts_them_behind_one_server_and_says_so_in_eds(tmp_path):
+    spec = kv_events_spec("rack-dp", data_parallel_size=2)
+    command = engine_command(Path("p"), tmp_path, spec, nice=0)
+    assert command[command.index("--data-parallel-size") + 1] == "2"
+    assert "--data-parallel-size" not in engine_command(Path("p"), tmp_path, kv_events_spec("rack-a"), nice=0)
+    info = EngineInfo(spec.address, spec.role, spec.group, capacity(spec), data_parallel_size=2)
+    write_cluster_eds([info], tmp_path / "p.json", tmp_path / "d.json")
+    assert load_eds_file(tmp_path / "d.json").endpoints[0].data_parallel_size == 2
 
 
 def test_metrics_are_keyed_by_name_and_labels_without_engine_and_model():

@@ -2,17 +2,21 @@
 
 :func:`endpoint` is an endpoint as an EDS file declares it; :func:`registry_of` a registry holding a prefill
 and a decode cluster; :func:`make_router` a sidecar-handoff router over such a registry (the scenario of
-``tests/unit/router/test_router.py``, whose addresses ``P1`` and ``D_SAME_IDLE`` other tests reuse).
+``tests/unit/router/test_router.py``, whose addresses ``P1`` and ``D_SAME_IDLE`` other tests reuse);
+:func:`kv_events_config` a server's configuration of the ``kv-events`` prefix source over EDS files.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ext_proc.affinity import Mode, Policy
+from ext_proc.config import Config, load_config
+from ext_proc.discovery.eds import write_eds_file
 from ext_proc.endpoints import ClusterEndpoints, EndpointSpec
 from ext_proc.handoff import SidecarHandoff
 from ext_proc.handoff.kinds import Handoff
@@ -41,13 +45,41 @@ def endpoint(
     bootstrap_port: int | None = None,
     metrics_port: int | None = None,
     kv_events_port: int | None = None,
+    kv_events_replay_port: int | None = None,
+    data_parallel_size: int = 1,
 ) -> EndpointSpec:
     """One endpoint as an EDS file declares it; healthy for ``HEALTHY`` and ``UNKNOWN``, as the EDS reader
     reads a health status; ``capacity`` ``None``: none declared (the registry's default applies)."""
     healthy = health in ("HEALTHY", "UNKNOWN")
     return EndpointSpec(
-        address, group, capacity, healthy, health, bootstrap_port, metrics_port, kv_events_port
+        address,
+        group,
+        capacity,
+        healthy,
+        health,
+        bootstrap_port,
+        metrics_port,
+        kv_events_port,
+        kv_events_replay_port,
+        data_parallel_size,
     )
+
+
+def kv_events_config(
+    folder: Path, specs: Sequence[EndpointSpec], overrides: dict[str, object] | None = None
+) -> Config:
+    """A server's configuration: ``specs`` each a prefill and a decode (EDS files written in ``folder``),
+    the ``kv-events`` prefix source, ephemeral listening ports, then ``overrides`` (dotted keys)."""
+    write_eds_file(folder / "p.json", "prefill", list(specs))
+    write_eds_file(folder / "d.json", "decode", list(specs))
+    base = {
+        "listen": "127.0.0.1:0",
+        "metrics_listen": "127.0.0.1:0",
+        "discovery.eds_files": [str(folder / "p.json"), str(folder / "d.json")],
+        "affinity.prefix.enabled": True,
+        "affinity.prefix.source": "kv-events",
+    }
+    return load_config(None, {**base, **(overrides or {})}, environ={})
 
 
 def registry_of(

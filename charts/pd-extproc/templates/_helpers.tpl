@@ -127,6 +127,8 @@ discovery:
     bootstrap_port_annotation: {{ $k.bootstrap_port_annotation | toJson }}
     metrics_port_annotation: {{ $k.metrics_port_annotation | toJson }}
     kv_events_port_annotation: {{ $k.kv_events_port_annotation | toJson }}
+    kv_events_replay_port_annotation: {{ $k.kv_events_replay_port_annotation | toJson }}
+    data_parallel_size_annotation: {{ $k.data_parallel_size_annotation | toJson }}
   inferencepool:
     name: {{ $v.discovery.inferencepool.name | toJson }}
     namespace: {{ $v.discovery.inferencepool.namespace | toJson }}

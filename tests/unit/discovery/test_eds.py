@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -20,6 +21,7 @@ from ext_proc.discovery import EdsError, EdsFileSource, eds_watch, load_eds_file
 from ext_proc.discovery.eds import (
     cluster_load_assignment,
     parse_cluster_load_assignment,
+    render_cla,
     render_eds,
     write_eds_file,
 )
@@ -332,7 +334,30 @@ def test_bootstrap_and_metrics_ports_are_read_and_written_back(tmp_path: Path) -
     assert load_eds_file(tmp_path / "again.json").endpoints == (spec,)
 
 
-@pytest.mark.parametrize("key", ["bootstrap_port", "metrics_port", "kv_events_port"])
+def test_kv_events_replay_port_and_data_parallel_size_are_read_and_written_back(tmp_path: Path) -> None:
+    metadata = {"kv_events_port": 5600, "kv_events_replay_port": 5700, "data_parallel_size": 4}
+    path = write_doc(
+        tmp_path / "p.yaml", response(cla("prefill", lb_endpoint("10.0.0.1", 30000, metadata=metadata)))
+    )
+    spec = EndpointSpec("10.0.0.1:30000", "", None, True, "HEALTHY", None, None, 5600, 5700, 4)
+    assert load_eds_file(path).endpoints == (spec,)
+    write_eds_file(tmp_path / "again.json", "prefill", [spec])
+    assert load_eds_file(tmp_path / "again.json").endpoints == (spec,)
+    assert "data_parallel_size" not in json.dumps(
+        render_cla("p", [dataclasses.replace(spec, data_parallel_size=1)])
+    )
+
+
+@pytest.mark.parametrize("size", [0, 1025, 2.5, "2", True, None])
+def test_data_parallel_size_must_be_a_rank_count(tmp_path: Path, size: object) -> None:
+    entry = lb_endpoint(metadata={"data_parallel_size": size})
+    path = write_doc(tmp_path / "d.yaml", response(cla("prefill", entry)))
+    assert eds_error(path) == (
+        f"{path}: endpoints[0].lb_endpoints[0]: metadata pd.data_parallel_size must be an integer in 1..1024"
+    )
+
+
+@pytest.mark.parametrize("key", ["bootstrap_port", "metrics_port", "kv_events_port", "kv_events_replay_port"])
 @pytest.mark.parametrize("port", [0, 65536, 8998.5, "8998", True, None])
 def test_ports_must_be_integer_ports(tmp_path: Path, key: str, port: object) -> None:
     path = write_doc(tmp_path / "d.yaml", response(cla("prefill", lb_endpoint(metadata={key: port}))))
@@ -393,7 +418,8 @@ def test_rendered_document_round_trips_through_yaml_with_custom_namespace(tmp_pa
 
 
 def test_the_protobuf_assignment_round_trips_every_field_with_custom_namespace() -> None:
-    specs = (spec("10.1.1.1:1", "a", 5.0), spec("[::1]:2", "", None, "DRAINING"))
+    events = dataclasses.replace(spec("10.1.1.2:3", "a"), kv_events_replay_port=5558, data_parallel_size=2)
+    specs = (spec("10.1.1.1:1", "a", 5.0), spec("[::1]:2", "", None, "DRAINING"), events)
     cluster = ClusterEndpoints("decode", specs, "ads")
     cla = cluster_load_assignment(cluster, "acme")
     assert parse_cluster_load_assignment(cla, "acme", "ads") == cluster

@@ -270,6 +270,27 @@ def test_a_kv_events_port_annotation_sets_the_kv_events_port() -> None:
     assert view.problems == ("annotation kv='x' is not a port in 1..65535; ignored",)
 
 
+def test_replay_port_and_data_parallel_size_annotations_set_them_and_bad_ones_are_problems() -> None:
+    annotations = {"pd-extproc/kv-events-replay-port": "5700", "pd-extproc/data-parallel-size": "4"}
+    view = view_pod(pod(annotations=annotations), INFERNEX)
+    declared = dataclasses.replace(
+        endpoint("10.0.0.1:8200"), kv_events_replay_port=5700, data_parallel_size=4
+    )
+    assert view == PodView((("decode", declared),))
+    rules = dataclasses.replace(
+        INFERNEX, kv_events_replay_port_annotation="r", data_parallel_size_annotation="dp"
+    )
+    view = view_pod(pod(annotations={"r": "0", "dp": "0"}), rules)
+    assert view == PodView(
+        (("decode", endpoint("10.0.0.1:8200")),),
+        (
+            "annotation r='0' is not a port in 1..65535; ignored",
+            "annotation dp='0' is not a rank count in 1..1024; ignored",
+        ),
+    )
+    assert view_pod(pod(annotations={"dp": "1025"}), rules).problems[0].startswith("annotation dp='1025'")
+
+
 def test_annotations_of_a_pod_that_is_not_routable_raise_no_problem() -> None:
     bad = pod(ready="False", annotations={"pd-extproc/token-capacity": "lots"})
     assert view_pod(bad, INFERNEX) == PodView(())

@@ -4,23 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 import zmq
-from builders import endpoint
+from builders import endpoint, kv_events_config
 from polling import until
 
 from ext_proc import kv_subscribers
 from ext_proc.affinity import Policy
 from ext_proc.app import start_server
-from ext_proc.config import load_config
-from ext_proc.discovery.eds import write_eds_file
 from ext_proc.endpoints import ClusterEndpoints
-from ext_proc.handoff import SidecarHandoff
-from ext_proc.kv_subscribers import KvEventSubscribers
+from ext_proc.handoff import SidecarHandoff, kv_transfer
+from ext_proc.handoff.config import HandoffConfig
+from ext_proc.handoff.routing import RoutingConfig
+from ext_proc.kv_subscribers import KvEventSubscribers, Target, targets
 from ext_proc.metrics import Metrics
 from ext_proc.outcome import RequestMeta, Routed
 from ext_proc.prefix import PrefixSettings
@@ -225,16 +226,7 @@ async def test_a_flooding_engine_is_bounded_and_the_loop_keeps_turning() -> None
 async def test_the_server_subscribes_to_its_engines_with_the_kv_events_source(tmp_path: Path) -> None:
     publisher = Publisher()
     spec = endpoint(ENGINE, kv_events_port=publisher.port)
-    write_eds_file(tmp_path / "p.json", "prefill", [spec])
-    write_eds_file(tmp_path / "d.json", "decode", [spec])
-    overrides = {
-        "listen": "127.0.0.1:0",
-        "metrics_listen": "127.0.0.1:0",
-        "discovery.eds_files": [str(tmp_path / "p.json"), str(tmp_path / "d.json")],
-        "affinity.prefix.enabled": True,
-        "affinity.prefix.source": "kv-events",
-    }
-    server = await start_server(load_config(None, overrides, environ={}))
+    server = await start_server(kv_events_config(tmp_path, [spec]))
     try:
         await connected(publisher, server.router)
         assert sample(server.router, "pd_extproc_kv_index_blocks", endpoint=ENGINE, tier="GPU") == 1
@@ -316,3 +308,99 @@ async def test_replicas_agree_on_a_prompt_sent_straight_to_an_engine() -> None:
         await asyncio.gather(*tasks, return_exceptions=True)
         for engine in engines.values():
             engine.close()
+
+
+def test_each_rank_of_an_engine_publishes_on_its_ports_offset_by_the_rank() -> None:
+    registry = Registry("prefill", "decode", 10_000.0)
+    specs = (
+        endpoint("10.0.0.1:8000", kv_events_port=6000, kv_events_replay_port=7000, data_parallel_size=3),
+        endpoint("10.0.0.2:8000"),  # the configured ports, one rank
+        endpoint("[fd00::3]:8000", kv_events_port=65534, data_parallel_size=4),  # ranks past 65535: none
+    )
+    registry.update([ClusterEndpoints("decode", specs, "d")])
+    assert targets(registry.endpoints(), KvEventsSettings(port=5557, replay_port=5558)) == {
+        "10.0.0.1:8000@dp0": Target("10.0.0.1", 6000, 7000),
+        "10.0.0.1:8000@dp1": Target("10.0.0.1", 6001, 7001),
+        "10.0.0.1:8000@dp2": Target("10.0.0.1", 6002, 7002),
+        "10.0.0.2:8000": Target("10.0.0.2", 5557, 5558),
+        "[fd00::3]:8000@dp0": Target("[fd00::3]", 65534, 5558),
+        "[fd00::3]:8000@dp1": Target("[fd00::3]", 65535, 5559),
+    }
+    assert targets(registry.endpoints(), KvEventsSettings())["10.0.0.2:8000"] == Target("10.0.0.2", 5557, 0)
+
+
+def rank_publishers(size: int) -> list[Publisher]:
+    """One publisher per data-parallel rank, on consecutive PUB and replay ports, as vLLM binds them."""
+    for _ in range(50):
+        first = Publisher()
+        ranks = [first]
+        try:
+            for rank in range(1, size):
+                ranks.append(Publisher(port=first.port + rank, replay_port=first.replay_port + rank))
+        except zmq.ZMQError:  # a port taken: another try
+            for taken in ranks:
+                taken.close()
+            continue
+        return ranks
+    raise AssertionError("no consecutive free ports")
+
+
+async def test_every_rank_is_subscribed_and_a_request_is_pinned_to_the_rank_holding_its_prompt() -> None:
+    ranks = rank_publishers(2)
+    spec = endpoint(ENGINE, kv_events_port=ranks[0].port, kv_events_replay_port=ranks[0].replay_port)
+    spec = dataclasses.replace(spec, data_parallel_size=2)
+    registry = Registry("prefill", "decode", 10_000.0)
+    registry.update([ClusterEndpoints("decode", (spec,), "d")])
+    metrics = Metrics(registry.endpoints)
+    router = Router(
+        RouterSettings(100, pd_threshold_tokens=10_000),  # decode-only: the decode's cache counts
+        registry=registry,
+        policy=Policy(),
+        handoff=kv_transfer.build(RoutingConfig(), HandoffConfig(), metrics),
+        metrics=metrics,
+        prefix=PrefixSettings(B, 100, source="kv-events"),
+    )
+    source = router.prefix
+    assert isinstance(source, KvEventSource)
+    subscribers = KvEventSubscribers(registry, router, metrics, interval=0.05)
+    tasks = [asyncio.create_task(subscribers.run()), *(p.start() for p in ranks)]
+    prompt = [t for b in range(1, 5) for t in tokens(b)]
+
+    def held_at(rank: int, ids: list[int] = prompt) -> int:
+        chain = block_hashes(ids, B, 100, ROOT)
+        return source.index.match(chain, source.clock()).get(f"{ENGINE}@dp{rank}", 0)
+
+    try:
+        for _ in range(200):  # until subscribed (a SUB socket misses what precedes its connection)
+            ranks[1].publish(BlockStored(tuple(range(101, 105)), None, tuple(prompt), B, None, None))
+            if held_at(1):
+                break
+            await asyncio.sleep(0.05)
+        assert held_at(1) == 4 and held_at(0) == 0
+        body = json.dumps({"model": "m", "prompt": [*prompt, 7, 7]}).encode()
+        result = router.route_body(body, RequestMeta("/v1/completions"), None)
+        assert isinstance(result, Routed)
+        assert dict(result.instructions.set_headers)["x-data-parallel-rank"] == "1"
+        assert sample(router, "pd_extproc_prefix_predicted_hit_tokens_sum", role="decode") == 4 * B
+        assert sample(router, "pd_extproc_kv_index_blocks", endpoint=f"{ENGINE}@dp1", tier="GPU") == 4
+        fresh = json.dumps({"model": "m", "prompt": tokens(9) * 4}).encode()
+        unheld = router.route_body(fresh, RequestMeta("/v1/completions"), None)
+        assert isinstance(unheld, Routed) and "x-data-parallel-rank" not in dict(
+            unheld.instructions.set_headers
+        )
+
+        ranks[1].publish(stored(205, 5, parent=104), send=False)  # a gap on rank 1: its own replay port
+        ranks[1].publish(stored(206, 6, parent=205))
+        await until(lambda: held_at(1, [*prompt, *tokens(5), *tokens(6)]) == 6)
+        assert ranks[1].replays[-1] > 0 and ranks[0].replays in ([], [0])
+
+        registry.update([ClusterEndpoints("decode", (dataclasses.replace(spec, data_parallel_size=1),), "d")])
+        subscribers.tick()  # rank 1 is gone: its entries with it
+        assert sorted(subscribers.addresses) == [ENGINE] and held_at(1) == 0
+    finally:
+        for task in tasks:
+            assert task is not None
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for publisher in ranks:
+            publisher.close()

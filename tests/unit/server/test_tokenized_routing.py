@@ -14,13 +14,11 @@ from pathlib import Path
 import aiohttp
 import grpc
 import pytest
-from builders import CHAT_META, D_SAME_IDLE, DEST, P1, PREFILL, endpoint, make_router, value
+from builders import CHAT_META, D_SAME_IDLE, DEST, P1, PREFILL, endpoint, kv_events_config, make_router, value
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from extproc_messages import body, destination, headers, trailers, with_modes
 
 from ext_proc.app import start_server
-from ext_proc.config import load_config
-from ext_proc.discovery.eds import write_eds_file
 from ext_proc.prefix import PrefixSettings
 from ext_proc.prefix.event_source import KvEventSource
 from ext_proc.prefix.kv_events import BlockStored
@@ -122,18 +120,8 @@ async def test_a_chat_sent_straight_to_an_engine_routes_the_next_turn_there(
     """Only the engine's events can know: the first turn never went through the gateway."""
     engines = {f"127.0.0.1:{8000 + i}": Publisher(replay=False) for i in range(2)}
     specs = [endpoint(a, kv_events_port=p.port) for a, p in engines.items()]
-    write_eds_file(tmp_path / "p.json", "prefill", specs)
-    write_eds_file(tmp_path / "d.json", "decode", specs)
-    overrides = {
-        "listen": "127.0.0.1:0",
-        "metrics_listen": "127.0.0.1:0",
-        "discovery.eds_files": [str(tmp_path / "p.json"), str(tmp_path / "d.json")],
-        "routing.pd_threshold_tokens": 0,
-        "affinity.prefix.enabled": True,
-        "affinity.prefix.source": "kv-events",
-        "affinity.prefix.tokenizer": str(folder),
-    }
-    server = await start_server(load_config(None, overrides, environ={}))
+    overrides = {"routing.pd_threshold_tokens": 0, "affinity.prefix.tokenizer": str(folder)}
+    server = await start_server(kv_events_config(tmp_path, specs, overrides))
     # The first engine: on a tie (no hit known) the server's first decision takes the second.
     holder, publisher = "127.0.0.1:8000", engines["127.0.0.1:8000"]
     first = chat("How does the gateway pick a prefill engine for a long prompt?")
