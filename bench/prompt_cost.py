@@ -24,8 +24,10 @@ Three measurements, each at the trace's prompt lengths (``../shared/traces/``: m
   pd-extproc (index on), and through Envoy without the filter (what the machine's own contention adds).
 
 ``smg`` is installed from PyPI into a cache virtual environment (``~/.cache/pd-extproc-bench/smg``) on
-first use: it is not a dependency of the package.
-Run: ``python bench/prompt_cost.py [--requests N] [--seconds S] [--json FILE] [--png FILE]``.
+first use: it is not a dependency of the package. ``--baseline DIR`` also runs every pd-extproc target
+from the source tree ``DIR`` (e.g. ``git worktree add DIR main``), as ``<target>_before``, in the same
+rotations and closed loops and beside the short request: a change's before and after in one run.
+Run: ``python bench/prompt_cost.py [--requests N] [--seconds S] [--baseline DIR] [--json FILE] [--png FILE]``.
 """
 
 from __future__ import annotations
@@ -292,13 +294,16 @@ async def _backends(workdir: Path) -> tuple[list[subprocess.Popen], str, str, li
     return processes, prefill, decode, eds
 
 
-async def _router(workdir: Path, eds: list[str], name: str, config: dict) -> tuple[subprocess.Popen, int]:
-    """A pd-extproc process on ``config`` (YAML keys); its gRPC port."""
+async def _router(
+    workdir: Path, eds: list[str], name: str, config: dict, source: Path | None = None
+) -> tuple[subprocess.Popen, int]:
+    """A pd-extproc process on ``config`` (YAML keys), of the source tree ``source`` (``None``: this
+    one); its gRPC port."""
     path = workdir / f"{name}.yaml"
     path.write_text(json.dumps(config), encoding="utf-8")  # JSON is YAML
     grpc_port, admin_port = free_port(), free_port()
     process = start_router_process(
-        grpc_port, admin_port, eds, workdir / f"{name}.log", ("--config", str(path))
+        grpc_port, admin_port, eds, workdir / f"{name}.log", ("--config", str(path)), source
     )
     await wait_router_ready(process, admin_port)
     return process, grpc_port
@@ -313,9 +318,16 @@ ROUTERS = {
 
 
 async def through_gateways(
-    requests: int, concurrency: int, seconds: float, with_smg: bool, long_streams: int
+    requests: int,
+    concurrency: int,
+    seconds: float,
+    with_smg: bool,
+    long_streams: int,
+    baseline: Path | None = None,
 ) -> dict:
-    """Start the backends, the gateways and ``smg``; measure; stop everything."""
+    """Start the backends, the gateways and ``smg``; measure; stop everything.
+
+    ``baseline``: a source tree whose pd-extproc targets run too, as ``<target>_before``."""
     workdir = Path(tempfile.mkdtemp(prefix="pd-bench-prompt-cost-"))
     processes, prefill, decode, eds = await _backends(workdir)
     gateways: list[Gateway] = []
@@ -329,12 +341,15 @@ async def through_gateways(
         floor = await start_envoy(eds, int(first_line(bare)), fail_open=True)
         gateways.append(floor)
         targets["bare_ext_proc"] = Target(f"{floor.url}/v1/chat/completions", bare.pid, floor.process.pid)
+        trees = {"": None} if baseline is None else {"": None, "_before": baseline}
         for name, config in ROUTERS.items():
-            router, port = await _router(workdir, eds, name, config)
-            processes.append(router)
-            gateway = await start_envoy(eds, port)
-            gateways.append(gateway)
-            targets[name] = Target(f"{gateway.url}/v1/chat/completions", router.pid, gateway.process.pid)
+            for suffix, source in trees.items():
+                router, port = await _router(workdir, eds, name + suffix, config, source)
+                processes.append(router)
+                gateway = await start_envoy(eds, port)
+                gateways.append(gateway)
+                url = f"{gateway.url}/v1/chat/completions"
+                targets[name + suffix] = Target(url, router.pid, gateway.process.pid)
         if with_smg:
             port = free_port()
             smg = await start_smg(prefill, decode, port, workdir / "smg.log")
@@ -343,7 +358,7 @@ async def through_gateways(
         results = {"gateway": await gateway_costs(targets, requests, concurrency, seconds)}
         results["interference"] = {
             name: await interference(targets[name].url, requests, long_streams)
-            for name in ("without_filter", "pd_extproc_index")
+            for name in ("without_filter", *(f"pd_extproc_index{suffix}" for suffix in trees))
         }
         big = {name: targets[name].url for name in ("without_filter", "pd_extproc", "pd_extproc_index")}
         results["largest_body"] = await largest_body(big, max(2, requests // 20))
@@ -370,13 +385,13 @@ def _print(results: dict) -> None:
     for label, row in results.get("gateway", {}).items():
         print(f"\n{label} tokens ({row['body_bytes']} B)")
         print(
-            f"{'target':<20}{'p50 ms':>8}{'p99 ms':>8}{'added p50':>10}{'req/s':>8}"
+            f"{'target':<26}{'p50 ms':>8}{'p99 ms':>8}{'added p50':>10}{'req/s':>8}"
             f"{'router us':>10}{'envoy us':>9}"
         )
         for name, cells in row.items():
             if isinstance(cells, dict):
                 print(
-                    f"{name:<20}{cells['p50_ms']:>8.2f}{cells['p99_ms']:>8.2f}{cells['added_p50_ms']:>10.2f}"
+                    f"{name:<26}{cells['p50_ms']:>8.2f}{cells['p99_ms']:>8.2f}{cells['added_p50_ms']:>10.2f}"
                     f"{cells['requests_per_s']:>8.0f}{cells['router_cpu_us_per_request']:>10.0f}"
                     f"{cells['envoy_cpu_us_per_request']:>9.0f}"
                 )
@@ -437,6 +452,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--in-process-only", action="store_true", help="skip the gateways")
     parser.add_argument("--no-smg", action="store_true", help="leave SGLang's smg out")
+    parser.add_argument(
+        "--baseline", type=Path, help="also run the pd-extproc targets of this source tree (_before)"
+    )
     parser.add_argument("--json", help="write the results to this JSON file")
     parser.add_argument("--png", help="write a plot (needs matplotlib)")
     args = parser.parse_args(argv)
@@ -444,7 +462,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.in_process_only:
         results |= asyncio.run(
             through_gateways(
-                args.requests, args.concurrency, args.seconds, not args.no_smg, args.long_streams
+                args.requests,
+                args.concurrency,
+                args.seconds,
+                not args.no_smg,
+                args.long_streams,
+                args.baseline,
             )
         )
     _print(results)
