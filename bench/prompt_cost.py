@@ -19,9 +19,11 @@ Three measurements, each at the trace's prompt lengths (``../shared/traces/``: m
   closed loop at ``--concurrency`` for ``--seconds``: requests/s and CPU per request of the router
   process (pd-extproc, the bare processor or ``smg``) and of Envoy, from /proc over the whole window.
 * ``largest_body``: a 16 MiB body's latency through Envoy without the filter and with pd-extproc.
-* ``interference``: a short request's latency (about 250 tokens), sequentially, alone and while
-  ``--long-streams`` closed loops send streamed 100k-token requests beside it: through Envoy +
-  pd-extproc (index on), and through Envoy without the filter (what the machine's own contention adds).
+* ``interference``: a short request's latency (about 250 tokens), sequentially, through each of
+  ``direct``, Envoy without the filter and Envoy + pd-extproc (index on; and its ``_before``) in turn:
+  alone, then while ``--long-streams`` closed loops send streamed 100k-token requests through one of
+  those gateways. Through the long requests' own gateway it shares their Envoy and router; through
+  the others, only the machine (what its own contention adds).
 
 ``smg`` is installed from PyPI into a cache virtual environment (``~/.cache/pd-extproc-bench/smg``) on
 first use: it is not a dependency of the package. ``--baseline DIR`` also runs every pd-extproc target
@@ -248,28 +250,40 @@ async def gateway_costs(targets: dict[str, Target], requests: int, concurrency: 
     return results
 
 
-async def interference(url: str, requests: int, long_streams: int) -> dict:
-    """A short request's latency through ``url``, alone and with 100k-token requests beside it."""
+async def interference(urls: dict[str, str], requests: int, long_streams: int) -> dict:
+    """A short request's latency through each of ``urls`` in turn, alone and beside long requests.
+
+    ``alone``: per URL, the short request's latency summary. ``beside``: per gateway of ``urls`` (not
+    ``direct``), with 100k-token requests streaming through it in ``long_streams`` closed loops: how
+    many were sent, and per URL the short request's latency summary."""
     short = chat_body(SHORT_TOKENS, 0)
     long_bodies = [chat_body(PROMPT_TOKENS["100k"], i, stream=True) for i in range(8)]
-    results: dict = {}
+    results: dict = {"beside": {}}
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        for name, streams in (("alone", 0), ("beside_long", long_streams)):
+        for through in (None, *(name for name in urls if name != "direct")):
             stop = asyncio.Event()
             sent = 0
 
-            async def long_loop(stop: asyncio.Event) -> None:
+            async def long_loop(url: str, stop: asyncio.Event) -> None:
                 nonlocal sent
                 while not stop.is_set():
                     sent += 1
                     await timed_post(session, url, long_bodies[sent % len(long_bodies)])
 
-            loops = [asyncio.create_task(long_loop(stop)) for _ in range(streams)]
-            await asyncio.sleep(0.5 if streams else 0)
-            times = [await timed_post(session, url, short) for _ in range(requests)]
+            loops = [] if through is None else [long_loop(urls[through], stop) for _ in range(long_streams)]
+            tasks = [asyncio.create_task(loop) for loop in loops]
+            await asyncio.sleep(0.5 if tasks else 0)
+            times: dict[str, list[float]] = {name: [] for name in urls}
+            for _ in range(requests):
+                for name, url in urls.items():
+                    times[name].append(await timed_post(session, url, short))
             stop.set()
-            await asyncio.gather(*loops)
-            results[name] = summary_ms(times) | {"long_requests": sent}
+            await asyncio.gather(*tasks)
+            short_ms = {name: summary_ms(values) for name, values in times.items()}
+            if through is None:
+                results["alone"] = short_ms
+            else:
+                results["beside"][through] = {"long_requests": sent, "short": short_ms}
     return results
 
 
@@ -356,10 +370,10 @@ async def through_gateways(
             processes.append(smg)
             targets["smg"] = Target(f"http://127.0.0.1:{port}/v1/chat/completions", smg.pid)
         results = {"gateway": await gateway_costs(targets, requests, concurrency, seconds)}
-        results["interference"] = {
-            name: await interference(targets[name].url, requests, long_streams)
-            for name in ("without_filter", *(f"pd_extproc_index{suffix}" for suffix in trees))
-        }
+        short = ("direct", "without_filter", *(f"pd_extproc_index{suffix}" for suffix in trees))
+        results["interference"] = await interference(
+            {name: targets[name].url for name in short}, requests, long_streams
+        )
         big = {name: targets[name].url for name in ("without_filter", "pd_extproc", "pd_extproc_index")}
         results["largest_body"] = await largest_body(big, max(2, requests // 20))
         return results
@@ -399,11 +413,13 @@ def _print(results: dict) -> None:
         big = results["largest_body"]
         cells = ", ".join(f"{k} p50 {v['p50_ms']:.1f} ms" for k, v in big.items() if isinstance(v, dict))
         print(f"{big['body_bytes']} B body: {cells}")
-    for target, rows in results.get("interference", {}).items():
-        for name, cells in rows.items():
-            print(
-                f"{target}: short request {name}: p50 {cells['p50_ms']:.2f} ms, p99 {cells['p99_ms']:.2f} ms"
-            )
+    if "interference" in results:
+        rows = results["interference"]
+        phases = {"alone": rows["alone"]} | {f"long via {k}": v["short"] for k, v in rows["beside"].items()}
+        print(f"\nshort request p50 / p99 ms, {'through':<26}" + "".join(f"{n:>26}" for n in rows["alone"]))
+        for phase, cells in phases.items():
+            values = "".join(f"{c['p50_ms']:>13.2f} / {c['p99_ms']:<9.2f}" for c in cells.values())
+            print(f"{phase:<53}{values}")
 
 
 def write_png(results: dict, path: str) -> None:
