@@ -416,9 +416,9 @@ def _print(results: dict) -> None:
     if "interference" in results:
         rows = results["interference"]
         phases = {"alone": rows["alone"]} | {f"long via {k}": v["short"] for k, v in rows["beside"].items()}
-        print(f"\nshort request p50 / p99 ms, {'through':<26}" + "".join(f"{n:>26}" for n in rows["alone"]))
+        print(f"\n{'short request p50 / p99 ms, through':<53}" + "".join(f"{n:>25}" for n in rows["alone"]))
         for phase, cells in phases.items():
-            values = "".join(f"{c['p50_ms']:>13.2f} / {c['p99_ms']:<9.2f}" for c in cells.values())
+            values = "".join(f"{c['p50_ms']:>12.2f} / {c['p99_ms']:<10.2f}" for c in cells.values())
             print(f"{phase:<53}{values}")
 
 
