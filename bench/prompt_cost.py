@@ -19,13 +19,17 @@ Three measurements, each at the trace's prompt lengths (``../shared/traces/``: m
   closed loop at ``--concurrency`` for ``--seconds``: requests/s and CPU per request of the router
   process (pd-extproc, the bare processor or ``smg``) and of Envoy, from /proc over the whole window.
 * ``largest_body``: a 16 MiB body's latency through Envoy without the filter and with pd-extproc.
-* ``interference``: a short request's latency (about 250 tokens), sequentially, alone and while
-  ``--long-streams`` closed loops send streamed 100k-token requests beside it: through Envoy +
-  pd-extproc (index on), and through Envoy without the filter (what the machine's own contention adds).
+* ``interference``: a short request's latency (about 250 tokens), sequentially, through each of
+  ``direct``, Envoy without the filter and Envoy + pd-extproc (index on; and its ``_before``) in turn:
+  alone, then while ``--long-streams`` closed loops send streamed 100k-token requests through one of
+  those gateways. Through the long requests' own gateway it shares their Envoy and router; through
+  the others, only the machine (what its own contention adds).
 
 ``smg`` is installed from PyPI into a cache virtual environment (``~/.cache/pd-extproc-bench/smg``) on
-first use: it is not a dependency of the package.
-Run: ``python bench/prompt_cost.py [--requests N] [--seconds S] [--json FILE] [--png FILE]``.
+first use: it is not a dependency of the package. ``--baseline DIR`` also runs every pd-extproc target
+from the source tree ``DIR`` (e.g. ``git worktree add DIR main``), as ``<target>_before``, in the same
+rotations and closed loops and beside the short request: a change's before and after in one run.
+Run: ``python bench/prompt_cost.py [--requests N] [--seconds S] [--baseline DIR] [--json FILE] [--png FILE]``.
 """
 
 from __future__ import annotations
@@ -246,28 +250,40 @@ async def gateway_costs(targets: dict[str, Target], requests: int, concurrency: 
     return results
 
 
-async def interference(url: str, requests: int, long_streams: int) -> dict:
-    """A short request's latency through ``url``, alone and with 100k-token requests beside it."""
+async def interference(urls: dict[str, str], requests: int, long_streams: int) -> dict:
+    """A short request's latency through each of ``urls`` in turn, alone and beside long requests.
+
+    ``alone``: per URL, the short request's latency summary. ``beside``: per gateway of ``urls`` (not
+    ``direct``), with 100k-token requests streaming through it in ``long_streams`` closed loops: how
+    many were sent, and per URL the short request's latency summary."""
     short = chat_body(SHORT_TOKENS, 0)
     long_bodies = [chat_body(PROMPT_TOKENS["100k"], i, stream=True) for i in range(8)]
-    results: dict = {}
+    results: dict = {"beside": {}}
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-        for name, streams in (("alone", 0), ("beside_long", long_streams)):
+        for through in (None, *(name for name in urls if name != "direct")):
             stop = asyncio.Event()
             sent = 0
 
-            async def long_loop(stop: asyncio.Event) -> None:
+            async def long_loop(url: str, stop: asyncio.Event) -> None:
                 nonlocal sent
                 while not stop.is_set():
                     sent += 1
                     await timed_post(session, url, long_bodies[sent % len(long_bodies)])
 
-            loops = [asyncio.create_task(long_loop(stop)) for _ in range(streams)]
-            await asyncio.sleep(0.5 if streams else 0)
-            times = [await timed_post(session, url, short) for _ in range(requests)]
+            loops = [] if through is None else [long_loop(urls[through], stop) for _ in range(long_streams)]
+            tasks = [asyncio.create_task(loop) for loop in loops]
+            await asyncio.sleep(0.5 if tasks else 0)
+            times: dict[str, list[float]] = {name: [] for name in urls}
+            for _ in range(requests):
+                for name, url in urls.items():
+                    times[name].append(await timed_post(session, url, short))
             stop.set()
-            await asyncio.gather(*loops)
-            results[name] = summary_ms(times) | {"long_requests": sent}
+            await asyncio.gather(*tasks)
+            short_ms = {name: summary_ms(values) for name, values in times.items()}
+            if through is None:
+                results["alone"] = short_ms
+            else:
+                results["beside"][through] = {"long_requests": sent, "short": short_ms}
     return results
 
 
@@ -292,13 +308,16 @@ async def _backends(workdir: Path) -> tuple[list[subprocess.Popen], str, str, li
     return processes, prefill, decode, eds
 
 
-async def _router(workdir: Path, eds: list[str], name: str, config: dict) -> tuple[subprocess.Popen, int]:
-    """A pd-extproc process on ``config`` (YAML keys); its gRPC port."""
+async def _router(
+    workdir: Path, eds: list[str], name: str, config: dict, source: Path | None = None
+) -> tuple[subprocess.Popen, int]:
+    """A pd-extproc process on ``config`` (YAML keys), of the source tree ``source`` (``None``: this
+    one); its gRPC port."""
     path = workdir / f"{name}.yaml"
     path.write_text(json.dumps(config), encoding="utf-8")  # JSON is YAML
     grpc_port, admin_port = free_port(), free_port()
     process = start_router_process(
-        grpc_port, admin_port, eds, workdir / f"{name}.log", ("--config", str(path))
+        grpc_port, admin_port, eds, workdir / f"{name}.log", ("--config", str(path)), source
     )
     await wait_router_ready(process, admin_port)
     return process, grpc_port
@@ -313,9 +332,16 @@ ROUTERS = {
 
 
 async def through_gateways(
-    requests: int, concurrency: int, seconds: float, with_smg: bool, long_streams: int
+    requests: int,
+    concurrency: int,
+    seconds: float,
+    with_smg: bool,
+    long_streams: int,
+    baseline: Path | None = None,
 ) -> dict:
-    """Start the backends, the gateways and ``smg``; measure; stop everything."""
+    """Start the backends, the gateways and ``smg``; measure; stop everything.
+
+    ``baseline``: a source tree whose pd-extproc targets run too, as ``<target>_before``."""
     workdir = Path(tempfile.mkdtemp(prefix="pd-bench-prompt-cost-"))
     processes, prefill, decode, eds = await _backends(workdir)
     gateways: list[Gateway] = []
@@ -329,22 +355,25 @@ async def through_gateways(
         floor = await start_envoy(eds, int(first_line(bare)), fail_open=True)
         gateways.append(floor)
         targets["bare_ext_proc"] = Target(f"{floor.url}/v1/chat/completions", bare.pid, floor.process.pid)
+        trees = {"": None} if baseline is None else {"": None, "_before": baseline}
         for name, config in ROUTERS.items():
-            router, port = await _router(workdir, eds, name, config)
-            processes.append(router)
-            gateway = await start_envoy(eds, port)
-            gateways.append(gateway)
-            targets[name] = Target(f"{gateway.url}/v1/chat/completions", router.pid, gateway.process.pid)
+            for suffix, source in trees.items():
+                router, port = await _router(workdir, eds, name + suffix, config, source)
+                processes.append(router)
+                gateway = await start_envoy(eds, port)
+                gateways.append(gateway)
+                url = f"{gateway.url}/v1/chat/completions"
+                targets[name + suffix] = Target(url, router.pid, gateway.process.pid)
         if with_smg:
             port = free_port()
             smg = await start_smg(prefill, decode, port, workdir / "smg.log")
             processes.append(smg)
             targets["smg"] = Target(f"http://127.0.0.1:{port}/v1/chat/completions", smg.pid)
         results = {"gateway": await gateway_costs(targets, requests, concurrency, seconds)}
-        results["interference"] = {
-            name: await interference(targets[name].url, requests, long_streams)
-            for name in ("without_filter", "pd_extproc_index")
-        }
+        short = ("direct", "without_filter", *(f"pd_extproc_index{suffix}" for suffix in trees))
+        results["interference"] = await interference(
+            {name: targets[name].url for name in short}, requests, long_streams
+        )
         big = {name: targets[name].url for name in ("without_filter", "pd_extproc", "pd_extproc_index")}
         results["largest_body"] = await largest_body(big, max(2, requests // 20))
         return results
@@ -370,13 +399,13 @@ def _print(results: dict) -> None:
     for label, row in results.get("gateway", {}).items():
         print(f"\n{label} tokens ({row['body_bytes']} B)")
         print(
-            f"{'target':<20}{'p50 ms':>8}{'p99 ms':>8}{'added p50':>10}{'req/s':>8}"
+            f"{'target':<26}{'p50 ms':>8}{'p99 ms':>8}{'added p50':>10}{'req/s':>8}"
             f"{'router us':>10}{'envoy us':>9}"
         )
         for name, cells in row.items():
             if isinstance(cells, dict):
                 print(
-                    f"{name:<20}{cells['p50_ms']:>8.2f}{cells['p99_ms']:>8.2f}{cells['added_p50_ms']:>10.2f}"
+                    f"{name:<26}{cells['p50_ms']:>8.2f}{cells['p99_ms']:>8.2f}{cells['added_p50_ms']:>10.2f}"
                     f"{cells['requests_per_s']:>8.0f}{cells['router_cpu_us_per_request']:>10.0f}"
                     f"{cells['envoy_cpu_us_per_request']:>9.0f}"
                 )
@@ -384,11 +413,13 @@ def _print(results: dict) -> None:
         big = results["largest_body"]
         cells = ", ".join(f"{k} p50 {v['p50_ms']:.1f} ms" for k, v in big.items() if isinstance(v, dict))
         print(f"{big['body_bytes']} B body: {cells}")
-    for target, rows in results.get("interference", {}).items():
-        for name, cells in rows.items():
-            print(
-                f"{target}: short request {name}: p50 {cells['p50_ms']:.2f} ms, p99 {cells['p99_ms']:.2f} ms"
-            )
+    if "interference" in results:
+        rows = results["interference"]
+        phases = {"alone": rows["alone"]} | {f"long via {k}": v["short"] for k, v in rows["beside"].items()}
+        print(f"\n{'short request p50 / p99 ms, through':<53}" + "".join(f"{n:>25}" for n in rows["alone"]))
+        for phase, cells in phases.items():
+            values = "".join(f"{c['p50_ms']:>12.2f} / {c['p99_ms']:<10.2f}" for c in cells.values())
+            print(f"{phase:<53}{values}")
 
 
 def write_png(results: dict, path: str) -> None:
@@ -437,6 +468,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--in-process-only", action="store_true", help="skip the gateways")
     parser.add_argument("--no-smg", action="store_true", help="leave SGLang's smg out")
+    parser.add_argument(
+        "--baseline", type=Path, help="also run the pd-extproc targets of this source tree (_before)"
+    )
     parser.add_argument("--json", help="write the results to this JSON file")
     parser.add_argument("--png", help="write a plot (needs matplotlib)")
     args = parser.parse_args(argv)
@@ -444,7 +478,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.in_process_only:
         results |= asyncio.run(
             through_gateways(
-                args.requests, args.concurrency, args.seconds, not args.no_smg, args.long_streams
+                args.requests,
+                args.concurrency,
+                args.seconds,
+                not args.no_smg,
+                args.long_streams,
+                args.baseline,
             )
         )
     _print(results)

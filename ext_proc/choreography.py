@@ -32,6 +32,8 @@ from ext_proc import envoy_messages as msg
 from ext_proc.outcome import RoutingInstructions
 
 BodySendMode = processing_mode_pb2.ProcessingMode.BodySendMode
+_BUFFERED = BodySendMode.BUFFERED  # the enum's values bound once: each attribute access costs ~0.8 µs
+_FULL_DUPLEX = BodySendMode.FULL_DUPLEX_STREAMED
 STREAMED_CHUNK_BYTES = 62_000
 """The largest body chunk sent in one ``streamed_response`` (the Gateway API Inference Extension
 endpoint picker's ``BodyByteLimit``), in bytes."""
@@ -40,9 +42,35 @@ BODY_LIMIT_BYTES = 16 * 1024 * 1024
 ``per_connection_buffer_limit_bytes`` refuses a larger one itself (a test keeps the two equal); in
 FULL_DUPLEX_STREAMED mode Envoy buffers nothing and pd-extproc refuses it (413 ``request_too_large``)."""
 
+ROUTING_ANSWERS_KEPT = 4096
+"""The most BUFFERED routing answers :class:`RoutingAnswers` keeps for reuse."""
+
 Answers = tuple[pb.ProcessingResponse, ...]
 _TRAILERS = msg.passthrough("request_trailers")
 """Built once, never modified: the answer that passes request trailers through."""
+
+
+class RoutingAnswers:
+    """The BUFFERED answers of routings that keep the client's body, each built once and reused.
+
+    Such an answer depends on its routing alone (the decode, its fallbacks, the prefill), and few
+    routings recur, so building one per request is wasted work. Like the constant answers, one is
+    never modified after it is built, only serialized. At most :data:`ROUTING_ANSWERS_KEPT` are kept;
+    when full, all are forgotten and built again as they recur."""
+
+    __slots__ = ("_answers",)
+
+    def __init__(self) -> None:
+        self._answers: dict[RoutingInstructions, Answers] = {}
+
+    def of(self, routing: RoutingInstructions) -> Answers:
+        """The answer to a ``request_body`` message that routes with ``routing`` (``routing.body`` None)."""
+        answers = self._answers.get(routing)
+        if answers is None:
+            if len(self._answers) >= ROUTING_ANSWERS_KEPT:
+                self._answers.clear()
+            answers = self._answers[routing] = (msg.route_on_body(routing),)
+        return answers
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +90,8 @@ class Choreography:
     """Response body chunks are answered with the same bytes as ``streamed_response`` (FDS)."""
     strip: tuple[str, ...]
     """The routing headers a client may not send; a held headers answer removes those it does not set."""
+    reused: RoutingAnswers
+    """The BUFFERED routing answers built so far (shared by the server's choreographies)."""
 
     def route_body(self, routing: RoutingInstructions, body: bytes, trailers: bool = False) -> Answers:
         """The answers that route a request whose complete body is ``body``.
@@ -69,7 +99,7 @@ class Choreography:
         ``routing.body``, when set, replaces it; ``trailers``: the request trailers ended the body (FDS
         only), and are answered last, unchanged."""
         if not self.full_duplex:
-            return (msg.route_on_body(routing),)
+            return self.reused.of(routing) if routing.body is None else (msg.route_on_body(routing),)
         sent = body if routing.body is None else routing.body
         headers = msg.route_on_headers(
             routing, strip=self.strip, content_length=len(sent), clear_route_cache=True
@@ -139,12 +169,13 @@ class Choreographies:
 
     def __init__(self, routing_headers: tuple[str, ...], response_headers: bool = False) -> None:
         hold = (msg.strip_on_headers(routing_headers, response_headers),)
-        self.buffered = Choreography("buffered", False, hold, False, routing_headers)
+        reused = RoutingAnswers()
+        self.buffered = Choreography("buffered", False, hold, False, routing_headers, reused)
         self._by_modes = {
             (False, False): self.buffered,
-            (False, True): Choreography("buffered", False, hold, True, routing_headers),
-            (True, False): Choreography("full_duplex_streamed", True, (), False, routing_headers),
-            (True, True): Choreography("full_duplex_streamed", True, (), True, routing_headers),
+            (False, True): Choreography("buffered", False, hold, True, routing_headers, reused),
+            (True, False): Choreography("full_duplex_streamed", True, (), False, routing_headers, reused),
+            (True, True): Choreography("full_duplex_streamed", True, (), True, routing_headers, reused),
         }
 
     def choreography_for(self, request: pb.ProcessingRequest) -> Choreography | str:
@@ -156,11 +187,9 @@ class Choreographies:
             return self.buffered
         config = request.protocol_config
         request_mode = config.request_body_mode
-        if request_mode not in (BodySendMode.BUFFERED, BodySendMode.FULL_DUPLEX_STREAMED):
+        if request_mode != _BUFFERED and request_mode != _FULL_DUPLEX:
             return (
                 f"ext_proc request_body_mode is {BodySendMode.Name(request_mode)}: pd-extproc routes by "
                 "the whole request body, so use BUFFERED or FULL_DUPLEX_STREAMED"
             )
-        full_duplex = request_mode == BodySendMode.FULL_DUPLEX_STREAMED
-        echo = config.response_body_mode == BodySendMode.FULL_DUPLEX_STREAMED
-        return self._by_modes[(full_duplex, echo)]
+        return self._by_modes[(request_mode == _FULL_DUPLEX, config.response_body_mode == _FULL_DUPLEX)]

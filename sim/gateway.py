@@ -273,9 +273,17 @@ def free_port() -> int:
 
 
 def start_router_process(
-    grpc_port: int, admin_port: int, eds_files: list[str], log_path: Path, extra_args: tuple[str, ...] = ()
+    grpc_port: int,
+    admin_port: int,
+    eds_files: list[str],
+    log_path: Path,
+    extra_args: tuple[str, ...] = (),
+    source: Path | None = None,
 ) -> subprocess.Popen:
-    """Start ``pd-extproc serve`` on loopback ports as a subprocess logging to ``log_path``."""
+    """Start ``pd-extproc serve`` on loopback ports as a subprocess logging to ``log_path``.
+
+    ``source``: the source tree whose ``ext_proc`` it runs (first on ``PYTHONPATH``; ``None``: the one
+    this process imports)."""
     command = [
         sys.executable,
         "-m",
@@ -290,9 +298,10 @@ def start_router_process(
     ]
     for path in eds_files:
         command += ["--eds-file", path]
+    env = None if source is None else {**os.environ, "PYTHONPATH": str(source)}
     with log_path.open("wb") as log:
         return subprocess.Popen(
-            [*command, *extra_args], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            [*command, *extra_args], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
         )
 
 
