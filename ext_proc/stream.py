@@ -280,7 +280,9 @@ class Stream:
             return PendingTokens(router, request)
         return self._route(request, None, build)
 
-    def _route(self, request: BodyRequest, tokens: Sequence[int] | None, build: Build) -> Answers | PendingAnswer:
+    def _route(
+        self, request: BodyRequest, tokens: Sequence[int] | None, build: Build
+    ) -> Answers | PendingAnswer:
         outcome = self._shared.router.route(request, self.subset, tokens)
         if isinstance(outcome, Routed | Refused):
             return self._routed(outcome, build)

@@ -5,9 +5,9 @@ Engines cache a prompt's KV in fixed-size blocks keyed by a hash chained over th
 share cache exactly as far as their leading blocks agree. The gateway hashes token ids when it has
 them (the body's ``prompt`` / ``input`` as ids, or the gateway tokenizer's, :mod:`ext_proc.tokenizer`)
 and otherwise the prompt text in chunks of ``CHARS_PER_TOKEN * block_tokens`` characters — the same 4
-characters a token the load accounting estimates (:mod:`ext_proc.request`). Text chunks do not line up with an engine's token
-blocks, but both chains stop agreeing where the prompts stop agreeing, so the length of the common
-prefix they measure is the same within a block.
+characters a token the load accounting estimates (:mod:`ext_proc.request`). Text chunks do not line up
+with an engine's token blocks, but both chains stop agreeing where the prompts stop agreeing, so the
+length of the common prefix they measure is the same within a block.
 
 Pure: no I/O. One pass, no Python loop per block or per token id: the prompt becomes a sequence of
 64-bit values ``v`` (text: its UTF-32 code points two to a value; token ids: each id a value; each value
