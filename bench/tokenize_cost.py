@@ -74,6 +74,10 @@ SEEN_TOKENS = 10_000
 SYSTEM_TOKENS = 2_000
 BLOCK_TOKENS = 16
 """Tokens a block in the ``chain`` paths (vLLM's default block size)."""
+IN_PROCESS = ("cold", "cached", "render", "encode", "chain", "chain_list")
+"""The paths timed on the calling thread."""
+PATHS = (*IN_PROCESS, "awaited_cold", "awaited_cached")
+"""Every path timed (module docstring), in the report's order."""
 CHAT = "/v1/chat/completions"
 
 
@@ -196,9 +200,7 @@ def measure_encoder(
     encoder = cold_tokenizer._encoder  # the encoder alone
     assert template is not None
     variables = {"bos_token": "<|begin_of_text|>", "add_generation_prompt": True}
-    results: dict[str, list[float]] = {
-        k: [] for k in ("cold", "cached", "render", "encode", "chain", "chain_list")
-    }
+    results: dict[str, list[float]] = {k: [] for k in IN_PROCESS}
     sizes: dict[str, list[int]] = {"prompt_tokens": [], "cached_tokens": [], "seen_tokens": []}
     answers: list[list[int]] = []
     for body, earlier in bodies:
@@ -274,16 +276,7 @@ def report(result: dict[str, Any]) -> str:
         f"{spread(sizes['cached_tokens'])} taken from the cache (min / p50 / max)",
         "".join([f"{'path':<16}", *(f"{e + ' p50':>18}{'p90 ms':>8}" for e in encoders)]),
     ]
-    for name in (
-        "cold",
-        "cached",
-        "render",
-        "encode",
-        "chain",
-        "chain_list",
-        "awaited_cold",
-        "awaited_cached",
-    ):
+    for name in PATHS:
         cells = [f"{result[e][name]['p50_ms']:>18.3f}{result[e][name]['p90_ms']:>8.3f}" for e in encoders]
         lines.append(f"{name:<16}" + "".join(cells))
     lines.append("(awaited_cold: the ~10k-token earlier turn, cold, through the worker thread)")
