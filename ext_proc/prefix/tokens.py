@@ -124,7 +124,7 @@ class Tokenized(NamedTuple):
 
     ``ids`` are an unsigned 32-bit ``array.array`` (no Python int is made for them: the chain of blocks,
     :func:`ext_proc.prefix.blocks.block_hashes`, reads them in place), or, for a prompt given as token
-    ids, that list as the body holds it."""
+    ids, a list of the body's ids."""
 
     ids: array[int] | list[int]
     cached: int
