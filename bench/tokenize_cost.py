@@ -15,6 +15,10 @@ model's). The prompt is a conversation of prose paragraphs from those docs: a sy
 - ``awaited``: ``cached`` through :class:`~ext_proc.tokenizer.GatewayTokenizer` (the hop to its worker
   thread and back included), and ``cold`` likewise.
 - ``render``, ``encode``: the cold path's two parts, the chat template alone and the encoder alone.
+- ``chain``: :func:`~ext_proc.prefix.blocks.block_hashes` (16-token blocks, as the ``kv-events`` source
+  chains a tokenized prompt) over the ``cached`` answer's ids as the tokenizer hands them on;
+  ``chain_list``: over the same ids as a list of Python ints (a prompt given as ids in the body, a
+  KV event's ``token_ids``).
 
 Each path is timed for each encoder the gateway may run (:data:`ext_proc.tokenizer.ENCODERS`):
 ``fastokens`` and ``tiktoken`` (each when it loads for the folder: checked equal to ``tokenizers`` at
@@ -47,6 +51,7 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
+from ext_proc.prefix.blocks import block_hashes
 from ext_proc.prefix.tokens import PrefixTokenCache
 from ext_proc.tokenizer import (
     ENCODERS,
@@ -67,6 +72,12 @@ CORPUS_CHARS = 24_000_000
 PROMPT_TOKENS = 12_000
 SEEN_TOKENS = 10_000
 SYSTEM_TOKENS = 2_000
+BLOCK_TOKENS = 16
+"""Tokens a block in the ``chain`` paths (vLLM's default block size)."""
+IN_PROCESS = ("cold", "cached", "render", "encode", "chain", "chain_list")
+"""The paths timed on the calling thread."""
+PATHS = (*IN_PROCESS, "awaited_cold", "awaited_cached")
+"""Every path timed (module docstring), in the report's order."""
 CHAT = "/v1/chat/completions"
 
 
@@ -189,7 +200,7 @@ def measure_encoder(
     encoder = cold_tokenizer._encoder  # the encoder alone
     assert template is not None
     variables = {"bos_token": "<|begin_of_text|>", "add_generation_prompt": True}
-    results: dict[str, list[float]] = {k: [] for k in ("cold", "cached", "render", "encode")}
+    results: dict[str, list[float]] = {k: [] for k in IN_PROCESS}
     sizes: dict[str, list[int]] = {"prompt_tokens": [], "cached_tokens": [], "seen_tokens": []}
     answers: list[list[int]] = []
     for body, earlier in bodies:
@@ -207,7 +218,11 @@ def measure_encoder(
         started = time.perf_counter()
         answer = warm.tokens(body, CHAT, 1.0)
         results["cached"].append(time.perf_counter() - started)
-        answers.append(answer.ids)
+        for name, ids in (("chain", answer.ids), ("chain_list", list(answer.ids))):
+            started = time.perf_counter()
+            block_hashes(ids, BLOCK_TOKENS, len(ids), 0)
+            results[name].append(time.perf_counter() - started)
+        answers.append(list(answer.ids))
         sizes["prompt_tokens"].append(len(answer.ids))
         sizes["cached_tokens"].append(answer.cached)
     awaited = asyncio.run(measure_awaited(settings, bodies))
@@ -261,7 +276,7 @@ def report(result: dict[str, Any]) -> str:
         f"{spread(sizes['cached_tokens'])} taken from the cache (min / p50 / max)",
         "".join([f"{'path':<16}", *(f"{e + ' p50':>18}{'p90 ms':>8}" for e in encoders)]),
     ]
-    for name in ("cold", "cached", "render", "encode", "awaited_cold", "awaited_cached"):
+    for name in PATHS:
         cells = [f"{result[e][name]['p50_ms']:>18.3f}{result[e][name]['p90_ms']:>8.3f}" for e in encoders]
         lines.append(f"{name:<16}" + "".join(cells))
     lines.append("(awaited_cold: the ~10k-token earlier turn, cold, through the worker thread)")

@@ -12,6 +12,7 @@ A leaf module: value types only (no gRPC, HTTP client, metrics or handoff module
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -63,7 +64,7 @@ class HandoffJob:
     meta: RequestMeta
     cost: Cost
     subset: frozenset[str] | None
-    tokens: list[int] | None = None
+    tokens: Sequence[int] | None = None
 
 
 class Ranks(NamedTuple):

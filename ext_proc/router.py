@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -227,7 +228,7 @@ class Router:
             and not isinstance(prompt_content(request.body), list)
         )
 
-    async def prompt_tokens(self, request: BodyRequest) -> list[int] | None:
+    async def prompt_tokens(self, request: BodyRequest) -> Sequence[int] | None:
         """The engine's token ids of ``request``'s prompt; ``None`` (counted, logged) when unknown.
 
         Tokenized off the event loop by the tokenizer configured now (:mod:`ext_proc.tokenizer`)."""
@@ -237,7 +238,7 @@ class Router:
         return await tokenizer.prompt_tokens(request.body, request.meta.path)
 
     def route(
-        self, request: BodyRequest, subset: frozenset[str] | None = None, tokens: list[int] | None = None
+        self, request: BodyRequest, subset: frozenset[str] | None = None, tokens: Sequence[int] | None = None
     ) -> Routed | Refused | PendingAnswer:
         """Route a read request: prefill then decode, per the affinity policy.
 
@@ -332,7 +333,7 @@ class Router:
         KV cache it computed: eject that prefill."""
         self.ejections.eject(address, outcome)
 
-    def _chain(self, body: dict[str, object], tokens: list[int] | None) -> list[int] | None:
+    def _chain(self, body: dict[str, object], tokens: Sequence[int] | None) -> list[int] | None:
         """The prompt's block hashes (over ``tokens`` when known) when the prefix index is on.
 
         The index forgets the endpoints that left first."""

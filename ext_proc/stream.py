@@ -40,7 +40,7 @@ its in-flight slot and cancels its background prefill leg.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ext_proc import envoy_messages as msg
@@ -69,7 +69,7 @@ class PendingTokens:
     router: Router
     request: BodyRequest
 
-    async def tokens(self) -> list[int] | None:
+    async def tokens(self) -> Sequence[int] | None:
         """The prompt's token ids (``None``: unknown; the request is then routed on its text)."""
         return await self.router.prompt_tokens(self.request)
 
@@ -180,7 +180,7 @@ class Stream:
             return (choreography.response_body(request.response_body, self._shared.passthrough[kind]),)
         return (self._shared.passthrough[kind],)
 
-    def tokenized(self, request: BodyRequest, tokens: list[int] | None) -> Answers | PendingAnswer:
+    def tokenized(self, request: BodyRequest, tokens: Sequence[int] | None) -> Answers | PendingAnswer:
         """Route ``request`` (of :class:`PendingTokens`) now that its prompt's ``tokens`` are known."""
         assert self.build is not None
         return self._route(request, tokens, self.build)
@@ -280,7 +280,9 @@ class Stream:
             return PendingTokens(router, request)
         return self._route(request, None, build)
 
-    def _route(self, request: BodyRequest, tokens: list[int] | None, build: Build) -> Answers | PendingAnswer:
+    def _route(
+        self, request: BodyRequest, tokens: Sequence[int] | None, build: Build
+    ) -> Answers | PendingAnswer:
         outcome = self._shared.router.route(request, self.subset, tokens)
         if isinstance(outcome, Routed | Refused):
             return self._routed(outcome, build)

@@ -21,7 +21,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -298,7 +298,7 @@ class GatewayTokenizer:
         sink.tokenizer_encoder(loaded.encoder)
         return cls(loaded.tokenizer, sink)
 
-    async def prompt_tokens(self, body: Mapping[str, object], path: str) -> list[int] | None:
+    async def prompt_tokens(self, body: Mapping[str, object], path: str) -> Sequence[int] | None:
         """The engine's token ids for ``body`` sent to ``path``; ``None`` when they cannot be known.
 
         ``body`` must not change until this returns (the worker thread reads it)."""

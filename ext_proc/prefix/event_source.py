@@ -19,7 +19,7 @@ nothing here: the events say what each engine holds. No I/O; the clock is inject
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from ext_proc.affinity import Decision, Pool
 from ext_proc.affinity.model import E
@@ -47,12 +47,12 @@ class KvEventSource:
         self.clock = clock
         self._sink = sink
 
-    def chain(self, body: dict[str, object], tokens: list[int] | None = None) -> list[int]:
+    def chain(self, body: dict[str, object], tokens: Sequence[int] | None = None) -> list[int]:
         """The prompt's chain over its token ids from :data:`ROOT`, else the approximate text chain.
 
         The token ids are ``tokens`` (the gateway tokenized the prompt), else the body's own."""
         content = prompt_content(body) if tokens is None else tokens
-        if isinstance(content, list) and content:
+        if content and not isinstance(content, str):
             return block_hashes(content, self.settings.block_tokens, self.settings.max_blocks, ROOT)
         return prompt_chain(body, self.settings)
 

@@ -11,7 +11,7 @@ holding in their KV-cache events. A new kind is a module with its source, one
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from ext_proc.affinity import Decision, Pool
@@ -36,7 +36,7 @@ class PrefixSource(Protocol):
 
     settings: PrefixSettings
 
-    def chain(self, body: dict[str, object], tokens: list[int] | None = None) -> list[int]:
+    def chain(self, body: dict[str, object], tokens: Sequence[int] | None = None) -> list[int]:
         """The chained block hashes of the request's prompt (empty without a prompt).
 
         ``tokens``: the prompt in the engine's token ids when the gateway tokenized it (the chain is

@@ -120,9 +120,13 @@ class TextEncoder(Protocol):
 
 
 class Tokenized(NamedTuple):
-    """A prompt's token ids, ``cached`` of them (the leading ones) taken from the prefix cache."""
+    """A prompt's token ids, ``cached`` of them (the leading ones) taken from the prefix cache.
 
-    ids: list[int]
+    ``ids`` are an unsigned 32-bit ``array.array`` (no Python int is made for them: the chain of blocks,
+    :func:`ext_proc.prefix.blocks.block_hashes`, reads them in place), or, for a prompt given as token
+    ids, a list of the body's ids."""
+
+    ids: array[int] | list[int]
     cached: int
 
 
@@ -490,7 +494,10 @@ class PromptTokenizer:
             return Tokenized([t for row in prompt for t in row], 0)  # type: ignore[attr-defined]
         if all(isinstance(p, str) for p in prompt):
             parts = [self._encode(p, [], [len(p)], add_special, now) for p in prompt]  # type: ignore[arg-type]
-            return Tokenized([t for part in parts for t in part.ids], parts[0].cached)
+            ids = array("I")
+            for part in parts:
+                ids.extend(part.ids)
+            return Tokenized(ids, parts[0].cached)
         _unsupported("the prompt is neither text, a list of texts nor token ids")
 
     def _chat(self, body: Mapping[str, object], now: float) -> Tokenized:
@@ -540,7 +547,7 @@ class PromptTokenizer:
         Prefixes are looked up at ``lookups`` and ``stores`` (character offsets); the rest is cut at the
         ``stores`` past the prefix, and the ids up to each of them are cached for later texts."""
         if add_special and self._added is None:
-            return Tokenized(list(self._encode_piece(text, True)), 0)
+            return Tokenized(array("I", self._encode_piece(text, True)), 0)
         positions = sorted({p for p in (*lookups, *stores) if 0 < p <= len(text)})
         base, known = 0, array("I")  # the ids of text[:base], as the cache holds them
         for position in reversed(positions):
@@ -558,11 +565,11 @@ class PromptTokenizer:
             if end in stores:
                 self.cache.put(text, end, known[:], now)  # a copy: extended after
             start = end
-        ids = known.tolist()  # the one conversion to Python ints, as the chain of blocks reads them
         if add_special and self._added is not None:
             head, tail = self._added
-            ids = head + ids + tail
-        return Tokenized(ids, cached)
+            known = array("I", head) + known
+            known.extend(tail)
+        return Tokenized(known, cached)
 
     def _encode_piece(self, text: str, add_special: bool) -> Sequence[int]:
         try:

@@ -10,7 +10,7 @@ sample with prefix-cache counters, corrects that endpoint's LRU size
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import NamedTuple, Protocol
@@ -82,7 +82,7 @@ class PredictionSink(Protocol):
 
 
 def prompt_chain(
-    body: dict[str, object], settings: PrefixSettings, tokens: list[int] | None = None
+    body: dict[str, object], settings: PrefixSettings, tokens: Sequence[int] | None = None
 ) -> list[int]:
     """The chained block hashes of the request's prompt (``tokens`` when given); empty without a prompt.
 
@@ -106,7 +106,7 @@ class PrefixTracker:
         self._pending: dict[str, list[float]] = {}  # address → [placed, predicted] since its last sample
         self._counters: dict[str, tuple[float, float]] = {}  # address → the engine's last (queries, hits)
 
-    def chain(self, body: dict[str, object], tokens: list[int] | None = None) -> list[int]:
+    def chain(self, body: dict[str, object], tokens: Sequence[int] | None = None) -> list[int]:
         """The chained block hashes of the request's prompt, or of ``tokens`` (:func:`prompt_chain`)."""
         return prompt_chain(body, self.settings, tokens)
 

@@ -23,5 +23,5 @@ def test_the_quick_run_measures_a_12k_chat_with_its_earlier_turn_cached_with_eve
         assert measured["prompt_tokens"]["min"] >= cost.PROMPT_TOKENS
         assert 0 < measured["seen_tokens"]["min"] <= measured["seen_tokens"]["max"] <= cost.SEEN_TOKENS * 1.01
         assert measured["cached_tokens"] == measured["seen_tokens"]  # the earlier turn came from the cache
-        for path in ("cold", "cached", "render", "encode", "awaited_cold", "awaited_cached"):
+        for path in cost.PATHS:
             assert 0 < measured[path]["p50_ms"] <= measured[path]["p90_ms"]

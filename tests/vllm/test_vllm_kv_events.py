@@ -357,7 +357,7 @@ async def test_the_gateway_tokenizes_a_chat_and_a_completions_prompt_as_the_engi
                 assert response.status == 200, await response.text()
                 engine_ids = (await response.json())["tokens"]
             tokenized = tokenizer.tokens(body, path, float(index))
-            assert tokenized.ids == engine_ids, path
+            assert list(tokenized.ids) == engine_ids, path
     assert tokenized.cached > 0, "the next turn was tokenized from the first one's cached tokens"
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from array import array
+
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -75,3 +77,23 @@ def test_long_chains_continue_across_the_hashing_chunks() -> None:
     text = "".join(chr(0x61 + i * 31 % 26) for i in range(80_000))  # 2,500 blocks of 16 values: five chunks
     whole = block_hashes(text, 8, 10_000)
     assert block_hashes(text[256 * 32 :], 8, 10_000, whole[255]) == whole[256:]
+
+
+@settings(deadline=None)
+@given(st.lists(st.integers(0, 2**32 - 1), max_size=60), st.integers(-(2**63), 2**63 - 1))
+def test_token_ids_chain_alike_as_a_list_a_tuple_or_an_array(ids: list[int], seed: int) -> None:
+    whole = block_hashes(ids, BLOCK_TOKENS, 1000, seed)
+    assert block_hashes(tuple(ids), BLOCK_TOKENS, 1000, seed) == whole
+    assert block_hashes(array("I", ids), BLOCK_TOKENS, 1000, seed) == whole  # the gateway tokenizer's
+    assert block_hashes(array("Q", ids), BLOCK_TOKENS, 1000, seed) == whole
+
+
+def test_ids_outside_64_bits_count_modulo_2_to_the_64() -> None:
+    assert block_hashes([-1, 2**64 + 5], 1, 10) == block_hashes([2**64 - 1, 5], 1, 10)
+    assert block_hashes([-1, 5], 1, 10) != block_hashes([1, 5], 1, 10)
+
+
+def test_a_token_id_prompt_hashes_apart_from_text_of_the_same_values() -> None:
+    text = "ab" * (2 * BLOCK_TOKENS)  # one text block: 2 * BLOCK_TOKENS values of two code points each
+    ids = [ord("a") | ord("b") << 32] * (2 * BLOCK_TOKENS)  # the same values: two blocks of ids
+    assert block_hashes(text, BLOCK_TOKENS, 10)[0] != block_hashes(ids, BLOCK_TOKENS, 10)[1]

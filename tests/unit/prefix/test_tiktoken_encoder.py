@@ -75,9 +75,9 @@ def test_a_word_level_tokenizer_loads_with_tokenizers(folder: Path, tmp_path: Pa
     spec["pre_tokenizer"] = json.loads(pre_tokenizers.Whitespace().__getstate__())
     loaded = load_prompt_tokenizer(TokenizerSettings(str(variant(folder, tmp_path, spec)), **TIKTOKEN))
     assert loaded.encoder == "tokenizers"
-    assert loaded.tokenizer.tokens(
-        {"prompt": "hello world", "add_special_tokens": False}, COMPLETIONS, 0.0
-    ).ids == [1, 2]
+    assert list(
+        loaded.tokenizer.tokens({"prompt": "hello world", "add_special_tokens": False}, COMPLETIONS, 0.0).ids
+    ) == [1, 2]
     spec["pre_tokenizer"] = spec_of(folder)["pre_tokenizer"]  # the BPE's shape but for the model
     (tmp_path / "variant" / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
     assert load_prompt_tokenizer(TokenizerSettings(str(tmp_path / "variant"), **TIKTOKEN)).why == (

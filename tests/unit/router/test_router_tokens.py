@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+from array import array
 from pathlib import Path
 
 from builders import CHAT_META, DEFAULT_MAX_TOKENS, P1, PREFILL, endpoint, make_router, registry_of
@@ -88,6 +89,8 @@ def test_the_events_index_is_looked_up_by_the_chain_of_the_tokens() -> None:
     source.clock = lambda: 1.0
     request = read(router, chat_body("a text whose ids the gateway tokenizer gave"))
     assert dict(routed(router.route(request, tokens=[*ids, 9])).instructions.set_headers)[PREFILL] == P2
+    as_tokenized = array("I", [*ids, 9])  # as the gateway tokenizer hands them on
+    assert dict(routed(router.route(request, tokens=as_tokenized)).instructions.set_headers)[PREFILL] == P2
     assert dict(routed(router.route(request)).instructions.set_headers)[PREFILL] == P1  # tie: the first
 
 
