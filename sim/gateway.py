@@ -282,8 +282,8 @@ def start_router_process(
 ) -> subprocess.Popen:
     """Start ``pd-extproc serve`` on loopback ports as a subprocess logging to ``log_path``.
 
-    ``source``: the source tree whose ``ext_proc`` it runs (first on ``PYTHONPATH``; ``None``: the one
-    this process imports)."""
+    ``source``: the source tree whose ``ext_proc`` it runs (first on ``PYTHONPATH`` and the working
+    directory, which ``python -m`` puts before ``PYTHONPATH``; ``None``: the one this process imports)."""
     command = [
         sys.executable,
         "-m",
@@ -301,7 +301,12 @@ def start_router_process(
     env = None if source is None else {**os.environ, "PYTHONPATH": str(source)}
     with log_path.open("wb") as log:
         return subprocess.Popen(
-            [*command, *extra_args], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env
+            [*command, *extra_args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            cwd=source,
         )
 
 

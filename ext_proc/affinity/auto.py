@@ -17,6 +17,8 @@ from typing import TypeVar
 import numpy as np
 from numpy.typing import NDArray
 
+from ext_proc.affinity.extremes import largest
+
 ROOM = 0.8
 """Utilisation up to which :meth:`AutoModel.wait_s` assumes a decode has batch slots and KV blocks
 free (no queueing, only a longer step). The router charges each request its whole output budget, so
@@ -76,7 +78,7 @@ class AutoModel:
         to :data:`KNEE`, its tangent beyond. Strictly increasing when the scale is > 0; an array gives
         bit for bit the floats a scalar gives."""
         scale = self.wait_scale_ms / 1e3
-        if isinstance(u, np.ndarray) and u.max() <= ROOM:  # the usual case: the same floats, fewer ops
+        if isinstance(u, np.ndarray) and largest(u) <= ROOM:  # the usual case: the same floats, fewer ops
             return scale * u  # type: ignore[no-any-return]  # q == 0, u - m == 0, and x + 0.0 == x
         m = np.minimum(u, KNEE)
         q = np.maximum(m - ROOM, 0.0)

@@ -18,6 +18,8 @@ from itertools import pairwise
 import numpy as np
 from numpy.typing import NDArray
 
+from ext_proc.affinity.auto import AutoModel
+from ext_proc.affinity.extremes import LIST_MAX, largest, smallest
 from ext_proc.affinity.model import (
     Cost,
     Decision,
@@ -39,7 +41,6 @@ SCALE = 1_000_000_000
 _SCALE_F = float(SCALE)  # the same product as ``x * SCALE`` for a float x; a float scalar is cheaper in numpy
 _EXACT = 2.0**50  # keys below this in magnitude: their sums and ``2 * key + 1`` are exact in float64
 _SAFE_U = _EXACT / 4 / _SCALE_F  # utilisations, weights and bonuses adding up below this give such keys
-_LIST_MAX = 128  # up to this many endpoints, ranking Python lists beats numpy partition + lexsort
 _WINDOW = 64  # sorted keys copied (beyond n) to Python lists to delimit tie classes
 # Enum members bound once: attribute access on an Enum class costs ~0.25 µs per lookup on CPython 3.11.
 _OFF, _STRICT, _PREFER, _AUTO = Mode.OFF, Mode.STRICT, Mode.PREFER, Mode.AUTO
@@ -111,69 +112,92 @@ def choose(
     u = (decodes.tokens + cost.decode_tokens) / decodes.capacity
     out = decodes.endpoints
     mode = policy.mode
-    phits, dhits = (None, None) if hits is None else (hits.prefill, hits.decode)
-    uncached = prompt if phits is None else prompt - phits
-    backlog = prefills.tokens + uncached
+    uncached = prompt if hits is None else prompt - hits.prefill
     if mode is _AUTO and prefills.size:
+        backlog = prefills.tokens + uncached
+        return _choose_auto(prompt, prefills, decodes, u, hits, backlog, uncached, want, tiebreak, policy)
+    groups = len(decodes.groups)
+    eligible = None
+    if mode is _STRICT and prefills.size:
         slots = prefills.slots_in(decodes)
-        priced = backlog + uncached  # a miss priced twice (docs/routing.md "The exact rule")
-        return _choose_auto(
-            prompt, prefills, decodes, u, hits, backlog, priced, slots, want, tiebreak, policy
-        )
+        if largest(slots) >= groups:  # some prefill group has no decode: only the others may serve
+            eligible = np.flatnonzero(slots < groups)
+            if not len(eligible):
+                names = ", ".join(sorted(repr(g) for g in prefills.groups))
+                return NoPair(
+                    NoPairReason.NO_SAME_GROUP_DECODE,
+                    f"strict pdGroupID affinity: no healthy decode endpoint in the group of any of "
+                    f"the {prefills.size} healthy prefill endpoints (prefill groups: {names})",
+                )
+    if prefills.size <= 1 and decodes.size == 1:  # one decode, one prefill or none: no key is computed
+        first, ranked = (0 if prefills.size else None), [0]
+    else:
+        first, ranked = _rank(prompt, prefills, decodes, u, uncached, hits, eligible, want, tiebreak, policy)
+    picked = [out[i] for i in ranked]
+    decode = picked[0]
+    if first is None:
+        return Decision(None, decode, tuple(picked[1:]), _DECODE_ONLY)
+    prefill = prefills.endpoints[first]
+    return Decision(prefill, decode, tuple(picked[1:]), _SAME if decode.group == prefill.group else _CROSS)
+
+
+def _rank(
+    prompt: int,
+    prefills: Pool[E],
+    decodes: Pool[E],
+    u: Floats,
+    uncached: int | Ints,
+    hits: Hits | None,
+    eligible: Positions | None,
+    want: int,
+    tiebreak: int,
+    policy: Policy,
+) -> tuple[int | None, list[int]]:
+    """``off``, ``prefer`` and ``strict``'s ranking: the prefill's pool position (``None`` without
+    prefills: decode-only) and the decodes' (chosen first, then fallbacks).
+
+    ``u`` holds the decodes' utilisations with the request placed, ``uncached`` the prompt tokens each
+    prefill would compute; ``eligible`` (``strict``): the prefills whose group has a decode, ``None``
+    when all have one."""
+    mode = policy.mode
     weight = policy.prefix_weight
+    phits, dhits = (None, None) if hits is None else (hits.prefill, hits.decode)
     inflight = prefills.tokens
     if mode is not _OFF and prefills.size:  # the backlog in flight weighed by r(g) (docs/routing.md)
         inflight = inflight * prefills.share_ratios_in(decodes)
     pu = (inflight + uncached) / prefills.capacity
-    top = float(u.max()) + (float(pu.max()) if prefills.size else 0.0)
+    top = float(largest(u)) + (float(largest(pu)) if prefills.size else 0.0)
     exact = top + 2.0 * weight + policy.bonus < _SAFE_U
     pcpu, dcpu = (None, None) if hits is None else (hits.prefill_cpu, hits.decode_cpu)
     dkey = _ticks(u, exact) - _credit(dhits, dcpu, prompt, policy, exact)
+    requests = decodes.requests
     if not prefills.size:
-        picked = [out[i] for i in _top(dkey, want, tiebreak, decodes.requests)]
-        return Decision(None, picked[0], tuple(picked[1:]), _DECODE_ONLY)
+        return None, _top(dkey, want, tiebreak, requests)
     keys = _ticks(pu, exact) - _credit(phits, pcpu, prompt, policy, exact)
     groups = len(decodes.groups)
-    eligible = None
     if mode is not _OFF:  # off: the decode does not depend on the prefill's group
-        slots = prefills.slots_in(decodes)
         pair = np.empty(groups + 1, dtype=dkey.dtype)  # the last: a prefill group without decodes
         best = np.minimum.reduceat(dkey[decodes.group_order], decodes.group_starts)
         if mode is _STRICT:
             pair[:groups], pair[groups] = best, 0
-            if slots.max() >= groups:  # some prefill group has no decode: only the others may serve
-                eligible = np.flatnonzero(slots < groups)
-                if not len(eligible):
-                    names = ", ".join(sorted(repr(g) for g in prefills.groups))
-                    return NoPair(
-                        NoPairReason.NO_SAME_GROUP_DECODE,
-                        f"strict pdGroupID affinity: no healthy decode endpoint in the group of any of "
-                        f"the {prefills.size} healthy prefill endpoints (prefill groups: {names})",
-                    )
         else:
-            spill = best.min() + ticks(policy.bonus)
+            spill = smallest(best) + ticks(policy.bonus)
             pair[:groups], pair[groups] = np.minimum(best, spill), spill
-        keys = keys + pair[slots]
+        keys = keys + pair[prefills.slots_in(decodes)]
     if eligible is None:
         first = _top(keys, 1, tiebreak, prefills.requests)[0]
     else:
         first = _top(keys[eligible], 1, tiebreak, prefills.requests, eligible)[0]
-    prefill = prefills.endpoints[first]
-    group = prefill.group
-    requests = decodes.requests
+    group = prefills.endpoints[first].group
     if mode is _PREFER and groups > 1 and group in decodes.in_group:
         # (key - bonus * same, not same) as one integer, order-preserving: 2 * key - (2 * bonus + 1) * same
         step = 2 * ticks(policy.bonus) + 1
         same = decodes.in_group[group] if exact else decodes.in_group[group].astype(np.int64).astype(object)
-        ranked = _top(dkey + dkey - step * same, want, tiebreak, requests)
-    elif mode is _STRICT and groups > 1:
+        return first, _top(dkey + dkey - step * same, want, tiebreak, requests)
+    if mode is _STRICT and groups > 1:
         sub = decodes.members[group]
-        ranked = _top(dkey[sub], want, tiebreak, requests, sub)
-    else:  # off, or every decode in one group: the bonus is for none or all
-        ranked = _top(dkey, want, tiebreak, requests)
-    picked = [out[i] for i in ranked]
-    decode = picked[0]
-    return Decision(prefill, decode, tuple(picked[1:]), _SAME if decode.group == group else _CROSS)
+        return first, _top(dkey[sub], want, tiebreak, requests, sub)
+    return first, _top(dkey, want, tiebreak, requests)  # off, or one decode group: the bonus for none or all
 
 
 def _choose_auto(
@@ -183,8 +207,7 @@ def _choose_auto(
     u: Floats,
     hits: Hits | None,
     backlog: Ints,
-    priced: Ints,
-    slots: Positions,
+    uncached: int | Ints,
     want: int,
     tiebreak: int,
     policy: Policy,
@@ -192,16 +215,57 @@ def _choose_auto(
     """``auto``'s pair and fallbacks (docs/routing.md "The exact rule"), with the estimate.
 
     ``u`` holds the decodes' utilisations with the request placed, ``backlog`` each prefill's prompt
-    tokens in flight plus the ones this request makes it compute, ``priced`` the tokens its cost is
-    priced at; ``slots`` maps each prefill to its group's index in ``decodes.groups``; ``want`` = 1 +
+    tokens in flight plus the ones this request makes it compute (``uncached``); ``want`` = 1 +
     fallbacks. A hit held only in a CPU tier adds its load (:meth:`AutoModel.cpu_load_s`) to the
-    prefill's time at a prefill, to the transfer's at a decode.
+    prefill's time at a prefill, to the transfer's at a decode. One prefill and one decode make the
+    only pair: no key is computed (:func:`_top` reads none for one endpoint).
     """
     model = policy.auto
     wait = model.wait_s(u)
     dhits = None if hits is None else hits.decode
     pcpu, dcpu = (None, None) if hits is None else (hits.prefill_cpu, hits.decode_cpu)
     lack = prompt if dhits is None else prompt - dhits
+    if prefills.size == decodes.size == 1:
+        first, ranked, margin = 0, [0], None
+    else:
+        first, ranked, margin = _rank_auto(
+            prefills, decodes, wait, lack, backlog + uncached, pcpu, dcpu, want, tiebreak, model
+        )
+    prefill = prefills.endpoints[first]
+    out = decodes.endpoints
+    picked = [out[i] for i in ranked]
+    chosen = ranked[0]
+    decode = picked[0]
+    home_pick = decode.group == prefill.group
+    moved = lack if dhits is None else int(lack[chosen])
+    # on Python ints: the floats numpy's int64 scalars give (both convert to the nearest float), cheaper
+    prefill_first = model.prefill_s(int(backlog[first]))
+    transfer = model.transfer_s(moved, home_pick)
+    if pcpu is not None:
+        prefill_first += model.cpu_load_s(int(pcpu[first]))
+    if dcpu is not None:
+        transfer += model.cpu_load_s(int(dcpu[chosen]))
+    estimate = Estimate(prefill_first, transfer, float(wait[chosen]), margin)
+    return Decision(prefill, decode, tuple(picked[1:]), _SAME if home_pick else _CROSS, estimate)
+
+
+def _rank_auto(
+    prefills: Pool[E],
+    decodes: Pool[E],
+    wait: Floats,
+    lack: int | Ints,
+    priced: Ints,
+    pcpu: Ints | None,
+    dcpu: Ints | None,
+    want: int,
+    tiebreak: int,
+    model: AutoModel,
+) -> tuple[int, list[int], float | None]:
+    """``auto``'s ranking: the prefill's pool position, the decodes' (chosen first, then fallbacks)
+    and the estimate's margin (``None`` when every decode has the chosen one's locality).
+
+    ``wait`` per decode, ``lack`` the prompt tokens each decode lacks, ``priced`` the tokens each
+    prefill's cost is priced at (a miss priced twice: docs/routing.md "The exact rule")."""
     same_s = wait + lack * model.seconds_per_token(True)
     cross_s = wait + lack * model.seconds_per_token(False)
     prefill_s = model.prefill_s(priced)
@@ -210,14 +274,14 @@ def _choose_auto(
         same_s, cross_s = same_s + dload, cross_s + dload
     if pcpu is not None:
         prefill_s = prefill_s + model.cpu_load_s(pcpu)
-    exact = max(float(cross_s.max()), float(same_s.max()), float(prefill_s.max())) < _EXACT / 4 / _SCALE_F
+    exact = max(largest(cross_s), largest(same_s), largest(prefill_s)) < _EXACT / 4 / _SCALE_F
     same_key, cross_key = _ticks(same_s, exact), _ticks(cross_s, exact)
     order, starts = decodes.group_order, decodes.group_starts
     groups = len(starts)
     pair = np.empty(groups + 1, dtype=same_key.dtype)  # per group of the prefill; the last: no decodes
     home = np.minimum.reduceat(same_key[order], starts)  # per decode group: its best from a prefill in it
     if groups == 1:
-        pair[0], pair[1] = home[0], cross_key.min()
+        pair[0], pair[1] = home[0], smallest(cross_key)
     else:  # from a prefill of group g, the best cross-group decode is the least ``away`` of the others
         away = np.minimum.reduceat(cross_key[order], starts)
         low = int(away.argmin())
@@ -226,9 +290,9 @@ def _choose_auto(
         pair[:groups] = np.minimum(home, least)
         pair[low] = min(home[low], second)
         pair[groups] = least
+    slots = prefills.slots_in(decodes)
     first = _top(_ticks(prefill_s, exact) + pair[slots], 1, tiebreak, prefills.requests)[0]
-    prefill = prefills.endpoints[first]
-    group = prefill.group
+    group = prefills.endpoints[first].group
     same = decodes.in_group.get(group)
     if same is None:
         keys = ranked_keys = cross_key
@@ -238,25 +302,12 @@ def _choose_auto(
         keys = np.where(same > 0.0, same_key, cross_key)
         ranked_keys = keys + keys + (1.0 - same if exact else (1 - same).astype(np.int64).astype(object))
     ranked = _top(ranked_keys, want, tiebreak, decodes.requests)
-    out = decodes.endpoints
-    picked = [out[i] for i in ranked]
+    if same is None or groups == 1:
+        return first, ranked, None
     chosen = ranked[0]
-    decode = picked[0]
-    home_pick = decode.group == group
-    margin = None
-    if same is not None and groups > 1:
-        outside = decodes.outside[group]
-        others = keys[outside if home_pick else ~outside].min()
-        margin = float(others - keys[chosen]) / _SCALE_F
-    moved = lack if dhits is None else int(lack[chosen])
-    prefill_first = float(model.prefill_s(backlog[first]))
-    transfer = model.transfer_s(moved, home_pick)
-    if pcpu is not None:
-        prefill_first += float(model.cpu_load_s(pcpu[first]))
-    if dcpu is not None:
-        transfer += float(model.cpu_load_s(dcpu[chosen]))
-    estimate = Estimate(prefill_first, transfer, float(wait[chosen]), margin)
-    return Decision(prefill, decode, tuple(picked[1:]), _SAME if home_pick else _CROSS, estimate)
+    outside = decodes.outside[group]
+    others = smallest(keys[outside if decodes.endpoints[chosen].group == group else ~outside])
+    return first, ranked, float(others - keys[chosen]) / _SCALE_F
 
 
 def _top(keys: Keys, n: int, tiebreak: int, requests: Ints, index: Positions | None = None) -> list[int]:
@@ -272,7 +323,7 @@ def _top(keys: Keys, n: int, tiebreak: int, requests: Ints, index: Positions | N
     if m == 1:
         return [0 if index is None else int(index[0])]
     n = min(n, m)
-    if m <= _LIST_MAX or keys.dtype == object:
+    if m <= LIST_MAX or keys.dtype == object:
         listed = keys.tolist()
         if n == 1:
             low = min(listed)

@@ -9,8 +9,10 @@ direction. Both repeat the decision's float operations term for term (one roundi
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
+from unittest.mock import patch
 
 import numpy as np
 from hypothesis import given, settings
@@ -28,6 +30,8 @@ from ext_proc.affinity import (
     NoPairReason,
     Policy,
     Pool,
+    decide,
+    extremes,
 )
 from ext_proc.affinity import choose as choose_over_pools
 from ext_proc.affinity.decide import ticks
@@ -484,3 +488,53 @@ def test_moving_the_chosen_prefills_hit_to_gpu_memory_keeps_the_decision(scenari
     p_cpu[i] = max(0, p_cpu[i] - moved)
     again = choose(cost, prefills, decodes, policy, tiebreak, (hits[0], hits[1], p_cpu, hits[3]))
     assert isinstance(again, Decision) and again.prefill == result.prefill
+
+
+# ---------------------------------------------------------------- small pools: the general form's decisions
+
+
+@contextmanager
+def general_form() -> Iterator[None]:
+    """Every reduction and ranking of the decision in numpy, whatever the pools' size (``LIST_MAX`` 0)."""
+    with patch.object(decide, "LIST_MAX", 0), patch.object(extremes, "LIST_MAX", 0):
+        yield
+
+
+@no_deadline
+@given(
+    st.one_of(scenarios(), tiered_scenarios(), scenarios(max_size=2, min_size=1)),
+    st.sampled_from([1.0, 1.0, 1e-9]),
+)
+def test_small_pools_decide_as_the_general_form(scenario: tuple, scale: float) -> None:
+    """Python lists below ``LIST_MAX`` give the decision numpy gives: pair, fallbacks, estimate, refusal.
+
+    ``scale`` 1e-9 shrinks the capacities until the keys leave float64's exact range (Python ints)."""
+    cost, prefills, decodes, policy, tiebreak, hits = scenario
+    prefills, decodes = (
+        [replace(c, token_capacity=c.token_capacity * scale) for c in pool] for pool in (prefills, decodes)
+    )
+    small = choose(cost, prefills, decodes, policy, tiebreak, hits)
+    with general_form():
+        assert choose(cost, prefills, decodes, policy, tiebreak, hits) == small
+
+
+@no_deadline
+@given(st.one_of(scenarios(max_size=1, min_size=1), tiered_scenarios(max_size=1)))
+def test_one_prefill_and_one_decode_are_the_pair_the_ranking_gives(scenario: tuple) -> None:
+    """One pair computes no key: the ranking, run anyway, gives that pair and no margin."""
+    cost, prefills, decodes, policy, tiebreak, hits = scenario
+    if not prefills or not decodes:
+        return
+    p, d, h = Pool.of(prefills), Pool.of(decodes), as_hits(hits)
+    prompt, want = cost.prefill_tokens, policy.fallback_count + 1
+    u = (d.tokens + cost.decode_tokens) / d.capacity
+    uncached = prompt if h is None else prompt - h.prefill
+    if policy.mode is not Mode.AUTO:
+        assert decide._rank(prompt, p, d, u, uncached, h, None, want, tiebreak, policy) == (0, [0])
+        return
+    model = policy.auto
+    lack = prompt if h is None else prompt - h.decode
+    cpu = (None, None) if h is None else (h.prefill_cpu, h.decode_cpu)
+    priced = p.tokens + uncached + uncached
+    ranking = decide._rank_auto(p, d, model.wait_s(u), lack, priced, *cpu, want, tiebreak, model)
+    assert ranking == (0, [0], None)
