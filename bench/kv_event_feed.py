@@ -67,14 +67,14 @@ def tokenized(body: dict[str, object]) -> dict[str, object]:
     return {"model": body["model"], "prompt": token_ids(content), "max_tokens": body["max_tokens"]}
 
 
-class EventReplica:
+class EventReplica(PdExtproc):
     """One gateway replica on the ``kv-events`` source, subscribed to ``feed`` (module docstring)."""
 
     def __init__(self, endpoints: Sequence[Endpoint], policy: Policy, feed: KvEventFeed) -> None:
-        self._router = PdExtproc(endpoints, policy, EVENTS)
-        source = self._router.router.prefix
+        super().__init__(endpoints, policy, EVENTS)
+        source = self.router.prefix
         assert isinstance(source, KvEventSource)
         feed.subscribe(source)
 
     def place(self, body: dict[str, object]) -> Placed:
-        return self._router.place(tokenized(body))
+        return super().place(tokenized(body))

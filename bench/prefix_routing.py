@@ -19,7 +19,10 @@ its own index and accounting; ``x4``: four); ``pair:auto+events`` the same on th
 (the engines' KV-cache events, fed in process through the wire encoding and the gateway's decoder,
 :mod:`bench.kv_event_feed`; ``x2``, ``x4``: that many replicas, each subscribed to every engine, requests
 round robin); ``sglang``, ``llm-d`` the peers' rules; ``oracle`` the pair choice told the engines' true
-caches (``x4``: four such replicas, each with its own load accounting).
+caches (``x4``: four such replicas, each with its own load accounting). The suffix `` scraped`` (on
+``pair:auto+prefix``, ``pair:auto+events`` and ``oracle``, each ``x1``, ``x2``, ``x4``; the oracle ``x1`` and
+``x4``): every replica with the engine load signal, ``engine_metrics`` at its defaults, each simulated
+engine's ``/metrics`` page read and blended in process at virtual time (:mod:`bench.engine_load_feed`).
 
 Reported per run: engine-truth prefix hit rate (prompt tokens the prefill found cached), decode-side
 hit rate (tokens the decode did not pull), TTFT p50/p90/p99 (arrival to first decoded token),
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import statistics
 import sys
 import time
@@ -45,6 +49,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_json
+from engine_load_feed import Scraped
 from kv_event_feed import EventReplica, KvEventFeed
 from prefix_peers import (
     Endpoint,
@@ -168,6 +173,14 @@ SETTINGS: dict[str, Router] = {
         [Oracle(e, _policy(Mode.AUTO, a), engines) for _ in range(4)]
     ),
 }
+SCRAPED = " scraped"
+"""The suffix of a setting whose every replica has the engine load signal (:mod:`bench.engine_load_feed`)."""
+SETTINGS |= {
+    f"{name}{SCRAPED}": (
+        lambda router_of: lambda e, engines, a: Scraped.of(router_of(e, engines, a), engines)
+    )(SETTINGS[name])
+    for name in (NEW, f"{NEW} x2", f"{NEW} x4", EVENTS, f"{EVENTS} x2", f"{EVENTS} x4", "oracle", "oracle x4")
+}
 TODAY = ("off", "prefer", "strict", "auto")
 
 
@@ -271,12 +284,17 @@ async def run_cluster(
     assert isinstance(clock, VirtualClock)
     for engine in engines:
         await engine.start()
+    scrapes = asyncio.get_running_loop().create_task(router.run()) if isinstance(router, Scraped) else None
     records: list[Record] = []
 
     def serve(body: dict[str, object]) -> Awaitable[int]:
         return _serve(body, router, by_address, clock, records)
 
     await drive(serve, clock)
+    if scrapes is not None:
+        scrapes.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await scrapes
     capacities = {
         e.address: float(e.config.timing.kv_capacity_tokens) for e in engines if e.config.role == "decode"
     }
