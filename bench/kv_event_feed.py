@@ -68,10 +68,17 @@ def tokenized(body: dict[str, object]) -> dict[str, object]:
 
 
 class EventReplica(PdExtproc):
-    """One gateway replica on the ``kv-events`` source, subscribed to ``feed`` (module docstring)."""
+    """One gateway replica on the ``kv-events`` source, subscribed to ``feed`` (module docstring);
+    ``prefix`` its ``affinity.prefix`` (its ``source`` ``kv-events``)."""
 
-    def __init__(self, endpoints: Sequence[Endpoint], policy: Policy, feed: KvEventFeed) -> None:
-        super().__init__(endpoints, policy, EVENTS)
+    def __init__(
+        self,
+        endpoints: Sequence[Endpoint],
+        policy: Policy,
+        feed: KvEventFeed,
+        prefix: PrefixSettings = EVENTS,
+    ) -> None:
+        super().__init__(endpoints, policy, prefix)
         source = self.router.prefix
         assert isinstance(source, KvEventSource)
         feed.subscribe(source)

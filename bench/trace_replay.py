@@ -7,13 +7,14 @@ request arrives at its trace time (divided by ``--speed``), is placed by the set
 shipped ``Router`` for pd-extproc's settings; :mod:`bench.prefix_peers` for the peers' rules, NVIDIA
 Dynamo's KV router cost and the oracle), prefilled, its KV pulled by its decode and decoded, on engines
 of a named profile (:mod:`sim.profiles`, measured on a GPU by default), each with an optional CPU KV
-tier. Settings are :mod:`bench.prefix_routing`'s (its replica settings ``x2``, ``x4`` and its suffix
+tier. Settings are :mod:`bench.prefix_routing`'s (its replica settings ``x2``, ``x4``, its suffix
 ``scraped``: every replica with the engine load signal, ``engine_metrics`` at its defaults, the
-simulated engines' ``/metrics`` pages read in process at virtual time), ``pair:auto+prefix tier`` (the
-same, its endpoints declaring their KV capacity plus their CPU tier's: the prefix index then remembers
-what the tier holds, and the load is weighed by that capacity too) and ``dynamo``; clusters its ``demo`` and
-``three-group``, built from the profile (small decodes: half the KV cache and batch, a third longer
-fixed decode step).
+simulated engines' ``/metrics`` pages read in process at virtual time, and ``norecent``: the
+``kv-events`` source without each replica's overlay of its own recent placements),
+``pair:auto+prefix tier`` (the same, its endpoints declaring their KV capacity plus their CPU tier's:
+the prefix index then remembers what the tier holds, and the load is weighed by that capacity too) and
+``dynamo``; clusters its ``demo`` and ``three-group``, built from the profile (small decodes: half the
+KV cache and batch, a third longer fixed decode step).
 
 Per setting: TTFT p50/p90/p99, decode TTFT p99, TPOT p99 (ms), prefix hit rate by tier (engine truth:
 prompt tokens the prefill found in its KV cache, in its CPU tier), prompt tokens computed (millions),
