@@ -28,8 +28,10 @@ ENGINE_METRICS = EngineMetricsConfig(enabled=True)
 
 
 class PageScraper(EngineScraper):
-    """The engine load signal of one replica over ``registry``, reading ``engines`` (by address) in
-    process; ``sampled`` is told each sample's prefix-cache counters, as the server tells its router."""
+    """The engine load signal of one replica, reading the simulated engines' pages in process.
+
+    It blends into ``registry``; ``engines`` by address; ``sampled`` is told each sample's prefix-cache
+    counters, as the server tells its router."""
 
     def __init__(
         self,
@@ -49,9 +51,11 @@ class PageScraper(EngineScraper):
 
 
 def scraper_of(replica: Placing, engines: Mapping[str, Engine]) -> PageScraper:
-    """The engine load signal of one replica: on pd-extproc's router, its registry, metrics and prefix
-    index (told the engines' prefix-cache counters); on the oracle, its registry. Other routers keep
-    no registry to blend into (:class:`TypeError`)."""
+    """The engine load signal of one replica of ``engines``.
+
+    On pd-extproc's router: its registry, metrics and prefix index (told the engines' prefix-cache
+    counters); on the oracle: its registry. Other routers keep no registry to blend into
+    (:class:`TypeError`)."""
     if isinstance(replica, PdExtproc):
         router = replica.router
         return PageScraper(router.registry, engines, router.metrics, router.engine_sampled)
@@ -61,8 +65,9 @@ def scraper_of(replica: Placing, engines: Mapping[str, Engine]) -> PageScraper:
 
 
 class Scraped:
-    """``router``, its replicas' load blended with the engines' by ``scrapers`` (one a replica) while
-    :meth:`run` runs."""
+    """A router whose replicas blend the engines' load into their own.
+
+    ``router`` places; ``scrapers`` (one a replica) blend while :meth:`run` runs."""
 
     def __init__(self, router: Placing, scrapers: Sequence[EngineScraper]) -> None:
         self._router = router

@@ -68,8 +68,9 @@ def tokenized(body: dict[str, object]) -> dict[str, object]:
 
 
 class EventReplica(PdExtproc):
-    """One gateway replica on the ``kv-events`` source, subscribed to ``feed`` (module docstring);
-    ``prefix`` its ``affinity.prefix`` (its ``source`` ``kv-events``)."""
+    """One gateway replica on the ``kv-events`` source, subscribed to ``feed`` (module docstring).
+
+    ``prefix``: its ``affinity.prefix`` (its ``source`` ``kv-events``)."""
 
     def __init__(
         self,
