@@ -67,14 +67,22 @@ def tokenized(body: dict[str, object]) -> dict[str, object]:
     return {"model": body["model"], "prompt": token_ids(content), "max_tokens": body["max_tokens"]}
 
 
-class EventReplica:
-    """One gateway replica on the ``kv-events`` source, subscribed to ``feed`` (module docstring)."""
+class EventReplica(PdExtproc):
+    """One gateway replica on the ``kv-events`` source, subscribed to ``feed`` (module docstring).
 
-    def __init__(self, endpoints: Sequence[Endpoint], policy: Policy, feed: KvEventFeed) -> None:
-        self._router = PdExtproc(endpoints, policy, EVENTS)
-        source = self._router.router.prefix
+    ``prefix``: its ``affinity.prefix`` (its ``source`` ``kv-events``)."""
+
+    def __init__(
+        self,
+        endpoints: Sequence[Endpoint],
+        policy: Policy,
+        feed: KvEventFeed,
+        prefix: PrefixSettings = EVENTS,
+    ) -> None:
+        super().__init__(endpoints, policy, prefix)
+        source = self.router.prefix
         assert isinstance(source, KvEventSource)
         feed.subscribe(source)
 
     def place(self, body: dict[str, object]) -> Placed:
-        return self._router.place(tokenized(body))
+        return super().place(tokenized(body))

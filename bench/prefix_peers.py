@@ -149,12 +149,12 @@ class Replicas:
     """Requests take turns among ``routers`` (gateway replicas that share nothing but the engines)."""
 
     def __init__(self, routers: Sequence[Placing]) -> None:
-        self._routers = list(routers)
+        self.routers = list(routers)
         self._turn = 0
 
     def place(self, body: dict[str, object]) -> Placed:
         self._turn += 1
-        return self._routers[self._turn % len(self._routers)].place(body)
+        return self.routers[self._turn % len(self.routers)].place(body)
 
 
 def _cost(body: dict[str, object]) -> Cost:
@@ -198,7 +198,7 @@ class Oracle:
     """``auto`` told the true hits (see the module docstring); ``engines`` by address."""
 
     def __init__(self, endpoints: Sequence[Endpoint], policy: Policy, engines: dict[str, Engine]) -> None:
-        self._registry = registry_of(endpoints)
+        self.registry = registry_of(endpoints)
         self._policy = policy
         self._engines = engines
         self._ticket = 0
@@ -208,7 +208,7 @@ class Oracle:
         return np.array(hits, dtype=np.int64)
 
     def place(self, body: dict[str, object]) -> Placed:
-        cost, registry = _cost(body), self._registry
+        cost, registry = _cost(body), self.registry
         self._ticket += 1
         content = prompt_content(body)
         assert content, "every benchmark request has a prompt"

@@ -19,7 +19,13 @@ its own index and accounting; ``x4``: four); ``pair:auto+events`` the same on th
 (the engines' KV-cache events, fed in process through the wire encoding and the gateway's decoder,
 :mod:`bench.kv_event_feed`; ``x2``, ``x4``: that many replicas, each subscribed to every engine, requests
 round robin); ``sglang``, ``llm-d`` the peers' rules; ``oracle`` the pair choice told the engines' true
-caches (``x4``: four such replicas, each with its own load accounting).
+caches (``x4``: four such replicas, each with its own load accounting). Suffixes: `` scraped`` (on
+``pair:auto+prefix`` and ``pair:auto+events``, one, two or four replicas, and on ``oracle`` and
+``oracle x4``): every replica with the engine load signal, ``engine_metrics`` at its defaults, each
+simulated engine's ``/metrics`` page read and blended in process at virtual time
+(:mod:`bench.engine_load_feed`); `` norecent`` (on ``pair:auto+events`` and its ``x4``): the
+``kv-events`` source without its overlay of each replica's own recent placements
+(``affinity.prefix.kv_events.recent_seconds`` 0).
 
 Reported per run: engine-truth prefix hit rate (prompt tokens the prefill found cached), decode-side
 hit rate (tokens the decode did not pull), TTFT p50/p90/p99 (arrival to first decoded token),
@@ -35,16 +41,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import statistics
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_json
+from engine_load_feed import Scraped
+from kv_event_feed import EVENTS as EVENTS_PREFIX
 from kv_event_feed import EventReplica, KvEventFeed
 from prefix_peers import (
     Endpoint,
@@ -133,13 +142,21 @@ def _policy(mode: Mode, model: AutoModel, weight: float = 0.0) -> Policy:
     return Policy(mode, 0.3, 0, model, weight)
 
 
+NO_RECENT = replace(EVENTS_PREFIX, kv_events=replace(EVENTS_PREFIX.kv_events, recent_seconds=0.0))
+"""The ``kv-events`` source without its overlay of each replica's own recent placements."""
+
+
 def _event_replicas(
-    count: int, endpoints: list[Endpoint], engines: dict[str, Engine], model: AutoModel
+    count: int,
+    endpoints: list[Endpoint],
+    engines: dict[str, Engine],
+    model: AutoModel,
+    prefix: PrefixSettings = EVENTS_PREFIX,
 ) -> Replicas:
-    """``count`` replicas on the ``kv-events`` source, each fed every engine's events."""
+    """``count`` replicas on the ``kv-events`` source (``prefix``), each fed every engine's events."""
     feed = KvEventFeed(engines)
     policy = _policy(Mode.AUTO, model, WEIGHT)
-    return Replicas([EventReplica(endpoints, policy, feed) for _ in range(count)])
+    return Replicas([EventReplica(endpoints, policy, feed, prefix) for _ in range(count)])
 
 
 SETTINGS: dict[str, Router] = {
@@ -161,12 +178,24 @@ SETTINGS: dict[str, Router] = {
         [PdExtproc(e, _policy(Mode.AUTO, a, WEIGHT), PREFIX) for _ in range(4)]
     ),
     **{f"{EVENTS}{'' if n == 1 else f' x{n}'}": partial(_event_replicas, n) for n in (1, 2, 4)},
+    **{
+        f"{EVENTS}{'' if n == 1 else f' x{n}'} norecent": partial(_event_replicas, n, prefix=NO_RECENT)
+        for n in (1, 4)
+    },
     "sglang": lambda e, _, a: SGLangCacheAware(e),
     "llm-d": lambda e, engines, a: LlmdScorer(e, engines),
     "oracle": lambda e, engines, a: Oracle(e, _policy(Mode.AUTO, a), engines),
     "oracle x4": lambda e, engines, a: Replicas(
         [Oracle(e, _policy(Mode.AUTO, a), engines) for _ in range(4)]
     ),
+}
+SCRAPED = " scraped"
+"""The suffix of a setting whose every replica has the engine load signal (:mod:`bench.engine_load_feed`)."""
+SETTINGS |= {
+    f"{name}{SCRAPED}": (
+        lambda router_of: lambda e, engines, a: Scraped.of(router_of(e, engines, a), engines)
+    )(SETTINGS[name])
+    for name in (NEW, f"{NEW} x2", f"{NEW} x4", EVENTS, f"{EVENTS} x2", f"{EVENTS} x4", "oracle", "oracle x4")
 }
 TODAY = ("off", "prefer", "strict", "auto")
 
@@ -271,12 +300,17 @@ async def run_cluster(
     assert isinstance(clock, VirtualClock)
     for engine in engines:
         await engine.start()
+    scrapes = asyncio.get_running_loop().create_task(router.run()) if isinstance(router, Scraped) else None
     records: list[Record] = []
 
     def serve(body: dict[str, object]) -> Awaitable[int]:
         return _serve(body, router, by_address, clock, records)
 
     await drive(serve, clock)
+    if scrapes is not None:
+        scrapes.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await scrapes
     capacities = {
         e.address: float(e.config.timing.kv_capacity_tokens) for e in engines if e.config.role == "decode"
     }

@@ -7,11 +7,14 @@ request arrives at its trace time (divided by ``--speed``), is placed by the set
 shipped ``Router`` for pd-extproc's settings; :mod:`bench.prefix_peers` for the peers' rules, NVIDIA
 Dynamo's KV router cost and the oracle), prefilled, its KV pulled by its decode and decoded, on engines
 of a named profile (:mod:`sim.profiles`, measured on a GPU by default), each with an optional CPU KV
-tier. Settings are :mod:`bench.prefix_routing`'s, ``pair:auto+prefix tier`` (the same, its endpoints
-declaring their KV capacity plus their CPU tier's: the prefix index then remembers what the tier
-holds, and the load is weighed by that capacity too) and ``dynamo``; clusters its ``demo`` and
-``three-group``, built from the profile (small decodes: half the KV cache and batch, a third longer
-fixed decode step).
+tier. Settings are :mod:`bench.prefix_routing`'s (its replica settings ``x2``, ``x4``, its suffix
+``scraped``: every replica with the engine load signal, ``engine_metrics`` at its defaults, the
+simulated engines' ``/metrics`` pages read in process at virtual time, and ``norecent``: the
+``kv-events`` source without each replica's overlay of its own recent placements),
+``pair:auto+prefix tier`` (the same, its endpoints declaring their KV capacity plus their CPU tier's:
+the prefix index then remembers what the tier holds, and the load is weighed by that capacity too) and
+``dynamo``; clusters its ``demo`` and ``three-group``, built from the profile (small decodes: half the
+KV cache and batch, a third longer fixed decode step).
 
 Per setting: TTFT p50/p90/p99, decode TTFT p99, TPOT p99 (ms), prefix hit rate by tier (engine truth:
 prompt tokens the prefill found in its KV cache, in its CPU tier), prompt tokens computed (millions),
@@ -148,7 +151,7 @@ def _plot(ttfts: dict[str, list[float]], path: str, title: str) -> None:
     colours = plt.get_cmap("tab20").colors
     for index, (setting, values) in enumerate(ttfts.items()):
         ordered = sorted(values)
-        style = "--" if setting in PEERS else ":" if setting == "oracle" else "-"
+        style = "--" if setting in PEERS else ":" if _is_oracle(setting) else "-"
         if ordered:
             shares = [(i + 1) / len(ordered) for i in range(len(ordered))]
             ax.plot(ordered, shares, style, color=colours[index % len(colours)], label=setting)
@@ -233,7 +236,12 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[st
 
 
 PEERS = ("sglang", "llm-d", "dynamo")
-"""The peers' rules; every setting but these and ``oracle`` is pd-extproc's."""
+"""The peers' rules; every setting but these and the oracle's (:func:`_is_oracle`) is pd-extproc's."""
+
+
+def _is_oracle(setting: str) -> bool:
+    """Whether ``setting`` is the oracle (``oracle``, its replicas ``oracle x4``, ``scraped`` or not)."""
+    return setting.split(" ", 1)[0] == "oracle"
 
 
 def medians(runs: list[dict[str, dict]]) -> dict[str, dict]:
@@ -251,7 +259,9 @@ def verdicts(rows: dict[str, dict], bound: float) -> list[dict]:
     best setting (its least TTFT p90) against the best peer rule (least TTFT p90; least dTTFT p99 for
     that target), ``off`` and the oracle; its hit rate against ``bound``. Only what ``rows`` holds is
     judged."""
-    ours = [s for s in rows if s not in PEERS and s != "oracle" and rows[s].get("ttft_p90_ms") is not None]
+    ours = [
+        s for s in rows if s not in PEERS and not _is_oracle(s) and rows[s].get("ttft_p90_ms") is not None
+    ]
     peers = [s for s in PEERS if s in rows]
     if not ours:
         return []

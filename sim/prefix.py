@@ -42,6 +42,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ext_proc.prefix.blocks import CHARS_PER_TOKEN
 from ext_proc.prefix.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, Event
 from sim.protocol import token_text
@@ -52,6 +54,8 @@ MEDIUM_CPU = "CPU"
 """The ``medium`` of the CPU tier's blocks in the events (vLLM's offloading names it so)."""
 EventSink = Callable[[list[Event]], None]
 """Where a :class:`BlockCache` reports one batch of KV-cache events."""
+_ASCII_TOKEN = np.dtype(f">u{CHARS_PER_TOKEN}")
+"""One whole token of ASCII text read as a big-endian integer."""
 
 
 def token_ids(content: str | Sequence[int]) -> list[int]:
@@ -60,6 +64,13 @@ def token_ids(content: str | Sequence[int]) -> list[int]:
     most 8 (any ASCII token), else the first 8 bytes of their BLAKE2b digest (ids below ``2**64``)."""
     if not isinstance(content, str):
         return list(content)
+    if content.isascii():  # every token its bytes: read them all at once (the trace replay's hot path)
+        raw = content.encode("ascii")
+        whole = len(raw) - len(raw) % CHARS_PER_TOKEN
+        ids = np.frombuffer(raw, _ASCII_TOKEN, whole // CHARS_PER_TOKEN).tolist()
+        if whole < len(raw):
+            ids.append(int.from_bytes(raw[whole:], "big"))
+        return ids
     ids = []
     for start in range(0, len(content), CHARS_PER_TOKEN):
         raw = content[start : start + CHARS_PER_TOKEN].encode()

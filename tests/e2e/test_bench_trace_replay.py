@@ -107,9 +107,11 @@ def test_verdicts_judge_the_best_setting_against_the_best_peer(bench: ModuleType
         "sglang": _row(900, 1000, 0.4, 0.3, 0.21),
         "dynamo": _row(950, 500, 0.3, 0.2, 0.22),
         "oracle": _row(690, 100, 0.0, 0.11, 0.23),
+        "oracle x4 scraped": _row(600, 100, 0.0, 0.11, 0.23),  # the oracle's replicas: never "ours"
     }
     judged = {v["target"]: v for v in bench.verdicts(rows, 0.25)}
     best = "pair:auto+prefix"
+    assert all(t.startswith(f"{best}: ") for t in judged)
     p90 = judged[f"{best}: TTFT p90 / best peer's (sglang) <= 0.8"]
     assert p90["value"] == pytest.approx(700 / 900) and p90["met"]
     dttft = judged[f"{best}: decode TTFT p99 / best peer's (dynamo) <= 0.25"]

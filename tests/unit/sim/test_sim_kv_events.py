@@ -76,6 +76,9 @@ def matched(index: EventIndex, content: str | list[int]) -> int:
 def test_text_tokens_are_fours_of_characters_numbered_by_their_bytes() -> None:
     assert token_ids("abcdefgh") == [int.from_bytes(b"abcd", "big"), int.from_bytes(b"efgh", "big")]
     assert token_ids("abcdef") == [int.from_bytes(b"abcd", "big"), int.from_bytes(b"ef", "big")]
+    assert token_ids("") == [] and token_ids("\x7f") == [127]
+    mixed = token_ids("abcd€fgh")  # one wide token among ASCII ones: each token by the same rule
+    assert mixed[0] == int.from_bytes(b"abcd", "big") and mixed[1] >= 1 << 32
     wide = token_ids("€€€€€€€a")  # 12 and 10 bytes a token: hashed, still below 2**64
     assert len(wide) == 2 and all(0 <= t < 1 << 64 for t in wide) and wide[0] != wide[1]
     assert token_ids([5, 6, 7]) == [5, 6, 7]
