@@ -165,8 +165,9 @@ def _tokenizer_problem(config: Config) -> str | None:
         check_folder(prefix.tokenizer)
     except TokenizerLoadError as exc:
         return (
-            f"affinity.prefix.tokenizer: {exc} (serve would run with no tokenizer: every text prompt "
-            'routed on its text and counted in pd_extproc_tokenize_fallbacks_total{reason="no_tokenizer"})'
+            f"affinity.prefix.tokenizer: {exc} on this machine (serve would run with no tokenizer: every "
+            "text prompt routed on its text and counted in "
+            'pd_extproc_tokenize_fallbacks_total{reason="no_tokenizer"})'
         )
     return None
 
@@ -176,9 +177,8 @@ def _check_config(args: argparse.Namespace) -> int:
     if config is None:
         return 2
     problem = _tokenizer_problem(config)
-    if problem is not None:
-        print(f"pd-extproc: invalid configuration: {problem}", file=sys.stderr)
-        return 2
+    if problem is not None:  # a folder mounted only where pd-extproc runs is not an invalid configuration
+        print(f"pd-extproc: warning: {problem}", file=sys.stderr)
     print(f"# {args.config} is valid. Effective configuration (defaults and environment applied):")
     print(yaml.safe_dump(as_dict(config), sort_keys=False), end="")
     return 0
