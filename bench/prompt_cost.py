@@ -20,10 +20,11 @@ Three measurements, each at the trace's prompt lengths (``../shared/traces/``: m
   process (pd-extproc, the bare processor or ``smg``) and of Envoy, from /proc over the whole window.
 * ``largest_body``: a 16 MiB body's latency through Envoy without the filter and with pd-extproc.
 * ``interference``: a short request's latency (about 250 tokens), sequentially, through each of
-  ``direct``, Envoy without the filter and Envoy + pd-extproc (index on; and its ``_before``) in turn:
-  alone, then while ``--long-streams`` closed loops send streamed 100k-token requests through one of
-  those gateways. Through the long requests' own gateway it shares their Envoy and router; through
-  the others, only the machine (what its own contention adds).
+  ``direct``, Envoy without the filter, Envoy + the bare Python ext_proc floor and Envoy + pd-extproc
+  (index on; and its ``_before``) in turn: alone, then while ``--long-streams`` closed loops send
+  streamed 100k-token requests through one of those gateways. Through the long requests' own gateway
+  it shares their Envoy and router (through the floor's: what any Python ext_proc's one event loop
+  makes it wait); through the others, only the machine (what its own contention adds).
 
 ``smg`` is installed from PyPI into a cache virtual environment (``~/.cache/pd-extproc-bench/smg``) on
 first use: it is not a dependency of the package. ``--baseline DIR`` also runs every pd-extproc target
@@ -370,7 +371,8 @@ async def through_gateways(
             processes.append(smg)
             targets["smg"] = Target(f"http://127.0.0.1:{port}/v1/chat/completions", smg.pid)
         results = {"gateway": await gateway_costs(targets, requests, concurrency, seconds)}
-        short = ("direct", "without_filter", *(f"pd_extproc_index{suffix}" for suffix in trees))
+        indexed = (f"pd_extproc_index{suffix}" for suffix in trees)
+        short = ("direct", "without_filter", "bare_ext_proc", *indexed)
         results["interference"] = await interference(
             {name: targets[name].url for name in short}, requests, long_streams
         )

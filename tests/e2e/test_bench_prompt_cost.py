@@ -29,7 +29,7 @@ def test_in_process_and_gateways_write_every_row_with_a_baseline_beside(tmp_path
         before = {f"{name}_before" for name in prompt_cost.ROUTERS}
         assert {"direct", "without_filter", "bare_ext_proc", *prompt_cost.ROUTERS, *before} <= set(row)
         assert all(row[name]["errors"] == 0 for name in (*prompt_cost.ROUTERS, *before)), row
-    short = {"direct", "without_filter", "pd_extproc_index", "pd_extproc_index_before"}
+    short = {"direct", "without_filter", "bare_ext_proc", "pd_extproc_index", "pd_extproc_index_before"}
     assert set(results["interference"]["alone"]) == short
     assert set(results["interference"]["beside"]) == short - {"direct"}
     for through in results["interference"]["beside"].values():
