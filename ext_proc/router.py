@@ -17,9 +17,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-import numpy as np
-import numpy.typing as npt
-
 from ext_proc.affinity import Cost, Decision, Mode, NoPair, Policy, Pool, choose
 from ext_proc.affinity.config import AutoConfig
 from ext_proc.checks import ConfigError
@@ -29,7 +26,7 @@ from ext_proc.load import Admission, Lease
 from ext_proc.metrics import Metrics
 from ext_proc.outcome import HandoffJob, PendingAnswer, Placement, Ranks, Refused, RequestMeta, Routed
 from ext_proc.prefix import PrefixSettings, blocks
-from ext_proc.prefix.blocks import prompt_content
+from ext_proc.prefix.blocks import Chain, prompt_content
 from ext_proc.prefix.config import PrefixConfig
 from ext_proc.prefix.kinds import KINDS as PREFIX_SOURCES
 from ext_proc.prefix.kinds import PrefixSource, PrefixSourceKind
@@ -143,7 +140,7 @@ class Router:
         event loop runs (:attr:`tokenizer_opening`; a second or so with its fast encoder's check), the
         previous tokenizer (or none: prompts routed on their text) serving meanwhile; a folder that does
         not load is logged, and its prompts are counted and routed untokenized. A new index compiles its
-        kernels first (numba, once a process: about a second, before the first request needs them)."""
+        kernels first (numba, once a process: under a second, before the first request needs them)."""
         folder = "" if settings is None else settings.tokenizer
         if folder != self._tokenizer_folder:
             self._tokenizer_folder = folder
@@ -338,7 +335,7 @@ class Router:
         KV cache it computed: eject that prefill."""
         self.ejections.eject(address, outcome)
 
-    def _chain(self, body: dict[str, object], tokens: Sequence[int] | None) -> npt.NDArray[np.int64] | None:
+    def _chain(self, body: dict[str, object], tokens: Sequence[int] | None) -> Chain | None:
         """The prompt's block hashes (over ``tokens`` when known) when the prefix index is on.
 
         The index forgets the endpoints that left first."""
@@ -356,7 +353,7 @@ class Router:
         cost: Cost,
         prefills: Pool[EndpointState],
         subset: frozenset[str] | None,
-        chain: npt.NDArray[np.int64] | None = None,
+        chain: Chain | None = None,
     ) -> Placement | Refused:
         decodes = self.registry.decode_pool
         if subset is not None:

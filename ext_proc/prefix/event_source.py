@@ -21,12 +21,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-import numpy as np
-import numpy.typing as npt
-
 from ext_proc.affinity import Decision, Pool
 from ext_proc.affinity.model import E
-from ext_proc.prefix.blocks import block_hashes, prompt_content
+from ext_proc.prefix.blocks import Chain, block_hashes, prompt_content
 from ext_proc.prefix.event_index import ROOT, EventIndex
 from ext_proc.prefix.index import HitArrays
 from ext_proc.prefix.ranks import credited, credited_publisher
@@ -50,7 +47,7 @@ class KvEventSource:
         self.clock = clock
         self._sink = sink
 
-    def chain(self, body: dict[str, object], tokens: Sequence[int] | None = None) -> npt.NDArray[np.int64]:
+    def chain(self, body: dict[str, object], tokens: Sequence[int] | None = None) -> Chain:
         """The prompt's chain over its token ids from :data:`ROOT`, else the approximate text chain.
 
         The token ids are ``tokens`` (the gateway tokenized the prompt), else the body's own."""
@@ -60,12 +57,7 @@ class KvEventSource:
         return prompt_chain(body, self.settings)
 
     def lookup(
-        self,
-        hashes: npt.NDArray[np.int64],
-        prefills: Pool[E],
-        decodes: Pool[E],
-        prompt_tokens: int,
-        pinned: bool = False,
+        self, hashes: Chain, prefills: Pool[E], decodes: Pool[E], prompt_tokens: int, pinned: bool = False
     ) -> Lookup:
         """What the fresh endpoints reported holding of ``hashes``, or were given of it lately.
 

@@ -14,11 +14,9 @@ import enum
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-import numpy as np
-import numpy.typing as npt
-
 from ext_proc.affinity import Decision, Pool
 from ext_proc.affinity.model import E
+from ext_proc.prefix.blocks import Chain
 from ext_proc.prefix.event_source import KvEventSource
 from ext_proc.prefix.tracker import Lookup, PredictionSink, PrefixSettings, PrefixTracker
 
@@ -39,21 +37,17 @@ class PrefixSource(Protocol):
 
     settings: PrefixSettings
 
-    def chain(self, body: dict[str, object], tokens: Sequence[int] | None = None) -> npt.NDArray[np.int64]:
-        """The chained block hashes of the request's prompt (empty without a prompt): a 1-D int64 array
-        (:func:`~ext_proc.prefix.blocks.block_hashes`).
+    def chain(self, body: dict[str, object], tokens: Sequence[int] | None = None) -> Chain:
+        """The chained block hashes of the request's prompt (empty without a prompt).
+
+        A 1-D int64 array (:func:`~ext_proc.prefix.blocks.block_hashes`).
 
         ``tokens``: the prompt in the engine's token ids when the gateway tokenized it (the chain is
         then over them, whatever the body's prompt)."""
         ...
 
     def lookup(
-        self,
-        hashes: npt.NDArray[np.int64],
-        prefills: Pool[E],
-        decodes: Pool[E],
-        prompt_tokens: int,
-        pinned: bool = False,
+        self, hashes: Chain, prefills: Pool[E], decodes: Pool[E], prompt_tokens: int, pinned: bool = False
     ) -> Lookup:
         """What the candidate endpoints hold of ``hashes``, with the decision's hit arrays.
 

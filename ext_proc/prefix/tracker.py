@@ -16,11 +16,10 @@ from types import MappingProxyType
 from typing import NamedTuple, Protocol
 
 import numpy as np
-import numpy.typing as npt
 
 from ext_proc.affinity import Decision, Hits, Pool
 from ext_proc.affinity.model import E
-from ext_proc.prefix.blocks import block_hashes, prompt_content
+from ext_proc.prefix.blocks import Chain, block_hashes, prompt_content
 from ext_proc.prefix.correction import Interval, corrected_scale
 from ext_proc.prefix.index import PrefixIndex
 
@@ -71,7 +70,7 @@ class Lookup(NamedTuple):
     data-parallel rank whose blocks an endpoint of several ranks was credited with, by address (the
     request is pinned to it there: :mod:`ext_proc.prefix.ranks`)."""
 
-    hashes: npt.NDArray[np.int64]
+    hashes: Chain
     matched: dict[str, int]
     hits: Hits | None
     ranks: Mapping[str, int] = MappingProxyType({})
@@ -86,7 +85,7 @@ class PredictionSink(Protocol):
 
 def prompt_chain(
     body: dict[str, object], settings: PrefixSettings, tokens: Sequence[int] | None = None
-) -> npt.NDArray[np.int64]:
+) -> Chain:
     """The chained block hashes of the request's prompt (``tokens`` when given); empty without a prompt.
 
     The chain is seeded with the request's ``model``: different models share no cache."""
@@ -109,17 +108,12 @@ class PrefixTracker:
         self._pending: dict[str, list[float]] = {}  # address → [placed, predicted] since its last sample
         self._counters: dict[str, tuple[float, float]] = {}  # address → the engine's last (queries, hits)
 
-    def chain(self, body: dict[str, object], tokens: Sequence[int] | None = None) -> npt.NDArray[np.int64]:
+    def chain(self, body: dict[str, object], tokens: Sequence[int] | None = None) -> Chain:
         """The chained block hashes of the request's prompt, or of ``tokens`` (:func:`prompt_chain`)."""
         return prompt_chain(body, self.settings, tokens)
 
     def lookup(
-        self,
-        hashes: npt.NDArray[np.int64],
-        prefills: Pool[E],
-        decodes: Pool[E],
-        prompt_tokens: int,
-        pinned: bool = False,
+        self, hashes: Chain, prefills: Pool[E], decodes: Pool[E], prompt_tokens: int, pinned: bool = False
     ) -> Lookup:
         """What the candidate endpoints hold of ``hashes`` (estimated per endpoint: ``pinned`` is moot)."""
         matched = self.index.match(_index_chain(hashes)) if len(hashes) else {}
@@ -178,7 +172,7 @@ class PrefixTracker:
                 del table[address]
 
 
-def _index_chain(hashes: npt.NDArray[np.int64]) -> list[int]:
+def _index_chain(hashes: Chain) -> list[int]:
     """``hashes`` as the :class:`PrefixIndex` takes them: Python ints.
 
     MERGE: remove with the compiled index (branch s7-lru), whose ``match`` and ``record`` take the
