@@ -266,7 +266,7 @@ class SGLangCacheAware:
 
     def place(self, body: dict[str, object]) -> Placed:
         text = _text(body)
-        hashes = block_hashes(text, self.CHUNK // 4, 1 << 30)
+        hashes = block_hashes(text, self.CHUNK // 4, 1 << 30).tolist()  # kept in the workers' sets
         prefill = self._pick(self._roles["prefill"], hashes, len(text))
         decode = self._pick(self._roles["decode"], hashes, len(text))
         for worker in (prefill, decode):
@@ -325,7 +325,7 @@ class LlmdScorer:
 
     def place(self, body: dict[str, object]) -> Placed:
         self._ticket += 1
-        hashes = block_hashes(_text(body), self.BLOCK_TOKENS, self.MAX_BLOCKS)
+        hashes = block_hashes(_text(body), self.BLOCK_TOKENS, self.MAX_BLOCKS).tolist()
         decode = self._pick(self._roles["decode"], hashes)
         prefill = self._pick(self._roles["prefill"], hashes)
         for address in (decode, prefill):

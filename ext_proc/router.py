@@ -25,8 +25,8 @@ from ext_proc.handoff.kinds import Handoff
 from ext_proc.load import Admission, Lease
 from ext_proc.metrics import Metrics
 from ext_proc.outcome import HandoffJob, PendingAnswer, Placement, Ranks, Refused, RequestMeta, Routed
-from ext_proc.prefix import PrefixSettings
-from ext_proc.prefix.blocks import prompt_content
+from ext_proc.prefix import PrefixSettings, blocks
+from ext_proc.prefix.blocks import Chain, prompt_content
 from ext_proc.prefix.config import PrefixConfig
 from ext_proc.prefix.kinds import KINDS as PREFIX_SOURCES
 from ext_proc.prefix.kinds import PrefixSource, PrefixSourceKind
@@ -139,7 +139,8 @@ class Router:
         tokenizer folder ``settings.tokenizer`` is opened when it changes: on a worker thread when the
         event loop runs (:attr:`tokenizer_opening`; a second or so with its fast encoder's check), the
         previous tokenizer (or none: prompts routed on their text) serving meanwhile; a folder that does
-        not load is logged, and its prompts are counted and routed untokenized."""
+        not load is logged, and its prompts are counted and routed untokenized. A new index compiles its
+        kernels first (numba, once a process: under a second, before the first request needs them)."""
         folder = "" if settings is None else settings.tokenizer
         if folder != self._tokenizer_folder:
             self._tokenizer_folder = folder
@@ -161,6 +162,7 @@ class Router:
         elif self.prefix is not None and _identity(self.prefix.settings) == _identity(settings):
             self.prefix.settings = settings
         else:
+            blocks.warm()
             self.prefix = PREFIX_SOURCES[PrefixSourceKind(settings.source)](settings, self.metrics)
 
     async def _open_tokenizer(self, folder: str) -> None:
@@ -333,7 +335,7 @@ class Router:
         KV cache it computed: eject that prefill."""
         self.ejections.eject(address, outcome)
 
-    def _chain(self, body: dict[str, object], tokens: Sequence[int] | None) -> list[int] | None:
+    def _chain(self, body: dict[str, object], tokens: Sequence[int] | None) -> Chain | None:
         """The prompt's block hashes (over ``tokens`` when known) when the prefix index is on.
 
         The index forgets the endpoints that left first."""
@@ -351,7 +353,7 @@ class Router:
         cost: Cost,
         prefills: Pool[EndpointState],
         subset: frozenset[str] | None,
-        chain: list[int] | None = None,
+        chain: Chain | None = None,
     ) -> Placement | Refused:
         decodes = self.registry.decode_pool
         if subset is not None:
@@ -366,7 +368,7 @@ class Router:
         prefix = self.prefix
         lookup = (
             None
-            if prefix is None or not chain
+            if prefix is None or chain is None or not len(chain)
             else prefix.lookup(chain, prefills, decodes, prompt, self.handoff.pins_ranks)
         )
         self._ticket += 1

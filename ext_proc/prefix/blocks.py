@@ -9,17 +9,19 @@ characters a token the load accounting estimates (:mod:`ext_proc.request`). Text
 with an engine's token blocks, but both chains stop agreeing where the prompts stop agreeing, so the
 length of the common prefix they measure is the same within a block.
 
-Pure: no I/O. One pass, no Python loop per block or per token id: the prompt becomes a sequence of
-64-bit values ``v`` (text: its UTF-32 code points two to a value; token ids: each id a value; each value
-keyed and mixed with a per-process secret, one secret for text and another for ids), the chain value
-``c_w = c_{w-1} * M + v_w`` modulo 2**64 (``c_{-1}`` the seed, ``M`` odd) runs over all of them, and
-block ``i``'s hash is ``c`` at the block's last value: it stands for every character (id) before it,
-and a chain continues from any block's hash (the seed of the blocks after it). Written out,
-``c_w = M**w * (seed * M + sum over u <= w of v_u * M**-u)``: one cumulative sum (numpy). Token ids
-may come as a list or tuple of Python ints or as an ``array.array`` of machine integers (the gateway
-tokenizer's unsigned 32-bit ids, read in place); the same ids give the same chain in any of these. An
-id outside ``0..2**64-1`` (a malformed request's) counts modulo 2**64. Values are equal within one
-process only (the secrets are per process, so each gateway replica keeps its own index).
+Pure: no I/O. One pass, one compiled loop (numba; no Python step per block or per token id): the
+prompt becomes a sequence of 64-bit values ``v`` (text: its UTF-32 code points two to a value; token
+ids: each id a value; each value keyed and mixed with a per-process secret, one secret for text and
+another for ids), the chain value ``c_w = c_{w-1} * M + v_w`` modulo 2**64 (``c_{-1}`` the seed, ``M``
+odd) runs over all of them, and block ``i``'s hash is ``c`` at the block's last value: it stands for
+every character (id) before it, and a chain continues from any block's hash (the seed of the blocks
+after it). A chain is a 1-D int64 numpy array (``.tolist()`` gives its hashes as Python ints). Token ids
+may come as a list or tuple of Python ints or as an ``array.array`` of machine integers of any width
+(the gateway tokenizer's unsigned 32-bit ids, read in place); the same ids give the same chain in any
+of these. An id outside ``0..2**64-1`` (a malformed request's, or a negative one in a signed array)
+counts modulo 2**64. Values are equal within one process only (the secrets are per process, so each
+gateway replica keeps its own index). The loop compiles on its first call: :func:`warm` compiles it
+ahead of requests.
 """
 
 from __future__ import annotations
@@ -27,9 +29,14 @@ from __future__ import annotations
 import secrets
 from array import array
 from collections.abc import Sequence
+from typing import TypeAlias
 
+import numba
 import numpy as np
+import numpy.typing as npt
 
+Chain: TypeAlias = npt.NDArray[np.int64]
+"""A prompt's chained block hashes (:func:`block_hashes`): a 1-D int64 array, block by block."""
 CHARS_PER_TOKEN = 4
 """Characters of prompt text per estimated token (:func:`ext_proc.request.describe` counts so)."""
 
@@ -78,87 +85,75 @@ def _prompt(prompt: object) -> str | list[int] | None:
     return None
 
 
-def block_hashes(
-    content: str | Sequence[int], block_tokens: int, max_blocks: int, seed: int = 0
-) -> list[int]:
-    """The chained hashes of the full blocks of ``content``, at most ``max_blocks`` of them.
+def block_hashes(content: str | Sequence[int], block_tokens: int, max_blocks: int, seed: int = 0) -> Chain:
+    """The chained hashes of the full blocks of ``content``, at most ``max_blocks`` of them, in order.
 
     A block is ``block_tokens`` ids for token ids (a list, tuple or ``array.array``), else
     ``CHARS_PER_TOKEN * block_tokens`` characters; a partial last block is not cached (as in vLLM).
     ``seed`` starts the chain (e.g. the model name's hash: different models share no cache; or the hash
-    of the block before ``content``, continuing its chain). O(blocks hashed), whatever the length of
-    ``content``."""
+    of the block before ``content``, continuing its chain); any int, taken modulo 2**64. A new 1-D int64
+    array (the 64-bit hashes as signed values), empty when no block is full. O(blocks hashed), whatever
+    the length of ``content``."""
     text = isinstance(content, str)
     size = CHARS_PER_TOKEN * block_tokens if text else block_tokens
     count = min(len(content) // size, max_blocks)
-    per_block = size // 2 if text else size  # text: two code points a value; ids: one
-    powers, inverses = _powers(count * per_block)
-    step = max(1, _CHUNK_VALUES // per_block)  # blocks a chunk
-    carry = np.uint64((seed * _MULTIPLIER) & _MASK)
-    hashes: list[int] = []
-    for first in range(0, count, step):
-        last = min(first + step, count)
-        values = _text_values(content, size, first, last) if text else _id_values(content, size, first, last)
-        offset = first * per_block
-        np.multiply(values, inverses[offset : offset + len(values)], out=values)
-        sums = np.cumsum(values, dtype=np.uint64)
-        np.add(sums, carry, out=sums)
-        carry = sums[-1]
-        ends = np.multiply(
-            sums[per_block - 1 :: per_block],
-            powers[offset + per_block - 1 : offset + len(values) : per_block],
-        )
-        hashes += ends.view(np.int64).tolist()
-    return hashes
-
-
-def _text_values(text: str, size: int, first: int, last: int) -> np.ndarray:
-    """The chain's values of blocks ``first..last-1`` of ``text``: code points two a value, keyed."""
-    points = np.frombuffer(text[first * size : last * size].encode("utf-32-le", "surrogatepass"), np.uint64)
-    return _keyed(points, _TEXT_SECRET)
-
-
-def _id_values(ids: Sequence[int], size: int, first: int, last: int) -> np.ndarray:
-    """The chain's values of blocks ``first..last-1`` of ``ids``: each id a value, keyed.
-
-    An ``array.array`` is read in place; Python ints are copied into a 64-bit array in C (an id outside
-    ``0..2**64-1`` taken modulo 2**64)."""
-    if isinstance(ids, array):
-        raw = np.frombuffer(ids, ids.typecode)[first * size : last * size]
+    if text:
+        values = np.frombuffer(content[: count * size].encode("utf-32-le", "surrogatepass"), np.uint64)
+        per_block, secret = size // 2, _TEXT_SECRET  # two code points a value
     else:
-        block = ids[first * size : last * size]
-        try:
-            raw = np.frombuffer(array("Q", block), np.uint64)
-        except OverflowError:  # a negative or huge id: only in a malformed request
-            raw = np.frombuffer(array("Q", [i & _MASK for i in block]), np.uint64)
-    return _keyed(raw.astype(np.uint64, copy=False), _ID_SECRET)
+        values, per_block, secret = _ids(content, count * size), size, _ID_SECRET
+    return _chain(values, per_block, count, np.uint64(int(seed) & _MASK), secret).view(np.int64)
+
+
+def _ids(ids: Sequence[int], count: int) -> npt.NDArray[np.integer]:
+    """The first ``count`` of ``ids`` as an array of machine integers.
+
+    An ``array.array`` is read in place (its own width and sign); Python ints are copied into a 64-bit
+    array in C (an id outside ``0..2**64-1`` taken modulo 2**64)."""
+    if isinstance(ids, array):
+        return np.frombuffer(ids, ids.typecode)[:count]
+    head = ids[:count]
+    try:
+        return np.frombuffer(array("Q", head), np.uint64)
+    except OverflowError:  # a negative or huge id: only in a malformed request
+        return np.frombuffer(array("Q", [i & _MASK for i in head]), np.uint64)
+
+
+def warm() -> None:
+    """Compile the hashing loop ahead of requests, for every kind of content the gateway hashes.
+
+    Text and token ids as Python ints (64-bit values) and the gateway tokenizer's unsigned 32-bit ids;
+    about 0.6 s once a process, then nothing. The loop compiles on its first call otherwise (numba, in
+    memory: nothing is cached on disk)."""
+    for content in ("ab" * CHARS_PER_TOKEN, [1, 2], array("I", [1, 2])):
+        block_hashes(content, 1, 1)
 
 
 _MASK = (1 << 64) - 1
-_CHUNK_VALUES = 8192  # values hashed at a time: 64 KiB arrays, below the allocator's fresh-pages threshold
-_MULTIPLIER = 0x9E3779B97F4A7C15  # odd, so invertible modulo 2**64
+_MULTIPLIER = np.uint64(0x9E3779B97F4A7C15)  # odd
+_MIX = np.uint64(0xBF58476D1CE4E5B9)  # odd: multiplying by it is a bijection modulo 2**64
+_SHIFT = np.uint64(31)
 _TEXT_SECRET = np.uint64(secrets.randbits(64))
 _ID_SECRET = np.uint64(secrets.randbits(64))
-_POWERS: list[np.ndarray] = [np.ones(1, dtype=np.uint64), np.ones(1, dtype=np.uint64)]
 
 
-def _powers(count: int) -> list[np.ndarray]:
-    """``M**i`` and ``M**-i`` modulo 2**64 for ``i`` in ``0..count-1`` (at least), computed once."""
-    if len(_POWERS[0]) < count:
-        size = max(count, 2 * len(_POWERS[0]))
-        for k, base in enumerate((_MULTIPLIER, pow(_MULTIPLIER, -1, 1 << 64))):
-            steps = np.full(size, base, dtype=np.uint64)
-            steps[0] = 1
-            _POWERS[k] = np.cumprod(steps, dtype=np.uint64)
-    return _POWERS
+@numba.njit(nogil=True)
+def _chain(
+    values: npt.NDArray[np.integer], per_block: int, count: int, seed: np.uint64, secret: np.uint64
+) -> npt.NDArray[np.uint64]:
+    """The chain ``c`` over ``values`` (machine integers, each taken modulo 2**64) at the end of each of
+    its first ``count`` blocks of ``per_block`` values, compiled.
 
-
-def _keyed(values: np.ndarray, secret: np.uint64) -> np.ndarray:
-    """Each value keyed with ``secret`` and mixed (one multiply, one xor-shift): the sums of the chain
-    cannot be steered by chosen text or ids without the secret. A new array.
-
-    Numpy's functions rather than operators: an operator on arrays of 256 KiB and more looks for a
-    temporary to reuse by walking the C stack, which costs more than the arithmetic."""
-    mixed = np.bitwise_xor(values, secret)
-    np.multiply(mixed, np.uint64(0xBF58476D1CE4E5B9), out=mixed)
-    return np.bitwise_xor(mixed, np.right_shift(mixed, np.uint64(31)), out=mixed)
+    Each value is keyed with ``secret`` and mixed (one xor, one multiply, one xor-shift), so the chain
+    cannot be steered by chosen text or ids without the secret; ``c_w = c_{w-1} * M + v_w`` modulo
+    2**64, ``c_{-1} = seed``."""
+    hashes = np.empty(count, np.uint64)
+    c = seed
+    w = 0
+    for block in range(count):
+        for _ in range(per_block):
+            v = (np.uint64(values[w]) ^ secret) * _MIX
+            c = c * _MULTIPLIER + (v ^ (v >> _SHIFT))
+            w += 1
+        hashes[block] = c
+    return hashes

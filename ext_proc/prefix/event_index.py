@@ -144,7 +144,7 @@ class EventIndex:
             if parent is None:
                 return "orphan"
             start = parent
-        ours = block_hashes(event.token_ids, event.block_size, len(event.block_hashes), start)
+        ours = block_hashes(event.token_ids, event.block_size, len(event.block_hashes), start).tolist()
         holders, stored, refs = self.holders, endpoint.stored, endpoint.refs
         slot = holders.slot(address)
         gpu = tier in GPU_TIERS

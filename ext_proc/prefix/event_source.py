@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 
 from ext_proc.affinity import Decision, Pool
 from ext_proc.affinity.model import E
-from ext_proc.prefix.blocks import block_hashes, prompt_content
+from ext_proc.prefix.blocks import Chain, block_hashes, prompt_content
 from ext_proc.prefix.event_index import ROOT, EventIndex
 from ext_proc.prefix.index import HitArrays
 from ext_proc.prefix.ranks import credited, credited_publisher
@@ -47,7 +47,7 @@ class KvEventSource:
         self.clock = clock
         self._sink = sink
 
-    def chain(self, body: dict[str, object], tokens: Sequence[int] | None = None) -> list[int]:
+    def chain(self, body: dict[str, object], tokens: Sequence[int] | None = None) -> Chain:
         """The prompt's chain over its token ids from :data:`ROOT`, else the approximate text chain.
 
         The token ids are ``tokens`` (the gateway tokenized the prompt), else the body's own."""
@@ -57,7 +57,7 @@ class KvEventSource:
         return prompt_chain(body, self.settings)
 
     def lookup(
-        self, hashes: list[int], prefills: Pool[E], decodes: Pool[E], prompt_tokens: int, pinned: bool = False
+        self, hashes: Chain, prefills: Pool[E], decodes: Pool[E], prompt_tokens: int, pinned: bool = False
     ) -> Lookup:
         """What the fresh endpoints reported holding of ``hashes``, or were given of it lately.
 
@@ -66,9 +66,10 @@ class KvEventSource:
         endpoint of several data-parallel ranks is credited one rank's blocks, and only when
         ``pinned`` (:func:`~ext_proc.prefix.ranks.credited`)."""
         now = self.clock()
-        held = self.index.match(hashes, now)
-        gpu = self.index.match_gpu(hashes, held)
-        for name, blocks in self.recent.match(hashes, now).items():
+        chain = hashes.tolist()  # the holder sets are keyed by Python ints
+        held = self.index.match(chain, now)
+        gpu = self.index.match_gpu(chain, held)
+        for name, blocks in self.recent.match(chain, now).items():
             if blocks > held.get(name, 0):
                 held[name] = blocks
             if gpu is not None and blocks > gpu.get(name, 0):
@@ -89,6 +90,7 @@ class KvEventSource:
         At an endpoint of several data-parallel ranks, on the rank the request is pinned to; nowhere
         when it is not pinned (the rank that serves it is not known)."""
         now = self.clock()
+        chain = lookup.hashes.tolist()  # kept in the holder sets, keyed by Python ints
         for role, endpoint in (("prefill", decision.prefill), ("decode", decision.decode)):
             if endpoint is not None:
                 address = endpoint.address
@@ -96,7 +98,7 @@ class KvEventSource:
                     role, address, prompt_tokens, self.predicted(lookup, address, prompt_tokens)
                 )
                 if endpoint.data_parallel_size == 1 or address in lookup.ranks:
-                    self.recent.record(lookup.hashes, credited_publisher(address, lookup.ranks), now)
+                    self.recent.record(chain, credited_publisher(address, lookup.ranks), now)
 
     def observe(self, address: str, queries: float | None, hits: float | None) -> None:
         """Nothing to learn from an engine's prefix-cache counters: its events say what it holds."""

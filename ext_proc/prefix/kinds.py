@@ -16,6 +16,7 @@ from typing import Protocol
 
 from ext_proc.affinity import Decision, Pool
 from ext_proc.affinity.model import E
+from ext_proc.prefix.blocks import Chain
 from ext_proc.prefix.event_source import KvEventSource
 from ext_proc.prefix.tracker import Lookup, PredictionSink, PrefixSettings, PrefixTracker
 
@@ -36,15 +37,17 @@ class PrefixSource(Protocol):
 
     settings: PrefixSettings
 
-    def chain(self, body: dict[str, object], tokens: Sequence[int] | None = None) -> list[int]:
+    def chain(self, body: dict[str, object], tokens: Sequence[int] | None = None) -> Chain:
         """The chained block hashes of the request's prompt (empty without a prompt).
+
+        A 1-D int64 array (:func:`~ext_proc.prefix.blocks.block_hashes`).
 
         ``tokens``: the prompt in the engine's token ids when the gateway tokenized it (the chain is
         then over them, whatever the body's prompt)."""
         ...
 
     def lookup(
-        self, hashes: list[int], prefills: Pool[E], decodes: Pool[E], prompt_tokens: int, pinned: bool = False
+        self, hashes: Chain, prefills: Pool[E], decodes: Pool[E], prompt_tokens: int, pinned: bool = False
     ) -> Lookup:
         """What the candidate endpoints hold of ``hashes``, with the decision's hit arrays.
 

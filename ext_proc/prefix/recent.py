@@ -29,7 +29,7 @@ class RecentPlacements:
     def record(self, hashes: Sequence[int], address: str, now: float) -> None:
         """``hashes`` were placed on ``address`` at ``now``."""
         self.expire(now)
-        if self.seconds <= 0 or not hashes:
+        if self.seconds <= 0 or not len(hashes):
             return
         slot = self.holders.slot(address)
         refs = self._refs.setdefault(address, Counter())

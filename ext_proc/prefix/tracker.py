@@ -15,9 +15,11 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import NamedTuple, Protocol
 
+import numpy as np
+
 from ext_proc.affinity import Decision, Hits, Pool
 from ext_proc.affinity.model import E
-from ext_proc.prefix.blocks import block_hashes, prompt_content
+from ext_proc.prefix.blocks import Chain, block_hashes, prompt_content
 from ext_proc.prefix.correction import Interval, corrected_scale
 from ext_proc.prefix.index import PrefixIndex
 
@@ -63,12 +65,12 @@ class PrefixSettings:
 class Lookup(NamedTuple):
     """One request's view of the index.
 
-    Its prompt's chain, the blocks each endpoint holds of it (by address), the decision's
-    :class:`Hits` (``None`` when no candidate holds anything), and the data-parallel rank whose blocks
-    an endpoint of several ranks was credited with, by address (the request is pinned to it there:
-    :mod:`ext_proc.prefix.ranks`)."""
+    Its prompt's chain (:func:`~ext_proc.prefix.blocks.block_hashes`), the blocks each endpoint holds of
+    it (by address), the decision's :class:`Hits` (``None`` when no candidate holds anything), and the
+    data-parallel rank whose blocks an endpoint of several ranks was credited with, by address (the
+    request is pinned to it there: :mod:`ext_proc.prefix.ranks`)."""
 
-    hashes: list[int]
+    hashes: Chain
     matched: dict[str, int]
     hits: Hits | None
     ranks: Mapping[str, int] = MappingProxyType({})
@@ -83,13 +85,13 @@ class PredictionSink(Protocol):
 
 def prompt_chain(
     body: dict[str, object], settings: PrefixSettings, tokens: Sequence[int] | None = None
-) -> list[int]:
+) -> Chain:
     """The chained block hashes of the request's prompt (``tokens`` when given); empty without a prompt.
 
     The chain is seeded with the request's ``model``: different models share no cache."""
     content = prompt_content(body) if tokens is None else tokens
     if not content:
-        return []
+        return np.empty(0, np.int64)
     model = body.get("model")
     seed = hash(model) if isinstance(model, str) else 0
     return block_hashes(content, settings.block_tokens, settings.max_blocks, seed)
@@ -106,15 +108,15 @@ class PrefixTracker:
         self._pending: dict[str, list[float]] = {}  # address → [placed, predicted] since its last sample
         self._counters: dict[str, tuple[float, float]] = {}  # address → the engine's last (queries, hits)
 
-    def chain(self, body: dict[str, object], tokens: Sequence[int] | None = None) -> list[int]:
+    def chain(self, body: dict[str, object], tokens: Sequence[int] | None = None) -> Chain:
         """The chained block hashes of the request's prompt, or of ``tokens`` (:func:`prompt_chain`)."""
         return prompt_chain(body, self.settings, tokens)
 
     def lookup(
-        self, hashes: list[int], prefills: Pool[E], decodes: Pool[E], prompt_tokens: int, pinned: bool = False
+        self, hashes: Chain, prefills: Pool[E], decodes: Pool[E], prompt_tokens: int, pinned: bool = False
     ) -> Lookup:
         """What the candidate endpoints hold of ``hashes`` (estimated per endpoint: ``pinned`` is moot)."""
-        matched = self.index.match(hashes) if hashes else {}
+        matched = self.index.match(_index_chain(hashes)) if len(hashes) else {}
         return Lookup(hashes, matched, self.index.hit_arrays.hits(matched, prefills, decodes, prompt_tokens))
 
     def predicted(self, lookup: Lookup, address: str, prompt_tokens: int) -> int:
@@ -125,6 +127,7 @@ class PrefixTracker:
         """Record the request placed by ``decision`` and count the hits predicted at each endpoint.
 
         Its prompt is now on the prefill (which computes it) and the decode (which receives it)."""
+        chain = _index_chain(lookup.hashes)
         for role, endpoint in (("prefill", decision.prefill), ("decode", decision.decode)):
             if endpoint is None:
                 continue
@@ -134,9 +137,9 @@ class PrefixTracker:
             pending = self._pending.setdefault(address, [0.0, 0.0])  # both engines look the prompt up
             pending[0] += prompt_tokens
             pending[1] += predicted
-            if lookup.hashes:
+            if chain:
                 self._capacity[address] = endpoint.token_capacity
-                self.index.record(lookup.hashes, address, endpoint.token_capacity)
+                self.index.record(chain, address, endpoint.token_capacity)
 
     def observe(self, address: str, queries: float | None, hits: float | None) -> None:
         """Take an engine sample's prefix-cache counters: report the increments, correct the LRU size.
@@ -167,3 +170,11 @@ class PrefixTracker:
         for table in (self._capacity, self._pending, self._counters):
             for address in [a for a in table if a not in addresses]:
                 del table[address]
+
+
+def _index_chain(hashes: Chain) -> list[int]:
+    """``hashes`` as the :class:`PrefixIndex` takes them: Python ints.
+
+    MERGE: remove with the compiled index (branch s7-lru), whose ``match`` and ``record`` take the
+    int64 array itself: pass ``hashes`` through."""
+    return hashes.tolist()

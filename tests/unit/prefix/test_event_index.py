@@ -210,7 +210,7 @@ def test_the_source_reads_token_prompts_from_the_events_and_text_from_recent_pla
     kv, sink = source(now)
     kv.index.apply("p1", batch(0, stored([1, 2], [1, 2])), 0.0, False)
     body = {"model": "m", "prompt": tokens(1, 2, 3)}
-    assert kv.chain(body) == chain(1, 2, 3)
+    assert kv.chain(body).tolist() == chain(1, 2, 3).tolist()
     lookup = kv.lookup(kv.chain(body), pool("p1", "p2"), pool("d1"), prompt_tokens=12)
     assert lookup.matched == {"p1": 2}
     assert lookup.hits is not None and lookup.hits.prefill.tolist() == [8, 0]

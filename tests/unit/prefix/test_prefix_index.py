@@ -39,12 +39,12 @@ def test_prompt_content_of_every_body_shape() -> None:
 
 def test_text_blocks_are_four_characters_a_token_and_only_full_blocks_count() -> None:
     text = "a" * 64 + "b" * 64 + "c" * 10
-    hashes = block_hashes(text, 16, 100)
+    hashes = block_hashes(text, 16, 100).tolist()
     assert len(hashes) == 2  # 64 characters a block; the partial tail is not cached
-    assert block_hashes(text[:128] + "zzz", 16, 100) == hashes
-    assert block_hashes("a" * 64 + "x" * 64, 16, 100)[:1] == hashes[:1]
+    assert block_hashes(text[:128] + "zzz", 16, 100).tolist() == hashes
+    assert block_hashes("a" * 64 + "x" * 64, 16, 100).tolist()[:1] == hashes[:1]
     assert block_hashes("a" * 64 + "x" * 64, 16, 100)[1] != hashes[1]
-    assert block_hashes(text, 16, 1) == hashes[:1]
+    assert block_hashes(text, 16, 1).tolist() == hashes[:1]
 
 
 def test_a_block_hash_stands_for_its_whole_prefix() -> None:
@@ -55,10 +55,10 @@ def test_a_block_hash_stands_for_its_whole_prefix() -> None:
 
 def test_token_id_blocks_and_seeds() -> None:
     ids = list(range(40))
-    hashes = block_hashes(ids, 16, 10)
+    hashes = block_hashes(ids, 16, 10).tolist()
     assert len(hashes) == 2
-    assert block_hashes(ids[:32], 16, 10) == hashes
-    assert block_hashes(ids, 16, 10, seed=1) != hashes  # another model: another chain
+    assert block_hashes(ids[:32], 16, 10).tolist() == hashes
+    assert block_hashes(ids, 16, 10, seed=1).tolist() != hashes  # another model: another chain
 
 
 # ---------------------------------------------------------------- the index
@@ -69,7 +69,7 @@ def pool(*addresses: str) -> Pool:
 
 
 def chain(*blocks: str) -> list[int]:
-    return block_hashes("".join(b * 64 for b in blocks), 16, 1000)
+    return block_hashes("".join(b * 64 for b in blocks), 16, 1000).tolist()
 
 
 def test_match_is_the_longest_held_prefix_per_endpoint() -> None:
@@ -255,7 +255,7 @@ def test_the_tracker_records_both_engines_and_corrects_from_the_counters() -> No
     tracker.placed(lookup, Decision(prefill, decode, (), Locality.SAME_GROUP), 128)
     again = tracker.lookup(hashes, Pool.of([prefill]), Pool.of([decode]), 128)
     assert again.hits is not None and again.hits.prefill.tolist() == [128] == again.hits.decode.tolist()
-    assert tracker.chain({**body, "model": "other"}) != hashes
+    assert tracker.chain({**body, "model": "other"}).tolist() != hashes.tolist()
     for _ in range(40):  # the index predicts every prompt held whole; the engine finds none of it
         tracker.placed(again, Decision(prefill, decode, (), Locality.SAME_GROUP), 128)
     assert sink.predicted[-1] == ("decode", "d", 128, 128)

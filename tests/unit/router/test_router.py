@@ -25,6 +25,8 @@ from ext_proc.load import Lease
 from ext_proc.outcome import Refused, RequestMeta, Routed, RoutingInstructions
 from ext_proc.prefix import PrefixSettings, PrefixTracker
 from ext_proc.prefix.event_source import KvEventSource
+from ext_proc.prefix.kinds import KINDS as PREFIX_SOURCES
+from ext_proc.prefix.kinds import PrefixSourceKind
 from ext_proc.prefix.tracker import KvEventsSettings
 from ext_proc.registry import EndpointState
 from ext_proc.router import Router
@@ -304,6 +306,18 @@ def test_set_prefix_keeps_the_index_while_its_hashing_stays_and_drops_it_when_of
     router.set_prefix(None)
     assert router.prefix is None
     routed(router.route_body(chat(TENANT), CHAT_META))  # routes without an index
+
+
+def test_the_hashing_is_compiled_before_a_prefix_source_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    built: list[str] = []
+    monkeypatch.setattr("ext_proc.prefix.blocks.warm", lambda: built.append("warm"))
+    for kind in ("approximate", "kv-events"):
+        monkeypatch.setitem(PREFIX_SOURCES, PrefixSourceKind(kind), lambda *_, kind=kind: built.append(kind))
+    router = make_router([endpoint("10.0.0.1:8000", "a")], [endpoint("10.0.1.1:8000", "a")])
+    assert built == []  # no index: nothing to compile
+    router.set_prefix(PrefixSettings())
+    router.set_prefix(PrefixSettings(source="kv-events"))
+    assert built == ["warm", "approximate", "warm", "kv-events"]
 
 
 def test_set_prefix_builds_the_kind_the_settings_name() -> None:
