@@ -79,7 +79,7 @@ def _loads(
     arrays = (prefills.tokens, decodes.tokens, decodes.capacity, *((None,) * 4 if hits is None else hits))
     if decodes.size != 1 or prefills.size > 1 or LIST_MAX < 1:
         return arrays
-    return tuple(None if a is None or not len(a) else a.item(0) for a in arrays)  # type: ignore[return-value]
+    return tuple([None if a is None or not len(a) else a.item(0) for a in arrays])  # type: ignore[return-value]
 
 
 def _at(term: Ints | Floats | int | float, i: int) -> int | float:
