@@ -71,10 +71,11 @@ def _loads(
     decode tokens, decode capacity, prefill hits, decode hits, prefill CPU-tier hits, decode CPU-tier
     hits)``, the hits ``None`` without :class:`Hits`.
 
-    The pools' arrays; or, for one decode and at most one prefill below :data:`LIST_MAX` (no key is
-    computed: the pair is the answer), their elements as Python numbers (``None`` for an empty
-    prefill pool's), on which the same expressions give the floats numpy gives (an int converts to
-    the nearest float either way) at a tenth of numpy's cost per operation.
+    The pools' arrays; or, for one decode and at most one prefill (no key is computed: the pair is the
+    answer; pools of one are below :data:`LIST_MAX`, unless a test sets it to 0 for the general form),
+    their elements as Python numbers (``None`` for an empty prefill pool's), on which the same
+    expressions give the floats numpy gives (an int converts to the nearest float either way) at a
+    tenth of numpy's cost per operation.
     """
     arrays = (prefills.tokens, decodes.tokens, decodes.capacity, *((None,) * 4 if hits is None else hits))
     if decodes.size != 1 or prefills.size > 1 or LIST_MAX < 1:
@@ -124,7 +125,8 @@ def choose(
       group), all distinct, and in ``auto`` the pair's :class:`Estimate`.
 
     ``hits`` (optional): the prompt tokens each endpoint's prefix cache is estimated to hold. Token
-    counts must fit in int64 (``OverflowError`` otherwise); the pools are only read.
+    counts must fit in int64 (numpy raises ``OverflowError`` on the pools' arrays otherwise); the
+    pools are only read.
     """
     if not decodes.size:
         return NoPair(
