@@ -118,14 +118,14 @@ class EndpointState:
     def charge(self, tokens: int) -> None:
         """One more request in flight, of ``tokens`` tokens."""
         slot = self._slot
-        self._tokens[slot] += tokens
-        self._requests[slot] += 1
+        self._tokens[slot] = self._tokens.item(slot) + tokens
+        self._requests[slot] = self._requests.item(slot) + 1
 
     def release(self, tokens: int) -> None:
         """One request of ``tokens`` tokens fewer in flight (undoes one :meth:`charge`)."""
         slot = self._slot
-        self._tokens[slot] -= tokens
-        self._requests[slot] -= 1
+        self._tokens[slot] = self._tokens.item(slot) - tokens
+        self._requests[slot] = self._requests.item(slot) - 1
 
     def _place(self, tokens: NDArray[np.int64], requests: NDArray[np.int64], slot: int) -> None:
         """Copy the live load into ``tokens[slot]`` and ``requests[slot]`` and keep it there from now on."""

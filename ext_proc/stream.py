@@ -151,8 +151,9 @@ class Stream:
             self.subset = msg.subset_hint(request)
         if kind == "request_headers":
             self.saw_headers = True
-            if not request.request_headers.end_of_stream:
-                self.meta = msg.request_meta(request.request_headers)
+            headers = request.request_headers
+            if not headers.end_of_stream:
+                self.meta = msg.request_meta(headers)
                 if choreography.full_duplex:
                     self.body = BodyCollector()
                 return choreography.header_hold

@@ -78,8 +78,9 @@ class AutoModel:
         to :data:`KNEE`, its tangent beyond. Strictly increasing when the scale is > 0; an array gives
         bit for bit the floats a scalar gives."""
         scale = self.wait_scale_ms / 1e3
-        if isinstance(u, np.ndarray) and largest(u) <= ROOM:  # the usual case: the same floats, fewer ops
+        array = isinstance(u, np.ndarray)
+        if (largest(u) if array else u) <= ROOM:  # the usual case: the same floats, fewer ops
             return scale * u  # type: ignore[no-any-return]  # q == 0, u - m == 0, and x + 0.0 == x
-        m = np.minimum(u, KNEE)
-        q = np.maximum(m - ROOM, 0.0)
+        m = np.minimum(u, KNEE) if array else min(u, KNEE)  # a float: Python's, numpy's value
+        q = np.maximum(m - ROOM, 0.0) if array else max(m - ROOM, 0.0)
         return scale * (u + q / (1.0 - m) + (u - m) * (_BEYOND - 1.0))  # type: ignore[no-any-return]

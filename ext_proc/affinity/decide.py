@@ -64,6 +64,31 @@ def _ticks(x: Floats, exact: bool = True) -> Keys:
     return t if exact else _ints(t)
 
 
+def _loads(
+    prefills: Pool[E], decodes: Pool[E], hits: Hits | None
+) -> tuple[Ints | Floats | int | float | None, ...]:
+    """The load and hits the rule reads, in the form its arithmetic runs on: ``(prefill tokens,
+    decode tokens, decode capacity, prefill hits, decode hits, prefill CPU-tier hits, decode CPU-tier
+    hits)``, the hits ``None`` without :class:`Hits`.
+
+    The pools' arrays; or, for one decode and at most one prefill (no key is computed: the pair is the
+    answer; pools of one are below :data:`LIST_MAX`, unless a test sets it to 0 for the general form),
+    their elements as Python numbers (``None`` for an empty prefill pool's), on which the same
+    expressions give the floats numpy gives (an int converts to the nearest float either way) at a
+    tenth of numpy's cost per operation.
+    """
+    arrays = (prefills.tokens, decodes.tokens, decodes.capacity, *((None,) * 4 if hits is None else hits))
+    if decodes.size != 1 or prefills.size > 1 or LIST_MAX < 1:
+        return arrays
+    return tuple([None if a is None or not len(a) else a.item(0) for a in arrays])  # type: ignore[return-value]
+
+
+def _at(term: Ints | Floats | int | float, i: int) -> int | float:
+    """Element ``i`` of a per-endpoint term as a Python number; the term itself when it is one (from
+    :func:`_loads`' Python numbers, or the same for every endpoint)."""
+    return term.item(i) if isinstance(term, np.ndarray) else term
+
+
 def _ints(a: Keys) -> NDArray[np.object_]:
     """``a`` as an array of Python ints (integral float64 values convert exactly)."""
     return a if a.dtype == object else np.array([int(x) for x in a.tolist()], dtype=object)
@@ -100,7 +125,8 @@ def choose(
       group), all distinct, and in ``auto`` the pair's :class:`Estimate`.
 
     ``hits`` (optional): the prompt tokens each endpoint's prefix cache is estimated to hold. Token
-    counts must fit in int64 (``OverflowError`` otherwise); the pools are only read.
+    counts must fit in int64 (numpy raises ``OverflowError`` on the pools' arrays otherwise); the
+    pools are only read.
     """
     if not decodes.size:
         return NoPair(
@@ -109,13 +135,16 @@ def choose(
         )
     want = policy.fallback_count + 1
     prompt = cost.prefill_tokens
-    u = (decodes.tokens + cost.decode_tokens) / decodes.capacity
+    ptokens, dtokens, capacity, phits, dhits, pcpu, dcpu = _loads(prefills, decodes, hits)
+    u = (dtokens + cost.decode_tokens) / capacity
     out = decodes.endpoints
     mode = policy.mode
-    uncached = prompt if hits is None else prompt - hits.prefill
+    uncached = prompt if phits is None else prompt - phits
     if mode is _AUTO and prefills.size:
-        backlog = prefills.tokens + uncached
-        return _choose_auto(prompt, prefills, decodes, u, hits, backlog, uncached, want, tiebreak, policy)
+        backlog = ptokens + uncached
+        return _choose_auto(
+            prompt, prefills, decodes, u, backlog, uncached, dhits, pcpu, dcpu, want, tiebreak, policy
+        )
     groups = len(decodes.groups)
     eligible = None
     if mode is _STRICT and prefills.size:
@@ -204,10 +233,12 @@ def _choose_auto(
     prompt: int,
     prefills: Pool[E],
     decodes: Pool[E],
-    u: Floats,
-    hits: Hits | None,
-    backlog: Ints,
-    uncached: int | Ints,
+    u: Floats | float,
+    backlog: Ints | int,
+    uncached: Ints | int,
+    dhits: Ints | int | None,
+    pcpu: Ints | int | None,
+    dcpu: Ints | int | None,
     want: int,
     tiebreak: int,
     policy: Policy,
@@ -215,15 +246,15 @@ def _choose_auto(
     """``auto``'s pair and fallbacks (docs/routing.md "The exact rule"), with the estimate.
 
     ``u`` holds the decodes' utilisations with the request placed, ``backlog`` each prefill's prompt
-    tokens in flight plus the ones this request makes it compute (``uncached``); ``want`` = 1 +
-    fallbacks. A hit held only in a CPU tier adds its load (:meth:`AutoModel.cpu_load_s`) to the
-    prefill's time at a prefill, to the transfer's at a decode. One prefill and one decode make the
-    only pair: no key is computed (:func:`_top` reads none for one endpoint).
+    tokens in flight plus the ones this request makes it compute (``uncached``), ``dhits`` the prompt
+    tokens each decode holds, ``pcpu``/``dcpu`` the hit tokens held only in a CPU tier (``None``: no
+    hits), all as :func:`_loads` gives them; ``want`` = 1 + fallbacks. A hit held only in a CPU tier
+    adds its load (:meth:`AutoModel.cpu_load_s`) to the prefill's time at a prefill, to the
+    transfer's at a decode. One prefill and one decode make the only pair: no key is computed
+    (:func:`_top` reads none for one endpoint).
     """
     model = policy.auto
     wait = model.wait_s(u)
-    dhits = None if hits is None else hits.decode
-    pcpu, dcpu = (None, None) if hits is None else (hits.prefill_cpu, hits.decode_cpu)
     lack = prompt if dhits is None else prompt - dhits
     if prefills.size == decodes.size == 1:
         first, ranked, margin = 0, [0], None
@@ -237,15 +268,13 @@ def _choose_auto(
     chosen = ranked[0]
     decode = picked[0]
     home_pick = decode.group == prefill.group
-    moved = lack if dhits is None else int(lack[chosen])
-    # on Python ints: the floats numpy's int64 scalars give (both convert to the nearest float), cheaper
-    prefill_first = model.prefill_s(int(backlog[first]))
-    transfer = model.transfer_s(moved, home_pick)
+    prefill_first = model.prefill_s(_at(backlog, first))
+    transfer = model.transfer_s(_at(lack, chosen), home_pick)
     if pcpu is not None:
-        prefill_first += model.cpu_load_s(int(pcpu[first]))
+        prefill_first += model.cpu_load_s(_at(pcpu, first))
     if dcpu is not None:
-        transfer += model.cpu_load_s(int(dcpu[chosen]))
-    estimate = Estimate(prefill_first, transfer, float(wait[chosen]), margin)
+        transfer += model.cpu_load_s(_at(dcpu, chosen))
+    estimate = Estimate(prefill_first, transfer, _at(wait, chosen), margin)
     return Decision(prefill, decode, tuple(picked[1:]), _SAME if home_pick else _CROSS, estimate)
 
 

@@ -61,7 +61,7 @@ def with_fields(
 
 def without_fields(raw: bytes, body: dict[str, object], owned: tuple[str, ...]) -> bytes | None:
     """The client's body without the ``owned`` keys, or ``None`` when it has none (send it unchanged)."""
-    if not any(key in body for key in owned):
+    if body.keys().isdisjoint(owned):  # one C loop, not a generator (every routed request asks)
         return None
     return with_fields(raw, body, {}, owned)
 

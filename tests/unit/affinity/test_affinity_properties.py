@@ -538,3 +538,26 @@ def test_one_prefill_and_one_decode_are_the_pair_the_ranking_gives(scenario: tup
     priced = p.tokens + uncached + uncached
     ranking = decide._rank_auto(p, d, model.wait_s(u), lack, priced, *cpu, want, tiebreak, model)
     assert ranking == (0, [0], None)
+
+
+@no_deadline
+@given(
+    st.one_of(scenarios(max_size=1, min_size=1), tiered_scenarios(max_size=1)),
+    st.sampled_from([1.0, 0.01, 1e-9]),
+)
+def test_one_pair_on_python_numbers_decides_as_the_general_form(scenario: tuple, scale: float) -> None:
+    """One prefill (or none) and one decode: the rule's arithmetic on their Python numbers gives the
+    decision and the estimate, bit for bit, that numpy's arrays give (``scale`` 0.01 puts most
+    utilisations past ``ROOM`` and ``KNEE``: the wait's whole curve; CPU tiers from the tiered pools)."""
+    cost, prefills, decodes, policy, tiebreak, hits = scenario
+    prefills, decodes = (
+        [replace(c, token_capacity=c.token_capacity * scale) for c in pool] for pool in (prefills, decodes)
+    )
+    on_numbers = choose(cost, prefills, decodes, policy, tiebreak, hits)
+    with general_form():
+        on_arrays = choose(cost, prefills, decodes, policy, tiebreak, hits)
+    assert on_numbers == on_arrays
+    if isinstance(on_numbers, Decision) and on_numbers.estimate is not None:
+        assert [math.copysign(1.0, x) for x in on_numbers.estimate[:3]] == [
+            math.copysign(1.0, x) for x in on_arrays.estimate[:3]
+        ]
