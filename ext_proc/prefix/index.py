@@ -233,7 +233,7 @@ class _Lru:
 _TOP, _FLOOR, _LIVE, _SHIFT = range(4)  # the fields of an ``_Lru``'s ``state``
 _EMPTY = -1  # the stamp of an empty table slot
 _MIN_SLOTS = _MIN_POSITIONS = 16
-_FIBONACCI = np.uint64(0x9E3779B97F4A7C15)  # 2^64 / the golden ratio, odd: a slot is a hash's top bits times it
+_FIBONACCI = np.uint64(0x9E3779B97F4A7C15)  # 2^64 / golden ratio, odd: a home is the top bits of hash x it
 
 
 def _power_of_two(count: int) -> int:
@@ -242,7 +242,7 @@ def _power_of_two(count: int) -> int:
 
 
 def _shift(slots: int) -> int:
-    """What a hash times ``_FIBONACCI`` is shifted right by to give its home slot in ``slots`` (a power of two)."""
+    """How far a hash times ``_FIBONACCI`` is shifted right to give its home in ``slots`` (a power of two)."""
     return 64 - slots.bit_length() + 1
 
 
