@@ -12,20 +12,22 @@ evicts free blocks least recently used first; it frees a request's blocks tail f
 head outlives its tail. :meth:`PrefixIndex.record` touches a prompt's blocks tail first for the same
 reason, so the LRU evicts a prompt from its tail and a shared head stays.
 
-Cost, per prompt rather than per block in Python: each endpoint numbers the blocks it was given in
-the order they were touched (positions; a chain tail first), maps each held block to its last position
-plus its depth (the same value for every block of one recording: one ``dict.update`` a prompt), and
-keeps, per position, the hash touched there and whether the block was touched again since
-(superseded). Eviction is a floor moved up over as many held positions as it drops (``bytearray.count``
-skips the superseded ones) and one C loop deleting those blocks; touching a held head again marks its
-old positions superseded a slice per recording it came from. So :meth:`PrefixIndex.record` is one
-insertion and, later, one deletion a block, both in C, plus O(log blocks) Python steps; the positions
-kept are trimmed (or numbered again) when they outgrow twice the blocks held. The order is the
-per-block LRU's: least recently touched first, a recording's tail before its head. Because a chain is
-touched tail first and evicted in that order, the blocks an endpoint holds of any chain are a prefix
-of it, so :meth:`PrefixIndex.match` finds each endpoint's depth by binary search: O(endpoints x log
-blocks). (The event-fed index and the recent placements keep per-block holder sets instead:
-:class:`Holders`.)
+Cost: the per-block work is compiled (numba kernels over numpy arrays, one call a recording or a
+match per endpoint). Each endpoint numbers the blocks it was given in the order they were touched
+(positions; a chain tail first) and keeps, in an open-addressing hash table, each held block's stamp:
+the last position it was touched at. Eviction moves a floor up over the oldest positions, deleting a
+position's block only where its stamp is that position (elsewhere the block was touched again later),
+until at most ``keep`` blocks are held. So :meth:`PrefixIndex.record` is one table insertion and, later,
+one deletion a block, plus a renumbering of the held blocks (in the same order) each time the positions
+fill the array kept for them (about once per ``keep`` blocks recorded). The order is the per-block
+LRU's: least recently touched first, a recording's tail before its head. Because a chain is touched
+tail first and evicted in that order, the blocks an endpoint holds of any chain are a prefix of it, so
+:meth:`PrefixIndex.match` finds each endpoint's depth by binary search: O(endpoints x log blocks). The
+kernels compile on their first call; :func:`warm` compiles them all ahead. (The event-fed index and
+the recent placements keep per-block holder sets instead: :class:`Holders`.)
+
+A chain is a 1-D int64 numpy array (what :func:`~ext_proc.prefix.blocks.block_hashes` returns) or a
+sequence of Python ints in int64's range.
 
 Pure bookkeeping: no clock, no I/O.
 """
