@@ -18,8 +18,9 @@ match per endpoint). Each endpoint numbers the blocks it was given in the order 
 the last position it was touched at. Eviction moves a floor up over the oldest positions, deleting a
 position's block only where its stamp is that position (elsewhere the block was touched again later),
 until at most ``keep`` blocks are held. So :meth:`PrefixIndex.record` is one table insertion and, later,
-one deletion a block, plus a renumbering of the held blocks (in the same order) each time the positions
-fill the array kept for them (about once per ``keep`` blocks recorded). The order is the per-block
+one deletion a block; the positions are kept in a ring, and the held blocks are numbered again (in the
+same order) only when blocks touched again fill it with positions no longer theirs, or more blocks are
+held. The order is the per-block
 LRU's: least recently touched first, a recording's tail before its head. Because a chain is touched
 tail first and evicted in that order, the blocks an endpoint holds of any chain are a prefix of it, so
 :meth:`PrefixIndex.match` finds each endpoint's depth by binary search: O(endpoints x log blocks). The
@@ -181,13 +182,15 @@ class _Lru:
     open-addressing hash table of the held blocks (``(slots, 2)`` int64, slots a power of two, at most
     half full, linear probing, deletion by backward shift): per slot a block hash and its stamp, the
     position it was last touched at, or ``_EMPTY`` (-1: stamps are >= 0, so every hash value can be
-    held). ``order`` is the hash touched at each position; ``state`` is ``[top, floor, live, shift]``:
-    the next position, the first position not evicted, the blocks held, and the table's
-    ``64 - log2(slots)``. Eviction moves ``floor`` up, deleting a position's block where its stamp is
-    that position (elsewhere it was touched again later). When ``order`` has no room for a recording,
-    the held blocks are numbered again from 0 in the same order into an ``order`` of twice what they
-    and the recording need; the table is rebuilt at twice the blocks it must hold when it would be more
-    than half full, or over eight times that (a lower scale or capacity)."""
+    held). ``order`` is a ring (a power of two long) of the hash touched at each position from ``floor``
+    on, position ``p`` at ``p % len(order)``; ``state`` is ``[top, floor, live, shift]``: the next
+    position, the first position not evicted, the blocks held, and the table's ``64 - log2(slots)``.
+    Eviction moves ``floor`` up, deleting a position's block where its stamp is that position
+    (elsewhere it was touched again later). When the ring has no room for a recording (blocks touched
+    again left too many such positions, or more blocks are held), the held blocks are numbered again
+    from 0 in the same order into a ring of twice what they and the recording need; the table is
+    rebuilt at twice the blocks it must hold when it would be more than half full, or over eight times
+    that (a lower scale or capacity)."""
 
     __slots__ = ("order", "state", "table")
 
@@ -220,7 +223,7 @@ class _Lru:
         """Make room for a recording of ``count`` blocks (none: shrink the table to what is held)."""
         state = self.state
         live = int(state[_LIVE])
-        if state[_TOP] + count > len(self.order):
+        if state[_TOP] - state[_FLOOR] + count > len(self.order):
             order = np.empty(max(_MIN_POSITIONS, _power_of_two(2 * (live + count))), dtype=np.int64)
             _renumber(self.table, self.order, order, state)
             self.order = order
@@ -318,7 +321,7 @@ def _drop(table: np.ndarray, order: np.ndarray, shift: int, floor: int, live: in
     """Move ``floor`` up until at most ``keep`` blocks are held, deleting each passed position's block
     where that position is its stamp; the new ``(floor, live)``."""
     while live > keep:
-        i = _find(table, shift, order[floor])
+        i = _find(table, shift, order[floor & (len(order) - 1)])
         if table[i, 1] == floor:
             _remove(table, shift, i)
             live -= 1
@@ -337,14 +340,14 @@ def _record(table: np.ndarray, order: np.ndarray, state: np.ndarray, chain: np.n
     """Touch ``chain`` tail first at the next positions, holding at most ``keep`` blocks; ``False``
     (and nothing done) when ``order`` or ``table`` must first be fitted to it (``_Lru._fit``)."""
     top, floor, live, shift = state[_TOP], state[_FLOOR], state[_LIVE], state[_SHIFT]
-    if top + len(chain) > len(order) or not _fits(len(table), live, len(chain), keep):
+    if top - floor + len(chain) > len(order) or not _fits(len(table), live, len(chain), keep):
         return False
     floor, live = _drop(table, order, shift, floor, live, keep)
     for j in range(len(chain) - 1, -1, -1):
         if _put(table, shift, chain[j], top):
             live += 1
             floor, live = _drop(table, order, shift, floor, live, keep)
-        order[top] = chain[j]
+        order[top & (len(order) - 1)] = chain[j]
         top += 1
     state[_TOP], state[_FLOOR], state[_LIVE] = top, floor, live
     return True
@@ -369,11 +372,11 @@ def _depth(table: np.ndarray, state: np.ndarray, chain: np.ndarray) -> int:
 @numba.njit(nogil=True)
 def _renumber(table: np.ndarray, old: np.ndarray, new: np.ndarray, state: np.ndarray) -> None:
     """Number the held blocks again from 0, in their order, into ``new`` (and their stamps)."""
-    shift, top = state[_SHIFT], 0
+    shift, mask, top = state[_SHIFT], len(old) - 1, 0
     for position in range(state[_FLOOR], state[_TOP]):
-        i = _find(table, shift, old[position])
+        i = _find(table, shift, old[position & mask])
         if table[i, 1] == position:
-            new[top] = old[position]
+            new[top] = old[position & mask]
             table[i, 1] = top
             top += 1
     state[_TOP], state[_FLOOR] = top, 0

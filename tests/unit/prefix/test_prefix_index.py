@@ -235,7 +235,7 @@ index_operations = st.lists(
 )
 
 
-@settings(deadline=None, max_examples=300)
+@settings(deadline=None, max_examples=200)
 @given(index_operations, st.permutations(CRAFTED), st.lists(st.text("abc", max_size=8), max_size=4))
 def test_the_index_matches_a_naive_lru_model_at_its_tables_edges(
     ops: list, keys: list[int], probes: list[str]
