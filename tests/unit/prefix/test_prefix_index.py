@@ -274,6 +274,27 @@ def test_the_index_matches_a_naive_lru_model_at_its_tables_edges(
             assert (table[:, 1] != -1).sum() == len(lru) and 2 * len(lru) <= len(table)
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_the_index_matches_a_naive_lru_model_as_its_positions_wrap_and_are_numbered_again(seed: int) -> None:
+    """Chains touched again and again (their old positions left in the ring) on an endpoint that holds
+    all it is given, then evicts, in turns: rings filled to the last position, renumbered, grown."""
+    rng = random.Random(seed)
+    bases = [rng.choices("abcd", k=40) for _ in range(3)]
+    index, naive = PrefixIndex(16), NaiveLru()
+    keep = 10_000
+    for step in range(600):
+        if step % 50 == 0:
+            keep = rng.choice([10_000, rng.randrange(1, 60)])
+            index.set_scale("p", 1.0, keep * 16)
+            naive.record([], "p", keep)
+        hashes = chain(*rng.choice(bases)[: rng.randrange(1, 41)], *rng.choices("xy", k=rng.randrange(3)))
+        index.record(hashes, "p", keep * 16)
+        naive.record(hashes, "p", keep)
+        assert index.match(hashes) == naive.match(hashes) and index.blocks("p") == len(naive.lrus["p"])
+    for base in bases:
+        assert index.match(chain(*base)) == naive.match(chain(*base))
+
+
 def test_warm_compiles_every_kernel_the_index_calls() -> None:
     """After :func:`~ext_proc.prefix.index.warm`, recording and matching (lists and arrays), growing,
     shrinking and renumbering compile nothing more."""
