@@ -20,12 +20,12 @@ position's block only where its stamp is that position (elsewhere the block was 
 until at most ``keep`` blocks are held. So :meth:`PrefixIndex.record` is one table insertion and, later,
 one deletion a block; the positions are kept in a ring, and the held blocks are numbered again (in the
 same order) only when blocks touched again fill it with positions no longer theirs, or more blocks are
-held. The order is the per-block
-LRU's: least recently touched first, a recording's tail before its head. Because a chain is touched
-tail first and evicted in that order, the blocks an endpoint holds of any chain are a prefix of it, so
-:meth:`PrefixIndex.match` finds each endpoint's depth by binary search: O(endpoints x log blocks). The
-kernels compile on their first call; :func:`warm` compiles them all ahead. (The event-fed index and
-the recent placements keep per-block holder sets instead: :class:`Holders`.)
+held. The order is the per-block LRU's: least recently touched first, a recording's tail before its
+head. Because a chain is touched tail first and evicted in that order, the blocks an endpoint holds of
+any chain are a prefix of it, so :meth:`PrefixIndex.match` finds each endpoint's depth by binary
+search: O(endpoints x log blocks). The kernels compile on their first call; :func:`warm` compiles them
+all ahead. (The event-fed index and the recent placements keep per-block holder sets instead:
+:class:`Holders`.)
 
 A chain is a 1-D int64 numpy array (what :func:`~ext_proc.prefix.blocks.block_hashes` returns) or a
 sequence of Python ints in int64's range.
