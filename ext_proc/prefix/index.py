@@ -12,31 +12,32 @@ evicts free blocks least recently used first; it frees a request's blocks tail f
 head outlives its tail. :meth:`PrefixIndex.record` touches a prompt's blocks tail first for the same
 reason, so the LRU evicts a prompt from its tail and a shared head stays.
 
-Cost, per prompt rather than per block in Python: each endpoint numbers the blocks it was given in
-the order they were touched (positions; a chain tail first), maps each held block to its last position
-plus its depth (the same value for every block of one recording: one ``dict.update`` a prompt), and
-keeps, per position, the hash touched there and whether the block was touched again since
-(superseded). Eviction is a floor moved up over as many held positions as it drops (``bytearray.count``
-skips the superseded ones) and one C loop deleting those blocks; touching a held head again marks its
-old positions superseded a slice per recording it came from. So :meth:`PrefixIndex.record` is one
-insertion and, later, one deletion a block, both in C, plus O(log blocks) Python steps; the positions
-kept are trimmed (or numbered again) when they outgrow twice the blocks held. The order is the
-per-block LRU's: least recently touched first, a recording's tail before its head. Because a chain is
-touched tail first and evicted in that order, the blocks an endpoint holds of any chain are a prefix
-of it, so :meth:`PrefixIndex.match` finds each endpoint's depth by binary search: O(endpoints x log
-blocks). (The event-fed index and the recent placements keep per-block holder sets instead:
+Cost: the per-block work is compiled (numba kernels over numpy arrays, one call a recording or a
+match per endpoint). Each endpoint numbers the blocks it was given in the order they were touched
+(positions; a chain tail first) and keeps, in an open-addressing hash table, each held block's stamp:
+the last position it was touched at. Eviction moves a floor up over the oldest positions, deleting a
+position's block only where its stamp is that position (elsewhere the block was touched again later),
+until at most ``keep`` blocks are held. So :meth:`PrefixIndex.record` is one table insertion and, later,
+one deletion a block; the positions are kept in a ring, and the held blocks are numbered again (in the
+same order) only when blocks touched again fill it with positions no longer theirs, or more blocks are
+held. The order is the per-block LRU's: least recently touched first, a recording's tail before its
+head. Because a chain is touched tail first and evicted in that order, the blocks an endpoint holds of
+any chain are a prefix of it, so :meth:`PrefixIndex.match` finds each endpoint's depth by binary
+search: O(endpoints x log blocks). The kernels compile on their first call; :func:`warm` compiles them
+all ahead. (The event-fed index and the recent placements keep per-block holder sets instead:
 :class:`Holders`.)
+
+A chain is a 1-D int64 numpy array (what :func:`~ext_proc.prefix.blocks.block_hashes` returns) or a
+sequence of Python ints in int64's range.
 
 Pure bookkeeping: no clock, no I/O.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Callable, Iterable, Sequence
-from itertools import compress, repeat
-from operator import add, sub
+from collections.abc import Iterable, Sequence
 
+import numba
 import numpy as np
 
 from ext_proc.affinity import Hits, Pool
@@ -176,109 +177,218 @@ class HitArrays:
 
 
 class _Lru:
-    """One endpoint's blocks in the order they were touched, as positions in that order.
+    """One endpoint's blocks in the order they were touched, in numpy arrays the kernels below update.
 
-    Positions number the blocks touched, one after another (a recording's tail first); ``order`` and
-    ``superseded`` cover those from ``base`` on. Positions below ``floor`` are evicted; a position is
-    superseded (1) once its block was touched again, at a later one. A held block maps to its last
-    position plus its depth in its chain (for every block of one recording, its head's position: one
-    value a recording, and a chain's held blocks are runs of equal values). Eviction moves ``floor``
-    up over as many held positions as it drops (``bytearray.count`` skips the superseded ones) and
-    deletes those blocks, all in C loops. Once the positions kept outgrow twice the blocks held, the
-    evicted ones are dropped, or, when superseded ones are most of the rest, the held blocks are
-    numbered again from 0 in the same order."""
+    Positions number the blocks touched, one after another (a recording's tail first). ``table`` is an
+    open-addressing hash table of the held blocks (``(slots, 2)`` int64, slots a power of two, at most
+    half full, linear probing, deletion by backward shift): per slot a block hash and its stamp, the
+    position it was last touched at, or ``_EMPTY`` (-1: stamps are >= 0, so every hash value can be
+    held). ``order`` is a ring (a power of two long) of the hash touched at each position from ``floor``
+    on, position ``p`` at ``p % len(order)``; ``state`` is ``[top, floor, live, shift]``: the next
+    position, the first position not evicted, the blocks held, and the table's ``64 - log2(slots)``.
+    Eviction moves ``floor`` up, deleting a position's block where its stamp is that position
+    (elsewhere it was touched again later). When the ring has no room for a recording (blocks touched
+    again left too many such positions, or more blocks are held), the held blocks are numbered again
+    from 0 in the same order into a ring of twice what they and the recording need; the table is
+    rebuilt at twice the blocks it must hold when it would be more than half full, or over eight times
+    that (a lower scale or capacity)."""
 
-    __slots__ = ("base", "floor", "live", "order", "positions", "superseded")
+    __slots__ = ("order", "state", "table")
 
     def __init__(self) -> None:
-        self.positions: dict[int, int] = {}  # held block hash → its last position + its depth
-        self.order: list[int] = []  # the block hash touched at each position from ``base`` on
-        self.superseded = bytearray()  # per position from ``base`` on: 1 once its block was touched again
-        self.base = 0  # the position of ``order[0]``
-        self.floor = 0  # the first position not evicted
-        self.live = 0  # blocks held: the positions from ``floor`` on that are not superseded
+        self.table = np.full((_MIN_SLOTS, 2), _EMPTY, dtype=np.int64)
+        self.order = np.empty(_MIN_POSITIONS, dtype=np.int64)
+        self.state = np.array([0, 0, 0, _shift(_MIN_SLOTS)], dtype=np.int64)
 
-    def depth(self, hashes: Sequence[int]) -> int:
-        """How many leading blocks of the chain ``hashes`` are held (they are a prefix: binary search)."""
-        held = self.positions
-        if not hashes or hashes[0] not in held:
-            return 0
-        return _last_true(lambda blocks: hashes[blocks - 1] in held, 1, len(hashes))
+    @property
+    def live(self) -> int:
+        """The blocks held."""
+        return int(self.state[_LIVE])
 
-    def touch(self, hashes: Sequence[int]) -> None:
-        """Touch the chain ``hashes`` tail first: its head becomes the most recently used block."""
-        held = self.depth(hashes)
-        if held:
-            self._supersede(hashes, held)
-        self.live += len(hashes) - held
-        top = self.base + len(self.order)
-        self.positions.update(zip(hashes, repeat(top + len(hashes) - 1)))
-        self.order += reversed(hashes)
-        self.superseded += bytes(len(hashes))
+    def depth(self, chain: np.ndarray) -> int:
+        """How many leading blocks of ``chain`` are held."""
+        return _depth(self.table, self.state, chain)
 
-    def _supersede(self, hashes: Sequence[int], held: int) -> None:
-        """Mark the last positions of the ``held`` leading blocks of ``hashes`` superseded: a slice per
-        run of blocks last touched by one recording (equal values, found by binary search)."""
-        positions, superseded, base = self.positions, self.superseded, self.base
-        depth = 0
-        while depth < held:
-            value = positions.get(hashes[depth])
-            if value is None:  # (a hash met twice in one chain: the prefix is not all held)
-                depth += 1
-                continue
-            end = _last_true(lambda n, value=value: positions.get(hashes[n - 1]) == value, depth + 1, held)
-            superseded[value - end + 1 - base : value - depth + 1 - base] = b"\x01" * (end - depth)
-            depth = end
+    def record(self, chain: np.ndarray, keep: int) -> None:
+        """Touch ``chain`` tail first (its head becomes the most recently used block), then hold at
+        most ``keep`` blocks, evicting the least recently touched."""
+        while not _record(self.table, self.order, self.state, chain, keep):
+            self._fit(len(chain), keep)
 
     def evict(self, keep: int) -> None:
         """Drop the least recently touched blocks until at most ``keep`` are held."""
-        excess = self.live - keep
-        if excess > 0:
-            start = end = self.floor - self.base
-            skipped = excess  # positions to pass: the held ones to drop, then the superseded among them
-            while skipped and end < len(self.order):
-                end, skipped = end + skipped, self.superseded.count(1, end, end + skipped)
-            end = min(end, len(self.order))
-            dropped = compress(self.order[start:end], self.superseded[start:end].translate(_NOT))
-            _consume(map(self.positions.pop, dropped, repeat(None)))
-            self.floor = self.base + end
-            self.live = keep
-        if len(self.order) > 2 * self.live + 64:
-            self._compact()
+        _evict(self.table, self.order, self.state, keep)
+        self._fit(0, keep)
 
-    def _compact(self) -> None:
-        start = self.floor - self.base
-        if self.superseded.count(1, start) <= self.live:  # what is left is at most twice the blocks held
-            del self.order[:start], self.superseded[:start]
-            self.base = self.floor
-            return
-        kept = self.superseded[start:].translate(_NOT)
-        held = list(compress(self.order[start:], kept))
-        old = list(compress(range(self.floor, self.base + len(self.order)), kept))
-        depths = map(sub, map(self.positions.get, held, old), old)
-        self.positions = dict(zip(held, map(add, depths, range(len(held))), strict=True))
-        self.order, self.superseded = held, bytearray(len(held))
-        self.base = self.floor = 0
-        self.live = len(held)
+    def _fit(self, count: int, keep: int) -> None:
+        """Make room for a recording of ``count`` blocks (none: shrink the table to what is held)."""
+        state = self.state
+        live = int(state[_LIVE])
+        if state[_TOP] - state[_FLOOR] + count > len(self.order):
+            order = np.empty(max(_MIN_POSITIONS, _power_of_two(2 * (live + count))), dtype=np.int64)
+            _renumber(self.table, self.order, order, state)
+            self.order = order
+        if not _fits(len(self.table), live, count, keep):
+            slots = max(_MIN_SLOTS, _power_of_two(2 * _held_at_most(live, count, keep)))
+            table = np.full((slots, 2), _EMPTY, dtype=np.int64)
+            _rehash(self.table, table, _shift(slots))
+            self.table = table
+            state[_SHIFT] = _shift(slots)
 
 
-def _last_true(holds: Callable[[int], bool], low: int, high: int) -> int:
-    """The largest ``n`` in ``[low, high]`` with ``holds(n)``, for ``holds`` true up to some ``n`` and
-    false after, and true at ``low``: binary search."""
+_TOP, _FLOOR, _LIVE, _SHIFT = range(4)  # the fields of an ``_Lru``'s ``state``
+_EMPTY = -1  # the stamp of an empty table slot
+_MIN_SLOTS = _MIN_POSITIONS = 16
+_FIBONACCI = np.uint64(0x9E3779B97F4A7C15)  # 2^64 / golden ratio, odd: a home is the top bits of hash x it
+
+
+def _power_of_two(count: int) -> int:
+    """The least power of two >= ``count`` (>= 1)."""
+    return 1 << (count - 1).bit_length()
+
+
+def _shift(slots: int) -> int:
+    """How far a hash times ``_FIBONACCI`` is shifted right to give its home in ``slots`` (a power of two)."""
+    return 64 - slots.bit_length() + 1
+
+
+@numba.njit(nogil=True)
+def _held_at_most(live: int, count: int, keep: int) -> int:
+    """The most blocks held while ``count`` are recorded, ``live`` held before, keeping ``keep``: eviction
+    to ``keep`` comes first, and then follows each new block (one over ``keep`` at most)."""
+    return max(live, min(live + count, keep + 1))
+
+
+@numba.njit(nogil=True)
+def _fits(slots: int, live: int, count: int, keep: int) -> bool:
+    """Whether a table of ``slots`` is at most half full while ``count`` blocks are recorded, and not
+    over eight times the size that needs (beyond the smallest)."""
+    need = _held_at_most(live, count, keep)
+    return 2 * need <= slots and (slots <= _MIN_SLOTS or slots <= 8 * need)
+
+
+@numba.njit(nogil=True)
+def _home(h: int, shift: int) -> int:
+    """The slot where a search for the hash ``h`` starts (Fibonacci hashing: the product's top bits)."""
+    return np.int64((np.uint64(h) * _FIBONACCI) >> np.uint64(shift))
+
+
+@numba.njit(nogil=True)
+def _find(table: np.ndarray, shift: int, h: int) -> int:
+    """The slot holding the hash ``h``, or -1."""
+    mask = len(table) - 1
+    i = _home(h, shift)
+    while table[i, 1] != _EMPTY:
+        if table[i, 0] == h:
+            return i
+        i = (i + 1) & mask
+    return -1
+
+
+@numba.njit(nogil=True)
+def _put(table: np.ndarray, shift: int, h: int, stamp: int) -> bool:
+    """Set the stamp of the hash ``h``, adding it where it is not held; whether it was added."""
+    mask = len(table) - 1
+    i = _home(h, shift)
+    while table[i, 1] != _EMPTY:
+        if table[i, 0] == h:
+            table[i, 1] = stamp
+            return False
+        i = (i + 1) & mask
+    table[i, 0] = h
+    table[i, 1] = stamp
+    return True
+
+
+@numba.njit(nogil=True)
+def _remove(table: np.ndarray, shift: int, i: int) -> None:
+    """Empty slot ``i``, moving back each later entry of its probe run that may then sit closer to (or
+    at) its home slot: every held hash stays reachable from its home without a gap, and no tombstone."""
+    mask = len(table) - 1
+    j = i
+    while True:
+        j = (j + 1) & mask
+        if table[j, 1] == _EMPTY:
+            break
+        if ((j - _home(table[j, 0], shift)) & mask) >= ((j - i) & mask):  # slot i lies on its way home → j
+            table[i, 0] = table[j, 0]
+            table[i, 1] = table[j, 1]
+            i = j
+    table[i, 1] = _EMPTY
+
+
+@numba.njit(nogil=True)
+def _drop(table: np.ndarray, order: np.ndarray, shift: int, floor: int, live: int, keep: int) -> tuple:
+    """Move ``floor`` up until at most ``keep`` blocks are held, deleting each passed position's block
+    where that position is its stamp; the new ``(floor, live)``."""
+    while live > keep:
+        i = _find(table, shift, order[floor & (len(order) - 1)])
+        if table[i, 1] == floor:
+            _remove(table, shift, i)
+            live -= 1
+        floor += 1
+    return floor, live
+
+
+@numba.njit(nogil=True)
+def _evict(table: np.ndarray, order: np.ndarray, state: np.ndarray, keep: int) -> None:
+    """Drop the least recently touched blocks until at most ``keep`` are held."""
+    state[_FLOOR], state[_LIVE] = _drop(table, order, state[_SHIFT], state[_FLOOR], state[_LIVE], keep)
+
+
+@numba.njit(nogil=True)
+def _record(table: np.ndarray, order: np.ndarray, state: np.ndarray, chain: np.ndarray, keep: int) -> bool:
+    """Touch ``chain`` tail first at the next positions, holding at most ``keep`` blocks; ``False``
+    (and nothing done) when ``order`` or ``table`` must first be fitted to it (``_Lru._fit``)."""
+    top, floor, live, shift = state[_TOP], state[_FLOOR], state[_LIVE], state[_SHIFT]
+    if top - floor + len(chain) > len(order) or not _fits(len(table), live, len(chain), keep):
+        return False
+    floor, live = _drop(table, order, shift, floor, live, keep)
+    for j in range(len(chain) - 1, -1, -1):
+        if _put(table, shift, chain[j], top):
+            live += 1
+            floor, live = _drop(table, order, shift, floor, live, keep)
+        order[top & (len(order) - 1)] = chain[j]
+        top += 1
+    state[_TOP], state[_FLOOR], state[_LIVE] = top, floor, live
+    return True
+
+
+@numba.njit(nogil=True)
+def _depth(table: np.ndarray, state: np.ndarray, chain: np.ndarray) -> int:
+    """How many leading blocks of ``chain`` are held: they are a prefix (binary search)."""
+    shift = state[_SHIFT]
+    if len(chain) == 0 or _find(table, shift, chain[0]) < 0:
+        return 0
+    low, high = 1, len(chain)
     while low < high:
         middle = (low + high + 1) // 2
-        if holds(middle):
+        if _find(table, shift, chain[middle - 1]) >= 0:
             low = middle
         else:
             high = middle - 1
     return low
 
 
-_NOT = bytes([1, 0]) + bytes(254)  # a bytes.translate table: 0 → 1, 1 → 0
+@numba.njit(nogil=True)
+def _renumber(table: np.ndarray, old: np.ndarray, new: np.ndarray, state: np.ndarray) -> None:
+    """Number the held blocks again from 0, in their order, into ``new`` (and their stamps)."""
+    shift, mask, top = state[_SHIFT], len(old) - 1, 0
+    for position in range(state[_FLOOR], state[_TOP]):
+        i = _find(table, shift, old[position & mask])
+        if table[i, 1] == position:
+            new[top] = old[position & mask]
+            table[i, 1] = top
+            top += 1
+    state[_TOP], state[_FLOOR] = top, 0
 
 
-def _consume(items: Iterable[object]) -> None:
-    deque(items, maxlen=0)
+@numba.njit(nogil=True)
+def _rehash(old: np.ndarray, new: np.ndarray, shift: int) -> None:
+    """Put every held hash of the table ``old``, with its stamp, into the empty table ``new``."""
+    for i in range(len(old)):
+        if old[i, 1] != _EMPTY:
+            _put(new, shift, old[i, 0], old[i, 1])
 
 
 class PrefixIndex:
@@ -296,29 +406,29 @@ class PrefixIndex:
         self._lrus: dict[str, _Lru] = {}  # address → its blocks
         self._scales: dict[str, float] = {}  # address → self-correction factor of its capacity
 
-    def match(self, hashes: Sequence[int]) -> dict[str, int]:
+    def match(self, hashes: Sequence[int] | np.ndarray) -> dict[str, int]:
         """How many leading blocks of the chain ``hashes`` each endpoint holds, by address (>= 1 each)."""
         depth: dict[str, int] = {}
-        if not hashes:
+        chain = np.asarray(hashes, dtype=np.int64)
+        if not len(chain):
             return depth
         for address, lru in self._lrus.items():
-            held = lru.depth(hashes)
+            held = lru.depth(chain)
             if held:
                 depth[address] = held
         return depth
 
-    def record(self, hashes: Sequence[int], address: str, capacity_tokens: float) -> None:
+    def record(self, hashes: Sequence[int] | np.ndarray, address: str, capacity_tokens: float) -> None:
         """``address`` now holds the chain ``hashes``, its head the most recently used block of all.
 
         It keeps at most ``capacity_tokens * scale / block_tokens`` blocks (at least one), evicting its
         least recently used."""
-        self._lru(address).touch(hashes)
-        self._evict(address, capacity_tokens)
+        lru = self._lru(address)
+        lru.record(np.asarray(hashes, dtype=np.int64), self._keep(address, capacity_tokens))
 
-    def _evict(self, address: str, capacity_tokens: float) -> None:
-        lru = self._lrus[address]
-        keep = max(1, int(capacity_tokens * self._scales[address] / self.block_tokens))
-        lru.evict(keep)
+    def _keep(self, address: str, capacity_tokens: float) -> int:
+        """The blocks ``address`` keeps (at least one; at most 2^62, within the kernels' int64)."""
+        return min(max(1, int(capacity_tokens * self._scales[address] / self.block_tokens)), 1 << 62)
 
     def _lru(self, address: str) -> _Lru:
         lru = self._lrus.get(address)
@@ -333,9 +443,9 @@ class PrefixIndex:
 
     def set_scale(self, address: str, scale: float, capacity_tokens: float) -> None:
         """Keep ``scale`` (in (0, 1]) of ``address``'s capacity from now on, evicting down to it."""
-        self._lru(address)
+        lru = self._lru(address)
         self._scales[address] = scale
-        self._evict(address, capacity_tokens)
+        lru.evict(self._keep(address, capacity_tokens))
 
     def blocks(self, address: str) -> int:
         """How many blocks ``address`` is estimated to hold."""
@@ -352,3 +462,14 @@ class PrefixIndex:
     def addresses(self) -> list[str]:
         """The endpoints the index holds blocks of (or has corrected)."""
         return list(self._lrus)
+
+
+def warm() -> None:
+    """Compile the index's kernels now (numba compiles each on its first call): a tiny index records
+    (growing its table and numbering its positions again), matches, and shrinks its capacity."""
+    index = PrefixIndex(1)
+    chain = np.arange(40, dtype=np.int64)
+    index.record(chain, "warm", 64)
+    index.record(chain[:8], "warm", 64)
+    index.match(chain)
+    index.set_scale("warm", 0.1, 64)

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 from collections import OrderedDict
 
+import numpy as np
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -131,6 +134,17 @@ def test_set_scale_shrinks_an_endpoints_capacity_now() -> None:
     assert index.scale("unknown") == 1.0
 
 
+def test_an_endpoints_table_follows_its_capacity_down_and_up() -> None:
+    index = PrefixIndex(16)
+    index.record(chain(*"abcdefghijklmnopqrstuvwxyz" * 3), "p", 100 * 16)
+    assert index.blocks("p") == 78 and len(index._lrus["p"].table) == 256  # at most half full
+    index.set_scale("p", 0.05, 100 * 16)
+    assert index.blocks("p") == 5 and len(index._lrus["p"].table) == 16
+    index.set_scale("p", 1.0, 100 * 16)
+    index.record(chain(*"ABCDEFGHIJKLMNOPQRSTUVWXYZ" * 3), "p", 100 * 16)
+    assert index.blocks("p") == 83 and len(index._lrus["p"].table) == 256
+
+
 class NaiveLru:
     """The index's contract, one ordered set per endpoint, matched by scanning."""
 
@@ -190,6 +204,124 @@ def test_the_index_matches_a_naive_lru_model_over_prompts_that_continue_earlier_
         for probe in (hashes, chain(*before)):
             assert index.match(probe) == naive.match(probe)
         assert index.blocks(address) == len(naive.lrus[address])
+
+
+# Hashes that share a home slot in every table size: Fibonacci hashing's home is the top bits of the
+# hash times an odd constant, so its inverse times a small m has home 0, and times -1 - m the last slot
+# (probe runs that wrap). With -1 (the empty slots' stamp), 0 and int64's extremes, and random ones.
+_INVERSE = pow(0x9E3779B97F4A7C15, -1, 2**64)
+
+
+def _signed(value: int) -> int:
+    value %= 2**64
+    return value - 2**64 if value >= 2**63 else value
+
+
+CRAFTED = (
+    [_signed(_INVERSE * m) for m in range(1, 150)]
+    + [_signed(_INVERSE * (2**64 - 1 - m)) for m in range(120)]
+    + [-1, 0, -(2**63), 2**63 - 1]
+    + [_signed(random.Random(7).getrandbits(64 * 127) >> (64 * i)) for i in range(127)]
+)
+assert len(set(CRAFTED)) == len(CRAFTED)
+addresses, capacities = st.sampled_from(["p1", "p2", "d1"]), st.integers(1, 48)  # capacities in blocks
+index_operations = st.lists(
+    st.one_of(
+        st.tuples(st.just("record"), st.text("abc", max_size=8), addresses, capacities, st.booleans()),
+        st.tuples(st.just("scale"), addresses, st.sampled_from([0.05, 0.2, 0.5, 1.0]), capacities),
+        st.tuples(st.just("retain"), st.sets(addresses)),
+    ),
+    max_size=60,
+)
+
+
+@settings(deadline=None, max_examples=200)
+@given(index_operations, st.permutations(CRAFTED), st.lists(st.text("abc", max_size=8), max_size=4))
+def test_the_index_matches_a_naive_lru_model_at_its_tables_edges(
+    ops: list, keys: list[int], probes: list[str]
+) -> None:
+    """Blocks whose hashes share home slots (long probe runs, wrapping, deletions shifting entries
+    back), the hash -1, capacities that grow and shrink (tables rebuilt both ways), positions numbered
+    again, endpoints forgotten; chains as lists and as arrays. A block's hash is its whole prefix's."""
+    node: dict[str, int] = {}
+
+    def hashes(prompt: str) -> list[int]:
+        return [node.setdefault(prompt[: n + 1], keys[len(node)]) for n in range(len(prompt))]
+
+    index, naive, keep = PrefixIndex(16), NaiveLru(), {}
+    for op in ops:
+        if op[0] == "record":
+            _, prompt, address, blocks, as_array = op
+            chain = hashes(prompt)
+            index.record(np.array(chain, dtype=np.int64) if as_array else chain, address, blocks * 16)
+            keep[address] = max(1, int(blocks * index.scale(address)))
+            naive.record(chain, address, keep[address])
+        elif op[0] == "scale":
+            _, address, scale, blocks = op
+            index.set_scale(address, scale, blocks * 16)
+            keep[address] = max(1, int(blocks * scale))
+            naive.record([], address, keep[address])
+        else:
+            index.retain(op[1])
+            naive.lrus = {a: lru for a, lru in naive.lrus.items() if a in op[1]}
+            keep = {a: k for a, k in keep.items() if a in op[1]}
+        for probe in [*probes, *(op[1:2] if op[0] == "record" else [])]:
+            assert index.match(hashes(probe)) == naive.match(hashes(probe))
+        assert sorted(index.addresses) == sorted(keep)
+        for address, lru in naive.lrus.items():
+            assert index.blocks(address) == len(lru)
+            table = index._lrus[address].table
+            assert (table[:, 1] != -1).sum() == len(lru) and 2 * len(lru) <= len(table)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_index_matches_a_naive_lru_model_as_its_positions_wrap_and_are_numbered_again(seed: int) -> None:
+    """Chains touched again and again (their old positions left in the ring) on an endpoint that holds
+    all it is given, then evicts, in turns: rings filled to the last position, renumbered, grown."""
+    rng = random.Random(seed)
+    bases = [rng.choices("abcd", k=40) for _ in range(3)]
+    index, naive = PrefixIndex(16), NaiveLru()
+    keep = 10_000
+    for step in range(600):
+        if step % 50 == 0:
+            keep = rng.choice([10_000, rng.randrange(1, 60)])
+            index.set_scale("p", 1.0, keep * 16)
+            naive.record([], "p", keep)
+        hashes = chain(*rng.choice(bases)[: rng.randrange(1, 41)], *rng.choices("xy", k=rng.randrange(3)))
+        index.record(hashes, "p", keep * 16)
+        naive.record(hashes, "p", keep)
+        assert index.match(hashes) == naive.match(hashes) and index.blocks("p") == len(naive.lrus["p"])
+    for base in bases:
+        assert index.match(chain(*base)) == naive.match(chain(*base))
+
+
+WARM_THEN_USE = """
+import numba, numpy as np
+from ext_proc.prefix import index
+kernels = {n: k for n, k in vars(index).items() if isinstance(k, numba.core.registry.CPUDispatcher)}
+index.warm()
+before = {n: len(k.signatures) for n, k in kernels.items()}
+i = index.PrefixIndex(16)
+for n in range(300):
+    chain = np.arange(n, n + 1 + n % 40, dtype=np.int64)
+    i.record(chain if n % 2 else chain.tolist(), f"e{n % 3}", 16 * (1 + n % 200))
+    i.match(chain[:5])
+    i.match(chain.tolist())
+    i.set_scale("e1", 0.05 if n % 7 else 1.0, 16 * 200)
+i.retain({"e0"})
+print(len(kernels), min(before.values()), before == {n: len(k.signatures) for n, k in kernels.items()})
+"""
+
+
+def test_warm_compiles_every_kernel_the_index_calls() -> None:
+    """After :func:`~ext_proc.prefix.index.warm` (in a fresh process), recording and matching (lists
+    and arrays), growing, shrinking and renumbering compile nothing more."""
+    result = subprocess.run(
+        [sys.executable, "-c", WARM_THEN_USE], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    kernels, fewest_signatures, unchanged = result.stdout.split()
+    assert int(kernels) >= 8 and fewest_signatures == "1" and unchanged == "True"
 
 
 # ---------------------------------------------------------------- self-correction
