@@ -116,7 +116,7 @@ class PrefixTracker:
         self, hashes: Chain, prefills: Pool[E], decodes: Pool[E], prompt_tokens: int, pinned: bool = False
     ) -> Lookup:
         """What the candidate endpoints hold of ``hashes`` (estimated per endpoint: ``pinned`` is moot)."""
-        matched = self.index.match(_index_chain(hashes)) if len(hashes) else {}
+        matched = self.index.match(hashes) if len(hashes) else {}
         return Lookup(hashes, matched, self.index.hit_arrays.hits(matched, prefills, decodes, prompt_tokens))
 
     def predicted(self, lookup: Lookup, address: str, prompt_tokens: int) -> int:
@@ -127,7 +127,6 @@ class PrefixTracker:
         """Record the request placed by ``decision`` and count the hits predicted at each endpoint.
 
         Its prompt is now on the prefill (which computes it) and the decode (which receives it)."""
-        chain = _index_chain(lookup.hashes)
         for role, endpoint in (("prefill", decision.prefill), ("decode", decision.decode)):
             if endpoint is None:
                 continue
@@ -137,9 +136,9 @@ class PrefixTracker:
             pending = self._pending.setdefault(address, [0.0, 0.0])  # both engines look the prompt up
             pending[0] += prompt_tokens
             pending[1] += predicted
-            if chain:
+            if len(lookup.hashes):
                 self._capacity[address] = endpoint.token_capacity
-                self.index.record(chain, address, endpoint.token_capacity)
+                self.index.record(lookup.hashes, address, endpoint.token_capacity)
 
     def observe(self, address: str, queries: float | None, hits: float | None) -> None:
         """Take an engine sample's prefix-cache counters: report the increments, correct the LRU size.
@@ -170,11 +169,3 @@ class PrefixTracker:
         for table in (self._capacity, self._pending, self._counters):
             for address in [a for a in table if a not in addresses]:
                 del table[address]
-
-
-def _index_chain(hashes: Chain) -> list[int]:
-    """``hashes`` as the :class:`PrefixIndex` takes them: Python ints.
-
-    MERGE: remove with the compiled index (branch s7-lru), whose ``match`` and ``record`` take the
-    int64 array itself: pass ``hashes`` through."""
-    return hashes.tolist()

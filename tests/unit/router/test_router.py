@@ -308,16 +308,17 @@ def test_set_prefix_keeps_the_index_while_its_hashing_stays_and_drops_it_when_of
     routed(router.route_body(chat(TENANT), CHAT_META))  # routes without an index
 
 
-def test_the_hashing_is_compiled_before_a_prefix_source_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_kernels_are_compiled_before_a_prefix_source_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
     built: list[str] = []
     monkeypatch.setattr("ext_proc.prefix.blocks.warm", lambda: built.append("warm"))
+    monkeypatch.setattr("ext_proc.prefix.index.warm", lambda: built.append("lru"))
     for kind in ("approximate", "kv-events"):
         monkeypatch.setitem(PREFIX_SOURCES, PrefixSourceKind(kind), lambda *_, kind=kind: built.append(kind))
     router = make_router([endpoint("10.0.0.1:8000", "a")], [endpoint("10.0.1.1:8000", "a")])
     assert built == []  # no index: nothing to compile
     router.set_prefix(PrefixSettings())
     router.set_prefix(PrefixSettings(source="kv-events"))
-    assert built == ["warm", "approximate", "warm", "kv-events"]
+    assert built == ["warm", "lru", "approximate", "warm", "kv-events"]  # the LRU: placements only
 
 
 def test_set_prefix_builds_the_kind_the_settings_name() -> None:
