@@ -256,20 +256,39 @@ async def start_gateway(
 
 
 _HANDED_OUT: set[int] = set()
-"""Every port :func:`free_port` returned in this process."""
+_FIRST_PORT = 10_000  # below it: well-known and registered services this machine may run
+
+
+def _ephemeral_start() -> int:
+    """The first port of the kernel's range for outgoing connections' local ports (Linux's default)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def free_port() -> int:
-    """An unused loopback TCP port that this process was never given before: two calls for one bootstrap
-    (listener, admin, prefill-leg listener) cannot collide, as two bind-to-0 probes in a row may. Still
-    racy against other processes by nature; fine for local runs."""
-    while True:
+    """An unused loopback TCP port that this process was never given before, below the kernel's range of
+    outgoing connections' local ports: a port handed out for a listener that binds it seconds later (a
+    vLLM engine's side channel, after its 20-35 s start) cannot be taken meanwhile by a connection
+    any process opens. Each process walks the ports from its own starting point (its pid), so two runs
+    side by side rarely meet. Still racy against other processes binding the same port by nature;
+    fine for local runs."""
+    first, last = _FIRST_PORT, max(_FIRST_PORT + 1, _ephemeral_start())
+    span = last - first
+    start = os.getpid() * 7919 % span
+    for step in range(span):
+        port = first + (start + len(_HANDED_OUT) + step) % span
+        if port in _HANDED_OUT:
+            continue
         with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise OSError(f"no free loopback port in {first}-{last - 1}")
 
 
 def start_router_process(
