@@ -5,7 +5,7 @@ so the request path never touches them; counters and the histograms use pre-boun
 histograms observed per request are :class:`~ext_proc.histograms.LoopHistogram` values (the same samples
 at a tenth of prometheus_client's cost per observation), the counters counted per request (decisions,
 streams, serving endpoints) :class:`~ext_proc.histograms.LoopCounter` values (the same samples at a
-sixth of its cost per count).
+quarter of its cost per count).
 """
 
 from __future__ import annotations
