@@ -6,7 +6,10 @@ charges it holds are a :class:`Placement`. The handoff turns the placement into 
 :class:`PendingAnswer` that needs I/O with an engine first and then completes into one of the two.
 A routed request's :class:`ResponseWatcher`, when its handoff attached one, sees the upstream's answer.
 
-A leaf module: value types only (no gRPC, HTTP client, metrics or handoff module).
+A leaf module: value types only (no gRPC, HTTP client, metrics or handoff module). The records built
+for every request (:class:`HandoffJob`, :class:`Placement`, :class:`Routed`) are never modified once
+built, but not frozen: a frozen dataclass costs ~0.3 µs more to build, paid two to three times over
+in a running server, and none of them is hashed (the others, hashed or not per request, are frozen).
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ class RequestMeta:
     authorization: str | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class HandoffJob:
     """One parsed request on its way to the engines.
 
@@ -80,7 +83,7 @@ NO_RANKS = Ranks()
 """Neither engine request pinned."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Placement:
     """A routing decision, the charges it holds (released through ``lease``) and the ranks it pins."""
 
@@ -110,7 +113,7 @@ class ResponseWatcher(Protocol):
         ...
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Routed:
     """The request goes ahead: instructions for Envoy, a lease to release, a leg to cancel.
 

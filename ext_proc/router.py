@@ -43,12 +43,13 @@ TOKENIZED_PATHS = DISAGGREGATED_PATHS | {"/v1/embeddings"}
 """Paths whose text prompts the gateway tokenizer puts in token ids (``affinity.prefix.tokenizer``)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class BodyRequest:
     """A request's body as read, before it is routed.
 
     ``raw`` as received, ``body`` its JSON object, ``info`` its estimated prompt tokens and output
-    budget, ``meta`` what its headers said."""
+    budget, ``meta`` what its headers said. Never modified once built; not frozen, as
+    :mod:`ext_proc.outcome`'s per-request records (a frozen dataclass costs more to build)."""
 
     raw: bytes
     body: dict[str, object]

@@ -153,7 +153,7 @@ class Stream:
             self.saw_headers = True
             headers = request.request_headers
             if not headers.end_of_stream:
-                self.meta = msg.request_meta(headers)
+                self.meta = msg.HeadersMeta(headers)
                 if choreography.full_duplex:
                     self.body = BodyCollector()
                 return choreography.header_hold

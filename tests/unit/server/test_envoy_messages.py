@@ -13,6 +13,7 @@ from ext_proc.envoy_messages import (
     LB_NAMESPACE,
     PHASES,
     SERVED_KEY,
+    HeadersMeta,
     error_body,
     immediate_error,
     passthrough,
@@ -21,7 +22,7 @@ from ext_proc.envoy_messages import (
     served_endpoint,
     strip_on_headers,
 )
-from ext_proc.outcome import RoutingInstructions
+from ext_proc.outcome import RequestMeta, RoutingInstructions
 
 OVERWRITE = base_pb2.HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
 DEST = "x-gateway-destination-endpoint"
@@ -231,3 +232,55 @@ def test_each_builder_returns_a_fresh_message() -> None:
     second = immediate_error(400, "a", "b")
     second.immediate_response.body = b"changed"
     assert immediate_error(400, "a", "b").immediate_response.body != b"changed"
+
+
+def http_headers(*pairs: tuple[str, str], raw: bool = True) -> pb.HttpHeaders:
+    headers = pb.HttpHeaders()
+    for key, value in pairs:
+        header = headers.headers.headers.add()
+        header.key = key
+        if raw:
+            header.raw_value = value.encode()
+        else:
+            header.value = value
+    return headers
+
+
+@pytest.mark.parametrize("raw", [True, False], ids=["raw_value", "value"])
+def test_the_request_meta_is_the_path_request_id_and_authorization(raw: bool) -> None:
+    meta = HeadersMeta(
+        http_headers(
+            (":authority", "gw"),
+            (":path", "/v1/chat/completions?x=1"),
+            ("authorization", "Bearer a"),
+            ("x-request-id", "first"),
+            ("x-request-id", "last"),
+            raw=raw,
+        )
+    )
+    assert (meta.path, meta.client_request_id, meta.authorization) == (
+        "/v1/chat/completions?x=1",
+        "last",
+        "Bearer a",
+    )
+    assert meta == HeadersMeta(
+        http_headers(
+            (":path", "/v1/chat/completions?x=1"), ("x-request-id", "last"), ("authorization", "Bearer a")
+        )
+    )
+    assert isinstance(meta, RequestMeta)
+
+
+def test_headers_without_them_give_an_empty_path_and_no_id_or_authorization() -> None:
+    meta = HeadersMeta(http_headers((":method", "GET")))
+    assert (meta.path, meta.client_request_id, meta.authorization) == ("", None, None)
+
+
+def test_the_request_meta_reads_the_headers_past_the_path_only_when_asked() -> None:
+    headers = http_headers((":path", "/v1/completions"), ("x-request-id", "id"))
+    meta = HeadersMeta(headers)
+    headers.headers.headers[1].raw_value = b"changed"  # what is read after: proves it was not read before
+    assert meta.path == "/v1/completions"
+    assert meta.client_request_id == "changed"
+    headers.headers.headers[1].raw_value = b"again"
+    assert meta.client_request_id == "changed"  # read once
