@@ -255,8 +255,9 @@ async def start_gateway(
     raise GatewayError(f"Envoy was not ready within {timeout:.0f} s:\n{tail}")
 
 
-_HANDED_OUT: set[int] = set()
+_HANDED_OUT: set[int] = set()  # the first port of each block handed out
 _FIRST_PORT = 10_000  # below it: well-known and registered services this machine may run
+_BLOCK = 8  # ports handed out a block each: vLLM binds its side channel and KV-event publishers + its DP rank
 
 
 def _ephemeral_start() -> int:
@@ -267,28 +268,33 @@ def _ephemeral_start() -> int:
         return 32768
 
 
-def free_port() -> int:
-    """An unused loopback TCP port that this process was never given before, below the kernel's range of
-    outgoing connections' local ports: a port handed out for a listener that binds it seconds later (a
-    vLLM engine's side channel, after its 20-35 s start) cannot be taken meanwhile by a connection
-    any process opens. Each process walks the ports from its own starting point (its pid), so two runs
-    side by side rarely meet. Still racy against other processes binding the same port by nature;
-    fine for local runs."""
-    first, last = _FIRST_PORT, max(_FIRST_PORT + 1, _ephemeral_start())
-    span = last - first
-    start = os.getpid() * 7919 % span
-    for step in range(span):
-        port = first + (start + len(_HANDED_OUT) + step) % span
-        if port in _HANDED_OUT:
-            continue
+def _bindable(ports: range) -> bool:
+    for port in ports:
         with socket.socket() as sock:
             try:
                 sock.bind(("127.0.0.1", port))
             except OSError:
-                continue
-        _HANDED_OUT.add(port)
-        return port
-    raise OSError(f"no free loopback port in {first}-{last - 1}")
+                return False
+    return True
+
+
+def free_port() -> int:
+    """An unused loopback TCP port that this process was never given before, below the kernel's range of
+    outgoing connections' local ports: a port handed out for a listener that binds it seconds later (a
+    vLLM engine's side channel, after its 20-35 s start) cannot be taken meanwhile by a connection
+    any process opens. The port and the ``_BLOCK - 1`` after it were free and none of them is handed out
+    again (an engine of several data-parallel ranks binds the configured port plus its rank). Each
+    process walks the blocks from its own starting point (its pid), so two runs side by side rarely
+    meet. Still racy against other processes binding the same ports by nature; fine for local runs."""
+    first, last = _FIRST_PORT, max(_FIRST_PORT + _BLOCK, _ephemeral_start())
+    blocks = (last - first) // _BLOCK
+    start = os.getpid() * 7919 % blocks
+    for step in range(blocks):
+        port = first + (start + len(_HANDED_OUT) + step) % blocks * _BLOCK
+        if port not in _HANDED_OUT and _bindable(range(port, port + _BLOCK)):
+            _HANDED_OUT.add(port)
+            return port
+    raise OSError(f"no {_BLOCK} free loopback ports in a row in {first}-{last - 1}")
 
 
 def start_router_process(
