@@ -66,7 +66,7 @@ class KvEventSource:
         endpoint of several data-parallel ranks is credited one rank's blocks, and only when
         ``pinned`` (:func:`~ext_proc.prefix.ranks.credited`)."""
         now = self.clock()
-        chain = hashes.tolist()  # the holder sets are keyed by Python ints
+        chain = hashes.tolist()  # the holder sets are keyed by Python ints: kept so in the lookup
         held = self.index.match(chain, now)
         gpu = self.index.match_gpu(chain, held)
         for name, blocks in self.recent.match(chain, now).items():
@@ -78,7 +78,7 @@ class KvEventSource:
         if gpu is not None and ranks:
             gpu = {a: gpu.get(credited_publisher(a, ranks), 0) for a in matched}
         hits = self.hit_arrays.hits(matched, prefills, decodes, prompt_tokens, gpu)
-        return Lookup(hashes, matched, hits, ranks)
+        return Lookup(chain, matched, hits, ranks)
 
     def predicted(self, lookup: Lookup, address: str, prompt_tokens: int) -> int:
         """The hit tokens ``lookup`` predicts at ``address`` (at most ``prompt_tokens``)."""
@@ -90,7 +90,6 @@ class KvEventSource:
         At an endpoint of several data-parallel ranks, on the rank the request is pinned to; nowhere
         when it is not pinned (the rank that serves it is not known)."""
         now = self.clock()
-        chain = lookup.hashes.tolist()  # kept in the holder sets, keyed by Python ints
         for role, endpoint in (("prefill", decision.prefill), ("decode", decision.decode)):
             if endpoint is not None:
                 address = endpoint.address
@@ -98,7 +97,7 @@ class KvEventSource:
                     role, address, prompt_tokens, self.predicted(lookup, address, prompt_tokens)
                 )
                 if endpoint.data_parallel_size == 1 or address in lookup.ranks:
-                    self.recent.record(chain, credited_publisher(address, lookup.ranks), now)
+                    self.recent.record(lookup.hashes, credited_publisher(address, lookup.ranks), now)
 
     def observe(self, address: str, queries: float | None, hits: float | None) -> None:
         """Nothing to learn from an engine's prefix-cache counters: its events say what it holds."""
