@@ -34,6 +34,7 @@ from ext_proc.handoff.config import HandoffConfig
 from ext_proc.handoff.routing import RoutingConfig
 from ext_proc.load import LimitsConfig, LoadConfig
 from ext_proc.router import AffinityConfig
+from ext_proc.shared.config import SharedStateConfig
 from ext_proc.tls import TlsConfig
 from ext_proc.xds.config import XdsConfig
 
@@ -65,6 +66,7 @@ class Config:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     engine_metrics: EngineMetricsConfig = field(default_factory=EngineMetricsConfig)
     envoy_health: EnvoyHealthConfig = field(default_factory=EnvoyHealthConfig)
+    shared_state: SharedStateConfig = field(default_factory=SharedStateConfig)
 
 
 def _allowed(tp: object) -> str:
@@ -152,6 +154,7 @@ def validate(config: Config) -> Config:
     config.envoy_health.check()
     config.tls.check()
     config.xds.check()
+    config.shared_state.check()
     return config
 
 
@@ -163,7 +166,8 @@ def load_config(
     """Build the configuration: defaults < YAML ``path`` < ``environ`` < ``overrides``.
 
     ``overrides`` maps dotted keys (``"affinity.mode"``) to values, as the CLI flags give them.
-    Relative ``discovery.eds_files`` (and ``discovery.kubernetes.kubeconfig`` and the ``tls`` files)
+    Relative ``discovery.eds_files`` (and ``discovery.kubernetes.kubeconfig``, the ``tls`` files and
+    those of ``shared_state.nats``)
     resolve against the folder ``path`` names, lexically (symlinks not followed): a Kubernetes
     ConfigMap mount links ``config.yaml`` to ``..data/config.yaml`` and swaps ``..data`` on every
     update, so the folder the link leads to disappears.
@@ -221,7 +225,16 @@ def load_config(
         eds_files=tuple(os.path.normpath(base / f) for f in discovery.eds_files),
         kubernetes=dataclasses.replace(discovery.kubernetes, kubeconfig=resolve(kubeconfig)),
     )
-    return validate(dataclasses.replace(config, discovery=discovery, tls=tls))
+    nats = config.shared_state.nats
+    nats = dataclasses.replace(
+        nats,
+        creds_file=resolve(nats.creds_file),
+        tls=dataclasses.replace(
+            nats.tls, ca=resolve(nats.tls.ca), cert=resolve(nats.tls.cert), key=resolve(nats.tls.key)
+        ),
+    )
+    shared_state = dataclasses.replace(config.shared_state, nats=nats)
+    return validate(dataclasses.replace(config, discovery=discovery, tls=tls, shared_state=shared_state))
 
 
 def as_dict(config: Config) -> dict[str, object]:
