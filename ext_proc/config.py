@@ -41,6 +41,10 @@ from ext_proc.xds.config import XdsConfig
 ENV_AFFINITY_MODE = "PD_EXTPROC_AFFINITY_MODE"
 ENV_AFFINITY_BONUS = "PD_EXTPROC_AFFINITY_BONUS"
 ENV_HANDOFF = "PD_EXTPROC_HANDOFF"
+ENV_NATS_URL = "PD_EXTPROC_NATS_URL"
+ENV_NATS_TOKEN = "PD_EXTPROC_NATS_TOKEN"
+"""``shared_state.nats.url`` and ``.token`` from the environment: credentials from a Kubernetes Secret, never
+in the configuration file (a ConfigMap)."""
 
 
 @dataclass(frozen=True)
@@ -199,6 +203,10 @@ def load_config(
             ) from None
     if ENV_HANDOFF in env:
         layered["handoff.mode"] = env[ENV_HANDOFF]
+    if ENV_NATS_URL in env:
+        layered["shared_state.nats.url"] = env[ENV_NATS_URL]
+    if ENV_NATS_TOKEN in env:
+        layered["shared_state.nats.token"] = env[ENV_NATS_TOKEN]
     layered.update(overrides or {})
     for dotted, value in layered.items():
         *sections, key = dotted.split(".")
