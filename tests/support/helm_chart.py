@@ -85,7 +85,7 @@ class Manifests:
 
     @property
     def pod(self) -> dict:
-        return self.one("Deployment")["spec"]["template"]["spec"]
+        return self.one("Deployment", FULLNAME)["spec"]["template"]["spec"]
 
     def container(self, name: str) -> dict:
         (container,) = [c for c in self.pod["containers"] if c["name"] == name]
