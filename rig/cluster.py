@@ -26,7 +26,7 @@ from pathlib import Path
 import aiohttp
 
 from rig.engine import BLOCK_TOKENS, KV_CACHE_GIB, MODEL_NAME, Engine, EngineError, EngineSpec, start_engine
-from rig.model import HEAD_DIM, HIDDEN_SIZE, LAYERS, write_tiny_llama
+from rig.model import KV_BYTES_PER_TOKEN, write_tiny_llama
 from rig.venv import VllmUnavailable, venv_python
 from sim.cluster_process import EngineInfo, write_cluster_eds
 from sim.gateway import free_port
@@ -34,12 +34,11 @@ from sim.stack import Stack
 
 ENGINE_MEMORY_BYTES = int(2.6 * 2**30)
 """Memory one engine takes, measured (PSS of its three processes, 1 GiB of KV cache included)."""
-KV_TOKENS = KV_CACHE_GIB * 2**30 // (2 * LAYERS * HIDDEN_SIZE * 2)
-"""KV cache capacity of one engine in tokens: bf16 K and V of every layer (``HIDDEN_SIZE`` =
-heads x ``HEAD_DIM``) per token."""
+KV_TOKENS = KV_CACHE_GIB * 2**30 // KV_BYTES_PER_TOKEN
+"""KV cache capacity of one engine in tokens (:data:`rig.model.KV_BYTES_PER_TOKEN`: in the model's
+dtype)."""
 WARM_UP_ATTEMPTS = 4
 WARM_UP_PROMPT = " ".join(["w1"] * 20)
-assert HIDDEN_SIZE % HEAD_DIM == 0
 
 
 def capacity(spec: EngineSpec) -> int:

@@ -10,9 +10,9 @@ connector). NIXL's UCX backend is told to use TCP on loopback
 (the handshake listener a decode connects to). An engine given a ``kv_events_port`` publishes its
 KV-cache events there (``--kv-events-config``, ZMQ, with a replay socket on ``kv_replay_port``).
 Every engine runs in vLLM's development mode (``VLLM_SERVER_DEV_MODE=1``: ``POST
-/reset_prefix_cache``). Start-up takes 20-35 s and about 2.3 GB of
-resident memory per engine (API server, engine core and worker processes, 1 GiB of it the KV
-cache, ``VLLM_CPU_KVCACHE_SPACE``).
+/reset_prefix_cache``) and in :data:`rig.model.DTYPE` (``--dtype``; why float32 is said there).
+Start-up takes 20-35 s and about 2.3 GB of resident memory per engine (API server, engine core and
+worker processes, 1 GiB of it the KV cache, ``VLLM_CPU_KVCACHE_SPACE``).
 
 NIXL's progress thread busy-polls: an idle engine keeps one core at 100 %. The engines therefore
 run at ``nice`` 19 by default, so that Envoy, pd-extproc and the test itself (which the engines'
@@ -36,6 +36,7 @@ from pathlib import Path
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from rig.model import DTYPE
 from sim.stack import StackError
 
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
@@ -116,7 +117,7 @@ def engine_command(python: Path, model: Path, spec: EngineSpec, nice: int = DEFA
         "-m",
         "vllm.entrypoints.openai.api_server",
         *("--model", str(model), "--served-model-name", MODEL_NAME),
-        *("--load-format", "dummy", "--enforce-eager"),
+        *("--load-format", "dummy", "--enforce-eager", "--dtype", DTYPE),
         *("--host", "127.0.0.1", "--port", str(spec.port)),
         *("--max-model-len", "2048", "--enable-request-id-headers", "--enable-log-requests"),
         *(("--kv-transfer-config", json.dumps(kv_transfer_config(spec))) if spec.role in KV_ROLES else ()),

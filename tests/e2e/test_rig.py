@@ -1,6 +1,6 @@
-"""The real-engine rig's own logic, without engines: the tiny model, the engine command, metrics
-parsing, the memory check, who served what from the engines' request logs, and the demo's refusals.
-(The engines themselves run in ``make test-vllm``.)"""
+"""The real-engine rig's own logic, without engines: the tiny model and its dtype, the engine
+command, metrics parsing, the memory check, who served what from the engines' request logs, and the
+demo's refusals. (The engines themselves run in ``make test-vllm``.)"""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from rig import cluster as rig_cluster
 from rig.cluster import KV_TOKENS, VllmCluster, capacity, check_memory, kv_events_spec
 from rig.demo import RequestLogs
 from rig.engine import BLOCK_TOKENS, Engine, EngineSpec, engine_command, engine_environment, parse_metrics
-from rig.model import WORDS, prompt, vocabulary, write_tiny_llama
+from rig.model import DTYPE, WORDS, prompt, vocabulary, write_tiny_llama
 from rig.venv import VllmUnavailable
 from sim.cluster_process import EngineInfo, write_cluster_eds
 from sim.workload import Record, RequestPlan
@@ -32,6 +32,15 @@ def test_a_prompt_of_n_words_is_n_tokens_of_the_vocabulary(tmp_path):
     words = prompt(300, seed=3).split()
     assert len(words) == 300 and set(words) <= set(WORDS) and prompt(300, 3) != prompt(300, 4)
     assert all(word in vocab for word in ("user", "assistant", ":"))  # the chat template's words
+
+
+def test_the_engines_run_float32_and_the_kv_capacity_follows_its_four_bytes(tmp_path):
+    """bfloat16 takes vLLM CPU's amx attention on an AMX CPU, where a decode dies after a KV load."""
+    config = json.loads((write_tiny_llama(tmp_path / "model") / "config.json").read_text())
+    command = engine_command(Path("p"), tmp_path, EngineSpec("decode", "a", 1, 2), nice=0)
+    assert DTYPE == config["torch_dtype"] == command[command.index("--dtype") + 1] == "float32"
+    # K and V of 2 layers of 128 float32 values a token: 2 KiB; 1 GiB of KV cache holds 2**19 tokens.
+    assert KV_TOKENS == 524_288
 
 
 def test_an_engine_starts_as_a_user_starts_vllm_with_its_own_nixl_role_and_port(tmp_path):
