@@ -16,6 +16,9 @@ its log's end (:meth:`~rig.engine.Engine.death`), not a refused connection. Rout
 decodes its own requests), each publishing its KV-cache events on ports of its own, which the EDS
 files name (``kv_events_port``, ``kv_events_replay_port``): the cluster the ``kv-events`` prefix source
 is checked against.
+
+Both say, in :attr:`VllmCluster.attention`, the engines' dtype and the attention kernels vLLM runs for
+it on this CPU (:mod:`rig.attention`, asked while the engines start).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from pathlib import Path
 
 import aiohttp
 
+from rig.attention import AttentionPath, probe_attention
 from rig.engine import BLOCK_TOKENS, KV_CACHE_GIB, MODEL_NAME, Engine, EngineError, EngineSpec, start_engine
 from rig.model import KV_BYTES_PER_TOKEN, write_tiny_llama
 from rig.venv import VllmUnavailable, venv_python
@@ -79,6 +83,8 @@ class VllmCluster:
     workdir: Path
     python: Path
     model: Path
+    attention: AttentionPath
+    """The engines' dtype and the attention kernels vLLM runs for it here."""
     dead: dict[str, Engine] = field(default_factory=dict)
     warm_up_attempts: dict[tuple[str, str], int] = field(default_factory=dict)
     """Attempts each (prefill, decode) pair's last warm-up took (1 = its first transfer worked)."""
@@ -224,11 +230,14 @@ async def start_engines(specs: list[EngineSpec], workdir: Path) -> VllmCluster:
     check_memory(sum(s.data_parallel_size for s in specs))  # each rank an engine core of its own
     model = write_tiny_llama(workdir / "model")
     running: dict[str, Engine] = {}
+    probe = asyncio.create_task(probe_attention(python))
     try:
         for spec in specs:
             running[spec.address] = start_engine(python, model, spec, workdir)
         await asyncio.gather(*(engine.wait_ready() for engine in running.values()))
+        attention = await probe
     except BaseException:
+        probe.cancel()
         for engine in running.values():
             engine.stop()
         raise
@@ -244,7 +253,7 @@ async def start_engines(specs: list[EngineSpec], workdir: Path) -> VllmCluster:
         )
         for s in specs
     ]
-    return VllmCluster(infos, running, workdir, python, model)
+    return VllmCluster(infos, running, workdir, python, model, attention)
 
 
 async def start_vllm_stack(groups: list[str], kv_load_failure_policy: str = "fail") -> Stack:

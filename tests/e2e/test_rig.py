@@ -1,12 +1,13 @@
 """The real-engine rig's own logic, without engines: the tiny model and its dtype, the engine
 command, metrics parsing, the memory check, who served what from the engines' request logs, the
-demo's refusals, and a dead engine reported as such (by stand-ins for
+demo's refusals, the attention probe's failures, and a dead engine reported as such (by stand-ins for
 vLLM engines, ``tests/support/vllm_standin.py``). (The engines themselves run in ``make test-vllm``.)"""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +17,7 @@ import pytest
 
 from ext_proc.discovery.eds import load_eds_file
 from rig import cluster as rig_cluster
+from rig.attention import AttentionPath, probe_attention
 from rig.cluster import KV_TOKENS, VllmCluster, capacity, check_memory, kv_events_spec
 from rig.demo import RequestLogs
 from rig.engine import (
@@ -35,6 +37,7 @@ from sim.gateway import free_port
 from sim.workload import Record, RequestPlan
 
 STANDIN = Path(__file__).resolve().parents[1] / "support" / "vllm_standin.py"
+NOT_ASKED = AttentionPath(DTYPE, None, None, "not asked")
 
 
 def test_a_prompt_of_n_words_is_n_tokens_of_the_vocabulary(tmp_path):
@@ -159,6 +162,7 @@ def test_the_engines_request_logs_say_which_prefill_and_decode_served(tmp_path):
         tmp_path,
         Path("p"),
         Path("m"),
+        NOT_ASKED,
     )
     logs = RequestLogs(cluster)  # only what is logged from now on counts
     same, cross, local = (
@@ -196,6 +200,22 @@ def test_the_demo_on_vllm_runs_the_kv_transfer_params_handoff_only():
     assert done.returncode == 2 and "kv-transfer-params handoff only" in done.stderr
 
 
+async def test_the_attention_probe_reports_why_vllm_could_not_be_asked_and_does_not_fail(tmp_path):
+    without_vllm = await probe_attention(Path(sys.executable))  # pd-extproc's environment: no torch, vLLM
+    assert (without_vllm.isa, without_vllm.amx_tiles) == (None, None)
+    assert re.fullmatch(
+        r"dtype float32, attention ISA unknown \(asking vLLM's _get_attn_isa failed \(exit 1\): "
+        r"ModuleNotFoundError: No module named '(torch|vllm)'\)",
+        without_vllm.describe(),
+    )
+    missing = await probe_attention(tmp_path / "no-python")
+    assert missing.describe().startswith(f"dtype float32, attention ISA unknown (cannot run {tmp_path}")
+    assert (
+        AttentionPath("float32", "vec", False).describe()
+        == "dtype float32, attention ISA vec (AMX tiles: no)"
+    )
+
+
 @pytest.mark.parametrize(
     ("death", "says"),
     [
@@ -222,7 +242,7 @@ async def test_a_decode_that_dies_on_its_first_kv_load_is_reported_dead_with_its
     try:
         await asyncio.gather(*(e.wait_ready(timeout=30) for e in engines.values()))
         infos = [EngineInfo(s.address, s.role, s.group, KV_TOKENS) for s in specs]
-        cluster = VllmCluster(infos, engines, tmp_path, python, tmp_path)
+        cluster = VllmCluster(infos, engines, tmp_path, python, tmp_path, NOT_ASKED)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
             with pytest.raises(EngineError) as raised:
                 await cluster.warm_up(session)
