@@ -124,9 +124,9 @@ def _bonus(text: str) -> float:
     return value
 
 
-async def run_vllm(requests: int, modes: list[str], rate: float, bonus: float) -> dict[str, dict]:
-    """:func:`rig.demo.run_vllm_demo` with a progress bar (imported here: ``serve`` and the simulated
-    demo never load the real-engine rig)."""
+async def run_vllm(requests: int, modes: list[str], rate: float, bonus: float) -> tuple[str, dict[str, dict]]:
+    """:func:`rig.demo.run_vllm_demo` (the engines' dtype and attention kernels, the results) with a
+    progress bar (imported here: ``serve`` and the simulated demo never load the real-engine rig)."""
     from rig.demo import run_vllm_demo
 
     with tqdm(total=requests * len(modes), unit="req", desc="demo on vLLM", leave=False) as bar:
@@ -183,8 +183,10 @@ def _run(args: argparse.Namespace) -> int:
         if vllm:
             requests, rate = args.requests or VLLM_REQUESTS, args.rate or VLLM_RATE
             workload = f"{requests} streaming requests per mode at {rate:g} req/s"
-            cluster = "real vLLM engines (CPU, tiny Llama, NixlConnector): rack-a 1P+1D, rack-b 1P+1D"
-            results = asyncio.run(run_vllm(requests, args.modes, rate, args.bonus))
+            kernels, results = asyncio.run(run_vllm(requests, args.modes, rate, args.bonus))
+            cluster = (
+                f"real vLLM engines (CPU, tiny Llama, NixlConnector; {kernels}): rack-a 1P+1D, rack-b 1P+1D"
+            )
         else:
             workload, cluster, results = _replay(args)
     except TraceError as exc:
