@@ -49,15 +49,22 @@ _FLAG_KEYS = {
 (``None``: not given; the switches' default is ``None`` too)."""
 
 
+def _flag(dest: str) -> str:
+    """The ``serve`` flag of the argparse ``dest``: ``--affinity-mode`` for ``affinity_mode``."""
+    return "--" + dest.replace("_", "-")
+
+
 def _serve(args: argparse.Namespace) -> int:
-    overrides: dict[str, object] = {
-        key: getattr(args, flag) for flag, key in _FLAG_KEYS.items() if getattr(args, flag) is not None
-    }
+    given = [flag for flag in _FLAG_KEYS if getattr(args, flag) is not None]
+    overrides: dict[str, object] = {_FLAG_KEYS[flag]: getattr(args, flag) for flag in given}
+    origins = {_FLAG_KEYS[flag]: _flag(flag) for flag in given}
     if args.eds_file:
         overrides["discovery.eds_files"] = [str(Path(p).resolve()) for p in args.eds_file]  # relative to cwd
+        origins["discovery.eds_files"] = _flag("eds_file")
     if args.kubeconfig is not None:
         overrides["discovery.kubernetes.kubeconfig"] = str(Path(args.kubeconfig).resolve())
-    source = ConfigSource(args.config, overrides)
+        origins["discovery.kubernetes.kubeconfig"] = _flag("kubeconfig")
+    source = ConfigSource(args.config, overrides, origins=origins)
     config = _load(source)
     if config is None:
         return 2

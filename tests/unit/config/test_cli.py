@@ -31,7 +31,7 @@ def test_serve_never_imports_the_simulator() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
-    assert "invalid configuration: affinity.mode" in result.stderr
+    assert "invalid configuration: --affinity-mode (affinity.mode)" in result.stderr
 
 
 def test_help_lists_every_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
