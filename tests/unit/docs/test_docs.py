@@ -1,6 +1,7 @@
 """The documentation cannot drift from the repository: every relative link and anchor of README.md and
 docs/ resolves, every ``make`` target and ``pd-extproc`` command (subcommand and flags) quoted as code
-exists, every flag of ``pd-extproc serve`` and every global one is quoted in docs/, and
+exists and reads nothing above the clone, every flag of ``pd-extproc serve`` and every global one is
+quoted in docs/, and
 docs/configuration.md lists exactly the keys and defaults of ``ext_proc/config.py``. Each check is also
 fed a broken page, so that it is seen to fail."""
 
@@ -86,6 +87,28 @@ def test_an_unknown_make_target_is_found() -> None:
         "```bash\nmake vllm-env   # once\ncd x && make bench-all\n```\n"
     )
     assert _unknown_make_targets(text, {"demo", "vllm-env"}) == ["1: make tset", "4: make bench-all"]
+
+
+def _above_the_clone(text: str) -> list[str]:
+    """Quoted code naming a path above the repository (``../shared/x``): a clone has nothing there, and
+    the pages' commands run from its root."""
+    return [f"{n}: {code.strip()}" for n, code in code_texts(text) if re.search(r"(?<![\w./])\.\./", code)]
+
+
+@pytest.mark.parametrize("page", pages(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_quoted_code_reads_nothing_above_the_clone(page: Path) -> None:
+    assert _above_the_clone(_read(page)) == []
+
+
+def test_a_path_above_the_clone_is_found() -> None:
+    text = (
+        "[a link](../README.md) is fine, `sim/x.jsonl` and `a/../b` too\n"
+        "```bash\nT=../shared/traces/t.jsonl\npython bench/x.py ../t.jsonl --count 3\n```\n"
+    )
+    assert _above_the_clone(text) == [
+        "3: T=../shared/traces/t.jsonl",
+        "4: python bench/x.py ../t.jsonl --count 3",
+    ]
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
