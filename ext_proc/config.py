@@ -2,7 +2,8 @@
 
 Precedence, lowest first: built-in defaults < YAML file < environment < command-line flags.
 Every key is optional. Errors raise :class:`~ext_proc.checks.ConfigError` naming the key and what it
-accepts; the CLI turns that into exit code 2. Each section's dataclass and its ``check()`` live beside
+accepts (after the environment variable or flag that set it, when one did); the CLI turns that into
+exit code 2. Each section's dataclass and its ``check()`` live beside
 the code that reads it: ``discovery/config.py``; ``router.py`` for ``affinity``, with
 ``affinity/config.py`` and ``prefix/config.py``; ``handoff/config.py``; ``handoff/routing.py``;
 ``engine_load/config.py``; ``xds/config.py``; ``load.py`` (``load``, ``limits``); ``tls.py``;
