@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from ext_proc.checks import ConfigError, in_range
+from ext_proc.checks import ConfigError, check_url_port, in_range
 
 DEFAULT_PREFIX = "pd-extproc"
 
@@ -108,5 +108,6 @@ class SharedStateConfig:
                 raise ConfigError(
                     f"{key}.nats.url: {url!r} is not allowed; use nats://host:port or tls://host:port"
                 )
+            check_url_port(f"{key}.nats.url", url.strip())
         if bool(nats.tls.cert) != bool(nats.tls.key):
             raise ConfigError(f"{key}.nats.tls: cert and key go together")
