@@ -22,6 +22,17 @@ class SharedStateKind(enum.StrEnum):
     NATS = "nats"
 
 
+def redacted(url: str) -> str:
+    """``url`` (one or several comma-separated) without the user, password or token before an ``@``:
+    what a log line or an error message may show."""
+    shown = []
+    for one in url.split(","):
+        scheme, sep, rest = one.strip().partition("://")
+        host = rest.rpartition("@")[2]
+        shown.append(f"{scheme}{sep}{'***@' if '@' in rest else ''}{host}" if sep else one.strip())
+    return ",".join(shown)
+
+
 @dataclass(frozen=True)
 class NatsTls:
     """``shared_state.nats.tls``: the CA that signs the server (``ca``), and this client's certificate
@@ -104,10 +115,16 @@ class SharedStateConfig:
                 "starts a private server)"
             )
         for url in filter(None, nats.url.split(",")):
+            shown = redacted(url.strip())  # an error message must not carry the password
             if urlsplit(url.strip()).scheme not in ("nats", "tls"):
                 raise ConfigError(
-                    f"{key}.nats.url: {url!r} is not allowed; use nats://host:port or tls://host:port"
+                    f"{key}.nats.url: {shown!r} is not allowed; use nats://host:port or tls://host:port"
                 )
-            check_url_port(f"{key}.nats.url", url.strip())
+            try:
+                check_url_port(f"{key}.nats.url", url.strip())
+            except ConfigError:
+                raise ConfigError(
+                    f"{key}.nats.url: {shown!r} is not allowed: its port is not a number in 1..65535"
+                ) from None
         if bool(nats.tls.cert) != bool(nats.tls.key):
             raise ConfigError(f"{key}.nats.tls: cert and key go together")
