@@ -1,7 +1,7 @@
 """``pd-extproc serve --workers N`` as users run it (docs/operations.md "Worker processes"): the real
 command, a real private nats-server, the workers driven over gRPC on their own ports as Envoy drives
-them; a booking on one worker seen by the other; SIGTERM or a dead worker stopping everything, no process
-left behind."""
+them, then the real Envoy listing both; a booking on one worker seen by the other; SIGTERM or a dead
+worker stopping everything, no process left behind."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from pathlib import Path
 import aiohttp
 import grpc
 import pytest
+from backends import start_backend
 from builders import endpoint
 from e2e_harness import by_outcome
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
@@ -23,12 +24,12 @@ from extproc_messages import body, destination, headers
 from polling import until
 
 from ext_proc.discovery.eds import write_eds_file
-from sim.gateway import free_port, wait_router_ready
+from sim.gateway import free_port, render_bootstrap, start_gateway, wait_router_ready
 
-DECODE = "10.0.1.1:8000"
 DROPPED = "pd_extproc_shared_messages_dropped_total"
 BOOKING = 20
 """Tokens :data:`extproc_messages.BODY` books on its decode: 10 prompt + 10 output."""
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi " * 40}], "max_tokens": 8}
 
 
 def _children(pid: int) -> dict[int, str]:
@@ -53,13 +54,15 @@ def _alive(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def serve_workers(tmp_path: Path, workers: int) -> Iterator[tuple[subprocess.Popen, int, int]]:
-    """``pd-extproc serve --workers N`` over one prefill and one decode (EDS files), in a session of its
-    own (whatever the test leaves running is killed at the end); the process, its first gRPC and admin
-    ports. Its log: ``tmp_path / "serve.log"``."""
+def serve_workers(
+    tmp_path: Path, workers: int, prefill_address: str, decode_address: str
+) -> Iterator[tuple[subprocess.Popen, int, int]]:
+    """``pd-extproc serve --workers N`` over one prefill and one decode (EDS files ``prefill.yaml`` and
+    ``decode.yaml`` in ``tmp_path``), in a session of its own (whatever the test leaves running is killed
+    at the end); the process, its first gRPC and admin ports. Its log: ``tmp_path / "serve.log"``."""
     prefill, decode = tmp_path / "prefill.yaml", tmp_path / "decode.yaml"
-    write_eds_file(prefill, "prefill", [endpoint("10.0.0.1:8000", "a", 1000.0)])
-    write_eds_file(decode, "decode", [endpoint(DECODE, "a", 1000.0)])
+    write_eds_file(prefill, "prefill", [endpoint(prefill_address, "a", 1000.0)])
+    write_eds_file(decode, "decode", [endpoint(decode_address, "a", 1000.0)])
     grpc_port, admin_port = free_port(), free_port()  # each the first of 8 free ports
     command = [
         sys.executable,
@@ -95,56 +98,102 @@ async def _decode_row(session: aiohttp.ClientSession, admin_port: int) -> dict:
     return row
 
 
-async def _book(channel: grpc.aio.Channel) -> grpc.aio.StreamStreamCall:
+async def _book(channel: grpc.aio.Channel, decode: str) -> grpc.aio.StreamStreamCall:
     """Open an ext_proc stream and send one request's headers and body, as Envoy does; the stream, held
-    open (the request still running), once it was routed to the decode."""
+    open (the request still running), once it was routed to ``decode``."""
     call = pb_grpc.ExternalProcessorStub(channel).Process()
     await call.write(headers())
     await call.read()
     await call.write(body())
-    assert destination(await call.read()) == DECODE
+    assert destination(await call.read()) == decode
     return call
 
 
+async def _decisions(session: aiohttp.ClientSession, admin_port: int) -> float:
+    """The requests the worker at ``admin_port`` routed so far."""
+    admin = f"http://127.0.0.1:{admin_port}"
+    return sum((await by_outcome(session, admin, "pd_extproc_route_decisions_total", "mode")).values())
+
+
+async def _through_envoy(
+    tmp_path: Path, session: aiohttp.ClientSession, grpc_port: int, requests: int
+) -> None:
+    """Send ``requests`` chat requests through the shipped Envoy listing both workers (ports ``grpc_port``
+    and the next), each answered 200."""
+    listen, admin = free_port(), free_port()
+    bootstrap = render_bootstrap(
+        listen_port=listen,
+        admin_port=admin,
+        extproc_port=grpc_port,
+        extproc_workers=2,
+        prefill_leg_port=free_port(),
+        decode_eds_path=str(tmp_path / "decode.yaml"),
+        prefill_eds_path=str(tmp_path / "prefill.yaml"),
+    )
+    gateway = await start_gateway(bootstrap, listen, admin)
+    try:
+        for _ in range(requests):
+            async with session.post(f"{gateway.url}/v1/chat/completions", json=CHAT) as response:
+                assert response.status == 200, await response.text()
+    finally:
+        gateway.stop()
+
+
 async def test_two_workers_share_their_bookings_and_stop_together(tmp_path: Path) -> None:
-    with serve_workers(tmp_path, 2) as (process, grpc_port, admin_port):
-        for i in range(2):
-            await wait_router_ready(process, admin_port + i, timeout=60)
-        children = _children(process.pid)
-        assert sorted(cmd.split()[0].rsplit("/", 1)[-1] for cmd in children.values()) == [
-            "nats-server",
-            *[Path(sys.executable).name] * 2,
-        ], children
-        async with (
-            aiohttp.ClientSession() as session,
-            grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as first,
-            grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port + 1}") as second,
-        ):
-            on_first = await _book(first)
-
-            async def peer_load(port: int) -> tuple[int, int]:
-                row = await _decode_row(session, port)
-                return row["peer_tokens"], row["peer_requests"]
-
-            await until(lambda: _is(peer_load(admin_port + 1), (BOOKING, 1)))
-            on_second = await _book(second)
-            await until(lambda: _is(peer_load(admin_port), (BOOKING, 1)))
-            row = await _decode_row(session, admin_port)
-            assert (row["active_tokens"], row["active_requests"]) == (2 * BOOKING, 2)  # own + peer's
-            await on_first.done_writing()
-            assert await on_first.read() == grpc.aio.EOF
-            await until(lambda: _is(peer_load(admin_port + 1), (0, 0)))
-            on_second.cancel()
-            await until(lambda: _is(peer_load(admin_port), (0, 0)))
-            for i in range(2):  # nothing garbled: not even the server's answer to a lone sync request
-                admin = f"http://127.0.0.1:{admin_port + i}"
-                assert await by_outcome(session, admin, DROPPED, "reason") == {}
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=30) == 0
-        assert [pid for pid in children if _alive(pid)] == []
+    prefill, decode = await start_backend(), await start_backend()
+    try:
+        with serve_workers(tmp_path, 2, prefill.address, decode.address) as (process, grpc_port, admin_port):
+            for i in range(2):
+                await wait_router_ready(process, admin_port + i, timeout=60)
+            children = _children(process.pid)
+            assert sorted(cmd.split()[0].rsplit("/", 1)[-1] for cmd in children.values()) == [
+                "nats-server",
+                *[Path(sys.executable).name] * 2,
+            ], children
+            async with aiohttp.ClientSession() as session:
+                await _share(session, grpc_port, admin_port, decode.address)
+                before = [await _decisions(session, admin_port + i) for i in range(2)]
+                await _through_envoy(tmp_path, session, grpc_port, 6)
+                after = [await _decisions(session, admin_port + i) for i in range(2)]
+                assert sum(after) - sum(before) == 6
+                assert min(a - b for a, b in zip(after, before, strict=True)) >= 2  # Envoy spreads them
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=30) == 0
+            assert [pid for pid in children if _alive(pid)] == []
+    finally:
+        await prefill.stop()
+        await decode.stop()
     log = (tmp_path / "serve.log").read_text()
     assert "worker 0 ext_proc.app: pd-extproc serving ext_proc" in log
     assert "worker 1 ext_proc.app: pd-extproc serving ext_proc" in log
+
+
+async def _share(session: aiohttp.ClientSession, grpc_port: int, admin_port: int, decode: str) -> None:
+    """A request booked on each worker over gRPC shows in the other's ``peer_tokens`` until it ends; no
+    message dropped."""
+    async with (
+        grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as first,
+        grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port + 1}") as second,
+    ):
+        on_first = await _book(first, decode)
+
+        async def peer_load(port: int) -> tuple[int, int]:
+            row = await _decode_row(session, port)
+            return row["peer_tokens"], row["peer_requests"]
+
+        await until(lambda: _is(peer_load(admin_port + 1), (BOOKING, 1)))
+        on_second = await _book(second, decode)
+        await until(lambda: _is(peer_load(admin_port), (BOOKING, 1)))
+        row = await _decode_row(session, admin_port)
+        assert (row["active_tokens"], row["active_requests"]) == (2 * BOOKING, 2)  # own + peer's
+        await on_first.done_writing()
+        assert await on_first.read() == grpc.aio.EOF
+        await until(lambda: _is(peer_load(admin_port + 1), (0, 0)))
+        on_second.cancel()
+        await until(lambda: _is(peer_load(admin_port), (0, 0)))
+    for i in range(2):  # nothing garbled: not even the server's answer to a lone sync request
+        admin = f"http://127.0.0.1:{admin_port + i}"
+        assert await by_outcome(session, admin, DROPPED, "reason") == {}
 
 
 async def _is(value, expected) -> bool:
@@ -152,7 +201,7 @@ async def _is(value, expected) -> bool:
 
 
 async def test_a_worker_that_dies_stops_serve_and_the_others(tmp_path: Path) -> None:
-    with serve_workers(tmp_path, 2) as (process, _, admin_port):
+    with serve_workers(tmp_path, 2, "10.0.0.1:8000", "10.0.1.1:8000") as (process, _, admin_port):
         for i in range(2):
             await wait_router_ready(process, admin_port + i, timeout=60)
         children = _children(process.pid)
