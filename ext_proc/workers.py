@@ -64,18 +64,18 @@ WORKER_FORMAT = "%(asctime)s %(levelname)s worker {index} %(name)s: %(message)s"
 """The log line format of worker ``index``."""
 
 
-def serve_one(config: Config, source: ConfigSource) -> int:
+def serve_one(config: Config, source: ConfigSource, who: str = "pd-extproc") -> int:
     """Run the server in this process until SIGINT/SIGTERM; the exit code (0; 2 invalid configuration;
-    1 an address that cannot be bound)."""
+    1 an address that cannot be bound), the reason printed after ``who``."""
     from ext_proc.app import serve_forever  # the server's modules: loaded only by a process that serves
 
     try:
         asyncio.run(serve_forever(config, source))
     except ConfigError as exc:  # a discovery source that cannot be set up (a bad kubeconfig)
-        print(f"pd-extproc: invalid configuration: {exc}", file=sys.stderr)
+        print(f"{who}: invalid configuration: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:
-        print(f"pd-extproc: cannot start: {exc}", file=sys.stderr)
+        print(f"{who}: cannot start: {exc}", file=sys.stderr)
         return 1
     return 0
 
@@ -406,12 +406,13 @@ def _worker_main() -> int:
     spec = json.loads(sys.stdin.read())
     logging.basicConfig(level=spec["log_level"], format=WORKER_FORMAT.format(index=spec["index"]))
     source = ConfigSource(spec["config"], spec["overrides"])
+    who = f"pd-extproc worker {spec['index']}"
     try:
         config = source.load()
     except ConfigError as exc:
-        print(f"pd-extproc: worker {spec['index']}: invalid configuration: {exc}", file=sys.stderr)
+        print(f"{who}: invalid configuration: {exc}", file=sys.stderr)
         return 2
-    return serve_one(config, source)
+    return serve_one(config, source, who)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -214,6 +215,19 @@ async def test_a_worker_that_dies_stops_serve_and_the_others(tmp_path: Path) -> 
         assert [p for p in children if _alive(p)] == []
     log = (tmp_path / "serve.log").read_text()
     assert f"worker 1 (pid {pid}) ended on its own (killed by SIGKILL)" in log
+
+
+def test_a_worker_that_cannot_listen_ends_serve_with_exit_1(tmp_path: Path) -> None:
+    with (
+        socket.socket() as taken,
+        serve_workers(tmp_path, 2, "10.0.0.1:8000", "10.0.1.1:8000") as (process, grpc_port, _),
+    ):
+        taken.bind(("127.0.0.1", grpc_port + 1))  # worker 1's port, long before it binds (seconds)
+        taken.listen()
+        assert process.wait(timeout=60) == 1
+    log = (tmp_path / "serve.log").read_text()
+    assert f"pd-extproc worker 1: cannot start: cannot listen on 127.0.0.1:{grpc_port + 1}" in log, log
+    assert "worker 1 (pid" in log and "ended on its own (exit code 1)" in log
 
 
 async def _json(session: aiohttp.ClientSession, url: str) -> dict:
