@@ -6,7 +6,6 @@ runs the demo."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import importlib
 import logging
 import sys
@@ -17,6 +16,7 @@ import yaml
 from ext_proc.checks import ConfigError
 from ext_proc.config import Config, ConfigSource, as_dict
 from ext_proc.discovery import SourceKind
+from ext_proc.workers import serve_one, serve_workers
 
 
 def _load(source: ConfigSource) -> Config | None:
@@ -69,17 +69,20 @@ def _serve(args: argparse.Namespace) -> int:
     config = _load(source)
     if config is None:
         return 2
-    from ext_proc.app import serve_forever
+    if args.workers == 1:
+        return serve_one(config, source)
+    return serve_workers(config, source, args.workers, args.log_level)
 
+
+def _workers(value: str) -> int:
+    """``--workers``: a whole number from 1 to 64."""
     try:
-        asyncio.run(serve_forever(config, source))
-    except ConfigError as exc:  # a discovery source that cannot be set up (a bad kubeconfig)
-        print(f"pd-extproc: invalid configuration: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:
-        print(f"pd-extproc: cannot start: {exc}", file=sys.stderr)
-        return 1
-    return 0
+        workers = int(value)
+    except ValueError:
+        workers = 0
+    if not 1 <= workers <= 64:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of workers from 1 to 64")
+    return workers
 
 
 def _add_serve(subparsers: argparse._SubParsersAction) -> None:
@@ -90,6 +93,14 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         "(mode, bonus, auto) takes effect at once",
     )
     serve.add_argument("--listen", help="gRPC host:port (config key listen)")
+    serve.add_argument(
+        "--workers",
+        type=_workers,
+        default=1,
+        help="worker processes sharing their bookings over NATS (a private nats-server on loopback unless "
+        "shared_state.nats.url names one); worker i listens on the listen, metrics_listen and health_listen "
+        "ports + i; 1 (default): this process serves alone",
+    )
     serve.add_argument("--metrics-listen", help="admin/metrics host:port (config key metrics_listen)")
     serve.add_argument(
         "--health-listen",

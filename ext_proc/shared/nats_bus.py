@@ -147,7 +147,13 @@ class NatsBus:
 
 
 def _callback(handler: Handler) -> Callable[[Msg], object]:
+    """Deliver a message's payload and reply subject to ``handler``; not the server's own status messages
+    (a header ``Status``: the empty "503 no responders" it sends to the reply subject of a sync request
+    that no peer was subscribed to hear, as when the first replica starts), which no peer sent."""
+
     async def deliver(msg: Msg) -> None:
+        if msg.headers and "Status" in msg.headers:
+            return
         handler(msg.data, msg.reply)
 
     return deliver

@@ -107,9 +107,10 @@ VALUE_SETS = {
             "affinity.auto.base_latency_ms": 0.0,
         },
     ),
-    "namespaces-monitoring": ValueSet(
+    "namespaces-monitoring-workers": ValueSet(
         {
             "replicaCount": 3,
+            "workers": 3,
             "discovery": {
                 "kubernetes": {
                     "namespaces": ["engines-a", "engines-b"],
@@ -326,13 +327,19 @@ def test_pod_wiring(rendered) -> None:
     extproc, proxy = manifests.container("pd-extproc"), manifests.container("envoy")
     assert extproc["readinessProbe"]["grpc"] == {"port": grpc_port, "service": "readiness"}
     assert extproc["livenessProbe"]["grpc"] == {"port": grpc_port, "service": "liveness"}
+    workers = typing.cast(int, value_set.values.get("workers", 1))
+    more = range(1, workers)  # worker i on each port + i (docs/operations.md "Worker processes")
     assert {p["name"]: p["containerPort"] for p in extproc["ports"]} == {
         "extproc": grpc_port,
         "metrics": metrics_port,
+        **{f"extproc-{i}": grpc_port + i for i in more},
+        **{f"metrics-{i}": metrics_port + i for i in more},
     }
     clusters = {c["name"]: c for c in envoy["static_resources"]["clusters"]}
-    endpoint = clusters["pd_extproc"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
-    assert endpoint["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": grpc_port}
+    (endpoints,) = clusters["pd_extproc"]["load_assignment"]["endpoints"]
+    assert [e["endpoint"]["address"]["socket_address"] for e in endpoints["lb_endpoints"]] == [
+        {"address": "127.0.0.1", "port_value": grpc_port + i} for i in range(workers)
+    ]
     listeners = {entry["name"]: entry for entry in envoy["static_resources"]["listeners"]}
     stats_port = listeners["stats"]["address"]["socket_address"]["port_value"]
     assert {p["name"]: p["containerPort"] for p in proxy["ports"]} == {
@@ -346,7 +353,7 @@ def test_pod_wiring(rendered) -> None:
         "/stats/prometheus",
     }
     assert envoy["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
-    assert extproc["args"][-2:] == ["--config", "/etc/pd-extproc/config.yaml"]
+    assert extproc["args"][-4:] == ["--workers", str(workers), "--config", "/etc/pd-extproc/config.yaml"]
     assert proxy["args"][:2] == ["-c", "/etc/envoy/envoy.yaml"]
     volumes = {v["name"]: v for v in manifests.pod["volumes"]}
     for container, volume, folder in ((extproc, "config", "/etc/pd-extproc"), (proxy, "envoy", "/etc/envoy")):
@@ -373,7 +380,11 @@ def test_services_and_monitoring(rendered) -> None:
         ("http", service_values.get("port", 8080), "http")
     ]
     assert metrics["spec"]["type"] == "ClusterIP"
-    assert [p["targetPort"] for p in metrics["spec"]["ports"]] == ["metrics", "envoy-stats"]
+    workers = typing.cast(int, value_set.values.get("workers", 1))
+    worker_metrics = ["metrics", *[f"metrics-{i}" for i in range(1, workers)]]  # every worker's
+    assert [p["targetPort"] for p in metrics["spec"]["ports"]] == [*worker_metrics, "envoy-stats"]
+    container_ports = {p["name"]: p["containerPort"] for p in manifests.container("pd-extproc")["ports"]}
+    assert all(p["port"] == container_ports[p["targetPort"]] for p in metrics["spec"]["ports"][:workers])
     pod_labels = manifests.one("Deployment", FULLNAME)["spec"]["template"]["metadata"]["labels"]
     for service in (gateway, metrics):
         assert service["spec"]["selector"].items() <= pod_labels.items()
@@ -385,7 +396,7 @@ def test_services_and_monitoring(rendered) -> None:
         assert monitor["spec"]["selector"]["matchLabels"].items() <= metrics["metadata"]["labels"].items()
         assert not monitor["spec"]["selector"]["matchLabels"].items() <= gateway["metadata"]["labels"].items()
         assert [(e["port"], e["path"]) for e in monitor["spec"]["endpoints"]] == [
-            ("metrics", "/metrics"),
+            *[(port, "/metrics") for port in worker_metrics],
             ("envoy-stats", "/stats/prometheus"),
         ]
         assert monitor["metadata"]["labels"]["release"] == "prometheus"
@@ -629,6 +640,8 @@ def test_the_bonus_is_accepted_as_users_type_it_and_rendered_as_a_number(
         (("tls.cert_file=/etc/tls/tls.crt",), {}, ["at '/tls/cert_file'"]),
         (("admin.debug_endpoints=yes",), {}, ["at '/admin/debug_endpoints'"]),
         (("affinty.mode=strict",), {}, ["additional properties 'affinty' not allowed"]),
+        (("workers=0",), {}, ["at '/workers': minimum"]),
+        (("workers=65",), {}, ["at '/workers': maximum"]),
     ],
 )
 def test_bad_values_are_refused_at_install_time(
