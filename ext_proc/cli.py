@@ -1,7 +1,8 @@
-"""The ``pd-extproc`` command line: ``serve``, ``check-config``, ``sim`` and ``demo``.
+"""The ``pd-extproc`` command line: ``serve``, ``check-config``, ``envoy-bootstrap``, ``sim`` and ``demo``.
 
-``serve`` runs the router, ``check-config`` checks a file, ``sim`` runs a simulated engine and ``demo``
-runs the demo."""
+``serve`` runs the router, ``check-config`` checks a file, ``envoy-bootstrap`` prints an Envoy bootstrap
+listing every pd-extproc worker or replica behind that Envoy, ``sim`` runs a simulated engine and
+``demo`` runs the demo."""
 
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ _FLAG_KEYS = {
     "engine_metrics": "engine_metrics.enabled",
     "engine_metrics_interval": "engine_metrics.interval_seconds",
     "envoy_admin_url": "envoy_health.admin_url",
+    "shared_state": "shared_state.kind",
 }
 """``serve`` flags (their argparse ``dest``) that set a configuration key to their value, when given
 (``None``: not given; the switches' default is ``None`` too)."""
@@ -100,6 +102,12 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         help="worker processes sharing their bookings over NATS (a private nats-server on loopback unless "
         "shared_state.nats.url names one); worker i listens on the listen, metrics_listen and health_listen "
         "ports + i; 1 (default): this process serves alone",
+    )
+    serve.add_argument(
+        "--shared-state",
+        choices=["local", "nats"],
+        help="local: route on this process's own bookings; nats: share them with the other replicas over "
+        "NATS (shared_state.kind; the URL from shared_state.nats.url or PD_EXTPROC_NATS_URL)",
     )
     serve.add_argument("--metrics-listen", help="admin/metrics host:port (config key metrics_listen)")
     serve.add_argument(
@@ -231,6 +239,27 @@ def _add_check_config(subparsers: argparse._SubParsersAction) -> None:
     check.set_defaults(func=_check_config)
 
 
+def _envoy_bootstrap(args: argparse.Namespace) -> int:
+    from ext_proc.envoy_bootstrap import main
+
+    return main(args.bootstrap, args.extproc_workers)
+
+
+def _add_envoy_bootstrap(subparsers: argparse._SubParsersAction) -> None:
+    bootstrap = subparsers.add_parser(
+        "envoy-bootstrap",
+        help="print an Envoy bootstrap listing many pd-extprocs",
+    )
+    bootstrap.add_argument("bootstrap", help="the bootstrap file, e.g. envoy/envoy.yaml")
+    bootstrap.add_argument(
+        "--extproc-workers",
+        type=_workers,
+        default=1,
+        help="pd-extprocs on the bootstrap's ext_proc port and the ports after it (several: health-checked)",
+    )
+    bootstrap.set_defaults(func=_envoy_bootstrap)
+
+
 _LAZY = {
     "sim": ("sim.cli", "run one simulated vLLM PD engine"),
     "demo": ("sim.demo", "compare affinity modes on a simulated PD cluster"),
@@ -251,6 +280,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_serve(subparsers)
     _add_check_config(subparsers)
+    _add_envoy_bootstrap(subparsers)
     for name, (module, help_line) in _LAZY.items():
         if name == command:
             importlib.import_module(module).add_parser(subparsers)

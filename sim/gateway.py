@@ -25,6 +25,7 @@ from pathlib import Path
 import aiohttp
 import yaml
 
+from ext_proc.envoy_bootstrap import with_extproc_workers
 from ext_proc.handoff.base import KV_HANDOFF_HEADER
 
 SHIPPED_BOOTSTRAP = Path(__file__).resolve().parents[1] / "envoy" / "envoy.yaml"
@@ -110,9 +111,10 @@ def render_bootstrap(
     clusters read files (``envoy.yaml``) and unused by one served over ADS (``envoy-ads.yaml``).
 
     ``extproc_workers``: the pd_extproc cluster lists ``extproc_port`` and the ``extproc_workers - 1``
-    ports after it, as for ``pd-extproc serve --workers N``. ``extproc_port=None`` removes the
-    ext_proc filter (the "same route without the filter" baseline: the decode route then takes every
-    ``/v1/`` request, as with ``fail_open``);
+    ports after it, as for ``pd-extproc serve --workers N``, health-checked when several
+    (:func:`ext_proc.envoy_bootstrap.with_extproc_workers`: what ``pd-extproc envoy-bootstrap`` prints).
+    ``extproc_port=None`` removes the ext_proc filter (the "same route without the filter" baseline:
+    the decode route then takes every ``/v1/`` request, as with ``fail_open``);
     ``round_robin=True`` also replaces the decode cluster's override_host policy by plain round
     robin (the "plain Envoy" baseline); ``response_headers=True`` turns on the optional ext_proc
     response-headers phase; ``fail_open=True`` makes the documented fail-open edit (docs/operations.md
@@ -153,16 +155,14 @@ def render_bootstrap(
             modes["response_header_mode"] = "SEND"
         if full_duplex:
             modes.update(FULL_DUPLEX_MODES)
-        workers = clusters["pd_extproc"]["load_assignment"]["endpoints"][0]
-        workers["lb_endpoints"] = [
-            {"endpoint": {"address": _socket(extproc_port + i)}} for i in range(extproc_workers)
-        ]
+        extproc_cluster = clusters["pd_extproc"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]
+        extproc_cluster["endpoint"]["address"] = _socket(extproc_port)
     if fail_open or extproc_port is None:
         make_fail_open(config)
     if round_robin:
         decode.pop("load_balancing_policy", None)
         decode["lb_policy"] = "ROUND_ROBIN"
-    return config
+    return config if extproc_port is None else with_extproc_workers(config, extproc_workers)
 
 
 def make_fail_open(bootstrap: dict) -> None:

@@ -6,8 +6,10 @@ the Dockerfile asks for, and without the user-management tools (``passwd``, ``ad
 minimal bases lack; checks that the image runs as uid/gid 10001; starts docker-compose.yml, sends streaming
 and non-streaming OpenAI SDK requests through the published gateway port and checks, from the
 simulator's ``x-sim-*`` headers, that each lands on a decode of its prefill's pdGroup; then
-recreates pd-extproc with ``PD_EXTPROC_AFFINITY_MODE=strict`` and each engine handoff
-(``PD_EXTPROC_HANDOFF``), checks ``/metrics``, and ends with ``docker-compose down -v``.
+recreates the two pd-extproc replicas with ``PD_EXTPROC_AFFINITY_MODE=strict`` and each engine handoff
+(``PD_EXTPROC_HANDOFF``), checks both replicas' ``/metrics`` (their decisions, and each holding the
+other as its peer over the ``nats`` service); then stops one replica (every request still routed by the
+other) and starts it again (it takes its peer's state back), and ends with ``docker-compose down -v``.
 
 Run as root it installs what it lacks (Debian's docker.io, docker-compose, debootstrap) and starts
 ``dockerd --storage-driver=vfs`` if no engine answers, stopping it again at the end. Not root: it
@@ -312,12 +314,13 @@ def free_port(preferred: int) -> int:
 class Compose:
     def __init__(self) -> None:
         self.gateway_port = free_port(8080)
-        self.metrics_port = free_port(9090)
+        self.metrics_ports = (free_port(9090), free_port(9091))
         self.base_env = {
             **os.environ,
             "PD_EXTPROC_IMAGE": IMAGE,
             "PD_EXTPROC_GATEWAY_PORT": str(self.gateway_port),
-            "PD_EXTPROC_METRICS_PORT": str(self.metrics_port),
+            "PD_EXTPROC_METRICS_PORT": str(self.metrics_ports[0]),
+            "PD_EXTPROC_METRICS_PORT_2": str(self.metrics_ports[1]),
             "COMPOSE_PROJECT_NAME": PROJECT,
         }
 
@@ -353,9 +356,35 @@ class Compose:
         except OSError:
             return False
 
-    def metrics(self) -> str:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
+    def metrics(self, replica: int) -> str:
+        """Replica ``replica``'s (0 or 1) ``/metrics``."""
+        with urllib.request.urlopen(
+            f"http://127.0.0.1:{self.metrics_ports[replica]}/metrics", timeout=5
+        ) as r:
             return r.read().decode()
+
+
+def sample(metrics: str, name: str) -> float:
+    """The value of the unlabelled sample ``name`` in a ``/metrics`` page (0 when absent)."""
+    for line in metrics.splitlines():
+        if line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def wait_for_peers(compose: Compose, timeout: float = 30) -> None:
+    """Until each replica is connected to NATS and holds the other as its one peer."""
+    deadline = time.monotonic() + timeout
+    while True:
+        pages = [compose.metrics(r) for r in (0, 1)]
+        if all(
+            sample(p, "pd_extproc_shared_peers") == 1 and sample(p, "pd_extproc_shared_connected") == 1
+            for p in pages
+        ):
+            return
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the replicas do not hold each other as peers after {timeout:.0f} s")
+        time.sleep(0.5)
 
 
 def check_requests(compose: Compose, mode: str, handoff: str) -> None:
@@ -403,17 +432,53 @@ def check_requests(compose: Compose, mode: str, handoff: str) -> None:
         f"group (prefill groups used: {', '.join(groups)})"
     )
 
-    metrics = compose.metrics()
+    pages = [compose.metrics(replica) for replica in (0, 1)]
     decisions = [
-        line for line in metrics.splitlines() if line.startswith("pd_extproc_route_decisions_total{")
+        line
+        for page in pages
+        for line in page.splitlines()
+        if line.startswith("pd_extproc_route_decisions_total{")
     ]
     assert any(f'mode="{mode}"' in line and 'locality="same_group"' in line for line in decisions), decisions
     assert not any('locality="cross_group"' in line for line in decisions), decisions
+    for replica, page in enumerate(pages):  # Envoy spreads the requests over both replicas
+        assert any(line.startswith("pd_extproc_route_decisions_total{") for line in page.splitlines()), (
+            replica
+        )
+        assert sample(page, "pd_extproc_shared_peers") == 1, (replica, "its peer")
     if handoff != "sidecar":
-        legs = [line for line in metrics.splitlines() if line.startswith("pd_extproc_prefill_leg_total{")]
+        legs = [
+            line
+            for page in pages
+            for line in page.splitlines()
+            if line.startswith("pd_extproc_prefill_leg_total{")
+        ]
         ok = sum(float(line.rsplit(" ", 1)[1]) for line in legs if 'outcome="ok"' in line)
         assert ok >= 2 * REQUESTS_PER_KIND, legs
-    log(f"/metrics on :{compose.metrics_port}: {'; '.join(decisions)}")
+    log(f"/metrics on :{compose.metrics_ports}: {'; '.join(decisions)}")
+
+
+def check_failover(compose: Compose) -> None:
+    """One replica stopped: every request is routed by the other; started again: it holds its peer."""
+    t0 = time.monotonic()
+    compose("stop", "pd-extproc-2")
+    client = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{compose.gateway_port}/v1", api_key="unused", max_retries=0, timeout=60
+    )
+    time.sleep(3)  # Envoy's health check takes a stopped replica out within 2 s (two checks a second apart)
+    for i in range(2 * REQUESTS_PER_KIND):
+        messages = [{"role": "user", "content": f"failover {i} {LONG_PROMPT}"}]
+        completion = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8)
+        assert completion.choices[0].message.content, completion
+    log(
+        f"pd-extproc-2 stopped: {2 * REQUESTS_PER_KIND} requests all routed by pd-extproc "
+        f"({time.monotonic() - t0:.1f} s)"
+    )
+    t0 = time.monotonic()
+    compose("start", "pd-extproc-2")
+    compose.wait_ready()
+    wait_for_peers(compose)
+    log(f"pd-extproc-2 started again and holding its peer after {time.monotonic() - t0:.1f} s")
 
 
 def main() -> int:
@@ -434,9 +499,10 @@ def main() -> int:
             compose("up", "-d", "--no-build")
             up_returned = time.monotonic() - t0
             compose.wait_ready()
+            wait_for_peers(compose)
             log(
-                f"cold `docker-compose up -d`: returned in {up_returned:.1f} s, every service healthy and "
-                f"the gateway routing after {time.monotonic() - t0:.1f} s"
+                f"cold `docker-compose up -d`: returned in {up_returned:.1f} s, every service healthy, "
+                f"the gateway routing and the two replicas peers after {time.monotonic() - t0:.1f} s"
             )
             for mode, handoff in PHASES:
                 env = {"PD_EXTPROC_AFFINITY_MODE": mode, "PD_EXTPROC_HANDOFF": handoff}
@@ -445,8 +511,10 @@ def main() -> int:
                     out = compose("up", "-d", "--no-build", env=env)
                     assert "Recreating" in out and "pd-extproc" in out, out
                     compose.wait_ready()
+                    wait_for_peers(compose)
                     log(f"pd-extproc recreated with {env} in {time.monotonic() - t0:.1f} s")
                 check_requests(compose, mode, handoff)
+            check_failover(compose)
         finally:
             compose("down", "-v", "--remove-orphans")
             left = compose.containers()
