@@ -10,9 +10,10 @@ subscribers follows the registry: engines that joined get one, engines that left
 their entries, through the router's ``retain``; a rank an engine no longer has, here). When the index
 answers a gap with :class:`~ext_proc.prefix.event_index.ReplayFrom` the task asks the engine's replay
 socket (a DEALER on its ``kv_events_replay_port``, else ``replay_port``, plus the rank) for the
-batches from there on, applies them, then goes on with the live ones (those the replay covered are
-duplicates, dropped); a replay that fails or times out drops the engine's entries instead and, for
-``REPLAY_BACKOFF_SECONDS``, no replay is asked of it again.
+batches from there on, applies them, then goes on with the live ones: those numbered after the batch
+that asked the replay but covered by it are duplicates, dropped (one numbered at most that batch means
+the sequence went back, an engine restart: it is applied); a replay that fails or times out drops the
+engine's entries instead and, for ``REPLAY_BACKOFF_SECONDS``, no replay is asked of it again.
 
 Bad input never stops routing: a message that does not decode is counted (``garbled``) and dropped;
 the SUB socket keeps at most ``kv_events.queue_batches`` messages (ZeroMQ drops the rest, which the
@@ -168,16 +169,14 @@ class KvEventSubscribers:
         sub.setsockopt(zmq.RCVHWM, queue)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         log.info("subscribed to the KV-cache events of %s on port %d", address, target.port)
-        replayed_from: int | None = (
-            None  # the start of the last replay: live batches it covered are duplicates
-        )
+        trigger: int | None = None  # the live batch that asked the last replay, until one past it is applied
         try:
             while True:
                 frames = await sub.recv_multipart()
                 self._metrics.kv_events_received(address)
                 batch = self._decode(address, frames)
                 if batch is not None:
-                    replayed_from = await self._take(address, target, batch, replayed_from)
+                    trigger = await self._take(address, target, batch, trigger)
                 await asyncio.sleep(0)  # a flood shares the loop
         finally:
             sub.close(linger=0)
@@ -195,17 +194,20 @@ class KvEventSubscribers:
             self._metrics.kv_events_dropped(address, "unknown_type", len(batch.skipped))
         return batch
 
-    async def _take(
-        self, address: str, target: Target, batch: EventBatch, replayed_from: int | None
-    ) -> int | None:
-        """Apply one live batch, replaying first when the index asks; the new ``replayed_from``."""
+    async def _take(self, address: str, target: Target, batch: EventBatch, trigger: int | None) -> int | None:
+        """Apply one live batch, replaying first when the index asks; the new ``trigger``.
+
+        ``trigger``: the sequence of the live batch that asked the last replay (``None``: a live batch
+        was applied since). The live stream comes in order, so a batch numbered after ``trigger`` and
+        before the index's next expected one was covered by the replay (a duplicate, dropped), and one
+        numbered ``trigger`` or less comes from an engine that restarted since (applied: a restart)."""
         source = self._source()
         if source is None:
-            return replayed_from
+            return trigger
         expected = source.index.expected(address)
-        if replayed_from is not None and expected is not None and replayed_from <= batch.sequence < expected:
+        if trigger is not None and expected is not None and trigger < batch.sequence < expected:
             self._metrics.kv_events_dropped(address, "duplicate")
-            return replayed_from
+            return trigger
         now = self._clock()
         replayable = target.replay_port > 0 and now >= self._no_replay_until.get(address, 0.0)
         result = source.index.apply(address, batch, now, replayable)
@@ -218,7 +220,7 @@ class KvEventSubscribers:
             expected = source.index.expected(address)
             if expected is None or batch.sequence >= expected:  # the replay did not cover it
                 self._count(address, source.index.apply(address, batch, self._clock(), replayable=False))
-            return result.sequence
+            return batch.sequence
         self._count(address, result)
         return None  # the live stream is past the replay
 

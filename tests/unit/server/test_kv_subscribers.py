@@ -144,6 +144,51 @@ async def test_live_batches_a_replayed_gap_a_restart_and_garbage(encoding: KvEve
         assert sample(router, "pd_extproc_kv_index_blocks", endpoint=ENGINE, tier="GPU") == 0
 
 
+def expected(router: Router) -> int | None:
+    source = router.prefix
+    assert isinstance(source, KvEventSource)
+    return source.index.expected(ENGINE)
+
+
+async def test_live_batches_a_replay_covered_are_dropped_as_duplicates() -> None:
+    publisher = Publisher()
+    router = router_for(publisher)
+    async with subscribed(router, publisher):
+        await until(lambda: expected(router) == publisher.sequence)
+        publisher.publish(stored(1, 1), send=False)  # lost: the next batch asks a replay from here
+        publisher.publish(stored(2, 2))
+        publisher.publish(stored(3, 3))  # in the buffer when the replay is asked: it covers this one
+        await until(lambda: held(router, 1) == held(router, 2) == held(router, 3) == 1)
+        await until(
+            lambda: (
+                sample(router, "pd_extproc_kv_events_dropped_total", endpoint=ENGINE, reason="duplicate") == 1
+            )
+        )
+        assert expected(router) == publisher.sequence
+
+
+async def test_an_engine_restarting_right_after_a_replay_from_0_is_heard() -> None:
+    """The batches of an engine that restarts after a replay from 0 are new, not the replay's duplicates
+    (a live batch numbered at most the one that asked the replay means the sequence went back)."""
+    publisher = Publisher()
+    router = router_for(publisher)
+    async with subscribed(router, publisher):
+        publisher.publish(stored(10, 10))
+        publisher.publish(stored(11, 11))
+        await until(lambda: expected(router) == publisher.sequence)  # 3 or more
+        publisher.restart()
+        publisher.publish(stored(1, 1), send=False)  # sequence 0, lost
+        publisher.publish(stored(2, 2))  # 1: back, and not the first: a restart, replayed from 0
+        await until(lambda: held(router, 1) == held(router, 2) == 1)
+        assert publisher.replays[-1] == 0 and expected(router) == 2
+        publisher.restart()  # again, before anything else was published
+        publisher.publish(stored(3, 3))  # sequence 0, within the replay's numbers but new
+        await until(lambda: held(router, 3) == 1)
+        assert held(router, 1) == held(router, 2) == 0
+        assert sample(router, "pd_extproc_kv_events_resets_total", endpoint=ENGINE, reason="restart") == 2
+        assert sample(router, "pd_extproc_kv_events_dropped_total", endpoint=ENGINE, reason="duplicate") == 0
+
+
 async def test_without_a_replay_socket_a_gap_drops_the_entries_and_routing_goes_on() -> None:
     publisher = Publisher(replay=False)
     router = router_for(publisher)
