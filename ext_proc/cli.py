@@ -16,6 +16,7 @@ import yaml
 
 from ext_proc.checks import ConfigError
 from ext_proc.config import Config, ConfigSource, as_dict
+from ext_proc.prefix.kinds import PrefixSourceKind
 
 
 def _load(source: ConfigSource) -> Config | None:
@@ -172,6 +173,18 @@ def _tokenizer_problem(config: Config) -> str | None:
     return None
 
 
+def _block_size_note(config: Config) -> str | None:
+    """What ``affinity.prefix.block_tokens`` means with the ``kv-events`` source; ``None`` with another."""
+    prefix = config.affinity.prefix
+    if not (prefix.enabled and prefix.source == PrefixSourceKind.KV_EVENTS):
+        return None
+    return (
+        f"affinity.prefix.block_tokens ({prefix.block_tokens}) is the kv-events index's block size only "
+        "until the engines' events give theirs: the first size heard is the pool's, and an engine whose "
+        "events are of another is named in serve's log and in /healthz (kv_events.unusable)"
+    )
+
+
 def _check_config(args: argparse.Namespace) -> int:
     config = _load(ConfigSource(args.config))
     if config is None:
@@ -180,6 +193,9 @@ def _check_config(args: argparse.Namespace) -> int:
     if problem is not None:  # a folder mounted only where pd-extproc runs is not an invalid configuration
         print(f"pd-extproc: warning: {problem}", file=sys.stderr)
     print(f"# {args.config} is valid. Effective configuration (defaults and environment applied):")
+    note = _block_size_note(config)
+    if note is not None:
+        print(f"# {note}")
     print(yaml.safe_dump(as_dict(config), sort_keys=False), end="")
     return 0
 

@@ -15,6 +15,10 @@ that asked the replay but covered by it are duplicates, dropped (one numbered at
 the sequence went back, an engine restart: it is applied); a replay that fails or times out drops the
 engine's entries instead and, for ``REPLAY_BACKOFF_SECONDS``, no replay is asked of it again.
 
+The index learns each engine's block size from its events (:mod:`ext_proc.prefix.block_sizes`); an
+engine whose size is not the pool's has its blocks dropped (counted ``block_size``), which is logged
+once (a WARNING naming the engine, its size and the pool's) and listed by :meth:`KvEventSubscribers.report`.
+
 Bad input never stops routing: a message that does not decode is counted (``garbled``) and dropped;
 the SUB socket keeps at most ``kv_events.queue_batches`` messages (ZeroMQ drops the rest, which the
 sequence shows as a gap); the task yields to the event loop after every message, so a flooding engine
@@ -97,6 +101,7 @@ class KvEventSubscribers:
         self._context: zmq.asyncio.Context | None = None  # made with the first subscriber
         self._tasks: dict[str, tuple[Target, asyncio.Task[None]]] = {}
         self._no_replay_until: dict[str, float] = {}
+        self._told: set[tuple[str, int, int]] = set()  # (publisher, its size, the pool's): logged once
         metrics.watch_kv_events(self._blocks, self._stale_count)
 
     async def run(self) -> None:
@@ -248,7 +253,43 @@ class KvEventSubscribers:
             return
         for reason, count in applied.dropped.items():
             self._metrics.kv_events_dropped(address, reason, count)
+        if applied.dropped.get("block_size"):
+            self._tell_size(address)
         self._reset(address, applied.reset)
+
+    def _tell_size(self, address: str) -> None:
+        """Log once that ``address``'s blocks are of another size than the pool's (and so not indexed)."""
+        source = self._source()
+        if source is None:
+            return
+        sizes = source.index.sizes
+        size = sizes.of(address)
+        if size is None:
+            return
+        told = (address, size, sizes.tokens)
+        if told in self._told:
+            return
+        self._told.add(told)
+        log.warning(
+            "the KV-cache events of %s are of %d-token blocks, the pool's of %d (the first size heard, "
+            "which %d publisher(s) report): its blocks are not indexed, so its cache steers no request; "
+            "give every engine of the pool the same block size",
+            address,
+            size,
+            sizes.tokens,
+            sizes.reporting(sizes.tokens),
+        )
+
+    def report(self) -> dict[str, object] | None:
+        """The ``kv-events`` source's block sizes, in tokens (``None`` with another prefix source).
+
+        ``block_tokens``: the pool's, which a request's chain is hashed at; ``unusable``: each publisher
+        whose events report another size, with it (their blocks are not indexed)."""
+        source = self._source()
+        if source is None:
+            return None
+        sizes = source.index.sizes
+        return {"block_tokens": sizes.tokens, "unusable": sizes.unusable()}
 
     def _reset(self, address: str, reason: str | None) -> None:
         """Count and log a drop of ``address``'s entries for ``reason`` (``None``: none)."""

@@ -9,6 +9,7 @@ import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import aiohttp
 import pytest
 import zmq
 from builders import endpoint, kv_events_config
@@ -351,6 +352,41 @@ async def test_replicas_agree_on_a_prompt_sent_straight_to_an_engine() -> None:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        for engine in engines.values():
+            engine.close()
+
+
+async def test_an_engine_of_another_block_size_is_logged_once_and_reported(
+    caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    """The first engine heard gives the pool its block size; one publishing blocks of another size is
+    named once in the log and in ``/healthz``, and its blocks are counted as dropped."""
+    engines = {f"127.0.0.1:{8000 + i}": Publisher(replay=False) for i in range(2)}
+    specs = [endpoint(a, kv_events_port=p.port) for a, p in engines.items()]
+    server = await start_server(kv_events_config(tmp_path, specs))
+    (first, pool_engine), (odd, odd_engine) = engines.items()
+    dropped = {"endpoint": odd, "reason": "block_size"}
+    try:
+        await connected(pool_engine, server.router)  # blocks of B tokens: the pool's size
+        for k in range(200):  # until the subscriber has heard two (it misses what precedes it)
+            odd_engine.publish(BlockStored((500 + k,), None, (k,) * (2 * B), 2 * B, None, None))
+            if sample(server.router, "pd_extproc_kv_events_dropped_total", **dropped) >= 2:
+                break
+            await asyncio.sleep(0.05)
+        warnings = [
+            r.getMessage() for r in caplog.records if r.levelname == "WARNING" and odd in r.getMessage()
+        ]
+        assert warnings == [
+            f"the KV-cache events of {odd} are of {2 * B}-token blocks, the pool's of {B} (the first size "
+            "heard, which 1 publisher(s) report): its blocks are not indexed, so its cache steers no "
+            "request; give every engine of the pool the same block size"
+        ]
+        async with aiohttp.ClientSession() as http:
+            health = await (await http.get(f"http://127.0.0.1:{server.admin_port}/healthz")).json()
+        assert health["kv_events"] == {"block_tokens": B, "unusable": {odd: 2 * B}}
+        assert first not in health["kv_events"]["unusable"]
+    finally:
+        await server.stop()
         for engine in engines.values():
             engine.close()
 
