@@ -292,9 +292,11 @@ def verdicts(rows: dict[str, dict], bound: float) -> list[dict]:
     return out
 
 
-def _replay_window(args: argparse.Namespace, settings: list[str], start: int) -> dict:
-    """One window: its table printed, its numbers (``window``, ``settings``, ``bound``) returned."""
-    requests = read_window(Path(args.trace), args.format, start, args.count)
+def _replay_window(
+    args: argparse.Namespace, settings: list[str], start: int, requests: list[TraceRequest]
+) -> dict:
+    """One window, ``requests`` from ``start``: its table printed, its numbers (``window``, ``settings``,
+    ``bound``) returned."""
     replay = Replay(
         requests, args.max_output, args.speed, args.cluster, args.profile, args.cpu_tier, args.kv_tokens
     )
@@ -346,15 +348,17 @@ STACK_METRICS = (
 )
 
 
-def _stack_window(args: argparse.Namespace, settings: list[str], start: int) -> dict:
-    """One window through Envoy, ``pd-extproc serve`` and simulated engines over HTTP (wall clock, one
-    model second a second), each setting in turn on the same cluster; its table printed, its numbers
-    (``window``, ``settings`` as :func:`sim.report.summarize` gives them, ``bound``) returned."""
+def _stack_window(
+    args: argparse.Namespace, settings: list[str], start: int, requests: list[TraceRequest]
+) -> dict:
+    """One window, ``requests`` from ``start``, through Envoy, ``pd-extproc serve`` and simulated engines
+    over HTTP (wall clock, one model second a second), each setting in turn on the same cluster; its
+    table printed, its numbers (``window``, ``settings`` as :func:`sim.report.summarize` gives them,
+    ``bound``) returned."""
     from sim.experiment import measure
     from sim.stack import start_stack
     from sim.workload import trace_plans
 
-    requests = read_window(Path(args.trace), args.format, start, args.count)
     plans = trace_plans(requests, args.speed, args.max_output)
     large, small, kv = engines_of(args.profile, args.cpu_tier, args.kv_tokens)
     stack = start_stack(clusters(large, small)[args.cluster], large, kv)
@@ -401,11 +405,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     settings = _check(parser, args)
     replay_window = _stack_window if args.stack else _replay_window
-    try:
-        runs = [replay_window(args, settings, start) for start in args.start]
+    try:  # every window read before any runs: one past the end stops the replay at once
+        windows = [read_window(Path(args.trace), args.format, start, args.count) for start in args.start]
     except TraceError as exc:
         print(f"trace_replay: {exc}", file=sys.stderr)
         return 2
+    runs = [replay_window(args, settings, start, w) for start, w in zip(args.start, windows, strict=True)]
     if len(runs) == 1:
         window, rows, bound = runs[0]["window"], runs[0]["settings"], runs[0]["bound"]
     else:

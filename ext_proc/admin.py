@@ -36,7 +36,9 @@ def endpoint_rows(registry: Registry, engine_view: EngineView | None = None) -> 
 
     Each row says whether the router may pick the endpoint now (healthy and still listed: not a
     departed endpoint finishing its requests), its capacity (tokens) and live load:
-    ``active_tokens`` (local accounting), ``blended_tokens`` (what the decision reads) and, with
+    ``active_tokens`` and ``active_requests`` (every gateway replica's), of which ``peer_tokens`` and
+    ``peer_requests`` the peer replicas' (shared state), ``blended_tokens`` (what the decision reads)
+    and, with
     ``engine_view`` (engine metrics enabled), ``engine``: the last engine sample, its age and freshness."""
     pickable = {id(s) for s in (*registry.prefills, *registry.decodes)}
     return [
@@ -50,6 +52,8 @@ def endpoint_rows(registry: Registry, engine_view: EngineView | None = None) -> 
             "token_capacity": s.token_capacity,
             "active_tokens": s.active_tokens,
             "active_requests": s.active_requests,
+            "peer_tokens": s.peer_tokens,
+            "peer_requests": s.peer_requests,
             "blended_tokens": s.blended_tokens,
         }
         | ({"engine": engine_view(s)} if engine_view is not None else {})
@@ -62,14 +66,17 @@ def build_admin_app(
     metrics: Metrics,
     debug_endpoints: bool = True,
     engine_view: EngineView | None = None,
+    shared_view: Callable[[], dict[str, object]] | None = None,
     kv_events: KvEventsView | None = None,
 ) -> web.Application:
     """The aiohttp application serving the admin routes.
 
-    Without ``debug_endpoints`` (config ``admin.debug_endpoints``), ``/debug/endpoints`` answers 404
-    with a JSON error; ``engine_view``: see :func:`endpoint_rows`. ``/healthz`` answers the number of
-    pickable prefills and decodes and, while ``kv_events`` reports (the ``kv-events`` prefix source is
-    in force), ``kv_events``: the pool's block size and the engines whose events are of another."""
+    Without ``debug_endpoints`` (config ``admin.debug_endpoints``), ``/debug/endpoints`` and
+    ``/debug/shared`` answer 404 with a JSON error; ``engine_view``: see :func:`endpoint_rows`;
+    ``shared_view``: what ``/debug/shared`` shows of the shared state (its kind, this replica's name,
+    the connection and each peer heard from). ``/healthz`` answers the number of pickable prefills and
+    decodes and, while ``kv_events`` reports (the ``kv-events`` prefix source is in force),
+    ``kv_events``: the pool's block size and the engines whose events are of another."""
 
     async def metrics_handler(_: web.Request) -> web.Response:
         return web.Response(
@@ -79,8 +86,11 @@ def build_admin_app(
     async def endpoints_handler(_: web.Request) -> web.Response:
         return web.json_response(endpoint_rows(registry, engine_view))
 
-    async def endpoints_off_handler(_: web.Request) -> web.Response:
-        error = {"message": "/debug/endpoints is switched off (admin.debug_endpoints)", "code": "disabled"}
+    async def shared_handler(_: web.Request) -> web.Response:
+        return web.json_response(shared_view() if shared_view is not None else {"kind": "local"})
+
+    async def debug_off_handler(request: web.Request) -> web.Response:
+        error = {"message": f"{request.path} is switched off (admin.debug_endpoints)", "code": "disabled"}
         return web.json_response({"error": error}, status=404)
 
     async def healthz_handler(_: web.Request) -> web.Response:
@@ -96,6 +106,7 @@ def build_admin_app(
 
     app = web.Application()
     app.router.add_get("/metrics", metrics_handler)
-    app.router.add_get("/debug/endpoints", endpoints_handler if debug_endpoints else endpoints_off_handler)
+    app.router.add_get("/debug/endpoints", endpoints_handler if debug_endpoints else debug_off_handler)
+    app.router.add_get("/debug/shared", shared_handler if debug_endpoints else debug_off_handler)
     app.router.add_get("/healthz", healthz_handler)
     return app

@@ -24,10 +24,13 @@ from ext_proc.handoff.kinds import Handoff
 from ext_proc.health import Health
 from ext_proc.kv_subscribers import KvEventSubscribers
 from ext_proc.metrics import Metrics
+from ext_proc.prefix import blocks
 from ext_proc.registry import Registry
 from ext_proc.reload import RELOAD_INTERVAL_SECONDS, ConfigWatcher
 from ext_proc.router import Router, RouterSettings
 from ext_proc.server import start_grpc, start_health_grpc
+from ext_proc.shared.config import SharedStateKind
+from ext_proc.shared.kinds import SharedState, build_shared_state
 from ext_proc.tls import server_credentials, tls_mode
 from ext_proc.xds import EdsPublisher
 
@@ -57,6 +60,7 @@ class RunningServer:
     health_port: int
     publisher: EdsPublisher | None
     reloads: ConfigWatcher | None
+    shared: SharedState
     _grpc: tuple[grpc.aio.Server, ...]
     _admin: web.AppRunner
     _watchers: tuple[asyncio.Task[None], ...]
@@ -74,6 +78,7 @@ class RunningServer:
         if self.publisher is not None:
             self.publisher.close()
         await asyncio.gather(*(server.stop(grace) for server in self._grpc))
+        await self.shared.stop()
         await self.router.handoff.close()
         self.router.close()
         await self._admin.cleanup()
@@ -205,13 +210,16 @@ async def start_admin(
     registry: Registry,
     metrics: Metrics,
     load_signal: LoadSignal | None,
+    shared: SharedState,
     subscribers: KvEventSubscribers,
 ) -> tuple[web.AppRunner, int]:
     """Start the metrics and admin endpoint on ``metrics_listen``: ``(runner, port)``.
 
     ``OSError`` says where when it cannot be bound."""
     describe = load_signal.describe if load_signal is not None else None
-    admin = build_admin_app(registry, metrics, config.admin.debug_endpoints, describe, subscribers.report)
+    admin = build_admin_app(
+        registry, metrics, config.admin.debug_endpoints, describe, shared.describe, subscribers.report
+    )
     runner = web.AppRunner(admin, access_log=None)
     await runner.setup()
     host, port = _split(config.metrics_listen)
@@ -311,14 +319,26 @@ async def start_server(
     readiness = Readiness(registry, health)
     publisher = build_publisher(config, readiness, metrics)
     endpoints = await build_source(config, readiness, publisher, metrics)
+    if config.shared_state.kind is not SharedStateKind.LOCAL:  # the peers' chains must compare with ours
+        blocks.use_key(config.shared_state.nats.key())
     router = build_router(config, registry, metrics)
-    servers, grpc_port, health_port = await start_grpc_servers(config, router, health, publisher, credentials)
+    shared = build_shared_state(config.shared_state, registry, lambda: router.prefix, metrics)
+    router.shared = shared
+    await shared.start()  # learns the peers' state before the first request (bounded wait)
+    try:
+        servers, grpc_port, health_port = await start_grpc_servers(
+            config, router, health, publisher, credentials
+        )
+    except BaseException:
+        await shared.stop()
+        raise
     load_signal = build_load_signal(config, registry, metrics, router)
     subscribers = KvEventSubscribers(registry, router, metrics)  # idle unless the source is kv-events
     try:
-        runner, admin_port = await start_admin(config, registry, metrics, load_signal, subscribers)
+        runner, admin_port = await start_admin(config, registry, metrics, load_signal, shared, subscribers)
     except OSError:
         await _abandon(publisher, servers)
+        await shared.stop()
         raise
     reload = (source, reload_interval)
     watchers, reloads = start_watchers(config, endpoints, load_signal, router, metrics, reload, subscribers)
@@ -330,6 +350,7 @@ async def start_server(
         health_port,
         publisher,
         reloads,
+        shared,
         tuple(servers),
         runner,
         tuple(watchers),

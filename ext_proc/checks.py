@@ -6,6 +6,8 @@ Each section's dataclass checks itself beside the code that reads it (``check()`
 
 from __future__ import annotations
 
+from urllib.parse import urlsplit
+
 
 class ConfigError(ValueError):
     """Invalid configuration; the message names the key and the allowed values."""
@@ -36,3 +38,16 @@ def in_range(
 def _bound(number: float) -> str:
     """``number`` as a message shows it: ``1795`` for ``1795.0``, ``0.001`` as it is."""
     return str(int(number)) if float(number).is_integer() else str(number)
+
+
+def check_url_port(key: str, url: str) -> None:
+    """Raise :class:`ConfigError` when ``url`` names a port that is not a number in 1..65535.
+
+    No port is fine (the scheme's own); the message reads ``"{key}: {url!r} is not allowed: its port is
+    not a number in 1..65535"``."""
+    try:
+        port = urlsplit(url).port
+    except ValueError:  # out of range, or not a number
+        port = 0
+    if port == 0:
+        raise ConfigError(f"{key}: {url!r} is not allowed: its port is not a number in 1..65535")

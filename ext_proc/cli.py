@@ -6,7 +6,6 @@ runs the demo."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import importlib
 import logging
 import sys
@@ -16,7 +15,9 @@ import yaml
 
 from ext_proc.checks import ConfigError
 from ext_proc.config import Config, ConfigSource, as_dict
+from ext_proc.discovery import SourceKind
 from ext_proc.prefix.kinds import PrefixSourceKind
+from ext_proc.workers import serve_one, serve_workers
 
 
 def _load(source: ConfigSource) -> Config | None:
@@ -50,29 +51,39 @@ _FLAG_KEYS = {
 (``None``: not given; the switches' default is ``None`` too)."""
 
 
+def _flag(dest: str) -> str:
+    """The ``serve`` flag of the argparse ``dest``: ``--affinity-mode`` for ``affinity_mode``."""
+    return "--" + dest.replace("_", "-")
+
+
 def _serve(args: argparse.Namespace) -> int:
-    overrides: dict[str, object] = {
-        key: getattr(args, flag) for flag, key in _FLAG_KEYS.items() if getattr(args, flag) is not None
-    }
+    given = [flag for flag in _FLAG_KEYS if getattr(args, flag) is not None]
+    overrides: dict[str, object] = {_FLAG_KEYS[flag]: getattr(args, flag) for flag in given}
+    origins = {_FLAG_KEYS[flag]: _flag(flag) for flag in given}
     if args.eds_file:
         overrides["discovery.eds_files"] = [str(Path(p).resolve()) for p in args.eds_file]  # relative to cwd
+        origins["discovery.eds_files"] = _flag("eds_file")
     if args.kubeconfig is not None:
         overrides["discovery.kubernetes.kubeconfig"] = str(Path(args.kubeconfig).resolve())
-    source = ConfigSource(args.config, overrides)
+        origins["discovery.kubernetes.kubeconfig"] = _flag("kubeconfig")
+    source = ConfigSource(args.config, overrides, origins=origins)
     config = _load(source)
     if config is None:
         return 2
-    from ext_proc.app import serve_forever
+    if args.workers == 1:
+        return serve_one(config, source)
+    return serve_workers(config, source, args.workers, args.log_level)
 
+
+def _workers(value: str) -> int:
+    """``--workers``: a whole number from 1 to 64."""
     try:
-        asyncio.run(serve_forever(config, source))
-    except ConfigError as exc:  # a discovery source that cannot be set up (a bad kubeconfig)
-        print(f"pd-extproc: invalid configuration: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:
-        print(f"pd-extproc: cannot start: {exc}", file=sys.stderr)
-        return 1
-    return 0
+        workers = int(value)
+    except ValueError:
+        workers = 0
+    if not 1 <= workers <= 64:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number of workers from 1 to 64")
+    return workers
 
 
 def _add_serve(subparsers: argparse._SubParsersAction) -> None:
@@ -83,6 +94,14 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         "(mode, bonus, auto) takes effect at once",
     )
     serve.add_argument("--listen", help="gRPC host:port (config key listen)")
+    serve.add_argument(
+        "--workers",
+        type=_workers,
+        default=1,
+        help="worker processes sharing their bookings over NATS (a private nats-server on loopback unless "
+        "shared_state.nats.url names one); worker i listens on the listen, metrics_listen and health_listen "
+        "ports + i; 1 (default): this process serves alone",
+    )
     serve.add_argument("--metrics-listen", help="admin/metrics host:port (config key metrics_listen)")
     serve.add_argument(
         "--health-listen",
@@ -185,19 +204,38 @@ def _block_size_note(config: Config) -> str | None:
     )
 
 
+def _missing_eds_files(config: Config) -> list[str]:
+    """The ``discovery.eds_files`` that are not files on this machine, when they are the source."""
+    discovery = config.discovery
+    if discovery.source is not SourceKind.FILES:
+        return []
+    return [path for path in discovery.eds_files if not Path(path).is_file()]
+
+
 def _check_config(args: argparse.Namespace) -> int:
+    """``check-config``: 2 for an invalid configuration (nothing printed but why); else the effective
+    configuration on stdout, and 1 when an EDS file it reads is missing here (each named on stderr;
+    ``serve`` keeps running without it, warns and polls until it appears), 0 when none is."""
     config = _load(ConfigSource(args.config))
     if config is None:
         return 2
     problem = _tokenizer_problem(config)
     if problem is not None:  # a folder mounted only where pd-extproc runs is not an invalid configuration
         print(f"pd-extproc: warning: {problem}", file=sys.stderr)
-    print(f"# {args.config} is valid. Effective configuration (defaults and environment applied):")
+    missing = _missing_eds_files(config)
+    for path in missing:
+        print(
+            f"pd-extproc: error: discovery.eds_files: {path}: no such file (serve would start without its "
+            "endpoints, warn and poll until it appears)",
+            file=sys.stderr,
+        )
+    verdict = "names an EDS file that is missing here" if missing else "is valid"
+    print(f"# {args.config} {verdict}. Effective configuration (defaults and environment applied):")
     note = _block_size_note(config)
     if note is not None:
         print(f"# {note}")
     print(yaml.safe_dump(as_dict(config), sort_keys=False), end="")
-    return 0
+    return 1 if missing else 0
 
 
 def _add_check_config(subparsers: argparse._SubParsersAction) -> None:

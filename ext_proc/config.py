@@ -2,7 +2,8 @@
 
 Precedence, lowest first: built-in defaults < YAML file < environment < command-line flags.
 Every key is optional. Errors raise :class:`~ext_proc.checks.ConfigError` naming the key and what it
-accepts; the CLI turns that into exit code 2. Each section's dataclass and its ``check()`` live beside
+accepts (after the environment variable or flag that set it, when one did); the CLI turns that into
+exit code 2. Each section's dataclass and its ``check()`` live beside
 the code that reads it: ``discovery/config.py``; ``router.py`` for ``affinity``, with
 ``affinity/config.py`` and ``prefix/config.py``; ``handoff/config.py``; ``handoff/routing.py``;
 ``engine_load/config.py``; ``xds/config.py``; ``load.py`` (``load``, ``limits``); ``tls.py``;
@@ -34,12 +35,17 @@ from ext_proc.handoff.config import HandoffConfig
 from ext_proc.handoff.routing import RoutingConfig
 from ext_proc.load import LimitsConfig, LoadConfig
 from ext_proc.router import AffinityConfig
+from ext_proc.shared.config import SharedStateConfig
 from ext_proc.tls import TlsConfig
 from ext_proc.xds.config import XdsConfig
 
 ENV_AFFINITY_MODE = "PD_EXTPROC_AFFINITY_MODE"
 ENV_AFFINITY_BONUS = "PD_EXTPROC_AFFINITY_BONUS"
 ENV_HANDOFF = "PD_EXTPROC_HANDOFF"
+ENV_NATS_URL = "PD_EXTPROC_NATS_URL"
+ENV_NATS_TOKEN = "PD_EXTPROC_NATS_TOKEN"
+"""``shared_state.nats.url`` and ``.token`` from the environment: credentials from a Kubernetes Secret, never
+in the configuration file (a ConfigMap)."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,7 @@ class Config:
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     engine_metrics: EngineMetricsConfig = field(default_factory=EngineMetricsConfig)
     envoy_health: EnvoyHealthConfig = field(default_factory=EnvoyHealthConfig)
+    shared_state: SharedStateConfig = field(default_factory=SharedStateConfig)
 
 
 def _allowed(tp: object) -> str:
@@ -127,8 +134,13 @@ def _build(cls: type, data: Mapping[str, object], prefix: str) -> object:
 
 
 def _check_host_port(key: str, value: str) -> None:
+    """Raise :class:`ConfigError` unless ``value`` is ``host:port`` with a port in 0..65535 (0: any)."""
     host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+    if sep and host and port.isdigit() and int(port) > 65535:
+        raise ConfigError(
+            f"{key}: {value!r} is not allowed: port {port} is out of range; use a port in 0..65535"
+        )
+    if not sep or not host or not port.isdigit():
         off = " (or an empty string: off)" if key == "health_listen" else ""
         raise ConfigError(f"{key}: {value!r} is not allowed; use host:port, e.g. 0.0.0.0:9002{off}")
 
@@ -152,18 +164,41 @@ def validate(config: Config) -> Config:
     config.envoy_health.check()
     config.tls.check()
     config.xds.check()
+    config.shared_state.check()
     return config
+
+
+ENV_KEYS = {
+    ENV_AFFINITY_MODE: "affinity.mode",
+    ENV_AFFINITY_BONUS: "affinity.bonus",
+    ENV_HANDOFF: "handoff.mode",
+    ENV_NATS_URL: "shared_state.nats.url",
+    ENV_NATS_TOKEN: "shared_state.nats.token",
+}
+"""The environment variables read, and the key each sets."""
+
+
+def _named(exc: ConfigError, origins: Mapping[str, str]) -> ConfigError:
+    """``exc``, its key preceded by the variable or flag that set it (``PD_EXTPROC_AFFINITY_MODE
+    (affinity.mode): …``) when ``origins`` has one for the key its message starts with."""
+    key, colon, rest = str(exc).partition(":")
+    return ConfigError(f"{origins[key]} ({key}){colon}{rest}") if colon and key in origins else exc
 
 
 def load_config(
     path: str | None = None,
     overrides: Mapping[str, object] | None = None,
     environ: Mapping[str, str] | None = None,
+    origins: Mapping[str, str] | None = None,
 ) -> Config:
     """Build the configuration: defaults < YAML ``path`` < ``environ`` < ``overrides``.
 
-    ``overrides`` maps dotted keys (``"affinity.mode"``) to values, as the CLI flags give them.
-    Relative ``discovery.eds_files`` (and ``discovery.kubernetes.kubeconfig`` and the ``tls`` files)
+    ``overrides`` maps dotted keys (``"affinity.mode"``) to values, as the CLI flags give them;
+    ``origins`` maps some of them to where they came from (the flag, ``--affinity-mode``). An error
+    about a key set by a variable of :data:`ENV_KEYS` or an override with an origin names that
+    variable or flag first, then the key.
+    Relative ``discovery.eds_files`` (and ``discovery.kubernetes.kubeconfig``, the ``tls`` files and
+    those of ``shared_state.nats``)
     resolve against the folder ``path`` names, lexically (symlinks not followed): a Kubernetes
     ConfigMap mount links ``config.yaml`` to ``..data/config.yaml`` and swaps ``..data`` on every
     update, so the folder the link leads to disappears.
@@ -183,19 +218,27 @@ def load_config(
         base = Path(os.path.abspath(path)).parent
     env = os.environ if environ is None else environ
     layered: dict[str, object] = {}
-    if ENV_AFFINITY_MODE in env:
-        layered["affinity.mode"] = env[ENV_AFFINITY_MODE]
-    if ENV_AFFINITY_BONUS in env:
-        try:
+    named: dict[str, str] = {}
+    for variable, dotted in ENV_KEYS.items():
+        if variable in env:
+            layered[dotted], named[dotted] = env[variable], variable
+    if ENV_AFFINITY_BONUS in env:  # a number as YAML gives one; else refused naming the variable
+        with contextlib.suppress(ValueError):
             layered["affinity.bonus"] = float(env[ENV_AFFINITY_BONUS])
-        except ValueError:
-            bad = env[ENV_AFFINITY_BONUS]
-            raise ConfigError(
-                f"{ENV_AFFINITY_BONUS} (affinity.bonus): {bad!r} is not a number in [0, 1]"
-            ) from None
-    if ENV_HANDOFF in env:
-        layered["handoff.mode"] = env[ENV_HANDOFF]
-    layered.update(overrides or {})
+    for dotted, value in (overrides or {}).items():
+        layered[dotted] = value
+        named.pop(dotted, None)
+        if origins and dotted in origins:
+            named[dotted] = origins[dotted]
+    try:
+        return _layered(data, layered, base)
+    except ConfigError as exc:
+        raise _named(exc, named) from None
+
+
+def _layered(data: dict[str, object], layered: Mapping[str, object], base: Path) -> Config:
+    """The validated configuration of the YAML ``data`` with the ``layered`` dotted keys set over it,
+    relative paths resolved against ``base``; raises :class:`ConfigError` naming the key."""
     for dotted, value in layered.items():
         *sections, key = dotted.split(".")
         target = data
@@ -221,7 +264,16 @@ def load_config(
         eds_files=tuple(os.path.normpath(base / f) for f in discovery.eds_files),
         kubernetes=dataclasses.replace(discovery.kubernetes, kubeconfig=resolve(kubeconfig)),
     )
-    return validate(dataclasses.replace(config, discovery=discovery, tls=tls))
+    nats = config.shared_state.nats
+    nats = dataclasses.replace(
+        nats,
+        creds_file=resolve(nats.creds_file),
+        tls=dataclasses.replace(
+            nats.tls, ca=resolve(nats.tls.ca), cert=resolve(nats.tls.cert), key=resolve(nats.tls.key)
+        ),
+    )
+    shared_state = dataclasses.replace(config.shared_state, nats=nats)
+    return validate(dataclasses.replace(config, discovery=discovery, tls=tls, shared_state=shared_state))
 
 
 def as_dict(config: Config) -> dict[str, object]:
@@ -252,7 +304,8 @@ class ConfigSource:
     path: str | None = None
     overrides: Mapping[str, object] = field(default_factory=dict)
     environ: Mapping[str, str] | None = None
+    origins: Mapping[str, str] = field(default_factory=dict)
 
     def load(self) -> Config:
         """Read and validate the configuration now; raises :class:`ConfigError`."""
-        return load_config(self.path, self.overrides, self.environ)
+        return load_config(self.path, self.overrides, self.environ, self.origins)

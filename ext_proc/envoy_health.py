@@ -25,7 +25,7 @@ from typing import Any
 
 import aiohttp
 
-from ext_proc.checks import ConfigError, in_range
+from ext_proc.checks import ConfigError, check_url_port, in_range
 from ext_proc.ejection import Ejections
 from ext_proc.endpoints import endpoint_address
 from ext_proc.metrics import Metrics
@@ -59,6 +59,7 @@ class EnvoyHealthConfig:
                 f"{key}.admin_url: {self.admin_url!r} is not a base URL such as http://127.0.0.1:9901 "
                 "(empty: off)"
             )
+        check_url_port(f"{key}.admin_url", self.admin_url)
         in_range(f"{key}.interval_seconds", self.interval_seconds, 0.05, 60)
         in_range(f"{key}.timeout_seconds", self.timeout_seconds, 0, 60, low_open=True)
 

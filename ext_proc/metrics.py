@@ -38,10 +38,26 @@ class _EndpointLoadCollector(Collector):
     def collect(self) -> Iterator[GaugeMetricFamily]:
         labels = ["role", "group", "endpoint"]
         tokens = GaugeMetricFamily(
-            "pd_extproc_endpoint_active_tokens", "In-flight tokens charged to the endpoint", labels=labels
+            "pd_extproc_endpoint_active_tokens",
+            "In-flight tokens charged to the endpoint, by this gateway replica and its peers",
+            labels=labels,
         )
         requests = GaugeMetricFamily(
-            "pd_extproc_endpoint_active_requests", "In-flight requests routed to the endpoint", labels=labels
+            "pd_extproc_endpoint_active_requests",
+            "In-flight requests routed to the endpoint, by this gateway replica and its peers",
+            labels=labels,
+        )
+        peer_tokens = GaugeMetricFamily(
+            "pd_extproc_endpoint_peer_tokens",
+            "In-flight tokens the peer gateway replicas charged to the endpoint (shared_state; included in "
+            "active_tokens)",
+            labels=labels,
+        )
+        peer_requests = GaugeMetricFamily(
+            "pd_extproc_endpoint_peer_requests",
+            "In-flight requests the peer gateway replicas routed to the endpoint (included in "
+            "active_requests)",
+            labels=labels,
         )
         blended = GaugeMetricFamily(
             "pd_extproc_endpoint_blended_tokens",
@@ -54,9 +70,13 @@ class _EndpointLoadCollector(Collector):
             tokens.add_metric(values, state.active_tokens)
             requests.add_metric(values, state.active_requests)
             blended.add_metric(values, state.blended_tokens)
+            peer_tokens.add_metric(values, state.peer_tokens)
+            peer_requests.add_metric(values, state.peer_requests)
         yield tokens
         yield requests
         yield blended
+        yield peer_tokens
+        yield peer_requests
 
 
 class _EngineScrapeCollector(Collector):
@@ -208,6 +228,40 @@ class Metrics:
             "pd_extproc_kv_events_resets_total",
             "Times the index dropped an engine's entries, by reason (restart, gap)",
             ["endpoint", "reason"],
+            registry=self.registry,
+        )
+        self._shared_sent = Counter(
+            "pd_extproc_shared_messages_sent_total",
+            "Shared-state messages this replica sent, by kind (batch, sync_request, sync_answer)",
+            ["kind"],
+            registry=self.registry,
+        )
+        self._shared_sent_bytes = Counter(
+            "pd_extproc_shared_sent_bytes_total",
+            "Bytes of shared-state messages sent",
+            registry=self.registry,
+        )
+        self._shared_received = Counter(
+            "pd_extproc_shared_messages_received_total",
+            "Shared-state messages from peer replicas applied, by kind (batch, sync_request, index)",
+            ["kind"],
+            registry=self.registry,
+        )
+        self._shared_dropped = Counter(
+            "pd_extproc_shared_messages_dropped_total",
+            "Shared-state messages (or parts) not applied or not sent, by reason",
+            ["reason"],
+            registry=self.registry,
+        )
+        self._shared_lag = Histogram(
+            "pd_extproc_shared_sync_lag_seconds",
+            "From a peer's batch being stamped to its being applied here (peer's wall clock to this one's)",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0),
+            registry=self.registry,
+        )
+        self._shared_connected = Gauge(
+            "pd_extproc_shared_connected",
+            "1 while the shared-state bus is connected, 0 otherwise (shared_state kind nats)",
             registry=self.registry,
         )
         self._prefill_legs = Counter(
@@ -465,6 +519,33 @@ class Metrics:
     def kv_events_reset(self, endpoint: str, reason: str) -> None:
         """Count one drop of ``endpoint``'s entries, by ``reason``."""
         self._kv_resets.labels(endpoint, reason).inc()
+
+    def shared_sent(self, kind: str, size: int) -> None:
+        """Count one shared-state message of ``kind`` and ``size`` bytes sent."""
+        self._shared_sent.labels(kind).inc()
+        self._shared_sent_bytes.inc(size)
+
+    def shared_received(self, kind: str, size: int, lag_seconds: float | None) -> None:
+        """Count one peer message of ``kind`` applied; ``lag_seconds`` from its stamp (batches only)."""
+        self._shared_received.labels(kind).inc()
+        if lag_seconds is not None:
+            self._shared_lag.observe(lag_seconds)
+
+    def shared_dropped(self, reason: str) -> None:
+        """Count one shared-state message (or placement) not applied or not sent, by ``reason``."""
+        self._shared_dropped.labels(reason).inc()
+
+    def shared_connection(self, state: str) -> None:
+        """The shared-state bus is ``connected``, ``connecting`` or ``disconnected``."""
+        self._shared_connected.set(1 if state == "connected" else 0)
+
+    def watch_peers(self, count: Callable[[], float]) -> None:
+        """Report ``count()`` as the peer replicas heard from within the timeout at each scrape."""
+        Gauge(
+            "pd_extproc_shared_peers",
+            "Peer gateway replicas whose bookings this replica holds (heard from within the timeout)",
+            registry=self.registry,
+        ).set_function(count)
 
     def engine_scrape(self, outcome: str, seconds: float) -> None:
         """Count one scrape of an engine's ``/metrics`` by ``outcome`` and record its ``seconds``."""

@@ -6,9 +6,11 @@ healthy prefix is what :func:`ext_proc.affinity.choose` reads (:attr:`Registry.p
 :attr:`Registry.decode_pool`, views of those arrays). Each endpoint is one mutable
 :class:`EndpointState` that knows its slot: the load accounting charges and releases through it,
 in place, so routing reads loads without copying anything. The ``tokens`` slot holds the *blended*
-load: the local in-flight tokens plus the endpoint's ``engine_offset``, which the engine load signal
-(:mod:`ext_proc.engine_load`) sets when a scrape lands (0 without one), so a charge or release stays
-one in-place addition and the decision reads one number per endpoint.
+load: this replica's in-flight tokens, plus its peer replicas' (``peer_tokens``, which the shared state
+of :mod:`ext_proc.shared` sets as their batches arrive; 0 alone), plus the endpoint's ``engine_offset``,
+which the engine load signal (:mod:`ext_proc.engine_load`) sets when a scrape lands (0 without one), so a
+charge or release stays one in-place addition and the decision reads one number per endpoint. The
+``requests`` slot likewise holds this replica's requests plus its peers'.
 
 Updates from a discovery source keep the same object for an endpoint that stays (same role and
 address) and rebuild the arrays with every live value carried over: in-flight accounting survives
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 from numpy.typing import NDArray
@@ -48,8 +50,10 @@ class EndpointState:
     ``kv_events_port`` / ``kv_events_replay_port`` the ports of its KV-cache event publisher and replay
     socket if not the configured ones, ``data_parallel_size`` its number of data-parallel ranks.
     The loads are properties over the endpoint's slot in its role's arrays (a private one-slot pair
-    until the registry places it): ``active_tokens`` is the local accounting alone, ``blended_tokens``
-    what the decision reads, ``active_tokens + engine_offset``.
+    until the registry places it): ``active_tokens`` is the in-flight accounting of every replica (this
+    one's, :attr:`own_tokens`, plus its peers', ``peer_tokens``), ``blended_tokens`` what the decision
+    reads, ``active_tokens + engine_offset``. ``watch`` (``None``: nobody) is called with the endpoint
+    after each of this replica's own charges and releases (the shared state publishes them).
     """
 
     __slots__ = (
@@ -66,8 +70,11 @@ class EndpointState:
         "kv_events_port",
         "kv_events_replay_port",
         "metrics_port",
+        "peer_requests",
+        "peer_tokens",
         "role",
         "token_capacity",
+        "watch",
     )
 
     def __init__(self, role: Role, address: str) -> None:
@@ -83,13 +90,16 @@ class EndpointState:
         self.kv_events_replay_port: int | None = None
         self.data_parallel_size = 1
         self.engine_offset = 0
+        self.peer_tokens = 0
+        self.peer_requests = 0
+        self.watch: Callable[[EndpointState], None] | None = None
         self._tokens: NDArray[np.int64] = np.zeros(1, dtype=np.int64)
         self._requests: NDArray[np.int64] = np.zeros(1, dtype=np.int64)
         self._slot = 0
 
     @property
     def active_tokens(self) -> int:
-        """In-flight tokens charged to this endpoint by this gateway (the local accounting)."""
+        """In-flight tokens charged to this endpoint by every gateway replica (this one and its peers)."""
         return int(self._tokens[self._slot]) - self.engine_offset
 
     @active_tokens.setter
@@ -108,24 +118,45 @@ class EndpointState:
 
     @property
     def active_requests(self) -> int:
-        """In-flight requests routed to this endpoint."""
+        """In-flight requests routed to this endpoint by every gateway replica."""
         return int(self._requests[self._slot])
 
     @active_requests.setter
     def active_requests(self, value: int) -> None:
         self._requests[self._slot] = value
 
+    @property
+    def own_tokens(self) -> int:
+        """In-flight tokens this replica charged to the endpoint (what it tells its peers)."""
+        return self.active_tokens - self.peer_tokens
+
+    @property
+    def own_requests(self) -> int:
+        """In-flight requests this replica routed to the endpoint."""
+        return self.active_requests - self.peer_requests
+
+    def set_peer_load(self, tokens: int, requests: int) -> None:
+        """The peer replicas have ``tokens`` tokens and ``requests`` requests in flight here (>= 0 each)."""
+        slot = self._slot
+        self._tokens[slot] = self._tokens.item(slot) + tokens - self.peer_tokens
+        self._requests[slot] = self._requests.item(slot) + requests - self.peer_requests
+        self.peer_tokens, self.peer_requests = tokens, requests
+
     def charge(self, tokens: int) -> None:
-        """One more request in flight, of ``tokens`` tokens."""
+        """One more request of this replica's in flight, of ``tokens`` tokens."""
         slot = self._slot
         self._tokens[slot] = self._tokens.item(slot) + tokens
         self._requests[slot] = self._requests.item(slot) + 1
+        if self.watch is not None:
+            self.watch(self)
 
     def release(self, tokens: int) -> None:
         """One request of ``tokens`` tokens fewer in flight (undoes one :meth:`charge`)."""
         slot = self._slot
         self._tokens[slot] = self._tokens.item(slot) - tokens
         self._requests[slot] = self._requests.item(slot) - 1
+        if self.watch is not None:
+            self.watch(self)
 
     def _place(self, tokens: NDArray[np.int64], requests: NDArray[np.int64], slot: int) -> None:
         """Copy the live load into ``tokens[slot]`` and ``requests[slot]`` and keep it there from now on."""
@@ -150,6 +181,13 @@ class Registry:
         self._departed: dict[tuple[Role, str], EndpointState] = {}
         self.prefill_pool: Pool[EndpointState] = Pool.of(())
         self.decode_pool: Pool[EndpointState] = Pool.of(())
+        self._watch: Callable[[EndpointState], None] | None = None
+
+    def watch(self, callback: Callable[[EndpointState], None] | None) -> None:
+        """Call ``callback`` after each own charge and release of any endpoint, present or to come."""
+        self._watch = callback
+        for state in self.endpoints():
+            state.watch = callback
 
     def update(self, clusters: Iterable[ClusterEndpoints]) -> None:
         """Replace the endpoint set with ``clusters``; clusters with other names are ignored (logged).
@@ -174,6 +212,7 @@ class Registry:
                     or self._departed.pop(key, None)
                     or EndpointState(role, spec.address)
                 )
+                state.watch = self._watch
                 state.group = spec.group
                 state.token_capacity = spec.token_capacity or self._default_capacity
                 state.healthy = spec.healthy
@@ -185,9 +224,9 @@ class Registry:
                 state.data_parallel_size = spec.data_parallel_size
                 fresh[key] = state
         for key, state in self._current.items():
-            if key not in fresh and state.active_requests:
+            if key not in fresh and state.own_requests:
                 self._departed[key] = state
-        self._departed = {k: s for k, s in self._departed.items() if s.active_requests}
+        self._departed = {k: s for k, s in self._departed.items() if s.own_requests}
         self._current = fresh
         self.prefill_pool = _place(s for s in fresh.values() if s.role is Role.PREFILL)
         self.decode_pool = _place(s for s in fresh.values() if s.role is Role.DECODE)
@@ -205,6 +244,12 @@ class Registry:
     def decode(self, address: str) -> EndpointState | None:
         """The known decode endpoint at ``address`` (``ip:port``), healthy or not, or ``None``."""
         return self._current.get((Role.DECODE, address))
+
+    def find(self, role: str, address: str) -> EndpointState | None:
+        """The known endpoint of ``role`` (``prefill``, ``decode``) at ``address``, healthy or not, or a
+        departed one with requests of this replica's still in flight; ``None`` if neither."""
+        key = (Role(role), address)
+        return self._current.get(key) or self._departed.get(key)
 
     def endpoints(self) -> tuple[EndpointState, ...]:
         """Every known endpoint, healthy or not, plus departed ones that still have requests in flight."""

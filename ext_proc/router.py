@@ -33,6 +33,7 @@ from ext_proc.prefix.kinds import PrefixSource, PrefixSourceKind
 from ext_proc.refusal import refuse
 from ext_proc.registry import EndpointState, Registry
 from ext_proc.request import RequestError, RequestInfo, describe, parse_body
+from ext_proc.shared.kinds import LocalState, SharedState
 from ext_proc.tokenizer import GatewayTokenizer, TokenizerSettings
 
 log = logging.getLogger(__name__)
@@ -122,6 +123,8 @@ class Router:
         self.tokenizer_opening: asyncio.Task[None] | None = None
         """The load of a tokenizer folder a reload named, while it runs (:meth:`set_prefix`)."""
         self._indexed: tuple[Pool[EndpointState], Pool[EndpointState]] | None = None
+        self.shared: SharedState = LocalState()
+        """Where placements are told to the peer replicas (``shared_state``; the server sets it)."""
         self.set_prefix(prefix)
         metrics.count_inflight(lambda: self.admission.inflight)
 
@@ -383,8 +386,8 @@ class Router:
         seconds = time.perf_counter() - started  # the decision alone (decision_seconds)
         if isinstance(result, NoPair):
             return refuse(self.metrics, 503, result.message, result.reason.value)
-        if prefix is not None and lookup is not None:
-            prefix.placed(lookup, result, prompt)
+        if prefix is not None and lookup is not None and chain is not None:
+            self.shared.placed(chain, prefix.placed(lookup, result, prompt))
             if result.prefill is not None:  # the prefill computes only what it does not hold
                 prompt -= prefix.predicted(lookup, result.prefill.address, prompt)
         lease = Lease(result.prefill, prompt, result.decode, cost.decode_tokens)

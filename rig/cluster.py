@@ -7,13 +7,18 @@ warms every (prefill, decode) pair up (:meth:`VllmCluster.warm_up`) before anyth
 vLLM's NIXL handshake, done on a pair's first transfer, gives up after a fixed 5 s, and on a
 loaded machine the first transfer of a pair sometimes takes longer; the warm-up retries it
 directly (not through the gateway), so the gateway's counters and the engines' transfer counters
-start from pairs that have shaken hands. Route with :meth:`sim.stack.Stack.route_with` (handoff
-``kv-transfer-params``), exactly as on the simulator.
+start from pairs that have shaken hands. An engine found dead on the way (a decode whose worker
+died on its first KV load, say) is an :class:`~rig.engine.EngineError` naming it, why it died and
+its log's end (:meth:`~rig.engine.Engine.death`), not a refused connection. Route with
+:meth:`sim.stack.Stack.route_with` (handoff ``kv-transfer-params``), exactly as on the simulator.
 
 :func:`start_kv_events_stack` runs engines of role ``both`` instead (no connector: each prefills and
 decodes its own requests), each publishing its KV-cache events on ports of its own, which the EDS
 files name (``kv_events_port``, ``kv_events_replay_port``): the cluster the ``kv-events`` prefix source
 is checked against.
+
+Both say, in :attr:`VllmCluster.attention`, the engines' dtype and the attention kernels vLLM runs for
+it on this CPU (:mod:`rig.attention`, asked while the engines start).
 """
 
 from __future__ import annotations
@@ -25,8 +30,9 @@ from pathlib import Path
 
 import aiohttp
 
+from rig.attention import AttentionPath, probe_attention
 from rig.engine import BLOCK_TOKENS, KV_CACHE_GIB, MODEL_NAME, Engine, EngineError, EngineSpec, start_engine
-from rig.model import HEAD_DIM, HIDDEN_SIZE, LAYERS, write_tiny_llama
+from rig.model import KV_BYTES_PER_TOKEN, write_tiny_llama
 from rig.venv import VllmUnavailable, venv_python
 from sim.cluster_process import EngineInfo, write_cluster_eds
 from sim.gateway import free_port
@@ -34,12 +40,14 @@ from sim.stack import Stack
 
 ENGINE_MEMORY_BYTES = int(2.6 * 2**30)
 """Memory one engine takes, measured (PSS of its three processes, 1 GiB of KV cache included)."""
-KV_TOKENS = KV_CACHE_GIB * 2**30 // (2 * LAYERS * HIDDEN_SIZE * 2)
-"""KV cache capacity of one engine in tokens: bf16 K and V of every layer (``HIDDEN_SIZE`` =
-heads x ``HEAD_DIM``) per token."""
+KV_TOKENS = KV_CACHE_GIB * 2**30 // KV_BYTES_PER_TOKEN
+"""KV cache capacity of one engine in tokens (:data:`rig.model.KV_BYTES_PER_TOKEN`: in the model's
+dtype)."""
 WARM_UP_ATTEMPTS = 4
 WARM_UP_PROMPT = " ".join(["w1"] * 20)
-assert HIDDEN_SIZE % HEAD_DIM == 0
+DEATH_GRACE_SECONDS = 3.0
+"""How long an engine that stopped answering is given to show it died before the connection's own
+error stands."""
 
 
 def capacity(spec: EngineSpec) -> int:
@@ -75,6 +83,8 @@ class VllmCluster:
     workdir: Path
     python: Path
     model: Path
+    attention: AttentionPath
+    """The engines' dtype and the attention kernels vLLM runs for it here."""
     dead: dict[str, Engine] = field(default_factory=dict)
     warm_up_attempts: dict[tuple[str, str], int] = field(default_factory=dict)
     """Attempts each (prefill, decode) pair's last warm-up took (1 = its first transfer worked)."""
@@ -121,7 +131,8 @@ class VllmCluster:
     ) -> dict[tuple[str, str], int]:
         """One KV transfer for every (prefill, decode) pair (with ``only``: every pair that engine is
         in), sent straight to the engines; returns the attempts each pair took. Raises
-        :class:`EngineError` when a pair never succeeds."""
+        :class:`EngineError` when a pair never succeeds, or at once when an engine is dead (see
+        :func:`transfer`)."""
         attempts: dict[tuple[str, str], int] = {}
         for prefill in self.of_role("prefill"):
             for decode in self.of_role("decode"):
@@ -140,31 +151,56 @@ class VllmCluster:
         return attempts
 
 
+async def complete(
+    session: aiohttp.ClientSession, engine: Engine, body: dict[str, object], doing: str
+) -> dict[str, object] | None:
+    """``body`` posted to ``engine``'s ``/v1/completions``: the JSON answer, or ``None`` when it did not
+    answer 200. Raises :class:`EngineError` (:meth:`~rig.engine.Engine.death_error`, while ``doing``)
+    when the engine is dead: it could not be reached and died (within :data:`DEATH_GRACE_SECONDS`), or
+    it answered 500 and its process or log says it died; the connection's own error when it could not
+    be reached and did not die."""
+    try:
+        async with session.post(f"{engine.url}/v1/completions", json=body) as response:
+            if response.status == 200:
+                answer = await response.json()
+                return answer if isinstance(answer, dict) else None
+            failed = response.status == 500
+    except aiohttp.ClientConnectionError as exc:
+        reason = await engine.wait_death(DEATH_GRACE_SECONDS)
+        if reason is None:
+            raise
+        raise engine.death_error(reason, doing) from exc
+    if failed and (reason := engine.death()) is not None:
+        raise engine.death_error(reason, doing)
+    return None
+
+
 async def prefill_leg(session: aiohttp.ClientSession, prefill: Engine, text: str) -> dict[str, object] | None:
     """A prefill leg of ``text`` on ``prefill``, as pd-extproc sends it: the answer's
-    ``kv_transfer_params``, or ``None`` when it did not answer 200 with them."""
+    ``kv_transfer_params``, or ``None`` when it did not answer 200 with them. Raises
+    :class:`EngineError` when the prefill is dead (:func:`complete`)."""
     leg = {
         "model": MODEL_NAME,
         "prompt": text,
         "max_tokens": 1,
         "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False},
     }
-    async with session.post(f"{prefill.url}/v1/completions", json=leg) as response:
-        if response.status != 200:
-            return None
-        params = (await response.json()).get("kv_transfer_params")
+    answer = await complete(session, prefill, leg, "a prefill leg")
+    params = None if answer is None else answer.get("kv_transfer_params")
     return params if isinstance(params, dict) else None
 
 
 async def transfer(session: aiohttp.ClientSession, prefill: Engine, decode: Engine) -> bool:
     """A prefill leg on ``prefill`` and the decode of its ``kv_transfer_params`` on ``decode``, as
-    pd-extproc sends them: whether the decode answered 200 with text."""
+    pd-extproc sends them: whether the decode answered 200 with text. Raises :class:`EngineError`
+    when either engine is dead (:func:`complete`)."""
     params = await prefill_leg(session, prefill, WARM_UP_PROMPT)
     if params is None:
         return False
     body = {"model": MODEL_NAME, "prompt": WARM_UP_PROMPT, "max_tokens": 2, "kv_transfer_params": params}
-    async with session.post(f"{decode.url}/v1/completions", json=body) as response:
-        return response.status == 200 and bool((await response.json())["choices"][0]["text"])
+    answer = await complete(session, decode, body, f"the decode of a KV transfer from {prefill.spec.name}")
+    choices = None if answer is None else answer.get("choices")
+    return isinstance(choices, list) and bool(choices) and bool(choices[0].get("text"))
 
 
 async def start_vllm_cluster(
@@ -194,11 +230,14 @@ async def start_engines(specs: list[EngineSpec], workdir: Path) -> VllmCluster:
     check_memory(sum(s.data_parallel_size for s in specs))  # each rank an engine core of its own
     model = write_tiny_llama(workdir / "model")
     running: dict[str, Engine] = {}
+    probe = asyncio.create_task(probe_attention(python))
     try:
         for spec in specs:
             running[spec.address] = start_engine(python, model, spec, workdir)
         await asyncio.gather(*(engine.wait_ready() for engine in running.values()))
+        attention = await probe
     except BaseException:
+        probe.cancel()
         for engine in running.values():
             engine.stop()
         raise
@@ -214,7 +253,7 @@ async def start_engines(specs: list[EngineSpec], workdir: Path) -> VllmCluster:
         )
         for s in specs
     ]
-    return VllmCluster(infos, running, workdir, python, model)
+    return VllmCluster(infos, running, workdir, python, model, attention)
 
 
 async def start_vllm_stack(groups: list[str], kv_load_failure_policy: str = "fail") -> Stack:

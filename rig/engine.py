@@ -10,9 +10,14 @@ connector). NIXL's UCX backend is told to use TCP on loopback
 (the handshake listener a decode connects to). An engine given a ``kv_events_port`` publishes its
 KV-cache events there (``--kv-events-config``, ZMQ, with a replay socket on ``kv_replay_port``).
 Every engine runs in vLLM's development mode (``VLLM_SERVER_DEV_MODE=1``: ``POST
-/reset_prefix_cache``). Start-up takes 20-35 s and about 2.3 GB of
-resident memory per engine (API server, engine core and worker processes, 1 GiB of it the KV
-cache, ``VLLM_CPU_KVCACHE_SPACE``).
+/reset_prefix_cache``) and in :data:`rig.model.DTYPE` (``--dtype``; why float32 is said there).
+Start-up takes 20-35 s and about 2.3 GB of resident memory per engine (API server, engine core and
+worker processes, 1 GiB of it the KV cache, ``VLLM_CPU_KVCACHE_SPACE``).
+
+An engine that died says so: :meth:`Engine.death` reads it from its process (the exit code, the
+signal that killed it) and its log (vLLM's line for a worker or engine core that died, or its
+``EngineCore encountered an issue``), and :meth:`Engine.death_error` makes the :class:`EngineError` that
+names the engine, why and its log's end.
 
 NIXL's progress thread busy-polls: an idle engine keeps one core at 100 %. The engines therefore
 run at ``nice`` 19 by default, so that Envoy, pd-extproc and the test itself (which the engines'
@@ -26,6 +31,7 @@ import contextlib
 import ctypes
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -36,6 +42,7 @@ from pathlib import Path
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from rig.model import DTYPE
 from sim.stack import StackError
 
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
@@ -48,6 +55,12 @@ DEFAULT_NICE = 19
 _PR_SET_PDEATHSIG = 1
 START_TIMEOUT_SECONDS = 240.0
 """Start-up bound: 20-35 s alone, over a minute when four engines start at once on 2 cores."""
+_WORKER_DIED = re.compile(r"Worker proc (\S+) died unexpectedly \(exit code: (-?\d+)\)")
+"""vLLM's log line (``MultiprocExecutor``'s monitor) for a worker process that died."""
+_CORE_DIED = "engine core exited unexpectedly"
+"""vLLM's log line (``MPClient``'s monitor) for an engine-core process that died."""
+ENGINE_DEAD = "EngineCore encountered an issue"
+"""What vLLM's API server answers (HTTP 500) and logs once its engine core is dead."""
 
 
 class EngineError(StackError):
@@ -87,6 +100,15 @@ class EngineSpec:
         return f"{self.role}-{self.group}-{self.port}"
 
 
+def exit_status(code: int) -> str:
+    """A process's exit code as it reads best: ``-4 (SIGILL)`` for one killed by a signal, else the
+    code."""
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"{code} ({signal.Signals(-code).name})"
+    return str(code)
+
+
 def kv_transfer_config(spec: EngineSpec) -> dict[str, object]:
     """The ``--kv-transfer-config`` of ``spec``'s engine."""
     return {
@@ -116,7 +138,7 @@ def engine_command(python: Path, model: Path, spec: EngineSpec, nice: int = DEFA
         "-m",
         "vllm.entrypoints.openai.api_server",
         *("--model", str(model), "--served-model-name", MODEL_NAME),
-        *("--load-format", "dummy", "--enforce-eager"),
+        *("--load-format", "dummy", "--enforce-eager", "--dtype", DTYPE),
         *("--host", "127.0.0.1", "--port", str(spec.port)),
         *("--max-model-len", "2048", "--enable-request-id-headers", "--enable-log-requests"),
         *(("--kv-transfer-config", json.dumps(kv_transfer_config(spec))) if spec.role in KV_ROLES else ()),
@@ -172,16 +194,51 @@ class Engine:
             return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
         return ""
 
+    def death(self) -> str | None:
+        """Why the engine is dead, or ``None`` when nothing says it is: its process exited (``exited
+        with code -4 (SIGILL)``), and what its log says of a worker or engine core that died (``its
+        worker VllmWorker-0 died with exit code -4 (SIGILL)``; the first such line), or failing that
+        of a dead engine core (:data:`ENGINE_DEAD`, which vLLM answers with 500 while its API server
+        lives on)."""
+        reasons = []
+        code = self.process.poll()
+        if code is not None:
+            reasons.append(f"exited with code {exit_status(code)}")
+        text = ""
+        with contextlib.suppress(OSError):
+            text = self.log.read_text(errors="replace")
+        worker = _WORKER_DIED.search(text)
+        if worker is not None:
+            reasons.append(f"its worker {worker[1]} died with exit code {exit_status(int(worker[2]))}")
+        elif _CORE_DIED in text:
+            reasons.append("its engine core exited unexpectedly")
+        elif ENGINE_DEAD in text:
+            reasons.append(f"its engine core is dead ({ENGINE_DEAD})")
+        return "; ".join(reasons) or None
+
+    async def wait_death(self, grace: float) -> str | None:
+        """:meth:`death`, waiting up to ``grace`` seconds for a sign of it (an engine that stopped
+        answering may take a moment to exit)."""
+        deadline = time.monotonic() + grace
+        while (reason := self.death()) is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        return reason
+
+    def death_error(self, reason: str, doing: str) -> EngineError:
+        """The error for the engine having died (``reason``, see :meth:`death`) while ``doing``
+        something: names it and quotes its log's end."""
+        return EngineError(
+            f"{self.spec.name} died during {doing}: {reason}; its log ends:\n{self.log_tail()}"
+        )
+
     async def wait_ready(self, timeout: float = START_TIMEOUT_SECONDS) -> None:
-        """Wait until ``/health`` answers 200; raise :class:`EngineError` if the engine exits or
-        ``timeout`` seconds pass."""
+        """Wait until ``/health`` answers 200; raise :class:`EngineError` if the engine dies
+        (:meth:`death`) or ``timeout`` seconds pass."""
         deadline = self.started + timeout
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
             while time.monotonic() < deadline:
-                if not self.alive():
-                    raise EngineError(
-                        f"{self.spec.name} exited with code {self.process.returncode}:\n{self.log_tail()}"
-                    )
+                if (reason := self.death()) is not None:
+                    raise self.death_error(reason, "start-up")
                 with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError):
                     async with session.get(f"{self.url}/health") as response:
                         if response.status == 200:

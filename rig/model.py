@@ -3,9 +3,9 @@
 :func:`write_tiny_llama` writes a Hugging Face model folder that vLLM loads with
 ``--load-format dummy`` (random weights: no weight file is read, so none is written): a
 ``LlamaForCausalLM`` config of hidden size 128 and head dim 64 (vLLM's CPU attention refuses a
-smaller head dim), two layers, and a word-level tokenizer over :data:`WORDS`. Text is nonsense;
-token counts are exact, which is what routing and KV-transfer tests need: a prompt of ``n``
-words from :func:`prompt` is ``n`` tokens (plus the beginning-of-sequence token vLLM adds).
+smaller head dim), two layers, in :data:`DTYPE`, and a word-level tokenizer over :data:`WORDS`.
+Text is nonsense; token counts are exact, which is what routing and KV-transfer tests need: a prompt
+of ``n`` words from :func:`prompt` is ``n`` tokens (plus the beginning-of-sequence token vLLM adds).
 """
 
 from __future__ import annotations
@@ -19,6 +19,19 @@ SPECIAL = ("<unk>", "<s>", "</s>")
 HIDDEN_SIZE = 128
 HEAD_DIM = 64
 LAYERS = 2
+DTYPE = "float32"
+"""The model's dtype, which vLLM's KV cache takes too: the config's ``torch_dtype`` and the engines'
+``--dtype``. float32, not bfloat16: vLLM for CPU (0.32) runs its ``amx`` attention kernels when the CPU
+has AMX tiles, the dtype is bfloat16 and the block size a multiple of 32
+(``vllm/v1/attention/backends/cpu_attn.py`` ``_get_attn_isa``), and there a decode's worker dies of
+SIGILL on its first step after a NixlConnector KV load (``Worker proc VllmWorker-0 died unexpectedly
+(exit code: -4)``). In float32 every x86 CPU runs the ``vec`` kernels; the tiny model does not mind
+the doubled KV bytes."""
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}[DTYPE]
+"""Bytes of one element of :data:`DTYPE` (of a weight and of the KV cache)."""
+KV_BYTES_PER_TOKEN = 2 * LAYERS * HIDDEN_SIZE * DTYPE_BYTES
+"""KV-cache bytes one token takes: K and V of every layer (``HIDDEN_SIZE`` = KV heads x
+``HEAD_DIM``), :data:`DTYPE_BYTES` each."""
 MAX_POSITIONS = 4096
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] }} : {{ message['content'] }} {% endfor %}"
@@ -61,7 +74,7 @@ def write_tiny_llama(folder: Path) -> Path:
         "bos_token_id": vocab["<s>"],
         "eos_token_id": vocab["</s>"],
         "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
+        "torch_dtype": DTYPE,
     }
     tokenizer = {
         "version": "1.0",

@@ -25,7 +25,7 @@ from tqdm import tqdm
 from sim.cluster import clusters
 from sim.experiment import measure
 from sim.profiles import MEASURED_PROFILE, engines_of, profile_names
-from sim.report import format_table
+from sim.report import better, format_table
 from sim.stack import StackError, start_stack
 from sim.traces import SAMPLE, TraceError, TraceRequest, read_window
 from sim.workload import RequestPlan, trace_plans
@@ -53,6 +53,11 @@ SIM_ONLY = ("trace", "format", "start", "count", "speed", "max_output", "profile
 VLLM_ONLY = ("requests", "rate")
 """Options (their argparse ``dest``) of one kind of engines: the simulated demo replays a trace, the
 real engines' demo runs its own workload."""
+CV_NOTE = (
+    "decode load CV (0 = evenly loaded) moves by a tenth or more between runs of this size: one run does "
+    "not rank the modes by it"
+)
+"""Printed under the table: one short run's decode load CV is noisy (docs/getting-started.md, the demo)."""
 
 
 async def run_demo(
@@ -72,9 +77,12 @@ async def run_demo(
         with tqdm(total=len(plans) * len(modes), unit="req", desc="demo", leave=False) as bar:
             for mode in modes:
                 bar.set_description(f"affinity {mode}")
-                results[mode] = await measure(
-                    stack, mode, plans, bonus, progress=lambda: bar.update(1), handoff=handoff
-                )
+                try:
+                    results[mode] = await measure(
+                        stack, mode, plans, bonus, progress=lambda: bar.update(1), handoff=handoff
+                    )
+                except StackError as exc:  # a gateway process exited: no table of failed requests
+                    raise StackError(f"the {mode} run stopped: {exc}") from None
     finally:
         stack.stop()
     return results
@@ -124,9 +132,9 @@ def _bonus(text: str) -> float:
     return value
 
 
-async def run_vllm(requests: int, modes: list[str], rate: float, bonus: float) -> dict[str, dict]:
-    """:func:`rig.demo.run_vllm_demo` with a progress bar (imported here: ``serve`` and the simulated
-    demo never load the real-engine rig)."""
+async def run_vllm(requests: int, modes: list[str], rate: float, bonus: float) -> tuple[str, dict[str, dict]]:
+    """:func:`rig.demo.run_vllm_demo` (the engines' dtype and attention kernels, the results) with a
+    progress bar (imported here: ``serve`` and the simulated demo never load the real-engine rig)."""
     from rig.demo import run_vllm_demo
 
     with tqdm(total=requests * len(modes), unit="req", desc="demo on vLLM", leave=False) as bar:
@@ -183,8 +191,10 @@ def _run(args: argparse.Namespace) -> int:
         if vllm:
             requests, rate = args.requests or VLLM_REQUESTS, args.rate or VLLM_RATE
             workload = f"{requests} streaming requests per mode at {rate:g} req/s"
-            cluster = "real vLLM engines (CPU, tiny Llama, NixlConnector): rack-a 1P+1D, rack-b 1P+1D"
-            results = asyncio.run(run_vllm(requests, args.modes, rate, args.bonus))
+            kernels, results = asyncio.run(run_vllm(requests, args.modes, rate, args.bonus))
+            cluster = (
+                f"real vLLM engines (CPU, tiny Llama, NixlConnector; {kernels}): rack-a 1P+1D, rack-b 1P+1D"
+            )
         else:
             workload, cluster, results = _replay(args)
     except TraceError as exc:
@@ -203,8 +213,10 @@ def _run(args: argparse.Namespace) -> int:
         from rig.demo import COLUMNS_VLLM
 
         print(format_table(results, COLUMNS_VLLM))
+        print(f"\n{better(COLUMNS_VLLM)}\n{CV_NOTE}")
     else:
         print(format_table(results))
+        print(f"\n{better()}\n{CV_NOTE}")
     if args.json:
         try:
             Path(args.json).write_text(json.dumps(results, indent=2), encoding="utf-8")

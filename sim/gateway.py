@@ -96,6 +96,7 @@ def render_bootstrap(
     admin_port: int,
     extproc_port: int | None,
     prefill_leg_port: int,
+    extproc_workers: int = 1,
     decode_eds_path: str | None = None,
     prefill_eds_path: str | None = None,
     round_robin: bool = False,
@@ -108,8 +109,10 @@ def render_bootstrap(
     listener on ``prefill_leg_port``, loopback). The EDS paths are required by a template whose
     clusters read files (``envoy.yaml``) and unused by one served over ADS (``envoy-ads.yaml``).
 
-    ``extproc_port=None`` removes the ext_proc filter (the "same route without the filter"
-    baseline: the decode route then takes every ``/v1/`` request, as with ``fail_open``);
+    ``extproc_workers``: the pd_extproc cluster lists ``extproc_port`` and the ``extproc_workers - 1``
+    ports after it, as for ``pd-extproc serve --workers N``. ``extproc_port=None`` removes the
+    ext_proc filter (the "same route without the filter" baseline: the decode route then takes every
+    ``/v1/`` request, as with ``fail_open``);
     ``round_robin=True`` also replaces the decode cluster's override_host policy by plain round
     robin (the "plain Envoy" baseline); ``response_headers=True`` turns on the optional ext_proc
     response-headers phase; ``fail_open=True`` makes the documented fail-open edit (docs/operations.md
@@ -150,8 +153,10 @@ def render_bootstrap(
             modes["response_header_mode"] = "SEND"
         if full_duplex:
             modes.update(FULL_DUPLEX_MODES)
-        endpoint = clusters["pd_extproc"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
-        endpoint["address"] = _socket(extproc_port)
+        workers = clusters["pd_extproc"]["load_assignment"]["endpoints"][0]
+        workers["lb_endpoints"] = [
+            {"endpoint": {"address": _socket(extproc_port + i)}} for i in range(extproc_workers)
+        ]
     if fail_open or extproc_port is None:
         make_fail_open(config)
     if round_robin:

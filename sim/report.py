@@ -106,6 +106,36 @@ COLUMNS = (
 )
 
 
+LOWER_IS_BETTER = frozenset(
+    {
+        "errors",
+        "cross_group_share",
+        "decode_ttft_p50_ms",
+        "decode_ttft_p99_ms",
+        "ttft_p50_ms",
+        "ttft_p90_ms",
+        "ttft_p99_ms",
+        "tpot_p50_ms",
+        "tpot_p99_ms",
+        "decode_load_cv",
+    }
+)
+HIGHER_IS_BETTER = frozenset({"throughput_rps", "throughput_tokens_per_s"})
+"""Which way each summary key is better (``requests``: neither, the workload's own count)."""
+
+
+def better(columns: Sequence[tuple[str, str, str]] = COLUMNS) -> str:
+    """One line saying which way each of ``columns`` is better, by title: ``lower is better: …; higher
+    is better: …`` (columns of neither set left out; a side without columns left out)."""
+    sides = (("lower", LOWER_IS_BETTER), ("higher", HIGHER_IS_BETTER))
+    parts = [
+        f"{word} is better: {', '.join(title for key, title, _ in columns if key in keys)}"
+        for word, keys in sides
+        if any(key in keys for key, _, _ in columns)
+    ]
+    return "; ".join(parts)
+
+
 def format_table(
     results: Mapping[str, Mapping[str, object]], columns: Sequence[tuple[str, str, str]] = COLUMNS
 ) -> str:

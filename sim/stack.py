@@ -10,6 +10,7 @@ affinity mode (and runs one or several gateway replicas, each a pd-extproc behin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
 import subprocess
@@ -64,6 +65,7 @@ class Replica:
     gateway: Gateway | None = None
     gateway_routed: bool = False
     args: tuple[str, ...] = ()
+    log: Path | None = None
 
     @property
     def admin_url(self) -> str:
@@ -82,7 +84,7 @@ class Replica:
     async def start_server(self, eds: list[str], log: Path, args: tuple[str, ...]) -> None:
         """(Re)start pd-extproc over the ``eds`` files with ``args`` and wait until it routes."""
         self.stop_server()
-        self.args = args
+        self.args, self.log = args, log
         self.server = start_router_process(self.grpc_port, self.admin_port, eds, log, args)
         try:
             await wait_router_ready(self.server, self.admin_port)
@@ -105,9 +107,28 @@ class Replica:
         self.gateway = await start_gateway(bootstrap, listen, admin, concurrency=1)
         self.gateway_routed = extproc
 
+    def failure(self) -> str | None:
+        """Why this replica no longer routes: its pd-extproc or its Envoy exited since it was started
+        (the exit code and the end of its log); ``None`` while both run (or were stopped on purpose)."""
+        if self.server is not None and self.server.poll() is not None:
+            code, tail = self.server.returncode, _tail(self.log)
+            return f"pd-extproc exited with code {code}; the end of its log:\n{tail}"
+        if self.gateway is not None and self.gateway.process.poll() is not None:
+            code, tail = self.gateway.process.returncode, self.gateway.log_tail()
+            return f"Envoy exited with code {code}; the end of its log:\n{tail}"
+        return None
+
     def stop(self) -> None:
         self.stop_gateway()
         self.stop_server()
+
+
+def _tail(log: Path | None, lines: int = 30) -> str:
+    """The last ``lines`` lines of ``log`` ("" when there is none or it cannot be read)."""
+    with contextlib.suppress(OSError):
+        if log is not None:
+            return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+    return ""
 
 
 @dataclass
@@ -135,6 +156,15 @@ class Stack:
     @property
     def admin_url(self) -> str:
         return self.replicas[0].admin_url
+
+    def failure(self) -> str | None:
+        """Why the stack no longer routes: the first replica whose pd-extproc or Envoy exited (see
+        :meth:`Replica.failure`; with several replicas, which one); ``None`` while all run."""
+        for index, replica in enumerate(self.replicas):
+            why = replica.failure()
+            if why is not None:
+                return why if len(self.replicas) == 1 else f"replica {index}: {why}"
+        return None
 
     def decode_capacities(self) -> dict[str, float]:
         """Decode engines still in EDS → their KV capacity in tokens (what EDS declares)."""

@@ -143,19 +143,26 @@ def trace_format(path: Path, name: str | None) -> str:
 
 def read_window(path: Path, fmt: str | None, start: int, count: int | None) -> list[TraceRequest]:
     """Requests ``start`` .. ``start + count - 1`` (0-based; ``count`` ``None``: to the end) of the
-    trace at ``path``, arrivals shifted so the window's first one is at 0."""
+    trace at ``path``, arrivals shifted so the window's first one is at 0.
+
+    The file is read as far as the window reaches; a window past its end raises :class:`TraceError`
+    naming the file's length (it was read to the end)."""
     if start < 0 or (count is not None and count < 1):
         raise TraceError("--start must be >= 0 and --count >= 1")
+    window: list[TraceRequest] = []
+    length = 0
     try:
         reader = FORMATS[trace_format(path, fmt)](path)
-        stop = None if count is None else start + count
-        window = list(islice(reader, start, stop))
+        for length, request in enumerate(islice(reader, None if count is None else start + count), 1):
+            if length > start:
+                window.append(request)
     except OSError as exc:
         raise TraceError(f"cannot read the trace: {exc}") from None
     if not window or (count is not None and len(window) < count):
-        have = start + len(window) if window else "at most " + str(start)
+        asked = f"--start {start}" + ("" if count is None else f" --count {count}")
         raise TraceError(
-            f"--start {start} --count {count}: the window runs past the end of {path} ({have} requests)"
+            f"{asked}: the window runs past the end of {path}, which holds {length} requests"
+            + (f" (0-{length - 1})" if length else "")
         )
     first = window[0].arrival_s
     return [TraceRequest(r.arrival_s - first, r.prompt_tokens, r.output_tokens, r.blocks) for r in window]

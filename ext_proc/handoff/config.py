@@ -7,7 +7,7 @@ from __future__ import annotations
 import urllib.parse
 from dataclasses import dataclass
 
-from ext_proc.checks import ConfigError, in_range
+from ext_proc.checks import ConfigError, check_url_port, in_range
 from ext_proc.handoff.base import FailurePolicy, HandoffMode
 
 MAX_PREFILL_TIMEOUT = 1795.0
@@ -51,6 +51,7 @@ class HandoffConfig:
                 f"handoff.prefill_via: {self.prefill_via!r} is not allowed; use a base URL such as "
                 "http://127.0.0.1:10001 (no path), or an empty string to connect to prefills directly"
             )
+        check_url_port("handoff.prefill_via", self.prefill_via)
         in_range(
             "handoff.prefill_timeout_seconds",
             self.prefill_timeout_seconds,

@@ -19,13 +19,15 @@ after it). A chain is a 1-D int64 numpy array (``.tolist()`` gives its hashes as
 may come as a list or tuple of Python ints or as an ``array.array`` of machine integers of any width
 (the gateway tokenizer's unsigned 32-bit ids, read in place); the same ids give the same chain in any
 of these. An id outside ``0..2**64-1`` (a malformed request's, or a negative one in a signed array)
-counts modulo 2**64. Values are equal within one process only (the secrets are per process, so each
-gateway replica keeps its own index). The loop compiles on its first call: :func:`warm` compiles it
-ahead of requests.
+counts modulo 2**64. Values are equal within one process only (the secrets are random per process),
+unless the process takes its secrets from a key (:func:`use_key`): replicas sharing their placements
+(:mod:`ext_proc.shared`) use one key, so their chains compare. The loop compiles on its first call:
+:func:`warm` compiles it ahead of requests.
 """
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 from array import array
 from collections.abc import Sequence
@@ -117,6 +119,23 @@ def _ids(ids: Sequence[int], count: int) -> npt.NDArray[np.integer]:
         return np.frombuffer(array("Q", head), np.uint64)
     except OverflowError:  # a negative or huge id: only in a malformed request
         return np.frombuffer(array("Q", [i & _MASK for i in head]), np.uint64)
+
+
+def use_key(key: bytes) -> None:
+    """Take the secrets from ``key`` from now on: processes using one key hash alike.
+
+    Chains computed before hash otherwise: call it before any index holds a chain."""
+    global _TEXT_SECRET, _ID_SECRET
+    digest = hashlib.blake2b(key, digest_size=16, person=b"pd-extproc-block").digest()
+    _TEXT_SECRET = np.uint64(int.from_bytes(digest[:8], "little"))
+    _ID_SECRET = np.uint64(int.from_bytes(digest[8:], "little"))
+
+
+def model_seed(model: str) -> int:
+    """The chain seed of the model named ``model``: the same in every process (unlike ``hash``)."""
+    return int.from_bytes(
+        hashlib.blake2b(model.encode(errors="surrogatepass"), digest_size=8).digest(), "little"
+    )
 
 
 def warm() -> None:

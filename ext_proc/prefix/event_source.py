@@ -31,7 +31,7 @@ from ext_proc.prefix.event_index import ROOT, EventIndex
 from ext_proc.prefix.index import HitArrays
 from ext_proc.prefix.ranks import credited, credited_publisher
 from ext_proc.prefix.recent import RecentPlacements
-from ext_proc.prefix.tracker import Lookup, PredictionSink, PrefixSettings, prompt_chain
+from ext_proc.prefix.tracker import Holder, Lookup, PredictionSink, PrefixSettings, prompt_chain
 
 
 class KvEventSource:
@@ -94,12 +94,14 @@ class KvEventSource:
         """The hit tokens ``lookup`` predicts at ``address`` (at most ``prompt_tokens``)."""
         return min(lookup.matched.get(address, 0) * self.index.block_tokens, prompt_tokens)
 
-    def placed(self, lookup: Lookup, decision: Decision[E], prompt_tokens: int) -> None:
+    def placed(self, lookup: Lookup, decision: Decision[E], prompt_tokens: int) -> tuple[Holder, ...]:
         """Count the hits predicted at the chosen endpoints and keep the prompt as recently placed there.
 
         At an endpoint of several data-parallel ranks, on the rank the request is pinned to; nowhere
-        when it is not pinned (the rank that serves it is not known)."""
+        when it is not pinned (the rank that serves it is not known). Returns where it was kept (for
+        the peer replicas)."""
         now = self.clock()
+        holders: list[Holder] = []
         for role, endpoint in (("prefill", decision.prefill), ("decode", decision.decode)):
             if endpoint is not None:
                 address = endpoint.address
@@ -107,7 +109,22 @@ class KvEventSource:
                     role, address, prompt_tokens, self.predicted(lookup, address, prompt_tokens)
                 )
                 if endpoint.data_parallel_size == 1 or address in lookup.ranks:
-                    self.recent.record(lookup.hashes, credited_publisher(address, lookup.ranks), now)
+                    name = credited_publisher(address, lookup.ranks)
+                    self.recent.record(lookup.hashes, name, now)
+                    holders.append((name, endpoint.token_capacity))
+        return tuple(holders)
+
+    def learned(self, hashes: Chain, holders: Sequence[Holder]) -> None:
+        """A peer replica placed the chain ``hashes`` on ``holders``: keep it as recently placed there."""
+        now = self.clock()
+        chain = hashes.tolist()
+        for name, _ in holders:
+            self.recent.record(chain, name, now)
+
+    def snapshot(self) -> list[tuple[str, float, Chain]]:
+        """Nothing: a replica that starts reads the engines' events (and their replay) itself, and the
+        recent placements last ``recent_seconds`` only."""
+        return []
 
     def observe(self, address: str, queries: float | None, hits: float | None) -> None:
         """Nothing to learn from an engine's prefix-cache counters: its events say what it holds."""

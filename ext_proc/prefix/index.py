@@ -215,6 +215,10 @@ class _Lru:
         while not _record(self.table, self.order, self.state, chain, keep):
             self._fit(len(chain), keep)
 
+    def held(self) -> np.ndarray:
+        """The blocks held, most recently touched first (recording them as one chain keeps their order)."""
+        return _held(self.table, self.order, self.state)[::-1].copy()
+
     def evict(self, keep: int) -> None:
         """Drop the least recently touched blocks until at most ``keep`` are held."""
         _evict(self.table, self.order, self.state, keep)
@@ -384,6 +388,20 @@ def _renumber(table: np.ndarray, old: np.ndarray, new: np.ndarray, state: np.nda
 
 
 @numba.njit(nogil=True)
+def _held(table: np.ndarray, order: np.ndarray, state: np.ndarray) -> np.ndarray:
+    """The held blocks in the order they were last touched, least recently first."""
+    shift, mask = state[_SHIFT], len(order) - 1
+    held = np.empty(state[_LIVE], dtype=np.int64)
+    n = 0
+    for position in range(state[_FLOOR], state[_TOP]):
+        h = order[position & mask]
+        if table[_find(table, shift, h), 1] == position:
+            held[n] = h
+            n += 1
+    return held
+
+
+@numba.njit(nogil=True)
 def _rehash(old: np.ndarray, new: np.ndarray, shift: int) -> None:
     """Put every held hash of the table ``old``, with its stamp, into the empty table ``new``."""
     for i in range(len(old)):
@@ -452,6 +470,11 @@ class PrefixIndex:
         lru = self._lrus.get(address)
         return 0 if lru is None else lru.live
 
+    def held(self, address: str) -> np.ndarray:
+        """The blocks ``address`` is estimated to hold, most recently used first (empty: none)."""
+        lru = self._lrus.get(address)
+        return np.empty(0, np.int64) if lru is None else lru.held()
+
     def retain(self, addresses: Iterable[str]) -> None:
         """Forget every endpoint not in ``addresses`` (it left discovery)."""
         keep = set(addresses)
@@ -472,4 +495,5 @@ def warm() -> None:
     index.record(chain, "warm", 64)
     index.record(chain[:8], "warm", 64)
     index.match(chain)
+    index.held("warm")
     index.set_scale("warm", 0.1, 64)

@@ -18,7 +18,7 @@ from ext_proc.affinity import Decision, Pool
 from ext_proc.affinity.model import E
 from ext_proc.prefix.blocks import Chain
 from ext_proc.prefix.event_source import KvEventSource
-from ext_proc.prefix.tracker import Lookup, PredictionSink, PrefixSettings, PrefixTracker
+from ext_proc.prefix.tracker import Holder, Lookup, PredictionSink, PrefixSettings, PrefixTracker
 
 
 class PrefixSourceKind(enum.StrEnum):
@@ -60,8 +60,18 @@ class PrefixSource(Protocol):
         """The hit tokens ``lookup`` predicts at ``address`` (at most ``prompt_tokens``)."""
         ...
 
-    def placed(self, lookup: Lookup, decision: Decision[E], prompt_tokens: int) -> None:
-        """The request was placed by ``decision``: its prompt is now on the chosen endpoints."""
+    def placed(self, lookup: Lookup, decision: Decision[E], prompt_tokens: int) -> tuple[Holder, ...]:
+        """The request was placed by ``decision``: its prompt is now on the chosen endpoints, which are
+        returned as the names it was kept under (what the peer replicas learn)."""
+        ...
+
+    def learned(self, hashes: Chain, holders: Sequence[Holder]) -> None:
+        """A peer replica placed the chain ``hashes`` on ``holders`` (its :meth:`placed`)."""
+        ...
+
+    def snapshot(self) -> list[tuple[str, float, Chain]]:
+        """What a replica that starts is to learn: (name, capacity in tokens, blocks most recently used
+        first) per endpoint, each to be :meth:`learned` in turn."""
         ...
 
     def observe(self, address: str, queries: float | None, hits: float | None) -> None:

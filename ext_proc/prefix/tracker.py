@@ -19,7 +19,7 @@ import numpy as np
 
 from ext_proc.affinity import Decision, Hits, Pool
 from ext_proc.affinity.model import E
-from ext_proc.prefix.blocks import Chain, block_hashes, prompt_content
+from ext_proc.prefix.blocks import Chain, block_hashes, model_seed, prompt_content
 from ext_proc.prefix.correction import Interval, corrected_scale
 from ext_proc.prefix.index import PrefixIndex
 
@@ -77,6 +77,11 @@ class Lookup(NamedTuple):
     ranks: Mapping[str, int] = MappingProxyType({})
 
 
+Holder = tuple[str, float]
+"""Where a placement put a prompt: an endpoint's name (its address, or ``address@dp<rank>`` for one
+data-parallel rank of it) and its KV capacity in tokens."""
+
+
 class PredictionSink(Protocol):
     """Where the tracker reports (:class:`ext_proc.metrics.Metrics` is one)."""
 
@@ -94,7 +99,7 @@ def prompt_chain(
     if not content:
         return np.empty(0, np.int64)
     model = body.get("model")
-    seed = hash(model) if isinstance(model, str) else 0
+    seed = model_seed(model) if isinstance(model, str) else 0
     return block_hashes(content, settings.block_tokens, settings.max_blocks, seed)
 
 
@@ -124,10 +129,12 @@ class PrefixTracker:
         """The hit tokens ``lookup`` predicts at ``address`` (at most ``prompt_tokens``)."""
         return min(lookup.matched.get(address, 0) * self.settings.block_tokens, prompt_tokens)
 
-    def placed(self, lookup: Lookup, decision: Decision[E], prompt_tokens: int) -> None:
+    def placed(self, lookup: Lookup, decision: Decision[E], prompt_tokens: int) -> tuple[Holder, ...]:
         """Record the request placed by ``decision`` and count the hits predicted at each endpoint.
 
-        Its prompt is now on the prefill (which computes it) and the decode (which receives it)."""
+        Its prompt is now on the prefill (which computes it) and the decode (which receives it): the
+        endpoints it was recorded on, with their capacities, are returned (for the peer replicas)."""
+        holders: list[Holder] = []
         for role, endpoint in (("prefill", decision.prefill), ("decode", decision.decode)):
             if endpoint is None:
                 continue
@@ -140,6 +147,25 @@ class PrefixTracker:
             if len(lookup.hashes):
                 self._capacity[address] = endpoint.token_capacity
                 self.index.record(lookup.hashes, address, endpoint.token_capacity)
+                holders.append((address, endpoint.token_capacity))
+        return tuple(holders)
+
+    def learned(self, hashes: Chain, holders: Sequence[Holder]) -> None:
+        """A peer replica placed the chain ``hashes`` on ``holders``: record it there as if placed here.
+
+        Nothing is predicted or counted: the peer counted it."""
+        for address, capacity in holders:
+            self._capacity.setdefault(address, capacity)
+            self.index.record(hashes, address, capacity)
+
+    def snapshot(self) -> list[tuple[str, float, Chain]]:
+        """What the index holds, to hand a replica that starts: per endpoint, its name, capacity and blocks
+        (most recently used first; :meth:`learned` of each rebuilds the same order)."""
+        return [
+            (address, self._capacity[address], self.index.held(address))
+            for address in self.index.addresses
+            if address in self._capacity
+        ]
 
     def observe(self, address: str, queries: float | None, hits: float | None) -> None:
         """Take an engine sample's prefix-cache counters: report the increments, correct the LRU size.

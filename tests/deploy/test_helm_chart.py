@@ -107,9 +107,10 @@ VALUE_SETS = {
             "affinity.auto.base_latency_ms": 0.0,
         },
     ),
-    "namespaces-monitoring": ValueSet(
+    "namespaces-monitoring-workers": ValueSet(
         {
             "replicaCount": 3,
+            "workers": 3,
             "discovery": {
                 "kubernetes": {
                     "namespaces": ["engines-a", "engines-b"],
@@ -212,6 +213,26 @@ VALUE_SETS = {
             "xds.no_envoy_delay_seconds": 60.0,
         },
     ),
+    "shared-state": ValueSet(
+        {
+            "replicaCount": 3,
+            "shared_state": {
+                "kind": "nats",
+                "peer_timeout_seconds": 4,
+                "nats": {"subject_prefix": "team.pool-a"},
+            },
+            "natsServer": {"enabled": True},
+            "podDisruptionBudget": {"enabled": True, "maxUnavailable": 1},
+        },
+        ("shared_state.batch_seconds=0.002",),
+        {
+            "shared_state.kind": "nats",
+            "shared_state.nats.url": "nats://gw-pd-extproc-nats:4222",
+            "shared_state.nats.subject_prefix": "team.pool-a",
+            "shared_state.peer_timeout_seconds": 4.0,
+            "shared_state.batch_seconds": 0.002,
+        },
+    ),
 }
 """The ``llm-d`` value set sets every key of ``discovery.kubernetes`` to another value than pd-extproc's
 default."""
@@ -306,13 +327,19 @@ def test_pod_wiring(rendered) -> None:
     extproc, proxy = manifests.container("pd-extproc"), manifests.container("envoy")
     assert extproc["readinessProbe"]["grpc"] == {"port": grpc_port, "service": "readiness"}
     assert extproc["livenessProbe"]["grpc"] == {"port": grpc_port, "service": "liveness"}
+    workers = typing.cast(int, value_set.values.get("workers", 1))
+    more = range(1, workers)  # worker i on each port + i (docs/operations.md "Worker processes")
     assert {p["name"]: p["containerPort"] for p in extproc["ports"]} == {
         "extproc": grpc_port,
         "metrics": metrics_port,
+        **{f"extproc-{i}": grpc_port + i for i in more},
+        **{f"metrics-{i}": metrics_port + i for i in more},
     }
     clusters = {c["name"]: c for c in envoy["static_resources"]["clusters"]}
-    endpoint = clusters["pd_extproc"]["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]
-    assert endpoint["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": grpc_port}
+    (endpoints,) = clusters["pd_extproc"]["load_assignment"]["endpoints"]
+    assert [e["endpoint"]["address"]["socket_address"] for e in endpoints["lb_endpoints"]] == [
+        {"address": "127.0.0.1", "port_value": grpc_port + i} for i in range(workers)
+    ]
     listeners = {entry["name"]: entry for entry in envoy["static_resources"]["listeners"]}
     stats_port = listeners["stats"]["address"]["socket_address"]["port_value"]
     assert {p["name"]: p["containerPort"] for p in proxy["ports"]} == {
@@ -326,7 +353,7 @@ def test_pod_wiring(rendered) -> None:
         "/stats/prometheus",
     }
     assert envoy["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
-    assert extproc["args"][-2:] == ["--config", "/etc/pd-extproc/config.yaml"]
+    assert extproc["args"][-4:] == ["--workers", str(workers), "--config", "/etc/pd-extproc/config.yaml"]
     assert proxy["args"][:2] == ["-c", "/etc/envoy/envoy.yaml"]
     volumes = {v["name"]: v for v in manifests.pod["volumes"]}
     for container, volume, folder in ((extproc, "config", "/etc/pd-extproc"), (proxy, "envoy", "/etc/envoy")):
@@ -338,7 +365,9 @@ def test_pod_wiring(rendered) -> None:
     app_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
     assert extproc["image"] == proxy["image"] == f"pd-extproc:{app_version}"
     assert manifests.pod["securityContext"]["runAsNonRoot"] is True
-    assert manifests.one("Deployment")["spec"]["replicas"] == value_set.values.get("replicaCount", 2)
+    assert manifests.one("Deployment", FULLNAME)["spec"]["replicas"] == value_set.values.get(
+        "replicaCount", 2
+    )
 
 
 def test_services_and_monitoring(rendered) -> None:
@@ -351,8 +380,12 @@ def test_services_and_monitoring(rendered) -> None:
         ("http", service_values.get("port", 8080), "http")
     ]
     assert metrics["spec"]["type"] == "ClusterIP"
-    assert [p["targetPort"] for p in metrics["spec"]["ports"]] == ["metrics", "envoy-stats"]
-    pod_labels = manifests.one("Deployment")["spec"]["template"]["metadata"]["labels"]
+    workers = typing.cast(int, value_set.values.get("workers", 1))
+    worker_metrics = ["metrics", *[f"metrics-{i}" for i in range(1, workers)]]  # every worker's
+    assert [p["targetPort"] for p in metrics["spec"]["ports"]] == [*worker_metrics, "envoy-stats"]
+    container_ports = {p["name"]: p["containerPort"] for p in manifests.container("pd-extproc")["ports"]}
+    assert all(p["port"] == container_ports[p["targetPort"]] for p in metrics["spec"]["ports"][:workers])
+    pod_labels = manifests.one("Deployment", FULLNAME)["spec"]["template"]["metadata"]["labels"]
     for service in (gateway, metrics):
         assert service["spec"]["selector"].items() <= pod_labels.items()
     monitors = manifests.all("ServiceMonitor")
@@ -363,12 +396,61 @@ def test_services_and_monitoring(rendered) -> None:
         assert monitor["spec"]["selector"]["matchLabels"].items() <= metrics["metadata"]["labels"].items()
         assert not monitor["spec"]["selector"]["matchLabels"].items() <= gateway["metadata"]["labels"].items()
         assert [(e["port"], e["path"]) for e in monitor["spec"]["endpoints"]] == [
-            ("metrics", "/metrics"),
+            *[(port, "/metrics") for port in worker_metrics],
             ("envoy-stats", "/stats/prometheus"),
         ]
         assert monitor["metadata"]["labels"]["release"] == "prometheus"
     pdb = manifests.one("PodDisruptionBudget")
     assert pdb["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+
+
+def test_shared_state_gets_its_nats_url_and_token_from_secrets_never_the_config_map(rendered) -> None:
+    """The bundled NATS (natsServer) is its own pods, selected by nothing of the router's; the router's
+    token comes from the chart's Secret, a user's URL and token from theirs (natsSecret)."""
+    value_set, manifests = rendered
+    bundled = typing.cast(dict, value_set.values.get("natsServer", {})).get("enabled", False)
+    env = {e["name"]: e for e in manifests.pod["containers"][0].get("env", [])}
+    nats = [d for d in manifests.all("Deployment") if d["metadata"]["name"] == f"{FULLNAME}-nats"]
+    assert len(nats) == (1 if bundled else 0)
+    for server in nats:
+        secret = manifests.one("Secret", f"{FULLNAME}-nats")
+        assert len(secret["data"]["token"]) > 32
+        assert env["PD_EXTPROC_NATS_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+            "name": f"{FULLNAME}-nats",
+            "key": "token",
+        }
+        labels = server["spec"]["template"]["metadata"]["labels"]
+        router = manifests.one("Deployment", FULLNAME)["spec"]["selector"]["matchLabels"]
+        selectors = [
+            router,
+            *(
+                s["spec"]["selector"]
+                for s in manifests.all("Service")
+                if s["metadata"]["name"] != f"{FULLNAME}-nats"
+            ),
+        ]
+        selectors += [b["spec"]["selector"]["matchLabels"] for b in manifests.all("PodDisruptionBudget")]
+        assert selectors and not any(sel.items() <= labels.items() for sel in selectors)
+        assert manifests.one("Service", f"{FULLNAME}-nats")["spec"]["selector"].items() <= labels.items()
+        assert "--auth" in server["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert (
+        yaml.safe_load(manifests.config)["shared_state"]["nats"]["token"] == ""
+    )  # a ConfigMap holds no secret
+    if not bundled:
+        assert "PD_EXTPROC_NATS_TOKEN" not in env and "PD_EXTPROC_NATS_URL" not in env
+
+
+def test_a_users_nats_secret_becomes_the_routers_environment(helm: Path, tmp_path: Path) -> None:
+    values = {
+        "shared_state": {"kind": "nats"},
+        "natsSecret": {"name": "my-nats", "urlKey": "url", "tokenKey": "tok"},
+    }
+    pod = Manifests(template(helm, tmp_path, values)).pod
+    env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in pod["containers"][0]["env"]}
+    assert env == {
+        "PD_EXTPROC_NATS_URL": {"name": "my-nats", "key": "url"},
+        "PD_EXTPROC_NATS_TOKEN": {"name": "my-nats", "key": "tok"},
+    }
 
 
 def test_rbac_is_exactly_get_list_watch_on_pods_where_they_are_watched(rendered) -> None:
@@ -558,6 +640,8 @@ def test_the_bonus_is_accepted_as_users_type_it_and_rendered_as_a_number(
         (("tls.cert_file=/etc/tls/tls.crt",), {}, ["at '/tls/cert_file'"]),
         (("admin.debug_endpoints=yes",), {}, ["at '/admin/debug_endpoints'"]),
         (("affinty.mode=strict",), {}, ["additional properties 'affinty' not allowed"]),
+        (("workers=0",), {}, ["at '/workers': minimum"]),
+        (("workers=65",), {}, ["at '/workers': maximum"]),
     ],
 )
 def test_bad_values_are_refused_at_install_time(

@@ -431,6 +431,7 @@ def test_the_picker_may_read_pods_and_inference_pools_in_the_pools_namespace(pic
             ["at '/tls/cert_file'"],
         ),
         (("inferencePool.modelServers.matchLabels.app=vllm", "mode=sidecar"), ["at '/mode'"]),
+        (("inferencePool.modelServers.matchLabels.app=vllm", "workers=2"), ["at '/workers': value must"]),
     ],
 )
 def test_bad_picker_values_are_refused_at_install_time(

@@ -53,6 +53,11 @@ def test_the_cpu_tier_keeps_reuse_that_hbm_evicted(bench: ModuleType) -> None:
     [
         (["--format", "sharegpt"], "--format: unknown trace format 'sharegpt'"),
         (["--start", "500"], "--start 500 --count 1200: the window runs past the end"),
+        (  # before any window runs (none printed its progress)
+            ["--start", "0,195", "--count", "10"],
+            f"--start 195 --count 10: the window runs past the end of {HEAD}, which holds 200 requests "
+            "(0-199)",
+        ),
     ],
 )
 def test_bad_input_is_one_line_naming_the_option(

@@ -9,9 +9,11 @@ import pytest
 
 from ext_proc.cli import main
 from sim.cluster import clusters
-from sim.demo import CLUSTER, CPU_TIER_TOKENS, run_demo
+from sim.demo import CLUSTER, CPU_TIER_TOKENS, CV_NOTE, run_demo
+from sim.experiment import measure
 from sim.profiles import MEASURED_PROFILE, engines_of, load_profile
-from sim.stack import start_stack
+from sim.report import better
+from sim.stack import StackError, start_stack
 from sim.traces import SAMPLE, read_window
 from sim.workload import trace_plans
 
@@ -49,6 +51,7 @@ def test_demo_cli_replays_a_window_writes_json_and_rejects_unknown_modes(tmp_pat
     assert "prefer" in printed and "cross-group KV" in printed
     assert "4 requests per mode of mooncake_conversation_head.jsonl (requests 10-13" in printed
     assert "engines h200-llama-3-8b" in printed
+    assert f"\n{better()}\n{CV_NOTE}\n" in printed
     assert json.loads(out.read_text())["prefer"]["requests"] == 4
     with pytest.raises(SystemExit) as exit_info:
         main(["demo", "--modes", "sideways"])
@@ -88,3 +91,24 @@ def test_the_demo_engines_run_the_measured_profile():
         ("prefill", "rack-b"): hbm,
         ("decode", "rack-b"): hbm // 2,
     }
+
+
+async def test_a_run_stops_naming_envoy_when_it_dies_mid_run():
+    """Envoy killed after the first answer: the run ends with why, not with a row of failed requests."""
+    large, small, kv = engines_of(MEASURED_PROFILE, CPU_TIER_TOKENS)
+    stack = start_stack(clusters(large, small)[CLUSTER], large, kv)
+    killed: list[int] = []
+
+    def kill_envoy_once() -> None:
+        gateway = stack.replicas[0].gateway
+        if not killed and gateway is not None:
+            gateway.process.kill()
+            killed.append(gateway.process.pid)
+
+    plans = trace_plans(read_window(SAMPLE, None, 0, 40), speed=2.0, max_output=4)  # ~5 s of arrivals
+    try:
+        with pytest.raises(StackError, match=r"^Envoy exited with code -9; the end of its log:"):
+            await measure(stack, "prefer", plans, progress=kill_envoy_once, handoff="kv-transfer-params")
+    finally:
+        stack.stop()
+    assert killed

@@ -1,25 +1,43 @@
-"""The real-engine rig's own logic, without engines: the tiny model, the engine command, metrics
-parsing, the memory check, who served what from the engines' request logs, and the demo's refusals.
-(The engines themselves run in ``make test-vllm``.)"""
+"""The real-engine rig's own logic, without engines: the tiny model and its dtype, the engine
+command, metrics parsing, the memory check, who served what from the engines' request logs, the
+demo's refusals, the attention probe's failures, and a dead engine reported as such (by stand-ins for
+vLLM engines, ``tests/support/vllm_standin.py``). (The engines themselves run in ``make test-vllm``.)"""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import aiohttp
 import pytest
 
 from ext_proc.discovery.eds import load_eds_file
 from rig import cluster as rig_cluster
+from rig.attention import AttentionPath, probe_attention
 from rig.cluster import KV_TOKENS, VllmCluster, capacity, check_memory, kv_events_spec
 from rig.demo import RequestLogs
-from rig.engine import BLOCK_TOKENS, Engine, EngineSpec, engine_command, engine_environment, parse_metrics
-from rig.model import WORDS, prompt, vocabulary, write_tiny_llama
+from rig.engine import (
+    BLOCK_TOKENS,
+    Engine,
+    EngineError,
+    EngineSpec,
+    engine_command,
+    engine_environment,
+    parse_metrics,
+    start_engine,
+)
+from rig.model import DTYPE, WORDS, prompt, vocabulary, write_tiny_llama
 from rig.venv import VllmUnavailable
 from sim.cluster_process import EngineInfo, write_cluster_eds
+from sim.gateway import free_port
 from sim.workload import Record, RequestPlan
+
+STANDIN = Path(__file__).resolve().parents[1] / "support" / "vllm_standin.py"
+NOT_ASKED = AttentionPath(DTYPE, None, None, "not asked")
 
 
 def test_a_prompt_of_n_words_is_n_tokens_of_the_vocabulary(tmp_path):
@@ -32,6 +50,15 @@ def test_a_prompt_of_n_words_is_n_tokens_of_the_vocabulary(tmp_path):
     words = prompt(300, seed=3).split()
     assert len(words) == 300 and set(words) <= set(WORDS) and prompt(300, 3) != prompt(300, 4)
     assert all(word in vocab for word in ("user", "assistant", ":"))  # the chat template's words
+
+
+def test_the_engines_run_float32_and_the_kv_capacity_follows_its_four_bytes(tmp_path):
+    """bfloat16 takes vLLM CPU's amx attention on an AMX CPU, where a decode dies after a KV load."""
+    config = json.loads((write_tiny_llama(tmp_path / "model") / "config.json").read_text())
+    command = engine_command(Path("p"), tmp_path, EngineSpec("decode", "a", 1, 2), nice=0)
+    assert DTYPE == config["torch_dtype"] == command[command.index("--dtype") + 1] == "float32"
+    # K and V of 2 layers of 128 float32 values a token: 2 KiB; 1 GiB of KV cache holds 2**19 tokens.
+    assert KV_TOKENS == 524_288
 
 
 def test_an_engine_starts_as_a_user_starts_vllm_with_its_own_nixl_role_and_port(tmp_path):
@@ -135,6 +162,7 @@ def test_the_engines_request_logs_say_which_prefill_and_decode_served(tmp_path):
         tmp_path,
         Path("p"),
         Path("m"),
+        NOT_ASKED,
     )
     logs = RequestLogs(cluster)  # only what is logged from now on counts
     same, cross, local = (
@@ -170,3 +198,60 @@ def test_the_demo_on_vllm_runs_the_kv_transfer_params_handoff_only():
         timeout=60,
     )
     assert done.returncode == 2 and "kv-transfer-params handoff only" in done.stderr
+
+
+async def test_the_attention_probe_reports_why_vllm_could_not_be_asked_and_does_not_fail(tmp_path):
+    without_vllm = await probe_attention(Path(sys.executable))  # pd-extproc's environment: no torch, vLLM
+    assert (without_vllm.isa, without_vllm.amx_tiles) == (None, None)
+    assert re.fullmatch(
+        r"dtype float32, attention ISA unknown \(asking vLLM's _get_attn_isa failed \(exit 1\): "
+        r"ModuleNotFoundError: No module named '(torch|vllm)'\)",
+        without_vllm.describe(),
+    )
+    missing = await probe_attention(tmp_path / "no-python")
+    assert missing.describe().startswith(f"dtype float32, attention ISA unknown (cannot run {tmp_path}")
+    assert (
+        AttentionPath("float32", "vec", False).describe()
+        == "dtype float32, attention ISA vec (AMX tiles: no)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("death", "says"),
+    [
+        ("sigill", "died during the decode of a KV transfer from {prefill}: exited with code -4 (SIGILL)"),
+        (
+            "worker",
+            "died during the decode of a KV transfer from {prefill}: "
+            "its worker VllmWorker-0 died with exit code -4 (SIGILL)",
+        ),
+    ],
+)
+async def test_a_decode_that_dies_on_its_first_kv_load_is_reported_dead_with_its_signal_and_log(
+    tmp_path, monkeypatch, death, says
+):
+    """As vLLM CPU's bfloat16 decode on an AMX CPU (issue 33): the prefill answers its leg, the decode
+    dies of SIGILL on the KV load (its process, or its worker while its API server answers 500). The
+    warm-up names the decode, the signal and its log's end, not a refused connection."""
+    monkeypatch.setenv("STANDIN_DEATH", death)
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nexec {sys.executable} {STANDIN} "$@"\n')
+    python.chmod(0o755)
+    specs = [EngineSpec(role, "a", free_port(), free_port()) for role in ("prefill", "decode")]
+    engines = {s.address: start_engine(python, tmp_path, s, tmp_path, nice=0) for s in specs}
+    try:
+        await asyncio.gather(*(e.wait_ready(timeout=30) for e in engines.values()))
+        infos = [EngineInfo(s.address, s.role, s.group, KV_TOKENS) for s in specs]
+        cluster = VllmCluster(infos, engines, tmp_path, python, tmp_path, NOT_ASKED)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+            with pytest.raises(EngineError) as raised:
+                await cluster.warm_up(session)
+    finally:
+        for engine in engines.values():
+            engine.stop()
+    prefill, decode = specs
+    message = str(raised.value)
+    assert message.startswith(f"{decode.name} {says.format(prefill=prefill.name)}; its log ends:\n")
+    assert f"stand-in kv_consumer engine serving on port {decode.port}" in message  # the log's end
+    if death == "worker":
+        assert "Worker proc VllmWorker-0 died unexpectedly (exit code: -4)" in message

@@ -85,7 +85,7 @@ class Manifests:
 
     @property
     def pod(self) -> dict:
-        return self.one("Deployment")["spec"]["template"]["spec"]
+        return self.one("Deployment", FULLNAME)["spec"]["template"]["spec"]
 
     def container(self, name: str) -> dict:
         (container,) = [c for c in self.pod["containers"] if c["name"] == name]
@@ -115,11 +115,18 @@ def check_config(path: Path) -> subprocess.CompletedProcess[str]:
 
 
 def effective_config(manifests: Manifests, tmp_path: Path) -> dict:
-    """``pd-extproc check-config``'s effective configuration of the rendered file, as rendered."""
+    """``pd-extproc check-config``'s effective configuration of the rendered file, as rendered.
+
+    EDS files are mounted in the pod (``extraVolumes``), not on this machine: ``check-config`` must
+    name each and exit 1, still printing the configuration."""
     path = tmp_path / "config.yaml"
     path.write_text(manifests.config)
     result = check_config(path)
-    assert result.returncode == 0, result.stderr
+    discovery = yaml.safe_load(manifests.config).get("discovery") or {}
+    mounted = (discovery.get("eds_files") or []) if discovery.get("source") == "files" else []
+    assert result.returncode == (1 if mounted else 0), result.stderr
+    for eds in mounted:
+        assert f"discovery.eds_files: {eds}: no such file" in result.stderr
     return yaml.safe_load(result.stdout)
 
 

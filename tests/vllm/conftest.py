@@ -8,6 +8,9 @@ test that kills an engine starts it again before it ends, so every such test beg
 warmed-up engines. A module that needs other engines (``test_vllm_kv_events.py``) starts its own,
 once these are stopped: the machine's two cores do not run six.
 
+The fixture prints, with the start-up times, the engines' dtype and the attention kernels vLLM
+runs for it on this CPU (:mod:`rig.attention`).
+
 Not collected by ``make test`` (``norecursedirs``): the engines need the cached vLLM environment
 (``make vllm-env``) and about 10.5 GiB of memory. Without the environment the suite fails with the
 command that installs it; without the memory, with how much it needs.
@@ -49,7 +52,8 @@ def vllm_stack() -> Iterator[Stack]:
         + "); warm-up attempts per (prefill, decode) pair: "
         + ", ".join(f"{p}->{d} {n}" for (p, d), n in cluster.warm_up_attempts.items())
         + "; PSS "
-        + ", ".join(f"{e.pss_bytes() / 2**30:.2f} GiB" for e in cluster.running.values()),
+        + ", ".join(f"{e.pss_bytes() / 2**30:.2f} GiB" for e in cluster.running.values())
+        + f"\nvLLM engines: {cluster.attention.describe()}",
         flush=True,
     )
     try:

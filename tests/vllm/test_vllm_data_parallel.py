@@ -35,7 +35,8 @@ def dp_stack() -> Iterator[Stack]:
     started = time.monotonic()
     stack = asyncio.run(start_kv_events_stack([kv_events_spec("rack-dp", data_parallel_size=RANKS)]))
     print(
-        f"\nvLLM engine of {RANKS} data-parallel ranks: ready in {time.monotonic() - started:.0f} s",
+        f"\nvLLM engine of {RANKS} data-parallel ranks: ready in {time.monotonic() - started:.0f} s; "
+        f"{cluster_of(stack).attention.describe()}",
         flush=True,
     )
     try:

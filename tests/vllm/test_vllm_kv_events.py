@@ -83,7 +83,7 @@ def events_stack() -> Iterator[Stack]:
     print(
         f"\nvLLM engines publishing KV-cache events: ready in {time.monotonic() - started:.0f} s ("
         + ", ".join(f"{e.spec.name} {e.ready_seconds:.0f} s" for e in cluster.running.values())
-        + ")",
+        + f"); {cluster.attention.describe()}",
         flush=True,
     )
     try:

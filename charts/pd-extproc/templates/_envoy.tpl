@@ -2,8 +2,8 @@
 endpoints from pd-extproc over ADS) without its comments, verbatim at the default values
 (tests/deploy/test_helm_chart.py keeps them equal; see those files and docs/deploy/envoy.md "Envoy wiring" for
 every choice), plus a stats listener serving /ready and /stats/prometheus (the admin stays on
-loopback). Values set pd-extproc's port, envoy.statsPort, routing.destination_header and the
-timeouts below. */}}
+loopback). Values set pd-extproc's port (one endpoint per worker: the listen port + i),
+envoy.statsPort, routing.destination_header and the timeouts below. */}}
 {{- define "pd-extproc.envoy" -}}
 {{- $destination := .Values.routing.destination_header -}}
 {{- $extprocPort := include "pd-extproc.port" .Values.listen -}}
@@ -288,9 +288,11 @@ static_resources:
       cluster_name: pd_extproc
       endpoints:
       - lb_endpoints:
+        {{- range $i := until (int .Values.workers) }}
         - endpoint:
             address:
-              socket_address: {address: 127.0.0.1, port_value: {{ $extprocPort }}}
+              socket_address: {address: 127.0.0.1, port_value: {{ add $extprocPort $i }}}
+        {{- end }}
 
   - name: decode
     type: EDS

@@ -77,6 +77,9 @@ host (provider none: ORIGINAL_DST, kgateway's subset load balancer). */}}
 {{- if and .Values.tokenizer.volume (not .Values.affinity.prefix.tokenizer) -}}
 {{- $_ := set $v.affinity.prefix "tokenizer" .Values.tokenizer.mountPath -}}
 {{- end -}}
+{{- if and .Values.natsServer.enabled (not .Values.shared_state.nats.url) (not .Values.natsSecret.urlKey) -}}
+{{- $_ := set $v.shared_state.nats "url" (printf "nats://%s-nats:%d" (include "pd-extproc.fullname" .) (int .Values.natsServer.port)) -}}
+{{- end -}}
 {{- if include "pd-extproc.picker" . -}}
 {{- $pool := dict "name" (include "pd-extproc.fullname" .) "namespace" .Release.Namespace -}}
 {{- $_ := set $v.discovery "source" "inferencepool" -}}
@@ -207,4 +210,21 @@ envoy_health:
   admin_url: {{ $v.envoy_health.admin_url | toJson }}
   interval_seconds: {{ include "pd-extproc.decimal" $v.envoy_health.interval_seconds }}
   timeout_seconds: {{ include "pd-extproc.decimal" $v.envoy_health.timeout_seconds }}
+shared_state:
+  {{- $s := $v.shared_state }}
+  kind: {{ $s.kind | toJson }}
+  heartbeat_seconds: {{ include "pd-extproc.decimal" $s.heartbeat_seconds }}
+  peer_timeout_seconds: {{ include "pd-extproc.decimal" $s.peer_timeout_seconds }}
+  batch_seconds: {{ include "pd-extproc.decimal" $s.batch_seconds }}
+  sync_wait_seconds: {{ include "pd-extproc.decimal" $s.sync_wait_seconds }}
+  nats:
+    url: {{ $s.nats.url | toJson }}
+    creds_file: {{ $s.nats.creds_file | toJson }}
+    token: {{ $s.nats.token | toJson }}
+    subject_prefix: {{ $s.nats.subject_prefix | toJson }}
+    hash_key: {{ $s.nats.hash_key | toJson }}
+    tls:
+      ca: {{ $s.nats.tls.ca | toJson }}
+      cert: {{ $s.nats.tls.cert | toJson }}
+      key: {{ $s.nats.tls.key | toJson }}
 {{- end }}

@@ -31,7 +31,7 @@ def test_serve_never_imports_the_simulator() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
-    assert "invalid configuration: affinity.mode" in result.stderr
+    assert "invalid configuration: --affinity-mode (affinity.mode)" in result.stderr
 
 
 def test_help_lists_every_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
@@ -210,3 +210,28 @@ def test_check_config_accepts_a_tokenizer_folder_that_loads(
     path.write_text(f"affinity:\n  prefix:\n    enabled: true\n    tokenizer: '{folder}'\n")
     assert main(["check-config", "--config", str(path)]) == 0
     assert yaml.safe_load(capsys.readouterr().out)["affinity"]["prefix"]["tokenizer"] == str(folder)
+
+
+def test_check_config_exits_1_naming_an_eds_file_that_does_not_exist(
+    clean_env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """``serve`` would start on it, warn and poll (tests/unit/discovery/test_eds.py): ``check-config`` says
+    so, still printing the effective configuration."""
+    (tmp_path / "prefill.yaml").write_text((SHIPPED_CONFIG.parents[1] / "envoy/eds/prefill.yaml").read_text())
+    path = tmp_path / "c.yaml"
+    path.write_text("discovery:\n  eds_files: [prefill.yaml, decode.yaml, eds]\n")
+    (tmp_path / "eds").mkdir()  # a folder is no file either
+    assert main(["check-config", "--config", str(path)]) == 1
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [
+        f"pd-extproc: error: discovery.eds_files: {tmp_path / name}: no such file (serve would start without "
+        "its endpoints, warn and poll until it appears)"
+        for name in ("decode.yaml", "eds")
+    ]
+    assert captured.out.startswith(
+        f"# {path} names an EDS file that is missing here. Effective configuration"
+    )
+    assert yaml.safe_load(captured.out)["discovery"]["eds_files"][1] == str(tmp_path / "decode.yaml")
+    path.write_text("discovery:\n  eds_files: [prefill.yaml, decode.yaml]\n  source: kubernetes\n")
+    assert main(["check-config", "--config", str(path)]) == 0  # not read from kubernetes: not checked
+    assert capsys.readouterr().err == ""

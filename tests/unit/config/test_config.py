@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import types
 from pathlib import Path
@@ -12,7 +13,16 @@ import yaml
 from ext_proc.affinity import AutoModel, Mode, Policy
 from ext_proc.affinity.config import AutoConfig
 from ext_proc.checks import ConfigError
-from ext_proc.config import ENV_AFFINITY_BONUS, ENV_AFFINITY_MODE, Config, ConfigSource, as_dict, load_config
+from ext_proc.config import (
+    ENV_AFFINITY_BONUS,
+    ENV_AFFINITY_MODE,
+    ENV_HANDOFF,
+    ENV_NATS_URL,
+    Config,
+    ConfigSource,
+    as_dict,
+    load_config,
+)
 from ext_proc.discovery import SourceKind
 from ext_proc.discovery.config import DiscoveryConfig, InferencePoolConfig, KubernetesConfig
 from ext_proc.discovery.pods import Preset, RoleScheme
@@ -149,7 +159,41 @@ def test_environment_bonus_that_is_not_a_number_names_the_variable() -> None:
 
 def test_environment_mode_is_validated_like_yaml() -> None:
     message = config_error(environ={ENV_AFFINITY_MODE: "sideways"})
-    assert message.startswith("affinity.mode: 'sideways' is not allowed")
+    assert message.startswith(f"{ENV_AFFINITY_MODE} (affinity.mode): 'sideways' is not allowed")
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "message"),
+    [
+        (ENV_AFFINITY_MODE, "bogus", "(affinity.mode): 'bogus' is not allowed; use one of off, prefer"),
+        (ENV_AFFINITY_BONUS, "2", "(affinity.bonus): 2.0 is not allowed; use a number in [0, 1]"),
+        (ENV_HANDOFF, "carrier-pigeon", "(handoff.mode): 'carrier-pigeon' is not allowed; use one of"),
+        (ENV_NATS_URL, "http://nats:4222", "(shared_state.nats.url): 'http://nats:4222' is not allowed"),
+        (
+            ENV_NATS_URL,
+            "nats://nats:422200",
+            "(shared_state.nats.url): 'nats://nats:422200' is not allowed: "
+            "its port is not a number in 1..65535",
+        ),
+    ],
+)
+def test_an_error_in_a_variable_names_the_variable_then_the_key(
+    tmp_path: Path, variable: str, value: str, message: str
+) -> None:
+    """The file may hold a good value of the key: the error says where the bad one came from."""
+    path = write_yaml(tmp_path, "affinity:\n  mode: prefer\n  bonus: 0.3\nhandoff:\n  mode: sidecar\n")
+    assert config_error(path, environ={variable: value}).startswith(f"{variable} {message}")
+
+
+def test_an_override_of_a_variable_is_named_by_its_own_origin_or_by_its_key() -> None:
+    environ = {ENV_AFFINITY_MODE: "prefer"}
+    assert config_error(overrides={"affinity.mode": "bogus"}, environ=environ).startswith(
+        "affinity.mode: 'bogus' is not allowed"
+    )
+    with pytest.raises(ConfigError, match=r"^--affinity-mode \(affinity.mode\): 'bogus' is not allowed"):
+        load_config(None, {"affinity.mode": "bogus"}, environ, {"affinity.mode": "--affinity-mode"})
+    with pytest.raises(ConfigError, match=r"^listen: 'x' is not allowed"):  # another key: its own name
+        load_config(None, {"listen": "x", "affinity.mode": "off"}, {}, {"affinity.mode": "--affinity-mode"})
 
 
 # --- validation errors -------------------------------------------------------------------------
@@ -159,7 +203,7 @@ def test_unknown_top_level_key_is_named_with_the_allowed_keys(tmp_path: Path) ->
     message = config_error(write_yaml(tmp_path, "listn: 0.0.0.0:1\n"))
     assert message == (
         "listn: unknown key; allowed keys here: admin, affinity, discovery, engine_metrics, envoy_health, "
-        "handoff, health_listen, limits, listen, load, metrics_listen, routing, tls, xds"
+        "handoff, health_listen, limits, listen, load, metrics_listen, routing, shared_state, tls, xds"
     )
 
 
@@ -318,10 +362,33 @@ def test_equal_bandwidths_and_zero_wait_scale_are_allowed() -> None:
 
 
 @pytest.mark.parametrize("key", ["listen", "metrics_listen"])
-@pytest.mark.parametrize("value", ["9002", "localhost:", ":9002", "host:port", "host:70000", "host:-1"])
+@pytest.mark.parametrize("value", ["9002", "localhost:", ":9002", "host:port", "host:-1"])
 def test_bad_listen_address_is_rejected(key: str, value: str) -> None:
     assert config_error(overrides={key: value}) == (
         f"{key}: {value!r} is not allowed; use host:port, e.g. 0.0.0.0:9002"
+    )
+
+
+@pytest.mark.parametrize("key", ["listen", "metrics_listen", "health_listen"])
+def test_a_listen_port_out_of_range_says_the_range(key: str) -> None:
+    assert config_error(overrides={key: "0.0.0.0:70000"}) == (
+        f"{key}: '0.0.0.0:70000' is not allowed: port 70000 is out of range; use a port in 0..65535"
+    )
+
+
+@pytest.mark.parametrize(
+    ("key", "url"),
+    [
+        ("handoff.prefill_via", "http://127.0.0.1:70000"),
+        ("handoff.prefill_via", "http://127.0.0.1:0"),
+        ("envoy_health.admin_url", "http://127.0.0.1:99999"),
+        ("shared_state.nats.url", "nats://a:4222,nats://b:65536"),
+    ],
+)
+def test_a_url_port_out_of_range_says_the_range(key: str, url: str) -> None:
+    bad = url.rpartition(",")[2]
+    assert config_error(overrides={key: url}) == (
+        f"{key}: {bad!r} is not allowed: its port is not a number in 1..65535"
     )
 
 
@@ -335,7 +402,7 @@ def test_health_listen_is_off_by_default_and_takes_a_host_port() -> None:
     assert load(overrides={"health_listen": "0.0.0.0:9003"}).health_listen == "0.0.0.0:9003"
 
 
-@pytest.mark.parametrize("value", ["9003", ":9003", "host:port", "host:70000"])
+@pytest.mark.parametrize("value", ["9003", ":9003", "host:port"])
 def test_a_bad_health_listen_says_empty_turns_it_off(value: str) -> None:
     assert config_error(overrides={"health_listen": value}) == (
         f"health_listen: {value!r} is not allowed; use host:port, e.g. 0.0.0.0:9002 (or an empty string: off)"
@@ -490,7 +557,34 @@ def test_cli_serve_with_bad_config_key_exits_2_naming_the_key(
 def test_cli_serve_with_bad_affinity_mode_flag_exits_2(cli, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["serve", "--affinity-mode", "sideways"]) == 2
     err = capsys.readouterr().err
-    assert "affinity.mode: 'sideways' is not allowed; use one of off, prefer, strict, auto" in err
+    assert (
+        "--affinity-mode (affinity.mode): 'sideways' is not allowed; use one of off, prefer, strict, auto"
+        in err
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--listen", "0.0.0.0:70000"], "--listen (listen): '0.0.0.0:70000' is not allowed: port 70000"),
+        (["--metrics-listen", "9090"], "--metrics-listen (metrics_listen): '9090' is not allowed"),
+        (["--eds-file", "e.yaml", "--discovery", "dns"], "--discovery (discovery.source): 'dns'"),
+        (["--max-inflight-requests", "-1"], "--max-inflight-requests (limits.max_inflight_requests): "),
+        (["--envoy-admin-url", "admin:9901"], "--envoy-admin-url (envoy_health.admin_url): 'admin:9901'"),
+    ],
+)
+def test_cli_a_bad_flag_is_named(
+    cli, capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    assert cli.main(["serve", *argv]) == 2
+    assert f"pd-extproc: invalid configuration: {message}" in capsys.readouterr().err
+
+
+def test_cli_each_config_flag_is_a_serve_flag() -> None:
+    from ext_proc.cli import _FLAG_KEYS, _flag, build_parser
+
+    (commands,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    assert {_flag(dest) for dest in _FLAG_KEYS} <= set(commands.choices["serve"]._option_string_actions)
 
 
 def test_cli_flag_overrides_environment_and_is_validated(
@@ -498,7 +592,7 @@ def test_cli_flag_overrides_environment_and_is_validated(
 ) -> None:
     monkeypatch.setenv(ENV_AFFINITY_BONUS, "0.2")
     assert cli.main(["serve", "--affinity-bonus", "1.5"]) == 2
-    assert "affinity.bonus: 1.5 is not allowed" in capsys.readouterr().err
+    assert "--affinity-bonus (affinity.bonus): 1.5 is not allowed" in capsys.readouterr().err
 
 
 def test_cli_rejects_bad_environment_variable(
@@ -506,7 +600,7 @@ def test_cli_rejects_bad_environment_variable(
 ) -> None:
     monkeypatch.setenv(ENV_AFFINITY_MODE, "sideways")
     assert cli.main(["serve"]) == 2
-    assert "affinity.mode: 'sideways' is not allowed" in capsys.readouterr().err
+    assert f"{ENV_AFFINITY_MODE} (affinity.mode): 'sideways' is not allowed" in capsys.readouterr().err
 
 
 def test_cli_flags_reach_the_server_config_over_environment(
@@ -899,7 +993,7 @@ def test_cli_inferencepool_without_pool_name_exits_2(cli, capsys: pytest.Capture
 def test_cli_bad_discovery_flag_exits_2(cli, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["serve", "--discovery", "dns"]) == 2
     assert (
-        "discovery.source: 'dns' is not allowed; use one of files, kubernetes, inferencepool"
+        "--discovery (discovery.source): 'dns' is not allowed; use one of files, kubernetes, inferencepool"
         in capsys.readouterr().err
     )
 

@@ -43,10 +43,10 @@ def test_environment_selects_the_handoff_over_the_file_and_under_the_flag(tmp_pa
     assert load_config(str(path), flag, environ=env).handoff.mode is HandoffMode.SIDECAR
 
 
-def test_environment_handoff_that_is_not_a_mode_is_refused_naming_the_key():
+def test_environment_handoff_that_is_not_a_mode_is_refused_naming_the_variable_and_the_key():
     with pytest.raises(ConfigError) as info:
         load_config(None, {}, environ={ENV_HANDOFF: "vllm"})
-    assert "handoff.mode: 'vllm' is not allowed" in str(info.value)
+    assert f"{ENV_HANDOFF} (handoff.mode): 'vllm' is not allowed" in str(info.value)
 
 
 @pytest.mark.parametrize(
@@ -85,11 +85,14 @@ def test_base_urls_are_accepted(via):
 
 def test_the_serve_flags_set_the_handoff(capsys):
     assert main(["serve", "--handoff", "sglang", "--listen", "127.0.0.1:0"]) == 2
-    assert "handoff.mode: 'sglang' is not allowed" in capsys.readouterr().err
+    assert "--handoff (handoff.mode): 'sglang' is not allowed" in capsys.readouterr().err
     assert main(["serve", "--prefill-via", "nohost"]) == 2
-    assert "handoff.prefill_via: 'nohost' is not allowed" in capsys.readouterr().err
+    assert "--prefill-via (handoff.prefill_via): 'nohost' is not allowed" in capsys.readouterr().err
     assert main(["serve", "--pd-threshold-tokens", "-3"]) == 2
-    assert "routing.pd_threshold_tokens: must be an integer >= 0" in capsys.readouterr().err
+    assert (
+        "--pd-threshold-tokens (routing.pd_threshold_tokens): must be an integer >= 0"
+        in capsys.readouterr().err
+    )
 
 
 @pytest.mark.parametrize("source", ["file", "flag"])

@@ -1,16 +1,20 @@
 """The documentation cannot drift from the repository: every relative link and anchor of README.md and
 docs/ resolves, every ``make`` target and ``pd-extproc`` command (subcommand and flags) quoted as code
-exists, and docs/configuration.md lists exactly the keys and defaults of ``ext_proc/config.py``. Each
-check is also fed a broken page, so that it is seen to fail."""
+exists and reads nothing above the clone, every flag of ``pd-extproc serve`` and every global one is
+quoted in docs/, and
+docs/configuration.md lists exactly the keys and defaults of ``ext_proc/config.py``. Each check is also
+fed a broken page, so that it is seen to fail."""
 
 from __future__ import annotations
 
 import argparse
+import re
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
 import yaml
-from doc_pages import ROOT, broken_links, commands, config_rows, make_targets, pages
+from doc_pages import ROOT, broken_links, code_texts, commands, config_rows, make_targets, pages
 from helm_chart import leaf_keys
 
 from ext_proc.cli import build_parser
@@ -85,6 +89,28 @@ def test_an_unknown_make_target_is_found() -> None:
     assert _unknown_make_targets(text, {"demo", "vllm-env"}) == ["1: make tset", "4: make bench-all"]
 
 
+def _above_the_clone(text: str) -> list[str]:
+    """Quoted code naming a path above the repository (``../shared/x``): a clone has nothing there, and
+    the pages' commands run from its root."""
+    return [f"{n}: {code.strip()}" for n, code in code_texts(text) if re.search(r"(?<![\w./])\.\./", code)]
+
+
+@pytest.mark.parametrize("page", pages(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_quoted_code_reads_nothing_above_the_clone(page: Path) -> None:
+    assert _above_the_clone(_read(page)) == []
+
+
+def test_a_path_above_the_clone_is_found() -> None:
+    text = (
+        "[a link](../README.md) is fine, `sim/x.jsonl` and `a/../b` too\n"
+        "```bash\nT=../shared/traces/t.jsonl\npython bench/x.py ../t.jsonl --count 3\n```\n"
+    )
+    assert _above_the_clone(text) == [
+        "3: T=../shared/traces/t.jsonl",
+        "4: python bench/x.py ../t.jsonl --count 3",
+    ]
+
+
 def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
     actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
     return dict(actions[0].choices)
@@ -133,6 +159,37 @@ def test_an_unknown_subcommand_or_flag_is_found() -> None:
         "7: pd-extproc route: no such subcommand",
         "9: pd-extproc sim --warp: no such flag",
     ]
+
+
+def _serve_and_global_flags() -> set[str]:
+    """Every long flag of ``pd-extproc serve`` and of ``pd-extproc`` itself (``--log-level``), as the
+    parser has them (a flag added there is demanded here), ``--help`` aside."""
+    flags = _options(_subparsers(build_parser("serve"))["serve"]) | _options(build_parser())
+    return {flag for flag in flags if flag.startswith("--") and flag != "--help"}
+
+
+def _undocumented(flags: set[str], codes: Iterable[str]) -> list[str]:
+    """The ``flags`` that no piece of ``codes`` quotes as a whole word (``--listen`` is not
+    ``--listen-x``), sorted."""
+    text = "\n".join(codes)
+    return sorted(f for f in flags if not re.search(rf"(?<![\w-]){re.escape(f)}(?![\w-])", text))
+
+
+def test_every_serve_and_global_flag_is_quoted_in_the_manual() -> None:
+    manual = [page for page in pages() if page.parent != ROOT]  # docs/, not the README
+    codes = [code for page in manual for _, code in code_texts(_read(page))]
+    assert _undocumented(_serve_and_global_flags(), codes) == []
+
+
+def test_an_undocumented_flag_is_found() -> None:
+    text = (
+        "Use `--listen 0.0.0.0:1`, or --health-listen in prose.\n"
+        "```bash\npd-extproc serve --metrics-listen-x 1 --eds-file a\n```\n"
+    )
+    codes = (code for _, code in code_texts(text))
+    flags = {"--listen", "--metrics-listen", "--eds-file", "--health-listen"}
+    assert _undocumented(flags, codes) == ["--health-listen", "--metrics-listen"]
+    assert {"--listen", "--log-level", "--affinity-bonus"} <= _serve_and_global_flags()
 
 
 def _flat(tree: dict[str, object], prefix: str = "") -> dict[str, object]:

@@ -54,6 +54,8 @@ async def test_debug_endpoints_lists_every_endpoint_with_live_load(
             "token_capacity": 2000.0,
             "active_tokens": 30,
             "active_requests": 1,
+            "peer_tokens": 0,
+            "peer_requests": 0,
             "blended_tokens": 30,
         },
         D1: {
@@ -66,6 +68,8 @@ async def test_debug_endpoints_lists_every_endpoint_with_live_load(
             "token_capacity": 4096.0,
             "active_tokens": 80,
             "active_requests": 1,
+            "peer_tokens": 0,
+            "peer_requests": 0,
             "blended_tokens": 80,
         },
         D2: {
@@ -78,6 +82,8 @@ async def test_debug_endpoints_lists_every_endpoint_with_live_load(
             "token_capacity": 8000.0,
             "active_tokens": 0,
             "active_requests": 0,
+            "peer_tokens": 0,
+            "peer_requests": 0,
             "blended_tokens": 0,
         },
     }

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sim.report import decode_loads, load_cv, summarize
+from sim.report import COLUMNS, better, decode_loads, load_cv, summarize
 from sim.workload import Record, RequestPlan
 
 PLAN = RequestPlan(0.0, 100, 10)
@@ -42,3 +42,11 @@ def test_summary_reports_the_loads_its_cv_is_computed_from() -> None:
     summary = summarize([record("a", 4000.0), record("b", 1000.0)], 10.0, {"a": 100.0, "b": 100.0})
     assert summary["decode_loads"] == pytest.approx({"a": 0.4, "b": 0.1})
     assert summary["decode_load_cv"] == pytest.approx(0.6)  # std 0.15 / mean 0.25
+
+
+def test_the_table_says_which_way_each_column_is_better() -> None:
+    assert better() == (
+        "lower is better: errors, cross-group KV, dTTFT p50 ms, dTTFT p99 ms, TPOT p50 ms, decode load CV; "
+        "higher is better: req/s, tok/s"
+    )
+    assert better([c for c in COLUMNS if c[0] in ("requests", "throughput_rps")]) == "higher is better: req/s"

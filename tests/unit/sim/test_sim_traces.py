@@ -115,12 +115,17 @@ def test_unknown_format_and_windows_past_the_end_name_the_option(tmp_path: Path)
         TraceError, match="--format: unknown trace format 'sharegpt'; choose from mooncake, azure"
     ):
         read_window(HEAD, "sharegpt", 0, 1)
-    with pytest.raises(
-        TraceError, match=r"--start 200 --count 1: the window runs past the end .*\(at most 200"
-    ):
-        read_window(HEAD, None, 200, 1)
-    with pytest.raises(TraceError, match=r"--start 150 --count 100: .*\(200 requests\)"):
-        read_window(HEAD, None, 150, 100)
+    for start, count in ((200, 1), (150, 100), (5000, 1200), (300, None)):
+        asked = f"--start {start}" + ("" if count is None else f" --count {count}")
+        with pytest.raises(TraceError) as info:
+            read_window(HEAD, None, start, count)
+        assert str(info.value) == (
+            f"{asked}: the window runs past the end of {HEAD}, which holds 200 requests (0-199)"
+        )
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(TraceError, match=r"which holds 0 requests$"):
+        read_window(empty, None, 0, None)
     with pytest.raises(TraceError, match="cannot read the trace"):
         read_window(tmp_path / "missing.jsonl", None, 0, 1)
 

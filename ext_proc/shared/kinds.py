@@ -1,0 +1,123 @@
+"""The shared-state seam: the :class:`SharedState` protocol and its kinds.
+
+``local`` (:class:`LocalState`, the default) shares nothing: a replica routes on its own bookings.
+``nats`` (:class:`BusState` over :class:`~ext_proc.shared.nats_bus.NatsBus`) shares every booking and
+placement with the peer replicas of its ``subject_prefix`` and applies theirs. The router calls
+:meth:`SharedState.placed` after each placement; the bookings reach the shared state through the
+registry's watch (:meth:`~ext_proc.registry.Registry.watch`); the decision reads the registry's load
+arrays as always and never knows which share of a number came from a peer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from ext_proc.prefix.blocks import Chain
+from ext_proc.prefix.kinds import PrefixSource
+from ext_proc.prefix.tracker import Holder
+from ext_proc.registry import Registry
+from ext_proc.shared.config import SharedStateConfig, SharedStateKind
+from ext_proc.shared.replica import ReplicaState, SharingSink
+from ext_proc.shared.runner import Bus, SharedRunner
+
+
+class SharedState(Protocol):
+    """What the server asks of the shared state."""
+
+    def placed(self, chain: Chain, holders: Sequence[Holder]) -> None:
+        """This replica placed the prompt of ``chain`` on ``holders``."""
+        ...
+
+    async def start(self) -> None:
+        """Connect and learn the peers' state (bounded wait); never fails for want of the bus."""
+        ...
+
+    async def stop(self) -> None:
+        """Send what is pending and disconnect."""
+        ...
+
+    def describe(self) -> dict[str, object]:
+        """What ``/debug/endpoints`` shows of it: kind, this replica's name, connection, peers."""
+        ...
+
+
+class LocalState:
+    """Nothing shared (``shared_state.kind: local``)."""
+
+    def placed(self, chain: Chain, holders: Sequence[Holder]) -> None:
+        """Nothing to tell: there are no peers."""
+
+    async def start(self) -> None:
+        """Nothing to connect to."""
+
+    async def stop(self) -> None:
+        """Nothing to close."""
+
+    def describe(self) -> dict[str, object]:
+        return {"kind": SharedStateKind.LOCAL.value}
+
+
+class BusState:
+    """Bookings and placements shared over ``bus`` (:class:`ReplicaState` driven by :class:`SharedRunner`)."""
+
+    def __init__(
+        self, kind: str, replica: ReplicaState, bus: Bus, config: SharedStateConfig, sink: SharingSink
+    ) -> None:
+        self.kind = kind
+        self.replica = replica
+        self.runner = SharedRunner(
+            replica,
+            bus,
+            sink,
+            config.nats.subject_prefix,
+            config.heartbeat_seconds,
+            config.batch_seconds,
+            config.sync_wait_seconds,
+        )
+
+    def placed(self, chain: Chain, holders: Sequence[Holder]) -> None:
+        self.replica.placed(chain, holders)
+
+    async def start(self) -> None:
+        await self.runner.start()
+
+    async def stop(self) -> None:
+        await self.runner.stop()
+
+    def describe(self) -> dict[str, object]:
+        now = self.replica.clock()
+        return {
+            "kind": self.kind,
+            "replica": self.replica.name,
+            "connected": self.runner.bus.connected,
+            "synced": self.runner.synced,
+            "peers": {
+                name: {"seq": p.seq, "silent_seconds": round(now - p.seen, 3), "endpoints": len(p.loads)}
+                for name, p in self.replica.peers.peers.items()
+            },
+        }
+
+
+class SharedMetrics(SharingSink, Protocol):
+    """The metrics the shared state reports to (:class:`ext_proc.metrics.Metrics` is one)."""
+
+    def shared_connection(self, state: str) -> None: ...
+    def watch_peers(self, count: Callable[[], float]) -> None: ...
+
+
+def build_shared_state(
+    config: SharedStateConfig,
+    registry: Registry,
+    prefix: Callable[[], PrefixSource | None],
+    metrics: SharedMetrics,
+) -> SharedState:
+    """The shared state ``config`` names, watching ``registry`` (not started: :meth:`SharedState.start`)."""
+    if config.kind is SharedStateKind.LOCAL:
+        return LocalState()
+    from ext_proc.shared.nats_bus import NatsBus  # nats-py is loaded only where it is used
+
+    replica = ReplicaState(registry, prefix, metrics, config.peer_timeout_seconds)
+    metrics.watch_peers(lambda: len(replica.peers.peers))
+    bus = NatsBus(config.nats, replica.name, metrics.shared_connection)
+    return BusState(config.kind.value, replica, bus, config, metrics)

@@ -1,0 +1,206 @@
+"""The shared state's shell: a :class:`ReplicaState` driven over a bus, on the event loop.
+
+Subjects (``P`` the configured ``subject_prefix``): ``P.state`` carries every replica's batches,
+``P.sync`` the sync requests of replicas that (re)connect, ``P.inbox.<replica>`` the answers to one.
+:class:`SharedRunner` sends a batch ``batch_seconds`` after a booking or placement finds nothing
+pending (so one batch carries everything placed meanwhile), a full batch every ``heartbeat_seconds``
+and whenever the bus (re)connects, and forgets silent peers at each heartbeat. Nothing on the request
+path waits for the bus: while it is down, batches are dropped (counted) and the heartbeat after the
+reconnection sends the whole state again. A bus is anything with :class:`Bus`'s three methods:
+:class:`~ext_proc.shared.nats_bus.NatsBus`, or :class:`MemoryHub`'s buses within one process (tests
+and the trace replay, with a modelled delay).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Protocol
+
+from ext_proc.shared.replica import ReplicaState, SharingSink
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[bytes, str], None]
+"""What a subscription calls with each message: its payload and its reply subject (``""``: none)."""
+SYNC_QUIET_SECONDS = 0.1
+"""A starting replica stops waiting for sync answers once none came for this long (after the first)."""
+
+
+class Bus(Protocol):
+    """A publish/subscribe transport (NATS, or in process)."""
+
+    @property
+    def connected(self) -> bool:
+        """Whether a publish now reaches the peers."""
+        ...
+
+    async def start(self, subscriptions: dict[str, Handler], connected: Callable[[], None]) -> None:
+        """Subscribe ``subscriptions`` (subject → handler) and keep them; call ``connected`` at each
+        (re)connection. Returns at once when the transport is not reachable yet (it keeps trying)."""
+        ...
+
+    def publish(self, subject: str, payload: bytes, reply: str = "") -> None:
+        """Send ``payload`` on ``subject`` (asking for answers on ``reply``); never waits."""
+        ...
+
+    async def close(self) -> None:
+        """Send what is buffered and disconnect."""
+        ...
+
+
+class SharedRunner:
+    """Drives ``replica`` over ``bus`` with the ``shared_state`` timings (module docstring)."""
+
+    def __init__(
+        self,
+        replica: ReplicaState,
+        bus: Bus,
+        sink: SharingSink,
+        subject_prefix: str,
+        heartbeat_seconds: float,
+        batch_seconds: float,
+        sync_wait_seconds: float,
+    ) -> None:
+        self.replica = replica
+        self.bus = bus
+        self._sink = sink
+        self.state_subject = f"{subject_prefix}.state"
+        self.sync_subject = f"{subject_prefix}.sync"
+        self.inbox = f"{subject_prefix}.inbox.{replica.name}"
+        self._heartbeat_seconds = heartbeat_seconds
+        self._batch_seconds = batch_seconds
+        self._sync_wait_seconds = sync_wait_seconds
+        self._scheduled: asyncio.TimerHandle | asyncio.Handle | None = None
+        self._beat: asyncio.Task[None] | None = None
+        self._answered = asyncio.Event()
+        self._last_answer = 0.0
+        self.synced = False
+        """Whether a peer answered this replica's sync request (``False``: none yet, or no peer)."""
+
+    async def start(self) -> None:
+        """Subscribe, ask the peers for their state and wait for it (``sync_wait_seconds`` at most), then
+        send heartbeats until :meth:`stop`."""
+        self.replica.on_change = self._schedule
+        subscriptions = {
+            self.state_subject: self._receive,
+            self.sync_subject: self._receive,
+            self.inbox: self._answer,
+        }
+        await self.bus.start(subscriptions, self._connected)
+        self._beat = asyncio.get_running_loop().create_task(self._heartbeats())
+        if self.bus.connected:
+            await self._wait_for_sync()
+
+    async def stop(self) -> None:
+        """Stop the heartbeats, send what is pending and close the bus."""
+        self.replica.on_change = None
+        if self._beat is not None:
+            self._beat.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._beat
+        if self._scheduled is not None:
+            self._scheduled.cancel()
+        self._flush()
+        await self.bus.close()
+
+    def _connected(self) -> None:
+        """At each (re)connection: the whole state to the peers, and theirs asked for."""
+        self._send(self.state_subject, self.replica.batch(full=True), "batch")
+        self._send(self.sync_subject, self.replica.sync_request(), "sync_request", reply=self.inbox)
+
+    async def _wait_for_sync(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._sync_wait_seconds
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._answered.wait(), self._sync_wait_seconds)
+            while loop.time() < deadline and loop.time() - self._last_answer < SYNC_QUIET_SECONDS:
+                await asyncio.sleep(SYNC_QUIET_SECONDS / 2)
+
+    def _schedule(self) -> None:
+        if self._scheduled is None:
+            loop = asyncio.get_running_loop()
+            if self._batch_seconds:
+                self._scheduled = loop.call_later(self._batch_seconds, self._flush)
+            else:
+                self._scheduled = loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._scheduled = None
+        if self.replica.pending:
+            self._send(self.state_subject, self.replica.batch(), "batch")
+
+    def _send(self, subject: str, payload: bytes, kind: str, reply: str = "") -> None:
+        if not self.bus.connected:
+            self._sink.shared_dropped("disconnected")
+            return
+        self.bus.publish(subject, payload, reply)
+        self._sink.shared_sent(kind, len(payload))
+
+    async def _heartbeats(self) -> None:
+        while True:
+            await asyncio.sleep(self._heartbeat_seconds)
+            try:
+                self.replica.expire()
+                self._send(self.state_subject, self.replica.batch(full=True), "batch")
+            except Exception:  # a bug here must not end the heartbeats: logged, tried again next beat
+                log.exception("shared state: a heartbeat failed")
+
+    def _receive(self, payload: bytes, reply: str) -> None:
+        request = self.replica.receive(payload)
+        if request is not None and reply:
+            for message in self.replica.sync_answer():
+                self._send(reply, message, "sync_answer")
+
+    def _answer(self, payload: bytes, reply: str) -> None:
+        self.replica.receive(payload)
+        self.synced = True
+        self._last_answer = asyncio.get_running_loop().time()
+        self._answered.set()
+
+
+class MemoryHub:
+    """Buses within one process: what one publishes reaches the others' subscriptions ``delay_seconds``
+    later (0: on the next turn of the event loop), never its own (as NATS with ``no_echo``)."""
+
+    def __init__(self, delay_seconds: float = 0.0) -> None:
+        self.delay_seconds = delay_seconds
+        self._buses: list[MemoryBus] = []
+
+    def bus(self) -> MemoryBus:
+        """A new bus on this hub."""
+        bus = MemoryBus(self)
+        self._buses.append(bus)
+        return bus
+
+    def deliver(self, sender: MemoryBus, subject: str, payload: bytes, reply: str) -> None:
+        loop = asyncio.get_running_loop()
+        for bus in self._buses:
+            handler = bus.subscriptions.get(subject)
+            if bus is not sender and handler is not None and bus.connected:
+                if self.delay_seconds:
+                    loop.call_later(self.delay_seconds, handler, payload, reply)
+                else:
+                    loop.call_soon(handler, payload, reply)
+
+
+class MemoryBus:
+    """One replica's bus on a :class:`MemoryHub`."""
+
+    def __init__(self, hub: MemoryHub) -> None:
+        self._hub = hub
+        self.subscriptions: dict[str, Handler] = {}
+        self.connected = False
+
+    async def start(self, subscriptions: dict[str, Handler], connected: Callable[[], None]) -> None:
+        self.subscriptions = dict(subscriptions)
+        self.connected = True
+        connected()
+
+    def publish(self, subject: str, payload: bytes, reply: str = "") -> None:
+        self._hub.deliver(self, subject, payload, reply)
+
+    async def close(self) -> None:
+        self.connected = False

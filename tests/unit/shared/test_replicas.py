@@ -1,0 +1,195 @@
+"""Replicas sharing their bookings and placements over an in-process bus: the real seam (registry watch,
+:class:`ReplicaState`, :class:`SharedRunner`) with :class:`MemoryHub` in place of NATS (the NATS kind is
+tested against a real nats-server in tests/e2e)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+from builders import CHAT_META, endpoint, make_router
+
+from ext_proc.endpoints import ClusterEndpoints
+from ext_proc.outcome import Routed
+from ext_proc.prefix import PrefixSettings
+from ext_proc.router import Router
+from ext_proc.shared.config import SharedStateConfig
+from ext_proc.shared.kinds import BusState
+from ext_proc.shared.replica import ReplicaState
+from ext_proc.shared.runner import MemoryHub
+
+P1, P2 = "10.0.0.1:8000", "10.0.0.2:8000"
+D1, D2 = "10.0.1.1:8000", "10.0.1.2:8000"
+CONFIG = SharedStateConfig(
+    heartbeat_seconds=0.05, peer_timeout_seconds=0.2, batch_seconds=0.0, sync_wait_seconds=0.3
+)
+
+
+def _router() -> Router:
+    return make_router(
+        [endpoint(P1, "g1"), endpoint(P2, "g2")],
+        [endpoint(D1, "g1"), endpoint(D2, "g2")],
+        prefix=PrefixSettings(),
+        prefix_weight=0.5,
+    )
+
+
+def _share(router: Router, hub: MemoryHub, name: str) -> BusState:
+    replica = ReplicaState(
+        router.registry, lambda: router.prefix, router.metrics, CONFIG.peer_timeout_seconds, name
+    )
+    shared = BusState("memory", replica, hub.bus(), CONFIG, router.metrics)
+    router.shared = shared
+    return shared
+
+
+def _body(words: int, seed: int = 0) -> bytes:
+    text = " ".join(f"w{(seed * 31 + i) % 997}" for i in range(words))
+    return json.dumps(
+        {"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 10}
+    ).encode()
+
+
+def _route(router: Router, body: bytes) -> Routed:
+    routed = router.route_body(body, CHAT_META)
+    assert isinstance(routed, Routed), routed
+    return routed
+
+
+async def _turns(count: int = 3) -> None:
+    for _ in range(count):
+        await asyncio.sleep(0)
+
+
+def _peer(router: Router, role: str, address: str) -> tuple[int, int]:
+    state = router.registry.find(role, address)
+    assert state is not None
+    return state.peer_tokens, state.peer_requests
+
+
+async def test_a_booking_and_its_release_reach_the_peer_and_its_decision() -> None:
+    hub = MemoryHub()
+    a, b = _router(), _router()
+    shared = [_share(a, hub, "a"), _share(b, hub, "b")]
+    await asyncio.gather(*(s.start() for s in shared))
+    routed = _route(a, _body(400))
+    decision = routed.lease
+    prefill, decode = decision._prefill, decision.decode
+    assert prefill is not None and decode is not None
+    await _turns()
+    assert _peer(b, "decode", decode.address) == (decode.own_tokens, 1)
+    assert _peer(b, "prefill", prefill.address) == (prefill.own_tokens, 1)
+    assert _peer(a, "decode", decode.address) == (0, 0)  # its own charge is not a peer's
+    other = next(d for d in b.registry.decodes if d.address != decode.address)
+    assert b.registry.find("decode", decode.address).active_requests == 1  # type: ignore[union-attr]
+    assert other.active_requests == 0
+    routed.lease.release()
+    await _turns()
+    assert _peer(b, "decode", decode.address) == (0, 0) and _peer(b, "prefill", prefill.address) == (0, 0)
+    await asyncio.gather(*(s.stop() for s in shared))
+
+
+async def test_the_peer_learns_placements_and_routes_the_same_prompt_to_their_holder() -> None:
+    hub = MemoryHub()
+    a, b = _router(), _router()
+    shared = [_share(a, hub, "a"), _share(b, hub, "b")]
+    await asyncio.gather(*(s.start() for s in shared))
+    body = _body(800, seed=3)
+    first = _route(a, body)
+    first.lease.release()
+    await _turns()
+    chain = b.prefix.chain(json.loads(body))  # type: ignore[union-attr]
+    held = b.prefix.index.match(chain)  # type: ignore[union-attr]
+    placed = {first.lease._prefill.address if first.lease._prefill else None}
+    assert held and set(held) >= placed - {None}
+    second = _route(b, body)
+    assert second.lease.decode is not None
+    assert {second.lease.decode.address} <= set(held)
+    await asyncio.gather(*(s.stop() for s in shared))
+
+
+async def test_a_replica_that_starts_learns_its_peers_bookings_and_index_before_serving() -> None:
+    hub = MemoryHub()
+    a = _router()
+    shared_a = _share(a, hub, "a")
+    await shared_a.start()
+    body = _body(800, seed=5)
+    held = _route(a, body)  # in flight
+    c = _router()
+    shared_c = _share(c, hub, "c")
+    await shared_c.start()
+    assert shared_c.runner.synced
+    decode = held.lease.decode
+    assert decode is not None
+    assert _peer(c, "decode", decode.address) == (decode.own_tokens, 1)
+    chain = c.prefix.chain(json.loads(body))  # type: ignore[union-attr]
+    assert a.prefix.index.match(chain) == c.prefix.index.match(chain)  # type: ignore[union-attr]
+    await asyncio.gather(shared_a.stop(), shared_c.stop())
+
+
+async def test_a_peer_that_vanishes_has_its_bookings_dropped_after_the_timeout() -> None:
+    hub = MemoryHub()
+    a, b = _router(), _router()
+    shared_a, shared_b = _share(a, hub, "a"), _share(b, hub, "b")
+    await asyncio.gather(shared_a.start(), shared_b.start())
+    routed = _route(a, _body(300))
+    await _turns()
+    decode = routed.lease.decode
+    assert decode is not None and _peer(b, "decode", decode.address)[1] == 1
+    assert shared_a.runner._beat is not None
+    shared_a.runner._beat.cancel()  # killed: no release, no heartbeat, nothing more
+    shared_a.runner.bus.connected = False  # type: ignore[misc]
+    await asyncio.sleep(CONFIG.peer_timeout_seconds + 3 * CONFIG.heartbeat_seconds)
+    assert _peer(b, "decode", decode.address) == (0, 0)
+    assert b.shared.describe()["peers"] == {}
+    await shared_b.stop()
+
+
+async def test_garbage_and_echoes_are_dropped_and_counted_never_applied() -> None:
+    hub = MemoryHub()
+    a = _router()
+    shared = _share(a, hub, "a")
+    await shared.start()
+    replica = shared.replica
+    for payload in (b"junk", b"PDXS\x02\x01", b"PDXS\x01\x01\x93"):
+        replica.receive(payload)
+    replica.receive(replica.batch(full=True))  # its own, echoed
+    assert all(s.peer_tokens == 0 and s.peer_requests == 0 for s in a.registry.endpoints())
+    text = a.metrics.registry.get_sample_value
+    assert text("pd_extproc_shared_messages_dropped_total", {"reason": "garbled"}) == 1
+    assert text("pd_extproc_shared_messages_dropped_total", {"reason": "version"}) == 1
+    assert text("pd_extproc_shared_messages_dropped_total", {"reason": "malformed"}) == 1
+    await shared.stop()
+
+
+async def test_loads_on_an_endpoint_discovery_has_not_brought_yet_apply_once_it_is_known() -> None:
+    hub = MemoryHub()
+    a = _router()
+    b = make_router([endpoint(P1, "g1")], [endpoint(D1, "g1")], prefix=PrefixSettings())
+    shared = [_share(a, hub, "a"), _share(b, hub, "b")]
+    await asyncio.gather(*(s.start() for s in shared))
+    held = [_route(a, _body(200, seed=i)) for i in range(6)]
+    await _turns()
+    on_d2 = sum(1 for r in held if r.lease.decode is not None and r.lease.decode.address == D2)
+    assert on_d2, "the decision spreads six requests over both decodes"
+    assert b.registry.find("decode", D2) is None
+    b.registry.update(
+        [
+            ClusterEndpoints("prefill", (endpoint(P1, "g1"), endpoint(P2, "g2")), "p"),
+            ClusterEndpoints("decode", (endpoint(D1, "g1"), endpoint(D2, "g2")), "d"),
+        ]
+    )
+    await asyncio.sleep(2 * CONFIG.heartbeat_seconds)  # the next heartbeat applies what was kept
+    assert _peer(b, "decode", D2)[1] == on_d2
+    await asyncio.gather(*(s.stop() for s in shared))
+
+
+def test_an_index_snapshot_learned_back_holds_the_same_blocks_in_the_same_order() -> None:
+    a, b = _router(), _router()
+    for seed in range(4):
+        _route(a, _body(600, seed)).lease.release()
+    for name, capacity, held in a.prefix.snapshot():  # type: ignore[union-attr]
+        b.prefix.learned(held, [(name, capacity)])  # type: ignore[union-attr]
+    for address in a.prefix.index.addresses:  # type: ignore[union-attr]
+        assert np.array_equal(a.prefix.index.held(address), b.prefix.index.held(address))  # type: ignore[union-attr]
