@@ -50,11 +50,16 @@ class KvEventSource:
         self.clock = clock
         self._sink = sink
 
+    @property
+    def block_tokens(self) -> int:
+        """Tokens a block of the chains it hashes: the pool's size (:attr:`EventIndex.block_tokens`)."""
+        return self.index.block_tokens
+
     def chain(self, body: dict[str, object], tokens: Sequence[int] | None = None) -> Chain:
         """The prompt's chain over its token ids from :data:`ROOT`, else the approximate text chain.
 
         The token ids are ``tokens`` (the gateway tokenized the prompt), else the body's own; blocks of
-        the pool's size (:attr:`EventIndex.block_tokens`)."""
+        :attr:`block_tokens` tokens."""
         size = self.index.block_tokens
         content = prompt_content(body) if tokens is None else tokens
         if content and not isinstance(content, str):
@@ -85,14 +90,14 @@ class KvEventSource:
         matched, ranks = credited(held, pinned)
         if gpu is not None and ranks:
             gpu = {a: gpu.get(credited_publisher(a, ranks), 0) for a in matched}
-        if self.hit_arrays.block_tokens != self.index.block_tokens:  # the engines' events set it
-            self.hit_arrays = HitArrays(self.index.block_tokens)
+        if self.hit_arrays.block_tokens != self.block_tokens:  # the engines' events set it
+            self.hit_arrays = HitArrays(self.block_tokens)
         hits = self.hit_arrays.hits(matched, prefills, decodes, prompt_tokens, gpu)
         return Lookup(chain, matched, hits, ranks)
 
     def predicted(self, lookup: Lookup, address: str, prompt_tokens: int) -> int:
         """The hit tokens ``lookup`` predicts at ``address`` (at most ``prompt_tokens``)."""
-        return min(lookup.matched.get(address, 0) * self.index.block_tokens, prompt_tokens)
+        return min(lookup.matched.get(address, 0) * self.block_tokens, prompt_tokens)
 
     def placed(self, lookup: Lookup, decision: Decision[E], prompt_tokens: int) -> tuple[Holder, ...]:
         """Count the hits predicted at the chosen endpoints and keep the prompt as recently placed there.
