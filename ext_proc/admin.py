@@ -27,6 +27,8 @@ class AdminConfig:
 
 EngineView = Callable[[EndpointState], dict[str, object]]
 """What the engine load signal knows of an endpoint (:meth:`ext_proc.engine_load.EngineScraper.describe`)."""
+KvEventsView = Callable[[], dict[str, object] | None]
+"""The ``kv-events`` source's block sizes (:meth:`ext_proc.kv_subscribers.KvEventSubscribers.report`)."""
 
 
 def endpoint_rows(registry: Registry, engine_view: EngineView | None = None) -> list[dict[str, object]]:
@@ -65,13 +67,16 @@ def build_admin_app(
     debug_endpoints: bool = True,
     engine_view: EngineView | None = None,
     shared_view: Callable[[], dict[str, object]] | None = None,
+    kv_events: KvEventsView | None = None,
 ) -> web.Application:
     """The aiohttp application serving the admin routes.
 
     Without ``debug_endpoints`` (config ``admin.debug_endpoints``), ``/debug/endpoints`` and
     ``/debug/shared`` answer 404 with a JSON error; ``engine_view``: see :func:`endpoint_rows`;
     ``shared_view``: what ``/debug/shared`` shows of the shared state (its kind, this replica's name,
-    the connection and each peer heard from)."""
+    the connection and each peer heard from). ``/healthz`` answers the number of pickable prefills and
+    decodes and, while ``kv_events`` reports (the ``kv-events`` prefix source is in force),
+    ``kv_events``: the pool's block size and the engines whose events are of another."""
 
     async def metrics_handler(_: web.Request) -> web.Response:
         return web.Response(
@@ -89,9 +94,15 @@ def build_admin_app(
         return web.json_response({"error": error}, status=404)
 
     async def healthz_handler(_: web.Request) -> web.Response:
-        return web.json_response(
-            {"status": "ok", "prefills": len(registry.prefills), "decodes": len(registry.decodes)}
-        )
+        health: dict[str, object] = {
+            "status": "ok",
+            "prefills": len(registry.prefills),
+            "decodes": len(registry.decodes),
+        }
+        report = None if kv_events is None else kv_events()
+        if report is not None:
+            health["kv_events"] = report
+        return web.json_response(health)
 
     app = web.Application()
     app.router.add_get("/metrics", metrics_handler)

@@ -206,13 +206,20 @@ async def start_grpc_servers(
 
 
 async def start_admin(
-    config: Config, registry: Registry, metrics: Metrics, load_signal: LoadSignal | None, shared: SharedState
+    config: Config,
+    registry: Registry,
+    metrics: Metrics,
+    load_signal: LoadSignal | None,
+    shared: SharedState,
+    subscribers: KvEventSubscribers,
 ) -> tuple[web.AppRunner, int]:
     """Start the metrics and admin endpoint on ``metrics_listen``: ``(runner, port)``.
 
     ``OSError`` says where when it cannot be bound."""
     describe = load_signal.describe if load_signal is not None else None
-    admin = build_admin_app(registry, metrics, config.admin.debug_endpoints, describe, shared.describe)
+    admin = build_admin_app(
+        registry, metrics, config.admin.debug_endpoints, describe, shared.describe, subscribers.report
+    )
     runner = web.AppRunner(admin, access_log=None)
     await runner.setup()
     host, port = _split(config.metrics_listen)
@@ -232,14 +239,14 @@ def start_watchers(
     router: Router,
     metrics: Metrics,
     reload: tuple[ConfigSource | None, float],
+    subscribers: KvEventSubscribers,
 ) -> tuple[list[asyncio.Task[None]], ConfigWatcher | None]:
     """Start the background tasks: ``(tasks, the configuration watcher or None)``.
 
-    The tasks are the discovery source, the KV-event subscribers, the load signal if any, Envoy's host
+    The tasks are the discovery source, the KV-event ``subscribers``, the load signal if any, Envoy's host
     health with ``envoy_health.admin_url``, and the configuration watcher when the configuration came
     from a file (``reload``: its source and interval)."""
     watchers = [asyncio.create_task(endpoints.run(), name="discovery")]
-    subscribers = KvEventSubscribers(router.registry, router, metrics)  # idle unless the source is kv-events
     watchers.append(asyncio.create_task(subscribers.run(), name="kv-events"))
     if load_signal is not None:
         watchers.append(asyncio.create_task(load_signal.run(), name="engine-metrics"))
@@ -326,14 +333,15 @@ async def start_server(
         await shared.stop()
         raise
     load_signal = build_load_signal(config, registry, metrics, router)
+    subscribers = KvEventSubscribers(registry, router, metrics)  # idle unless the source is kv-events
     try:
-        runner, admin_port = await start_admin(config, registry, metrics, load_signal, shared)
+        runner, admin_port = await start_admin(config, registry, metrics, load_signal, shared, subscribers)
     except OSError:
         await _abandon(publisher, servers)
         await shared.stop()
         raise
     reload = (source, reload_interval)
-    watchers, reloads = start_watchers(config, endpoints, load_signal, router, metrics, reload)
+    watchers, reloads = start_watchers(config, endpoints, load_signal, router, metrics, reload, subscribers)
     server = RunningServer(
         config,
         router,

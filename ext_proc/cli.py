@@ -17,6 +17,7 @@ import yaml
 from ext_proc.checks import ConfigError
 from ext_proc.config import Config, ConfigSource, as_dict
 from ext_proc.discovery import SourceKind
+from ext_proc.prefix.kinds import PrefixSourceKind
 from ext_proc.workers import serve_one, serve_workers
 
 
@@ -199,6 +200,18 @@ def _tokenizer_problem(config: Config) -> str | None:
     return None
 
 
+def _block_size_note(config: Config) -> str | None:
+    """What ``affinity.prefix.block_tokens`` means with the ``kv-events`` source; ``None`` with another."""
+    prefix = config.affinity.prefix
+    if not (prefix.enabled and prefix.source == PrefixSourceKind.KV_EVENTS):
+        return None
+    return (
+        f"affinity.prefix.block_tokens ({prefix.block_tokens}) is the kv-events index's block size only "
+        "until the engines' events give theirs: the first size heard is the pool's, and an engine whose "
+        "events are of another is named in serve's log and in /healthz (kv_events.unusable)"
+    )
+
+
 def _missing_eds_files(config: Config) -> list[str]:
     """The ``discovery.eds_files`` that are not files on this machine, when they are the source."""
     discovery = config.discovery
@@ -226,6 +239,9 @@ def _check_config(args: argparse.Namespace) -> int:
         )
     verdict = "names an EDS file that is missing here" if missing else "is valid"
     print(f"# {args.config} {verdict}. Effective configuration (defaults and environment applied):")
+    note = _block_size_note(config)
+    if note is not None:
+        print(f"# {note}")
     print(yaml.safe_dump(as_dict(config), sort_keys=False), end="")
     return 1 if missing else 0
 

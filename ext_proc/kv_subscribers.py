@@ -10,9 +10,14 @@ subscribers follows the registry: engines that joined get one, engines that left
 their entries, through the router's ``retain``; a rank an engine no longer has, here). When the index
 answers a gap with :class:`~ext_proc.prefix.event_index.ReplayFrom` the task asks the engine's replay
 socket (a DEALER on its ``kv_events_replay_port``, else ``replay_port``, plus the rank) for the
-batches from there on, applies them, then goes on with the live ones (those the replay covered are
-duplicates, dropped); a replay that fails or times out drops the engine's entries instead and, for
-``REPLAY_BACKOFF_SECONDS``, no replay is asked of it again.
+batches from there on, applies them, then goes on with the live ones: those numbered after the batch
+that asked the replay but covered by it are duplicates, dropped (one numbered at most that batch means
+the sequence went back, an engine restart: it is applied); a replay that fails or times out drops the
+engine's entries instead and, for ``REPLAY_BACKOFF_SECONDS``, no replay is asked of it again.
+
+The index learns each engine's block size from its events (:mod:`ext_proc.prefix.block_sizes`); an
+engine whose size is not the pool's has its blocks dropped (counted ``block_size``), which is logged
+once (a WARNING naming the engine, its size and the pool's) and listed by :meth:`KvEventSubscribers.report`.
 
 Bad input never stops routing: a message that does not decode is counted (``garbled``) and dropped;
 the SUB socket keeps at most ``kv_events.queue_batches`` messages (ZeroMQ drops the rest, which the
@@ -96,6 +101,7 @@ class KvEventSubscribers:
         self._context: zmq.asyncio.Context | None = None  # made with the first subscriber
         self._tasks: dict[str, tuple[Target, asyncio.Task[None]]] = {}
         self._no_replay_until: dict[str, float] = {}
+        self._told: set[tuple[str, int, int]] = set()  # (publisher, its size, the pool's): logged once
         metrics.watch_kv_events(self._blocks, self._stale_count)
 
     async def run(self) -> None:
@@ -168,16 +174,14 @@ class KvEventSubscribers:
         sub.setsockopt(zmq.RCVHWM, queue)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         log.info("subscribed to the KV-cache events of %s on port %d", address, target.port)
-        replayed_from: int | None = (
-            None  # the start of the last replay: live batches it covered are duplicates
-        )
+        trigger: int | None = None  # the live batch that asked the last replay, until one past it is applied
         try:
             while True:
                 frames = await sub.recv_multipart()
                 self._metrics.kv_events_received(address)
                 batch = self._decode(address, frames)
                 if batch is not None:
-                    replayed_from = await self._take(address, target, batch, replayed_from)
+                    trigger = await self._take(address, target, batch, trigger)
                 await asyncio.sleep(0)  # a flood shares the loop
         finally:
             sub.close(linger=0)
@@ -195,17 +199,20 @@ class KvEventSubscribers:
             self._metrics.kv_events_dropped(address, "unknown_type", len(batch.skipped))
         return batch
 
-    async def _take(
-        self, address: str, target: Target, batch: EventBatch, replayed_from: int | None
-    ) -> int | None:
-        """Apply one live batch, replaying first when the index asks; the new ``replayed_from``."""
+    async def _take(self, address: str, target: Target, batch: EventBatch, trigger: int | None) -> int | None:
+        """Apply one live batch, replaying first when the index asks; the new ``trigger``.
+
+        ``trigger``: the sequence of the live batch that asked the last replay (``None``: a live batch
+        was applied since). The live stream comes in order, so a batch numbered after ``trigger`` and
+        before the index's next expected one was covered by the replay (a duplicate, dropped), and one
+        numbered ``trigger`` or less comes from an engine that restarted since (applied: a restart)."""
         source = self._source()
         if source is None:
-            return replayed_from
+            return trigger
         expected = source.index.expected(address)
-        if replayed_from is not None and expected is not None and replayed_from <= batch.sequence < expected:
+        if trigger is not None and expected is not None and trigger < batch.sequence < expected:
             self._metrics.kv_events_dropped(address, "duplicate")
-            return replayed_from
+            return trigger
         now = self._clock()
         replayable = target.replay_port > 0 and now >= self._no_replay_until.get(address, 0.0)
         result = source.index.apply(address, batch, now, replayable)
@@ -218,7 +225,7 @@ class KvEventSubscribers:
             expected = source.index.expected(address)
             if expected is None or batch.sequence >= expected:  # the replay did not cover it
                 self._count(address, source.index.apply(address, batch, self._clock(), replayable=False))
-            return result.sequence
+            return batch.sequence
         self._count(address, result)
         return None  # the live stream is past the replay
 
@@ -246,7 +253,43 @@ class KvEventSubscribers:
             return
         for reason, count in applied.dropped.items():
             self._metrics.kv_events_dropped(address, reason, count)
+        if applied.dropped.get("block_size"):
+            self._tell_size(address)
         self._reset(address, applied.reset)
+
+    def _tell_size(self, address: str) -> None:
+        """Log once that ``address``'s blocks are of another size than the pool's (and so not indexed)."""
+        source = self._source()
+        if source is None:
+            return
+        sizes = source.index.sizes
+        size = sizes.of(address)
+        if size is None:
+            return
+        told = (address, size, sizes.tokens)
+        if told in self._told:
+            return
+        self._told.add(told)
+        log.warning(
+            "the KV-cache events of %s are of %d-token blocks, the pool's of %d (the first size heard, "
+            "which %d publisher(s) report): its blocks are not indexed, so its cache steers no request; "
+            "give every engine of the pool the same block size",
+            address,
+            size,
+            sizes.tokens,
+            sizes.reporting(sizes.tokens),
+        )
+
+    def report(self) -> dict[str, object] | None:
+        """The ``kv-events`` source's block sizes, in tokens (``None`` with another prefix source).
+
+        ``block_tokens``: the pool's, which a request's chain is hashed at; ``unusable``: each publisher
+        whose events report another size, with it (their blocks are not indexed)."""
+        source = self._source()
+        if source is None:
+            return None
+        sizes = source.index.sizes
+        return {"block_tokens": sizes.tokens, "unusable": sizes.unusable()}
 
     def _reset(self, address: str, reason: str | None) -> None:
         """Count and log a drop of ``address``'s entries for ``reason`` (``None``: none)."""

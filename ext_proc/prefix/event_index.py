@@ -19,8 +19,9 @@ restart: its entries are dropped first. ``AllBlocksCleared`` empties the endpoin
 from last more than ``stale_after`` seconds ago is stale: :meth:`EventIndex.match` leaves it out.
 
 Events not applied are counted by reason in :attr:`Applied.dropped`: ``lora`` (blocks of a LoRA
-adapter: requests name adapters by model, not by the engine's id), ``block_size`` (not the index's
-``block_tokens``: such blocks could never match a request's chain), ``orphan`` (the parent block is
+adapter: requests name adapters by model, not by the engine's id), ``block_size`` (blocks of another
+size than the pool's, which the engines' events set: :mod:`ext_proc.prefix.block_sizes`; such blocks
+could never match a request's chain), ``orphan`` (the parent block is
 unknown: stored before this gateway listened, or missed), ``full`` (the endpoint already holds
 ``max_blocks`` blocks). No clock (``now`` is passed in, in seconds) and no I/O.
 """
@@ -31,6 +32,7 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
+from ext_proc.prefix.block_sizes import BlockSizes
 from ext_proc.prefix.blocks import block_hashes
 from ext_proc.prefix.index import Holders
 from ext_proc.prefix.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, EventBatch
@@ -79,18 +81,24 @@ class _Endpoint:
 
 
 class EventIndex:
-    """Per endpoint (``"ip:port"``), the blocks its engine reported, ``block_tokens`` tokens a block.
+    """Per endpoint (``"ip:port"``), the blocks its engine reported, :attr:`block_tokens` tokens a block.
 
+    ``block_tokens``: the block size until the engines' events give theirs (:attr:`sizes`);
     ``stale_after``: seconds without a batch after which an endpoint counts as holding nothing;
     ``max_blocks``: the most blocks kept per endpoint (a flood cannot grow the index without bound)."""
 
     def __init__(self, block_tokens: int, stale_after: float, max_blocks: int) -> None:
-        self.block_tokens = block_tokens
+        self.sizes = BlockSizes(block_tokens)
         self.stale_after = stale_after
         self.max_blocks = max_blocks
         self.holders = Holders()
         self.gpu_holders = Holders()  # the same, GPU tiers only
         self._endpoints: dict[str, _Endpoint] = {}
+
+    @property
+    def block_tokens(self) -> int:
+        """Tokens a block: the pool's block size, which a request's chain is hashed at."""
+        return self.sizes.tokens
 
     def watch(self, address: str, now: float) -> None:
         """Listening to ``address`` starts: its staleness bound runs from ``now`` until it publishes."""
@@ -135,7 +143,7 @@ class EventIndex:
     def _store(self, address: str, endpoint: _Endpoint, event: BlockStored) -> str | None:
         if event.lora_id is not None:
             return "lora"
-        if event.block_size != self.block_tokens:
+        if not self.sizes.usable(address, event.block_size):
             return "block_size"
         tier = event.medium or DEFAULT_TIER
         start = ROOT
@@ -240,6 +248,7 @@ class EventIndex:
 
     def forget(self, address: str) -> None:
         """Forget the publisher ``address`` (an endpoint, or a rank it no longer has)."""
+        self.sizes.forget(address)
         endpoint = self._endpoints.pop(address, None)
         if endpoint is not None:
             self._clear(address, endpoint)

@@ -11,13 +11,16 @@ The events name blocks by token ids, so only a prompt in token ids can match the
 tokenizer (``affinity.prefix.tokenizer``; :mod:`ext_proc.tokenizer`); its chain is started at
 :data:`~ext_proc.prefix.event_index.ROOT`, as the events' chains are (one engine serves one model). A
 text prompt not tokenized has the approximate index's chain (text in 4-character tokens, seeded with
-the model): it matches the recent placements only. An engine of several data-parallel ranks is indexed
-rank by rank (:mod:`ext_proc.prefix.ranks`). The engines' prefix-cache counters correct
-nothing here: the events say what each engine holds. No I/O; the clock is injectable (seconds, monotonic).
+the model): it matches the recent placements only. Either chain is hashed at the pool's block size,
+which the engines' events give (:mod:`ext_proc.prefix.block_sizes`; ``block_tokens`` until then). An
+engine of several data-parallel ranks is indexed rank by rank (:mod:`ext_proc.prefix.ranks`). The
+engines' prefix-cache counters correct nothing here: the events say what each engine holds. No I/O; the
+clock is injectable (seconds, monotonic).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 
@@ -47,14 +50,24 @@ class KvEventSource:
         self.clock = clock
         self._sink = sink
 
+    @property
+    def block_tokens(self) -> int:
+        """Tokens a block of the chains it hashes: the pool's size (:attr:`EventIndex.block_tokens`)."""
+        return self.index.block_tokens
+
     def chain(self, body: dict[str, object], tokens: Sequence[int] | None = None) -> Chain:
         """The prompt's chain over its token ids from :data:`ROOT`, else the approximate text chain.
 
-        The token ids are ``tokens`` (the gateway tokenized the prompt), else the body's own."""
+        The token ids are ``tokens`` (the gateway tokenized the prompt), else the body's own; blocks of
+        :attr:`block_tokens` tokens."""
+        size = self.index.block_tokens
         content = prompt_content(body) if tokens is None else tokens
         if content and not isinstance(content, str):
-            return block_hashes(content, self.settings.block_tokens, self.settings.max_blocks, ROOT)
-        return prompt_chain(body, self.settings)
+            return block_hashes(content, size, self.settings.max_blocks, ROOT)
+        settings = self.settings
+        if settings.block_tokens != size:
+            settings = dataclasses.replace(settings, block_tokens=size)
+        return prompt_chain(body, settings)
 
     def lookup(
         self, hashes: Chain, prefills: Pool[E], decodes: Pool[E], prompt_tokens: int, pinned: bool = False
@@ -77,12 +90,14 @@ class KvEventSource:
         matched, ranks = credited(held, pinned)
         if gpu is not None and ranks:
             gpu = {a: gpu.get(credited_publisher(a, ranks), 0) for a in matched}
+        if self.hit_arrays.block_tokens != self.block_tokens:  # the engines' events set it
+            self.hit_arrays = HitArrays(self.block_tokens)
         hits = self.hit_arrays.hits(matched, prefills, decodes, prompt_tokens, gpu)
         return Lookup(chain, matched, hits, ranks)
 
     def predicted(self, lookup: Lookup, address: str, prompt_tokens: int) -> int:
         """The hit tokens ``lookup`` predicts at ``address`` (at most ``prompt_tokens``)."""
-        return min(lookup.matched.get(address, 0) * self.settings.block_tokens, prompt_tokens)
+        return min(lookup.matched.get(address, 0) * self.block_tokens, prompt_tokens)
 
     def placed(self, lookup: Lookup, decision: Decision[E], prompt_tokens: int) -> tuple[Holder, ...]:
         """Count the hits predicted at the chosen endpoints and keep the prompt as recently placed there.

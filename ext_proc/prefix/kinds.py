@@ -37,6 +37,11 @@ class PrefixSource(Protocol):
 
     settings: PrefixSettings
 
+    @property
+    def block_tokens(self) -> int:
+        """Tokens a block of the chains it hashes now (``kv-events``: the engines' events give it)."""
+        ...
+
     def chain(self, body: dict[str, object], tokens: Sequence[int] | None = None) -> Chain:
         """The chained block hashes of the request's prompt (empty without a prompt).
 

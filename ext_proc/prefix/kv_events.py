@@ -180,8 +180,10 @@ def _stored(fields: dict[object, object]) -> BlockStored:
     if parent is not None:
         parent = _hash(parent)
     size = fields["block_size"]
-    if not _integer(size) or size < 1:
-        raise DecodeError(f"block_size is {_kind(size)}, not a positive integer")
+    if not _integer(size):
+        raise DecodeError(f"block_size is {_kind(size)}, not an integer")
+    if size < 1:
+        raise DecodeError(f"block_size is {size}, not a positive number of tokens")
     try:
         tokens = msgspec.convert(fields["token_ids"], _TOKEN_IDS)  # in C: a prompt has thousands
     except msgspec.ValidationError:

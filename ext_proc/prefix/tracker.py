@@ -114,6 +114,11 @@ class PrefixTracker:
         self._pending: dict[str, list[float]] = {}  # address → [placed, predicted] since its last sample
         self._counters: dict[str, tuple[float, float]] = {}  # address → the engine's last (queries, hits)
 
+    @property
+    def block_tokens(self) -> int:
+        """Tokens a block of the chains it hashes: the settings' ``block_tokens``."""
+        return self.settings.block_tokens
+
     def chain(self, body: dict[str, object], tokens: Sequence[int] | None = None) -> Chain:
         """The chained block hashes of the request's prompt, or of ``tokens`` (:func:`prompt_chain`)."""
         return prompt_chain(body, self.settings, tokens)

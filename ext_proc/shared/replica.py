@@ -28,7 +28,7 @@ from typing import Protocol
 from ext_proc.prefix.blocks import Chain
 from ext_proc.prefix.kinds import PrefixSource
 from ext_proc.prefix.ranks import RANK_MARK
-from ext_proc.prefix.tracker import Holder
+from ext_proc.prefix.tracker import Holder, PrefixSettings
 from ext_proc.registry import EndpointState, Registry
 from ext_proc.shared import wire
 from ext_proc.shared.peers import Key, PeerLoads
@@ -80,7 +80,7 @@ class ReplicaState:
         self._seq = 0
         self._dirty: dict[tuple[str, str], EndpointState] = {}
         self._placements: list[wire.Placed] = []
-        self._fingerprint = (None, 0)
+        self._fingerprint: tuple[tuple[PrefixSettings, int] | None, int] = (None, 0)
         self._pools = (registry.prefill_pool, registry.decode_pool)
         self._logged: set[str] = set()
         self.on_change: Callable[[], None] | None = None
@@ -147,14 +147,15 @@ class ReplicaState:
         return answer
 
     def fingerprint(self) -> int:
-        """The prompt hashing of the prefix source in force (0: none)."""
+        """The prompt hashing of the prefix source in force (0: none): its kind, the block size it hashes
+        at now (``kv-events``: the engines' events give it) and the blocks of a prompt."""
         prefix = self._prefix()
-        settings = None if prefix is None else prefix.settings
-        if self._fingerprint[0] is not settings:
-            value = 0
-            if settings is not None:
-                value = wire.fingerprint(settings.source, settings.block_tokens, settings.max_blocks)
-            self._fingerprint = (settings, value)
+        if prefix is None:
+            return 0
+        hashing = (prefix.settings, prefix.block_tokens)
+        if self._fingerprint[0] != hashing:
+            settings = prefix.settings
+            self._fingerprint = (hashing, wire.fingerprint(settings.source, hashing[1], settings.max_blocks))
         return self._fingerprint[1]
 
     # -- the peers' side ----------------------------------------------------------------------------

@@ -48,11 +48,9 @@ SMALL_CACHE_BLOCKS = 48
 """``rack-b``'s KV cache in blocks: room for three prompts of the model's longest (2,048 tokens)."""
 PD_THRESHOLD_TOKENS = 100_000
 """Above every prompt: each request is served by one engine, no prefill leg."""
-GATEWAY_CONFIG = {
-    "affinity": {
-        "prefix": {"enabled": True, "source": "kv-events", "block_tokens": BLOCK_TOKENS, "weight": 10.0}
-    }
-}
+GATEWAY_CONFIG = {"affinity": {"prefix": {"enabled": True, "source": "kv-events", "weight": 10.0}}}
+"""The gateway's configuration: ``block_tokens`` left at its default (16), the engines' events give
+theirs (:data:`BLOCK_TOKENS`)."""
 Prompt = list[int] | str | list[dict[str, str]]
 """A completions prompt (token ids or text), or a chat's messages."""
 HEARD_ATTEMPTS = 10

@@ -116,6 +116,23 @@ def test_check_config_shows_the_environment_it_would_run_with(
     assert (printed["mode"], printed["bonus"]) == ("strict", 0.05)
 
 
+def test_check_config_says_the_kv_events_block_size_comes_from_the_engines(
+    clean_env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("affinity:\n  prefix: {enabled: true, source: kv-events}\n")
+    assert main(["check-config", "--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[1] == (
+        "# affinity.prefix.block_tokens (16) is the kv-events index's block size only until the engines' "
+        "events give theirs: the first size heard is the pool's, and an engine whose events are of another "
+        "is named in serve's log and in /healthz (kv_events.unusable)"
+    )
+    assert yaml.safe_load(out)["affinity"]["prefix"]["block_tokens"] == 16
+    assert main(["check-config", "--config", str(SHIPPED_CONFIG)]) == 0
+    assert "block_tokens" not in capsys.readouterr().out.splitlines()[1]
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import builders
@@ -90,12 +90,22 @@ def registry_of(decodes: list[str], prefills: tuple[str, ...] = ()) -> Registry:
     )
 
 
+def frozen() -> float:
+    """A clock that stands still: a sample is as fresh when read as when it landed."""
+    return 0.0
+
+
 @contextlib.asynccontextmanager
 async def scraping(
-    registry: Registry, config: EngineMetricsConfig = CONFIG, clock=None
+    registry: Registry, config: EngineMetricsConfig = CONFIG, clock: Callable[[], float] = frozen
 ) -> AsyncIterator[tuple[EngineScraper, Metrics]]:
+    """The scraper of ``registry`` running; its ``clock`` (seconds) dates samples and ages them.
+
+    By default it stands still, so no sample goes stale on its own: with the wall clock, a sample read
+    more than ``CONFIG``'s 30 ms after it landed was stale on a loaded machine, and a test asserting it
+    fresh (or blended) failed; staleness is tested by moving an injected clock."""
     metrics = Metrics(registry.endpoints)
-    scraper = EngineScraper(registry, config, metrics, **({"clock": clock} if clock else {}))
+    scraper = EngineScraper(registry, config, metrics, clock=clock)
     task = asyncio.create_task(scraper.run())
     try:
         yield scraper, metrics

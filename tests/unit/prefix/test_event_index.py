@@ -61,12 +61,41 @@ def test_the_engines_hash_form_does_not_matter() -> None:
 
 def test_blocks_that_cannot_be_indexed_are_dropped_by_reason() -> None:
     index = EventIndex(B, stale_after=10.0, max_blocks=2)
+    index.apply("e2", batch(0, stored([9], [9])), 0.0, False)  # blocks of B tokens: the pool's size
     lora = BlockStored((1,), None, tuple(tokens(1)), B, 7, None)
     other_size = BlockStored((2,), None, (1,) * 8, 8, None, None)
     orphan = stored([3], [1], parent=999)
     applied = index.apply("e1", batch(0, lora, other_size, orphan, stored([4, 5, 6], [1, 2, 3])), 0.0, False)
     assert applied == Applied(Counter({"lora": 1, "block_size": 1, "orphan": 1, "full": 1}), None)
     assert index.match(chain(1, 2, 3), 0.0) == {"e1": 2}  # the first two blocks fitted
+
+
+def sized(size: int, engine_hash: int, block: int) -> BlockStored:
+    """A prompt's first block of ``size`` tokens, all ``block``."""
+    return BlockStored((engine_hash,), None, (block,) * size, size, None, None)
+
+
+def test_the_first_size_an_engine_reports_is_the_pools_and_another_is_dropped_until_it_is() -> None:
+    index = EventIndex(16, stale_after=10.0, max_blocks=100)  # 16: the configuration's, until events come
+    assert index.apply("e1", batch(0, sized(8, 1, 1)), 0.0, False) == Applied(Counter(), None)
+    assert index.block_tokens == 8 and index.sizes.of("e1") == 8
+    assert index.apply("e2", batch(0, sized(4, 2, 1)), 0.0, False) == Applied(
+        Counter({"block_size": 1}), None
+    )
+    assert index.sizes.unusable() == {"e2": 4} and index.sizes.reporting(8) == 1
+    assert index.match(block_hashes((1,) * 8, 8, 10, ROOT), 0.0) == {"e1": 1}
+    index.forget("e1")  # the last engine of the pool's size: the next size reported becomes the pool's
+    assert index.apply("e2", batch(1, sized(4, 2, 1)), 0.0, False) == Applied(Counter(), None)
+    assert index.block_tokens == 4 and index.sizes.unusable() == {}
+    assert index.match(block_hashes((1,) * 4, 4, 10, ROOT), 0.0) == {"e2": 1}
+
+
+def test_the_only_engine_restarting_with_another_size_gives_the_pool_its_size() -> None:
+    index = EventIndex(16, stale_after=10.0, max_blocks=100)
+    index.apply("e1", batch(0, sized(16, 1, 1)), 0.0, False)
+    index.apply("e1", batch(0, sized(32, 2, 1)), 0.0, False)  # back to 0: a restart, with 32-token blocks
+    assert index.block_tokens == 32 and index.sizes.unusable() == {}
+    assert index.match(block_hashes((1,) * 32, 32, 10, ROOT), 0.0) == {"e1": 1}
 
 
 def test_removals_apply_per_tier_by_the_engines_hash() -> None:
@@ -230,6 +259,31 @@ def test_the_source_reads_token_prompts_from_the_events_and_text_from_recent_pla
     kv.observe("p1", 100.0, 50.0)  # no correction, no report
     kv.retain({"p1"})
     assert kv.lookup(kv.chain(text), pool("p2"), pool("d1"), 16).matched == {}
+
+
+def test_with_the_default_block_tokens_the_source_routes_on_the_engines_128_token_blocks() -> None:
+    """vLLM's CPU engines publish blocks of 128 tokens: the chain is hashed at their size, not at
+    ``block_tokens`` (16 by default), and the hits are counted in their blocks."""
+    sink = Sink()
+    kv = KvEventSource(PrefixSettings(source="kv-events"), sink)
+    kv.clock = lambda: 0.0
+    prompt = [t for b in (1, 2, 3) for t in [b] * 128] + [7] * 5
+    kv.index.apply(
+        "p1", batch(0, BlockStored((11, 12), None, tuple(prompt[:256]), 128, None, None)), 0.0, False
+    )
+    body = {"model": "m", "prompt": prompt}
+    assert kv.chain(body).tolist() == block_hashes(prompt, 128, 100, ROOT).tolist()
+    lookup = kv.lookup(kv.chain(body), pool("p1", "p2"), pool("d1"), prompt_tokens=len(prompt))
+    assert lookup.matched == {"p1": 2}
+    assert lookup.hits is not None and lookup.hits.prefill.tolist() == [256, 0]
+    p1, d1 = pool("p1").endpoints[0], pool("d1").endpoints[0]
+    kv.placed(lookup, Decision(p1, d1, (), Locality.SAME_GROUP), len(prompt))
+    assert sink.predicted == [("prefill", "p1", 389, 256), ("decode", "d1", 389, 0)]
+    text = {"model": "m", "prompt": "x" * 4 * 128}  # one block of 128 4-character tokens
+    kv.placed(
+        kv.lookup(kv.chain(text), pool("p2"), pool("d1"), 128), Decision(p1, d1, (), Locality.SAME_GROUP), 128
+    )
+    assert kv.lookup(kv.chain(text), pool("p1"), pool("d1"), 128).matched == {"p1": 1, "d1": 1}
 
 
 @settings(max_examples=200, deadline=None)

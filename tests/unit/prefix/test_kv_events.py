@@ -101,7 +101,18 @@ def test_the_replay_answers_and_their_end_marker_with_or_without_a_topic_frame()
         (msgspec.msgpack.encode([1, [[3]]]), "event 0 has no type: its tag is int"),
         (msgspec.msgpack.encode([1, [{"block_hashes": []}]]), "event 0 has no type: its tag is nil"),
         (msgspec.msgpack.encode([1, [["BlockStored", [1], None]]]), "lacks token_ids, block_size"),
-        (msgspec.msgpack.encode([1, [["BlockStored", [1], None, [1] * 16, 0]]]), "not a positive integer"),
+        (
+            msgspec.msgpack.encode([1, [["BlockStored", [1], None, [1] * 16, 0]]]),
+            "block_size is 0, not a positive",
+        ),
+        (
+            msgspec.msgpack.encode([1, [["BlockStored", [1], None, [], -16]]]),
+            "block_size is -16, not a positive",
+        ),
+        (
+            msgspec.msgpack.encode([1, [["BlockStored", [1], None, [], "16"]]]),
+            "block_size is str, not an int",
+        ),
         (msgspec.msgpack.encode([1, [["BlockStored", [1], None, [1] * 15, 16]]]), "15 token_ids for 1"),
         (msgspec.msgpack.encode([1, [["BlockStored", [1], None, [-1], 1]]]), "no array of token ids"),
         (msgspec.msgpack.encode([1, [["BlockStored", [1.5], None, [1], 1]]]), "a block hash is float"),

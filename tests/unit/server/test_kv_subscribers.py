@@ -9,6 +9,7 @@ import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import aiohttp
 import pytest
 import zmq
 from builders import endpoint, kv_events_config
@@ -144,6 +145,51 @@ async def test_live_batches_a_replayed_gap_a_restart_and_garbage(encoding: KvEve
         assert sample(router, "pd_extproc_kv_index_blocks", endpoint=ENGINE, tier="GPU") == 0
 
 
+def expected(router: Router) -> int | None:
+    source = router.prefix
+    assert isinstance(source, KvEventSource)
+    return source.index.expected(ENGINE)
+
+
+async def test_live_batches_a_replay_covered_are_dropped_as_duplicates() -> None:
+    publisher = Publisher()
+    router = router_for(publisher)
+    async with subscribed(router, publisher):
+        await until(lambda: expected(router) == publisher.sequence)
+        publisher.publish(stored(1, 1), send=False)  # lost: the next batch asks a replay from here
+        publisher.publish(stored(2, 2))
+        publisher.publish(stored(3, 3))  # in the buffer when the replay is asked: it covers this one
+        await until(lambda: held(router, 1) == held(router, 2) == held(router, 3) == 1)
+        await until(
+            lambda: (
+                sample(router, "pd_extproc_kv_events_dropped_total", endpoint=ENGINE, reason="duplicate") == 1
+            )
+        )
+        assert expected(router) == publisher.sequence
+
+
+async def test_an_engine_restarting_right_after_a_replay_from_0_is_heard() -> None:
+    """The batches of an engine that restarts after a replay from 0 are new, not the replay's duplicates
+    (a live batch numbered at most the one that asked the replay means the sequence went back)."""
+    publisher = Publisher()
+    router = router_for(publisher)
+    async with subscribed(router, publisher):
+        publisher.publish(stored(10, 10))
+        publisher.publish(stored(11, 11))
+        await until(lambda: expected(router) == publisher.sequence)  # 3 or more
+        publisher.restart()
+        publisher.publish(stored(1, 1), send=False)  # sequence 0, lost
+        publisher.publish(stored(2, 2))  # 1: back, and not the first: a restart, replayed from 0
+        await until(lambda: held(router, 1) == held(router, 2) == 1)
+        assert publisher.replays[-1] == 0 and expected(router) == 2
+        publisher.restart()  # again, before anything else was published
+        publisher.publish(stored(3, 3))  # sequence 0, within the replay's numbers but new
+        await until(lambda: held(router, 3) == 1)
+        assert held(router, 1) == held(router, 2) == 0
+        assert sample(router, "pd_extproc_kv_events_resets_total", endpoint=ENGINE, reason="restart") == 2
+        assert sample(router, "pd_extproc_kv_events_dropped_total", endpoint=ENGINE, reason="duplicate") == 0
+
+
 async def test_without_a_replay_socket_a_gap_drops_the_entries_and_routing_goes_on() -> None:
     publisher = Publisher(replay=False)
     router = router_for(publisher)
@@ -196,9 +242,17 @@ async def test_a_replay_that_never_answers_fails_drops_the_entries_and_backs_off
 
 
 async def test_a_flooding_engine_is_bounded_and_the_loop_keeps_turning() -> None:
+    """The engine floods from its own thread, as an engine publishes apart from the gateway's loop: the
+    loop's lags are the subscriber's (publishing in the loop would measure the publishing, seconds on a
+    loaded machine)."""
     publisher = Publisher(replay=False)
     router = router_for(publisher, queue_batches=100)
     lags: list[float] = []
+    block = BlockStored(tuple(range(1000, 1064)), None, tuple(range(64 * B)), B, None, None)
+
+    def flood() -> None:
+        for _ in range(5000):  # 64 blocks each: a flood, as fast as the PUB socket takes them
+            publisher.publish(block, BlockRemoved(block.block_hashes, None))
 
     async def ticker() -> None:
         loop = asyncio.get_running_loop()
@@ -210,9 +264,7 @@ async def test_a_flooding_engine_is_bounded_and_the_loop_keeps_turning() -> None
     ticking = asyncio.create_task(ticker())
     try:
         async with subscribed(router, publisher):
-            block = BlockStored(tuple(range(1000, 1064)), None, tuple(range(64 * B)), B, None, None)
-            for _ in range(5000):  # 64 blocks each: a flood, as fast as the PUB socket takes them
-                publisher.publish(block, BlockRemoved(block.block_hashes, None))
+            await asyncio.to_thread(flood)  # the only user of the PUB socket until it returns
             await connected(publisher, router, probe=8)  # the PUB socket drops what exceeds its own queue
             assert (
                 sample(router, "pd_extproc_kv_events_received_total", endpoint=ENGINE) <= publisher.sequence
@@ -306,6 +358,41 @@ async def test_replicas_agree_on_a_prompt_sent_straight_to_an_engine() -> None:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        for engine in engines.values():
+            engine.close()
+
+
+async def test_an_engine_of_another_block_size_is_logged_once_and_reported(
+    caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    """The first engine heard gives the pool its block size; one publishing blocks of another size is
+    named once in the log and in ``/healthz``, and its blocks are counted as dropped."""
+    engines = {f"127.0.0.1:{8000 + i}": Publisher(replay=False) for i in range(2)}
+    specs = [endpoint(a, kv_events_port=p.port) for a, p in engines.items()]
+    server = await start_server(kv_events_config(tmp_path, specs))
+    (first, pool_engine), (odd, odd_engine) = engines.items()
+    dropped = {"endpoint": odd, "reason": "block_size"}
+    try:
+        await connected(pool_engine, server.router)  # blocks of B tokens: the pool's size
+        for k in range(200):  # until the subscriber has heard two (it misses what precedes it)
+            odd_engine.publish(BlockStored((500 + k,), None, (k,) * (2 * B), 2 * B, None, None))
+            if sample(server.router, "pd_extproc_kv_events_dropped_total", **dropped) >= 2:
+                break
+            await asyncio.sleep(0.05)
+        warnings = [
+            r.getMessage() for r in caplog.records if r.levelname == "WARNING" and odd in r.getMessage()
+        ]
+        assert warnings == [
+            f"the KV-cache events of {odd} are of {2 * B}-token blocks, the pool's of {B} (the first size "
+            "heard, which 1 publisher(s) report): its blocks are not indexed, so its cache steers no "
+            "request; give every engine of the pool the same block size"
+        ]
+        async with aiohttp.ClientSession() as http:
+            health = await (await http.get(f"http://127.0.0.1:{server.admin_port}/healthz")).json()
+        assert health["kv_events"] == {"block_tokens": B, "unusable": {odd: 2 * B}}
+        assert first not in health["kv_events"]["unusable"]
+    finally:
+        await server.stop()
         for engine in engines.values():
             engine.close()
 

@@ -13,7 +13,10 @@ from builders import CHAT_META, endpoint, make_router
 from ext_proc.endpoints import ClusterEndpoints
 from ext_proc.outcome import Routed
 from ext_proc.prefix import PrefixSettings
+from ext_proc.prefix.event_source import KvEventSource
+from ext_proc.prefix.kv_events import BlockStored, EventBatch
 from ext_proc.router import Router
+from ext_proc.shared import wire
 from ext_proc.shared.config import SharedStateConfig
 from ext_proc.shared.kinds import BusState
 from ext_proc.shared.replica import ReplicaState
@@ -193,3 +196,18 @@ def test_an_index_snapshot_learned_back_holds_the_same_blocks_in_the_same_order(
         b.prefix.learned(held, [(name, capacity)])  # type: ignore[union-attr]
     for address in a.prefix.index.addresses:  # type: ignore[union-attr]
         assert np.array_equal(a.prefix.index.held(address), b.prefix.index.held(address))  # type: ignore[union-attr]
+
+
+def test_the_fingerprint_is_the_hashing_in_force_the_block_size_the_engines_events_gave() -> None:
+    """A ``kv-events`` replica hashes prompts at the block size its engines' events give: its peers take
+    its chains only while they hash at the same."""
+    router = make_router(
+        [endpoint(P1, "g1")], [endpoint(D1, "g1")], prefix=PrefixSettings(source="kv-events")
+    )
+    replica = ReplicaState(router.registry, lambda: router.prefix, router.metrics, 1.0, "a")
+    assert replica.fingerprint() == wire.fingerprint("kv-events", 16, 2048)  # block_tokens, until events
+    source = router.prefix
+    assert isinstance(source, KvEventSource)
+    stored = BlockStored((1,), None, (7,) * 128, 128, None, None)
+    source.index.apply(P1, EventBatch(0, 0.0, 0, (stored,)), 0.0, replayable=False)
+    assert replica.fingerprint() == wire.fingerprint("kv-events", 128, 2048)
