@@ -24,6 +24,8 @@ from ext_proc.shared.runner import Handler
 
 log = logging.getLogger(__name__)
 
+STATUS_HEADER = "Status"
+"""The header of the server's status messages (peers send no headers)."""
 RECONNECT_SECONDS = 0.5
 MAX_RETRY_SECONDS = 5.0
 
@@ -148,6 +150,8 @@ class NatsBus:
 
 def _callback(handler: Handler) -> Callable[[Msg], object]:
     async def deliver(msg: Msg) -> None:
+        if msg.headers and STATUS_HEADER in msg.headers:
+            return  # the server's word, not a peer's: "503 no responders" to a sync request nobody heard
         handler(msg.data, msg.reply)
 
     return deliver

@@ -159,9 +159,10 @@ class ReplicaState:
 
     # -- the peers' side ----------------------------------------------------------------------------
 
-    def receive(self, payload: bytes) -> wire.SyncRequest | None:
-        """Apply one message from the bus; a peer's :class:`~ext_proc.shared.wire.SyncRequest` is returned
-        for the bus to answer (:meth:`sync_answer`)."""
+    def receive(self, payload: bytes) -> wire.Message | None:
+        """Apply one message from the bus: the peer's message it held (a
+        :class:`~ext_proc.shared.wire.SyncRequest` is for the bus to answer, :meth:`sync_answer`), or
+        ``None`` when it was dropped (counted by reason) or is this replica's own."""
         try:
             message = wire.decode(payload)
         except wire.WireError as exc:
@@ -175,9 +176,8 @@ class ReplicaState:
         if isinstance(message, wire.IndexPart):
             self._sink.shared_received("index", len(payload), None)
             self._learn(message.fingerprint, message.chain, ((message.name, message.capacity),))
-            return None
-        now = self.clock()
-        changed = self.peers.apply(message, now)
+            return message
+        changed = self.peers.apply(message, self.clock())
         if changed is None:
             self._drop("stale", f"batch {message.seq} of {message.replica}: not newer than the last applied")
             return None
@@ -185,7 +185,7 @@ class ReplicaState:
         self._apply(changed)
         for placed in message.placements:
             self._learn(message.fingerprint, placed.chain, placed.holders)
-        return None
+        return message
 
     def expire(self) -> None:
         """Forget the peers silent for the timeout, and their charges; apply the loads of endpoints that

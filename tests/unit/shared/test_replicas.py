@@ -14,6 +14,7 @@ from ext_proc.endpoints import ClusterEndpoints
 from ext_proc.outcome import Routed
 from ext_proc.prefix import PrefixSettings
 from ext_proc.router import Router
+from ext_proc.shared import wire
 from ext_proc.shared.config import SharedStateConfig
 from ext_proc.shared.kinds import BusState
 from ext_proc.shared.replica import ReplicaState
@@ -193,3 +194,20 @@ def test_an_index_snapshot_learned_back_holds_the_same_blocks_in_the_same_order(
         b.prefix.learned(held, [(name, capacity)])  # type: ignore[union-attr]
     for address in a.prefix.index.addresses:  # type: ignore[union-attr]
         assert np.array_equal(a.prefix.index.held(address), b.prefix.index.held(address))  # type: ignore[union-attr]
+
+
+async def test_garbage_on_the_inbox_is_no_sync_answer() -> None:
+    """A message on a starting replica's inbox that is dropped (NATS's own "no responders" status, a
+    stray publisher) must not mark it synced nor end its wait for its peers' state early."""
+    hub = MemoryHub()
+    a = _router()
+    shared = _share(a, hub, "a")
+    await shared.start()
+    runner = shared.runner
+    assert not runner.synced  # no peer answered: there is none
+    runner._answer(b"", "")
+    runner._answer(wire.encode_sync_request(wire.SyncRequest("b")), "")
+    assert not runner.synced
+    runner._answer(wire.encode_batch(wire.Batch("b", 0, 0.0, True, 0, (), ())), "")
+    assert runner.synced
+    await shared.stop()
