@@ -211,3 +211,19 @@ async def test_garbage_on_the_inbox_is_no_sync_answer() -> None:
     runner._answer(wire.encode_batch(wire.Batch("b", 0, 0.0, True, 0, (), ())), "")
     assert runner.synced
     await shared.stop()
+
+
+async def test_a_new_sender_beyond_the_peer_cap_is_dropped_as_too_many_peers() -> None:
+    hub = MemoryHub()
+    a = _router()
+    shared = _share(a, hub, "a")
+    await shared.start()
+    replica = shared.replica
+    cap = replica.peers.max_peers
+    for i in range(cap + 3):
+        replica.receive(wire.encode_batch(wire.Batch(f"peer-{i}", 0, 0.0, True, 0, (), ())))
+    assert len(replica.peers.peers) == cap
+    sample = a.metrics.registry.get_sample_value
+    assert sample("pd_extproc_shared_messages_dropped_total", {"reason": "too_many_peers"}) == 3
+    assert sample("pd_extproc_shared_messages_dropped_total", {"reason": "stale"}) is None
+    await shared.stop()
