@@ -227,3 +227,18 @@ async def test_a_new_sender_beyond_the_peer_cap_is_dropped_as_too_many_peers() -
     assert sample("pd_extproc_shared_messages_dropped_total", {"reason": "too_many_peers"}) == 3
     assert sample("pd_extproc_shared_messages_dropped_total", {"reason": "stale"}) is None
     await shared.stop()
+
+
+async def test_a_placement_on_an_endpoint_not_known_here_is_counted_and_only_the_known_holders_learn() -> (
+    None
+):
+    a = _router()
+    shared = _share(a, MemoryHub(), "a")
+    replica = shared.replica
+    chain = np.arange(1, 9, dtype=np.int64)
+    holders = ((P1, 1000.0), ("10.9.9.9:8000", 1000.0))
+    placed = wire.Placed(holders, chain)
+    replica.receive(wire.encode_batch(wire.Batch("b", 0, 0.0, True, replica.fingerprint(), (), (placed,))))
+    sample = a.metrics.registry.get_sample_value
+    assert sample("pd_extproc_shared_messages_dropped_total", {"reason": "unknown_endpoint"}) == 1
+    assert set(a.prefix.index.match(chain)) == {P1}  # type: ignore[union-attr]
