@@ -30,7 +30,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.errors import NoServersError
 
-from ext_proc.shared.config import NatsConfig
+from ext_proc.shared.config import NatsConfig, redacted
 from ext_proc.shared.runner import Handler
 
 log = logging.getLogger(__name__)
@@ -143,7 +143,7 @@ class NatsBus:
         log.info(
             "shared state: %s NATS at %s",
             "reconnected to" if self._ever_connected else "connected to",
-            _safe(client.connected_url.geturl() if client.connected_url else config.url),
+            redacted(client.connected_url.geturl() if client.connected_url else config.url),
         )
         self._ever_connected = True
         self._tried.set()
@@ -159,7 +159,7 @@ class NatsBus:
         if reason == self._failure:
             return
         first, self._failure = not self._failure, reason
-        url = _safe(self._config.url)
+        url = redacted(self._config.url)
         if first and not self._ever_connected:
             log.warning(
                 "shared state: cannot reach NATS at %s (%s): routing on this replica's own bookings; "
@@ -225,12 +225,3 @@ def _tls_context(config: NatsConfig) -> ssl.SSLContext | None:
     if tls.cert:
         context.load_cert_chain(tls.cert, tls.key)
     return context
-
-
-def _safe(url: str) -> str:
-    """``url`` without its password or token (for the log)."""
-    parts = []
-    for one in url.split(","):
-        scheme, sep, rest = one.strip().partition("://")
-        parts.append(f"{scheme}{sep}{rest.rpartition('@')[2]}" if sep else one)
-    return ",".join(parts)

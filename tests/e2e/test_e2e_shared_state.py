@@ -350,7 +350,7 @@ async def test_a_wrong_password_is_logged_clearly_and_the_replica_routes_on_its_
                 assert await decode_load(session, live.replicas["a"]) == (0, 0)  # not shared
                 await release(call)
         text = loner.log_text()
-        assert "cannot reach NATS at nats://127.0.0.1:" in text and "Authorization Violation" in text
+        assert "cannot reach NATS at nats://***@127.0.0.1:" in text and "Authorization Violation" in text
         assert "not-the-password" not in text and PASSWORD not in text
     finally:
         loner.stop()
