@@ -12,6 +12,7 @@ closed (:func:`release`). The admin views are read with :func:`rows` (``/debug/e
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -79,9 +80,14 @@ class Replica:
         """Start the process (its log appended to); :meth:`ready` waits until it routes."""
         assert self.process is None or self.process.poll() is not None, f"{self.name} is running"
         command = [sys.executable, "-m", "ext_proc.cli", "--log-level", "INFO", "serve", "--config"]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PD_EXTPROC_")}  # the file alone
         with self.log.open("ab") as log:
             self.process = subprocess.Popen(
-                [*command, str(self.config)], stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+                [*command, str(self.config)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
             )
 
     async def ready(self) -> None:
