@@ -1,10 +1,21 @@
 """The shared state's bus over a NATS server (``nats-py``): connect, reconnect, publish, subscribe.
 
-The connection keeps trying: the first connection every ``retry_seconds`` (doubling to 5 s) until the
-server answers, then ``nats-py``'s own reconnection, forever. Publishes never wait: they go to an outbox
-that one task writes out; a publish while disconnected is not buffered (the runner counts it dropped and
-sends the whole state again once connected). The connection state is reported to ``state`` (a callback
-taking ``"connecting"``, ``"connected"`` or ``"disconnected"``), the first failure of each outage logged.
+One connection at a time, each made here: :meth:`NatsBus.start` starts the tries and waits for the first
+one to end, :data:`START_WAIT_SECONDS` at most (a server that is down, refuses the credentials or does not
+answer never holds up the replica's start); the tries go on, :data:`RETRY_SECONDS` apart and doubling to
+:data:`MAX_RETRY_SECONDS`, until one connects. A connection that drops, or whose server stops answering
+its pings (:data:`PING_SECONDS`, :data:`MAX_OUTSTANDING_PINGS`: a hung or cut-off server is noticed
+within about 4 s), is closed and the tries begin again. ``nats-py``'s own reconnection is off: it
+would retry a first connection forever inside ``connect``. Each connection subscribes anew and calls
+``connected`` (the runner sends its whole state and asks its peers for theirs).
+
+Publishes never wait: they go to an outbox that one task writes out; a publish while disconnected is not
+buffered (the runner counts it dropped and sends the whole state again once connected). The connection
+state is reported to ``state`` (a callback taking ``"connecting"``, ``"connected"`` or
+``"disconnected"``). The log says when an outage begins (``cannot reach NATS`` at the start,
+``disconnected from NATS``) and ends (``connected to NATS``, ``reconnected to NATS``), and each new
+reason a try failed for meanwhile (a refused password, a server that does not answer), once; never a
+password or token.
 """
 
 from __future__ import annotations
@@ -15,17 +26,27 @@ import logging
 import ssl
 from collections.abc import Callable
 
-import nats
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.errors import NoServersError
 
-from ext_proc.shared.config import NatsConfig
+from ext_proc.shared.config import NatsConfig, redacted
 from ext_proc.shared.runner import Handler
 
 log = logging.getLogger(__name__)
 
-RECONNECT_SECONDS = 0.5
-MAX_RETRY_SECONDS = 5.0
+STATUS_HEADER = "Status"
+"""The header of the server's status messages (peers send no headers)."""
+START_WAIT_SECONDS = 2.0
+"""How long :meth:`NatsBus.start` waits for the first try to end (the replica serves without NATS after)."""
+CONNECT_TIMEOUT_SECONDS = 2.0
+"""How long one try waits for the server's TCP handshake, then for its greeting."""
+RETRY_SECONDS = 0.5
+"""The wait before the first retry; it doubles after each failed try, to :data:`MAX_RETRY_SECONDS`."""
+MAX_RETRY_SECONDS = 4.0
+PING_SECONDS = 1.0
+"""How often the client pings the server; :data:`MAX_OUTSTANDING_PINGS` unanswered end the connection."""
+MAX_OUTSTANDING_PINGS = 3
 
 
 class NatsBus:
@@ -41,6 +62,14 @@ class NatsBus:
         self._outbox: list[tuple[str, bytes, str]] = []
         self._subscriptions: dict[str, Handler] = {}
         self._on_connect: Callable[[], None] = lambda: None
+        self._ever_connected = False
+        self._failure = ""
+        """Why the last try failed (``""``: none since the last connection); logged when it changes."""
+        self._last_error = ""
+        """The last error ``nats-py`` reported (a try that reached no server says only that)."""
+        self._closing = False
+        self._tried = asyncio.Event()
+        """Set once the first try is over, whatever its outcome."""
 
     @property
     def connected(self) -> bool:
@@ -48,57 +77,98 @@ class NatsBus:
         return client is not None and client.is_connected
 
     async def start(self, subscriptions: dict[str, Handler], connected: Callable[[], None]) -> None:
-        """Connect (one try now, then in the background until it works) and subscribe."""
+        """Start connecting (module docstring) and wait for the first try, :data:`START_WAIT_SECONDS` at
+        most; ``subscriptions`` are made at each connection, ``connected`` called after them."""
         self._subscriptions = dict(subscriptions)
         self._on_connect = connected
         self._state("connecting")
-        if not await self._try_connect(first=True):
+        self._reconnect()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._tried.wait(), START_WAIT_SECONDS)
+
+    def _reconnect(self) -> None:
+        """Start the tries, unless they run already or the bus is closing."""
+        if not self._closing and (self._connecting is None or self._connecting.done()):
             self._connecting = asyncio.get_running_loop().create_task(self._keep_connecting())
 
     async def _keep_connecting(self) -> None:
-        wait = RECONNECT_SECONDS
-        while not await self._try_connect(first=False):
+        wait = RETRY_SECONDS
+        while not await self._try_connect():
+            self._tried.set()
             await asyncio.sleep(wait)
             wait = min(2 * wait, MAX_RETRY_SECONDS)
 
-    async def _try_connect(self, first: bool) -> bool:
+    async def _try_connect(self) -> bool:
         config = self._config
+        client = Client()
+
+        async def disconnected() -> None:
+            if client is self._client and not self._closing:
+                log.warning("shared state: disconnected from NATS: routing on what is known; reconnecting")
+                self._state("disconnected")
+
+        async def closed() -> None:  # for good: the tries begin again
+            if client is self._client:
+                self._reconnect()
+
         try:
-            client = await nats.connect(
+            await client.connect(
                 servers=[u.strip() for u in config.url.split(",") if u.strip()],
                 name=self._name,
                 no_echo=True,
-                allow_reconnect=True,
-                max_reconnect_attempts=-1,
-                reconnect_time_wait=RECONNECT_SECONDS,  # type: ignore[arg-type]
-                connect_timeout=2,
+                allow_reconnect=False,
+                max_reconnect_attempts=1,  # each server twice a try, at once (0 would be: forever)
+                reconnect_time_wait=0,
+                connect_timeout=CONNECT_TIMEOUT_SECONDS,  # type: ignore[arg-type]
+                ping_interval=PING_SECONDS,  # type: ignore[arg-type]
+                max_outstanding_pings=MAX_OUTSTANDING_PINGS,
                 token=config.token or None,
                 user_credentials=config.creds_file or None,
                 tls=_tls_context(config),
                 pending_size=0,
                 error_cb=self._error,
-                disconnected_cb=self._disconnected,
-                reconnected_cb=self._reconnected,
+                disconnected_cb=disconnected,
+                closed_cb=closed,
             )
-        except Exception as exc:  # every way a first connection fails: refused, auth, TLS, timeout
-            if first:
-                log.warning(
-                    "shared state: cannot reach NATS at %s (%s): routing on this replica's own bookings; "
-                    "trying again in the background",
-                    _safe(config.url),
-                    exc or type(exc).__name__,
-                )
+            for subject, handler in self._subscriptions.items():
+                await client.subscribe(subject, cb=_callback(handler))
+            if not client.is_connected:  # lost meanwhile, before its callbacks would have counted
+                raise ConnectionError("the connection was lost while subscribing")
+        except Exception as exc:  # every way a try fails: refused, auth, TLS, timeout, dropped meanwhile
+            with contextlib.suppress(Exception):
+                await client.close()  # what the try opened
+            self._failed(exc)
             return False
-        for subject, handler in self._subscriptions.items():
-            await client.subscribe(subject, cb=_callback(handler))
-        self._client = client
+        self._client, self._failure = client, ""
         log.info(
-            "shared state: connected to NATS at %s",
-            _safe(client.connected_url.geturl() if client.connected_url else config.url),
+            "shared state: %s NATS at %s",
+            "reconnected to" if self._ever_connected else "connected to",
+            redacted(client.connected_url.geturl() if client.connected_url else config.url),
         )
+        self._ever_connected = True
+        self._tried.set()
         self._state("connected")
         self._on_connect()
         return True
+
+    def _failed(self, exc: Exception) -> None:
+        """Log a failed try when its reason is new (the first of an outage included)."""
+        reason = str(exc) or type(exc).__name__
+        if isinstance(exc, NoServersError) and self._last_error:
+            reason = self._last_error  # why the servers were not reached
+        if reason == self._failure:
+            return
+        first, self._failure = not self._failure, reason
+        url = redacted(self._config.url)
+        if first and not self._ever_connected:
+            log.warning(
+                "shared state: cannot reach NATS at %s (%s): routing on this replica's own bookings; "
+                "trying again in the background",
+                url,
+                reason,
+            )
+        else:
+            log.warning("shared state: still no connection to NATS at %s (%s); trying again", url, reason)
 
     def publish(self, subject: str, payload: bytes, reply: str = "") -> None:
         self._outbox.append((subject, payload, reply))
@@ -117,6 +187,7 @@ class NatsBus:
                 log.debug("shared state: a publish on %s failed: %s", subject, exc)
 
     async def close(self) -> None:
+        self._closing = True
         if self._connecting is not None:
             self._connecting.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -133,17 +204,8 @@ class NatsBus:
         self._state("disconnected")
 
     async def _error(self, exc: Exception) -> None:
+        self._last_error = str(exc) or type(exc).__name__
         log.debug("shared state: NATS: %s", exc)
-
-    async def _disconnected(self) -> None:
-        if self._client is not None:
-            log.warning("shared state: disconnected from NATS: routing on what is known; reconnecting")
-            self._state("disconnected")
-
-    async def _reconnected(self) -> None:
-        log.info("shared state: reconnected to NATS")
-        self._state("connected")
-        self._on_connect()
 
 
 def _callback(handler: Handler) -> Callable[[Msg], object]:
@@ -152,8 +214,8 @@ def _callback(handler: Handler) -> Callable[[Msg], object]:
     that no peer was subscribed to hear, as when the first replica starts), which no peer sent."""
 
     async def deliver(msg: Msg) -> None:
-        if msg.headers and "Status" in msg.headers:
-            return
+        if msg.headers and STATUS_HEADER in msg.headers:
+            return  # the server's word, not a peer's: "503 no responders" to a sync request nobody heard
         handler(msg.data, msg.reply)
 
     return deliver
@@ -167,12 +229,3 @@ def _tls_context(config: NatsConfig) -> ssl.SSLContext | None:
     if tls.cert:
         context.load_cert_chain(tls.cert, tls.key)
     return context
-
-
-def _safe(url: str) -> str:
-    """``url`` without its password or token (for the log)."""
-    parts = []
-    for one in url.split(","):
-        scheme, sep, rest = one.strip().partition("://")
-        parts.append(f"{scheme}{sep}{rest.rpartition('@')[2]}" if sep else one)
-    return ",".join(parts)

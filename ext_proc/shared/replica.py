@@ -8,11 +8,13 @@ to the prefix source (:meth:`~ext_proc.prefix.kinds.PrefixSource.learned`), and 
 (:meth:`expire`). A bus (:mod:`ext_proc.shared.runner`) decides when to send and carries the bytes;
 nothing here waits, and the request path only marks an endpoint changed or appends a placement.
 
-What a message may not do: a message that does not decode, or a batch of a sender this replica
-already heard newer from, is dropped and counted by reason (``sink.dropped``), the first of each reason
-logged; load on an endpoint this replica does not know is kept (discovery may lag behind a peer's) and
-applied once the endpoint is known; a placement of another prompt hashing (``fingerprint``) or on an
-endpoint not known is not applied (counted). A replica's own messages (NATS may echo them) are ignored.
+What a message may not do: a message that does not decode, a batch of a sender this replica already
+heard newer from, or of a new sender while :attr:`PeerLoads.max_peers
+<ext_proc.shared.peers.PeerLoads.max_peers>` peers are heard from, is dropped and counted by reason
+(``sink.dropped``), the first of each reason logged; load on an endpoint this replica does not know is
+kept (discovery may lag behind a peer's) and applied once the endpoint is known; a placement of another
+prompt hashing (``fingerprint``) or on an endpoint not known is not applied (counted). A replica's own
+messages (NATS may echo them) are ignored.
 """
 
 from __future__ import annotations
@@ -160,9 +162,10 @@ class ReplicaState:
 
     # -- the peers' side ----------------------------------------------------------------------------
 
-    def receive(self, payload: bytes) -> wire.SyncRequest | None:
-        """Apply one message from the bus; a peer's :class:`~ext_proc.shared.wire.SyncRequest` is returned
-        for the bus to answer (:meth:`sync_answer`)."""
+    def receive(self, payload: bytes) -> wire.Message | None:
+        """Apply one message from the bus: the peer's message it held (a
+        :class:`~ext_proc.shared.wire.SyncRequest` is for the bus to answer, :meth:`sync_answer`), or
+        ``None`` when it was dropped (counted by reason) or is this replica's own."""
         try:
             message = wire.decode(payload)
         except wire.WireError as exc:
@@ -176,9 +179,12 @@ class ReplicaState:
         if isinstance(message, wire.IndexPart):
             self._sink.shared_received("index", len(payload), None)
             self._learn(message.fingerprint, message.chain, ((message.name, message.capacity),))
+            return message
+        peers = self.peers
+        if message.replica not in peers.peers and len(peers.peers) >= peers.max_peers:
+            self._drop("too_many_peers", f"{message.replica}: {peers.max_peers} peers are heard from already")
             return None
-        now = self.clock()
-        changed = self.peers.apply(message, now)
+        changed = peers.apply(message, self.clock())
         if changed is None:
             self._drop("stale", f"batch {message.seq} of {message.replica}: not newer than the last applied")
             return None
@@ -186,7 +192,7 @@ class ReplicaState:
         self._apply(changed)
         for placed in message.placements:
             self._learn(message.fingerprint, placed.chain, placed.holders)
-        return None
+        return message
 
     def expire(self) -> None:
         """Forget the peers silent for the timeout, and their charges; apply the loads of endpoints that

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from ext_proc.shared.replica import ReplicaState, SharingSink
+from ext_proc.shared.wire import Batch, IndexPart, SyncRequest
 
 log = logging.getLogger(__name__)
 
@@ -149,16 +150,17 @@ class SharedRunner:
                 log.exception("shared state: a heartbeat failed")
 
     def _receive(self, payload: bytes, reply: str) -> None:
-        request = self.replica.receive(payload)
-        if request is not None and reply:
-            for message in self.replica.sync_answer():
-                self._send(reply, message, "sync_answer")
+        message = self.replica.receive(payload)
+        if isinstance(message, SyncRequest) and reply:
+            for answer in self.replica.sync_answer():
+                self._send(reply, answer, "sync_answer")
 
     def _answer(self, payload: bytes, reply: str) -> None:
-        self.replica.receive(payload)
-        self.synced = True
-        self._last_answer = asyncio.get_running_loop().time()
-        self._answered.set()
+        """A message on this replica's inbox: a peer's answer to its sync request, unless dropped."""
+        if isinstance(self.replica.receive(payload), Batch | IndexPart):
+            self.synced = True
+            self._last_answer = asyncio.get_running_loop().time()
+            self._answered.set()
 
 
 class MemoryHub:

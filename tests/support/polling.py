@@ -11,8 +11,11 @@ DEADLINE = 10.0
 """Seconds before a wait fails: far above what any condition needs on an idle machine."""
 
 
-async def until(condition: Callable[[], bool | Awaitable[bool]], deadline: float = DEADLINE) -> None:
-    """Poll ``condition`` (sync or async) every 10 ms until it is true; fail after ``deadline`` s."""
+async def until(
+    condition: Callable[[], bool | Awaitable[bool]], deadline: float = DEADLINE, every: float = 0.01
+) -> None:
+    """Poll ``condition`` (sync or async) every ``every`` seconds until it is true; fail after
+    ``deadline`` s (a condition that asks other processes over HTTP costs them CPU at each poll)."""
     end = time.monotonic() + deadline
     while True:
         result = condition()
@@ -21,4 +24,4 @@ async def until(condition: Callable[[], bool | Awaitable[bool]], deadline: float
         if result:
             return
         assert time.monotonic() < end, f"condition not met within {deadline} s"
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(every)

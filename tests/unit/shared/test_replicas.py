@@ -211,3 +211,51 @@ def test_the_fingerprint_is_the_hashing_in_force_the_block_size_the_engines_even
     stored = BlockStored((1,), None, (7,) * 128, 128, None, None)
     source.index.apply(P1, EventBatch(0, 0.0, 0, (stored,)), 0.0, replayable=False)
     assert replica.fingerprint() == wire.fingerprint("kv-events", 128, 2048)
+
+
+async def test_garbage_on_the_inbox_is_no_sync_answer() -> None:
+    """A message on a starting replica's inbox that is dropped (NATS's own "no responders" status, a
+    stray publisher) must not mark it synced nor end its wait for its peers' state early."""
+    hub = MemoryHub()
+    a = _router()
+    shared = _share(a, hub, "a")
+    await shared.start()
+    runner = shared.runner
+    assert not runner.synced  # no peer answered: there is none
+    runner._answer(b"", "")
+    runner._answer(wire.encode_sync_request(wire.SyncRequest("b")), "")
+    assert not runner.synced
+    runner._answer(wire.encode_batch(wire.Batch("b", 0, 0.0, True, 0, (), ())), "")
+    assert runner.synced
+    await shared.stop()
+
+
+async def test_a_new_sender_beyond_the_peer_cap_is_dropped_as_too_many_peers() -> None:
+    hub = MemoryHub()
+    a = _router()
+    shared = _share(a, hub, "a")
+    await shared.start()
+    replica = shared.replica
+    cap = replica.peers.max_peers
+    for i in range(cap + 3):
+        replica.receive(wire.encode_batch(wire.Batch(f"peer-{i}", 0, 0.0, True, 0, (), ())))
+    assert len(replica.peers.peers) == cap
+    sample = a.metrics.registry.get_sample_value
+    assert sample("pd_extproc_shared_messages_dropped_total", {"reason": "too_many_peers"}) == 3
+    assert sample("pd_extproc_shared_messages_dropped_total", {"reason": "stale"}) is None
+    await shared.stop()
+
+
+async def test_a_placement_on_an_endpoint_not_known_here_is_counted_and_only_the_known_holders_learn() -> (
+    None
+):
+    a = _router()
+    shared = _share(a, MemoryHub(), "a")
+    replica = shared.replica
+    chain = np.arange(1, 9, dtype=np.int64)
+    holders = ((P1, 1000.0), ("10.9.9.9:8000", 1000.0))
+    placed = wire.Placed(holders, chain)
+    replica.receive(wire.encode_batch(wire.Batch("b", 0, 0.0, True, replica.fingerprint(), (), (placed,))))
+    sample = a.metrics.registry.get_sample_value
+    assert sample("pd_extproc_shared_messages_dropped_total", {"reason": "unknown_endpoint"}) == 1
+    assert set(a.prefix.index.match(chain)) == {P1}  # type: ignore[union-attr]
