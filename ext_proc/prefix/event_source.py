@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 
 from ext_proc.affinity import Decision, Pool
 from ext_proc.affinity.model import E
+from ext_proc.prefix import recent
 from ext_proc.prefix.blocks import Chain, block_hashes, prompt_content
 from ext_proc.prefix.event_index import ROOT, EventIndex
 from ext_proc.prefix.index import HitArrays
@@ -69,7 +70,7 @@ class KvEventSource:
         chain = hashes.tolist()  # the holder sets are keyed by Python ints: kept so in the lookup
         held = self.index.match(chain, now)
         gpu = self.index.match_gpu(chain, held)
-        for name, blocks in self.recent.match(chain, now).items():
+        for name, blocks in self.recent.match(hashes, now).items():
             if blocks > held.get(name, 0):
                 held[name] = blocks
             if gpu is not None and blocks > gpu.get(name, 0):
@@ -106,3 +107,8 @@ class KvEventSource:
         """Forget every endpoint not in ``addresses`` (all its ranks)."""
         self.index.retain(addresses)
         self.recent.retain(addresses)
+
+
+def warm() -> None:
+    """Compile the recent placements' kernels now, not on a request (numba)."""
+    recent.warm()

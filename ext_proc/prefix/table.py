@@ -1,14 +1,15 @@
 """Open-addressing hash tables of block hashes as numpy arrays, and the numba kernels that use them (pure).
 
-The approximate index's LRUs (:mod:`~ext_proc.prefix.index`) keep their per-endpoint blocks in such
-tables, so a match or a recording is one compiled call and never a Python int per block.
+The prefix indexes keep their per-endpoint blocks in such tables, so a match or a recording is one
+compiled call and never a Python int per block: the approximate index's LRUs
+(:mod:`~ext_proc.prefix.index`) and the recent placements (:mod:`~ext_proc.prefix.recent`).
 
 A table is a ``(slots, columns)`` int64 array, ``slots`` a power of two, ``columns`` >= 2: per slot a
 block hash (column 0) and values, column 1 ``EMPTY`` (-1) in an empty slot and >= 0 in a held one (so
 every int64 hash value can be held). Linear probing from the hash's home slot (Fibonacci hashing: the
 top bits of the hash times 2^64 / golden ratio, ``shift`` = 64 - log2(slots)); deletion by backward
-shift, no tombstones. The owner keeps each table at most half full and rebuilds it (:func:`rehash`)
-larger or smaller. A hash is a signed 64-bit value (a chain of
+shift, no tombstones. The owner keeps each table at most half full (:func:`slots_for`) and rebuilds it
+(:func:`rehash`) larger or smaller. A hash is a signed 64-bit value (a chain of
 :func:`~ext_proc.prefix.blocks.block_hashes` viewed as int64).
 """
 
@@ -33,6 +34,12 @@ def shift_of(slots: int) -> int:
     """How far a hash times the Fibonacci constant is shifted right to give its home in ``slots`` (a power
     of two)."""
     return 64 - slots.bit_length() + 1
+
+
+def slots_for(held: int) -> int:
+    """The slots of a table rebuilt to hold ``held`` blocks: a quarter full at most (at least
+    :data:`MIN_SLOTS`), so at least as many blocks again are added before it is half full."""
+    return max(MIN_SLOTS, power_of_two(4 * held))
 
 
 def empty(slots: int, columns: int) -> np.ndarray:

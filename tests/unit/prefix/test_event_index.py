@@ -264,7 +264,7 @@ def test_recent_placements_match_what_was_placed_within_the_window_and_leave_not
     recent.retain(kept)
     assert set(recent.match(chain(1), now)) <= kept
     recent.expire(now + 10)
-    assert recent.holders.addresses == [] and recent.match(chain(1), now + 10) == {}
+    assert recent._stamps == {} and recent.match(chain(1), now + 10) == {}
 
 
 def test_the_gpu_match_tells_a_cpu_tier_hit_apart() -> None:
