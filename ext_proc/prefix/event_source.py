@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 
 from ext_proc.affinity import Decision, Pool
 from ext_proc.affinity.model import E
-from ext_proc.prefix import recent
+from ext_proc.prefix import event_index, recent
 from ext_proc.prefix.blocks import Chain, block_hashes, prompt_content
 from ext_proc.prefix.event_index import ROOT, EventIndex
 from ext_proc.prefix.index import HitArrays
@@ -67,9 +67,8 @@ class KvEventSource:
         endpoint of several data-parallel ranks is credited one rank's blocks, and only when
         ``pinned`` (:func:`~ext_proc.prefix.ranks.credited`)."""
         now = self.clock()
-        chain = hashes.tolist()  # the holder sets are keyed by Python ints: kept so in the lookup
-        held = self.index.match(chain, now)
-        gpu = self.index.match_gpu(chain, held)
+        held = self.index.match(hashes, now)
+        gpu = self.index.match_gpu(hashes, held)
         for name, blocks in self.recent.match(hashes, now).items():
             if blocks > held.get(name, 0):
                 held[name] = blocks
@@ -79,7 +78,7 @@ class KvEventSource:
         if gpu is not None and ranks:
             gpu = {a: gpu.get(credited_publisher(a, ranks), 0) for a in matched}
         hits = self.hit_arrays.hits(matched, prefills, decodes, prompt_tokens, gpu)
-        return Lookup(chain, matched, hits, ranks)
+        return Lookup(hashes, matched, hits, ranks)
 
     def predicted(self, lookup: Lookup, address: str, prompt_tokens: int) -> int:
         """The hit tokens ``lookup`` predicts at ``address`` (at most ``prompt_tokens``)."""
@@ -110,5 +109,6 @@ class KvEventSource:
 
 
 def warm() -> None:
-    """Compile the recent placements' kernels now, not on a request (numba)."""
+    """Compile the event index's and the recent placements' kernels now, not on a request (numba)."""
+    event_index.warm()
     recent.warm()

@@ -24,8 +24,8 @@ held. The order is the per-block LRU's: least recently touched first, a recordin
 head. Because a chain is touched tail first and evicted in that order, the blocks an endpoint holds of
 any chain are a prefix of it, so :meth:`PrefixIndex.match` finds each endpoint's depth by binary
 search: O(endpoints x log blocks). The kernels compile on their first call; :func:`warm` compiles them
-all ahead; their hash table's kernels are :mod:`~ext_proc.prefix.table`'s. (The event-fed index and
-the recent placements keep per-block holder sets instead: :class:`Holders`.)
+all ahead. (The event-fed index and the recent placements keep such tables too, without the order:
+:mod:`~ext_proc.prefix.table` holds the kernels all three share.)
 
 A chain is a 1-D int64 numpy array (what :func:`~ext_proc.prefix.blocks.block_hashes` returns) or a
 sequence of Python ints in int64's range.
@@ -54,82 +54,6 @@ from ext_proc.prefix.table import (
 )
 
 _POSITIONS_KEPT = 8  # pools whose address → position map is kept (the registry's two, plus subsets)
-
-
-class Holders:
-    """Per block hash, the endpoints holding it, as the bits of an int: one bit (slot) per endpoint.
-
-    Endpoints are keyed by ``"ip:port"`` address and take the lowest free slot; a released slot is
-    reused. :meth:`match` walks a chain once, AND-ing the holder sets, and stops where no endpoint holds
-    the prefix any more: O(matched blocks + endpoints that matched)."""
-
-    def __init__(self) -> None:
-        self._bits: dict[int, int] = {}  # block hash → bit set of the slots holding it
-        self._slots: dict[str, int] = {}  # address → slot (its bit)
-        self._addresses: dict[int, str] = {}  # slot → address
-        self._free: list[int] = []  # slots of released endpoints, for reuse
-
-    def slot(self, address: str) -> int:
-        """The slot of ``address``, given the lowest free one when it has none."""
-        slot = self._slots.get(address)
-        if slot is None:
-            slot = self._free.pop() if self._free else len(self._slots)
-            self._slots[address] = slot
-            self._addresses[slot] = address
-        return slot
-
-    def find(self, address: str) -> int | None:
-        """The slot of ``address``; ``None`` when it has none."""
-        return self._slots.get(address)
-
-    def release(self, address: str) -> None:
-        """Free the slot of ``address`` for reuse; the caller removed its hashes first."""
-        slot = self._slots.pop(address)
-        del self._addresses[slot]
-        self._free.append(slot)
-
-    def add(self, slot: int, h: int) -> None:
-        """The endpoint of ``slot`` holds block ``h``."""
-        self._bits[h] = self._bits.get(h, 0) | (1 << slot)
-
-    def remove(self, slot: int, h: int) -> None:
-        """The endpoint of ``slot`` no longer holds block ``h``."""
-        rest = self._bits.get(h, 0) & ~(1 << slot)
-        if rest:
-            self._bits[h] = rest
-        else:
-            self._bits.pop(h, None)
-
-    def match(self, hashes: Sequence[int]) -> dict[str, int]:
-        """How many leading blocks of the chain ``hashes`` each endpoint holds, by address.
-
-        Only endpoints holding at least the first block are listed (each count >= 1). ``hashes`` as
-        Python ints (a chain's ``tolist()``) is fastest; its int64 array gives the same answer."""
-        holders = self._bits
-        alive = holders.get(hashes[0], 0) if len(hashes) else 0
-        depth: dict[str, int] = {}
-        i = 1
-        while alive:
-            if i == len(hashes):
-                self._note(alive, i, depth)
-                break
-            held = alive & holders.get(hashes[i], 0)
-            if held != alive:
-                self._note(alive & ~held, i, depth)
-                alive = held
-            i += 1
-        return depth
-
-    def _note(self, bits: int, blocks: int, depth: dict[str, int]) -> None:
-        while bits:
-            low = bits & -bits
-            depth[self._addresses[low.bit_length() - 1]] = blocks
-            bits ^= low
-
-    @property
-    def addresses(self) -> list[str]:
-        """The endpoints that have a slot."""
-        return list(self._slots)
 
 
 class HitArrays:

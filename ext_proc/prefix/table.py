@@ -2,7 +2,8 @@
 
 The prefix indexes keep their per-endpoint blocks in such tables, so a match or a recording is one
 compiled call and never a Python int per block: the approximate index's LRUs
-(:mod:`~ext_proc.prefix.index`) and the recent placements (:mod:`~ext_proc.prefix.recent`).
+(:mod:`~ext_proc.prefix.index`), the recent placements (:mod:`~ext_proc.prefix.recent`) and the
+event-fed index (:mod:`~ext_proc.prefix.event_index`).
 
 A table is a ``(slots, columns)`` int64 array, ``slots`` a power of two, ``columns`` >= 2: per slot a
 block hash (column 0) and values, column 1 ``EMPTY`` (-1) in an empty slot and >= 0 in a held one (so
