@@ -9,18 +9,24 @@ to every engine. Only the sockets, and the milliseconds an event takes to arrive
 
 :class:`EventReplica` is one gateway replica on that source: pd-extproc's own
 :class:`~ext_proc.router.Router` (``affinity.prefix.source: kv-events``, its clock the engines' virtual
-one), given each request's prompt as the engines' token ids (:func:`sim.prefix.token_ids`, the
+one), given each chat request's prompt as the engines' token ids (:func:`sim.prefix.token_ids`, the
 simulator's tokenizer: what the gateway tokenizer does for a real model), so the request's chain and
-the events' chains meet. Replicas share nothing but the engines' events.
+the events' chains meet. It routes as the gateway does with a tokenizer (``affinity.prefix.tokenizer``):
+it reads the chat body and routes it on the ids, which it is handed in an array; the tokenizer's own
+work, on the gateway's worker thread, is timed apart from the router's (its cost with a real model's
+tokenizer: ``bench/tokenize_cost.py``). Replicas share nothing but the engines' events.
 """
 
 from __future__ import annotations
 
+import json
+import time
+from array import array
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
 from itertools import count
 
-from prefix_peers import Endpoint, PdExtproc, Placed
+from prefix_peers import CHAT_PATH, COMPLETIONS_PATH, Endpoint, PdExtproc, Placed
 
 from ext_proc.affinity import Policy
 from ext_proc.prefix import PrefixSettings, prompt_content
@@ -60,11 +66,12 @@ class KvEventFeed:
             source.index.apply(address, batch, now, replayable=False)
 
 
-def tokenized(body: dict[str, object]) -> dict[str, object]:
-    """``body`` as a completions request whose prompt is the engines' token ids of its prompt."""
+def prompt_ids(body: dict[str, object]) -> array:
+    """The engines' token ids of ``body``'s prompt (the simulator's tokenizer), as an array of unsigned
+    64-bit ints: the gateway tokenizer hands the router its ids in an array too (unsigned 32-bit)."""
     content = prompt_content(body)
     assert content, "every benchmark request has a prompt"
-    return {"model": body["model"], "prompt": token_ids(content), "max_tokens": body["max_tokens"]}
+    return array("Q", token_ids(content))
 
 
 class EventReplica(PdExtproc):
@@ -85,4 +92,10 @@ class EventReplica(PdExtproc):
         feed.subscribe(source)
 
     def place(self, body: dict[str, object]) -> Placed:
-        return super().place(tokenized(body))
+        """Route ``body`` as the gateway does with its tokenizer: the prompt put in the engines' token ids
+        first (timed apart: :attr:`Placed.tokenize_s`), the body read, and routed on those ids."""
+        started = time.perf_counter()
+        ids = prompt_ids(body)
+        tokenize_s = time.perf_counter() - started
+        path = CHAT_PATH if "messages" in body else COMPLETIONS_PATH
+        return self.place_raw(json.dumps(body).encode(), path, ids)._replace(tokenize_s=tokenize_s)

@@ -52,7 +52,7 @@ from ext_proc.outcome import HandoffJob, Placement, RequestMeta, Routed, Routing
 from ext_proc.prefix import PrefixIndex, PrefixSettings, block_hashes, prompt_content
 from ext_proc.registry import EndpointState, Registry
 from ext_proc.request import describe
-from ext_proc.router import Router, RouterSettings
+from ext_proc.router import BodyRequest, Router, RouterSettings
 from sim.engine import Engine
 from sim.prefix import PromptBlocks
 
@@ -71,12 +71,17 @@ class Endpoint(NamedTuple):
 
 
 class Placed(NamedTuple):
-    """Where a request goes, and how its charges are released (prefill's first, then all)."""
+    """Where a request goes, and how its charges are released (prefill's first, then all).
+
+    ``tokenize_s``: the seconds of the placement that were the gateway tokenizer's work (the
+    simulator's stand-in for it), which the gateway does on its worker thread before it routes: the
+    benchmarks time it apart from the router."""
 
     prefill: str
     decode: str
     release_prefill: Callable[[], None]
     release: Callable[[], None]
+    tokenize_s: float = 0.0
 
 
 def registry_of(endpoints: Sequence[Endpoint]) -> Registry:
@@ -132,9 +137,14 @@ class PdExtproc:
         path = CHAT_PATH if "messages" in body else COMPLETIONS_PATH
         return self.place_raw(json.dumps(body).encode(), path)
 
-    def place_raw(self, raw: bytes, path: str = CHAT_PATH) -> Placed:
-        """Place the request whose JSON body is ``raw`` (as Envoy hands it to pd-extproc) at ``path``."""
-        outcome = self.router.route_body(raw, RequestMeta(path=path))
+    def place_raw(self, raw: bytes, path: str = CHAT_PATH, tokens: Sequence[int] | None = None) -> Placed:
+        """Place the request whose JSON body is ``raw`` (as Envoy hands it to pd-extproc) at ``path``.
+
+        ``tokens``: its prompt's token ids as the gateway tokenizer hands them to the router (``None``:
+        routed on the body alone, as without a tokenizer)."""
+        request = self.router.read(raw, RequestMeta(path=path))
+        assert isinstance(request, BodyRequest), request
+        outcome = self.router.route(request, None, tokens)
         assert isinstance(outcome, Routed) and self._handoff.last is not None, outcome
         return _placed(self._handoff.last.decision, self._handoff.last.lease)
 

@@ -30,8 +30,8 @@ simulated engine's ``/metrics`` page read and blended in process at virtual time
 Reported per run: engine-truth prefix hit rate (prompt tokens the prefill found cached), decode-side
 hit rate (tokens the decode did not pull), TTFT p50/p90/p99 (arrival to first decoded token),
 decode TTFT p99 (prefill done to first decoded token), TPOT p99, prefill tokens computed (millions),
-cross-group KV bytes and share, decode load CV, router µs per request. With several seeds: medians of per-seed
-ratios, and the issue's targets (:func:`verdicts`).
+cross-group KV bytes and share, decode load CV, router µs per request (the tokenizer's apart:
+``Record``). With several seeds: medians of per-seed ratios, and the issue's targets (:func:`verdicts`).
 
 Run: ``python bench/prefix_routing.py [--quick] [--seeds N] [--clusters a,b] [--workloads A,B,D]
 [--settings s,t] [--profile NAME] [--json FILE]``.
@@ -203,7 +203,11 @@ TODAY = ("off", "prefer", "strict", "auto")
 @dataclass
 class Record:
     """One request as the engines served it; times in model seconds, counts in tokens (``prefill_hit``
-    the prompt tokens its prefill found cached, ``prefill_cpu_hit`` of them in the CPU tier)."""
+    the prompt tokens its prefill found cached, ``prefill_cpu_hit`` of them in the CPU tier).
+
+    ``router_us``: the wall µs its router took to place it (the benchmark's JSON encoding of the body
+    included), less ``tokenize_us``: those of the gateway tokenizer's stand-in (the ``kv-events``
+    replicas put the prompt in token ids first, :mod:`bench.kv_event_feed`; 0 elsewhere)."""
 
     arrival: float
     prompt: int
@@ -218,6 +222,7 @@ class Record:
     end: float
     generated: int
     router_us: float
+    tokenize_us: float
 
 
 async def _serve(
@@ -234,7 +239,7 @@ async def _serve(
     arrival = clock.now()
     started = time.perf_counter()
     placed: Placed = router.place(body)  # type: ignore[attr-defined]
-    router_us = (time.perf_counter() - started) * 1e6
+    router_us = (time.perf_counter() - started - placed.tokenize_s) * 1e6
     prefill, decode = engines[placed.prefill], engines[placed.decode]
     blocks = PromptBlocks(content, prefill.config.timing.block_size)
     hold = Hold(
@@ -270,6 +275,7 @@ async def _serve(
             seq.finished_at,
             seq.generated,
             router_us,
+            placed.tokenize_s * 1e6,
         )
     )
     return seq.generated
@@ -369,6 +375,7 @@ def summarize(records: list[Record], capacities: dict[str, float], kv_bytes_per_
         "cross_group_gb": pulled_cross * kv_bytes_per_token / 1e9,
         "decode_load_cv": load_cv(loads),
         "router_us_p50": percentile([r.router_us for r in records], 0.5),
+        "tokenize_us_p50": percentile([r.tokenize_us for r in records], 0.5),
         "duration_s": duration,
     }
 

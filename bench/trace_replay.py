@@ -18,10 +18,12 @@ KV cache and batch, a third longer fixed decode step).
 
 Per setting: TTFT p50/p90/p99, decode TTFT p99, TPOT p99 (ms), prefix hit rate by tier (engine truth:
 prompt tokens the prefill found in its KV cache, in its CPU tier), prompt tokens computed (millions),
-cross-group share and GB, decode load CV, router µs per request (p50 and mean), throughput (requests
-and output tokens per model second) and errors; plus the window's reuse bound (the share of prompt
-tokens an infinite cache would hold), and the issue's targets for pd-extproc's best setting
-(:func:`verdicts`). With several ``--start`` windows, each window's table, then the medians over them.
+cross-group share and GB, decode load CV, router µs per request (p50 and mean; the ``kv-events``
+settings' tokenizer stand-in apart, its p50 ``tok µs``: :class:`bench.prefix_routing.Record`),
+throughput (requests and output tokens per model second) and errors; plus the window's reuse bound
+(the share of prompt tokens an infinite cache would hold), and the issue's targets for pd-extproc's
+best setting (:func:`verdicts`). With several ``--start`` windows, each window's table, then the
+medians over them.
 ``--json`` writes ``{"trace", "window", "settings": {NAME: {METRIC: value}}, "bound", "verdicts"}``
 (several windows: ``window`` a list, ``settings`` and ``bound`` the medians, ``windows`` each one's),
 ``--png`` the TTFT CDFs per setting (one file a window).
@@ -135,6 +137,7 @@ METRICS = (
     ("cpu_hit_rate", "CPU", "{:.1%}"),
     *ROUTING_METRICS[1:],
     ("router_us_mean", "µs mean", "{:.0f}"),
+    ("tokenize_us_p50", "tok µs", "{:.0f}"),
     ("throughput_rps", "req/s", "{:.2f}"),
     ("output_tps", "out tok/s", "{:.0f}"),
     ("errors", "errors", "{}"),

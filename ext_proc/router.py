@@ -25,7 +25,7 @@ from ext_proc.handoff.kinds import Handoff
 from ext_proc.load import Admission, Lease
 from ext_proc.metrics import Metrics
 from ext_proc.outcome import HandoffJob, PendingAnswer, Placement, Ranks, Refused, RequestMeta, Routed
-from ext_proc.prefix import PrefixSettings, blocks, index
+from ext_proc.prefix import PrefixSettings, blocks, event_source, index
 from ext_proc.prefix.blocks import Chain, prompt_content
 from ext_proc.prefix.config import PrefixConfig
 from ext_proc.prefix.kinds import KINDS as PREFIX_SOURCES
@@ -144,8 +144,8 @@ class Router:
         event loop runs (:attr:`tokenizer_opening`; a second or so with its fast encoder's check), the
         previous tokenizer (or none: prompts routed on their text) serving meanwhile; a folder that does
         not load is logged, and its prompts are counted and routed untokenized. A new index compiles its
-        kernels first (numba, once a process: ~0.6 s for the hashing, ~1 s more for the placements' LRU;
-        before the first request needs them)."""
+        kernels first (numba, once a process: ~0.6 s for the hashing, ~1 s more for the placements' LRU
+        or the ``kv-events`` index's tables; before the first request needs them)."""
         folder = "" if settings is None else settings.tokenizer
         if folder != self._tokenizer_folder:
             self._tokenizer_folder = folder
@@ -171,6 +171,8 @@ class Router:
             blocks.warm()  # compile the kernels now, not on a request
             if kind == PrefixSourceKind.APPROXIMATE:
                 index.warm()
+            else:
+                event_source.warm()
             self.prefix = PREFIX_SOURCES[kind](settings, self.metrics)
 
     async def _open_tokenizer(self, folder: str) -> None:

@@ -3,7 +3,8 @@
 How it routes: docs/routing.md, "Prefix-cache aware routing".
 
 :mod:`~ext_proc.prefix.blocks` turns a prompt into chained block hashes, :mod:`~ext_proc.prefix.index`
-is the per-endpoint LRU index, :mod:`~ext_proc.prefix.correction` the pure self-correction rule from
+is the per-endpoint LRU index (its blocks in :mod:`~ext_proc.prefix.table`'s hash tables, as the
+``kv-events`` kind's), :mod:`~ext_proc.prefix.correction` the pure self-correction rule from
 the engines' prefix-cache counters, and :class:`PrefixTracker` what the router calls per request (the
 ``approximate`` kind of :mod:`~ext_proc.prefix.kinds`, the seam). The ``kv-events`` kind
 (:mod:`~ext_proc.prefix.event_source`) reads the engines' KV-cache events instead:

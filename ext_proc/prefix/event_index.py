@@ -24,6 +24,13 @@ size than the pool's, which the engines' events set: :mod:`ext_proc.prefix.block
 could never match a request's chain), ``orphan`` (the parent block is
 unknown: stored before this gateway listened, or missed), ``full`` (the endpoint already holds
 ``max_blocks`` blocks). No clock (``now`` is passed in, in seconds) and no I/O.
+
+Cost: no Python int per block on a request's path. Each endpoint keeps the blocks it holds in an
+open-addressing table (:mod:`~ext_proc.prefix.table`: our hash, its stored entries in any tier and in
+the GPU tiers), so :meth:`EventIndex.match` is one compiled call per fresh endpoint, a probe per
+leading block held and one more; a batch's changes are queued while its events are read and made in
+one compiled call. The engine's hashes stay in a dict per endpoint (they may be bytes). The kernels
+compile on their first call: :func:`warm` compiles them ahead.
 """
 
 from __future__ import annotations
@@ -32,11 +39,14 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
+import numba
+import numpy as np
+
 from ext_proc.prefix.block_sizes import BlockSizes
 from ext_proc.prefix.blocks import block_hashes
-from ext_proc.prefix.index import Holders
 from ext_proc.prefix.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EngineHash, EventBatch
 from ext_proc.prefix.ranks import endpoint_of
+from ext_proc.prefix.table import EMPTY, MIN_SLOTS, empty, find, probe, rehash, remove, shift_of, slots_for
 
 ROOT = 0
 """The chain's start for a prompt's first block, in the events and in a request's token chain."""
@@ -67,17 +77,116 @@ class ReplayFrom(NamedTuple):
 
 
 class _Endpoint:
-    """What one endpoint reported: its blocks and where its sequence stands."""
+    """What one endpoint reported: its blocks and where its sequence stands.
 
-    __slots__ = ("expected", "gpu_refs", "heard", "refs", "stored", "tiers")
+    ``table`` (:mod:`~ext_proc.prefix.table`, three columns): per block held, our hash, its stored
+    entries in all tiers (>= 1) and in the GPU tiers; ``held`` the blocks in it. A batch's changes to
+    it are queued (:meth:`hold`, :meth:`release`) and made in one compiled call (:meth:`flush`)."""
+
+    __slots__ = (
+        "changes",
+        "expected",
+        "hashes",
+        "heard",
+        "held",
+        "holds",
+        "shift",
+        "stored",
+        "table",
+        "tiers",
+    )
 
     def __init__(self, now: float) -> None:
         self.expected: int | None = None  # the next sequence; None before the first batch (or a reset)
         self.heard = now  # when a batch (or the subscription) last came
         self.stored: dict[tuple[str, EngineHash], int] = {}  # (tier, engine hash) → our hash
-        self.refs: dict[int, int] = {}  # our hash → its stored entries, all tiers
-        self.gpu_refs: dict[int, int] = {}  # our hash → its stored entries in the GPU tiers
         self.tiers: Counter[str] = Counter()  # tier → blocks held there
+        self.table = empty(MIN_SLOTS, 3)
+        self.shift = shift_of(MIN_SLOTS)
+        self.held = 0
+        self.hashes: list[int] = []  # the queued changes: our hashes,
+        self.changes: list[int] = []  # what changes for each (``_HOLD`` or ``_RELEASE``, + ``_GPU``)
+        self.holds = 0  # and how many of them are holds
+
+    def hold(self, hashes: list[int], gpu: bool) -> None:
+        """Queue one more stored entry of each of ``hashes`` (our hashes; in a GPU tier when ``gpu``)."""
+        self.hashes += hashes
+        self.changes += [_HOLD | (_GPU_TIER if gpu else 0)] * len(hashes)
+        self.holds += len(hashes)
+
+    def release(self, hashes: list[int], gpu: bool) -> None:
+        """Queue one stored entry fewer of each of ``hashes`` (from a GPU tier when ``gpu``): a block
+        with none left is no longer held."""
+        self.hashes += hashes
+        self.changes += [_RELEASE | (_GPU_TIER if gpu else 0)] * len(hashes)
+
+    def flush(self) -> None:
+        """Make the queued changes, in order; the table first grown to hold them (at most half full),
+        and shrunk after when it is over sixteen times what it holds."""
+        if not self.hashes:
+            return
+        if 2 * (self.held + self.holds) > len(self.table):
+            self._resize(self.held + self.holds)
+        hashes, changes = np.array(self.hashes, dtype=np.int64), np.array(self.changes, dtype=np.int64)
+        self.held += _change(self.table, self.shift, hashes, changes)
+        self.hashes, self.changes, self.holds = [], [], 0
+        if len(self.table) > MIN_SLOTS and 16 * self.held < len(self.table):
+            self._resize(self.held)
+
+    def clear(self) -> None:
+        """Hold nothing (the queued changes dropped too)."""
+        self.stored.clear()
+        self.tiers.clear()
+        self.table = empty(MIN_SLOTS, 3)
+        self.shift = shift_of(MIN_SLOTS)
+        self.held = 0
+        self.hashes, self.changes, self.holds = [], [], 0
+
+    def depth(self, chain: np.ndarray, column: int) -> int:
+        """How many leading blocks of ``chain`` are held (``column`` 1: in any tier; 2: in a GPU tier)."""
+        return _depth(self.table, self.shift, chain, column) if self.held else 0
+
+    def _resize(self, held: int) -> None:
+        slots = slots_for(held)
+        table = empty(slots, 3)
+        self.shift = shift_of(slots)
+        rehash(self.table, table, self.shift, 0)
+        self.table = table
+
+
+_HOLD, _RELEASE, _GPU_TIER = 0, 1, 2  # a queued change: one stored entry more or fewer, + in a GPU tier
+
+
+@numba.njit(nogil=True)
+def _change(table: np.ndarray, shift: int, hashes: np.ndarray, changes: np.ndarray) -> int:
+    """Count one entry more (``_HOLD``) or fewer (``_RELEASE``: the block held) of each of ``hashes``, in
+    the GPU column too where ``_GPU_TIER`` is set, in order: a block is added at its first entry and
+    removed with its last (``table`` has room for every block added). The net blocks added."""
+    net = 0
+    for k in range(len(hashes)):
+        h, change = hashes[k], changes[k]
+        step = -1 if change & _RELEASE else 1
+        i = probe(table, shift, h)
+        if table[i, 1] == EMPTY:
+            table[i, 0], table[i, 1], table[i, 2] = h, 0, 0
+            net += 1
+        table[i, 1] += step
+        if change & _GPU_TIER:
+            table[i, 2] += step
+        if table[i, 1] == 0:
+            remove(table, shift, i)
+            net -= 1
+    return net
+
+
+@numba.njit(nogil=True)
+def _depth(table: np.ndarray, shift: int, chain: np.ndarray, column: int) -> int:
+    """How many leading blocks of ``chain`` ``table`` holds with a count above 0 in ``column``."""
+    for depth in range(len(chain)):
+        i = find(table, shift, chain[depth])
+        if i < 0 or table[i, column] == 0:
+            return depth
+    return len(chain)
 
 
 class EventIndex:
@@ -91,8 +200,6 @@ class EventIndex:
         self.sizes = BlockSizes(block_tokens)
         self.stale_after = stale_after
         self.max_blocks = max_blocks
-        self.holders = Holders()
-        self.gpu_holders = Holders()  # the same, GPU tiers only
         self._endpoints: dict[str, _Endpoint] = {}
 
     @property
@@ -118,14 +225,14 @@ class EventIndex:
         endpoint.heard = now
         sequence, expected, reset = batch.sequence, endpoint.expected, None
         if expected is not None and sequence < expected:
-            self._clear(address, endpoint)
+            endpoint.clear()
             expected = endpoint.expected = None
             reset = "restart"
         if sequence != (0 if expected is None else expected):
             if replayable:
                 return ReplayFrom(0 if expected is None else expected, reset)
             if expected is not None:
-                self._clear(address, endpoint)
+                endpoint.clear()
                 reset = "gap"
         endpoint.expected = sequence + 1
         dropped: Counter[str] = Counter()
@@ -135,9 +242,10 @@ class EventIndex:
                 if reason is not None:
                     dropped[reason] += 1
             elif isinstance(event, BlockRemoved):
-                self._remove(address, endpoint, event)
+                self._remove(endpoint, event)
             elif isinstance(event, AllBlocksCleared):
-                self._clear(address, endpoint)
+                endpoint.clear()
+        endpoint.flush()
         return Applied(dropped, reset)
 
     def _store(self, address: str, endpoint: _Endpoint, event: BlockStored) -> str | None:
@@ -153,66 +261,61 @@ class EventIndex:
                 return "orphan"
             start = parent
         ours = block_hashes(event.token_ids, event.block_size, len(event.block_hashes), start).tolist()
-        holders, stored, refs = self.holders, endpoint.stored, endpoint.refs
-        slot = holders.slot(address)
-        gpu = tier in GPU_TIERS
-        gpu_slot = self.gpu_holders.slot(address) if gpu else 0
+        stored = endpoint.stored
         room = self.max_blocks - len(stored)
-        added = 0
+        added: list[int] = []
+        full = False
         for engine_hash, h in zip(event.block_hashes, ours, strict=True):
             key = (tier, engine_hash)
             if key in stored:
                 continue
-            if added == room:
-                endpoint.tiers[tier] += added
-                return "full"
+            if len(added) == room:
+                full = True
+                break
             stored[key] = h
-            added += 1
-            _hold(refs, holders, slot, h)
-            if gpu:
-                _hold(endpoint.gpu_refs, self.gpu_holders, gpu_slot, h)
-        endpoint.tiers[tier] += added
-        return None
+            added.append(h)
+        if added:
+            endpoint.hold(added, tier in GPU_TIERS)
+            endpoint.tiers[tier] += len(added)
+        return "full" if full else None
 
-    def _remove(self, address: str, endpoint: _Endpoint, event: BlockRemoved) -> None:
+    def _remove(self, endpoint: _Endpoint, event: BlockRemoved) -> None:
         tier = event.medium or DEFAULT_TIER
-        slot = self.holders.find(address)
-        gpu_slot = self.gpu_holders.find(address) if tier in GPU_TIERS else None
+        released = []
         for engine_hash in event.block_hashes:
             h = endpoint.stored.pop((tier, engine_hash), None)
-            if h is None:  # stored before this gateway listened, or dropped
-                continue
-            endpoint.tiers[tier] -= 1
-            _release(endpoint.refs, self.holders, slot, h)
-            if gpu_slot is not None:
-                _release(endpoint.gpu_refs, self.gpu_holders, gpu_slot, h)
-
-    def _clear(self, address: str, endpoint: _Endpoint) -> None:
-        for holders, refs in ((self.holders, endpoint.refs), (self.gpu_holders, endpoint.gpu_refs)):
-            slot = holders.find(address)
-            if slot is not None:
-                for h in refs:
-                    holders.remove(slot, h)
-                holders.release(address)
-            refs.clear()
-        endpoint.stored.clear()
-        endpoint.tiers.clear()
+            if h is not None:  # else stored before this gateway listened, or dropped
+                released.append(h)
+        if released:
+            endpoint.tiers[tier] -= len(released)
+            endpoint.release(released, tier in GPU_TIERS)
 
     def reset(self, address: str) -> None:
         """Drop what ``address`` reported and where its sequence stood (e.g. a replay failed)."""
         endpoint = self._endpoints.get(address)
         if endpoint is not None:
-            self._clear(address, endpoint)
+            endpoint.clear()
             endpoint.expected = None
 
-    def match(self, hashes: Sequence[int], now: float) -> dict[str, int]:
-        """How many leading blocks of the chain ``hashes`` each fresh endpoint holds, in any tier."""
-        matched = self.holders.match(hashes)
-        for address in [a for a in matched if self.is_stale(a, now)]:
-            del matched[address]
-        return matched
+    def match(self, hashes: Sequence[int] | np.ndarray, now: float) -> dict[str, int]:
+        """How many leading blocks of the chain ``hashes`` each fresh endpoint holds, in any tier.
 
-    def match_gpu(self, hashes: Sequence[int], matched: Mapping[str, int]) -> dict[str, int] | None:
+        Only endpoints holding at least the first block are listed (each count >= 1). A chain is a 1-D
+        int64 array (:func:`~ext_proc.prefix.blocks.block_hashes`) or a sequence of ints in int64's
+        range."""
+        depth: dict[str, int] = {}
+        if not len(hashes):
+            return depth
+        chain = np.asarray(hashes, dtype=np.int64)
+        for address, endpoint in self._endpoints.items():
+            held = endpoint.depth(chain, _ALL) if now - endpoint.heard <= self.stale_after else 0
+            if held:
+                depth[address] = held
+        return depth
+
+    def match_gpu(
+        self, hashes: Sequence[int] | np.ndarray, matched: Mapping[str, int]
+    ) -> dict[str, int] | None:
         """Of ``matched`` (:meth:`match`), the leading blocks each endpoint holds in a GPU tier.
 
         ``None`` when every endpoint in ``matched`` holds all its matched blocks in GPU memory (no
@@ -220,8 +323,9 @@ class EventIndex:
         tiered = [a for a in matched if any(n and t not in GPU_TIERS for t, n in self._tiers(a).items())]
         if not tiered:
             return None
-        gpu = self.gpu_holders.match(hashes)
-        return {a: gpu.get(a, 0) if a in tiered else n for a, n in matched.items()}
+        chain = np.asarray(hashes, dtype=np.int64)
+        gpu = {a: self._endpoints[a].depth(chain, _GPU) for a in tiered}
+        return {a: gpu.get(a, n) for a, n in matched.items()}
 
     def _tiers(self, address: str) -> Counter[str]:
         endpoint = self._endpoints.get(address)
@@ -249,28 +353,10 @@ class EventIndex:
     def forget(self, address: str) -> None:
         """Forget the publisher ``address`` (an endpoint, or a rank it no longer has)."""
         self.sizes.forget(address)
-        endpoint = self._endpoints.pop(address, None)
-        if endpoint is not None:
-            self._clear(address, endpoint)
+        self._endpoints.pop(address, None)
 
 
-def _hold(refs: dict[int, int], holders: Holders, slot: int, h: int) -> None:
-    """One more stored entry of ``h`` at the endpoint of ``slot``: it holds ``h`` from the first."""
-    held = refs.get(h, 0)
-    refs[h] = held + 1
-    if not held:
-        holders.add(slot, h)
-
-
-def _release(refs: dict[int, int], holders: Holders, slot: int | None, h: int) -> None:
-    """One stored entry of ``h`` fewer: the endpoint of ``slot`` no longer holds ``h`` after the last."""
-    held = refs[h] - 1
-    if held:
-        refs[h] = held
-    else:
-        del refs[h]
-        if slot is not None:
-            holders.remove(slot, h)
+_ALL, _GPU = 1, 2  # the columns of an ``_Endpoint``'s table: stored entries in all tiers, in the GPU tiers
 
 
 def _find(endpoint: _Endpoint, tier: str, engine_hash: EngineHash) -> int | None:
@@ -283,3 +369,17 @@ def _find(endpoint: _Endpoint, tier: str, engine_hash: EngineHash) -> int | None
         if h is not None:
             return h
     return None
+
+
+def warm() -> None:
+    """Compile the kernels now (numba compiles each on its first call): an index stores blocks in
+    two tiers (growing a table), matches them in both, removes them (shrinking it) and clears."""
+    index = EventIndex(1, 1.0, 100)
+    gpu, cpu = (
+        BlockStored(tuple(range(40)), None, tuple(range(40)), 1, None, tier) for tier in (None, "CPU")
+    )
+    index.apply("warm", EventBatch(0, 0.0, 0, (gpu, cpu)), 0.0, False)
+    chain = block_hashes(range(40), 1, 40, ROOT)
+    index.match_gpu(chain, index.match(chain, 0.0))
+    removed = BlockRemoved(tuple(range(40)), None)
+    index.apply("warm", EventBatch(1, 0.0, 0, (removed, AllBlocksCleared())), 0.0, False)

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 
 from ext_proc.affinity import Decision, Pool
 from ext_proc.affinity.model import E
+from ext_proc.prefix import event_index, recent
 from ext_proc.prefix.blocks import Chain, block_hashes, prompt_content
 from ext_proc.prefix.event_index import ROOT, EventIndex
 from ext_proc.prefix.index import HitArrays
@@ -79,10 +80,9 @@ class KvEventSource:
         endpoint of several data-parallel ranks is credited one rank's blocks, and only when
         ``pinned`` (:func:`~ext_proc.prefix.ranks.credited`)."""
         now = self.clock()
-        chain = hashes.tolist()  # the holder sets are keyed by Python ints: kept so in the lookup
-        held = self.index.match(chain, now)
-        gpu = self.index.match_gpu(chain, held)
-        for name, blocks in self.recent.match(chain, now).items():
+        held = self.index.match(hashes, now)
+        gpu = self.index.match_gpu(hashes, held)
+        for name, blocks in self.recent.match(hashes, now).items():
             if blocks > held.get(name, 0):
                 held[name] = blocks
             if gpu is not None and blocks > gpu.get(name, 0):
@@ -93,7 +93,7 @@ class KvEventSource:
         if self.hit_arrays.block_tokens != self.block_tokens:  # the engines' events set it
             self.hit_arrays = HitArrays(self.block_tokens)
         hits = self.hit_arrays.hits(matched, prefills, decodes, prompt_tokens, gpu)
-        return Lookup(chain, matched, hits, ranks)
+        return Lookup(hashes, matched, hits, ranks)
 
     def predicted(self, lookup: Lookup, address: str, prompt_tokens: int) -> int:
         """The hit tokens ``lookup`` predicts at ``address`` (at most ``prompt_tokens``)."""
@@ -138,3 +138,9 @@ class KvEventSource:
         """Forget every endpoint not in ``addresses`` (all its ranks)."""
         self.index.retain(addresses)
         self.recent.retain(addresses)
+
+
+def warm() -> None:
+    """Compile the event index's and the recent placements' kernels now, not on a request (numba)."""
+    event_index.warm()
+    recent.warm()

@@ -24,8 +24,8 @@ held. The order is the per-block LRU's: least recently touched first, a recordin
 head. Because a chain is touched tail first and evicted in that order, the blocks an endpoint holds of
 any chain are a prefix of it, so :meth:`PrefixIndex.match` finds each endpoint's depth by binary
 search: O(endpoints x log blocks). The kernels compile on their first call; :func:`warm` compiles them
-all ahead. (The event-fed index and the recent placements keep per-block holder sets instead:
-:class:`Holders`.)
+all ahead. (The event-fed index and the recent placements keep such tables too, without the order:
+:mod:`~ext_proc.prefix.table` holds the kernels all three share.)
 
 A chain is a 1-D int64 numpy array (what :func:`~ext_proc.prefix.blocks.block_hashes` returns) or a
 sequence of Python ints in int64's range.
@@ -42,84 +42,18 @@ import numpy as np
 
 from ext_proc.affinity import Hits, Pool
 from ext_proc.affinity.model import E
+from ext_proc.prefix.table import (
+    MIN_SLOTS,
+    empty,
+    find,
+    power_of_two,
+    put,
+    rehash,
+    remove,
+    shift_of,
+)
 
 _POSITIONS_KEPT = 8  # pools whose address → position map is kept (the registry's two, plus subsets)
-
-
-class Holders:
-    """Per block hash, the endpoints holding it, as the bits of an int: one bit (slot) per endpoint.
-
-    Endpoints are keyed by ``"ip:port"`` address and take the lowest free slot; a released slot is
-    reused. :meth:`match` walks a chain once, AND-ing the holder sets, and stops where no endpoint holds
-    the prefix any more: O(matched blocks + endpoints that matched)."""
-
-    def __init__(self) -> None:
-        self._bits: dict[int, int] = {}  # block hash → bit set of the slots holding it
-        self._slots: dict[str, int] = {}  # address → slot (its bit)
-        self._addresses: dict[int, str] = {}  # slot → address
-        self._free: list[int] = []  # slots of released endpoints, for reuse
-
-    def slot(self, address: str) -> int:
-        """The slot of ``address``, given the lowest free one when it has none."""
-        slot = self._slots.get(address)
-        if slot is None:
-            slot = self._free.pop() if self._free else len(self._slots)
-            self._slots[address] = slot
-            self._addresses[slot] = address
-        return slot
-
-    def find(self, address: str) -> int | None:
-        """The slot of ``address``; ``None`` when it has none."""
-        return self._slots.get(address)
-
-    def release(self, address: str) -> None:
-        """Free the slot of ``address`` for reuse; the caller removed its hashes first."""
-        slot = self._slots.pop(address)
-        del self._addresses[slot]
-        self._free.append(slot)
-
-    def add(self, slot: int, h: int) -> None:
-        """The endpoint of ``slot`` holds block ``h``."""
-        self._bits[h] = self._bits.get(h, 0) | (1 << slot)
-
-    def remove(self, slot: int, h: int) -> None:
-        """The endpoint of ``slot`` no longer holds block ``h``."""
-        rest = self._bits.get(h, 0) & ~(1 << slot)
-        if rest:
-            self._bits[h] = rest
-        else:
-            self._bits.pop(h, None)
-
-    def match(self, hashes: Sequence[int]) -> dict[str, int]:
-        """How many leading blocks of the chain ``hashes`` each endpoint holds, by address.
-
-        Only endpoints holding at least the first block are listed (each count >= 1). ``hashes`` as
-        Python ints (a chain's ``tolist()``) is fastest; its int64 array gives the same answer."""
-        holders = self._bits
-        alive = holders.get(hashes[0], 0) if len(hashes) else 0
-        depth: dict[str, int] = {}
-        i = 1
-        while alive:
-            if i == len(hashes):
-                self._note(alive, i, depth)
-                break
-            held = alive & holders.get(hashes[i], 0)
-            if held != alive:
-                self._note(alive & ~held, i, depth)
-                alive = held
-            i += 1
-        return depth
-
-    def _note(self, bits: int, blocks: int, depth: dict[str, int]) -> None:
-        while bits:
-            low = bits & -bits
-            depth[self._addresses[low.bit_length() - 1]] = blocks
-            bits ^= low
-
-    @property
-    def addresses(self) -> list[str]:
-        """The endpoints that have a slot."""
-        return list(self._slots)
 
 
 class HitArrays:
@@ -182,7 +116,7 @@ class _Lru:
     Positions number the blocks touched, one after another (a recording's tail first). ``table`` is an
     open-addressing hash table of the held blocks (``(slots, 2)`` int64, slots a power of two, at most
     half full, linear probing, deletion by backward shift): per slot a block hash and its stamp, the
-    position it was last touched at, or ``_EMPTY`` (-1: stamps are >= 0, so every hash value can be
+    position it was last touched at, or ``EMPTY`` (-1: stamps are >= 0, so every hash value can be
     held). ``order`` is a ring (a power of two long) of the hash touched at each position from ``floor``
     on, position ``p`` at ``p % len(order)``; ``state`` is ``[top, floor, live, shift]``: the next
     position, the first position not evicted, the blocks held, and the table's ``64 - log2(slots)``.
@@ -196,9 +130,9 @@ class _Lru:
     __slots__ = ("order", "state", "table")
 
     def __init__(self) -> None:
-        self.table = np.full((_MIN_SLOTS, 2), _EMPTY, dtype=np.int64)
+        self.table = empty(MIN_SLOTS, 2)
         self.order = np.empty(_MIN_POSITIONS, dtype=np.int64)
-        self.state = np.array([0, 0, 0, _shift(_MIN_SLOTS)], dtype=np.int64)
+        self.state = np.array([0, 0, 0, shift_of(MIN_SLOTS)], dtype=np.int64)
 
     @property
     def live(self) -> int:
@@ -229,31 +163,19 @@ class _Lru:
         state = self.state
         live = int(state[_LIVE])
         if state[_TOP] - state[_FLOOR] + count > len(self.order):
-            order = np.empty(max(_MIN_POSITIONS, _power_of_two(2 * (live + count))), dtype=np.int64)
+            order = np.empty(max(_MIN_POSITIONS, power_of_two(2 * (live + count))), dtype=np.int64)
             _renumber(self.table, self.order, order, state)
             self.order = order
         if not _fits(len(self.table), live, count, keep):
-            slots = max(_MIN_SLOTS, _power_of_two(2 * _held_at_most(live, count, keep)))
-            table = np.full((slots, 2), _EMPTY, dtype=np.int64)
-            _rehash(self.table, table, _shift(slots))
+            slots = max(MIN_SLOTS, power_of_two(2 * _held_at_most(live, count, keep)))
+            table = empty(slots, 2)
+            rehash(self.table, table, shift_of(slots), 0)
             self.table = table
-            state[_SHIFT] = _shift(slots)
+            state[_SHIFT] = shift_of(slots)
 
 
 _TOP, _FLOOR, _LIVE, _SHIFT = range(4)  # the fields of an ``_Lru``'s ``state``
-_EMPTY = -1  # the stamp of an empty table slot
-_MIN_SLOTS = _MIN_POSITIONS = 16
-_FIBONACCI = np.uint64(0x9E3779B97F4A7C15)  # 2^64 / golden ratio, odd: a home is the top bits of hash x it
-
-
-def _power_of_two(count: int) -> int:
-    """The least power of two >= ``count`` (>= 1)."""
-    return 1 << (count - 1).bit_length()
-
-
-def _shift(slots: int) -> int:
-    """How far a hash times ``_FIBONACCI`` is shifted right to give its home in ``slots`` (a power of two)."""
-    return 64 - slots.bit_length() + 1
+_MIN_POSITIONS = 16
 
 
 @numba.njit(nogil=True)
@@ -268,57 +190,7 @@ def _fits(slots: int, live: int, count: int, keep: int) -> bool:
     """Whether a table of ``slots`` is at most half full while ``count`` blocks are recorded, and not
     over eight times the size that needs (beyond the smallest)."""
     need = _held_at_most(live, count, keep)
-    return 2 * need <= slots and (slots <= _MIN_SLOTS or slots <= 8 * need)
-
-
-@numba.njit(nogil=True)
-def _home(h: int, shift: int) -> int:
-    """The slot where a search for the hash ``h`` starts (Fibonacci hashing: the product's top bits)."""
-    return np.int64((np.uint64(h) * _FIBONACCI) >> np.uint64(shift))
-
-
-@numba.njit(nogil=True)
-def _find(table: np.ndarray, shift: int, h: int) -> int:
-    """The slot holding the hash ``h``, or -1."""
-    mask = len(table) - 1
-    i = _home(h, shift)
-    while table[i, 1] != _EMPTY:
-        if table[i, 0] == h:
-            return i
-        i = (i + 1) & mask
-    return -1
-
-
-@numba.njit(nogil=True)
-def _put(table: np.ndarray, shift: int, h: int, stamp: int) -> bool:
-    """Set the stamp of the hash ``h``, adding it where it is not held; whether it was added."""
-    mask = len(table) - 1
-    i = _home(h, shift)
-    while table[i, 1] != _EMPTY:
-        if table[i, 0] == h:
-            table[i, 1] = stamp
-            return False
-        i = (i + 1) & mask
-    table[i, 0] = h
-    table[i, 1] = stamp
-    return True
-
-
-@numba.njit(nogil=True)
-def _remove(table: np.ndarray, shift: int, i: int) -> None:
-    """Empty slot ``i``, moving back each later entry of its probe run that may then sit closer to (or
-    at) its home slot: every held hash stays reachable from its home without a gap, and no tombstone."""
-    mask = len(table) - 1
-    j = i
-    while True:
-        j = (j + 1) & mask
-        if table[j, 1] == _EMPTY:
-            break
-        if ((j - _home(table[j, 0], shift)) & mask) >= ((j - i) & mask):  # slot i lies on its way home → j
-            table[i, 0] = table[j, 0]
-            table[i, 1] = table[j, 1]
-            i = j
-    table[i, 1] = _EMPTY
+    return 2 * need <= slots and (slots <= MIN_SLOTS or slots <= 8 * need)
 
 
 @numba.njit(nogil=True)
@@ -326,9 +198,9 @@ def _drop(table: np.ndarray, order: np.ndarray, shift: int, floor: int, live: in
     """Move ``floor`` up until at most ``keep`` blocks are held, deleting each passed position's block
     where that position is its stamp; the new ``(floor, live)``."""
     while live > keep:
-        i = _find(table, shift, order[floor & (len(order) - 1)])
+        i = find(table, shift, order[floor & (len(order) - 1)])
         if table[i, 1] == floor:
-            _remove(table, shift, i)
+            remove(table, shift, i)
             live -= 1
         floor += 1
     return floor, live
@@ -349,7 +221,7 @@ def _record(table: np.ndarray, order: np.ndarray, state: np.ndarray, chain: np.n
         return False
     floor, live = _drop(table, order, shift, floor, live, keep)
     for j in range(len(chain) - 1, -1, -1):
-        if _put(table, shift, chain[j], top):
+        if put(table, shift, chain[j], top):
             live += 1
             floor, live = _drop(table, order, shift, floor, live, keep)
         order[top & (len(order) - 1)] = chain[j]
@@ -362,12 +234,12 @@ def _record(table: np.ndarray, order: np.ndarray, state: np.ndarray, chain: np.n
 def _depth(table: np.ndarray, state: np.ndarray, chain: np.ndarray) -> int:
     """How many leading blocks of ``chain`` are held: they are a prefix (binary search)."""
     shift = state[_SHIFT]
-    if len(chain) == 0 or _find(table, shift, chain[0]) < 0:
+    if len(chain) == 0 or find(table, shift, chain[0]) < 0:
         return 0
     low, high = 1, len(chain)
     while low < high:
         middle = (low + high + 1) // 2
-        if _find(table, shift, chain[middle - 1]) >= 0:
+        if find(table, shift, chain[middle - 1]) >= 0:
             low = middle
         else:
             high = middle - 1
@@ -379,7 +251,7 @@ def _renumber(table: np.ndarray, old: np.ndarray, new: np.ndarray, state: np.nda
     """Number the held blocks again from 0, in their order, into ``new`` (and their stamps)."""
     shift, mask, top = state[_SHIFT], len(old) - 1, 0
     for position in range(state[_FLOOR], state[_TOP]):
-        i = _find(table, shift, old[position & mask])
+        i = find(table, shift, old[position & mask])
         if table[i, 1] == position:
             new[top] = old[position & mask]
             table[i, 1] = top
@@ -395,18 +267,10 @@ def _held(table: np.ndarray, order: np.ndarray, state: np.ndarray) -> np.ndarray
     n = 0
     for position in range(state[_FLOOR], state[_TOP]):
         h = order[position & mask]
-        if table[_find(table, shift, h), 1] == position:
+        if table[find(table, shift, h), 1] == position:
             held[n] = h
             n += 1
     return held
-
-
-@numba.njit(nogil=True)
-def _rehash(old: np.ndarray, new: np.ndarray, shift: int) -> None:
-    """Put every held hash of the table ``old``, with its stamp, into the empty table ``new``."""
-    for i in range(len(old)):
-        if old[i, 1] != _EMPTY:
-            _put(new, shift, old[i, 0], old[i, 1])
 
 
 class PrefixIndex:

@@ -65,13 +65,12 @@ class PrefixSettings:
 class Lookup(NamedTuple):
     """One request's view of the index.
 
-    Its prompt's chain (:func:`~ext_proc.prefix.blocks.block_hashes`; as Python ints where the source
-    keys holder sets by them, converted once), the blocks each endpoint holds of it (by address), the
-    decision's :class:`Hits` (``None`` when no candidate holds anything), and the data-parallel rank
-    whose blocks an endpoint of several ranks was credited with, by address (the request is pinned to
-    it there: :mod:`ext_proc.prefix.ranks`)."""
+    Its prompt's chain (:func:`~ext_proc.prefix.blocks.block_hashes`), the blocks each endpoint holds
+    of it (by address), the decision's :class:`Hits` (``None`` when no candidate holds anything), and
+    the data-parallel rank whose blocks an endpoint of several ranks was credited with, by address (the
+    request is pinned to it there: :mod:`ext_proc.prefix.ranks`)."""
 
-    hashes: Chain | list[int]
+    hashes: Chain
     matched: dict[str, int]
     hits: Hits | None
     ranks: Mapping[str, int] = MappingProxyType({})

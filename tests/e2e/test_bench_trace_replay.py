@@ -29,8 +29,9 @@ def test_a_tiny_window_of_every_setting_writes_json_and_png(bench: ModuleType, t
     assert data["profile"] == "h200-llama-3-8b" and data["cpu_tier_tokens"] == 100000
     assert set(data["settings"]) == set(bench.SETTINGS) and "dynamo" in data["settings"]
     assert 0.0 <= data["bound"]["hit_rate"] <= 1.0
-    for row in data["settings"].values():
+    for name, row in data["settings"].items():
         assert row["requests"] == 12 and row["errors"] == 0
+        assert (row["tokenize_us_p50"] > 0) == ("events" in name)  # the tokenizer's stand-in, timed apart
         assert row["hit_rate"] == pytest.approx(row["hbm_hit_rate"] + row["cpu_hit_rate"])
         assert row["ttft_p50_ms"] <= row["ttft_p90_ms"] <= row["ttft_p99_ms"]
         assert 0.0 <= row["cross_group_share"] <= 1.0 and row["throughput_rps"] > 0
