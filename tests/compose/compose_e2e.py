@@ -322,6 +322,9 @@ class Compose:
             "PD_EXTPROC_METRICS_PORT": str(self.metrics_ports[0]),
             "PD_EXTPROC_METRICS_PORT_2": str(self.metrics_ports[1]),
             "COMPOSE_PROJECT_NAME": PROJECT,
+            # Creating a container copies the whole image with the vfs storage driver: on a loaded
+            # machine that outlasts docker-compose's default 60 s read timeout.
+            "COMPOSE_HTTP_TIMEOUT": "600",
         }
 
     def __call__(self, *args: str, env: dict[str, str] | None = None) -> str:
