@@ -122,9 +122,8 @@ class KvEventSource:
     def learned(self, hashes: Chain, holders: Sequence[Holder]) -> None:
         """A peer replica placed the chain ``hashes`` on ``holders``: keep it as recently placed there."""
         now = self.clock()
-        chain = hashes.tolist()
         for name, _ in holders:
-            self.recent.record(chain, name, now)
+            self.recent.record(hashes, name, now)
 
     def snapshot(self) -> list[tuple[str, float, Chain]]:
         """Nothing: a replica that starts reads the engines' events (and their replay) itself, and the
