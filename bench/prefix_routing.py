@@ -66,11 +66,12 @@ from prefix_peers import (
     SGLangCacheAware,
 )
 from prefix_workloads import Conversation, low_reuse, messages, multi_turn, shared_prompts
-from shared_replicas import DEFAULT_SYNC_DELAY_SECONDS, SharedReplicas
+from shared_replicas import DEFAULT_SYNC_DELAY_SECONDS, NO_ANTICIPATION, SHARING, SharedReplicas
 
 from ext_proc.affinity import AutoModel, Mode, Policy
 from ext_proc.prefix import PrefixSettings, prompt_content
 from ext_proc.request import describe
+from ext_proc.shared.config import SharedStateConfig
 from sim.cluster import EngineSpec, clusters
 from sim.config import DEFAULT_MODEL, KvConfig, TimingConfig
 from sim.engine import Engine, Hold
@@ -215,15 +216,15 @@ SHARED = " shared"
 (:mod:`bench.shared_replicas`)."""
 
 
-def _shared(count: int, source: str) -> Callable[[float], Router]:
+def _shared(count: int, source: str, config: SharedStateConfig = SHARING) -> Callable[[float], Router]:
     """The router maker of ``count`` replicas on ``source`` (``NEW`` or ``EVENTS``) sharing their state
-    over the seam with a sync delay given in seconds."""
+    over the seam (``shared_state`` ``config``) with a sync delay given in seconds."""
 
     def of(delay: float) -> Router:
         def router(endpoints: list[Endpoint], engines: dict[str, Engine], model: AutoModel) -> SharedReplicas:
             if source == EVENTS:
-                return SharedReplicas(_event_routers(count, endpoints, engines, model), delay)
-            return SharedReplicas(_approximate_routers(count, endpoints, model), delay)
+                return SharedReplicas(_event_routers(count, endpoints, engines, model), delay, config)
+            return SharedReplicas(_approximate_routers(count, endpoints, model), delay, config)
 
         return router
 
@@ -231,9 +232,11 @@ def _shared(count: int, source: str) -> Callable[[float], Router]:
 
 
 SHARED_SETTINGS: dict[str, Callable[[float], Router]] = {
-    f"{source} x{n}{SHARED}": _shared(n, source) for source in (NEW, EVENTS) for n in (2, 4)
+    **{f"{source} x{n}{SHARED}": _shared(n, source) for source in (NEW, EVENTS) for n in (2, 4)},
+    **{f"{source} x4{SHARED} noanticipate": _shared(4, source, NO_ANTICIPATION) for source in (NEW, EVENTS)},
 }
-"""The ` shared` settings, each given its sync delay (seconds)."""
+"""The ` shared` settings, each given its sync delay (seconds); `` noanticipate``: without anticipating the
+peers' bookings (``shared_state.anticipate`` false)."""
 SETTINGS |= {name: of(DEFAULT_SYNC_DELAY_SECONDS) for name, of in SHARED_SETTINGS.items()}
 TODAY = ("off", "prefer", "strict", "auto")
 

@@ -221,3 +221,93 @@ def test_a_delayed_hub_hands_over_in_publishing_order_when_messages_fall_due_tog
         loop.close()
     assert [p for p, _ in got] == [b"%d" % i for i in range(50)] + [b"late"]
     assert {t for _, t in got[:50]} == {0.002} and got[50][1] == pytest.approx(0.003)
+
+
+def _anticipating(routers: list[Router], delay: float, loop: asyncio.AbstractEventLoop) -> list[BusState]:
+    """``routers`` sharing over a hub of ``delay`` seconds on ``loop``'s (virtual) time, anticipating."""
+    hub = MemoryHub(delay)
+    shared = []
+    for name, router in zip("abcd", routers, strict=False):
+        replica = ReplicaState(
+            router.registry,
+            lambda router=router: router.prefix,
+            router.metrics,
+            CONFIG.peer_timeout_seconds,
+            name,
+            clock=loop.time,
+            wall=loop.time,
+            anticipate=True,
+            batch_seconds=CONFIG.batch_seconds,
+        )
+        router.shared = BusState("memory", replica, hub.bus(), CONFIG, router.metrics)
+        shared.append(router.shared)
+    return shared
+
+
+def test_a_booking_counts_once_more_per_peer_here_until_the_peers_batches_of_that_moment_can_arrive() -> None:
+    """Three replicas, 10 ms apart: a's booking is a's own once and, for the measured lag, its two peers'
+    likely twin bookings (herding) in a's view of the peers; then their real batches alone. A release is
+    not anticipated."""
+    a, b, c = _router(), _router(), _router()
+    loop = new_loop()
+    shared = _anticipating([a, b, c], 0.01, loop)
+    seen: dict[str, tuple[int, int, int]] = {}
+
+    def look(when: str, decode: str) -> None:
+        state = a.registry.find("decode", decode)
+        assert state is not None
+        seen[when] = (state.own_requests, state.peer_requests, state.peer_tokens // max(1, state.own_tokens))
+
+    async def run() -> None:
+        await asyncio.gather(*(s.start() for s in shared))
+        await asyncio.sleep(1.0)  # the heartbeats (every 50 ms) measure the 10 ms lag
+        lag = shared[0].replica.lag_seconds
+        assert lag == pytest.approx(0.01, rel=0.05)
+        routed = _route(a, _body(400))
+        decode = routed.lease.decode
+        assert decode is not None
+        look("booked", decode.address)
+        key = f"decode/{decode.address}"
+        assert shared[0].describe()["anticipated"][key] == {"tokens": 2 * decode.own_tokens, "requests": 2}
+        await asyncio.sleep(lag * 0.9)
+        look("within the lag", decode.address)
+        await asyncio.sleep(lag * 0.2)
+        look("after it", decode.address)
+        assert shared[0].describe()["anticipated"] == {}
+        routed.lease.release()
+        look("released", decode.address)
+        assert shared[1].replica.expected == {}  # b booked nothing: it anticipates nothing
+        await asyncio.gather(*(s.stop() for s in shared))
+
+    try:
+        loop.run_until_complete(run())
+    finally:
+        loop.close()
+    assert seen == {
+        "booked": (1, 2, 2),
+        "within the lag": (1, 2, 2),
+        "after it": (1, 0, 0),
+        "released": (0, 0, 0),
+    }
+
+
+def test_without_peers_or_with_anticipation_off_a_booking_is_this_replica_s_alone() -> None:
+    loop = new_loop()
+    alone = _router()
+    shared = _anticipating([alone], 0.01, loop)
+    off, peer = _router(), _router()
+    hub = MemoryHub(0.01)
+    plain = [_share(off, hub, "off"), _share(peer, hub, "peer")]  # ReplicaState's default: off
+
+    async def run() -> None:
+        await asyncio.gather(*(s.start() for s in shared + plain))
+        for router in (alone, off):
+            routed = _route(router, _body(300))
+            assert routed.lease.decode is not None and routed.lease.decode.peer_requests == 0
+        assert shared[0].replica.expected == {} and plain[0].replica.expected == {}
+        await asyncio.gather(*(s.stop() for s in shared + plain))
+
+    try:
+        loop.run_until_complete(run())
+    finally:
+        loop.close()
