@@ -66,12 +66,11 @@ from prefix_peers import (
     SGLangCacheAware,
 )
 from prefix_workloads import Conversation, low_reuse, messages, multi_turn, shared_prompts
-from shared_replicas import DEFAULT_SYNC_DELAY_SECONDS, NO_ANTICIPATION, SHARING, SharedReplicas
+from shared_replicas import DEFAULT_SYNC_DELAY_SECONDS, SharedReplicas
 
 from ext_proc.affinity import AutoModel, Mode, Policy
 from ext_proc.prefix import PrefixSettings, prompt_content
 from ext_proc.request import describe
-from ext_proc.shared.config import SharedStateConfig
 from sim.cluster import EngineSpec, clusters
 from sim.config import DEFAULT_MODEL, KvConfig, TimingConfig
 from sim.engine import Engine, Hold
@@ -216,15 +215,15 @@ SHARED = " shared"
 (:mod:`bench.shared_replicas`)."""
 
 
-def _shared(count: int, source: str, config: SharedStateConfig = SHARING) -> Callable[[float], Router]:
+def _shared(count: int, source: str) -> Callable[[float], Router]:
     """The router maker of ``count`` replicas on ``source`` (``NEW`` or ``EVENTS``) sharing their state
-    over the seam (``shared_state`` ``config``) with a sync delay given in seconds."""
+    over the seam with a sync delay given in seconds."""
 
     def of(delay: float) -> Router:
         def router(endpoints: list[Endpoint], engines: dict[str, Engine], model: AutoModel) -> SharedReplicas:
             if source == EVENTS:
-                return SharedReplicas(_event_routers(count, endpoints, engines, model), delay, config)
-            return SharedReplicas(_approximate_routers(count, endpoints, model), delay, config)
+                return SharedReplicas(_event_routers(count, endpoints, engines, model), delay)
+            return SharedReplicas(_approximate_routers(count, endpoints, model), delay)
 
         return router
 
@@ -232,11 +231,9 @@ def _shared(count: int, source: str, config: SharedStateConfig = SHARING) -> Cal
 
 
 SHARED_SETTINGS: dict[str, Callable[[float], Router]] = {
-    **{f"{source} x{n}{SHARED}": _shared(n, source) for source in (NEW, EVENTS) for n in (2, 4)},
-    **{f"{source} x4{SHARED} noanticipate": _shared(4, source, NO_ANTICIPATION) for source in (NEW, EVENTS)},
+    f"{source} x{n}{SHARED}": _shared(n, source) for source in (NEW, EVENTS) for n in (2, 4)
 }
-"""The ` shared` settings, each given its sync delay (seconds); `` noanticipate``: without anticipating the
-peers' bookings (``shared_state.anticipate`` false)."""
+"""The ` shared` settings, each given its sync delay (seconds)."""
 SETTINGS |= {name: of(DEFAULT_SYNC_DELAY_SECONDS) for name, of in SHARED_SETTINGS.items()}
 TODAY = ("off", "prefer", "strict", "auto")
 

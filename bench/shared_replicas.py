@@ -13,8 +13,7 @@ they run in model time: a 2 ms sync delay is 2 ms of the engines' time.
 The replicas share one process, so their prompt hashing (:mod:`ext_proc.prefix.blocks`'s per-process
 key) is the same, as ``shared_state.nats.hash_key`` makes it across processes. They all start before the
 first request and wait for no peer (``sync_wait_seconds`` 0): all start empty. Each keeps its own
-tally of what it sent, received and dropped (:class:`Tally`). ``shared_state`` is otherwise at its
-defaults (:data:`SHARING`), or without anticipating the peers' bookings (:data:`NO_ANTICIPATION`).
+tally of what it sent, received and dropped (:class:`Tally`).
 """
 
 from __future__ import annotations
@@ -35,10 +34,7 @@ from sim.virtual import VirtualClock
 DEFAULT_SYNC_DELAY_SECONDS = 0.002
 """The replay's default sync delay (``--sync-delay-ms 2``)."""
 SHARING = replace(SharedStateConfig(), sync_wait_seconds=0.0)
-"""``shared_state`` at its defaults (1 s heartbeats, 5 s peer timeout, 1 ms batches, ``anticipate`` on), no
-sync wait."""
-NO_ANTICIPATION = replace(SHARING, anticipate=False)
-"""The same without anticipating the peers' bookings (``shared_state.anticipate`` false)."""
+"""``shared_state`` at its defaults (1 s heartbeats, 5 s peer timeout, 1 ms batches), no sync wait."""
 
 
 @dataclass
@@ -87,8 +83,6 @@ class SharedReplicas(Replicas):
                 f"replica-{i}",
                 clock=clock.now,
                 wall=clock.now,
-                anticipate=config.anticipate,
-                batch_seconds=config.batch_seconds,
             )
             shared = BusState("memory", state, self.hub.bus(), config, tally)
             router.shared = shared

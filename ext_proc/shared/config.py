@@ -68,10 +68,7 @@ class SharedStateConfig:
     sends all its bookings (and checks its peers); ``peer_timeout_seconds``: a peer silent this long has
     its bookings dropped; ``batch_seconds``: how long a booking waits to travel with the next ones (0:
     the next turn of the event loop); ``sync_wait_seconds``: how long a starting replica waits for its
-    peers' state before it answers requests (it answers anyway after that). ``anticipate``: for the
-    batch wait plus the peers' measured message lag after each of its own bookings, a replica counts it
-    once more per live peer (its peers, deciding meanwhile on the same view, likely chose alike: the
-    herding of :meth:`~ext_proc.shared.replica.ReplicaState.booked`)."""
+    peers' state before it answers requests (it answers anyway after that)."""
 
     kind: SharedStateKind = SharedStateKind.LOCAL
     nats: NatsConfig = field(default_factory=NatsConfig)
@@ -79,7 +76,6 @@ class SharedStateConfig:
     peer_timeout_seconds: float = 5.0
     batch_seconds: float = 0.001
     sync_wait_seconds: float = 1.0
-    anticipate: bool = True
 
     def check(self) -> None:
         """Raise :class:`ConfigError` naming the first key out of range."""

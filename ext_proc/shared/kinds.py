@@ -92,11 +92,6 @@ class BusState:
             "replica": self.replica.name,
             "connected": self.runner.bus.connected,
             "synced": self.runner.synced,
-            "lag_seconds": round(self.replica.lag_seconds, 6),
-            "anticipated": {
-                f"{role}/{address}": {"tokens": tokens, "requests": requests}
-                for (role, address), (tokens, requests) in self.replica.expected.items()
-            },
             "peers": {
                 name: {"seq": p.seq, "silent_seconds": round(now - p.seen, 3), "endpoints": len(p.loads)}
                 for name, p in self.replica.peers.peers.items()
@@ -122,14 +117,7 @@ def build_shared_state(
         return LocalState()
     from ext_proc.shared.nats_bus import NatsBus  # nats-py is loaded only where it is used
 
-    replica = ReplicaState(
-        registry,
-        prefix,
-        metrics,
-        config.peer_timeout_seconds,
-        anticipate=config.anticipate,
-        batch_seconds=config.batch_seconds,
-    )
+    replica = ReplicaState(registry, prefix, metrics, config.peer_timeout_seconds)
     metrics.watch_peers(lambda: len(replica.peers.peers))
     bus = NatsBus(config.nats, replica.name, metrics.shared_connection)
     return BusState(config.kind.value, replica, bus, config, metrics)

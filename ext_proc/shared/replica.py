@@ -22,7 +22,6 @@ import os
 import secrets
 import socket
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -38,10 +37,6 @@ log = logging.getLogger(__name__)
 
 MAX_PENDING_PLACEMENTS = 4096
 """Placements kept for the next batch at most; more (the bus is slower than the requests) are dropped."""
-MAX_ANTICIPATION_SECONDS = 1.0
-"""The longest a booking is anticipated at the peers (:meth:`ReplicaState.booked`), whatever the lag."""
-LAG_SMOOTHING = 0.1
-"""Weight of the newest batch's lag in :attr:`ReplicaState.lag_seconds` (an exponential average)."""
 
 
 class SharingSink(Protocol):
@@ -63,9 +58,7 @@ class ReplicaState:
     ``registry``: the endpoints whose loads are shared. ``prefix``: the prefix source in force (read at
     each use: a reload replaces it). ``sink``: the metrics. ``timeout_seconds``: a peer silent this long is
     forgotten. ``clock`` (monotonic seconds) times the peers' silence, ``wall`` (seconds since the epoch)
-    stamps the batches (the receivers' sync lag). ``anticipate``: count each of this replica's own new
-    bookings once more per live peer until the peers' bookings of the same moment can have arrived,
-    ``batch_seconds`` (the bus's batch wait) plus :attr:`lag_seconds` (:meth:`booked`)."""
+    stamps the batches (the receivers' sync lag)."""
 
     def __init__(
         self,
@@ -76,8 +69,6 @@ class ReplicaState:
         name: str | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall: Callable[[], float] = time.time,
-        anticipate: bool = False,
-        batch_seconds: float = 0.0,
     ) -> None:
         self.name = name or replica_name()
         self.registry = registry
@@ -94,72 +85,15 @@ class ReplicaState:
         self._logged: set[str] = set()
         self.on_change: Callable[[], None] | None = None
         """Called once when something is pending after nothing was (the bus schedules a batch)."""
-        self.anticipate = anticipate
-        self._batch_seconds = batch_seconds
-        self.lag_seconds = 0.0
-        """The peers' batches' lag (their send to its arrival here, seconds), exponentially averaged."""
-        self._own: dict[Key, tuple[int, int]] = {}
-        self._expected: dict[Key, tuple[int, int]] = {}
-        self._expecting: deque[tuple[float, Key, int, int]] = deque()
-        self.on_expect: Callable[[float], None] | None = None
-        """Called with the seconds until :meth:`expire_expected` is due when an anticipation starts and
-        none was due (the bus sets a timer)."""
         registry.watch(self.booked)
 
     # -- this replica's side ------------------------------------------------------------------------
 
     def booked(self, state: EndpointState) -> None:
-        """``state``'s own load changed (a charge or a release of this replica's).
-
-        With ``anticipate``, a charge (more own requests than at the last call) is also counted once
-        more per live peer in this replica's view of the peers' load, for ``batch_seconds +
-        lag_seconds`` (at most :data:`MAX_ANTICIPATION_SECONDS`): peers deciding meanwhile saw the view
-        this replica saw and likely chose alike (herding), and their bookings of that moment are not
-        here yet; their batches replace the estimate as it expires."""
-        key = (state.role.value, state.address)
+        """``state``'s own load changed (a charge or a release of this replica's)."""
         if not self._dirty and not self._placements and self.on_change is not None:
             self.on_change()
-        self._dirty[key] = state
-        if self.anticipate:
-            self._anticipate(key, state)
-
-    def _anticipate(self, key: Key, state: EndpointState) -> None:
-        tokens, requests = state.own_tokens, state.own_requests
-        last_tokens, last_requests = self._own.pop(key, (0, 0))
-        if tokens or requests:
-            self._own[key] = (tokens, requests)
-        peers = len(self.peers.peers)
-        if requests <= last_requests or not peers:
-            return
-        extra = (peers * max(0, tokens - last_tokens), peers * (requests - last_requests))
-        due = self.clock() + min(MAX_ANTICIPATION_SECONDS, self._batch_seconds + self.lag_seconds)
-        expected = self._expected.get(key, (0, 0))
-        self._expected[key] = (expected[0] + extra[0], expected[1] + extra[1])
-        self._expecting.append((due, key, *extra))
-        self._apply({key})
-        if len(self._expecting) == 1 and self.on_expect is not None:
-            self.on_expect(due - self.clock())
-
-    def expire_expected(self) -> float | None:
-        """End the anticipations now due (:meth:`booked`); the seconds until the next one is, or ``None``."""
-        now = self.clock()
-        changed: set[Key] = set()
-        while self._expecting and self._expecting[0][0] <= now:
-            _, key, tokens, requests = self._expecting.popleft()
-            left = self._expected[key]
-            left = (left[0] - tokens, left[1] - requests)
-            if left[1] > 0:
-                self._expected[key] = left
-            else:
-                del self._expected[key]
-            changed.add(key)
-        self._apply(changed)
-        return self._expecting[0][0] - now if self._expecting else None
-
-    @property
-    def expected(self) -> dict[Key, tuple[int, int]]:
-        """The anticipated peers' (tokens, requests) per endpoint now (:meth:`booked`)."""
-        return dict(self._expected)
+        self._dirty[state.role.value, state.address] = state
 
     def placed(self, chain: Chain, holders: Sequence[Holder]) -> None:
         """This replica placed the prompt of ``chain`` on ``holders`` (its prefix source's record)."""
@@ -247,9 +181,7 @@ class ReplicaState:
         if changed is None:
             self._drop("stale", f"batch {message.seq} of {message.replica}: not newer than the last applied")
             return None
-        lag = max(0.0, self._wall() - message.sent)
-        self.lag_seconds += LAG_SMOOTHING * (lag - self.lag_seconds)
-        self._sink.shared_received("batch", len(payload), lag)
+        self._sink.shared_received("batch", len(payload), max(0.0, self._wall() - message.sent))
         self._apply(changed)
         for placed in message.placements:
             self._learn(message.fingerprint, placed.chain, placed.holders)
@@ -272,15 +204,10 @@ class ReplicaState:
         self._apply(changed)
 
     def _apply(self, keys: set[Key]) -> None:
-        """Set each endpoint of ``keys``'s peer load: the peers' reported charges, plus the anticipated."""
-        for key in keys:
-            state = self.registry.find(*key)
+        for role, address in keys:
+            state = self.registry.find(role, address)
             if state is not None:
-                tokens, requests = self.peers.total(key)
-                expected = self._expected.get(key)
-                if expected is not None:
-                    tokens, requests = tokens + expected[0], requests + expected[1]
-                state.set_peer_load(tokens, requests)
+                state.set_peer_load(*self.peers.total((role, address)))
 
     def _learn(self, print_: int, chain: Chain, holders: Sequence[Holder]) -> None:
         prefix = self._prefix()

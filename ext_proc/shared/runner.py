@@ -4,8 +4,7 @@ Subjects (``P`` the configured ``subject_prefix``): ``P.state`` carries every re
 ``P.sync`` the sync requests of replicas that (re)connect, ``P.inbox.<replica>`` the answers to one.
 :class:`SharedRunner` sends a batch ``batch_seconds`` after a booking or placement finds nothing
 pending (so one batch carries everything placed meanwhile), a full batch every ``heartbeat_seconds``
-and whenever the bus (re)connects, forgets silent peers at each heartbeat, and ends the replica's
-anticipations of its peers' bookings when they are due (:meth:`ReplicaState.booked`). Nothing on the request
+and whenever the bus (re)connects, and forgets silent peers at each heartbeat. Nothing on the request
 path waits for the bus: while it is down, batches are dropped (counted) and the heartbeat after the
 reconnection sends the whole state again. A bus is anything with :class:`Bus`'s three methods:
 :class:`~ext_proc.shared.nats_bus.NatsBus`, or :class:`MemoryHub`'s buses within one process (tests
@@ -76,7 +75,6 @@ class SharedRunner:
         self._batch_seconds = batch_seconds
         self._sync_wait_seconds = sync_wait_seconds
         self._scheduled: asyncio.TimerHandle | asyncio.Handle | None = None
-        self._expiry: asyncio.TimerHandle | None = None
         self._beat: asyncio.Task[None] | None = None
         self._answered = asyncio.Event()
         self._last_answer = 0.0
@@ -87,7 +85,6 @@ class SharedRunner:
         """Subscribe, ask the peers for their state and wait for it (``sync_wait_seconds`` at most), then
         send heartbeats until :meth:`stop`."""
         self.replica.on_change = self._schedule
-        self.replica.on_expect = self._expect
         subscriptions = {
             self.state_subject: self._receive,
             self.sync_subject: self._receive,
@@ -101,9 +98,6 @@ class SharedRunner:
     async def stop(self) -> None:
         """Stop the heartbeats, send what is pending and close the bus."""
         self.replica.on_change = None
-        self.replica.on_expect = None
-        if self._expiry is not None:
-            self._expiry.cancel()
         if self._beat is not None:
             self._beat.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -133,16 +127,6 @@ class SharedRunner:
                 self._scheduled = loop.call_later(self._batch_seconds, self._flush)
             else:
                 self._scheduled = loop.call_soon(self._flush)
-
-    def _expect(self, seconds: float) -> None:
-        if self._expiry is None:
-            self._expiry = asyncio.get_running_loop().call_later(seconds, self._expire_expected)
-
-    def _expire_expected(self) -> None:
-        self._expiry = None
-        due = self.replica.expire_expected()
-        if due is not None:
-            self._expect(due)
 
     def _flush(self) -> None:
         self._scheduled = None
