@@ -66,6 +66,7 @@ from prefix_peers import (
     SGLangCacheAware,
 )
 from prefix_workloads import Conversation, low_reuse, messages, multi_turn, shared_prompts
+from shared_replicas import DEFAULT_SYNC_DELAY_SECONDS, SharedReplicas
 
 from ext_proc.affinity import AutoModel, Mode, Policy
 from ext_proc.prefix import PrefixSettings, prompt_content
@@ -146,6 +147,19 @@ NO_RECENT = replace(EVENTS_PREFIX, kv_events=replace(EVENTS_PREFIX.kv_events, re
 """The ``kv-events`` source without its overlay of each replica's own recent placements."""
 
 
+def _event_routers(
+    count: int,
+    endpoints: list[Endpoint],
+    engines: dict[str, Engine],
+    model: AutoModel,
+    prefix: PrefixSettings = EVENTS_PREFIX,
+) -> list[EventReplica]:
+    """``count`` replicas on the ``kv-events`` source (``prefix``), each fed every engine's events."""
+    feed = KvEventFeed(engines)
+    policy = _policy(Mode.AUTO, model, WEIGHT)
+    return [EventReplica(endpoints, policy, feed, prefix) for _ in range(count)]
+
+
 def _event_replicas(
     count: int,
     endpoints: list[Endpoint],
@@ -153,10 +167,13 @@ def _event_replicas(
     model: AutoModel,
     prefix: PrefixSettings = EVENTS_PREFIX,
 ) -> Replicas:
-    """``count`` replicas on the ``kv-events`` source (``prefix``), each fed every engine's events."""
-    feed = KvEventFeed(engines)
-    policy = _policy(Mode.AUTO, model, WEIGHT)
-    return Replicas([EventReplica(endpoints, policy, feed, prefix) for _ in range(count)])
+    """``count`` replicas on the ``kv-events`` source (``prefix``), requests round robin."""
+    return Replicas(_event_routers(count, endpoints, engines, model, prefix))
+
+
+def _approximate_routers(count: int, endpoints: list[Endpoint], model: AutoModel) -> list[PdExtproc]:
+    """``count`` replicas on the ``approximate`` source."""
+    return [PdExtproc(endpoints, _policy(Mode.AUTO, model, WEIGHT), PREFIX) for _ in range(count)]
 
 
 SETTINGS: dict[str, Router] = {
@@ -171,12 +188,8 @@ SETTINGS: dict[str, Router] = {
         )(m)
         for m in (Mode.PREFER, Mode.AUTO)
     },
-    f"{NEW} x2": lambda e, _, a: Replicas(
-        [PdExtproc(e, _policy(Mode.AUTO, a, WEIGHT), PREFIX) for _ in (0, 1)]
-    ),
-    f"{NEW} x4": lambda e, _, a: Replicas(
-        [PdExtproc(e, _policy(Mode.AUTO, a, WEIGHT), PREFIX) for _ in range(4)]
-    ),
+    f"{NEW} x2": lambda e, _, a: Replicas(_approximate_routers(2, e, a)),
+    f"{NEW} x4": lambda e, _, a: Replicas(_approximate_routers(4, e, a)),
     **{f"{EVENTS}{'' if n == 1 else f' x{n}'}": partial(_event_replicas, n) for n in (1, 2, 4)},
     **{
         f"{EVENTS}{'' if n == 1 else f' x{n}'} norecent": partial(_event_replicas, n, prefix=NO_RECENT)
@@ -197,6 +210,31 @@ SETTINGS |= {
     )(SETTINGS[name])
     for name in (NEW, f"{NEW} x2", f"{NEW} x4", EVENTS, f"{EVENTS} x2", f"{EVENTS} x4", "oracle", "oracle x4")
 }
+SHARED = " shared"
+"""The suffix of a setting whose replicas share their state over the real seam
+(:mod:`bench.shared_replicas`)."""
+
+
+def _shared(count: int, source: str) -> Callable[[float], Router]:
+    """The router maker of ``count`` replicas on ``source`` (``NEW`` or ``EVENTS``) sharing their state
+    over the seam with a sync delay given in seconds."""
+
+    def of(delay: float) -> Router:
+        def router(endpoints: list[Endpoint], engines: dict[str, Engine], model: AutoModel) -> SharedReplicas:
+            if source == EVENTS:
+                return SharedReplicas(_event_routers(count, endpoints, engines, model), delay)
+            return SharedReplicas(_approximate_routers(count, endpoints, model), delay)
+
+        return router
+
+    return of
+
+
+SHARED_SETTINGS: dict[str, Callable[[float], Router]] = {
+    f"{source} x{n}{SHARED}": _shared(n, source) for source in (NEW, EVENTS) for n in (2, 4)
+}
+"""The ` shared` settings, each given its sync delay (seconds)."""
+SETTINGS |= {name: of(DEFAULT_SYNC_DELAY_SECONDS) for name, of in SHARED_SETTINGS.items()}
 TODAY = ("off", "prefer", "strict", "auto")
 
 
@@ -307,12 +345,16 @@ async def run_cluster(
     for engine in engines:
         await engine.start()
     scrapes = asyncio.get_running_loop().create_task(router.run()) if isinstance(router, Scraped) else None
+    if isinstance(router, SharedReplicas):
+        await router.start()
     records: list[Record] = []
 
     def serve(body: dict[str, object]) -> Awaitable[int]:
         return _serve(body, router, by_address, clock, records)
 
     await drive(serve, clock)
+    if isinstance(router, SharedReplicas):
+        await router.stop()
     if scrapes is not None:
         scrapes.cancel()
         with contextlib.suppress(asyncio.CancelledError):

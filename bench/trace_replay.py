@@ -40,22 +40,33 @@ import asyncio
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_json
 from prefix_peers import DynamoKvRouter, Endpoint
-from prefix_routing import CLUSTERS, Record, Router, Serve, run_cluster, summarize
+from prefix_routing import CLUSTERS, SHARED_SETTINGS, Record, Router, Serve, run_cluster, summarize
 from prefix_routing import METRICS as ROUTING_METRICS
 from prefix_routing import SETTINGS as ROUTING_SETTINGS
+from shared_replicas import DEFAULT_SYNC_DELAY_SECONDS, SharedReplicas
 
+from ext_proc.affinity import AutoModel
 from sim.cluster import clusters
 from sim.config import DEFAULT_MODEL
 from sim.engine import Engine, EngineError
 from sim.profiles import MEASURED_PROFILE, engines_of, profile_names
 from sim.report import format_table
-from sim.traces import FORMATS, TraceError, TraceRequest, output_budget, prompt_text, read_window, reuse_bound
+from sim.traces import (
+    FORMATS,
+    TraceError,
+    TraceRequest,
+    output_budget,
+    prompt_text,
+    read_window,
+    reuse_bound,
+    spread,
+)
 from sim.virtual import VirtualClock, new_loop
 
 DEFAULT_COUNT = 1200
@@ -80,8 +91,8 @@ SETTINGS: dict[str, Router] = {
 @dataclass(frozen=True)
 class Replay:
     """What one replay runs: the window's requests, their output cap, the arrival speed-up, the cluster,
-    the engines' profile, CPU tier (tokens, 0: none) and KV cache (tokens of the large engines; ``None``:
-    the profile's). Every engine caches prefixes."""
+    the engines' profile, CPU tier (tokens, 0: none), KV cache (tokens of the large engines; ``None``:
+    the profile's) and the ` shared` settings' sync delay (seconds). Every engine caches prefixes."""
 
     requests: list[TraceRequest]
     max_output: int | None
@@ -90,13 +101,25 @@ class Replay:
     profile: str
     cpu_tier_tokens: int
     kv_tokens: int | None = None
+    sync_delay_s: float = DEFAULT_SYNC_DELAY_SECONDS
 
 
 def run_setting(replay: Replay, setting: str) -> tuple[list[Record], dict]:
-    """One setting over the window in virtual time on a fresh event loop: the records and the summary."""
+    """One setting over the window in virtual time on a fresh event loop: the records and the summary.
+
+    A ` shared` setting's replicas share their state with ``replay.sync_delay_s``; its summary adds what
+    they sent each other (KB per request) and dropped (messages)."""
     large, small, kv = engines_of(replay.profile, replay.cpu_tier_tokens, replay.kv_tokens)
     specs = clusters(large, small)[replay.cluster]
     errors = 0
+    made: list[object] = []
+
+    def router_of(endpoints: list[Endpoint], engines: dict[str, Engine], model: AutoModel) -> object:
+        of = SETTINGS[setting]
+        if setting in SHARED_SETTINGS:
+            of = SHARED_SETTINGS[setting](replay.sync_delay_s)
+        made.append(of(endpoints, engines, model))
+        return made[-1]
 
     async def send(serve: Serve, clock: VirtualClock, index: int, request: TraceRequest) -> None:
         nonlocal errors
@@ -116,7 +139,7 @@ def run_setting(replay: Replay, setting: str) -> tuple[list[Record], dict]:
 
     loop = new_loop()
     try:
-        records, capacities = loop.run_until_complete(run_cluster(specs, SETTINGS[setting], large, kv, drive))
+        records, capacities = loop.run_until_complete(run_cluster(specs, router_of, large, kv, drive))
     finally:
         loop.close()
     row = summarize(records, capacities, kv.kv_bytes_per_token) if records else {"requests": 0}
@@ -128,6 +151,12 @@ def run_setting(replay: Replay, setting: str) -> tuple[list[Record], dict]:
         output_tps=sum(r.generated for r in records) / duration,
         errors=errors,
     )
+    if isinstance(made[0], SharedReplicas):
+        sharing = made[0].totals()
+        row.update(
+            sync_kb_per_request=sharing.sent_bytes / 1e3 / max(1, len(records)),
+            sync_dropped=sum(sharing.dropped.values()),
+        )
     return records, row
 
 
@@ -141,6 +170,8 @@ METRICS = (
     ("throughput_rps", "req/s", "{:.2f}"),
     ("output_tps", "out tok/s", "{:.0f}"),
     ("errors", "errors", "{}"),
+    ("sync_kb_per_request", "sync KB/req", "{:.1f}"),
+    ("sync_dropped", "sync drops", "{}"),
 )
 
 
@@ -190,6 +221,11 @@ def _parser() -> argparse.ArgumentParser:
         "--speed", type=float, default=1.0, help="arrivals this many times faster (default 1)"
     )
     parser.add_argument("--max-output", type=int, help="cap every request's output tokens")
+    parser.add_argument(
+        "--spread",
+        action="store_true",
+        help="spread the requests that share a timestamp evenly up to the next one (sim.traces.spread)",
+    )
     parser.add_argument("--cluster", default="demo", help="demo or three-group (default %(default)s)")
     parser.add_argument("--profile", default=MEASURED_PROFILE, help="engine profile (default %(default)s)")
     parser.add_argument(
@@ -199,6 +235,13 @@ def _parser() -> argparse.ArgumentParser:
         "--kv-tokens", type=int, help="KV cache of the large engines, tokens (default: the profile's)"
     )
     parser.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated subset")
+    parser.add_argument(
+        "--sync-delay-ms",
+        type=_delays,
+        default=[DEFAULT_SYNC_DELAY_SECONDS * 1e3],
+        help="the ` shared` settings' sync delay, ms (default 2); several, comma-separated: each shared "
+        "setting once per delay, its rows named 'SETTING Dms'",
+    )
     parser.add_argument(
         "--stack",
         action="store_true",
@@ -314,14 +357,14 @@ def _replay_window(
     bound = {"hit_rate": reuse_bound(requests)}
     rows: dict[str, dict] = {}
     ttfts: dict[str, list[float]] = {}
-    for setting in settings:
+    for name, setting, delay in runs_of(settings, args.sync_delay_ms):
         started = time.perf_counter()
-        records, rows[setting] = run_setting(replay, setting)
-        ttfts[setting] = [(r.first_token - r.arrival) * 1e3 for r in records]
-        print(f"  {start} {setting}: {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+        records, rows[name] = run_setting(replace(replay, sync_delay_s=delay), setting)
+        ttfts[name] = [(r.first_token - r.arrival) * 1e3 for r in records]
+        print(f"  {start} {name}: {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
     title = (
         f"{args.trace} requests {start}-{start + len(requests) - 1}, cluster {args.cluster}, "
-        f"profile {args.profile}, CPU tier {args.cpu_tier} tokens"
+        f"profile {args.profile}, CPU tier {args.cpu_tier} tokens{', arrivals spread' if args.spread else ''}"
     )
     print(f"\n{title}\nreuse bound (infinite cache): {bound['hit_rate']:.1%} of prompt tokens")
     print(format_table(rows, METRICS))
@@ -393,6 +436,30 @@ def _stack_window(
     return {"window": window, "settings": rows, "bound": {"hit_rate": reuse_bound(requests)}}
 
 
+def _delays(text: str) -> list[float]:
+    try:
+        delays = [float(n) for n in text.split(",") if n.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError("--sync-delay-ms must be milliseconds separated by commas") from None
+    if not delays or any(not 0 <= d < 60_000 for d in delays):
+        raise argparse.ArgumentTypeError("--sync-delay-ms must name delays in [0, 60000) ms")
+    return delays
+
+
+def runs_of(settings: list[str], delays_ms: list[float]) -> list[tuple[str, str, float]]:
+    """``(row name, setting, sync delay in seconds)`` per run: a ` shared` setting once per delay (named
+    ``SETTING Dms`` when there are several), every other setting once."""
+    out = []
+    for setting in settings:
+        if setting not in SHARED_SETTINGS:
+            out.append((setting, setting, DEFAULT_SYNC_DELAY_SECONDS))
+        elif len(delays_ms) == 1:
+            out.append((setting, setting, delays_ms[0] / 1e3))
+        else:
+            out += [(f"{setting} {d:g}ms", setting, d / 1e3) for d in delays_ms]
+    return out
+
+
 def _starts(text: str) -> list[int]:
     try:
         starts = [int(n) for n in text.split(",") if n.strip()]
@@ -410,6 +477,8 @@ def main(argv: list[str] | None = None) -> int:
     replay_window = _stack_window if args.stack else _replay_window
     try:  # every window read before any runs: one past the end stops the replay at once
         windows = [read_window(Path(args.trace), args.format, start, args.count) for start in args.start]
+        if args.spread:
+            windows = [spread(requests) for requests in windows]
     except TraceError as exc:
         print(f"trace_replay: {exc}", file=sys.stderr)
         return 2
@@ -437,6 +506,8 @@ def main(argv: list[str] | None = None) -> int:
             "profile": args.profile,
             "cpu_tier_tokens": args.cpu_tier,
             "kv_tokens": args.kv_tokens,
+            "sync_delay_ms": args.sync_delay_ms,
+            "spread": args.spread,
             "settings": rows,
             "bound": bound,
             "verdicts": judged,

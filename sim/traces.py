@@ -24,9 +24,9 @@ import csv
 import json
 import random
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
-from itertools import islice
+from itertools import groupby, islice, pairwise
 from pathlib import Path
 
 from ext_proc.prefix.blocks import CHARS_PER_TOKEN
@@ -166,6 +166,25 @@ def read_window(path: Path, fmt: str | None, start: int, count: int | None) -> l
         )
     first = window[0].arrival_s
     return [TraceRequest(r.arrival_s - first, r.prompt_tokens, r.output_tokens, r.blocks) for r in window]
+
+
+def spread(requests: list[TraceRequest]) -> list[TraceRequest]:
+    """``requests`` (in arrival order) with the ones that share an arrival spread evenly over the time to
+    the next distinct arrival: the ``j``-th of ``k`` sharing ``t`` arrives at ``t + j * gap / k``. The last
+    group takes the median gap between distinct arrivals (none: it stays at once). The Mooncake
+    conversation trace stamps its requests every ~3 s, ~10 a stamp: replayed as stamped they arrive at
+    the same instant, which one router places one after another knowing each, and several replicas
+    place in parallel, each blind to the others' (herding at its worst)."""
+    stamps = sorted({r.arrival_s for r in requests})
+    gaps = [b - a for a, b in pairwise(stamps)]
+    after = dict(zip(stamps, gaps, strict=False))
+    last = sorted(gaps)[len(gaps) // 2] if gaps else 0.0
+    out: list[TraceRequest] = []
+    for stamp, same in groupby(requests, key=lambda r: r.arrival_s):
+        group = list(same)
+        gap = after.get(stamp, last)
+        out += [replace(r, arrival_s=stamp + j * gap / len(group)) for j, r in enumerate(group)]
+    return out
 
 
 def block_text(key: object) -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
@@ -165,11 +166,15 @@ class SharedRunner:
 
 class MemoryHub:
     """Buses within one process: what one publishes reaches the others' subscriptions ``delay_seconds``
-    later (0: on the next turn of the event loop), never its own (as NATS with ``no_echo``)."""
+    later (0: on the next turn of the event loop), never its own (as NATS with ``no_echo``), and in the
+    order it was published (as NATS keeps one connection's messages in order), even when several are
+    due at the same instant (the event loop's timers alone do not keep that order)."""
 
     def __init__(self, delay_seconds: float = 0.0) -> None:
         self.delay_seconds = delay_seconds
         self._buses: list[MemoryBus] = []
+        self._due: deque[tuple[float, Handler, bytes, str]] = deque()
+        self._timer: asyncio.TimerHandle | None = None
 
     def bus(self) -> MemoryBus:
         """A new bus on this hub."""
@@ -183,9 +188,25 @@ class MemoryHub:
             handler = bus.subscriptions.get(subject)
             if bus is not sender and handler is not None and bus.connected:
                 if self.delay_seconds:
-                    loop.call_later(self.delay_seconds, handler, payload, reply)
+                    self._due.append((loop.time() + self.delay_seconds, handler, payload, reply))
                 else:
                     loop.call_soon(handler, payload, reply)
+        if self._due and self._timer is None:
+            self._arm(loop)
+
+    def _arm(self, loop: asyncio.AbstractEventLoop) -> None:
+        due = self._due[0][0]
+        self._timer = loop.call_at(due, self._drain, due)
+
+    def _drain(self, until: float) -> None:
+        """Hand over every message due by ``until`` (this timer's time), in publishing order; then wait for
+        the next one's time."""
+        self._timer = None
+        while self._due and self._due[0][0] <= until:
+            _, handler, payload, reply = self._due.popleft()
+            handler(payload, reply)
+        if self._due:
+            self._arm(asyncio.get_running_loop())
 
 
 class MemoryBus:

@@ -3,6 +3,7 @@ every setting runs, the JSON and the plot are written, and bad input gives one l
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from types import ModuleType
@@ -29,13 +30,68 @@ def test_a_tiny_window_of_every_setting_writes_json_and_png(bench: ModuleType, t
     assert data["profile"] == "h200-llama-3-8b" and data["cpu_tier_tokens"] == 100000
     assert set(data["settings"]) == set(bench.SETTINGS) and "dynamo" in data["settings"]
     assert 0.0 <= data["bound"]["hit_rate"] <= 1.0
+    shared = {name for name in bench.SETTINGS if name.endswith(" shared")}
+    assert {"pair:auto+prefix x4 shared", "pair:auto+events x4 shared"} <= shared
     for name, row in data["settings"].items():
         assert row["requests"] == 12 and row["errors"] == 0
         assert (row["tokenize_us_p50"] > 0) == ("events" in name)  # the tokenizer's stand-in, timed apart
+        if name in shared:  # the replicas told each other every booking, and nothing was dropped
+            assert row["sync_kb_per_request"] > 0 and row["sync_dropped"] == 0
+        else:
+            assert "sync_kb_per_request" not in row
         assert row["hit_rate"] == pytest.approx(row["hbm_hit_rate"] + row["cpu_hit_rate"])
         assert row["ttft_p50_ms"] <= row["ttft_p90_ms"] <= row["ttft_p99_ms"]
         assert 0.0 <= row["cross_group_share"] <= 1.0 and row["throughput_rps"] > 0
     assert png.stat().st_size > 0
+
+
+def test_shared_settings_run_once_per_sync_delay_on_spread_arrivals(
+    bench: ModuleType, tmp_path: Path
+) -> None:
+    out = tmp_path / "r.json"
+    argv = [str(HEAD), "--count", "30", "--max-output", "8", "--spread", "--sync-delay-ms", "0,200"]
+    settings = "pair:auto+prefix,pair:auto+prefix x2 shared"
+    assert bench.main([*argv, "--settings", settings, "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["spread"] and data["sync_delay_ms"] == [0, 200]
+    names = ["pair:auto+prefix", "pair:auto+prefix x2 shared 0ms", "pair:auto+prefix x2 shared 200ms"]
+    assert list(data["settings"]) == names
+    assert all(data["settings"][n]["sync_dropped"] == 0 for n in names[1:])
+
+
+def test_shared_replicas_see_each_others_bookings_after_the_sync_delay(bench: ModuleType) -> None:
+    """Two replicas on the real seam: a booking of one is on the other's endpoint the sync delay (and the
+    1 ms batch) later, in virtual time, and leaves it when released."""
+    from prefix_peers import Endpoint
+
+    from ext_proc.affinity import AutoModel
+    from sim.virtual import new_loop
+
+    endpoints = [Endpoint("p:1", "prefill", "g", 1e6), Endpoint("d:1", "decode", "g", 1e6)]
+    replicas = bench.SHARED_SETTINGS["pair:auto+prefix x2 shared"](0.05)(endpoints, {}, AutoModel())
+    assert isinstance(replicas, bench.SharedReplicas)
+    a, b = (r.router.registry for r in replicas.routers)
+    loop = new_loop()
+    seen: list[int] = []
+
+    async def run() -> None:
+        await replicas.start()
+        placed = replicas.routers[0].place({"model": "m", "prompt": "x" * 4000, "max_tokens": 4})
+        for _ in range(4):
+            seen.append(b.find("prefill", "p:1").peer_requests)  # type: ignore[union-attr]
+            await asyncio.sleep(0.02)
+        placed.release()
+        await asyncio.sleep(0.1)
+        seen.append(b.find("decode", "d:1").peer_requests)  # type: ignore[union-attr]
+        await replicas.stop()
+
+    try:
+        loop.run_until_complete(run())
+    finally:
+        loop.close()
+    assert seen == [0, 0, 0, 1, 0]  # at 0, 20, 40 ms nothing yet; at 60 ms (> 51) the booking
+    assert a.find("prefill", "p:1").own_requests == 0  # type: ignore[union-attr]
+    assert replicas.totals().dropped == {}
 
 
 def test_the_cpu_tier_keeps_reuse_that_hbm_evicted(bench: ModuleType) -> None:

@@ -8,6 +8,7 @@ import asyncio
 import json
 
 import numpy as np
+import pytest
 from builders import CHAT_META, endpoint, make_router
 
 from ext_proc.endpoints import ClusterEndpoints
@@ -21,6 +22,7 @@ from ext_proc.shared.config import SharedStateConfig
 from ext_proc.shared.kinds import BusState
 from ext_proc.shared.replica import ReplicaState
 from ext_proc.shared.runner import MemoryHub
+from sim.virtual import new_loop
 
 P1, P2 = "10.0.0.1:8000", "10.0.0.2:8000"
 D1, D2 = "10.0.1.1:8000", "10.0.1.2:8000"
@@ -259,3 +261,29 @@ async def test_a_placement_on_an_endpoint_not_known_here_is_counted_and_only_the
     sample = a.metrics.registry.get_sample_value
     assert sample("pd_extproc_shared_messages_dropped_total", {"reason": "unknown_endpoint"}) == 1
     assert set(a.prefix.index.match(chain)) == {P1}  # type: ignore[union-attr]
+
+
+def test_a_delayed_hub_hands_over_in_publishing_order_when_messages_fall_due_together() -> None:
+    """On virtual time every message sent at one instant is due at the same instant; the event loop's
+    timers alone would hand them over in any order, and a batch overtaken by a newer one is dropped as
+    stale. The hub keeps the order, as one NATS connection does."""
+    hub = MemoryHub(0.002)
+    sender, receiver = hub.bus(), hub.bus()
+    got: list[tuple[bytes, float]] = []
+    loop = new_loop()
+
+    async def run() -> None:
+        await receiver.start({"s": lambda payload, _: got.append((payload, loop.time()))}, lambda: None)
+        await sender.start({}, lambda: None)
+        for i in range(50):
+            sender.publish("s", b"%d" % i)
+        await asyncio.sleep(0.001)
+        sender.publish("s", b"late")
+        await asyncio.sleep(0.01)
+
+    try:
+        loop.run_until_complete(run())
+    finally:
+        loop.close()
+    assert [p for p, _ in got] == [b"%d" % i for i in range(50)] + [b"late"]
+    assert {t for _, t in got[:50]} == {0.002} and got[50][1] == pytest.approx(0.003)

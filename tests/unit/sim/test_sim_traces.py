@@ -3,6 +3,7 @@ malformed line, an unknown format or a window past the end."""
 
 from __future__ import annotations
 
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from sim.traces import (
     prompt_text,
     read_window,
     reuse_bound,
+    spread,
 )
 from sim.workload import trace_plans
 
@@ -155,3 +157,23 @@ def test_a_window_as_a_workload_is_sped_up_capped_and_sends_the_synthesised_prom
         output_budget(TraceRequest(0.0, 10, 50), 100) == output_budget(TraceRequest(0.0, 10, 50), None) == 50
     )
     assert output_budget(TraceRequest(0.0, 10, 0), None) == 1  # one decode step at least
+
+
+def test_requests_sharing_a_stamp_are_spread_evenly_up_to_the_next_stamp() -> None:
+    stamped = [
+        TraceRequest(t, 100 + i, 1) for i, t in enumerate([0.0, 0.0, 0.0, 3.0, 3.0, 6.0, 6.0, 6.0, 6.0])
+    ]
+    out = spread(stamped)
+    assert [r.prompt_tokens for r in out] == [r.prompt_tokens for r in stamped]  # the trace's order kept
+    assert [r.arrival_s for r in out] == pytest.approx([0, 1, 2, 3, 4.5, 6, 6.75, 7.5, 8.25])
+    assert spread([TraceRequest(5.0, 1, 1)] * 2) == [TraceRequest(5.0, 1, 1)] * 2  # no gap known: at once
+
+
+def test_the_conversation_trace_head_is_stamped_every_three_seconds_and_spreads_to_distinct_arrivals() -> (
+    None
+):
+    head = read_window(SAMPLE, None, 0, 200)
+    stamps = sorted({r.arrival_s for r in head})
+    assert len(stamps) < len(head) / 5 and all(2.9 < b - a < 3.1 for a, b in pairwise(stamps))
+    arrivals = [r.arrival_s for r in spread(head)]
+    assert arrivals == sorted(arrivals) and len(set(arrivals)) == len(head)
