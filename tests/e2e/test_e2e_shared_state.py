@@ -36,7 +36,7 @@ from builders import endpoint
 from e2e_harness import wait_idle
 from nats_server import NatsServer, nats_server
 from polling import DEADLINE, until
-from shared_replicas import Replica, book, release, rows, samples, shared_view, total
+from replica_processes import Replica, book, release, rows, samples, shared_view, total
 
 from ext_proc.discovery.eds import write_eds_file
 from ext_proc.shared import wire
