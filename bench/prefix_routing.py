@@ -25,7 +25,9 @@ caches (``x4``: four such replicas, each with its own load accounting). Suffixes
 simulated engine's ``/metrics`` page read and blended in process at virtual time
 (:mod:`bench.engine_load_feed`); `` norecent`` (on ``pair:auto+events`` and its ``x4``): the
 ``kv-events`` source without its overlay of each replica's own recent placements
-(``affinity.prefix.kv_events.recent_seconds`` 0).
+(``affinity.prefix.kv_events.recent_seconds`` 0); `` shared`` (on ``pair:auto+prefix`` and
+``pair:auto+events`` ``x2`` and ``x4``): the replicas share their bookings and placements over the real
+``shared_state`` seam, 2 ms apart (:mod:`bench.shared_replicas`; the trace replay sets the delay).
 
 Reported per run: engine-truth prefix hit rate (prompt tokens the prefill found cached), decode-side
 hit rate (tokens the decode did not pull), TTFT p50/p90/p99 (arrival to first decoded token),

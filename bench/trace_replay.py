@@ -3,14 +3,17 @@
 Reads a window of a trace (:mod:`sim.traces`: Mooncake JSON lines or the Azure CSV), synthesises each
 prompt from its block hash ids (identical ids, identical text; exactly its prompt tokens by the
 gateway's estimate), and replays it in virtual time (:mod:`sim.virtual`), once per setting: every
-request arrives at its trace time (divided by ``--speed``), is placed by the setting's router (the
+request arrives at its trace time (divided by ``--speed``; ``--spread``: the requests sharing a stamp
+spread evenly up to the next one, :func:`sim.traces.spread`), is placed by the setting's router (the
 shipped ``Router`` for pd-extproc's settings; :mod:`bench.prefix_peers` for the peers' rules, NVIDIA
 Dynamo's KV router cost and the oracle), prefilled, its KV pulled by its decode and decoded, on engines
 of a named profile (:mod:`sim.profiles`, measured on a GPU by default), each with an optional CPU KV
 tier. Settings are :mod:`bench.prefix_routing`'s (its replica settings ``x2``, ``x4``, its suffix
 ``scraped``: every replica with the engine load signal, ``engine_metrics`` at its defaults, the
-simulated engines' ``/metrics`` pages read in process at virtual time, and ``norecent``: the
-``kv-events`` source without each replica's overlay of its own recent placements),
+simulated engines' ``/metrics`` pages read in process at virtual time, ``norecent``: the
+``kv-events`` source without each replica's overlay of its own recent placements, and ``shared``: the
+replicas sharing their bookings and placements over the real ``shared_state`` seam with a sync delay of
+``--sync-delay-ms``, :mod:`bench.shared_replicas`),
 ``pair:auto+prefix tier`` (the same, its endpoints declaring their KV capacity plus their CPU tier's:
 the prefix index then remembers what the tier holds, and the load is weighed by that capacity too) and
 ``dynamo``; clusters its ``demo`` and ``three-group``, built from the profile (small decodes: half the
@@ -20,7 +23,8 @@ Per setting: TTFT p50/p90/p99, decode TTFT p99, TPOT p99 (ms), prefix hit rate b
 prompt tokens the prefill found in its KV cache, in its CPU tier), prompt tokens computed (millions),
 cross-group share and GB, decode load CV, router µs per request (p50 and mean; the ``kv-events``
 settings' tokenizer stand-in apart, its p50 ``tok µs``: :class:`bench.prefix_routing.Record`),
-throughput (requests and output tokens per model second) and errors; plus the window's reuse bound
+throughput (requests and output tokens per model second) and errors (a ``shared`` setting: also the KB
+its replicas sent each other per request, and the messages dropped); plus the window's reuse bound
 (the share of prompt tokens an infinite cache would hold), and the issue's targets for pd-extproc's
 best setting (:func:`verdicts`). With several ``--start`` windows, each window's table, then the
 medians over them.
@@ -29,8 +33,8 @@ medians over them.
 ``--png`` the TTFT CDFs per setting (one file a window).
 
 Run: ``python bench/trace_replay.py TRACE [--format mooncake|azure] [--start N[,N...]] [--count N] [--speed X]
-[--max-output N] [--cluster NAME] [--profile NAME] [--cpu-tier TOKENS] [--kv-tokens N] [--settings a,b,...]
-[--json OUT] [--png OUT]``.
+[--max-output N] [--spread] [--cluster NAME] [--profile NAME] [--cpu-tier TOKENS] [--kv-tokens N]
+[--settings a,b,...] [--sync-delay-ms MS[,MS...]] [--json OUT] [--png OUT]``.
 """
 
 from __future__ import annotations
