@@ -24,7 +24,7 @@ prompt tokens the prefill found in its KV cache, in its CPU tier), prompt tokens
 cross-group share and GB, decode load CV, router µs per request (p50 and mean; the ``kv-events``
 settings' tokenizer stand-in apart, its p50 ``tok µs``: :class:`bench.prefix_routing.Record`),
 throughput (requests and output tokens per model second) and errors (a ``shared`` setting: also the KB
-its replicas sent each other per request, and the messages dropped); plus the window's reuse bound
+its replicas published per request, and the messages dropped); plus the window's reuse bound
 (the share of prompt tokens an infinite cache would hold), and the issue's targets for pd-extproc's
 best setting (:func:`verdicts`). With several ``--start`` windows, each window's table, then the
 medians over them.
@@ -112,7 +112,7 @@ def run_setting(replay: Replay, setting: str) -> tuple[list[Record], dict]:
     """One setting over the window in virtual time on a fresh event loop: the records and the summary.
 
     A ` shared` setting's replicas share their state with ``replay.sync_delay_s``; its summary adds what
-    they sent each other (KB per request) and dropped (messages)."""
+    they published (KB per request, each message reaching every peer) and dropped (messages)."""
     large, small, kv = engines_of(replay.profile, replay.cpu_tier_tokens, replay.kv_tokens)
     specs = clusters(large, small)[replay.cluster]
     errors = 0
