@@ -15,8 +15,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Mapping, Sequence
 
-from prefix_peers import Oracle, PdExtproc, Placed, Placing, Replicas
-
+from bench.prefix_peers import Oracle, PdExtproc, Placed, Placing, Replicas
 from ext_proc.engine_load import EngineScraper
 from ext_proc.engine_load.config import EngineMetricsConfig
 from ext_proc.metrics import Metrics

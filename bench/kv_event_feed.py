@@ -26,8 +26,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
 from itertools import count
 
-from prefix_peers import CHAT_PATH, COMPLETIONS_PATH, Endpoint, PdExtproc, Placed
-
+from bench.prefix_peers import CHAT_PATH, COMPLETIONS_PATH, Endpoint, PdExtproc, Placed
 from ext_proc.affinity import Policy
 from ext_proc.prefix import PrefixSettings, prompt_content
 from ext_proc.prefix.event_source import KvEventSource

@@ -19,7 +19,7 @@ Reported per source: wall µs per request (p50, mean) of each call and of the th
 ``ext_proc`` is first on ``PYTHONPATH``: run this file in two trees (``PYTHONPATH=TREE``) for a
 change's before and after.
 
-Run: ``python bench/prefix_source_cost.py TRACE [--start N] [--count N] [--cpu-tier TOKENS]
+Run: ``python -m bench.prefix_source_cost TRACE [--start N] [--count N] [--cpu-tier TOKENS]
 [--profile NAME] [--json OUT]``.
 """
 
@@ -33,9 +33,7 @@ from array import array
 from functools import partial
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_json
-
+from bench.common import write_json
 from ext_proc.affinity import Candidate, Decision, Locality, Pool
 from ext_proc.prefix import PrefixSettings
 from ext_proc.prefix.event_source import KvEventSource

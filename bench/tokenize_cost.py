@@ -29,7 +29,7 @@ Each is timed with ``time.perf_counter`` over ``--reps`` repetitions: p50 and p9
 
 Usage (from the repository root)::
 
-    python bench/tokenize_cost.py [--quick] [--reps N] [--folder DIR] [--json FILE]
+    python -m bench.tokenize_cost [--quick] [--reps N] [--folder DIR] [--json FILE]
 """
 
 from __future__ import annotations

@@ -278,7 +278,7 @@ def _add_envoy_bootstrap(subparsers: argparse._SubParsersAction) -> None:
 
 _LAZY = {
     "sim": ("sim.cli", "run one simulated vLLM PD engine"),
-    "demo": ("sim.demo", "compare affinity modes on a simulated PD cluster"),
+    "demo": ("demo.cli", "compare affinity modes on a simulated PD cluster"),
 }
 """Subcommands of the simulator (module with ``add_parser``, help line): imported only when used,
 so ``serve`` never loads the simulator."""

@@ -16,6 +16,8 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+from tqdm import tqdm
+
 from rig.cluster import VllmCluster, start_vllm_stack
 from rig.engine import MODEL_NAME
 from sim.experiment import measure
@@ -110,3 +112,10 @@ async def run_vllm_demo(
     finally:
         stack.stop()
     return cluster.attention.describe(), results
+
+
+async def run_vllm(requests: int, modes: list[str], rate: float, bonus: float) -> tuple[str, dict[str, dict]]:
+    """:func:`run_vllm_demo` (the engines' dtype and attention kernels, the results) with a progress
+    bar."""
+    with tqdm(total=requests * len(modes), unit="req", desc="demo on vLLM", leave=False) as bar:
+        return await run_vllm_demo(requests, modes, rate, bonus, progress=lambda: bar.update(1))

@@ -4,12 +4,12 @@ every setting runs, the JSON and the plot are written, and bad input gives one l
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 from pathlib import Path
 from types import ModuleType
 
 import pytest
-from conftest import load_bench
 
 from sim.traces import SAMPLE
 
@@ -18,7 +18,7 @@ HEAD = SAMPLE  # 200 requests
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    return load_bench("trace_replay")
+    return importlib.import_module("bench.trace_replay")
 
 
 def test_a_tiny_window_of_every_setting_writes_json_and_png(bench: ModuleType, tmp_path: Path) -> None:

@@ -13,7 +13,6 @@ import grpc
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from builders import P1, endpoint, make_router
-from certs import Certificates, Pair, make_certificates
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from steering import CHAT, INJECTED
 from test_admin import D1, D2, make_registry
@@ -40,6 +39,7 @@ from ext_proc.metrics import Metrics
 from ext_proc.outcome import HandoffJob, Placement, RequestMeta, Routed
 from ext_proc.router import Router, RouterSettings
 from ext_proc.tls import TlsConfig, server_credentials, tls_mode
+from standins.certs import Certificates, Pair, make_certificates
 
 DECODE = "10.0.1.1:8000"
 
