@@ -34,9 +34,9 @@ import time
 from pathlib import Path
 
 import aiohttp
-from e2e_harness import by_outcome
 
 from bench.common import write_json
+from standins.metrics import by_outcome
 from standins.shapes import EXT_PROC_TYPE, SHAPES, RenderedShape, ShapeStack, nodes, shape_stack
 
 HANDOFFS = ("kv-transfer-params", "sglang-bootstrap")
