@@ -1,10 +1,13 @@
-"""``pd-extproc demo``: the affinity modes compared on one cluster, on real traffic through the gateway.
+"""``pd-extproc demo``: the main job on an embedded default cluster, on real traffic.
 
-The default runs simulated engines (:mod:`sim.demo`: a trace window replayed through the real Envoy
-and pd-extproc); ``--engines vllm`` runs real vLLM engines for CPU with their own workload
-(:mod:`rig.demo`). Either way it prints one row per mode of the numbers users judge a PD router by,
-which direction is better for each, and optionally writes them as JSON. This module is the command
-only: it sits above the simulator and the rig, which never import each other's demo.
+Starts the simulated PD cluster (two pdGroups of different shapes, engines of a measured profile,
+:mod:`sim.profiles`, each with a CPU KV tier), pd-extproc and the real Envoy on free loopback ports,
+replays a window of a production trace (by default the head of the Mooncake conversation trace
+shipped in ``sim/trace_samples/``, sped up, outputs capped; ``--trace FILE``: a file of your own, as
+recorded) through the gateway with the OpenAI SDK once per affinity mode, and prints the numbers users
+judge a PD router by. The engines are driven with one handoff protocol (default ``kv-transfer-params``,
+as InferNex's vllm-ascend + Mooncake deployments use). ``--engines vllm``: real vLLM engines for CPU
+instead, with their own workload.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
-"""The demo on simulated engines: ``pd-extproc demo``'s default run (:mod:`demo.cli` is the command).
+"""The demo on simulated engines, ``pd-extproc demo``'s default (:mod:`demo.cli`, the command).
 
-Starts the simulated PD cluster (two pdGroups of different shapes, engines of a measured profile,
-:mod:`sim.profiles`, each with a CPU KV tier), pd-extproc and the real Envoy on free loopback ports,
-replays a window of a production trace (by default the head of the Mooncake conversation trace
-shipped in ``sim/trace_samples/``, sped up, outputs capped; ``--trace FILE``: a file of your own, as
-recorded) through the gateway with the OpenAI SDK once per affinity mode, and returns the numbers users
-judge a PD router by. The engines are driven with one handoff protocol (default ``kv-transfer-params``,
-as InferNex's vllm-ascend + Mooncake deployments use).
+The simulated PD cluster (two pdGroups of different shapes, engines of a measured profile,
+:mod:`sim.profiles`, each with a CPU KV tier), pd-extproc and the real Envoy on free loopback ports; a
+window of a production trace replayed through them once per affinity mode.
 """
 
 from __future__ import annotations

@@ -62,8 +62,7 @@ def test_shared_settings_run_once_per_sync_delay_on_spread_arrivals(
 def test_shared_replicas_see_each_others_bookings_after_the_sync_delay(bench: ModuleType) -> None:
     """Two replicas on the real seam: a booking of one is on the other's endpoint the sync delay (and the
     1 ms batch) later, in virtual time, and leaves it when released."""
-    from prefix_peers import Endpoint
-
+    from bench.prefix_peers import Endpoint
     from ext_proc.affinity import AutoModel
     from sim.virtual import new_loop
 
