@@ -1,9 +1,10 @@
 """Turn an engine's Prometheus ``/metrics`` page into an :class:`EngineSample`.
 
 A real engine's page is 50-200 KB (histograms with many buckets, per-LoRA series, process
-metrics) of which we need three gauges (and two counters for the prefix index). Parsing it all
-with ``prometheus_client``'s text parser costs milliseconds of the event loop per page (docs/routing.md
-"Engine load signal" has the measurement), so one compiled regular expression first picks the
+metrics) of which we need three gauges (and two counters for the prefix index, and the sum and
+count of the time-to-first-token histogram, shown). Parsing it all with ``prometheus_client``'s text
+parser costs milliseconds of the event loop per page (docs/routing.md "Engine load signal" has the
+measurement), so one compiled regular expression first picks the
 sample lines of the wanted names out of the bytes (C speed, no Python loop per line), and only
 those few lines go through the real parser, which checks their syntax and values.
 """
@@ -70,10 +71,13 @@ def parse_page(page: bytes, kind: EngineKind) -> EngineSample:
         wanted = " and ".join(" or ".join(n for t in names[f] for n in t) for f in ("waiting", "kv_usage"))
         raise ScrapeError("missing", f"the page lacks {wanted}")
     queries, hits = present("prefix_queries"), present("prefix_hits")
+    ttft_sum, ttft_count = present("ttft_sum"), present("ttft_count")
     return EngineSample(
         running=sum(map(sum, running)) if running else None,
         waiting=sum(map(sum, waiting)),
         kv_usage=min(1.0, sum(usage[0]) / len(usage[0])),
         prefix_queries=sum(map(sum, queries)) if queries else None,
         prefix_hits=sum(map(sum, hits)) if hits else None,
+        ttft_sum=sum(map(sum, ttft_sum)) if ttft_sum and ttft_count else None,
+        ttft_count=sum(map(sum, ttft_count)) if ttft_sum and ttft_count else None,
     )
