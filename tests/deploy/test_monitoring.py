@@ -1,7 +1,7 @@
 """The Grafana dashboard and the Prometheus rules of ``charts/pd-extproc/monitoring/``: every query names
 only metrics pd-extproc exports (the names each query reads, tokenized, against the sample names of a
-:class:`~ext_proc.metrics.Metrics` with every collector registered), ``promtool check rules`` and
-``promtool test rules`` (the alerts evaluated on synthetic series: ``tests/deploy/monitoring/``).
+:class:`~ext_proc.metrics.Metrics` with every collector registered: ``promql_names``), ``promtool check
+rules`` and ``promtool test rules`` (the alerts evaluated on synthetic series: ``tests/deploy/monitoring/``).
 """
 
 from __future__ import annotations
@@ -13,11 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from promql_names import exposed_names, metric_names, unknown_names
-
-from ext_proc.metrics import Metrics
-from ext_proc.pool_signals import PoolSignal
-from ext_proc.registry import Registry, Role
+from promql_names import metric_names, pd_extproc_names, unknown_names
 
 REPO = Path(__file__).resolve().parents[2]
 MONITORING = REPO / "charts" / "pd-extproc" / "monitoring"
@@ -28,17 +24,7 @@ RULE_TESTS = Path(__file__).parent / "monitoring" / "pd-extproc-rules.test.yaml"
 
 @pytest.fixture(scope="module")
 def exported() -> set[str]:
-    """Every sample name pd-extproc's /metrics can carry: each collector registered, as ``serve`` does
-    with engine metrics, KV events and shared state on."""
-    registry = Registry("prefill", "decode", 1.0)
-    metrics = Metrics(registry.endpoints)
-    metrics.count_inflight(lambda: 0)
-    metrics.watch_engine_scrapes(dict, lambda: 0)
-    metrics.watch_kv_events(dict, lambda: 0)
-    metrics.watch_peers(lambda: 0)
-    metrics.watch_pools(lambda: [PoolSignal(Role.DECODE, "g", 1, 1.0, 0, 0, 1.0, 0.0)])
-    metrics.watch_engine_ttft(list)
-    return exposed_names(metrics.registry)
+    return pd_extproc_names()
 
 
 def dashboard_panels() -> list[dict]:

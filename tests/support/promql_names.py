@@ -1,4 +1,4 @@
-"""The metric names a PromQL expression reads, and the sample names a metrics registry exposes.
+"""The metric names a PromQL expression reads, and the sample names pd-extproc's metrics expose.
 
 A small tokenizer, not a PromQL parser: it drops string literals, label matchers (``{...}``), range and
 subquery brackets (``[...]``), the label lists of ``by``/``without``/``on``/``ignoring``/``group_left``/
@@ -13,6 +13,10 @@ import re
 from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry
+
+from ext_proc.metrics import Metrics
+from ext_proc.pool_signals import PoolSignal
+from ext_proc.registry import Registry, Role
 
 KEYWORDS = frozenset(
     {"and", "or", "unless", "bool", "by", "without", "on", "ignoring", "group_left", "group_right", "offset"}
@@ -60,6 +64,19 @@ def exposed_names(registry: CollectorRegistry) -> set[str]:
     """Every sample name ``registry`` exposes, from its families' names and types (a labelled family
     with no child yet counts too)."""
     return {family.name + suffix for family in registry.collect() for suffix in SUFFIXES[family.type]}
+
+
+def pd_extproc_names() -> set[str]:
+    """Every sample name pd-extproc's ``/metrics`` can carry: a :class:`Metrics` with each collector
+    registered, as ``serve`` registers them with engine metrics, KV events and shared state on."""
+    metrics = Metrics(Registry("prefill", "decode", 1.0).endpoints)
+    metrics.count_inflight(lambda: 0)
+    metrics.watch_engine_scrapes(dict, lambda: 0)
+    metrics.watch_kv_events(dict, lambda: 0)
+    metrics.watch_peers(lambda: 0)
+    metrics.watch_pools(lambda: [PoolSignal(Role.DECODE, "g", 1, 1.0, 0, 0, 1.0, 0.0)])
+    metrics.watch_engine_ttft(list)
+    return exposed_names(metrics.registry)
 
 
 def unknown_names(exprs: Iterable[str], known: set[str]) -> dict[str, set[str]]:
