@@ -132,3 +132,16 @@ def test_promtool_unit_tests_of_the_alerts_pass(promtool: Path) -> None:
         rule["alert"] for group in yaml.safe_load(RULES.read_text())["groups"] for rule in group["rules"]
     }
     assert tested == alerts
+
+
+def test_every_dashboard_query_is_promql_that_promtool_parses(promtool: Path, tmp_path: Path) -> None:
+    """Each query, Grafana's ``$__rate_interval`` made 5m, as a recording rule of a file promtool checks."""
+    queries = [q.replace("$__rate_interval", "5m") for q in dashboard_queries()]
+    rules = [{"record": f"pd_extproc:dashboard_query_{i}", "expr": q} for i, q in enumerate(queries)]
+    path = tmp_path / "dashboard-queries.yaml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
+    result = subprocess.run(
+        [str(promtool), "check", "rules", str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"SUCCESS: {len(queries)} rules found" in result.stdout

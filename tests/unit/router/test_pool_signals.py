@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import aiohttp
+import pytest
 from builders import endpoint, registry_of
+from grpc_harness import start_with
 
 from ext_proc.endpoints import ClusterEndpoints
 from ext_proc.load import Lease
@@ -86,3 +91,23 @@ def test_exposition_of_the_pools() -> None:
     assert sample("pd_extproc_pool_queued_requests", decode_a) is None  # no engine metrics: not exposed
     waiting = {D_A1: 2.0}
     assert sample("pd_extproc_pool_queued_requests", decode_a) == 2
+
+
+@pytest.mark.parametrize("engine_metrics", [False, True])
+async def test_a_running_server_exposes_its_pools(tmp_path: Path, engine_metrics: bool) -> None:
+    """``serve`` wires the pools to /metrics; the engines' queue only with engine metrics (nothing answers
+    at these addresses: no fresh sample, nothing known waiting)."""
+    settings = {"engine_metrics.enabled": engine_metrics, "engine_metrics.timeout_seconds": 0.1}
+    server = await start_with(tmp_path, ["10.0.0.2:8000", "10.0.0.3:8000"], settings=settings)
+    try:
+        url = f"http://127.0.0.1:{server.admin_port}/metrics"
+        async with aiohttp.ClientSession() as session, session.get(url) as response:
+            text = await response.text()
+    finally:
+        await server.stop(grace=0)
+    assert 'pd_extproc_healthy_endpoints{role="decode"} 2.0' in text
+    assert 'pd_extproc_pool_capacity_tokens{group="a",role="decode"} 2000.0' in text
+    assert 'pd_extproc_pool_booked_tokens{group="a",role="prefill"} 0.0' in text
+    queued = 'pd_extproc_pool_queued_requests{group="a",role="decode"} 0.0'
+    assert (queued in text) is engine_metrics
+    assert ("# TYPE pd_extproc_engine_ttft_seconds summary" in text) is engine_metrics
