@@ -11,9 +11,9 @@ registry and the engines' last samples, computed at scrape time, never on the re
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from ext_proc.registry import Registry, Role
+from ext_proc.registry import EndpointState, Registry, Role
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,12 +31,12 @@ class PoolSignal:
 
     role: Role
     group: str
-    healthy: int
-    capacity_tokens: float
-    booked_tokens: int
-    booked_requests: int
-    headroom_tokens: float
-    queued_requests: float | None
+    healthy: int = 0
+    capacity_tokens: float = 0.0
+    booked_tokens: int = 0
+    booked_requests: int = 0
+    headroom_tokens: float = 0.0
+    queued_requests: float | None = None
 
 
 def pool_signals(registry: Registry, waiting: Mapping[str, float] | None) -> list[PoolSignal]:
@@ -45,28 +45,28 @@ def pool_signals(registry: Registry, waiting: Mapping[str, float] | None) -> lis
     ``waiting``: the requests each engine reported waiting, by address, for the engines with a fresh
     sample (``None``: no engine metrics). An engine that serves both roles counts in both pools."""
     pickable = {id(s) for s in (*registry.prefills, *registry.decodes)}
-    pools: dict[tuple[Role, str], list[float]] = {}
+    pools: dict[tuple[Role, str], PoolSignal] = {}
     for state in registry.endpoints():
-        # healthy, capacity, booked tokens, booked requests, load read on healthy ones, queued
-        pool = pools.setdefault((state.role, state.group), [0, 0.0, 0, 0, 0, 0.0])
-        if id(state) in pickable:
-            pool[0] += 1
-            pool[1] += state.token_capacity
-            pool[4] += state.blended_tokens
-        pool[2] += state.own_tokens
-        pool[3] += state.own_requests
-        if waiting is not None:
-            pool[5] += waiting.get(state.address, 0.0)
-    return [
-        PoolSignal(
-            role=role,
-            group=group,
-            healthy=int(healthy),
-            capacity_tokens=capacity,
-            booked_tokens=int(tokens),
-            booked_requests=int(requests),
-            headroom_tokens=capacity - load,
-            queued_requests=queued if waiting is not None else None,
-        )
-        for (role, group), (healthy, capacity, tokens, requests, load, queued) in pools.items()
-    ]
+        key = (state.role, state.group)
+        pool = pools.get(key) or PoolSignal(*key, queued_requests=None if waiting is None else 0.0)
+        pools[key] = _counted(pool, state, id(state) in pickable, waiting)
+    return list(pools.values())
+
+
+def _counted(
+    pool: PoolSignal, state: EndpointState, pickable: bool, waiting: Mapping[str, float] | None
+) -> PoolSignal:
+    """``pool`` with ``state`` counted in: bookings and queue always, capacity and load if pickable."""
+    capacity, load = (state.token_capacity, state.blended_tokens) if pickable else (0.0, 0)
+    queued = pool.queued_requests
+    return replace(
+        pool,
+        healthy=pool.healthy + pickable,
+        capacity_tokens=pool.capacity_tokens + capacity,
+        booked_tokens=pool.booked_tokens + state.own_tokens,
+        booked_requests=pool.booked_requests + state.own_requests,
+        headroom_tokens=pool.headroom_tokens + capacity - load,
+        queued_requests=None
+        if queued is None or waiting is None
+        else queued + waiting.get(state.address, 0.0),
+    )
