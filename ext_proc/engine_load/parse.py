@@ -36,9 +36,18 @@ def _lines(kind: EngineKind) -> re.Pattern[bytes]:
     """Sample lines (not ``#`` comments) of ``kind``'s names, each after a newline: the name, then
     labels or a blank, then the rest of the line (the parser checks it). A literal ``\\n`` rather than
     ``^`` with ``re.MULTILINE`` lets the regex engine skip ahead between newlines: 8 times faster on a
-    75 KB vLLM page (60 µs against 460 µs)."""
-    names = sorted({n for terms in names_for(kind).values() for term in terms for n in term})
-    alternatives = b"|".join(re.escape(n.encode()) for n in names)
+    75 KB vLLM page (60 µs against 460 µs). The names are one alternative per prefix (``vllm:``,
+    ``sglang:``), each followed by its names' rests, so a line is tried against a family's names only
+    once its prefix matched: 5 times faster than one alternative per name on the same page (48 µs
+    against 255 µs, with the time-to-first-token names)."""
+    families: dict[str, list[str]] = {}
+    for name in sorted({n for terms in names_for(kind).values() for term in terms for n in term}):
+        prefix, colon, rest = name.partition(":")
+        families.setdefault(prefix + colon, []).append(rest)
+    alternatives = b"|".join(
+        re.escape(prefix.encode()) + b"(?:" + b"|".join(re.escape(r.encode()) for r in rests) + b")"
+        for prefix, rests in families.items()
+    )
     return re.compile(rb"\n((?:" + alternatives + rb")[{ \t][^\n]*)")
 
 
@@ -48,7 +57,9 @@ def parse_page(page: bytes, kind: EngineKind) -> EngineSample:
     Running and waiting: the sum of their terms' series; KV usage: the mean of its first term's
     series. Raises :class:`ScrapeError` (``parse`` for malformed lines or values that are not finite,
     ``missing`` when no name for waiting requests or KV usage is there)."""
-    found = b"\n".join(_lines(kind).findall(b"\n" + page))  # the first line has no newline before it
+    # the first line has no newline before it; sorted, each name's lines are one family to the parser
+    # (a page interleaving the TTFT histograms' _count and _sum lines parsed 1.8 times slower)
+    found = b"\n".join(sorted(_lines(kind).findall(b"\n" + page)))
     values: dict[str, list[float]] = {}
     try:
         for family in text_string_to_metric_families(found.decode("utf-8")):
