@@ -5,7 +5,7 @@ leading blocks, and learns from placements and the engines' prefix-cache counter
 (:class:`~ext_proc.prefix.tracker.PrefixTracker`) estimates from this gateway's own placements;
 ``kv-events`` (:class:`~ext_proc.prefix.event_source.KvEventSource`) reads what the engines report
 holding in their KV-cache events. A new kind is a module with its source, one
-:class:`PrefixSourceKind` member and one line in :data:`KINDS`.
+:class:`PrefixSourceKind` member, one line in :data:`KINDS` and one in ``_KERNELS``.
 """
 
 from __future__ import annotations
