@@ -2,6 +2,7 @@
 Kubernetes API server; the ``server`` and ``stub`` fixtures of the tests that drive the gRPC shell
 directly."""
 
+import os
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -16,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent / "support"))
 
 from grpc_harness import start_with
 from helm_tool import HelmUnavailable, ensure_helm
+from promtool_tool import PromtoolUnavailable, ensure_promtool
 
 from standins.fake_kube_api import FakeKubeApi
 
@@ -66,3 +68,15 @@ def helm() -> Path:
         return ensure_helm()
     except HelmUnavailable as exc:
         pytest.fail(str(exc))
+
+
+@pytest.fixture(scope="session")
+def promtool() -> Path:
+    """promtool (:mod:`promtool_tool`): a test fails where it cannot be fetched as root, and is skipped,
+    naming what to install, where it cannot be fetched otherwise."""
+    try:
+        return ensure_promtool()
+    except PromtoolUnavailable as exc:
+        if os.geteuid() == 0:
+            pytest.fail(str(exc))
+        pytest.skip(str(exc))
