@@ -34,7 +34,8 @@ from ext_proc.refusal import refuse
 from ext_proc.registry import EndpointState, Registry
 from ext_proc.request import RequestError, RequestInfo, describe, parse_body
 from ext_proc.shared.kinds import LocalState, SharedState
-from ext_proc.tokenizer import GatewayTokenizer, TokenizerSettings
+from ext_proc.tokenize.folder import TokenizerSettings
+from ext_proc.tokenize.gateway import GatewayTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -243,7 +244,7 @@ class Router:
     async def prompt_tokens(self, request: BodyRequest) -> Sequence[int] | None:
         """The engine's token ids of ``request``'s prompt; ``None`` (counted, logged) when unknown.
 
-        Tokenized off the event loop by the tokenizer configured now (:mod:`ext_proc.tokenizer`)."""
+        Tokenized off the event loop by the tokenizer configured now (:mod:`ext_proc.tokenize.gateway`)."""
         tokenizer = self.tokenizer
         if tokenizer is None:  # removed by a reload since wants_tokens
             return None

@@ -1,12 +1,14 @@
 """The check that a fast encoder stands in exactly for a tokenizer: a corpus both encode, every id compared.
 
-A faster encoder (:mod:`ext_proc.fastokens_encoder`, :mod:`ext_proc.tiktoken_encoder`) is used by the
-gateway only where it computes the ``tokenizers`` library's ids; :func:`check_ids` makes sure of it on a
-check corpus (the chat templates rendered over sample messages, Unicode, whitespace and digit edge
-cases, the special tokens inside text, random strings from a seeded generator, all these with and
-without the post-processor's special tokens; then every vocabulary token's bytes once, in a seeded
-random order: a few hundred kB for a 32k vocabulary), raising :class:`NotRepresentable` at the first
-text whose ids differ.
+A faster encoder (:mod:`~ext_proc.tokenize.fastokens_encoder`, :mod:`~ext_proc.tokenize.tiktoken_encoder`)
+is used by the gateway only where it computes the ``tokenizers`` library's ids. :func:`check_ids` makes
+sure of it, raising :class:`NotRepresentable` at the first text whose ids differ. The check corpus:
+
+- the chat templates rendered over sample messages;
+- Unicode, whitespace and digit edge cases, the special tokens inside text;
+- random strings from a seeded generator;
+- all these with and without the post-processor's special tokens;
+- every vocabulary token's bytes once, in a seeded random order (a few hundred kB for a 32k vocabulary).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable
 
-from ext_proc.prefix.tokens import TextEncoder
+from ext_proc.tokenize.base import TextEncoder
 
 CHECK_SEED = 26
 CHECK_RANDOM_TEXTS = 400
