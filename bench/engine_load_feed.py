@@ -17,8 +17,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 from prefix_peers import Oracle, PdExtproc, Placed, Placing, Replicas
 
-from ext_proc.engine_load import EngineScraper
 from ext_proc.engine_load.config import EngineMetricsConfig
+from ext_proc.engine_load.scraper import EngineScraper
 from ext_proc.metrics import Metrics
 from ext_proc.registry import Registry
 from sim.engine import Engine

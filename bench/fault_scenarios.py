@@ -21,7 +21,7 @@ import aiohttp
 from fault_rig import DISCOVERY_LAG_S, Rig, chat_body
 from prometheus_client.parser import text_string_to_metric_families
 
-from ext_proc.envoy_health import EnvoyHealthConfig
+from ext_proc.envoy_health_config import EnvoyHealthConfig
 from sim.cluster import EngineSpec
 from sim.cluster_process import EngineInfo
 

@@ -17,7 +17,7 @@ import yaml
 from ext_proc.checks import ConfigError
 from ext_proc.config import Config, ConfigSource, as_dict
 from ext_proc.discovery import SourceKind
-from ext_proc.prefix.kinds import PrefixSourceKind
+from ext_proc.prefix.settings import PrefixSourceKind
 from ext_proc.workers import serve_one, serve_workers
 
 

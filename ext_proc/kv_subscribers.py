@@ -42,7 +42,7 @@ from ext_proc.prefix.event_index import Applied, ReplayFrom
 from ext_proc.prefix.event_source import KvEventSource
 from ext_proc.prefix.kv_events import DecodeError, EventBatch, decode_message, decode_replay
 from ext_proc.prefix.ranks import publisher
-from ext_proc.prefix.tracker import KvEventsSettings
+from ext_proc.prefix.settings import KvEventsSettings
 from ext_proc.registry import EndpointState, Registry
 from ext_proc.router import Router
 

@@ -32,7 +32,8 @@ from ext_proc.prefix.event_index import ROOT, EventIndex
 from ext_proc.prefix.index import HitArrays
 from ext_proc.prefix.ranks import credited, credited_publisher
 from ext_proc.prefix.recent import RecentPlacements
-from ext_proc.prefix.tracker import Holder, Lookup, PredictionSink, PrefixSettings, prompt_chain
+from ext_proc.prefix.settings import PrefixSettings
+from ext_proc.prefix.tracker import Holder, Lookup, PredictionSink, prompt_chain
 
 
 class KvEventSource:

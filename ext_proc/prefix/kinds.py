@@ -5,12 +5,11 @@ leading blocks, and learns from placements and the engines' prefix-cache counter
 (:class:`~ext_proc.prefix.tracker.PrefixTracker`) estimates from this gateway's own placements;
 ``kv-events`` (:class:`~ext_proc.prefix.event_source.KvEventSource`) reads what the engines report
 holding in their KV-cache events. A new kind is a module with its source, one
-:class:`PrefixSourceKind` member and one line in :data:`KINDS`.
+:class:`~ext_proc.prefix.settings.PrefixSourceKind` member and one line in :data:`KINDS`.
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -18,14 +17,8 @@ from ext_proc.affinity import Decision, Pool
 from ext_proc.affinity.model import E
 from ext_proc.prefix.blocks import Chain
 from ext_proc.prefix.event_source import KvEventSource
-from ext_proc.prefix.tracker import Holder, Lookup, PredictionSink, PrefixSettings, PrefixTracker
-
-
-class PrefixSourceKind(enum.StrEnum):
-    """The kinds of prefix source."""
-
-    APPROXIMATE = "approximate"
-    KV_EVENTS = "kv-events"
+from ext_proc.prefix.settings import PrefixSettings, PrefixSourceKind
+from ext_proc.prefix.tracker import Holder, Lookup, PredictionSink, PrefixTracker
 
 
 class PrefixSource(Protocol):

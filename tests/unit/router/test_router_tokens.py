@@ -10,12 +10,12 @@ from pathlib import Path
 from builders import CHAT_META, DEFAULT_MAX_TOKENS, P1, PREFILL, endpoint, make_router, registry_of
 
 from ext_proc.affinity import Policy
-from ext_proc.handoff import SidecarHandoff
+from ext_proc.handoff.sidecar import SidecarHandoff
 from ext_proc.metrics import Metrics
 from ext_proc.outcome import Refused, RequestMeta, Routed
-from ext_proc.prefix import PrefixSettings
 from ext_proc.prefix.event_source import KvEventSource
 from ext_proc.prefix.kv_events import BlockStored, EventBatch
+from ext_proc.prefix.settings import PrefixSettings
 from ext_proc.router import BodyRequest, Router, RouterSettings
 from ext_proc.tokenize import gateway as gateway_module
 from ext_proc.tokenize.folder import TokenizerLoadError, TokenizerSettings
