@@ -34,9 +34,13 @@ class LoadSignal(Protocol):
     It writes the offsets into the registry's load arrays from :meth:`run` until cancelled, and
     describes what it knows of an endpoint (``/debug/endpoints``)."""
 
-    async def run(self) -> None: ...
+    async def run(self) -> None:
+        """Write each endpoint's load offset into the registry's load arrays, until cancelled."""
+        ...
 
-    def describe(self, state: EndpointState) -> dict[str, object]: ...
+    def describe(self, state: EndpointState) -> dict[str, object]:
+        """What it knows of ``state``'s endpoint, as JSON values (``/debug/endpoints``)."""
+        ...
 
 
 class LoadSignalBuilder(Protocol):

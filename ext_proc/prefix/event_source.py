@@ -127,8 +127,10 @@ class KvEventSource:
             self.recent.record(hashes, name, now)
 
     def snapshot(self) -> list[tuple[str, float, Chain]]:
-        """Nothing: a replica that starts reads the engines' events (and their replay) itself, and the
-        recent placements last ``recent_seconds`` only."""
+        """Nothing: a starting replica learns from the engines' events itself.
+
+        A replica that starts reads the engines' events (and their replay) itself, and the recent
+        placements last ``recent_seconds`` only."""
         return []
 
     def observe(self, address: str, queries: float | None, hits: float | None) -> None:

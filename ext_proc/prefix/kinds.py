@@ -59,7 +59,9 @@ class PrefixSource(Protocol):
         ...
 
     def placed(self, lookup: Lookup, decision: Decision[E], prompt_tokens: int) -> tuple[Holder, ...]:
-        """The request was placed by ``decision``: its prompt is now on the chosen endpoints, which are
+        """Record that ``decision`` placed the request; the names its prompt is kept under.
+
+        The request was placed by ``decision``: its prompt is now on the chosen endpoints, which are
         returned as the names it was kept under (what the peer replicas learn)."""
         ...
 
@@ -68,8 +70,10 @@ class PrefixSource(Protocol):
         ...
 
     def snapshot(self) -> list[tuple[str, float, Chain]]:
-        """What a replica that starts is to learn: (name, capacity in tokens, blocks most recently used
-        first) per endpoint, each to be :meth:`learned` in turn."""
+        """What a replica that starts is to learn of this index, per endpoint.
+
+        (name, capacity in tokens, blocks most recently used first) per endpoint, each to be
+        :meth:`learned` in turn."""
         ...
 
     def observe(self, address: str, queries: float | None, hits: float | None) -> None:

@@ -46,8 +46,13 @@ data-parallel rank of it) and its KV capacity in tokens."""
 class PredictionSink(Protocol):
     """Where the tracker reports (:class:`ext_proc.metrics.Metrics` is one)."""
 
-    def prefix_predicted(self, role: str, address: str, placed: int, hit: int) -> None: ...
-    def prefix_engine(self, address: str, queries: float, hits: float, scale: float) -> None: ...
+    def prefix_predicted(self, role: str, address: str, placed: int, hit: int) -> None:
+        """One placement on ``address`` as ``role``: ``placed`` prompt tokens, ``hit`` predicted cached."""
+        ...
+
+    def prefix_engine(self, address: str, queries: float, hits: float, scale: float) -> None:
+        """An engine's prefix-cache ``queries`` and ``hits`` (tokens) since its last sample; its ``scale``."""
+        ...
 
 
 def prompt_chain(
@@ -125,8 +130,10 @@ class PrefixTracker:
             self.index.record(hashes, address, capacity)
 
     def snapshot(self) -> list[tuple[str, float, Chain]]:
-        """What the index holds, to hand a replica that starts: per endpoint, its name, capacity and blocks
-        (most recently used first; :meth:`learned` of each rebuilds the same order)."""
+        """What the index holds, to hand a replica that starts.
+
+        Per endpoint, its name, capacity and blocks (most recently used first; :meth:`learned` of each
+        rebuilds the same order)."""
         return [
             (address, self._capacity[address], self.index.held(address))
             for address in self.index.addresses

@@ -38,8 +38,9 @@ class TextEncoder(Protocol):
     """A tokenizer's text-to-ids step: what :class:`PromptTokenizer` needs of a tokenizer."""
 
     def encode(self, text: str, add_special_tokens: bool) -> Sequence[int]:
-        """``text``'s token ids (a list, or an unsigned 32-bit array); with the post-processor's special
-        tokens (e.g. BOS) when asked.
+        """``text``'s token ids.
+
+        A list, or an unsigned 32-bit array; with the post-processor's special tokens (e.g. BOS) when asked.
 
         May raise any exception for a text it cannot encode (e.g. a lone surrogate)."""
         ...

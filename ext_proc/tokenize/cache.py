@@ -61,8 +61,10 @@ class PrefixTokenCache:
         return entry.ids
 
     def put(self, text: str, end: int, ids: array[int], now: float) -> None:
-        """Hold ``ids`` (kept, not copied: the caller leaves it unchanged) as those of ``text[:end]``,
-        replacing what was held for a text of that length and ending, then evict to the bounds."""
+        """Hold ``ids`` as those of ``text[:end]``, then evict to the bounds.
+
+        ``ids`` is kept, not copied: the caller leaves it unchanged. It replaces what was held for a text
+        of that length and ending."""
         key = _key(text, end)
         if key in self._entries:
             self._drop(key)

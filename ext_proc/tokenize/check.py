@@ -80,7 +80,9 @@ def byte_alphabet() -> dict[str, int]:
 
 
 def check_corpus(texts: Iterable[str], specials: Iterable[str], seed: int = CHECK_SEED) -> list[str]:
-    """``texts`` (e.g. rendered chat templates), the edge cases, ``specials`` written into text, and
+    """The texts every fast encoder must encode as ``tokenizers`` does.
+
+    ``texts`` (e.g. rendered chat templates), the edge cases, ``specials`` written into text, and
     :data:`CHECK_RANDOM_TEXTS` random strings mixing scripts, digits, punctuation and whitespace."""
     rng = random.Random(seed)
     corpus = [*texts, *_EDGE_CASES]
@@ -93,8 +95,10 @@ def check_corpus(texts: Iterable[str], specials: Iterable[str], seed: int = CHEC
 
 
 def vocabulary_corpus(vocabulary: Iterable[bytes], seed: int = CHECK_SEED) -> list[str]:
-    """The ``vocabulary`` tokens' bytes one after another in a random order, in texts of about
-    :data:`_VOCAB_CHUNK_BYTES` (invalid UTF-8 replaced): every token's bytes, next to others."""
+    """Every vocabulary token's bytes, in texts of a few kB.
+
+    The tokens' bytes one after another in a random order, in texts of about :data:`_VOCAB_CHUNK_BYTES`
+    (invalid UTF-8 replaced): every token's bytes, next to others."""
     tokens = sorted(vocabulary)
     random.Random(seed).shuffle(tokens)
     joined = b"".join(tokens)

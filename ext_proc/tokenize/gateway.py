@@ -29,9 +29,17 @@ log = logging.getLogger(__name__)
 class TokenizeSink(Protocol):
     """Where the gateway tokenizer reports (:class:`ext_proc.metrics.Metrics` is one)."""
 
-    def tokenized(self, seconds: float, tokens: int, cached: int) -> None: ...
-    def untokenized(self, reason: str) -> None: ...
-    def tokenizer_encoder(self, encoder: str | None) -> None: ...
+    def tokenized(self, seconds: float, tokens: int, cached: int) -> None:
+        """One prompt tokenized: ``seconds`` waited, ``tokens`` ids, ``cached`` of them reused."""
+        ...
+
+    def untokenized(self, reason: str) -> None:
+        """One prompt not tokenized, for ``reason`` (an ``UntokenizedReason`` value)."""
+        ...
+
+    def tokenizer_encoder(self, encoder: str | None) -> None:
+        """The encoder now in use (``fastokens``, ``tiktoken``, ``tokenizers``); ``None``: no tokenizer."""
+        ...
 
 
 class GatewayTokenizer:
