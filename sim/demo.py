@@ -67,7 +67,9 @@ async def run_demo(
     handoff: str = HANDOFFS[0],
     profile: str = MEASURED_PROFILE,
 ) -> dict[str, dict]:
-    """Send ``plans`` once per mode through one stack whose engines have ``profile``'s costs and a
+    """Send ``plans`` once per mode through one stack; the summaries by mode.
+
+    Send ``plans`` once per mode through one stack whose engines have ``profile``'s costs and a
     :data:`CPU_TIER_TOKENS` CPU tier, driven with ``handoff``; return the summaries by mode."""
     large, small, kv = engines_of(profile, CPU_TIER_TOKENS)
     kv = replace(kv, kv_connector=CONNECTORS.get(handoff, "nixl"))
@@ -133,7 +135,9 @@ def _bonus(text: str) -> float:
 
 
 async def run_vllm(requests: int, modes: list[str], rate: float, bonus: float) -> tuple[str, dict[str, dict]]:
-    """:func:`rig.demo.run_vllm_demo` (the engines' dtype and attention kernels, the results) with a
+    """The real-engine demo (:func:`rig.demo.run_vllm_demo`) with a progress bar.
+
+    :func:`rig.demo.run_vllm_demo` (the engines' dtype and attention kernels, the results) with a
     progress bar (imported here: ``serve`` and the simulated demo never load the real-engine rig)."""
     from rig.demo import run_vllm_demo
 

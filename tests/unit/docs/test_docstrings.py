@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
-PACKAGES = ("ext_proc",)
+PACKAGES = ("ext_proc", "sim", "rig")
 """The packages held to the rule (``bench`` becomes a package elsewhere; then it joins them)."""
 
 Definition = ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef
