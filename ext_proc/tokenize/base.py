@@ -1,6 +1,6 @@
 """The tokenizer package's vocabulary: the encoder it is given, what it answers, why it fails.
 
-Pure; imported by every other module of :mod:`ext_proc.tokenize`.
+Pure: what the prompt tokenizer and the shell around it share (:mod:`ext_proc.tokenize`).
 """
 
 from __future__ import annotations
