@@ -23,8 +23,8 @@ class AffinityConfig:
 
     ``mode``: off | prefer | strict | auto. ``bonus``: utilisation slack in [0, 1] for ``prefer``.
     ``auto``: the time model of ``auto``. ``prefix``: prefix-cache aware routing. The whole section
-    applies live (:mod:`ext_proc.reload`: the router's ``set_policy`` with :meth:`policy`, its
-    ``set_prefix`` with ``prefix.settings()``).
+    applies live (:mod:`ext_proc.reload`: the router's ``set_policy`` with :meth:`policy`,
+    :meth:`ext_proc.live.LiveParts.set_prefix` with ``prefix.settings()``).
     """
 
     mode: Mode = Mode.PREFER
