@@ -16,8 +16,8 @@ import asyncio
 from collections.abc import Callable, Mapping, Sequence
 
 from bench.prefix_peers import Oracle, PdExtproc, Placed, Placing, Replicas
-from ext_proc.engine_load import EngineScraper
 from ext_proc.engine_load.config import EngineMetricsConfig
+from ext_proc.engine_load.scraper import EngineScraper
 from ext_proc.metrics import Metrics
 from ext_proc.registry import Registry
 from sim.engine import Engine

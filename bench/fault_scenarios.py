@@ -19,7 +19,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.fault_rig import DISCOVERY_LAG_S, Rig, chat_body
-from ext_proc.envoy_health import EnvoyHealthConfig
+from ext_proc.envoy_health_config import EnvoyHealthConfig
 from sim.cluster import EngineSpec
 from sim.cluster_process import EngineInfo
 from standins.backends import start_broken_engine

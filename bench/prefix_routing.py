@@ -68,7 +68,8 @@ from bench.prefix_peers import (
 from bench.prefix_workloads import Conversation, low_reuse, messages, multi_turn, shared_prompts
 from bench.shared_replicas import DEFAULT_SYNC_DELAY_SECONDS, SharedReplicas
 from ext_proc.affinity import AutoModel, Mode, Policy
-from ext_proc.prefix import PrefixSettings, prompt_content
+from ext_proc.prefix.blocks import prompt_content
+from ext_proc.prefix.settings import PrefixSettings
 from ext_proc.request import describe
 from sim.cluster import EngineSpec, clusters
 from sim.config import DEFAULT_MODEL, KvConfig, TimingConfig

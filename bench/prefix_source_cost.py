@@ -35,10 +35,10 @@ from pathlib import Path
 
 from bench.common import write_json
 from ext_proc.affinity import Candidate, Decision, Locality, Pool
-from ext_proc.prefix import PrefixSettings
 from ext_proc.prefix.event_source import KvEventSource
-from ext_proc.prefix.kinds import KINDS, PrefixSource, PrefixSourceKind
+from ext_proc.prefix.kinds import KINDS, PrefixSource
 from ext_proc.prefix.kv_events import Event, EventBatch
+from ext_proc.prefix.settings import PrefixSettings, PrefixSourceKind
 from sim.cluster import clusters
 from sim.config import DEFAULT_MODEL
 from sim.prefix import BlockCache, PromptBlocks, token_ids

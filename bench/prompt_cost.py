@@ -62,7 +62,7 @@ from bench.prefix_peers import Endpoint, PdExtproc
 from ext_proc.affinity import Mode, Policy
 from ext_proc.discovery.eds import write_eds_file
 from ext_proc.endpoints import EndpointSpec
-from ext_proc.prefix import PrefixSettings
+from ext_proc.prefix.settings import PrefixSettings
 from sim.gateway import (
     Gateway,
     free_port,

@@ -88,9 +88,11 @@ def _size(path: Path) -> int:
 async def run_vllm_demo(
     requests: int, modes: list[str], rate: float, bonus: float, progress: Callable[[], None]
 ) -> tuple[str, dict[str, dict]]:
-    """Run the workload once per mode on real engines: the engines' dtype and attention kernels (one
-    line, :meth:`~rig.attention.AttentionPath.describe`) and the summaries by mode. Raises
-    :class:`~rig.venv.VllmUnavailable` when the machine cannot run them (the message says why)."""
+    """Run the workload once per mode on real engines.
+
+    The engines' dtype and attention kernels (one line, :meth:`~rig.attention.AttentionPath.describe`) and
+    the summaries by mode. Raises :class:`~rig.venv.VllmUnavailable` when the machine cannot run them (the
+    message says why)."""
     plans = plan_workload(requests, rate, prompt_tokens=PROMPT_TOKENS, output_tokens=OUTPUT_TOKENS)
     stack = await start_vllm_stack(GROUPS)
     cluster = stack.cluster

@@ -45,7 +45,9 @@ async def run_demo(
     handoff: str = HANDOFFS[0],
     profile: str = MEASURED_PROFILE,
 ) -> dict[str, dict]:
-    """Send ``plans`` once per mode through one stack whose engines have ``profile``'s costs and a
+    """Send ``plans`` once per mode through one stack; the summaries by mode.
+
+    Send ``plans`` once per mode through one stack whose engines have ``profile``'s costs and a
     :data:`CPU_TIER_TOKENS` CPU tier, driven with ``handoff``; return the summaries by mode."""
     large, small, kv = engines_of(profile, CPU_TIER_TOKENS)
     kv = replace(kv, kv_connector=CONNECTORS.get(handoff, "nixl"))

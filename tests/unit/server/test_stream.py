@@ -19,8 +19,9 @@ from extproc_messages import (
 )
 
 from ext_proc.choreography import BODY_LIMIT_BYTES, Answers
-from ext_proc.handoff import DecodeRoute, FailurePolicy, KvTransferParamsHandoff
+from ext_proc.handoff.base import DecodeRoute, FailurePolicy
 from ext_proc.handoff.config import HandoffConfig
+from ext_proc.handoff.kv_transfer import KvTransferParamsHandoff
 from ext_proc.handoff.leg import LegReply
 from ext_proc.metrics import Metrics
 from ext_proc.outcome import PendingAnswer
