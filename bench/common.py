@@ -30,7 +30,9 @@ def summary_ms(seconds: list[float]) -> dict[str, float]:
 
 
 async def timed_post(session: aiohttp.ClientSession, url: str, body: dict | bytes) -> float:
-    """Seconds one POST of ``body`` (a JSON object, or its encoding) to ``url`` took to be answered
+    """Seconds one POST of ``body`` to ``url`` took to be answered in full.
+
+    Seconds one POST of ``body`` (a JSON object, or its encoding) to ``url`` took to be answered
     in full; ``RuntimeError`` unless the answer is a 200."""
     started = time.perf_counter()
     sent = {"json": body} if isinstance(body, dict) else {"data": body, "headers": _JSON}
@@ -47,7 +49,9 @@ _JSON = {"Content-Type": "application/json"}
 async def closed_loop(
     send: Callable[[int], Awaitable[object]], concurrency: int, seconds: float
 ) -> tuple[int, int, float]:
-    """``concurrency`` clients awaiting ``send(n)`` back to back for ``seconds`` (``n``: the requests
+    """Run ``concurrency`` closed-loop clients for ``seconds``: (completed, failed, seconds elapsed).
+
+    ``concurrency`` clients awaiting ``send(n)`` back to back for ``seconds`` (``n``: the requests
     sent so far); the requests completed, those failed (``RuntimeError`` or ``aiohttp.ClientError``),
     and the seconds elapsed."""
     done = errors = 0
@@ -70,7 +74,9 @@ async def closed_loop(
 async def start_envoy(
     eds: list[str], extproc_port: int | None, *, fail_open: bool = False, full_duplex: bool = False
 ) -> Gateway:
-    """Envoy from the shipped bootstrap on free loopback ports, one worker thread, its clusters read
+    """Start Envoy from the shipped bootstrap on free loopback ports, one worker thread.
+
+    Envoy from the shipped bootstrap on free loopback ports, one worker thread, its clusters read
     from the EDS files ``eds`` (prefill, decode); ``extproc_port`` ``None``: without the ext_proc filter
     (the other options: :func:`sim.gateway.render_bootstrap`'s)."""
     listen, admin = free_port(), free_port()

@@ -1,4 +1,6 @@
-"""The fault campaign's rig: engines, pd-extproc as a process and the real Envoy on loopback, a client
+"""The fault campaign's rig: engines, pd-extproc as a process and the real Envoy on loopback.
+
+The fault campaign's rig: engines, pd-extproc as a process and the real Envoy on loopback, a client
 that classifies what it gets, and the after-the-fact checks (load left, RSS, file descriptors, and every
 address the router named against the set discovered when it decided, read from Envoy's access log).
 
@@ -66,7 +68,9 @@ to it: the time pd-extproc and Envoy take to read a change (pd-extproc polls EDS
 
 @dataclass(frozen=True)
 class Outcome:
-    """What one client saw: ``label`` is ``"200"`` (a complete answer: ``[DONE]`` for a stream),
+    """What one client saw, as a ``label`` (one of a fixed set).
+
+    What one client saw: ``label`` is ``"200"`` (a complete answer: ``[DONE]`` for a stream),
     ``"200 cut"`` (the answer started and was cut), ``"<status> <error code>"`` (``non-json`` when the
     body is no JSON error), ``"conn-error"`` (no answer at all), ``"hung"`` or ``"aborted"``
     (the client gave up on purpose)."""
@@ -127,7 +131,9 @@ async def run_load(
     body: Callable[[], dict],
     faults: list[tuple[float, Callable[[], Awaitable[None]]]] = (),  # type: ignore[assignment]
 ) -> list[Outcome]:
-    """Send ``requests`` chat requests to ``url`` at ``rate`` per second (each on its own connection when
+    """Send ``requests`` chat requests to ``url`` at ``rate`` per second, injecting the faults.
+
+    Send ``requests`` chat requests to ``url`` at ``rate`` per second (each on its own connection when
     needed), run each ``(at, fault)`` ``at`` seconds after the first; every outcome, in sending order."""
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
@@ -160,7 +166,9 @@ async def until_ok(url: str, body: dict, deadline: float = 30.0) -> None:
 
 
 async def open_fds(pid: int) -> int:
-    """File descriptors process ``pid`` holds open: the least of 10 counts over half a second, so that
+    """File descriptors process ``pid`` holds open (the least of 10 counts over half a second).
+
+    File descriptors process ``pid`` holds open: the least of 10 counts over half a second, so that
     the connection of the rig's own last ``/debug/endpoints`` poll, closed by the client and not yet by
     pd-extproc, is not counted (a leak persists, and shows in every count)."""
     counts = []
@@ -177,7 +185,9 @@ async def usage(pid: int) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class Listing:
-    """A discovered set of engine ``addresses``, in force from ``since`` (Unix seconds, before its
+    """A discovered set of engine ``addresses`` and when it was in force.
+
+    A discovered set of engine ``addresses``, in force from ``since`` (Unix seconds, before its
     files were written) until ``until`` (the next set's files written; ``inf``: still in force)."""
 
     since: float
@@ -191,7 +201,9 @@ def listed(listings: Sequence[Listing], address: str, start: float, end: float) 
 
 
 def names_outside(line: str, listings: Sequence[Listing]) -> bool:
-    """Whether access-log ``line`` (:data:`LOG_FORMAT`, after the listener's name) names an address, or
+    """Whether access-log ``line`` names an address not discovered when the request was decided.
+
+    Whether access-log ``line`` (:data:`LOG_FORMAT`, after the listener's name) names an address, or
     shows Envoy connected to one, that was not discovered at any moment from :data:`DISCOVERY_LAG_S`
     before the request began to when its upstream request was sent (or it ended): when it was decided."""
     began, to_upstream, to_end, named, upstream, _ = line.split(" ")
@@ -203,7 +215,9 @@ def names_outside(line: str, listings: Sequence[Listing]) -> bool:
 
 @dataclass
 class Measured:
-    """One run as measured: every client's outcome; pd-extproc's load after it settled (``None``: it
+    """One run as measured: outcomes, load, usage and access-log lines.
+
+    One run as measured: every client's outcome; pd-extproc's load after it settled (``None``: it
     had exited) and its :func:`usage` before and after (``None`` values: exited); the gateway
     listener's access-log lines (one per request) and the lines of both listeners that name an address
     outside the discovered set (:func:`names_outside`)."""
@@ -219,7 +233,9 @@ class Measured:
 def table_row(
     name: str, expectation: str, allowed: frozenset[str], run: Measured, failures: list[str]
 ) -> dict:
-    """A row of the fault table: counts, measurements, ``failures`` (``failures`` given, plus outcomes
+    """A row of the fault table: counts, measurements, ``failures`` and ``passed``.
+
+    A row of the fault table: counts, measurements, ``failures`` (``failures`` given, plus outcomes
     not in ``allowed``, pd-extproc exited, load left, fewer access-log lines than requests, addresses
     outside the set) and ``passed``."""
     counts = Counter(o.label for o in run.outcomes)
@@ -294,22 +310,27 @@ class Rig:
 
     @property
     def prefill_eds(self) -> Path:
+        """The EDS file listing the prefill engines."""
         return self.workdir / "prefill.json"
 
     @property
     def decode_eds(self) -> Path:
+        """The EDS file listing the decode engines."""
         return self.workdir / "decode.json"
 
     @property
     def admin_url(self) -> str:
+        """pd-extproc's admin URL (``http://127.0.0.1:<admin_port>``)."""
         return f"http://127.0.0.1:{self.admin_port}"
 
     @property
     def access_log(self) -> Path:
+        """The file Envoy writes its access log to."""
         return self.workdir / "access.log"
 
     @property
     def url(self) -> str:
+        """The gateway's URL (Envoy must be running)."""
         assert self.gateway is not None
         return self.gateway.url
 
@@ -392,7 +413,9 @@ class Rig:
         return load
 
     async def named_outside(self, requests: int, wait: float = 5.0) -> tuple[int, int]:
-        """(the gateway listener's access-log lines, lines of both listeners where pd-extproc named, or
+        """The gateway's access-log lines, and those naming an address outside the discovered sets.
+
+        (the gateway listener's access-log lines, lines of both listeners where pd-extproc named, or
         Envoy used, an address outside :attr:`listings` when it decided: :func:`names_outside`). Waits
         up to ``wait`` seconds for the gateway's lines to reach ``requests``; no log reads as no line."""
         end = time.monotonic() + wait

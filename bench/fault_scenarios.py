@@ -1,4 +1,6 @@
-"""The fault campaign's scenarios: how each builds its stack, which faults it injects when, and which
+"""The fault campaign's scenarios: stacks, faults and allowed client outcomes.
+
+The fault campaign's scenarios: how each builds its stack, which faults it injects when, and which
 client outcomes its expectation allows (the rest of the expectation is common: see ``bench/faults.py``).
 
 Fault times are fractions of the load's duration (``requests / rate`` seconds), so ``--quick`` runs the
@@ -40,7 +42,9 @@ BUSY_WAIT_S = 5.0
 
 @dataclass
 class Plan:
-    """What a scenario's setup hands the runner: the faults, and a final check (``None``: fine; else why
+    """What a scenario's setup hands the runner: the faults and a final check.
+
+    What a scenario's setup hands the runner: the faults, and a final check (``None``: fine; else why
     not) run after the load has settled."""
 
     faults: list[Fault] = field(default_factory=list)
@@ -52,7 +56,9 @@ Setup = Callable[[Rig, contextlib.AsyncExitStack, float], Awaitable[Plan]]
 
 @dataclass(frozen=True)
 class Scenario:
-    """One row of the table. ``setup(rig, cleanup, duration)`` starts the engines (and, when it must
+    """One row of the fault table: how it sets up and which outcomes it allows.
+
+    One row of the table. ``setup(rig, cleanup, duration)`` starts the engines (and, when it must
     come first, pd-extproc) and returns the :class:`Plan`; ``allowed`` are the client outcome labels
     (:class:`fault_rig.Outcome`) the expectation accepts."""
 
@@ -152,7 +158,9 @@ async def _prefill_killed(rig: Rig, cleanup: contextlib.AsyncExitStack, duration
 
 
 def left_out(attempts: int, max_attempts: int) -> str | None:
-    """``None`` when a broken engine got at most ``max_attempts`` requests (it was left out in time),
+    """Whether a broken engine was left out in time: ``None`` when so, else why not.
+
+    ``None`` when a broken engine got at most ``max_attempts`` requests (it was left out in time),
     else why the row fails."""
     if attempts <= max_attempts:
         return None

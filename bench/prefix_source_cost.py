@@ -61,7 +61,9 @@ class Engine:
         self.placed = 0.0  # when a request was last placed here (ties go to the least recent)
 
     def serve(self, text: str, prompt_tokens: int) -> None:
-        """Prefill ``text`` at once: its cached blocks taken (CPU-tier ones loaded), the rest computed,
+        """Prefill ``text`` at once, reporting the cache's events as it goes.
+
+        Prefill ``text`` at once: its cached blocks taken (CPU-tier ones loaded), the rest computed,
         all cached and freed (the cache reports its events as it goes)."""
         cache = self.cache
         hashes = PromptBlocks(text, cache.block_size).hashes
@@ -100,7 +102,9 @@ class Sink:
 def run(
     trace: Path, start: int, count: int, cpu_tier: int, profile: str, warmup: int
 ) -> dict[str, dict[str, float]]:
-    """Both sources over the window (module docstring), the first ``warmup`` requests untimed; per
+    """Time both prefix sources over the window: per source, p50 and mean µs per call.
+
+    Both sources over the window (module docstring), the first ``warmup`` requests untimed; per
     source, per call and ``total`` (and ``apply`` for ``kv-events``): ``{"<name>_p50_us",
     "<name>_mean_us"}``."""
     now = [0.0]
@@ -170,6 +174,7 @@ def run(
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark from the command line ``argv``; print the numbers (and write JSON when asked)."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

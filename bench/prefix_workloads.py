@@ -23,7 +23,9 @@ OUTPUT_TOKENS = (16, 96)
 
 @dataclass(frozen=True)
 class Turn:
-    """One request of a conversation: the new question ``user``, its output budget and the ``think_s``
+    """One request of a conversation: its question, output budget and think time.
+
+    One request of a conversation: the new question ``user``, its output budget and the ``think_s``
     seconds waited after the previous turn's reply (0 for a first turn)."""
 
     user: str
@@ -41,7 +43,9 @@ class Conversation:
 
 
 def messages(conversation: Conversation, turn: int, replies: list[str]) -> list[dict[str, str]]:
-    """The chat messages of turn ``turn``: the system prompt, every earlier question with its reply
+    """The chat messages of turn ``turn``: the system prompt, the history and the new question.
+
+    The chat messages of turn ``turn``: the system prompt, every earlier question with its reply
     (``replies``, the engine's text), the new question."""
     out = [{"role": "system", "content": conversation.system}] if conversation.system else []
     for earlier, reply in zip(conversation.turns[:turn], replies, strict=True):

@@ -1,4 +1,6 @@
-"""Gateway replicas: the same simulated cluster behind one gateway and behind two, with and without the
+"""Gateway replicas: one simulated cluster behind one gateway and behind two, with and without engine load.
+
+Gateway replicas: the same simulated cluster behind one gateway and behind two, with and without the
 engine load signal.
 
 One simulated cluster (the routing benchmark's reference scenario, ``two-equal-groups``) is started per
@@ -152,6 +154,7 @@ def format_summary(stats: dict[str, dict], seeds: int, base: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark from the command line ``argv``; print the tables (and write JSON when asked)."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

@@ -38,7 +38,9 @@ SHARING = replace(SharedStateConfig(), sync_wait_seconds=0.0)
 
 @dataclass
 class Tally:
-    """What one replica's shared state sent, received (messages and bytes, by kind) and dropped (by
+    """What one replica's shared state sent, received and dropped.
+
+    What one replica's shared state sent, received (messages and bytes, by kind) and dropped (by
     reason): a :class:`~ext_proc.shared.replica.SharingSink`."""
 
     sent: Counter[str] = field(default_factory=Counter)
@@ -47,18 +49,23 @@ class Tally:
     dropped: Counter[str] = field(default_factory=Counter)
 
     def shared_sent(self, kind: str, size: int) -> None:
+        """Count one message of ``kind`` sent, ``size`` bytes."""
         self.sent[kind] += 1
         self.sent_bytes += size
 
     def shared_received(self, kind: str, size: int, lag_seconds: float | None) -> None:
+        """Count one message of ``kind`` received (``size`` and ``lag_seconds`` are not kept)."""
         self.received[kind] += 1
 
     def shared_dropped(self, reason: str) -> None:
+        """Count one message dropped for ``reason``."""
         self.dropped[reason] += 1
 
 
 class SharedReplicas(Replicas):
-    """``routers`` taking turns, sharing their state over one :class:`MemoryHub` of ``delay_seconds``
+    """``routers`` taking turns, sharing their state over one in-memory hub.
+
+    ``routers`` taking turns, sharing their state over one :class:`MemoryHub` of ``delay_seconds``
     (module docstring); :meth:`start` before the first request, :meth:`stop` after the last."""
 
     def __init__(

@@ -92,7 +92,9 @@ SETTINGS: dict[str, Router] = {
 
 @dataclass(frozen=True)
 class Replay:
-    """What one replay runs: the window's requests, their output cap, the arrival speed-up, the cluster,
+    """What one replay runs: the window's requests, the cluster and the engines' settings.
+
+    What one replay runs: the window's requests, their output cap, the arrival speed-up, the cluster,
     the engines' profile, CPU tier (tokens, 0: none), KV cache (tokens of the large engines; ``None``:
     the profile's) and the ` shared` settings' sync delay (seconds). Every engine caches prefixes."""
 
@@ -303,7 +305,9 @@ def medians(runs: list[dict[str, dict]]) -> dict[str, dict]:
 
 
 def verdicts(rows: dict[str, dict], bound: float) -> list[dict]:
-    """The issue's targets on ``rows`` (one window's numbers, or medians over windows): pd-extproc's
+    """The issue's targets judged on ``rows``: pd-extproc's best setting against the peers.
+
+    The issue's targets on ``rows`` (one window's numbers, or medians over windows): pd-extproc's
     best setting (its least TTFT p90) against the best peer rule (least TTFT p90; least dTTFT p99 for
     that target), ``off`` and the oracle; its hit rate against ``bound``. Only what ``rows`` holds is
     judged."""
@@ -449,7 +453,9 @@ def _delays(text: str) -> list[float]:
 
 
 def runs_of(settings: list[str], delays_ms: list[float]) -> list[tuple[str, str, float]]:
-    """``(row name, setting, sync delay in seconds)`` per run: a ` shared` setting once per delay (named
+    """``(row name, setting, sync delay in seconds)`` per run.
+
+    ``(row name, setting, sync delay in seconds)`` per run: a ` shared` setting once per delay (named
     ``SETTING Dms`` when there are several), every other setting once."""
     out = []
     for setting in settings:
@@ -473,6 +479,7 @@ def _starts(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the replay from the command line ``argv``; print the tables (and write JSON when asked)."""
     parser = _parser()
     args = parser.parse_args(argv)
     settings = _check(parser, args)

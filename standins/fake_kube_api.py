@@ -179,7 +179,9 @@ def _event(change: _Change, selects: Callable[[dict[str, Any]], bool]) -> bytes 
 
 
 class FakeKubeApi:
-    """The fake API server. ``requests`` records every request: ``kind`` (list / watch / get),
+    """The fake Kubernetes API server; ``requests`` records every request.
+
+    The fake API server. ``requests`` records every request: ``kind`` (list / watch / get),
     ``resource`` (pods / inferencepools), ``namespace``, ``authorization`` and the query parameters.
     ``list_gates`` maps ``(resource, namespace)`` to an event a list waits for."""
 
@@ -200,7 +202,9 @@ class FakeKubeApi:
     # --- lifecycle ------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Serve on 127.0.0.1 (the same port again after :meth:`stop`). As a (re)started API server's
+        """Serve on 127.0.0.1 (the same port again after :meth:`stop`).
+
+        Serve on 127.0.0.1 (the same port again after :meth:`stop`). As a (re)started API server's
         watch cache, the event history starts now: a watch from an older version gets ``410 Expired``."""
         self.history = []
         self.compacted = self.version
@@ -234,7 +238,9 @@ class FakeKubeApi:
     # --- what the tests do to the objects -------------------------------------------------
 
     def put(self, obj: dict[str, Any], *, silent: bool = False) -> int:
-        """Create or replace ``obj`` (a Pod or an InferencePool, by its ``kind``); returns its new
+        """Create or replace ``obj``; returns its new resourceVersion.
+
+        Create or replace ``obj`` (a Pod or an InferencePool, by its ``kind``); returns its new
         resourceVersion."""
         obj = copy.deepcopy(obj)
         resource = RESOURCES[obj["kind"]]
@@ -284,7 +290,9 @@ class FakeKubeApi:
         return self.version
 
     def expire(self) -> None:
-        """Compact the history up to the current version (only a watch from it stays possible); open
+        """Compact the history up to the current version; open watches end.
+
+        Compact the history up to the current version (only a watch from it stays possible); open
         watches get ``ERROR 410`` and end."""
         self.compacted = self.version
         for watch in self._watches:
