@@ -1,14 +1,12 @@
 """The fault campaign's rig: engines, pd-extproc as a process and the real Envoy on loopback.
 
-The fault campaign's rig: engines, pd-extproc as a process and the real Envoy on loopback, a client
-that classifies what it gets, and the after-the-fact checks (load left, RSS, file descriptors, and every
-address the router named against the set discovered when it decided, read from Envoy's access log).
-
-Envoy runs from the shipped bootstrap with two changes only: an access log on both listeners (per
-request: when it began, when its upstream request was sent, the routing header pd-extproc set and the
-host Envoy used), and the stream and route idle
-timeouts shortened from 300 s to :data:`IDLE_TIMEOUT_S`, so that a stalled request is answered within
-the run instead of five minutes later.
+- a client that classifies what it gets;
+- after-the-fact checks: load left, RSS, file descriptors, and every address the router named against
+  the set discovered when it decided, read from Envoy's access log;
+- Envoy runs from the shipped bootstrap with two changes only: an access log on both listeners (per
+  request: when it began, when its upstream request was sent, the routing header pd-extproc set and
+  the host Envoy used), and the stream and route idle timeouts shortened from 300 s to
+  :data:`IDLE_TIMEOUT_S`, so that a stalled request is answered within the run.
 """
 
 from __future__ import annotations
@@ -168,9 +166,8 @@ async def until_ok(url: str, body: dict, deadline: float = 30.0) -> None:
 async def open_fds(pid: int) -> int:
     """File descriptors process ``pid`` holds open (the least of 10 counts over half a second).
 
-    File descriptors process ``pid`` holds open: the least of 10 counts over half a second, so that
-    the connection of the rig's own last ``/debug/endpoints`` poll, closed by the client and not yet by
-    pd-extproc, is not counted (a leak persists, and shows in every count)."""
+    The least count, so that the connection of the rig's own last ``/debug/endpoints`` poll, closed by
+    the client and not yet by pd-extproc, is not counted (a leak persists, and shows in every count)."""
     counts = []
     for _ in range(10):
         counts.append(len(os.listdir(f"/proc/{pid}/fd")))
@@ -187,7 +184,7 @@ async def usage(pid: int) -> dict[str, float]:
 class Listing:
     """A discovered set of engine ``addresses`` and when it was in force.
 
-    A discovered set of engine ``addresses``, in force from ``since`` (Unix seconds, before its
+    In force from ``since`` (Unix seconds, before its
     files were written) until ``until`` (the next set's files written; ``inf``: still in force)."""
 
     since: float
@@ -203,9 +200,9 @@ def listed(listings: Sequence[Listing], address: str, start: float, end: float) 
 def names_outside(line: str, listings: Sequence[Listing]) -> bool:
     """Whether access-log ``line`` names an address not discovered when the request was decided.
 
-    Whether access-log ``line`` (:data:`LOG_FORMAT`, after the listener's name) names an address, or
-    shows Envoy connected to one, that was not discovered at any moment from :data:`DISCOVERY_LAG_S`
-    before the request began to when its upstream request was sent (or it ended): when it was decided."""
+    ``line``: :data:`LOG_FORMAT`, after the listener's name. An address counts when the line names it
+    or shows Envoy connected to it; "when decided" spans from :data:`DISCOVERY_LAG_S` before the
+    request began to when its upstream request was sent (or it ended)."""
     began, to_upstream, to_end, named, upstream, _ = line.split(" ")
     start = float(began)
     decided = start + (float(to_upstream if to_upstream != "-" else to_end) + 2) / 1000  # ms, truncated

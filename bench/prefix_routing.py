@@ -244,7 +244,7 @@ TODAY = ("off", "prefer", "strict", "auto")
 class Record:
     """One request as the engines served it.
 
-    One request as the engines served it; times in model seconds, counts in tokens (``prefill_hit``
+    Times in model seconds, counts in tokens (``prefill_hit``
     the prompt tokens its prefill found cached, ``prefill_cpu_hit`` of them in the CPU tier).
 
     ``router_us``: the wall µs its router took to place it (the benchmark's JSON encoding of the body

@@ -106,7 +106,7 @@ class Scenario:
 def auto_keys(scenario: Scenario, bandwidth_error: float = 1.0) -> dict[str, object]:
     """pd-extproc's ``affinity.auto`` configuration for ``scenario``.
 
-    pd-extproc's ``affinity.auto`` configuration for ``scenario``: the simulator's KV model, the
+    The simulator's KV model, the
     cross-group bandwidth times ``bandwidth_error`` (capped at the in-group one, as the config
     requires), and as the wait scale one decode step at half batch of the median decode engine."""
     kv = scenario.kv

@@ -455,7 +455,7 @@ def _delays(text: str) -> list[float]:
 def runs_of(settings: list[str], delays_ms: list[float]) -> list[tuple[str, str, float]]:
     """``(row name, setting, sync delay in seconds)`` per run.
 
-    ``(row name, setting, sync delay in seconds)`` per run: a ` shared` setting once per delay (named
+    A ` shared` setting once per delay (named
     ``SETTING Dms`` when there are several), every other setting once."""
     out = []
     for setting in settings:

@@ -112,7 +112,9 @@ def stranger(params: dict, port: int) -> dict:
 
 
 async def run(prompt_tokens: int, repeats: int) -> dict:
-    """Run every case ``repeats`` times on real vLLM engines, prompts of ``prompt_tokens``: the rows."""
+    """Run every case ``repeats`` times on real vLLM engines, prompts of ``prompt_tokens``.
+
+    Returns the rows and their summary."""
     python = venv_python()
     if python is None:
         raise VllmUnavailable("vLLM for CPU is not installed: run `make vllm-env`")

@@ -102,7 +102,6 @@ class Cluster:
     async def exchange(self, body: bytes) -> float:
         """One request over the next worker's port (round robin): seconds to its routing answer.
 
-        One request over the next worker's port (round robin): seconds to its routing answer.
         ``RuntimeError`` when it was not routed or the stream failed."""
         self.sent += 1
         call = self.calls[self.sent % len(self.calls)]()

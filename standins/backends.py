@@ -28,7 +28,7 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 class EchoBackend:
     """A running echo backend that records every request it serves.
 
-    A running backend; ``requests`` records the path, seen routing headers, ``x-request-id`` and
+    ``requests`` records the path, seen routing headers, ``x-request-id`` and
     JSON body (POST only; ``raw``: its bytes as received, ``size``: their number) of every request
     served. A completion is recorded at once but answered only while ``answering`` is set (it is,
     unless a test clears it)."""
@@ -120,8 +120,7 @@ async def _models(request: web.Request) -> web.Response:
 async def start_backend(middlewares: tuple = ()) -> EchoBackend:
     """Start an echo backend on an ephemeral loopback port.
 
-    Start a backend on an ephemeral loopback port (``middlewares``: aiohttp middlewares in front
-    of its handlers)."""
+    ``middlewares``: aiohttp middlewares in front of its handlers."""
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=list(middlewares))
     backend = EchoBackend(web.AppRunner(app, access_log=None), "")
     backend.answering.set()
@@ -194,8 +193,7 @@ async def start_scripted_prefill(
 class BrokenEngine:
     """A TCP server standing in for a broken engine (see :func:`start_broken_engine`).
 
-    A TCP server standing in for a broken engine (see :func:`start_broken_engine`); ``requests``
-    counts the request heads it read."""
+    ``requests`` counts the request heads it read."""
 
     server: asyncio.Server
     address: str
@@ -214,7 +212,7 @@ GARBAGE = b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03 this is not HTTP \xff\x
 async def start_broken_engine(kind: str) -> BrokenEngine:
     """Start a :class:`BrokenEngine` on an ephemeral loopback port.
 
-    Start a :class:`BrokenEngine` on an ephemeral loopback port: ``hang`` reads each request head and
+    ``hang`` reads each request head and
     never answers (until the peer closes); ``garbage`` answers :data:`GARBAGE` and closes."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -338,7 +336,7 @@ async def _fail_kv_pulls(request: web.Request, handler) -> web.StreamResponse:  
 async def start_kv_failing_decode() -> EchoBackend:
     """A decode that cannot load any KV cache, answering as vLLM 0.32 does.
 
-    A decode that cannot load any KV cache, answering as vLLM 0.32 does: a request carrying
+    A request carrying
     ``kv_transfer_params`` gets HTTP 500 with :data:`VLLM_GENERATION_ERROR` (non-streaming) or HTTP 200
     whose events are that error, then ``[DONE]`` (streaming; a chat stream announces the role first);
     any other request is served as by :func:`start_backend`. Its ``requests`` record every request."""
@@ -349,7 +347,7 @@ async def start_kv_failing_decode() -> EchoBackend:
 class BootstrapServer:
     """A vLLM Mooncake bootstrap server stand-in.
 
-    A vLLM Mooncake bootstrap server stand-in: ``GET /query`` answers ``status`` and ``body``
+    ``GET /query`` answers ``status`` and ``body``
     (``MooncakeBootstrapServer.query``'s shape by default); ``queries`` counts the queries."""
 
     runner: web.AppRunner

@@ -36,8 +36,7 @@ def make_ca(folder: Path, name: str) -> Pair:
 def issue(ca: Pair, folder: Path, name: str, server: bool) -> Pair:
     """A certificate ``name`` signed by ``ca``, for a server or a client.
 
-    A certificate ``name`` signed by ``ca``: for a server (SAN ``DNS:pd-extproc``, ``IP:127.0.0.1``)
-    or a client."""
+    A server's carries SAN ``DNS:pd-extproc`` and ``IP:127.0.0.1``."""
     pair = Pair(folder / f"{name}.crt", folder / f"{name}.key")
     request = folder / f"{name}.csr"
     extensions = folder / f"{name}.ext"
@@ -58,8 +57,8 @@ def issue(ca: Pair, folder: Path, name: str, server: bool) -> Pair:
 def self_signed(folder: Path, name: str = SERVER_NAME) -> Pair:
     """A self-signed server certificate ``name`` in ``folder``.
 
-    A self-signed server certificate ``name`` in ``folder`` (SAN ``DNS:pd-extproc``, ``IP:127.0.0.1``):
-    what the gateways that dial the picker without verifying it are given."""
+    SAN ``DNS:pd-extproc``, ``IP:127.0.0.1``: what the gateways that dial the picker without verifying
+    it are given."""
     folder.mkdir(parents=True, exist_ok=True)
     pair = Pair(folder / f"{name}.crt", folder / f"{name}.key")
     _openssl(
@@ -74,7 +73,7 @@ def self_signed(folder: Path, name: str = SERVER_NAME) -> Pair:
 class Certificates:
     """Everything a TLS test needs: two CAs, a server, a client and a stranger.
 
-    Everything a TLS test needs: ``ca`` signs ``server`` and ``client``; ``other_ca`` signs
+    ``ca`` signs ``server`` and ``client``; ``other_ca`` signs
     ``stranger``, a client pd-extproc must refuse."""
 
     ca: Pair

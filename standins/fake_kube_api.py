@@ -181,7 +181,7 @@ def _event(change: _Change, selects: Callable[[dict[str, Any]], bool]) -> bytes 
 class FakeKubeApi:
     """The fake Kubernetes API server; ``requests`` records every request.
 
-    The fake API server. ``requests`` records every request: ``kind`` (list / watch / get),
+    A request's record: ``kind`` (list / watch / get),
     ``resource`` (pods / inferencepools), ``namespace``, ``authorization`` and the query parameters.
     ``list_gates`` maps ``(resource, namespace)`` to an event a list waits for."""
 
@@ -204,7 +204,7 @@ class FakeKubeApi:
     async def start(self) -> None:
         """Serve on 127.0.0.1 (the same port again after :meth:`stop`).
 
-        Serve on 127.0.0.1 (the same port again after :meth:`stop`). As a (re)started API server's
+        As a (re)started API server's
         watch cache, the event history starts now: a watch from an older version gets ``410 Expired``."""
         self.history = []
         self.compacted = self.version
@@ -240,8 +240,7 @@ class FakeKubeApi:
     def put(self, obj: dict[str, Any], *, silent: bool = False) -> int:
         """Create or replace ``obj``; returns its new resourceVersion.
 
-        Create or replace ``obj`` (a Pod or an InferencePool, by its ``kind``); returns its new
-        resourceVersion."""
+        ``obj``: a Pod or an InferencePool, by its ``kind``."""
         obj = copy.deepcopy(obj)
         resource = RESOURCES[obj["kind"]]
         metadata = obj["metadata"]
@@ -292,8 +291,7 @@ class FakeKubeApi:
     def expire(self) -> None:
         """Compact the history up to the current version; open watches end.
 
-        Compact the history up to the current version (only a watch from it stays possible); open
-        watches get ``ERROR 410`` and end."""
+        Only a watch from the current version stays possible; open watches get ``ERROR 410``."""
         self.compacted = self.version
         for watch in self._watches:
             watch.lines.put_nowait(_line("ERROR", self._gone(watch.request)))
