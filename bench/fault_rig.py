@@ -68,10 +68,9 @@ to it: the time pd-extproc and Envoy take to read a change (pd-extproc polls EDS
 class Outcome:
     """What one client saw, as a ``label`` (one of a fixed set).
 
-    What one client saw: ``label`` is ``"200"`` (a complete answer: ``[DONE]`` for a stream),
-    ``"200 cut"`` (the answer started and was cut), ``"<status> <error code>"`` (``non-json`` when the
-    body is no JSON error), ``"conn-error"`` (no answer at all), ``"hung"`` or ``"aborted"``
-    (the client gave up on purpose)."""
+    ``label`` is ``"200"`` (a complete answer: ``[DONE]`` for a stream), ``"200 cut"`` (the answer started and
+    was cut), ``"<status> <error code>"`` (``non-json`` when the body is no JSON error), ``"conn-error"`` (no
+    answer at all), ``"hung"`` or ``"aborted"`` (the client gave up on purpose)."""
 
     label: str
     seconds: float
@@ -131,8 +130,8 @@ async def run_load(
 ) -> list[Outcome]:
     """Send ``requests`` chat requests to ``url`` at ``rate`` per second, injecting the faults.
 
-    Send ``requests`` chat requests to ``url`` at ``rate`` per second (each on its own connection when
-    needed), run each ``(at, fault)`` ``at`` seconds after the first; every outcome, in sending order."""
+    Each request goes on its own connection when needed; each ``(at, fault)`` runs ``at`` seconds
+    after the first request. Returns every outcome, in sending order."""
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
 
@@ -184,8 +183,8 @@ async def usage(pid: int) -> dict[str, float]:
 class Listing:
     """A discovered set of engine ``addresses`` and when it was in force.
 
-    In force from ``since`` (Unix seconds, before its
-    files were written) until ``until`` (the next set's files written; ``inf``: still in force)."""
+    In force from ``since`` (Unix seconds, before its files were written) until ``until`` (the next set's
+    files written; ``inf``: still in force)."""
 
     since: float
     until: float
@@ -214,10 +213,9 @@ def names_outside(line: str, listings: Sequence[Listing]) -> bool:
 class Measured:
     """One run as measured: outcomes, load, usage and access-log lines.
 
-    One run as measured: every client's outcome; pd-extproc's load after it settled (``None``: it
-    had exited) and its :func:`usage` before and after (``None`` values: exited); the gateway
-    listener's access-log lines (one per request) and the lines of both listeners that name an address
-    outside the discovered set (:func:`names_outside`)."""
+    Every client's outcome; pd-extproc's load after it settled (``None``: it had exited) and its :func:`usage`
+    before and after (``None`` values: exited); the gateway listener's access-log lines (one per request) and
+    the lines of both listeners that name an address outside the discovered set (:func:`names_outside`)."""
 
     outcomes: list[Outcome]
     load: tuple[int, float] | None
@@ -232,9 +230,8 @@ def table_row(
 ) -> dict:
     """A row of the fault table: counts, measurements, ``failures`` and ``passed``.
 
-    A row of the fault table: counts, measurements, ``failures`` (``failures`` given, plus outcomes
-    not in ``allowed``, pd-extproc exited, load left, fewer access-log lines than requests, addresses
-    outside the set) and ``passed``."""
+    ``failures``: ``failures`` given, plus outcomes not in ``allowed``, pd-extproc exited, load left, fewer
+    access-log lines than requests, addresses outside the set; ``passed`` when there are none."""
     counts = Counter(o.label for o in run.outcomes)
     failures = [f"{n} x {label}" for label, n in counts.items() if label not in allowed] + failures
     if run.load is None:
@@ -412,7 +409,7 @@ class Rig:
     async def named_outside(self, requests: int, wait: float = 5.0) -> tuple[int, int]:
         """The gateway's access-log lines, and those naming an address outside the discovered sets.
 
-        (the gateway listener's access-log lines, lines of both listeners where pd-extproc named, or
+        Returns (the gateway listener's lines, the lines of both listeners where pd-extproc named, or
         Envoy used, an address outside :attr:`listings` when it decided: :func:`names_outside`). Waits
         up to ``wait`` seconds for the gateway's lines to reach ``requests``; no log reads as no line."""
         end = time.monotonic() + wait

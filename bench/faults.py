@@ -66,7 +66,7 @@ async def run_scenario(scenario: Scenario, size: Size) -> dict:
 def verdict(scenario: Scenario, run: Measured, extra: str | None) -> dict:
     """The scenario's row of the fault table, with the campaign's common expectation applied.
 
-    The scenario's row (:func:`fault_rig.table_row`): also failed when no request was served, more than
+    The row is :func:`fault_rig.table_row`'s, also failed when no request was served, more than
     ``max_failed_share`` were not, or the scenario's final check said ``extra``."""
     served = sum(o.label == "200" for o in run.outcomes)
     failures = [] if served else ["no request served"]

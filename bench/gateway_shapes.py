@@ -1,8 +1,7 @@
 """Handoffs and fail-open behind the gateways that run an InferencePool, with the real Envoy.
 
-Handoffs and fail-open behind the gateways that run an InferencePool, measured with the real Envoy 1.40
-in each gateway's shape (``tests/deploy/gateway_shapes/``, the stack of :mod:`standins.shapes`:
-``pd-extproc serve`` over TLS, scripted prefills, echo decodes).
+Measured with the real Envoy 1.40 in each gateway's shape (``tests/deploy/gateway_shapes/``, the stack of
+:mod:`standins.shapes`: ``pd-extproc serve`` over TLS, scripted prefills, echo decodes).
 
 1. **Prefill legs** (issue 16 item 8). These gateways set no ``max_message_timeout`` (kgateway's
    ``message_timeout`` is 5 s), so the ``override_message_timeout`` pd-extproc sends before a
@@ -204,8 +203,7 @@ async def _unrouted(session: aiohttp.ClientSession, stack: ShapeStack, requests:
 async def measure_fail_open(shape: str, requests: int, folder: Path) -> dict:
     """Part 2 for one shape: fail-open with pd-extproc down, without endpoints, or killed mid-body.
 
-    Part 2 for one shape: pd-extproc down (its address refuses connections), the picker cluster
-    without endpoints, pd-extproc killed between two body chunks."""
+    pd-extproc down means its address refuses connections; killed means SIGKILL between two body chunks."""
     async with shape_stack(shape, folder / "down", fail_open) as stack, aiohttp.ClientSession() as session:
         down = await _unrouted(session, stack, requests)
         await stack.picker()

@@ -114,9 +114,8 @@ WORKLOADS = {
 def auto_model(specs: Sequence[EngineSpec], timing: TimingConfig, kv: KvConfig) -> AutoModel:
     """``affinity.auto`` told the simulated fabric ``kv`` and the engines' costs.
 
-    ``affinity.auto`` told the simulated fabric ``kv``; the wait scale one decode step at half batch of
-    the median decode engine (``timing`` where a spec has none), the prefill cost ``timing``'s per-token
-    cost."""
+    The wait scale: one decode step at half batch of the median decode engine (``timing`` where a spec has
+    none); the prefill cost: ``timing``'s per-token cost."""
     steps = sorted(
         (s.timing or timing).decode_ms((s.timing or timing).max_batch // 2)
         for s in specs
@@ -244,8 +243,8 @@ TODAY = ("off", "prefer", "strict", "auto")
 class Record:
     """One request as the engines served it.
 
-    Times in model seconds, counts in tokens (``prefill_hit``
-    the prompt tokens its prefill found cached, ``prefill_cpu_hit`` of them in the CPU tier).
+    Times in model seconds, counts in tokens (``prefill_hit``: the prompt tokens its prefill found cached,
+    ``prefill_cpu_hit`` of them in the CPU tier).
 
     ``router_us``: the wall µs its router took to place it (the benchmark's JSON encoding of the body
     included), less ``tokenize_us``: those of the gateway tokenizer's stand-in (the ``kv-events``
@@ -433,8 +432,7 @@ def run_one(
 ) -> dict:
     """One setting on one cluster and workload seed, in virtual time on a fresh event loop.
 
-    One setting on one cluster and workload seed, on engines of ``profile``, in virtual time on a
-    fresh event loop."""
+    The engines run ``profile``."""
     large, small, kv = engines_of(profile)
     plan = WORKLOADS[workload].plan(seed, quick)
     loop = new_loop()

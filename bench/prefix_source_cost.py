@@ -63,8 +63,7 @@ class Engine:
     def serve(self, text: str, prompt_tokens: int) -> None:
         """Prefill ``text`` at once, reporting the cache's events as it goes.
 
-        Prefill ``text`` at once: its cached blocks taken (CPU-tier ones loaded), the rest computed,
-        all cached and freed (the cache reports its events as it goes)."""
+        Its cached blocks are taken (CPU-tier ones loaded), the rest computed, all cached and freed."""
         cache = self.cache
         hashes = PromptBlocks(text, cache.block_size).hashes
         hit = cache.lookup(hashes, prompt_tokens)
@@ -104,9 +103,8 @@ def run(
 ) -> dict[str, dict[str, float]]:
     """Time both prefix sources over the window: per source, p50 and mean µs per call.
 
-    Both sources over the window (module docstring), the first ``warmup`` requests untimed; per
-    source, per call and ``total`` (and ``apply`` for ``kv-events``): ``{"<name>_p50_us",
-    "<name>_mean_us"}``."""
+    The window is the module docstring's; the first ``warmup`` requests untimed. Per source, per call and
+    ``total`` (and ``apply`` for ``kv-events``): ``{"<name>_p50_us", "<name>_mean_us"}``."""
     now = [0.0]
     sources: dict[str, PrefixSource] = {
         kind.value: KINDS[kind](PrefixSettings(source=kind.value), Sink()) for kind in PrefixSourceKind

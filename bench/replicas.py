@@ -1,8 +1,5 @@
 """Gateway replicas: one simulated cluster behind one gateway and behind two, with and without engine load.
 
-Gateway replicas: the same simulated cluster behind one gateway and behind two, with and without the
-engine load signal.
-
 One simulated cluster (the routing benchmark's reference scenario, ``two-equal-groups``) is started per
 workload seed, and the same seeded streaming workload is sent, ``prefer`` at bonus 0.3, through:
 

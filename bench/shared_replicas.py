@@ -40,8 +40,8 @@ SHARING = replace(SharedStateConfig(), sync_wait_seconds=0.0)
 class Tally:
     """What one replica's shared state sent, received and dropped.
 
-    What one replica's shared state sent, received (messages and bytes, by kind) and dropped (by
-    reason): a :class:`~ext_proc.shared.replica.SharingSink`."""
+    Sent and received: messages and bytes, by kind; dropped: by reason. A
+    :class:`~ext_proc.shared.replica.SharingSink`."""
 
     sent: Counter[str] = field(default_factory=Counter)
     sent_bytes: int = 0
@@ -65,8 +65,8 @@ class Tally:
 class SharedReplicas(Replicas):
     """``routers`` taking turns, sharing their state over one in-memory hub.
 
-    ``routers`` taking turns, sharing their state over one :class:`MemoryHub` of ``delay_seconds``
-    (module docstring); :meth:`start` before the first request, :meth:`stop` after the last."""
+    The hub: one :class:`MemoryHub` of ``delay_seconds`` (module docstring); :meth:`start` before the first
+    request, :meth:`stop` after the last."""
 
     def __init__(
         self,

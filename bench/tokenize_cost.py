@@ -126,8 +126,8 @@ def paragraphs() -> list[str]:
 def conversation(raw: Tokenizer, pool: list[str], rng: random.Random) -> tuple[list[dict[str, str]], int]:
     """Messages rendering to about :data:`PROMPT_TOKENS` tokens, and the length of the turn seen before.
 
-    Messages rendering to about :data:`PROMPT_TOKENS` tokens, and how many of them make the turn that
-    holds about :data:`SEEN_TOKENS` (the previous request of this conversation)."""
+    The turn seen before: how many messages make the one that holds about :data:`SEEN_TOKENS` (the previous
+    request of this conversation)."""
 
     def count(text: str) -> int:
         return len(raw.encode(text, add_special_tokens=False).ids)

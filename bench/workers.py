@@ -175,8 +175,7 @@ def _serve(
 class Spec:
     """A cluster to start: its name, its routing processes and the shared state's batching.
 
-    A cluster to start: its name, its routing processes and how they run (:data:`SERVE` …), and the
-    shared state's ``batch_seconds`` (``None``: the default)."""
+    How the processes run: :data:`SERVE` …; ``batch_seconds`` ``None``: the default."""
 
     name: str
     workers: int

@@ -28,10 +28,9 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 class EchoBackend:
     """A running echo backend that records every request it serves.
 
-    ``requests`` records the path, seen routing headers, ``x-request-id`` and
-    JSON body (POST only; ``raw``: its bytes as received, ``size``: their number) of every request
-    served. A completion is recorded at once but answered only while ``answering`` is set (it is,
-    unless a test clears it)."""
+    ``requests`` records the path, seen routing headers, ``x-request-id`` and JSON body (POST only; ``raw``:
+    its bytes as received, ``size``: their number) of every request served. A completion is recorded at once
+    but answered only while ``answering`` is set (it is, unless a test clears it)."""
 
     runner: web.AppRunner
     address: str
@@ -212,8 +211,8 @@ GARBAGE = b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03 this is not HTTP \xff\x
 async def start_broken_engine(kind: str) -> BrokenEngine:
     """Start a :class:`BrokenEngine` on an ephemeral loopback port.
 
-    ``hang`` reads each request head and
-    never answers (until the peer closes); ``garbage`` answers :data:`GARBAGE` and closes."""
+    ``hang`` reads each request head and never answers (until the peer closes); ``garbage`` answers
+    :data:`GARBAGE` and closes."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -239,8 +238,8 @@ async def start_broken_engine(kind: str) -> BrokenEngine:
 class KeepAliveEngine:
     """An HTTP/1.1 engine stand-in that keeps idle connections like uvicorn, resetting late reuse.
 
-    An HTTP/1.1 engine stand-in that keeps idle connections like uvicorn (vLLM's and SGLang's HTTP
-    server): ``keepalive`` seconds after its last answer on a connection it is done with it.
+    Like uvicorn (vLLM's and SGLang's HTTP server): ``keepalive`` seconds after its last answer on a
+    connection it is done with it.
 
     The race it reproduces: uvicorn closes the idle connection at that moment while a client that
     pooled it writes its next request; the request meets a closed socket and the client sees the
@@ -336,10 +335,9 @@ async def _fail_kv_pulls(request: web.Request, handler) -> web.StreamResponse:  
 async def start_kv_failing_decode() -> EchoBackend:
     """A decode that cannot load any KV cache, answering as vLLM 0.32 does.
 
-    A request carrying
-    ``kv_transfer_params`` gets HTTP 500 with :data:`VLLM_GENERATION_ERROR` (non-streaming) or HTTP 200
-    whose events are that error, then ``[DONE]`` (streaming; a chat stream announces the role first);
-    any other request is served as by :func:`start_backend`. Its ``requests`` record every request."""
+    A request carrying ``kv_transfer_params`` gets HTTP 500 with :data:`VLLM_GENERATION_ERROR` (non-streaming)
+    or HTTP 200 whose events are that error, then ``[DONE]`` (streaming; a chat stream announces the role
+    first); any other request is served as by :func:`start_backend`. Its ``requests`` record every request."""
     return await start_backend((_fail_kv_pulls,))
 
 
@@ -347,8 +345,8 @@ async def start_kv_failing_decode() -> EchoBackend:
 class BootstrapServer:
     """A vLLM Mooncake bootstrap server stand-in.
 
-    ``GET /query`` answers ``status`` and ``body``
-    (``MooncakeBootstrapServer.query``'s shape by default); ``queries`` counts the queries."""
+    ``GET /query`` answers ``status`` and ``body`` (``MooncakeBootstrapServer.query``'s shape by default);
+    ``queries`` counts the queries."""
 
     runner: web.AppRunner
     port: int

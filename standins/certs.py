@@ -73,8 +73,8 @@ def self_signed(folder: Path, name: str = SERVER_NAME) -> Pair:
 class Certificates:
     """Everything a TLS test needs: two CAs, a server, a client and a stranger.
 
-    ``ca`` signs ``server`` and ``client``; ``other_ca`` signs
-    ``stranger``, a client pd-extproc must refuse."""
+    ``ca`` signs ``server`` and ``client``; ``other_ca`` signs ``stranger``, a client pd-extproc must
+    refuse."""
 
     ca: Pair
     server: Pair

@@ -181,9 +181,9 @@ def _event(change: _Change, selects: Callable[[dict[str, Any]], bool]) -> bytes 
 class FakeKubeApi:
     """The fake Kubernetes API server; ``requests`` records every request.
 
-    A request's record: ``kind`` (list / watch / get),
-    ``resource`` (pods / inferencepools), ``namespace``, ``authorization`` and the query parameters.
-    ``list_gates`` maps ``(resource, namespace)`` to an event a list waits for."""
+    A request's record: ``kind`` (list / watch / get), ``resource`` (pods / inferencepools), ``namespace``,
+    ``authorization`` and the query parameters. ``list_gates`` maps ``(resource, namespace)`` to an event a
+    list waits for."""
 
     def __init__(self) -> None:
         self.objects: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
@@ -204,8 +204,8 @@ class FakeKubeApi:
     async def start(self) -> None:
         """Serve on 127.0.0.1 (the same port again after :meth:`stop`).
 
-        As a (re)started API server's
-        watch cache, the event history starts now: a watch from an older version gets ``410 Expired``."""
+        As a (re)started API server's watch cache, the event history starts now: a watch from an older version
+        gets ``410 Expired``."""
         self.history = []
         self.compacted = self.version
         app = web.Application()

@@ -37,8 +37,8 @@ def pod(
 ) -> dict[str, Any]:
     """A pod of one ``engine`` container, as the API server sends it.
 
-    A pod of one ``engine`` container; ``ports`` maps container port names to numbers
-    (default: InferNex's ``prefill-port`` 8000 and ``decode-port`` 8200)."""
+    ``ports`` maps container port names to numbers (default: InferNex's ``prefill-port`` 8000 and
+    ``decode-port`` 8200)."""
     all_labels = dict(labels or {})
     if role is not None:
         all_labels[role_label] = role
@@ -97,8 +97,7 @@ def inference_pool(
 ) -> dict[str, Any]:
     """An ``inference.networking.k8s.io/v1`` InferencePool as the API server sends it.
 
-    An ``inference.networking.k8s.io/v1`` InferencePool as the API server sends it: ``labels``
-    its ``spec.selector.matchLabels`` (default ``app: vllm``), ``ports`` its ``targetPorts``
+    ``labels``: its ``spec.selector.matchLabels`` (default ``app: vllm``), ``ports`` its ``targetPorts``
     (default 8000), ``picker`` its ``endpointPickerRef`` (``None``: absent)."""
     spec: dict[str, Any] = {
         "selector": {"matchLabels": {"app": "vllm"} if labels is None else labels},

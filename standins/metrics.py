@@ -11,8 +11,7 @@ async def by_outcome(
 ) -> dict[str, float]:
     """The samples of pd-extproc's counter ``counter`` at ``admin_url``, by their ``label`` label.
 
-    The samples of the counter ``counter`` (``..._total``) of pd-extproc at ``admin_url``, by their
-    ``label`` label."""
+    ``counter``: a counter's name (``..._total``)."""
     async with session.get(f"{admin_url}/metrics") as response:
         text = await response.text()
     return {

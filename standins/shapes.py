@@ -1,8 +1,7 @@
 """The gateway shapes of ``tests/deploy/gateway_shapes/``: Envoy bootstraps bound to a local run.
 
-The gateway shapes of ``tests/deploy/gateway_shapes/``: Envoy bootstraps as the gateways that run an
-InferencePool generate them (each file names its sources and its differences in a header comment),
-bound to a local run by :func:`render_shape`.
+Each shape is an Envoy bootstrap as the gateways that run an InferencePool generate it (each file names its
+sources and its differences in a header comment), bound to a local run by :func:`render_shape`.
 
 A shape file is a complete, valid Envoy bootstrap. Its structure is what the renderer relies on, so
 keep it when editing a shape:
@@ -212,9 +211,9 @@ class ShapeStack:
     async def picker(self, changes: dict[str, object] | None = None, through_envoy: bool = True) -> None:
         """Have ``pd-extproc serve`` run with the base settings updated by ``changes``.
 
-        Have ``pd-extproc serve`` run with the base settings updated by ``changes`` (dotted keys),
-        from a config file as a user would: (re)started only when they differ from the running ones,
-        then waited for until it is ready and (``through_envoy``) answers through Envoy."""
+        ``changes``: dotted keys. It runs from a config file as a user would: (re)started only when they
+        differ from the running ones, then waited for until it is ready and (``through_envoy``) answers
+        through Envoy."""
         settings = {**self.base, **(changes or {})}
         if self.router is not None and settings == self.running:
             return
@@ -271,11 +270,11 @@ async def shape_stack(
 ) -> AsyncIterator[ShapeStack]:
     """Start engines, pd-extproc's files and Envoy in ``shape``; everything stops on exit.
 
-    Start the engines of :data:`GROUPS` (scripted prefills answering :data:`PREFILL_ANSWER`, echo
-    decodes), their EDS files for pd-extproc, a self-signed certificate for it, and Envoy in ``shape``
-    over all of them (``edit(rendered, prefill addresses, decode addresses)`` may change the rendered
-    bootstrap first); ``folder`` (made if missing) holds the files. pd-extproc starts with
-    :meth:`ShapeStack.picker`; everything stops on exit."""
+    The engines are those of :data:`GROUPS` (scripted prefills answering :data:`PREFILL_ANSWER`, echo
+    decodes), their EDS files for pd-extproc, a self-signed certificate for it, and Envoy in ``shape`` over
+    all of them (``edit(rendered, prefill addresses, decode addresses)`` may change the rendered bootstrap
+    first); ``folder`` (made if missing) holds the files. pd-extproc starts with :meth:`ShapeStack.picker`;
+    everything stops on exit."""
     folder.mkdir(parents=True, exist_ok=True)
     prefills = [await start_scripted_prefill(body=PREFILL_ANSWER) for _ in GROUPS["prefill"]]
     decodes = [await start_backend() for _ in GROUPS["decode"]]
