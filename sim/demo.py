@@ -88,8 +88,10 @@ def _window_line(args: argparse.Namespace, window: list[TraceRequest], speed: fl
 
 
 def replay(args: argparse.Namespace) -> tuple[str, str, dict[str, dict]]:
-    """Run the simulated demo for the parsed options ``args`` of ``pd-extproc demo`` (:mod:`demo.cli`):
-    what it replays, on which cluster (one line each), and the results by mode."""
+    """Run the simulated demo for the parsed options of ``pd-extproc demo``.
+
+    ``args`` come from :mod:`demo.cli`; returns what it replays, on which cluster (one line each), and the
+    results by mode."""
     window = _trace_window(args)
     speed = args.speed or (1.0 if args.trace else SAMPLE_SPEED)
     cap = args.max_output or (None if args.trace else SAMPLE_MAX_OUTPUT)
