@@ -26,7 +26,7 @@ from sim.cluster import clusters
 from sim.experiment import measure
 from sim.profiles import MEASURED_PROFILE, engines_of, profile_names
 from sim.report import better, format_table
-from sim.stack import StackError, start_stack
+from sim.stack import Stack, StackError, start_stack
 from sim.traces import SAMPLE, TraceError, TraceRequest, read_window
 from sim.workload import RequestPlan, trace_plans
 
@@ -60,6 +60,20 @@ CV_NOTE = (
 """Printed under the table: one short run's decode load CV is noisy (docs/getting-started.md, the demo)."""
 
 
+def start_demo_stack(handoff: str = HANDOFFS[0], profile: str = MEASURED_PROFILE) -> Stack:
+    """The demo's stack: the :data:`CLUSTER` cluster, its engines of ``profile``'s costs with a
+    :data:`CPU_TIER_TOKENS` CPU tier, their KV connector the one ``handoff`` drives."""
+    large, small, kv = engines_of(profile, CPU_TIER_TOKENS)
+    kv = replace(kv, kv_connector=CONNECTORS.get(handoff, "nixl"))
+    return start_stack(clusters(large, small)[CLUSTER], large, kv)
+
+
+def sample_plans() -> list[RequestPlan]:
+    """The demo's default workload: the first :data:`SAMPLE_COUNT` requests of the shipped sample at
+    :data:`SAMPLE_SPEED`, outputs capped at :data:`SAMPLE_MAX_OUTPUT` tokens."""
+    return trace_plans(read_window(SAMPLE, None, 0, SAMPLE_COUNT), SAMPLE_SPEED, SAMPLE_MAX_OUTPUT)
+
+
 async def run_demo(
     plans: list[RequestPlan],
     modes: list[str],
@@ -67,11 +81,9 @@ async def run_demo(
     handoff: str = HANDOFFS[0],
     profile: str = MEASURED_PROFILE,
 ) -> dict[str, dict]:
-    """Send ``plans`` once per mode through one stack whose engines have ``profile``'s costs and a
-    :data:`CPU_TIER_TOKENS` CPU tier, driven with ``handoff``; return the summaries by mode."""
-    large, small, kv = engines_of(profile, CPU_TIER_TOKENS)
-    kv = replace(kv, kv_connector=CONNECTORS.get(handoff, "nixl"))
-    stack = start_stack(clusters(large, small)[CLUSTER], large, kv)
+    """Send ``plans`` once per mode through one stack (:func:`start_demo_stack`); return the summaries
+    by mode."""
+    stack = start_demo_stack(handoff, profile)
     results: dict[str, dict] = {}
     try:
         with tqdm(total=len(plans) * len(modes), unit="req", desc="demo", leave=False) as bar:
