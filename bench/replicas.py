@@ -154,7 +154,7 @@ async def _measure(stack: Stack, name: str, plans: list[RequestPlan], interval: 
     """One setting's run of ``plans`` on ``stack``, ``prefer`` at bonus 0.3."""
     setting = SETTINGS[name]
     with _shared_state(setting.shared) as config:
-        return await measure(
+        result = await measure(
             stack,
             "prefer",
             plans,
@@ -164,6 +164,21 @@ async def _measure(stack: Stack, name: str, plans: list[RequestPlan], interval: 
             engine_metrics=interval if setting.engine_metrics else None,
             config=config,
         )
+        if setting.shared:
+            result["shared"] = await _shared_views(stack)
+    return result
+
+
+async def _shared_views(stack: Stack) -> list[dict]:
+    """Each replica's ``/debug/shared`` after a run: that it stayed connected and heard its peer."""
+    async with aiohttp.ClientSession() as session:
+        views = []
+        for replica in stack.replicas:
+            async with session.get(f"{replica.admin_url}/debug/shared") as response:
+                views.append(await response.json())
+    if not all(view["connected"] and view["peers"] for view in views):
+        raise RuntimeError(f"the replicas did not share their state: {views}")
+    return views
 
 
 async def run_seed(
@@ -233,7 +248,8 @@ def format_summary(stats: dict[str, dict], seeds: int, base: str) -> str:
     head = (
         f"{'setting':<22}"
         + "".join(f"{title:>26}" for _, title, _ in COLUMNS)
-        + f"{'CV/' + base:>18}{'p90/' + base:>18}{'errors':>8}"
+        + "".join(f" {title + base:>{max(17, len(title + base))}}" for title in ("CV/", "p90/"))
+        + f"{'errors':>8}"
     )
     lines = [f"across {seeds} workload seeds: median [min-max]", head, "-" * len(head)]
     for name, row in stats.items():
@@ -245,7 +261,10 @@ def format_summary(stats: dict[str, dict], seeds: int, base: str) -> str:
         lines.append(
             f"{name:<22}"
             + "".join(f"{c:>26}" for c in cells)
-            + "".join(f"{'n/a' if r is None else f'{r:.3f}x':>18}" for r in ratios)
+            + "".join(
+                f" {'n/a' if r is None else f'{r:.3f}x':>{max(17, len(title + base))}}"
+                for r, title in zip(ratios, ("CV/", "p90/"), strict=True)
+            )
             + f"{row['errors']:>8}"
         )
     return "\n".join(lines)
