@@ -13,8 +13,9 @@ first after a quiet spell at once, the ones that arrive within ``answer_seconds`
 together (coalesced: the state is built once and sent to each of their reply subjects) when that time
 is up, at most :data:`MAX_WAITING_ANSWERS` reply subjects at a time (beyond them a request is refused:
 not answered). So a flood of sync requests, a buggy or hostile peer asking again and again, costs each
-replica one answer per ``answer_seconds`` and never holds back a replica that starts: its answer comes
-within ``answer_seconds`` of its request, inside its ``sync_wait_seconds``. Each request is counted by
+replica one answer built per ``answer_seconds``, sent once to each reply subject waiting, and never
+holds back a replica that starts: its answer comes within ``answer_seconds`` of its request, inside its
+``sync_wait_seconds``. Each request is counted by
 outcome (``sink.shared_sync_request``: ``answered``, ``coalesced``, ``refused``).
 
 Faults never end a subscription nor the heartbeats: an exception while a peer's message is applied
