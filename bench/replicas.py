@@ -54,8 +54,8 @@ from routing_quality import FIRST_SEED, SCENARIOS, across_seeds, paired_ratio
 
 from ext_proc.engine_load.config import EngineMetricsConfig
 from ext_proc.workers import find_nats_server, start_private_nats
+from sim.demo import SAMPLE_COUNT, start_demo_stack
 from sim.demo import sample_plans as demo_plans
-from sim.demo import start_demo_stack
 from sim.experiment import measure
 from sim.report import COLUMNS as REPORT_COLUMNS
 from sim.report import format_table
@@ -83,6 +83,8 @@ SETTINGS: dict[str, Setting] = {
     "1-replica-scraped": Setting(1, True),
     "2-replicas-shared": Setting(2, False, shared=True),
 }
+SAMPLE_REQUESTS = 200
+"""The requests of the shipped sample the demo replays (``--requests`` with ``demo``: its first ones)."""
 DEMO_SETTINGS = (BASE, "2-replicas", "2-replicas-shared")
 """The settings run on the ``demo`` workload unless ``--settings`` names others."""
 RESTART_AFTER = 3.0
@@ -202,10 +204,10 @@ async def run_seed(
     return results, recovery
 
 
-async def run_demo_round(round_: int, interval: float, settings: list[str]) -> dict[str, dict]:
-    """Every setting on the ``demo`` workload, each on a fresh demo cluster, the order rotated by
-    ``round_``."""
-    plans = demo_plans()
+async def run_demo_round(round_: int, requests: int, interval: float, settings: list[str]) -> dict[str, dict]:
+    """Every setting on the ``demo`` workload (its first ``requests``), each on a fresh demo cluster, the
+    order rotated by ``round_``."""
+    plans = demo_plans(requests)
     shift = round_ % len(settings)
     results: dict[str, dict] = {}
     for name in settings[shift:] + settings[:shift]:
@@ -283,8 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--requests",
         type=int,
-        default=SCENARIOS[SCENARIO].requests,
-        help=f"requests per run of {SCENARIO} (default %(default)s)",
+        help=f"requests per run (default {SCENARIOS[SCENARIO].requests}; {DEMO}: the first "
+        f"{SAMPLE_COUNT} of the sample, as the demo, at most {SAMPLE_REQUESTS})",
     )
     parser.add_argument(
         "--interval",
@@ -306,8 +308,11 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [s for s in settings if s not in SETTINGS]
     if unknown or not settings:
         parser.error(f"unknown setting(s) {', '.join(unknown)}; choose from {', '.join(SETTINGS)}")
-    if args.seeds < 1 or args.requests < 1:
-        parser.error("--seeds and --requests must be at least 1")
+    requests = args.requests or (SAMPLE_COUNT if demo else SCENARIOS[SCENARIO].requests)
+    if args.seeds < 1 or requests < 1 or (demo and requests > SAMPLE_REQUESTS):
+        parser.error(
+            f"--seeds and --requests must be at least 1 (with {DEMO}, --requests at most {SAMPLE_REQUESTS})"
+        )
     restart = not args.no_restart and not demo
     if restart and "2-replicas-scraped" not in settings:
         parser.error("the restart measurement needs the 2-replicas-scraped setting (or --no-restart)")
@@ -318,11 +323,11 @@ def main(argv: list[str] | None = None) -> int:
     recovery = None
     for index, seed in enumerate(seeds):
         if demo:
-            runs[seed] = asyncio.run(run_demo_round(index, args.interval, settings))
+            runs[seed] = asyncio.run(run_demo_round(index, requests, args.interval, settings))
             print(f"\n{DEMO}, prefer@0.3 (round {index})")
         else:
             runs[seed], measured = asyncio.run(
-                run_seed(seed, args.requests, args.interval, settings, restart and seed == seeds[0])
+                run_seed(seed, requests, args.interval, settings, restart and seed == seeds[0])
             )
             recovery = recovery or measured
             print(f"\n{SCENARIO}, prefer@0.3 (workload seed {seed})")
@@ -339,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     output = {
         "workload": args.workload,
+        "requests": requests,
         "interval_s": args.interval,
         "seeds": seeds,
         "runs": runs,

@@ -68,10 +68,10 @@ def start_demo_stack(handoff: str = HANDOFFS[0], profile: str = MEASURED_PROFILE
     return start_stack(clusters(large, small)[CLUSTER], large, kv)
 
 
-def sample_plans() -> list[RequestPlan]:
-    """The demo's default workload: the first :data:`SAMPLE_COUNT` requests of the shipped sample at
-    :data:`SAMPLE_SPEED`, outputs capped at :data:`SAMPLE_MAX_OUTPUT` tokens."""
-    return trace_plans(read_window(SAMPLE, None, 0, SAMPLE_COUNT), SAMPLE_SPEED, SAMPLE_MAX_OUTPUT)
+def sample_plans(count: int = SAMPLE_COUNT) -> list[RequestPlan]:
+    """The demo's default workload: the first ``count`` requests of the shipped sample (by default
+    :data:`SAMPLE_COUNT`) at :data:`SAMPLE_SPEED`, outputs capped at :data:`SAMPLE_MAX_OUTPUT` tokens."""
+    return trace_plans(read_window(SAMPLE, None, 0, count), SAMPLE_SPEED, SAMPLE_MAX_OUTPUT)
 
 
 async def run_demo(

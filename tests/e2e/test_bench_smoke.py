@@ -356,21 +356,12 @@ def test_replicas_benchmark_end_to_end(tmp_path, monkeypatch):
     assert output["across_seeds"]["2-replicas-shared"]["ttft_p90_ms_vs_1-replica"] is not None
 
 
-def test_replicas_benchmark_on_the_demo_workload_runs_each_setting_on_a_fresh_cluster(tmp_path, monkeypatch):
+def test_replicas_benchmark_on_the_demo_workload_runs_each_setting_on_a_fresh_cluster(tmp_path):
     """The demo's cluster and trace (its first requests only here): one replica, and two sharing."""
-    plans = replicas_bench.demo_plans()[:4]
-    monkeypatch.setattr(replicas_bench, "demo_plans", lambda: plans)
     out = tmp_path / "replicas.json"
-    argv = [
-        "--workload",
-        "demo",
-        "--seeds",
-        "1",
-        "--settings",
-        "1-replica,2-replicas-shared",
-        "--json",
-        str(out),
-    ]
+    settings = "1-replica,2-replicas-shared"
+    argv = ["--workload", "demo", "--seeds", "1", "--requests", "4", "--settings", settings]
+    argv += ["--json", str(out)]
     assert replicas_bench.main(argv) == 0
     output = json.loads(out.read_text())
     runs = output["runs"][str(routing.FIRST_SEED)]
@@ -381,7 +372,11 @@ def test_replicas_benchmark_on_the_demo_workload_runs_each_setting_on_a_fresh_cl
 
 
 def test_replicas_benchmark_refuses_unknown_settings_and_a_restart_without_scraping():
-    for argv in (["--settings", "3-replicas"], ["--settings", "1-replica"]):
+    for argv in (
+        ["--settings", "3-replicas"],
+        ["--settings", "1-replica"],
+        ["--workload", "demo", "--requests", "201"],
+    ):
         with pytest.raises(SystemExit) as exit_info:
             replicas_bench.main(argv)
         assert exit_info.value.code == 2
