@@ -24,6 +24,12 @@ def _sample(router: Router, name: str, **labels: str) -> float:
     return router.metrics.registry.get_sample_value(name, labels) or 0.0
 
 
+@pytest.fixture(autouse=True)
+def _warnings_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """The shared state's warnings reach ``caplog`` whatever level an earlier test left the root at."""
+    caplog.set_level(logging.WARNING, logger="ext_proc.shared")
+
+
 def _warnings(caplog: pytest.LogCaptureFixture, reason: str) -> list[logging.LogRecord]:
     marker = f"a message dropped ({reason})"
     return [r for r in caplog.records if r.levelno == logging.WARNING and marker in r.getMessage()]
