@@ -55,8 +55,8 @@ PENDING_MESSAGES = 65_536
 """Messages of one subscription waiting to be handled at most; more are thrown away (``slow_consumer``)."""
 
 
-Dropped = Callable[[str, str, BaseException | None], None]
-"""Where a bus reports a message it could not send or had to throw away: reason, detail, the exception."""
+Dropped = Callable[[str, str], None]
+"""Where a bus reports a message it could not send or had to throw away: its reason, what happened."""
 
 
 class NatsBus:
@@ -196,7 +196,7 @@ class NatsBus:
                 await client.publish(subject, payload, reply=reply)
             except Exception as exc:  # disconnected meanwhile, or too large for the server
                 reason = "publish_error" if client.is_connected else "disconnected"
-                self._dropped(reason, f"a publish of {len(payload)} bytes on {subject} failed: {exc!r}", exc)
+                self._dropped(reason, f"a publish of {len(payload)} bytes on {subject} failed: {exc!r}")
 
     async def close(self) -> None:
         self._closing = True
@@ -219,9 +219,7 @@ class NatsBus:
         """The client's report of an error: a message it threw away (counted), or why a connection
         failed (kept for the log line of the try)."""
         if isinstance(exc, SlowConsumerError):
-            self._dropped(
-                "slow_consumer", f"messages on {exc.subject} come faster than they are handled", None
-            )
+            self._dropped("slow_consumer", f"messages on {exc.subject} come faster than they are handled")
             return
         self._last_error = str(exc) or type(exc).__name__
         log.debug("shared state: NATS: %s", exc)

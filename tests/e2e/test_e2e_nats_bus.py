@@ -71,9 +71,7 @@ async def _buses(count: int) -> AsyncIterator[tuple[list[NatsBus], list[tuple[st
     dropped: list[tuple[str, str]] = []
     config = NatsConfig(url=nats.url, token=nats.token)
     buses = [
-        NatsBus(
-            config, f"bus-{i}", lambda state: None, lambda reason, detail, _: dropped.append((reason, detail))
-        )
+        NatsBus(config, f"bus-{i}", lambda state: None, lambda *report: dropped.append(report))
         for i in range(count)
     ]
     try:
