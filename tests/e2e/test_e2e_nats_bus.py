@@ -70,11 +70,12 @@ async def _buses(count: int) -> AsyncIterator[tuple[list[NatsBus], list[tuple[st
     nats = start_private_nats(binary)
     dropped: list[tuple[str, str]] = []
     config = NatsConfig(url=nats.url, token=nats.token)
-    buses = [
-        NatsBus(config, f"bus-{i}", lambda state: None, lambda *report: dropped.append(report))
-        for i in range(count)
-    ]
+    buses: list[NatsBus] = []
     try:
+        for i in range(count):
+            buses.append(
+                NatsBus(config, f"bus-{i}", lambda state: None, lambda *report: dropped.append(report))
+            )
         yield buses, dropped
     finally:
         for bus in buses:
