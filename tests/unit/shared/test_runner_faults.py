@@ -46,19 +46,19 @@ async def test_a_fault_applying_peers_messages_is_counted_logged_once_and_the_su
     a, b = _router(), _router()
     shared = [_share(a, hub, "a"), _share(b, hub, "b")]
     await asyncio.gather(*(s.start() for s in shared))
-    learned = b.prefix.learned  # type: ignore[union-attr]
+    learned = b.live.prefix.learned  # type: ignore[union-attr]
 
     def broken(*args: object) -> None:
         raise Boom("the index cannot learn")
 
-    b.prefix.learned = broken  # type: ignore[union-attr,method-assign]
+    b.live.prefix.learned = broken  # type: ignore[union-attr,method-assign]
     for seed in range(3):  # each batch carries a placement that b fails to learn
         _route(a, _body(300, seed)).lease.release()
         await _turns()
     assert _sample(b, DROPPED, reason="apply_error") == 3
     assert len(_warnings(caplog, "apply_error")) == 1  # once per cause, with its traceback
     assert _warnings(caplog, "apply_error")[0].exc_info is not None
-    b.prefix.learned = learned  # type: ignore[union-attr,method-assign]
+    b.live.prefix.learned = learned  # type: ignore[union-attr,method-assign]
     held = _route(a, _body(300, seed=9))  # the subscription still applies what comes
     await _turns()
     decode = held.lease.decode
@@ -75,19 +75,19 @@ async def test_a_fault_building_the_sync_answer_is_counted_and_a_later_request_i
     shared_a = _share(a, hub, "a")
     await shared_a.start()
     held = _route(a, _body(300))
-    snapshot = a.prefix.snapshot  # type: ignore[union-attr]
+    snapshot = a.live.prefix.snapshot  # type: ignore[union-attr]
 
     def broken() -> list:
         raise Boom("the index cannot be listed")
 
-    a.prefix.snapshot = broken  # type: ignore[union-attr,method-assign]
+    a.live.prefix.snapshot = broken  # type: ignore[union-attr,method-assign]
     c = _router()
     shared_c = _share(c, hub, "c")
     await shared_c.start()  # waits sync_wait_seconds for an answer that never comes
     assert not shared_c.runner.synced
     assert _sample(a, DROPPED, reason="answer_error") == 1
     assert len(_warnings(caplog, "answer_error")) == 1
-    a.prefix.snapshot = snapshot  # type: ignore[union-attr,method-assign]
+    a.live.prefix.snapshot = snapshot  # type: ignore[union-attr,method-assign]
     d = _router()
     shared_d = _share(d, hub, "d")
     await shared_d.start()
