@@ -313,7 +313,8 @@ async def test_garbage_on_the_subjects_is_dropped_counted_logged_once_and_never_
 
 async def test_a_flood_of_sync_requests_gets_each_replica_one_answer_per_window(live: Pool) -> None:
     """A peer asks for the replicas' state 1,000 times in a row on one reply subject: each replica answers
-    the first at once and the others together, once its 0.25 s window is up, not 1,000 times."""
+    the first at once (when no earlier request holds its window) and the others together, each time its
+    0.25 s window is up, not 1,000 times."""
     sync, answers = "pd_extproc_shared_sync_requests_total", "pd_extproc_shared_messages_sent_total"
     flood = 1000
     async with aiohttp.ClientSession() as session:
@@ -354,12 +355,13 @@ async def test_a_flood_of_sync_requests_gets_each_replica_one_answer_per_window(
                 - total(before[replica.name], sync, outcome=outcome)
                 for outcome in ("answered", "coalesced", "refused")
             }
-            assert counted["answered"] >= 1 and counted["refused"] == 0, counted
-            assert counted["answered"] + counted["coalesced"] == flood, counted
+            # one asker: never refused; answered at once only when no earlier request holds the window
+            assert counted["refused"] == 0 and counted["answered"] + counted["coalesced"] == flood, counted
             sent = total(metrics, answers, kind="sync_answer") - total(
                 before[replica.name], answers, kind="sync_answer"
             )
-            assert 1 <= sent <= windows, (replica.name, sent, flooded)  # a batch an answer: no prefix index
+            # a batch an answer (no prefix index), plus the peers' own requests that held the window, if any
+            assert 1 <= sent <= windows + len(live.replicas) - 1, (replica.name, sent, flooded)
         assert len(got) <= len(live.replicas) * windows
 
 
