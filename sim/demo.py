@@ -39,16 +39,19 @@ CONNECTORS = {"vllm-mooncake": "mooncake"}
 
 
 def start_demo_stack(handoff: str = HANDOFFS[0], profile: str = MEASURED_PROFILE) -> Stack:
-    """The demo's stack: the :data:`CLUSTER` cluster, its engines of ``profile``'s costs with a
-    :data:`CPU_TIER_TOKENS` CPU tier, their KV connector the one ``handoff`` drives."""
+    """Start the demo's stack: the :data:`CLUSTER` cluster of ``profile``'s engines.
+
+    The engines have a :data:`CPU_TIER_TOKENS` CPU tier and the KV connector ``handoff`` drives."""
     large, small, kv = engines_of(profile, CPU_TIER_TOKENS)
     kv = replace(kv, kv_connector=CONNECTORS.get(handoff, "nixl"))
     return start_stack(clusters(large, small)[CLUSTER], large, kv)
 
 
 def sample_plans(count: int = SAMPLE_COUNT) -> list[RequestPlan]:
-    """The demo's default workload: the first ``count`` requests of the shipped sample (by default
-    :data:`SAMPLE_COUNT`) at :data:`SAMPLE_SPEED`, outputs capped at :data:`SAMPLE_MAX_OUTPUT` tokens."""
+    """The demo's default workload: the first ``count`` requests of the shipped sample.
+
+    ``count`` defaults to :data:`SAMPLE_COUNT`; replayed at :data:`SAMPLE_SPEED`, outputs capped at
+    :data:`SAMPLE_MAX_OUTPUT` tokens."""
     return trace_plans(read_window(SAMPLE, None, 0, count), SAMPLE_SPEED, SAMPLE_MAX_OUTPUT)
 
 
@@ -59,8 +62,9 @@ async def run_demo(
     handoff: str = HANDOFFS[0],
     profile: str = MEASURED_PROFILE,
 ) -> dict[str, dict]:
-    """Send ``plans`` once per mode through one stack (:func:`start_demo_stack`); return the summaries
-    by mode."""
+    """Send ``plans`` once per mode through one stack; return the summaries by mode.
+
+    The stack is :func:`start_demo_stack`'s for ``handoff`` and ``profile``."""
     stack = start_demo_stack(handoff, profile)
     results: dict[str, dict] = {}
     try:

@@ -253,9 +253,10 @@ class ReplicaState:
         return any(self.registry.find(role, address) is not None for role in ("prefill", "decode"))
 
     def drop(self, reason: str, detail: str, cause: BaseException | None = None) -> None:
-        """Count one message (or part) not applied or not sent for ``reason`` (``sink.dropped``); log the
-        first of each cause at WARNING: of each reason, and of each type of ``cause`` (an exception, whose
-        traceback the line carries)."""
+        """Count one message (or part) not applied or not sent for ``reason``.
+
+        Counted in ``sink.shared_dropped``; the first of each cause is logged at WARNING: of each reason,
+        and of each type of ``cause`` (an exception, whose traceback the line carries)."""
         self._sink.shared_dropped(reason)
         key = reason if cause is None else f"{reason}/{type(cause).__name__}"
         if key not in self._logged:
