@@ -38,15 +38,16 @@ SHARING = replace(SharedStateConfig(), sync_wait_seconds=0.0)
 
 @dataclass
 class Tally:
-    """What one replica's shared state sent, received and dropped.
+    """What one replica's shared state sent, received, dropped and made of its peers' sync requests.
 
-    Sent and received: messages and bytes, by kind; dropped: by reason. A
+    Sent and received: messages and bytes, by kind; dropped: by reason; sync requests: by outcome. A
     :class:`~ext_proc.shared.replica.SharingSink`."""
 
     sent: Counter[str] = field(default_factory=Counter)
     sent_bytes: int = 0
     received: Counter[str] = field(default_factory=Counter)
     dropped: Counter[str] = field(default_factory=Counter)
+    sync_requests: Counter[str] = field(default_factory=Counter)
 
     def shared_sent(self, kind: str, size: int) -> None:
         """Count one message of ``kind`` sent, ``size`` bytes."""
@@ -60,6 +61,10 @@ class Tally:
     def shared_dropped(self, reason: str) -> None:
         """Count one message dropped for ``reason``."""
         self.dropped[reason] += 1
+
+    def shared_sync_request(self, outcome: str) -> None:
+        """Count one peer's sync request by its ``outcome``."""
+        self.sync_requests[outcome] += 1
 
 
 class SharedReplicas(Replicas):
