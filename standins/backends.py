@@ -238,16 +238,16 @@ async def start_broken_engine(kind: str) -> BrokenEngine:
 class KeepAliveEngine:
     """An HTTP/1.1 engine stand-in that keeps idle connections like uvicorn, resetting late reuse.
 
-    Like uvicorn (vLLM's and SGLang's HTTP server): ``keepalive`` seconds after its last answer on a
-    connection it is done with it.
-
-    The race it reproduces: uvicorn closes the idle connection at that moment while a client that
-    pooled it writes its next request; the request meets a closed socket and the client sees the
-    connection reset, with no answer. On loopback the close usually wins by a hair, so to make the
-    crossing happen every time the engine does not close at expiry: it resets the connection when a
-    request arrives on it after ``keepalive`` seconds (the kernel answers data for a closed socket
-    with a reset too). Every answer is ``body`` (JSON, status 200). ``served`` and ``resets`` count
-    answered and reset requests; ``connections`` the connections accepted.
+    - like uvicorn (vLLM's and SGLang's HTTP server), it is done with a connection ``keepalive`` seconds
+      after its last answer on it;
+    - the race it reproduces: uvicorn closes the idle connection at that moment while a client that
+      pooled it writes its next request, which meets a closed socket: the client sees the connection
+      reset, with no answer;
+    - on loopback the close usually wins by a hair, so to make the crossing happen every time it does not
+      close at expiry: it resets the connection when a request arrives on it after ``keepalive`` seconds
+      (the kernel answers data for a closed socket with a reset too);
+    - every answer is ``body`` (JSON, status 200); ``served`` and ``resets`` count answered and reset
+      requests, ``connections`` the connections accepted.
     """
 
     server: asyncio.Server
