@@ -32,6 +32,7 @@ from ext_proc.server import start_grpc, start_health_grpc
 from ext_proc.shared.config import SharedStateKind
 from ext_proc.shared.kinds import SharedState, build_shared_state
 from ext_proc.tls import server_credentials, tls_mode
+from ext_proc.tracing import Tracing
 from ext_proc.xds import EdsPublisher
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,8 @@ class RunningServer:
     ``health_listen``.
 
     ``config`` is the configuration it started with; ``reloads`` watches the configuration file
-    (``None`` without one) and holds the configuration in force.
+    (``None`` without one) and holds the configuration in force; ``tracing`` exports the requests'
+    spans (``None``: off).
     """
 
     config: Config
@@ -61,6 +63,7 @@ class RunningServer:
     publisher: EdsPublisher | None
     reloads: ConfigWatcher | None
     shared: SharedState
+    tracing: Tracing | None
     _grpc: tuple[grpc.aio.Server, ...]
     _admin: web.AppRunner
     _watchers: tuple[asyncio.Task[None], ...]
@@ -70,7 +73,7 @@ class RunningServer:
 
         Stop the discovery source and the config watcher, end the ADS streams, stop accepting streams,
         let live ones finish for ``grace`` seconds, then stop the handoff's background prefill legs and
-        the gateway tokenizer's thread."""
+        the gateway tokenizer's thread, and export the spans still batched."""
         for watcher in self._watchers:
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -82,6 +85,8 @@ class RunningServer:
         await self.router.handoff.close()
         self.router.close()
         await self._admin.cleanup()
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.shutdown)
 
 
 class Readiness:
@@ -186,14 +191,16 @@ async def start_grpc_servers(
     health: Health,
     publisher: EdsPublisher | None,
     credentials: grpc.ServerCredentials | None,
+    tracing: Tracing | None = None,
 ) -> tuple[list[grpc.aio.Server], int, int]:
     """Start the ext_proc gRPC server and, with ``health_listen``, the health-only one.
 
-    The ext_proc server listens on ``listen`` (with the ADS service when EDS is served). Returns
+    The ext_proc server listens on ``listen`` (with the ADS service when EDS is served; one span per
+    request with ``tracing``). Returns
     ``(servers, grpc port, health port or 0)``; when the health port cannot be bound, what was started
     is stopped."""
     ads = publisher.ads if publisher is not None else None
-    grpc_server, grpc_port = await start_grpc(router, config.listen, health, ads, credentials)
+    grpc_server, grpc_port = await start_grpc(router, config.listen, health, ads, credentials, tracing)
     servers = [grpc_server]
     if not config.health_listen:
         return servers, grpc_port, 0
@@ -273,7 +280,7 @@ def _log_started(server: RunningServer, registry: Registry, load_signal: LoadSig
     log.info(
         "pd-extproc serving ext_proc on %s (port %d, %s), gRPC health also on %s, admin on port %d; "
         "affinity %s bonus %.2f; "
-        "handoff %s%s; EDS served to Envoy: %s; engine metrics: %s; Envoy host health: %s; "
+        "handoff %s%s; EDS served to Envoy: %s; engine metrics: %s; Envoy host health: %s; tracing: %s; "
         "%d prefill and %d decode endpoints healthy",
         config.listen,
         server.grpc_port,
@@ -287,6 +294,7 @@ def _log_started(server: RunningServer, registry: Registry, load_signal: LoadSig
         "yes" if server.publisher is not None else "no",
         f"every {config.engine_metrics.interval_seconds:g} s" if load_signal is not None else "off",
         config.envoy_health.admin_url or "off",
+        config.tracing.otlp_endpoint or "off",
         len(registry.prefills),
         len(registry.decodes),
     )
@@ -325,12 +333,15 @@ async def start_server(
     shared = build_shared_state(config.shared_state, registry, lambda: router.prefix, metrics)
     router.shared = shared
     await shared.start()  # learns the peers' state before the first request (bounded wait)
+    tracing = Tracing.of(config.tracing)
     try:
         servers, grpc_port, health_port = await start_grpc_servers(
-            config, router, health, publisher, credentials
+            config, router, health, publisher, credentials, tracing
         )
     except BaseException:
         await shared.stop()
+        if tracing is not None:
+            tracing.shutdown()
         raise
     load_signal = build_load_signal(config, registry, metrics, router)
     subscribers = KvEventSubscribers(registry, router, metrics)  # idle unless the source is kv-events
@@ -339,6 +350,8 @@ async def start_server(
     except OSError:
         await _abandon(publisher, servers)
         await shared.stop()
+        if tracing is not None:
+            tracing.shutdown()
         raise
     reload = (source, reload_interval)
     watchers, reloads = start_watchers(config, endpoints, load_signal, router, metrics, reload, subscribers)
@@ -351,6 +364,7 @@ async def start_server(
         publisher,
         reloads,
         shared,
+        tracing,
         tuple(servers),
         runner,
         tuple(watchers),

@@ -7,8 +7,8 @@ exit code 2. Each section's dataclass and its ``check()`` live beside
 the code that reads it: ``discovery/config.py``; ``router.py`` for ``affinity``, with
 ``affinity/config.py`` and ``prefix/config.py``; ``handoff/config.py``; ``handoff/routing.py``;
 ``engine_load/config.py``; ``xds/config.py``; ``load.py`` (``load``, ``limits``); ``tls.py``;
-``admin.py``; ``envoy_health.py``. This module holds the aggregate, the loading and the checks of the
-top-level keys.
+``admin.py``; ``envoy_health.py``; ``tracing.py``. This module holds the aggregate, the loading and the
+checks of the top-level keys.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from ext_proc.load import LimitsConfig, LoadConfig
 from ext_proc.router import AffinityConfig
 from ext_proc.shared.config import SharedStateConfig
 from ext_proc.tls import TlsConfig
+from ext_proc.tracing import TracingConfig
 from ext_proc.xds.config import XdsConfig
 
 ENV_AFFINITY_MODE = "PD_EXTPROC_AFFINITY_MODE"
@@ -72,6 +73,7 @@ class Config:
     engine_metrics: EngineMetricsConfig = field(default_factory=EngineMetricsConfig)
     envoy_health: EnvoyHealthConfig = field(default_factory=EnvoyHealthConfig)
     shared_state: SharedStateConfig = field(default_factory=SharedStateConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
 
 
 def _allowed(tp: object) -> str:
@@ -165,6 +167,7 @@ def validate(config: Config) -> Config:
     config.tls.check()
     config.xds.check()
     config.shared_state.check()
+    config.tracing.check()
     return config
 
 

@@ -98,11 +98,12 @@ class HeadersMeta(RequestMeta):
     """The :class:`RequestMeta` of a ``request_headers`` message, each part read when first needed.
 
     ``path`` is read at once, from the first ``:path`` header (Envoy sends the pseudo-headers first:
-    a few headers are looked at); ``client_request_id`` and ``authorization``, which only the engine
-    handoffs' prefill legs and their logs read, on first use of either, in one pass over all the
-    headers (the last of each name wins; ``None`` when absent). Each header looked at costs a protobuf
-    wrapper, and Envoy sends about a dozen: a request routed without a prefill leg reads two or three.
-    Equal to (and hashed as) another ``HeadersMeta`` of the same three values."""
+    a few headers are looked at); ``client_request_id``, ``authorization``, ``traceparent`` and
+    ``tracestate``, which only the engine handoffs' prefill legs, their logs and tracing read, on first
+    use of any, in one pass over all the headers (the last of each name wins; ``None`` when absent).
+    Each header looked at costs a protobuf wrapper, and Envoy sends about a dozen: a request routed
+    without a prefill leg reads two or three. Equal to (and hashed as) another ``HeadersMeta`` of the
+    same values."""
 
     __slots__ = ("_headers", "_rest")
 
@@ -126,19 +127,31 @@ class HeadersMeta(RequestMeta):
         """The incoming ``authorization``, or ``None``."""
         return self._read()[1]
 
-    def _read(self) -> tuple[str | None, str | None]:
+    @property  # type: ignore[override]
+    def traceparent(self) -> str | None:
+        """The incoming ``traceparent``, or ``None``."""
+        return self._read()[2]
+
+    @property  # type: ignore[override]
+    def tracestate(self) -> str | None:
+        """The incoming ``tracestate``, or ``None``."""
+        return self._read()[3]
+
+    def _read(self) -> tuple[str | None, ...]:
         rest = self._rest
         if rest is None:
-            request_id, authorization = None, None
+            found: dict[str, str] = {}
             for header in self._headers.headers.headers:
                 key = header.key
-                if key == "x-request-id":
-                    request_id = _header_value(header)
-                elif key == "authorization":
-                    authorization = _header_value(header)
-            rest = (request_id, authorization)
+                if key in _LAZY_HEADERS:
+                    found[key] = _header_value(header)
+            rest = tuple(found.get(name) for name in _LAZY_HEADERS)
             object.__setattr__(self, "_rest", rest)
         return rest
+
+
+_LAZY_HEADERS = ("x-request-id", "authorization", "traceparent", "tracestate")
+"""The headers :class:`HeadersMeta` reads on first use, in the order of its ``_read``."""
 
 
 def response_status(headers: pb.HttpHeaders) -> tuple[int, str]:

@@ -24,7 +24,7 @@ from ext_proc.ejection import Ejections
 from ext_proc.handoff.kinds import Handoff
 from ext_proc.load import Admission, Lease
 from ext_proc.metrics import Metrics
-from ext_proc.outcome import HandoffJob, PendingAnswer, Placement, Ranks, Refused, RequestMeta, Routed
+from ext_proc.outcome import HandoffJob, PendingAnswer, Placement, Ranks, Refused, RequestMeta, Routed, Trace
 from ext_proc.prefix import PrefixSettings, blocks, event_source, index
 from ext_proc.prefix.blocks import Chain, prompt_content
 from ext_proc.prefix.config import PrefixConfig
@@ -250,7 +250,11 @@ class Router:
         return await tokenizer.prompt_tokens(request.body, request.meta.path)
 
     def route(
-        self, request: BodyRequest, subset: frozenset[str] | None = None, tokens: Sequence[int] | None = None
+        self,
+        request: BodyRequest,
+        subset: frozenset[str] | None = None,
+        tokens: Sequence[int] | None = None,
+        trace: Trace | None = None,
     ) -> Routed | Refused | PendingAnswer:
         """Route a read request: prefill then decode, per the affinity policy.
 
@@ -259,23 +263,25 @@ class Router:
         prompt reaches ``pd_threshold_tokens`` get one. ``tokens``: the prompt's token ids from
         :meth:`prompt_tokens` (``None``: unknown); when known, the prompt is charged and compared to
         the threshold at their exact count instead of the estimate, and the prefix index looks up
-        their chain.
+        their chain. ``trace``: the request's span (tracing on), told the decision.
         """
         info, meta = request.info, request.meta
         prompt = info.prompt_tokens if tokens is None else len(tokens)
         cost = Cost(prompt, prompt + info.output_budget)
         disaggregated = prompt >= self._pd_threshold and urlsplit(meta.path).path in DISAGGREGATED_PATHS
         prefills = self.ejections.keep(self.registry.prefill_pool) if disaggregated else self._no_prefills
-        placed = self._place(cost, prefills, subset, self._chain(request.body, tokens))
+        placed = self._place(cost, prefills, subset, self._chain(request.body, tokens), trace)
         if isinstance(placed, Refused):
             return placed
-        job = HandoffJob(request.raw, request.body, meta, cost, subset, tokens)
+        job = HandoffJob(request.raw, request.body, meta, cost, subset, tokens, trace)
         return self.handoff.hand_off(job, placed, self)
 
-    def route_bodiless(self, subset: frozenset[str] | None = None) -> Routed | Refused:
+    def route_bodiless(
+        self, subset: frozenset[str] | None = None, trace: Trace | None = None
+    ) -> Routed | Refused:
         """Route a request without a body (e.g. ``GET /v1/models``) to the least-loaded decode."""
         cost = Cost(0, 0)
-        placed = self._place(cost, self._no_prefills, subset)
+        placed = self._place(cost, self._no_prefills, subset, None, trace)
         if isinstance(placed, Refused):
             return placed
         routed = self.handoff.hand_off(HandoffJob(b"", {}, RequestMeta(), cost, subset), placed, self)
@@ -297,7 +303,8 @@ class Router:
         }
         if not keep:
             return None
-        placed = self._place(job.cost, pool.only(keep), job.subset, self._chain(job.body, job.tokens))
+        chain = self._chain(job.body, job.tokens)
+        placed = self._place(job.cost, pool.only(keep), job.subset, chain, job.trace)
         if isinstance(placed, Refused) or placed.decision.prefill is None:
             if isinstance(placed, Placement):
                 placed.lease.release()
@@ -364,6 +371,7 @@ class Router:
         prefills: Pool[EndpointState],
         subset: frozenset[str] | None,
         chain: Chain | None = None,
+        trace: Trace | None = None,
     ) -> Placement | Refused:
         decodes = self.registry.decode_pool
         if subset is not None:
@@ -388,10 +396,14 @@ class Router:
         seconds = time.perf_counter() - started  # the decision alone (decision_seconds)
         if isinstance(result, NoPair):
             return refuse(self.metrics, 503, result.message, result.reason.value)
+        hit = None
         if prefix is not None and lookup is not None and chain is not None:
             self.shared.placed(chain, prefix.placed(lookup, result, prompt))
             if result.prefill is not None:  # the prefill computes only what it does not hold
-                prompt -= prefix.predicted(lookup, result.prefill.address, prompt)
+                hit = prefix.predicted(lookup, result.prefill.address, prompt)
+                prompt -= hit
+        if trace is not None:
+            trace.decided(self._mode, result, hit)
         lease = Lease(result.prefill, prompt, result.decode, cost.decode_tokens)
         locality = result.locality.value
         self.metrics.decided(self._mode, locality, seconds)

@@ -30,6 +30,7 @@ from ext_proc.health import Health
 from ext_proc.refusal import refuse
 from ext_proc.router import Router
 from ext_proc.stream import PendingTokens, Streams
+from ext_proc.tracing import Tracing
 from ext_proc.xds import AdsServer
 
 log = logging.getLogger(__name__)
@@ -46,10 +47,11 @@ the request headers come in their own message, at most Envoy's 60 KiB default). 
 
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
-    """Answers Envoy's ext_proc streams with decisions from a :class:`Router`."""
+    """Answers Envoy's ext_proc streams with decisions from a :class:`Router` (``tracing``: each
+    request's span, ``None``: off)."""
 
-    def __init__(self, router: Router) -> None:
-        self._streams = Streams(router)
+    def __init__(self, router: Router, tracing: Tracing | None = None) -> None:
+        self._streams = Streams(router, tracing)
 
     async def Process(
         self, request_iterator: AsyncIterator[msg.ProcessingRequest], context: grpc.aio.ServicerContext
@@ -97,12 +99,13 @@ async def start_grpc(
     health: Health,
     ads: AdsServer | None = None,
     credentials: grpc.ServerCredentials | None = None,
+    tracing: Tracing | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Start the ext_proc gRPC server on ``listen``: returns the server and the bound port.
 
     It serves the ext_proc service, ``health``'s servicer (started by the caller,
     :meth:`Health.start`) and ``ads`` if given, on ``listen`` (``host:port``, port 0 = any), over TLS
-    with ``credentials`` (else plaintext).
+    with ``credentials`` (else plaintext); with ``tracing``, one span per request.
 
     The port is never shared (SO_REUSEPORT off, which gRPC turns on by default): a second copy on
     the same port fails here instead of silently splitting Envoy's streams. Messages up to
@@ -112,7 +115,7 @@ async def start_grpc(
     server = grpc.aio.server(
         options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES)]
     )
-    pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(router), server)
+    pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(router, tracing), server)
     health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
     if ads is not None:
         ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(ads, server)

@@ -50,6 +50,7 @@ from ext_proc.metrics import Metrics
 from ext_proc.outcome import PendingAnswer, Refused, RequestMeta, ResponseWatcher, Routed, RoutingInstructions
 from ext_proc.refusal import refuse
 from ext_proc.router import BodyRequest, Router
+from ext_proc.tracing import RequestSpan, Tracing
 
 TOO_LARGE = (
     f"request body too large: the gateway buffers at most {BODY_LIMIT_BYTES // (1024 * 1024)} MiB "
@@ -77,10 +78,12 @@ class PendingTokens:
 class Streams:
     """What every stream of a server shares, built once and never modified after.
 
-    The router, the choreographies of its handoff's routing headers and the constant answers."""
+    The router, the choreographies of its handoff's routing headers, the constant answers and the
+    tracing (``None``: off)."""
 
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, tracing: Tracing | None = None) -> None:
         self.router = router
+        self.tracing = tracing
         self.metrics: Metrics = router.metrics
         self.choreographies = Choreographies(router.handoff.routing_headers, router.handoff.hands_kv)
         self.passthrough = {kind: msg.passthrough(kind) for kind in msg.PHASES}
@@ -99,7 +102,8 @@ class Stream:
     whether Envoy sent the request headers, what they said, the data plane's endpoint-subset hint if
     any, the FULL_DUPLEX_STREAMED body collected so far, how a pending answer's outcome becomes
     answers, whether the stream was answered with an error (later messages get no answer), and the
-    watcher of a streamed answer whose next chunk it still wants to see."""
+    watcher of a streamed answer whose next chunk it still wants to see; with tracing on, the
+    request's span (from its headers to :meth:`close`)."""
 
     __slots__ = (
         "_admission",
@@ -114,6 +118,7 @@ class Stream:
         "routed",
         "saw_headers",
         "subset",
+        "trace",
         "watching",
     )
 
@@ -131,6 +136,7 @@ class Stream:
         self.build: Build | None = None
         self.ended = False
         self.watching: ResponseWatcher | None = None
+        self.trace: RequestSpan | None = None
 
     def answer(self, request: msg.ProcessingRequest) -> Answers | PendingAnswer | PendingTokens:
         """The answers to Envoy's message ``request``, or the pending answer or tokens to await.
@@ -152,13 +158,17 @@ class Stream:
         if kind == "request_headers":
             self.saw_headers = True
             headers = request.request_headers
+            self.meta = msg.HeadersMeta(headers)
+            tracing = self._shared.tracing
+            if tracing is not None:
+                self.trace = tracing.start(self.meta)
             if not headers.end_of_stream:
-                self.meta = msg.HeadersMeta(headers)
                 if choreography.full_duplex:
                     self.body = BodyCollector()
                 return choreography.header_hold
             overloaded = self._admit()
-            outcome = self._shared.router.route_bodiless(self.subset) if overloaded is None else overloaded
+            router = self._shared.router
+            outcome = router.route_bodiless(self.subset, self.trace) if overloaded is None else overloaded
             return self._routed(outcome, choreography.route_bodiless)
         if kind == "request_body":
             return self._request_body(request.request_body, choreography)
@@ -197,15 +207,21 @@ class Stream:
     def end(self, refused: Refused) -> Answers:
         """End the stream with the error answer ``refused``; Envoy sends nothing more that needs one."""
         self.ended = True
+        if self.trace is not None:
+            self.trace.refused(refused)
         error = msg.immediate_error(
             refused.status, refused.message, refused.code, refused.param, refused.body, refused.retry_after
         )
         return (error,)
 
     def close(self) -> None:
-        """The stream has ended: give back its in-flight slot and release its charges (idempotent)."""
+        """The stream has ended: give back its in-flight slot, release its charges and end its span
+        (idempotent)."""
         self._release_slot()
         self._release_charges()
+        if self.trace is not None:
+            self.trace.end()
+            self.trace = None
 
     def _release_slot(self) -> None:
         """Give back the stream's in-flight slot if it holds one (idempotent)."""
@@ -236,7 +252,8 @@ class Stream:
             return self.end(outcome)
         self._release_charges()  # a stream is routed once; never leak an earlier charge
         self.routed = outcome
-        return build(outcome.instructions)
+        trace = self.trace
+        return build(outcome.instructions if trace is None else trace.routed(outcome.instructions))
 
     def _admit(self) -> Refused | None:
         """Take an in-flight slot unless the stream holds one: ``None``, or the 429 to answer."""
@@ -284,7 +301,7 @@ class Stream:
     def _route(
         self, request: BodyRequest, tokens: Sequence[int] | None, build: Build
     ) -> Answers | PendingAnswer:
-        outcome = self._shared.router.route(request, self.subset, tokens)
+        outcome = self._shared.router.route(request, self.subset, tokens, self.trace)
         if isinstance(outcome, Routed | Refused):
             return self._routed(outcome, build)
         self.pending = outcome  # released by close() if the stream ends from here on
