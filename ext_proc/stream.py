@@ -252,8 +252,11 @@ class Stream:
             return self.end(outcome)
         self._release_charges()  # a stream is routed once; never leak an earlier charge
         self.routed = outcome
+        answers = build(outcome.instructions)
         trace = self.trace
-        return build(outcome.instructions if trace is None else trace.routed(outcome.instructions))
+        if trace is None:
+            return answers
+        return (msg.with_headers(answers[0], trace.headers), *answers[1:])  # the first one routes
 
     def _admit(self) -> Refused | None:
         """Take an in-flight slot unless the stream holds one: ``None``, or the 429 to answer."""

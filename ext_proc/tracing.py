@@ -32,7 +32,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from ext_proc.affinity import Decision
 from ext_proc.checks import ConfigError, check_url_port, in_range
-from ext_proc.outcome import Refused, RequestMeta, RoutingInstructions
+from ext_proc.outcome import Refused, RequestMeta
 from ext_proc.registry import EndpointState
 
 SPAN_NAME = "pd-extproc route"
@@ -133,15 +133,6 @@ class RequestSpan:
             self._span.set_attributes({"error.type": refused.code, "http.response.status_code": status})
             self._span.set_status(Status(StatusCode.ERROR, refused.message))
 
-    def routed(self, instructions: RoutingInstructions) -> RoutingInstructions:
-        """``instructions`` with :attr:`headers` set on the decode request too (a caller's are replaced)."""
-        return RoutingInstructions(
-            instructions.set_headers + self.headers,
-            instructions.remove_headers,
-            instructions.lb_metadata,
-            instructions.body,
-        )
-
     def end(self) -> None:
         """The request is over: end the span (it leaves with the exporter's next batch)."""
         self._span.end()
@@ -177,13 +168,7 @@ class Tracing:
             if meta.tracestate is not None:
                 carrier[TRACESTATE] = meta.tracestate
             parent = _PROPAGATOR.extract(carrier, context=self._root)
-        span = self._tracer.start_span(
-            SPAN_NAME,
-            parent,
-            SpanKind.SERVER,
-            {"url.path": meta.path.partition("?")[0]},
-        )
-        return RequestSpan(span)
+        return RequestSpan(self._tracer.start_span(SPAN_NAME, parent, SpanKind.SERVER))
 
     def shutdown(self) -> None:
         """Export the spans still batched and stop the exporter's thread (the server is stopping)."""

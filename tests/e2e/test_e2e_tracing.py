@@ -74,7 +74,6 @@ async def test_one_trace_holds_the_gateways_span_and_the_context_both_legs_carri
     assert (continued.trace_id, continued.parent_span_id) == (CALLER_TRACE, CALLER_SPAN)
     assert continued.service == "pd-extproc" and continued.kind == 2  # SERVER
     assert continued.attributes == {
-        "url.path": "/v1/chat/completions",
         "pd_extproc.mode": "prefer",
         "pd_extproc.prefill": prefill.address,
         "pd_extproc.decode": decode.address,
