@@ -272,10 +272,11 @@ def _print(results: dict) -> None:
         numbers = results[level]
         print(f"{level}: {'tracing':<8} {'wall µs/req':>12} {'/ off':>7} {'CPU µs/req':>11} {'/ off':>7}")
         wall, cpu = numbers["median_wall_us_per_request"], numbers["median_cpu_us_per_request"]
+        wall_ratio, cpu_ratio = numbers["wall_ratio_to_off"], numbers["cpu_ratio_to_off"]
         for name in CONFIGS:
             print(
-                f"{'':<{len(level) + 2}}{name:<8} {wall[name]:>12.1f} {numbers['wall_ratio_to_off'][name]:>7.3f} "
-                f"{cpu[name]:>11.1f} {numbers['cpu_ratio_to_off'][name]:>7.3f}"
+                f"{'':<{len(level) + 2}}{name:<8} {wall[name]:>12.1f} {wall_ratio[name]:>7.3f} "
+                f"{cpu[name]:>11.1f} {cpu_ratio[name]:>7.3f}"
             )
     print(f"spans at ratio 1: {results['spans_sent_at_ratio_1']} sent, {results['spans_received']} received")
 
