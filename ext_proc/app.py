@@ -19,6 +19,8 @@ from ext_proc.endpoints import ClusterEndpoints
 from ext_proc.engine_load.kinds import KINDS as LOAD_SIGNALS
 from ext_proc.engine_load.kinds import LoadSignal, LoadSignalKind
 from ext_proc.envoy_health import EnvoyHealth
+from ext_proc.explain import EXPLAIN_BODY_LIMIT_BYTES
+from ext_proc.explain import handler as explain_handler
 from ext_proc.handoff.kinds import KINDS as HANDOFFS
 from ext_proc.handoff.kinds import Handoff
 from ext_proc.health import Health
@@ -214,8 +216,7 @@ async def start_grpc_servers(
 
 async def start_admin(
     config: Config,
-    registry: Registry,
-    metrics: Metrics,
+    router: Router,
     load_signal: LoadSignal | None,
     shared: SharedState,
     subscribers: KvEventSubscribers,
@@ -225,7 +226,14 @@ async def start_admin(
     ``OSError`` says where when it cannot be bound."""
     describe = load_signal.describe if load_signal is not None else None
     admin = build_admin_app(
-        registry, metrics, config.admin.debug_endpoints, describe, shared.describe, subscribers.report
+        router.registry,
+        router.metrics,
+        config.admin.debug_endpoints,
+        describe,
+        shared.describe,
+        subscribers.report,
+        explain_handler(router),
+        EXPLAIN_BODY_LIMIT_BYTES + 1024,
     )
     runner = web.AppRunner(admin, access_log=None)
     await runner.setup()
@@ -346,7 +354,7 @@ async def start_server(
     load_signal = build_load_signal(config, registry, metrics, router)
     subscribers = KvEventSubscribers(registry, router, metrics)  # idle unless the source is kv-events
     try:
-        runner, admin_port = await start_admin(config, registry, metrics, load_signal, shared, subscribers)
+        runner, admin_port = await start_admin(config, router, load_signal, shared, subscribers)
     except OSError:
         await _abandon(publisher, servers)
         await shared.stop()

@@ -15,10 +15,12 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 from urllib.parse import urlsplit
 
-from ext_proc.affinity import Cost, Decision, Mode, NoPair, Policy, Pool, choose
+from ext_proc.affinity import Cost, Decision, Hits, Mode, NoPair, Policy, Pool, choose
 from ext_proc.affinity.config import AutoConfig
+from ext_proc.affinity.explain import Explanation, explain
 from ext_proc.checks import ConfigError
 from ext_proc.ejection import Ejections
 from ext_proc.handoff.kinds import Handoff
@@ -30,6 +32,7 @@ from ext_proc.prefix.blocks import Chain, prompt_content
 from ext_proc.prefix.config import PrefixConfig
 from ext_proc.prefix.kinds import KINDS as PREFIX_SOURCES
 from ext_proc.prefix.kinds import PrefixSource, PrefixSourceKind
+from ext_proc.prefix.tracker import Lookup
 from ext_proc.refusal import refuse
 from ext_proc.registry import EndpointState, Registry
 from ext_proc.request import RequestError, RequestInfo, describe, parse_body
@@ -56,6 +59,17 @@ class BodyRequest:
     body: dict[str, object]
     info: RequestInfo
     meta: RequestMeta
+
+
+class Explained(NamedTuple):
+    """What :meth:`Router.explain` saw and found: the request's ``cost``, the candidate ``prefills`` and
+    ``decodes`` with their load, the prefix ``hits`` credited (``None``: none) and the ``explanation``."""
+
+    cost: Cost
+    prefills: Pool[EndpointState]
+    decodes: Pool[EndpointState]
+    hits: Hits | None
+    explanation: Explanation[EndpointState]
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,11 +237,14 @@ class Router:
     def read(self, raw: bytes, meta: RequestMeta) -> BodyRequest | Refused:
         """Parse the JSON body ``raw`` of the request ``meta`` describes; 400 ``invalid_request`` if bad."""
         try:
-            body = parse_body(raw)
-            info = describe(body, self._default_max_tokens)
+            return self.parse(raw, meta)
         except RequestError as exc:
             return refuse(self.metrics, 400, str(exc), "invalid_request", exc.param)
-        return BodyRequest(raw, body, info, meta)
+
+    def parse(self, raw: bytes, meta: RequestMeta) -> BodyRequest:
+        """:meth:`read` without the refusal: raises :class:`RequestError` (nothing counted or logged)."""
+        body = parse_body(raw)
+        return BodyRequest(raw, body, describe(body, self._default_max_tokens), meta)
 
     def wants_tokens(self, request: BodyRequest) -> bool:
         """Whether ``request``'s prompt is to be put in token ids (:meth:`prompt_tokens`) before routing.
@@ -265,16 +282,27 @@ class Router:
         the threshold at their exact count instead of the estimate, and the prefix index looks up
         their chain. ``trace``: the request's span (tracing on), told the decision.
         """
-        info, meta = request.info, request.meta
-        prompt = info.prompt_tokens if tokens is None else len(tokens)
-        cost = Cost(prompt, prompt + info.output_budget)
-        disaggregated = prompt >= self._pd_threshold and urlsplit(meta.path).path in DISAGGREGATED_PATHS
-        prefills = self.ejections.keep(self.registry.prefill_pool) if disaggregated else self._no_prefills
+        cost, prefills = self._cost(request, tokens)
         placed = self._place(cost, prefills, subset, self._chain(request.body, tokens), trace)
         if isinstance(placed, Refused):
             return placed
-        job = HandoffJob(request.raw, request.body, meta, cost, subset, tokens, trace)
+        job = HandoffJob(request.raw, request.body, request.meta, cost, subset, tokens, trace)
         return self.handoff.hand_off(job, placed, self)
+
+    def explain(
+        self, request: BodyRequest, tokens: Sequence[int] | None = None, limit: int = 10
+    ) -> Explained:
+        """What :meth:`route` would decide for ``request`` now, and why, booking nothing.
+
+        The same candidates (ejections applied; no subset hint), prefix hits and next round-robin
+        ticket as :meth:`route`; nothing is charged, recorded in the prefix index, told to the peers or
+        counted (:func:`ext_proc.affinity.explain.explain`: the ``limit`` least-cost pairs)."""
+        cost, prefills = self._cost(request, tokens)
+        decodes = self.decode_ejections.keep(self.registry.decode_pool)
+        lookup = self._lookup(self._chain(request.body, tokens), prefills, decodes, cost.prefill_tokens)
+        hits = None if lookup is None else lookup.hits
+        explained = explain(cost, prefills, decodes, self.policy, self._ticket + 1, hits, limit)
+        return Explained(cost, prefills, decodes, hits, explained)
 
     def route_bodiless(
         self, subset: frozenset[str] | None = None, trace: Trace | None = None
@@ -352,6 +380,27 @@ class Router:
         KV cache it computed: eject that prefill."""
         self.ejections.eject(address, outcome)
 
+    def _cost(self, request: BodyRequest, tokens: Sequence[int] | None) -> tuple[Cost, Pool[EndpointState]]:
+        """What ``request`` charges (its prompt at the count of ``tokens`` when known) and its prefill
+        candidates: none unless its path is disaggregated and its prompt reaches the threshold."""
+        info = request.info
+        prompt = info.prompt_tokens if tokens is None else len(tokens)
+        cost = Cost(prompt, prompt + info.output_budget)
+        disaggregated = (
+            prompt >= self._pd_threshold and urlsplit(request.meta.path).path in DISAGGREGATED_PATHS
+        )
+        prefills = self.ejections.keep(self.registry.prefill_pool) if disaggregated else self._no_prefills
+        return cost, prefills
+
+    def _lookup(
+        self, chain: Chain | None, prefills: Pool[EndpointState], decodes: Pool[EndpointState], prompt: int
+    ) -> Lookup | None:
+        """What the candidates hold of ``chain`` (``None``: no prefix index, or no prompt to look up)."""
+        prefix = self.prefix
+        if prefix is None or chain is None or not len(chain):
+            return None
+        return prefix.lookup(chain, prefills, decodes, prompt, self.handoff.pins_ranks)
+
     def _chain(self, body: dict[str, object], tokens: Sequence[int] | None) -> Chain | None:
         """The prompt's block hashes (over ``tokens`` when known) when the prefix index is on.
 
@@ -384,11 +433,7 @@ class Router:
         decodes = self.decode_ejections.keep(decodes)
         prompt = cost.prefill_tokens
         prefix = self.prefix
-        lookup = (
-            None
-            if prefix is None or chain is None or not len(chain)
-            else prefix.lookup(chain, prefills, decodes, prompt, self.handoff.pins_ranks)
-        )
+        lookup = self._lookup(chain, prefills, decodes, prompt)
         self._ticket += 1
         started = time.perf_counter()
         hits = None if lookup is None else lookup.hits
