@@ -181,6 +181,11 @@ def table(data: dict[str, object]) -> str:
             f"decision: prefill {decision['prefill'] or '- (decode-only)'} -> decode {decision['decode']} "
             f"({decision['locality']}), cost {_number(decision['cost'])}; fallbacks: {fallbacks}"
         )
+        estimate = decision.get("estimate_s")
+        if isinstance(estimate, dict):
+            lines.append(
+                "auto's estimate (s): " + ", ".join(f"{k} {_number(v)}" for k, v in estimate.items())
+            )
     endpoint = ("address", "group", "active_tokens", "active_requests", "token_capacity", "hit_tokens")
     for role, extra in (("prefills", ("cost",)), ("decodes", ("cost_in_group", "cost_from_other_groups"))):
         rows = data[role]
