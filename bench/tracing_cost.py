@@ -20,7 +20,10 @@ exporter thread's share included: it holds the GIL while it encodes) and of this
 request (all its threads), each ratio to tracing off; and the spans the collector received (every
 ratio-1 request must arrive: a dropped span would understate the cost).
 
-Run: ``python -m bench.tracing_cost [--rounds N] [--batch N] [--json FILE]``.
+``--baseline DIR`` then runs the ``stream`` level with tracing off here and in the source tree ``DIR`` (a
+checkout of the commit before tracing) in two processes at once: what "off costs nothing" means.
+
+Run: ``python -m bench.tracing_cost [--rounds N] [--batch N] [--baseline DIR] [--json FILE]``.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -51,7 +55,9 @@ from ext_proc.registry import Registry
 from ext_proc.router import Router
 from ext_proc.server import start_grpc
 from ext_proc.stream import Streams
-from ext_proc.tracing import Tracing, TracingConfig
+
+if TYPE_CHECKING:
+    from ext_proc.tracing import Tracing
 from sim.gateway import free_port
 
 BODY = json.dumps(
@@ -229,8 +235,34 @@ def _received(collector: subprocess.Popen, expected: int, deadline: float = 60.0
     return count
 
 
+def _stream_off(rounds: int, batch: int) -> float:
+    """Median CPU µs per request of the ``stream`` level without tracing (what ``--baseline`` runs)."""
+    streams, wire = Streams(_router()), _wire()
+    _stream_batch(streams, wire, batch)
+    samples = []
+    for _ in range(rounds):
+        started = time.process_time()
+        _stream_batch(streams, wire, batch)
+        samples.append((time.process_time() - started) / batch * 1e6)
+    return statistics.median(samples)
+
+
+def baseline(tree: str, rounds: int, batch: int) -> dict[str, float]:
+    """Tracing off here and in the source tree ``tree`` (e.g. a worktree of the commit before tracing),
+    the same ``stream`` harness in two processes running at once, so machine noise hits both alike."""
+    script = str(Path(__file__).resolve())
+    command = [sys.executable, script, "--stream-off", "--rounds", str(rounds), "--batch", str(batch)]
+    env = {**os.environ, "PYTHONPATH": tree}
+    other = subprocess.Popen(command, cwd=tree, env=env, stdout=subprocess.PIPE, text=True)
+    here = _stream_off(rounds, batch)
+    out, _ = other.communicate()
+    return {"off_us": here, "baseline_off_us": float(out.split()[-1]), "ratio": here / float(out.split()[-1])}
+
+
 async def measure(rounds: int, batch: int, concurrency: int) -> dict:
     """Both levels side by side; the collector runs in a child process."""
+    from ext_proc.tracing import Tracing, TracingConfig  # not in a baseline tree (``--stream-off``)
+
     port = free_port()
     collector = subprocess.Popen(
         [sys.executable, "-m", "sim.otlp", "--port", str(port)], stdout=subprocess.PIPE, text=True
@@ -288,13 +320,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=400)
     parser.add_argument("--concurrency", type=int, default=4, help="streams at once at the server level")
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument(
+        "--baseline",
+        metavar="DIR",
+        help="also compare tracing off with the source tree DIR (a checkout before tracing): stream level",
+    )
     parser.add_argument("--client", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--stream-off", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.client:
         asyncio.run(client(args.concurrency))
         return 0
+    if args.stream_off:
+        print(_stream_off(args.rounds, args.batch))
+        return 0
     results = asyncio.run(measure(args.rounds, args.batch, args.concurrency))
     _print(results)
+    if args.baseline:
+        results["baseline"] = baseline(args.baseline, args.rounds, args.batch)
+        off = results["baseline"]
+        here, there = off["off_us"], off["baseline_off_us"]
+        print(f"off, stream CPU µs/req: here {here:.1f}, {args.baseline} {there:.1f} ({off['ratio']:.3f})")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(results, indent=2), encoding="utf-8")

@@ -227,4 +227,8 @@ shared_state:
       ca: {{ $s.nats.tls.ca | toJson }}
       cert: {{ $s.nats.tls.cert | toJson }}
       key: {{ $s.nats.tls.key | toJson }}
+tracing:
+  otlp_endpoint: {{ $v.tracing.otlp_endpoint | toJson }}
+  sampling_ratio: {{ include "pd-extproc.decimal" $v.tracing.sampling_ratio }}
+  service_name: {{ $v.tracing.service_name | toJson }}
 {{- end }}
