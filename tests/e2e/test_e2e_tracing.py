@@ -35,8 +35,9 @@ async def receiver():
     await collector.stop()
 
 
+@pytest.mark.parametrize("full_duplex", [False, True], ids=["buffered", "full_duplex"])
 async def test_one_trace_holds_the_gateways_span_and_the_context_both_legs_carried(
-    tmp_path, receiver, monkeypatch
+    tmp_path, receiver, monkeypatch, full_duplex
 ):
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")  # the SDK's batch delay, ms (default 5 s)
     prefill = await start_scripted_prefill(200, json.dumps(PARAMS).encode())
@@ -50,7 +51,11 @@ async def test_one_trace_holds_the_gateways_span_and_the_context_both_legs_carri
     try:
         async with (
             gateway_over(
-                tmp_path, [endpoint(prefill.address, "a")], [endpoint(decode.address, "b")], settings
+                tmp_path,
+                [endpoint(prefill.address, "a")],
+                [endpoint(decode.address, "b")],
+                settings,
+                full_duplex=full_duplex,
             ) as g,
             aiohttp.ClientSession() as session,
         ):
