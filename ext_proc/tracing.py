@@ -35,7 +35,7 @@ from ext_proc.checks import ConfigError, check_url_port, in_range
 from ext_proc.outcome import Refused, RequestMeta
 from ext_proc.registry import EndpointState
 
-SPAN_NAME = "pd-extproc route"
+SPAN_NAME = "pd_extproc.route"
 """The name of every request's span."""
 TRACEPARENT = "traceparent"
 TRACESTATE = "tracestate"
