@@ -50,6 +50,7 @@ from ext_proc.app import build_router
 from ext_proc.config import load_config
 from ext_proc.endpoints import ClusterEndpoints, EndpointSpec
 from ext_proc.health import Health
+from ext_proc.live import LiveParts
 from ext_proc.metrics import Metrics
 from ext_proc.registry import Registry
 from ext_proc.router import Router
@@ -104,7 +105,8 @@ def _router() -> Router:
         for n, role in enumerate(("prefill", "decode"))
     }
     registry.update([ClusterEndpoints(role, endpoints, "bench") for role, endpoints in specs.items()])
-    return build_router(config, registry, Metrics(registry.endpoints))
+    metrics = Metrics(registry.endpoints)
+    return build_router(config, registry, metrics, LiveParts(config.affinity.prefix.settings(), metrics))
 
 
 def _stream_batch(streams: Streams, wire: Wire, n: int) -> None:
