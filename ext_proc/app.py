@@ -28,6 +28,7 @@ from ext_proc.health import Health
 from ext_proc.kv_subscribers import KvEventSubscribers
 from ext_proc.live import LiveParts
 from ext_proc.metrics import Metrics
+from ext_proc.pool_signals import pool_signals
 from ext_proc.prefix import blocks
 from ext_proc.registry import Registry
 from ext_proc.reload import RELOAD_INTERVAL_SECONDS, ConfigWatcher
@@ -363,6 +364,8 @@ async def start_server(
             tracing.shutdown()
         raise
     load_signal = build_load_signal(config, registry, metrics, live)
+    waiting = load_signal.waiting if load_signal is not None else None
+    metrics.watch_pools(lambda: pool_signals(registry, waiting() if waiting is not None else None))
     subscribers = KvEventSubscribers(registry, live.events, metrics)  # idle unless the source is kv-events
     try:
         runner, admin_port = await start_admin(config, router, load_signal, live.shared, subscribers)

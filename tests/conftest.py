@@ -3,6 +3,7 @@ scripts; Helm; the fake Kubernetes API server; the ``server`` and ``stub`` fixtu
 the gRPC shell directly."""
 
 import importlib.util
+import os
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -19,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).parent / "support"))
 from fake_kube_api import FakeKubeApi
 from grpc_harness import start_with
 from helm_tool import HelmUnavailable, ensure_helm
+from promtool_tool import PromtoolUnavailable, ensure_promtool
 
 # Property tests are judged on their results, not on the wall clock: Hypothesis's default deadline (200 ms
 # an example) fails an example whose process the scheduler left waiting, on a loaded shared machine
@@ -79,3 +81,15 @@ def helm() -> Path:
         return ensure_helm()
     except HelmUnavailable as exc:
         pytest.fail(str(exc))
+
+
+@pytest.fixture(scope="session")
+def promtool() -> Path:
+    """promtool (:mod:`promtool_tool`): a test fails where it cannot be fetched as root, and is skipped,
+    naming what to install, where it cannot be fetched otherwise."""
+    try:
+        return ensure_promtool()
+    except PromtoolUnavailable as exc:
+        if os.geteuid() == 0:
+            pytest.fail(str(exc))
+        pytest.skip(str(exc))

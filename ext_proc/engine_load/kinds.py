@@ -31,12 +31,15 @@ class LoadSignalKind(enum.StrEnum):
 class LoadSignal(Protocol):
     """A load signal: writes each endpoint's load offset into the registry until cancelled.
 
-    It writes the offsets into the registry's load arrays from :meth:`run` until cancelled, and
-    describes what it knows of an endpoint (``/debug/endpoints``)."""
+    It writes the offsets into the registry's load arrays from :meth:`run` until cancelled, describes
+    what it knows of an endpoint (``/debug/endpoints``) and tells the requests each engine with a fresh
+    sample reports waiting, by address (the autoscaling signals)."""
 
     async def run(self) -> None: ...
 
     def describe(self, state: EndpointState) -> dict[str, object]: ...
+
+    def waiting(self) -> dict[str, float]: ...
 
 
 class LoadSignalBuilder(Protocol):
