@@ -56,9 +56,9 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 
 bench: $(STAMP)
-	$(BIN)/python bench/decision_scaling.py --json bench/results/decision_scaling.json --png bench/results/decision_scaling.png
-	$(BIN)/python bench/overhead.py --json bench/results/overhead.json
-	$(BIN)/python bench/handoff.py --json bench/results/handoff.json --png bench/results/handoff.png
+	$(BIN)/python -m bench.decision_scaling --json bench/results/decision_scaling.json --png bench/results/decision_scaling.png
+	$(BIN)/python -m bench.overhead --json bench/results/overhead.json
+	$(BIN)/python -m bench.handoff --json bench/results/handoff.json --png bench/results/handoff.png
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .import_linter_cache .hypothesis build dist *.egg-info

@@ -23,8 +23,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from prefix_peers import PdExtproc, Replicas
-
+from bench.prefix_peers import PdExtproc, Replicas
 from ext_proc.shared.config import SharedStateConfig
 from ext_proc.shared.kinds import BusState
 from ext_proc.shared.replica import ReplicaState

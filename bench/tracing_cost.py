@@ -3,7 +3,7 @@
 One pd-extproc :class:`~ext_proc.router.Router` (8 endpoints: 4 prefill and 4 decode in 2 pdGroupID
 groups, ``prefer``, the ``sidecar`` handoff) serves three ways: without tracing, and with
 :class:`~ext_proc.tracing.Tracing` at ``sampling_ratio`` 0 and 1, both exporting over OTLP gRPC to a real
-collector (``python -m sim.otlp``) in a process of its own, so the exporter thread's work (batching,
+collector (``python -m standins.otlp``) in a process of its own, so the exporter thread's work (batching,
 encoding, sending) is this process's and the collector's is not. Each request is what Envoy sends: the
 request headers (a dozen, no caller ``traceparent``), a 1 KB chat body, the response headers; the stream
 then closes (the span ends there). Two levels:
@@ -263,11 +263,12 @@ def baseline(tree: str, rounds: int, batch: int) -> dict[str, float]:
 
 async def measure(rounds: int, batch: int, concurrency: int) -> dict:
     """Both levels side by side; the collector runs in a child process."""
-    from ext_proc.tracing import Tracing, TracingConfig  # not in a baseline tree (``--stream-off``)
+    from ext_proc.tracing import Tracing  # not in a baseline tree (``--stream-off``)
+    from ext_proc.tracing_config import TracingConfig
 
     port = free_port()
     collector = subprocess.Popen(
-        [sys.executable, "-m", "sim.otlp", "--port", str(port)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-m", "standins.otlp", "--port", str(port)], stdout=subprocess.PIPE, text=True
     )
     try:
         assert collector.stdout is not None

@@ -6,7 +6,6 @@ unless switched off."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -14,21 +13,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ext_proc.metrics import Metrics
 from ext_proc.registry import EndpointState, Registry
 
-
-@dataclass(frozen=True)
-class AdminConfig:
-    """The admin HTTP endpoint on ``metrics_listen`` (the ``admin`` section).
-
-    ``debug_endpoints``: serve ``/debug/endpoints`` (every endpoint's address, health and live
-    load), ``/debug/shared`` and ``/debug/explain`` (the decision a request would get now, and why);
-    ``False`` answers them 404. ``/metrics`` and ``/healthz`` are always served.
-    """
-
-    debug_endpoints: bool = True
-
-
 EngineView = Callable[[EndpointState], dict[str, object]]
-"""What the engine load signal knows of an endpoint (:meth:`ext_proc.engine_load.EngineScraper.describe`)."""
+"""What the engine load signal knows of an endpoint (:mod:`ext_proc.engine_load.scraper`'s ``describe``)."""
 KvEventsView = Callable[[], dict[str, object] | None]
 """The ``kv-events`` source's block sizes (:meth:`ext_proc.kv_subscribers.KvEventSubscribers.report`)."""
 Handler = Callable[[web.Request], Awaitable[web.Response]]

@@ -33,12 +33,12 @@ from ext_proc.prefix import blocks
 from ext_proc.registry import Registry
 from ext_proc.reload import RELOAD_INTERVAL_SECONDS, ConfigWatcher
 from ext_proc.router import Router, RouterSettings
-from ext_proc.server import start_grpc, start_health_grpc
+from ext_proc.server import server_credentials, start_grpc, start_health_grpc
 from ext_proc.shared.config import SharedStateKind
 from ext_proc.shared.kinds import SharedState, build_shared_state
-from ext_proc.tls import server_credentials, tls_mode
+from ext_proc.tls import tls_mode
 from ext_proc.tracing import Tracing
-from ext_proc.xds import EdsPublisher
+from ext_proc.xds.publisher import EdsPublisher
 
 log = logging.getLogger(__name__)
 

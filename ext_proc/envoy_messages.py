@@ -221,10 +221,10 @@ def route_on_body(routing: RoutingInstructions) -> pb.ProcessingResponse:
 def with_headers(
     answer: pb.ProcessingResponse, headers: tuple[tuple[str, str], ...]
 ) -> pb.ProcessingResponse:
-    """A copy of the routing ``answer`` (to ``request_headers`` or ``request_body``) that also sets
-    ``headers`` on the request (a client's of the same name replaced).
+    """A copy of the routing ``answer`` that also sets ``headers`` on the request.
 
-    A copy: a BUFFERED routing answer is shared by every request of its routing (never modified)."""
+    ``answer`` answers ``request_headers`` or ``request_body``; a client's header of the same name is
+    replaced. A copy: a BUFFERED routing answer is shared by every request of its routing (never modified)."""
     copy = pb.ProcessingResponse()
     copy.CopyFrom(answer)
     mutation = getattr(copy, copy.WhichOneof("response")).response.header_mutation

@@ -202,8 +202,9 @@ def table(data: dict[str, object]) -> str:
 def ask(
     admin: str, raw: bytes, path: str, limit: int, timeout: float = 30.0
 ) -> tuple[int, dict[str, object]]:
-    """POST ``raw`` to the ``/debug/explain`` of the admin endpoint at ``admin`` (``http://host:port``):
-    ``(HTTP status, its JSON)``; ``OSError`` when it cannot be reached or answers no JSON."""
+    """POST ``raw`` to ``/debug/explain`` of the admin endpoint ``admin``: ``(HTTP status, its JSON)``.
+
+    ``admin`` is ``http://host:port``; ``OSError`` when it cannot be reached or answers no JSON."""
     query = urllib.parse.urlencode({"path": path, "limit": limit})
     url = f"{admin.rstrip('/')}/debug/explain?{query}"
     sent = urllib.request.Request(url, raw, {"content-type": "application/json"}, method="POST")

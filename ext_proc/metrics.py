@@ -648,8 +648,9 @@ class Metrics:
         self.registry.register(_PoolCollector(pools))
 
     def watch_engine_ttft(self, first_tokens: Callable[[], Iterable[tuple[str, str, float, float]]]) -> None:
-        """Expose ``first_tokens()``: (role, address, seconds, count) of each engine's time-to-first-token
-        histogram as last sampled, at scrape time."""
+        """Expose each engine's time-to-first-token histogram, read at scrape time.
+
+        ``first_tokens()`` gives (role, address, seconds, count) of each as last sampled."""
         self.registry.register(_EngineTtftCollector(first_tokens))
 
 

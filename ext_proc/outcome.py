@@ -84,8 +84,9 @@ class Trace(Protocol):
     headers: tuple[tuple[str, str], ...]
 
     def decided(self, mode: str, decision: Decision[EndpointState], hit_tokens: int | None) -> None:
-        """Record the decision of ``mode`` and the prompt tokens the prefill is estimated to hold
-        (``None``: no prefix index, or no prefill)."""
+        """Record the decision of ``mode`` and the prompt tokens the prefill is estimated to hold.
+
+        ``hit_tokens`` ``None``: no prefix index, or no prefill."""
         ...
 
 

@@ -15,14 +15,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 from urllib.parse import urlsplit
 
 from ext_proc.affinity import Cost, Decision, Hits, Mode, NoPair, Policy, Pool, choose
-from ext_proc.affinity.config import AutoConfig
 from ext_proc.affinity.explain import Explanation, explain
-from ext_proc.checks import ConfigError
 from ext_proc.ejection import Ejections
 from ext_proc.handoff.kinds import Handoff
 from ext_proc.live import LiveParts
@@ -30,7 +28,6 @@ from ext_proc.load import Admission, Lease
 from ext_proc.metrics import Metrics
 from ext_proc.outcome import HandoffJob, PendingAnswer, Placement, Ranks, Refused, RequestMeta, Routed, Trace
 from ext_proc.prefix.blocks import prompt_content
-from ext_proc.prefix.config import PrefixConfig
 from ext_proc.prefix.lookup import Lookup
 from ext_proc.refusal import refuse
 from ext_proc.registry import EndpointState, Registry
@@ -59,8 +56,10 @@ class BodyRequest:
 
 
 class Explained(NamedTuple):
-    """What :meth:`Router.explain` saw and found: the request's ``cost``, the candidate ``prefills`` and
-    ``decodes`` with their load, the prefix ``hits`` credited (``None``: none) and the ``explanation``."""
+    """What :meth:`Router.explain` saw and found.
+
+    The request's ``cost``, the candidate ``prefills`` and ``decodes`` with their load, the prefix
+    ``hits`` credited (``None``: none) and the ``explanation``."""
 
     cost: Cost
     prefills: Pool[EndpointState]
@@ -188,7 +187,7 @@ class Router:
     async def prompt_tokens(self, request: BodyRequest) -> Sequence[int] | None:
         """The engine's token ids of ``request``'s prompt; ``None`` (counted, logged) when unknown.
 
-        Tokenized off the event loop by the tokenizer configured now (:mod:`ext_proc.tokenizer`)."""
+        Tokenized off the event loop by the tokenizer configured now (:mod:`ext_proc.tokenize.gateway`)."""
         tokenizer = self.live.tokenizer
         if tokenizer is None:  # removed by a reload since wants_tokens
             return None
@@ -374,35 +373,3 @@ class Router:
             return Placement(result, lease)
         prefill = None if result.prefill is None else lookup.ranks.get(result.prefill.address)
         return Placement(result, lease, Ranks(prefill, lookup.ranks.get(result.decode.address)))
-
-
-@dataclass(frozen=True)
-class AffinityConfig:
-    """The ``affinity`` section: the router's decision policy and prefix index.
-
-    ``mode``: off | prefer | strict | auto. ``bonus``: utilisation slack in [0, 1] for ``prefer``.
-    ``auto``: the time model of ``auto``. ``prefix``: prefix-cache aware routing. The whole section
-    applies live (:mod:`ext_proc.reload`: :meth:`Router.set_policy` with :meth:`policy`,
-    :meth:`LiveParts.set_prefix` with ``prefix.settings()``). It lives here, above both the decision
-    (:mod:`ext_proc.affinity`) and the prefix index (:mod:`ext_proc.prefix`): the prefix index reads the
-    decision's types, so the decision's package may not import the prefix's configuration.
-    """
-
-    mode: Mode = Mode.PREFER
-    bonus: float = 0.3
-    auto: AutoConfig = field(default_factory=AutoConfig)
-    prefix: PrefixConfig = field(default_factory=PrefixConfig)
-
-    def policy(self, fallback_count: int) -> Policy:
-        """The decision's policy for this section, with ``fallback_count`` (``routing.fallback_count``)."""
-        prefix = self.prefix
-        weight = prefix.weight if prefix.enabled else 0.0
-        model = self.auto.model()
-        return Policy(self.mode, self.bonus, fallback_count, model, weight, prefix.cpu_tier_weight)
-
-    def check(self) -> None:
-        """Raise :class:`ConfigError` naming the first out-of-range key of the section or its subsections."""
-        if not 0.0 <= self.bonus <= 1.0:
-            raise ConfigError(f"affinity.bonus: {self.bonus} is not allowed; use a number in [0, 1]")
-        self.auto.check()
-        self.prefix.check()

@@ -215,8 +215,7 @@ class Stream:
         return (error,)
 
     def close(self) -> None:
-        """The stream has ended: give back its in-flight slot, release its charges and end its span
-        (idempotent)."""
+        """The stream has ended: give back its slot, release its charges, end its span (idempotent)."""
         self._release_slot()
         self._release_charges()
         if self.trace is not None:

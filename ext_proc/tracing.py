@@ -17,9 +17,6 @@ down costs the exporter's retries there, never a request's time.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from urllib.parse import urlsplit
-
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
@@ -31,9 +28,9 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from ext_proc.affinity import Decision
-from ext_proc.checks import ConfigError, check_url_port, in_range
 from ext_proc.outcome import Refused, RequestMeta
 from ext_proc.registry import EndpointState
+from ext_proc.tracing_config import TracingConfig
 
 SPAN_NAME = "pd_extproc.route"
 """The name of every request's span."""
@@ -56,36 +53,6 @@ _MODE, _PREFILL, _DECODE, _GROUP, _CROSS, _HITS, _QUEUE = ATTRIBUTES
 _PROPAGATOR = TraceContextTextMapPropagator()
 
 
-@dataclass(frozen=True)
-class TracingConfig:
-    """The ``tracing`` section: OpenTelemetry spans exported over OTLP (gRPC).
-
-    ``otlp_endpoint``: the collector's OTLP gRPC address, ``http://host:4317`` (``https://``: TLS);
-    ``""`` (the default): tracing off, nothing built, nothing sent. ``sampling_ratio`` in [0, 1]: the
-    share of requests without a sampled caller that are recorded. ``service_name``: the spans'
-    ``service.name``. Read at start (a change needs a restart).
-    """
-
-    otlp_endpoint: str = ""
-    sampling_ratio: float = 1.0
-    service_name: str = "pd-extproc"
-
-    def check(self) -> None:
-        """Raise :class:`ConfigError` naming the first key out of range."""
-        endpoint = self.otlp_endpoint
-        if endpoint:
-            parts = urlsplit(endpoint)
-            if parts.scheme not in ("http", "https") or not parts.hostname:
-                raise ConfigError(
-                    f"tracing.otlp_endpoint: {endpoint!r} is not allowed; use http://host:port "
-                    "(https:// for TLS), or an empty string: off"
-                )
-            check_url_port("tracing.otlp_endpoint", endpoint)
-        in_range("tracing.sampling_ratio", self.sampling_ratio, 0.0, 1.0)
-        if not self.service_name:
-            raise ConfigError("tracing.service_name: must not be empty")
-
-
 class RequestSpan:
     """One request's span, and the W3C trace context (:attr:`headers`) the engines are sent.
 
@@ -105,9 +72,10 @@ class RequestSpan:
             self.headers += ((TRACESTATE, state.to_header()),)
 
     def decided(self, mode: str, decision: Decision[EndpointState], hit_tokens: int | None) -> None:
-        """Record the decision of ``mode``: the pair, its group and locality, ``hit_tokens`` (``None``:
-        no prefix index, or decode-only). A later decision (a retry after a failed prefill leg) replaces
-        the attributes of an earlier one."""
+        """Record the decision of ``mode``: the pair, its group and locality, its hit tokens.
+
+        ``hit_tokens`` ``None``: no prefix index, or decode-only. A later decision (a retry after a
+        failed prefill leg) replaces the attributes of an earlier one."""
         if not self._recording:
             return
         prefill, decode = decision.prefill, decision.decode
@@ -159,8 +127,9 @@ class Tracing:
         return cls(config) if config.otlp_endpoint else None
 
     def start(self, meta: RequestMeta) -> RequestSpan:
-        """Start the span of the request whose headers ``meta`` describes: a child of the caller's
-        ``traceparent`` when it sent a valid one, else a new trace's root."""
+        """Start the span of the request whose headers ``meta`` describes.
+
+        A child of the caller's ``traceparent`` when it sent a valid one, else a new trace's root."""
         parent = self._root
         traceparent = meta.traceparent
         if traceparent is not None:

@@ -29,8 +29,10 @@ from ext_proc.affinity.pool import Pool
 
 
 class PairCost(NamedTuple):
-    """One candidate pair: pool positions (``prefill`` ``None``: decode-only), whether they share a
-    group, and its cost in ticks (the rule's units times 1e9)."""
+    """One candidate pair and its cost.
+
+    ``prefill`` and ``decode`` are pool positions (``prefill`` ``None``: decode-only); ``same_group``:
+    they share a group; ``cost`` in ticks (the rule's units times 1e9)."""
 
     prefill: int | None
     decode: int
@@ -113,8 +115,10 @@ def explain(
     hits: Hits | None = None,
     limit: int = 10,
 ) -> Explanation[E]:
-    """The decision ``choose`` takes on these inputs, each endpoint's term and the ``limit`` (>= 1)
-    least-cost pairs (module docstring); without decodes, no key and no pair."""
+    """The decision ``choose`` takes on these inputs, with the terms and pairs behind it.
+
+    Each endpoint's term and the ``limit`` (>= 1) least-cost pairs (module docstring); without decodes,
+    no key and no pair."""
     decision = choose(cost, prefills, decodes, policy, tiebreak, hits)
     if not decodes.size:  # no pair at all, and no key the rule defines
         return Explanation(decision, False, [], [], [], [], None)

@@ -35,11 +35,17 @@ class LoadSignal(Protocol):
     what it knows of an endpoint (``/debug/endpoints``) and tells the requests each engine with a fresh
     sample reports waiting, by address (the autoscaling signals)."""
 
-    async def run(self) -> None: ...
+    async def run(self) -> None:
+        """Write each endpoint's load offset into the registry's load arrays, until cancelled."""
+        ...
 
-    def describe(self, state: EndpointState) -> dict[str, object]: ...
+    def describe(self, state: EndpointState) -> dict[str, object]:
+        """What it knows of ``state``'s endpoint, as JSON values (``/debug/endpoints``)."""
+        ...
 
-    def waiting(self) -> dict[str, float]: ...
+    def waiting(self) -> dict[str, float]:
+        """The requests each engine with a fresh sample reported waiting, by address."""
+        ...
 
 
 class LoadSignalBuilder(Protocol):

@@ -127,8 +127,10 @@ class EngineScraper:
         return {a: s.sample.waiting for a, s in self._scrapes.items() if now - s.at <= limit}
 
     def first_tokens(self) -> list[tuple[str, str, float, float]]:
-        """(role, address, seconds, first tokens) of each pickable engine's time-to-first-token histogram
-        in its last good sample (any age), for each role it serves; engines whose pages lack it left out."""
+        """Each pickable engine's time-to-first-token histogram, as last sampled, per role it serves.
+
+        (role, address, seconds, first tokens) from its last good sample (any age); engines whose pages
+        lack it left out."""
         found = []
         for address, scrape in self._scrapes.items():
             seconds, count = scrape.sample.ttft_sum, scrape.sample.ttft_count

@@ -109,8 +109,10 @@ def new_request_id() -> str:
 
 
 def leg_headers(request_id: str, job: HandoffJob) -> dict[str, str]:
-    """The headers of a prefill leg: the gateway's request id, the client's ``authorization`` and, when
-    tracing, the request span's W3C trace context."""
+    """The headers of a prefill leg.
+
+    The gateway's request id, the client's ``authorization`` and, when tracing, the request span's W3C
+    trace context."""
     headers = {REQUEST_ID_HEADER: request_id}
     authorization = job.meta.authorization
     if authorization is not None:

@@ -1,5 +1,5 @@
 """Traces end to end: the real pd-extproc behind the real Envoy exports its request spans over OTLP to a
-real gRPC collector (sim/otlp.py), and the prefill leg and the decode request carry the span's W3C
+real gRPC collector (standins/otlp.py), and the prefill leg and the decode request carry the span's W3C
 context, so an engine's own spans join the same trace."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ import json
 
 import aiohttp
 import pytest
-from backends import start_backend, start_scripted_prefill
 from builders import endpoint
 from e2e_harness import gateway_over
 from polling import until
 
-from sim.otlp import OtlpReceiver
+from standins.backends import start_backend, start_scripted_prefill
+from standins.otlp import OtlpReceiver
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "trace me " * 30}], "max_tokens": 4}
 CALLER_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"

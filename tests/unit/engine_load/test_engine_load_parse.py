@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from ext_proc.engine_load import EngineKind, EngineSample, ScrapeError, parse_page
+from ext_proc.engine_load.blend import EngineSample
+from ext_proc.engine_load.names import EngineKind
+from ext_proc.engine_load.parse import ScrapeError, parse_page
 from sim.metrics import EngineMetrics
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -15,8 +15,8 @@ from builders import endpoint
 from polling import until
 
 from ext_proc.endpoints import ClusterEndpoints
-from ext_proc.engine_load import EngineScraper
 from ext_proc.engine_load.config import EngineMetricsConfig
+from ext_proc.engine_load.scraper import EngineScraper
 from ext_proc.load import Lease
 from ext_proc.metrics import Metrics
 from ext_proc.registry import Registry

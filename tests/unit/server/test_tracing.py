@@ -11,7 +11,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from ext_proc.checks import ConfigError
 from ext_proc.envoy_messages import HeadersMeta
 from ext_proc.outcome import Refused, RequestMeta
-from ext_proc.tracing import SPAN_NAME, Tracing, TracingConfig
+from ext_proc.tracing import SPAN_NAME, Tracing
+from ext_proc.tracing_config import TracingConfig
 
 CALLER = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 

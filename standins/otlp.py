@@ -2,7 +2,7 @@
 
 :class:`OtlpReceiver` serves ``opentelemetry.proto.collector.trace.v1.TraceService/Export`` on a
 loopback port and keeps every span it receives (:class:`ReceivedSpan`: ids as hex, attributes as
-Python values, the exporting resource's ``service.name``). ``python -m sim.otlp --port N`` runs one
+Python values, the exporting resource's ``service.name``). ``python -m standins.otlp --port N`` runs one
 until stopped, printing the spans received each second (the benchmarks' collector, in a process of its
 own so its work is not the measured process's).
 """
@@ -122,7 +122,7 @@ async def _serve(port: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m sim.otlp --port N``: serve until interrupted."""
+    """``python -m standins.otlp --port N``: serve until interrupted."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, required=True)
     args = parser.parse_args(argv)
