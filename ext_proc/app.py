@@ -19,6 +19,7 @@ from ext_proc.endpoints import ClusterEndpoints
 from ext_proc.engine_load.kinds import KINDS as LOAD_SIGNALS
 from ext_proc.engine_load.kinds import LoadSignal, LoadSignalKind
 from ext_proc.envoy_health import EnvoyHealth
+from ext_proc.flow.control import FlowControl
 from ext_proc.handoff.kinds import KINDS as HANDOFFS
 from ext_proc.handoff.kinds import Handoff
 from ext_proc.health import Health
@@ -61,6 +62,7 @@ class RunningServer:
     publisher: EdsPublisher | None
     reloads: ConfigWatcher | None
     shared: SharedState
+    flow: FlowControl | None
     _grpc: tuple[grpc.aio.Server, ...]
     _admin: web.AppRunner
     _watchers: tuple[asyncio.Task[None], ...]
@@ -78,6 +80,8 @@ class RunningServer:
         if self.publisher is not None:
             self.publisher.close()
         await asyncio.gather(*(server.stop(grace) for server in self._grpc))
+        if self.flow is not None:
+            await self.flow.close()
         await self.shared.stop()
         await self.router.handoff.close()
         self.router.close()
@@ -173,6 +177,24 @@ def build_load_signal(
     return build(registry, config.engine_metrics, metrics, router.engine_sampled)
 
 
+def build_flow(
+    config: Config, router: Router, metrics: Metrics, load_signal: LoadSignal | None
+) -> tuple[FlowControl, float] | None:
+    """Flow control over the router's in-flight slots and the engines' samples, with the wait Envoy is
+    asked for while a request is queued; ``None`` without ``flow_control.enabled``.
+
+    That wait is ``max_queue_seconds`` plus the longest a handoff's answer may then take (a prefill leg
+    and its retry: 2 x ``handoff.prefill_timeout_seconds`` + 5 s): Envoy extends one message's wait once."""
+    flow = config.flow_control
+    if not flow.enabled:
+        return None
+    interval = config.engine_metrics.interval_seconds
+    control = FlowControl(
+        flow, router.admission, metrics, config.limits.retry_after_seconds, load_signal, poll_seconds=interval
+    )
+    return control, flow.max_queue_seconds + 2 * config.handoff.prefill_timeout_seconds + 5.0
+
+
 async def _abandon(publisher: EdsPublisher | None, servers: list[grpc.aio.Server]) -> None:
     """Stop what was started, when a later port cannot be bound."""
     if publisher is not None:
@@ -186,6 +208,7 @@ async def start_grpc_servers(
     health: Health,
     publisher: EdsPublisher | None,
     credentials: grpc.ServerCredentials | None,
+    flow: tuple[FlowControl, float] | None = None,
 ) -> tuple[list[grpc.aio.Server], int, int]:
     """Start the ext_proc gRPC server and, with ``health_listen``, the health-only one.
 
@@ -193,7 +216,7 @@ async def start_grpc_servers(
     ``(servers, grpc port, health port or 0)``; when the health port cannot be bound, what was started
     is stopped."""
     ads = publisher.ads if publisher is not None else None
-    grpc_server, grpc_port = await start_grpc(router, config.listen, health, ads, credentials)
+    grpc_server, grpc_port = await start_grpc(router, config.listen, health, ads, credentials, flow)
     servers = [grpc_server]
     if not config.health_listen:
         return servers, grpc_port, 0
@@ -325,14 +348,15 @@ async def start_server(
     shared = build_shared_state(config.shared_state, registry, lambda: router.prefix, metrics)
     router.shared = shared
     await shared.start()  # learns the peers' state before the first request (bounded wait)
+    load_signal = build_load_signal(config, registry, metrics, router)
+    flow = build_flow(config, router, metrics, load_signal)
     try:
         servers, grpc_port, health_port = await start_grpc_servers(
-            config, router, health, publisher, credentials
+            config, router, health, publisher, credentials, flow
         )
     except BaseException:
         await shared.stop()
         raise
-    load_signal = build_load_signal(config, registry, metrics, router)
     subscribers = KvEventSubscribers(registry, router, metrics)  # idle unless the source is kv-events
     try:
         runner, admin_port = await start_admin(config, registry, metrics, load_signal, shared, subscribers)
@@ -351,6 +375,7 @@ async def start_server(
         publisher,
         reloads,
         shared,
+        None if flow is None else flow[0],
         tuple(servers),
         runner,
         tuple(watchers),

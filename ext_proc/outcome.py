@@ -45,12 +45,16 @@ class RequestMeta:
     """What the request-headers phase tells about a request.
 
     ``path`` is the HTTP ``:path`` (query included); ``client_request_id`` the incoming
-    ``x-request-id`` (kept for logs only); ``authorization`` is forwarded to prefill legs.
+    ``x-request-id`` (kept for logs only); ``authorization`` is forwarded to prefill legs;
+    ``objective`` and ``fairness_id``: the ``x-gateway-inference-objective`` and
+    ``x-gateway-inference-fairness-id`` headers, for flow control (``None``: absent).
     """
 
     path: str = ""
     client_request_id: str | None = None
     authorization: str | None = None
+    objective: str | None = None
+    fairness_id: str | None = None
 
 
 @dataclass(slots=True)

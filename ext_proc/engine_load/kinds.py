@@ -32,9 +32,14 @@ class LoadSignal(Protocol):
     """A load signal: writes each endpoint's load offset into the registry until cancelled.
 
     It writes the offsets into the registry's load arrays from :meth:`run` until cancelled, and
-    describes what it knows of an endpoint (``/debug/endpoints``)."""
+    describes what it knows of an endpoint (``/debug/endpoints``). Flow control reads its fresh samples
+    (:meth:`fresh_samples`, again when ``version`` changed)."""
+
+    version: int
 
     async def run(self) -> None: ...
+
+    def fresh_samples(self) -> dict[str, list[tuple[float, float]]]: ...
 
     def describe(self, state: EndpointState) -> dict[str, object]: ...
 
