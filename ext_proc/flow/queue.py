@@ -9,8 +9,11 @@ requests' sizes or its arrival rate. Within a flow, first come first served. A f
 leaves the band and forgets its credit: an idle flow saves nothing up.
 
 The queue holds at most ``capacity`` requests in all bands together. A request arriving when it is
-full takes the place of the newest request of the lowest band below its own (:meth:`push` returns
-that one, to be refused), or is itself refused when no band below it holds anything.
+full takes the place of another (:meth:`push` returns that one, to be refused): the newest of the
+flow holding the most tokens in the lowest band, when that band is below its own, or is its own band
+and that flow holds more tokens than the arriving request's flow would with it (so a flood cannot
+crowd a lighter tenant out of the queue: the buffer share of fair queuing, "longest queue drop");
+otherwise the arriving request is refused.
 
 A band tracks at most ``max_flows`` flows by name: while it holds that many, a waiter of another
 flow joins the shared :data:`OVERFLOW_FLOW` instead (a client's fairness id is a label, never a way to
@@ -52,6 +55,7 @@ class _Flow:
 
     waiters: deque[Waiter] = field(default_factory=deque)
     credit: int = 0
+    tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -94,14 +98,13 @@ class FlowQueue:
 
         Its ``flow`` becomes :data:`OVERFLOW_FLOW` when its band already tracks ``max_flows`` others.
 
-        Raises :class:`QueueFull` (nothing queued, nothing displaced) when the queue is full and no band
-        below ``waiter.priority`` holds a request."""
+        Raises :class:`QueueFull` (nothing queued, nothing displaced) when the queue is full and holds no
+        request to give its place (see the module docstring)."""
         displaced = None
         if self.size >= self.capacity:
-            lowest = min(self._bands)
-            if lowest >= waiter.priority:
+            displaced = self._to_displace(waiter)
+            if displaced is None:
                 raise QueueFull
-            displaced = self._newest(self._bands[lowest])
             self.remove(displaced)
         self._order += 1
         waiter.order = self._order
@@ -116,6 +119,7 @@ class FlowQueue:
             flow = band.flows[waiter.flow] = _Flow()
             band.ring.append(waiter.flow)
         flow.waiters.append(waiter)
+        flow.tokens += waiter.cost
         band.size += 1
         self.size += 1
         return displaced
@@ -138,6 +142,7 @@ class FlowQueue:
             if flow.credit >= head.cost:
                 flow.credit -= head.cost
                 flow.waiters.popleft()
+                flow.tokens -= head.cost
                 self._forget_if_empty(priority, band, name, flow)
                 return head
             band.ring.rotate(-1)
@@ -154,6 +159,7 @@ class FlowQueue:
             flow.waiters.remove(waiter)
         except ValueError:
             return False
+        flow.tokens -= waiter.cost
         self._forget_if_empty(waiter.priority, band, waiter.flow, flow)
         return True
 
@@ -185,9 +191,19 @@ class FlowQueue:
         if not band.flows:
             del self._bands[priority]
 
-    @staticmethod
-    def _newest(band: _Band) -> Waiter:
-        return max((f.waiters[-1] for f in band.flows.values()), key=lambda w: w.order)
+    def _to_displace(self, waiter: Waiter) -> Waiter | None:
+        """The waiter a full queue gives up for ``waiter``: the newest of the heaviest flow of the lowest
+        band, if that band is below ``waiter``'s or that flow outweighs ``waiter``'s own with it."""
+        lowest = min(self._bands)
+        if lowest > waiter.priority:
+            return None
+        band = self._bands[lowest]
+        name, heaviest = max(band.flows.items(), key=lambda item: item[1].tokens)
+        if lowest == waiter.priority:
+            own = band.flows.get(waiter.flow)
+            if name == waiter.flow or heaviest.tokens <= (0 if own is None else own.tokens) + waiter.cost:
+                return None
+        return heaviest.waiters[-1]
 
 
 def _skip_empty_rounds(band: _Band) -> None:

@@ -20,7 +20,8 @@ def load(tmp_path: Path, text: str):
 def test_the_section_as_the_issue_writes_it(tmp_path):
     config = load(
         tmp_path,
-        "flow_control:\n  enabled: true\n  objectives: {interactive: 10, standard: 0, batch: -1, premium: 20}\n"
+        "flow_control:\n  enabled: true\n"
+        "  objectives: {interactive: 10, standard: 0, batch: -1, premium: 20}\n"
         "  default_objective: batch\n  max_queued_requests: 10\n  max_queue_seconds: 2.5\n",
     )
     flow = config.flow_control

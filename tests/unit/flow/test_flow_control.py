@@ -147,7 +147,7 @@ async def test_a_client_leaving_just_as_it_is_dispatched_gives_its_slot_to_the_n
 
 
 async def test_an_unknown_objective_is_the_default_band_counted_and_never_a_label():
-    flow, admission, metrics = control(limit=1)
+    flow, _, metrics = control(limit=1)
     assert flow.arrive(Labels("no-such-objective", "x" * 5000), INFO) is None
     ticket = queued(flow, Labels("ALSO-UNKNOWN"))
     assert ticket.waiter.priority == 0

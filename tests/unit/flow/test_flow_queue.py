@@ -144,20 +144,38 @@ def test_backlogged_flows_get_the_same_tokens_within_one_quantum_and_one_request
 # --- bounds -------------------------------------------------------------------------------------------
 
 
-def test_a_full_queue_refuses_an_arrival_of_the_lowest_band_and_makes_room_for_a_higher_one():
+def test_a_full_queue_makes_room_for_a_higher_band_from_the_heaviest_flow_of_the_lowest():
+    queue = FlowQueue(4, 10)
+    light, heavy_old, heavy_new, mid = waiter(-1, "l"), waiter(-1, "h"), waiter(-1, "h"), waiter(0)
+    for w in (light, heavy_old, heavy_new, mid):
+        queue.push(w)
+    high = waiter(10)
+    assert queue.push(high) is heavy_new  # the newest of the heaviest flow of the lowest band
+    assert queue.push(waiter(10)) in (light, heavy_old)
+    assert len(queue) == 4
+
+
+def test_a_full_queue_refuses_an_arrival_that_would_outweigh_every_other_flow_of_its_band():
     queue = FlowQueue(3, 10)
-    old_low, new_low, mid = waiter(-1, arrived=1), waiter(-1, "b", arrived=2), waiter(0)
-    for w in (old_low, new_low, mid):
+    for w in (waiter(0, "a"), waiter(0, "b"), waiter(5, "c")):
         queue.push(w)
     with pytest.raises(QueueFull):
-        queue.push(waiter(-1))
-    high = waiter(10)
-    assert queue.push(high) is new_low  # the newest of the lowest band gives its place
-    assert len(queue) == 3
-    assert queue.push(waiter(10)) is old_low
+        queue.push(waiter(0, "a"))  # "a" would hold 200 tokens, "b" 100: it is "a" that is full
     with pytest.raises(QueueFull):
-        queue.push(waiter(0))  # no band below 0 is left: nothing to displace
-    assert [w.priority for w in drain(queue)] == [10, 10, 0]
+        queue.push(waiter(-1, "z"))  # nothing below -1 to give its place
+    assert len(queue) == 3
+
+
+def test_a_flooding_flow_gives_its_places_to_a_lighter_one_of_the_same_band():
+    queue = FlowQueue(4, 10)
+    flood = [waiter(0, "flood") for _ in range(4)]
+    for w in flood:
+        queue.push(w)
+    assert queue.push(waiter(0, "light")) is flood[3]
+    assert queue.push(waiter(0, "light")) is flood[2]  # flood 200 tokens against light's 200 with it
+    with pytest.raises(QueueFull):
+        queue.push(waiter(0, "light"))
+    assert queue.lengths() == {0: 4} and queue.flow_counts() == {0: 2}
 
 
 def test_a_band_tracks_at_most_max_flows_flows_and_the_rest_share_one():
@@ -240,11 +258,11 @@ def test_any_mix_of_operations_keeps_the_counts_and_gives_back_each_waiter_once(
             try:
                 displaced = queue.push(w)
             except QueueFull:
-                assert len(queue) == 8 and min(x.priority for x in queued) >= w.priority
+                assert len(queue) == 8
                 continue
             queued.append(w)
             if displaced is not None:
-                assert displaced.priority < w.priority
+                assert displaced.priority < w.priority or displaced.flow != w.flow
                 queued.remove(displaced)
                 out.append(displaced)
         elif operation[0] == "pop":
