@@ -29,7 +29,10 @@ class FlowControlConfig:
     or one not in ``objectives`` (counted). ``max_queued_requests``: the most requests queued, all bands
     together. ``max_queue_seconds``: the longest one waits before a 503. ``max_flows``: the most
     fairness ids (``x-gateway-inference-fairness-id``) with their own flow in one band; requests of
-    further ids share one flow. ``queue_depth_threshold`` and ``kv_cache_threshold``: the Gateway API
+    further ids share one flow. ``reserved_requests``: the room (in-flight slots, or requests the engines
+    can take) sheddable requests leave to the others: one is shed while no more than this is left, so
+    that a request of a higher band finds room at once instead of waiting for a slot to free.
+    ``queue_depth_threshold`` and ``kv_cache_threshold``: the Gateway API
     Inference Extension's saturation rule on the engines' own signals (``engine_metrics``): an engine
     with fewer requests waiting and less of its KV cache in use than these has room.
     """
@@ -40,6 +43,7 @@ class FlowControlConfig:
     max_queued_requests: int = 1000
     max_queue_seconds: float = 30.0
     max_flows: int = 64
+    reserved_requests: int = 0
     queue_depth_threshold: int = 5
     kv_cache_threshold: float = 0.8
 
@@ -61,5 +65,6 @@ class FlowControlConfig:
         in_range(f"{key}.max_queued_requests", self.max_queued_requests, 1, 1_000_000, kind="an integer")
         in_range(f"{key}.max_queue_seconds", self.max_queue_seconds, 0, MAX_QUEUE_SECONDS, low_open=True)
         in_range(f"{key}.max_flows", self.max_flows, 1, 100_000, kind="an integer")
+        in_range(f"{key}.reserved_requests", self.reserved_requests, 0, 1_000_000, kind="an integer")
         in_range(f"{key}.queue_depth_threshold", self.queue_depth_threshold, 1, 1_000_000, kind="an integer")
         in_range(f"{key}.kv_cache_threshold", self.kv_cache_threshold, 0, 1, low_open=True)

@@ -5,7 +5,8 @@ engines' saturation rule :mod:`ext_proc.flow.saturation`'s; this module only hol
 futures and wakes them. The pool is saturated when every in-flight slot is taken
 (``limits.max_inflight_requests``) or when the engines' own signals (``engine_metrics``) leave no
 headroom. A request arriving while it is not, with nobody queued, takes a slot at once; otherwise a
-sheddable one (negative priority) is answered 429 ``shed``, and the others queue (a full queue: 429
+sheddable one (negative priority) is answered 429 ``shed`` (it is so already while no more than
+``reserved_requests`` of room is left), and the others queue (a full queue: 429
 ``queue_full``, or the newest of a lower band gives its place and gets that 429) and wait for a slot,
 at most ``max_queue_seconds`` (then 503 ``queue_timeout``). Waiters are dispatched, best band first,
 whenever a slot is given back and, with the engines' signals, every scrape interval; a client that goes
@@ -107,7 +108,8 @@ class FlowControl:
         if not known:
             self.flow_metrics.unknown_objective()
         self.pump()
-        if not self._queue and self._take_slot():
+        reserve = self._config.reserved_requests if priority < 0 else 0
+        if not self._queue and self._take_slot(reserve):
             self.flow_metrics.dispatched(priority, 0.0)
             return None
         if priority < 0:
@@ -166,10 +168,11 @@ class FlowControl:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
 
-    def _take_slot(self) -> bool:
-        """Take an in-flight slot if the pool has room (the limit, then the engines' headroom)."""
+    def _take_slot(self, reserve: int = 0) -> bool:
+        """Take an in-flight slot if the pool has more than ``reserve`` room (the limit, then the
+        engines' headroom)."""
         admission = self._admission
-        if admission.limit and admission.inflight >= admission.limit:
+        if admission.limit and admission.inflight >= admission.limit - reserve:
             return False
         engines = self._engines
         if engines is not None:
@@ -177,7 +180,7 @@ class FlowControl:
                 self._version = engines.version
                 self._room = self._engine_room(engines)
             if self._room is not None:
-                if self._room <= 0:
+                if self._room <= reserve:
                     return False
                 self._room -= 1
         return admission.admit()

@@ -26,6 +26,7 @@ FLOW = {
         "max_queued_requests": 50,
         "max_queue_seconds": 120.5,
         "max_flows": 8,
+        "reserved_requests": 2,
         "queue_depth_threshold": 3,
         "kv_cache_threshold": 0.9,
     }

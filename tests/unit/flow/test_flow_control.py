@@ -92,6 +92,21 @@ async def test_a_sheddable_request_is_refused_at_once_when_saturated_and_goes_wh
     assert admission.inflight == 1 and len(flow._queue) == 0
 
 
+async def test_sheddable_requests_leave_the_reserved_room_to_the_others():
+    flow, admission, _ = control(limit=3, reserved_requests=1)
+    assert flow.arrive(BATCH, INFO) is None and flow.arrive(BATCH, INFO) is None
+    refused = flow.arrive(BATCH, INFO)  # one slot left, and it is reserved
+    assert isinstance(refused, Refused) and refused.code == "shed"
+    assert flow.arrive(INTERACTIVE, INFO) is None and admission.inflight == 3
+    engines = Engines()
+    flow, admission, _ = control(limit=0, engines=engines, reserved_requests=2)
+    engines.land([(2, 0.1)])  # room for 3 more before the queue threshold of 5
+    assert flow.arrive(BATCH, INFO) is None
+    assert isinstance(flow.arrive(BATCH, INFO), Refused)
+    assert flow.arrive(STANDARD, INFO) is None and flow.arrive(STANDARD, INFO) is None
+    assert isinstance(flow.arrive(STANDARD, INFO), Ticket)
+
+
 async def test_a_full_queue_answers_429_and_a_higher_band_displaces_the_newest_lower_one():
     flow, admission, metrics = control(limit=1, max_queued_requests=2)
     assert flow.arrive(STANDARD, INFO) is None
