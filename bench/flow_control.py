@@ -17,9 +17,10 @@ Two engines (``--max-batch`` sequences each), every request decode-only, the sam
 
 ``--time-scale`` slows the engines (fewer requests per second for the same load: less of this
 machine's CPU goes to the clients, Envoy and pd-extproc, whose own delays then weigh less).
-``--reserved`` sets ``flow_control.reserved_requests`` for the ``with`` phase (the slots the sheddable
-tenant leaves to the interactive one). TTFTs are of requests sent after ``--warmup`` seconds;
-completions per second are of requests ending between the warmup and the end of the phase.
+``--reserved`` lists values of ``flow_control.reserved_requests`` (the slots the sheddable tenant leaves
+to the interactive one): one ``with`` phase each, ``with r=N``, each judged against the targets. TTFTs
+are of requests sent after ``--warmup`` seconds; completions per second are of requests ending between
+the warmup and the end of the phase.
 
 Run: ``python -m bench.flow_control [--seconds 40] [--json FILE]``.
 """
@@ -163,7 +164,7 @@ async def _configure(stack: Stack, flow: bool, shape: Shape, reserved: int = 0) 
     return await stack.route_with("prefer", pd_threshold_tokens=1_000_000, config=config)
 
 
-async def run(shape: Shape, reserved: int) -> dict[str, object]:
+async def run(shape: Shape, reserved: list[int]) -> dict[str, object]:
     """Every phase on one simulated cluster; the numbers and the targets' verdicts."""
     timing = TimingConfig(max_batch=shape.max_batch, time_scale=shape.time_scale)
     stack = start_stack([EngineSpec("both", "a"), EngineSpec("both", "a")], timing)
@@ -179,9 +180,10 @@ async def run(shape: Shape, reserved: int) -> dict[str, object]:
         flood = Tenant("batch", "batch", 3.0 * capacity)
         seen = await run_phase(url, [interactive], shape, seed=8)
         phases["alone"] = {"interactive": _row(seen["interactive"], shape)}
-        url = await _configure(stack, True, shape, reserved)
-        seen = await run_phase(url, [interactive, flood], shape, seed=9)
-        phases["with"] = {name: _row(s, shape) for name, s in seen.items()}
+        for value in reserved:
+            url = await _configure(stack, True, shape, value)
+            seen = await run_phase(url, [interactive, flood], shape, seed=9)
+            phases[f"with r={value}"] = {name: _row(s, shape) for name, s in seen.items()}
         url = await _configure(stack, False, shape)
         seen = await run_phase(url, [interactive, flood], shape, seed=9)
         phases["without"] = {name: _row(s, shape) for name, s in seen.items()}
@@ -191,33 +193,34 @@ async def run(shape: Shape, reserved: int) -> dict[str, object]:
         phases["fair"] = {name: _row(s, shape) for name, s in seen.items()}
     finally:
         stack.stop()
-    return {
-        "shape": shape.__dict__,
-        "reserved_requests": reserved,
-        "capacity_rps": capacity,
-        "phases": phases,
-        "verdict": verdict(phases, capacity),
-    }
+    verdicts = {f"r={value}": verdict(phases, capacity, f"with r={value}") for value in reserved}
+    return {"shape": shape.__dict__, "capacity_rps": capacity, "phases": phases, "verdicts": verdicts}
 
 
 def _p99(phases: dict[str, dict[str, object]], phase: str, tenant: str) -> float:
     return phases[phase][tenant]["ttft"]["p99_ms"]  # type: ignore[index]
 
 
+def _ttft(phases: dict[str, dict[str, object]], phase: str, which: str) -> float:
+    return phases[phase]["interactive"]["ttft"][which]  # type: ignore[index]
+
+
 def _rps(phases: dict[str, dict[str, object]], phase: str, tenant: str) -> float:
     return phases[phase][tenant]["completions_per_s"]  # type: ignore[index,return-value]
 
 
-def verdict(phases: dict[str, dict[str, object]], capacity: float) -> dict[str, object]:
-    """The targets: interactive TTFT p99 with flow control within 1.3 x alone; batch >= 90% of what is left;
-    two tenants of one band within 10% of an equal share."""
-    ttft_ratio = _p99(phases, "with", "interactive") / _p99(phases, "alone", "interactive")
-    left = capacity - _rps(phases, "with", "interactive")
-    batch_share = _rps(phases, "with", "batch") / left
+def verdict(phases: dict[str, dict[str, object]], capacity: float, phase: str) -> dict[str, object]:
+    """The targets of the ``phase`` with flow control: interactive TTFT p99 within 1.3 x alone (p50 shown
+    too); batch >= 90% of what is left; two tenants of one band within 10% of an equal share."""
+    ttft_ratio = _p99(phases, phase, "interactive") / _p99(phases, "alone", "interactive")
+    p50 = _ttft(phases, phase, "p50_ms") / _ttft(phases, "alone", "p50_ms")
+    left = capacity - _rps(phases, phase, "interactive")
+    batch_share = _rps(phases, phase, "batch") / left
     a, b = _rps(phases, "fair", "a"), _rps(phases, "fair", "b")
     share_a = a / (a + b)
     return {
         "interactive_ttft_p99_with_vs_alone": ttft_ratio,
+        "interactive_ttft_p50_with_vs_alone": p50,
         "interactive_ttft_p99_without_vs_alone": _p99(phases, "without", "interactive")
         / _p99(phases, "alone", "interactive"),
         "batch_of_what_is_left": batch_share,
@@ -234,17 +237,17 @@ def report(result: dict[str, object]) -> str:
     """The phases as a table, then the verdicts."""
     lines = [f"pool capacity C = {result['capacity_rps']:.1f} completions/s", ""]
     lines.append(
-        f"{'phase':<10}{'tenant':<13}{'sent':>6}{'ok':>6}{'done/s':>8}{'TTFT p50':>10}{'p99 ms':>9}  statuses"
+        f"{'phase':<11}{'tenant':<13}{'sent':>6}{'ok':>6}{'done/s':>8}{'TTFT p50':>10}{'p99 ms':>9}  statuses"
     )
     for phase, tenants in result["phases"].items():  # type: ignore[union-attr]
         for name, row in tenants.items():
             ttft = row["ttft"]
             lines.append(
-                f"{phase:<10}{name:<13}{row['sent']:>6}{row['ok']:>6}{row['completions_per_s']:>8.1f}"
+                f"{phase:<11}{name:<13}{row['sent']:>6}{row['ok']:>6}{row['completions_per_s']:>8.1f}"
                 f"{ttft['p50_ms']:>10.1f}{ttft['p99_ms']:>9.1f}  {json.dumps(row['statuses'])}"
             )
     lines.append("")
-    lines.append(json.dumps(result["verdict"], indent=2))
+    lines.append(json.dumps(result["verdicts"], indent=2))
     return "\n".join(lines)
 
 
@@ -260,13 +263,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--time-scale", type=float, default=1.0, help="engines' wall seconds per model second"
     )
-    parser.add_argument("--reserved", type=int, default=0, help="flow_control.reserved_requests of 'with'")
+    parser.add_argument(
+        "--reserved", default="0", help="flow_control.reserved_requests of the 'with' phases, comma-separated"
+    )
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args(argv)
     shape = Shape(
         args.max_batch, args.prompt_tokens, args.output_tokens, args.seconds, args.warmup, args.time_scale
     )
-    result = asyncio.run(run(shape, args.reserved))
+    result = asyncio.run(run(shape, [int(value) for value in args.reserved.split(",")]))
     print(report(result))
     write_json(args.json, result)
     return 0
