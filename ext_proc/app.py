@@ -188,6 +188,11 @@ def build_flow(
     flow = config.flow_control
     if not flow.enabled:
         return None
+    if not config.limits.max_inflight_requests and load_signal is None:
+        log.warning(
+            "flow_control.enabled, but nothing can saturate the pool: set limits.max_inflight_requests or "
+            "engine_metrics.enabled, or no request ever waits"
+        )
     interval = config.engine_metrics.interval_seconds
     control = FlowControl(
         flow, router.admission, metrics, config.limits.retry_after_seconds, load_signal, poll_seconds=interval
