@@ -70,7 +70,7 @@ class _Band:
 
 
 class QueueFull(Exception):
-    """The queue is full and holds nothing of a lower band to make room."""
+    """The queue is full and holds no request to give its place to the arriving one."""
 
 
 class FlowQueue:
