@@ -15,10 +15,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Mapping, Sequence
 
-from prefix_peers import Oracle, PdExtproc, Placed, Placing, Replicas
-
-from ext_proc.engine_load import EngineScraper
+from bench.prefix_peers import Oracle, PdExtproc, Placed, Placing, Replicas
 from ext_proc.engine_load.config import EngineMetricsConfig
+from ext_proc.engine_load.scraper import EngineScraper
 from ext_proc.metrics import Metrics
 from ext_proc.registry import Registry
 from sim.engine import Engine
@@ -58,7 +57,7 @@ def scraper_of(replica: Placing, engines: Mapping[str, Engine]) -> PageScraper:
     (:class:`TypeError`)."""
     if isinstance(replica, PdExtproc):
         router = replica.router
-        return PageScraper(router.registry, engines, router.metrics, router.engine_sampled)
+        return PageScraper(router.registry, engines, router.metrics, replica.live.engine_sampled)
     if isinstance(replica, Oracle):
         return PageScraper(replica.registry, engines, Metrics(replica.registry.endpoints))
     raise TypeError(f"{type(replica).__name__} has no registry for the engine load signal")

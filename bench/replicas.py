@@ -30,14 +30,11 @@ import asyncio
 import logging
 import sys
 import time
-from pathlib import Path
 
 import aiohttp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_json
-from routing_quality import FIRST_SEED, SCENARIOS, across_seeds
-
+from bench.common import write_json
+from bench.routing_quality import FIRST_SEED, SCENARIOS, across_seeds
 from ext_proc.engine_load.config import EngineMetricsConfig
 from sim.experiment import measure
 from sim.report import format_table

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -13,20 +12,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ext_proc.metrics import Metrics
 from ext_proc.registry import EndpointState, Registry
 
-
-@dataclass(frozen=True)
-class AdminConfig:
-    """The admin HTTP endpoint on ``metrics_listen`` (the ``admin`` section).
-
-    ``debug_endpoints``: serve ``/debug/endpoints`` (every endpoint's address, health and live
-    load); ``False`` answers it 404. ``/metrics`` and ``/healthz`` are always served.
-    """
-
-    debug_endpoints: bool = True
-
-
 EngineView = Callable[[EndpointState], dict[str, object]]
-"""What the engine load signal knows of an endpoint (:meth:`ext_proc.engine_load.EngineScraper.describe`)."""
+"""What the engine load signal knows of an endpoint (:mod:`ext_proc.engine_load.scraper`'s ``describe``)."""
 KvEventsView = Callable[[], dict[str, object] | None]
 """The ``kv-events`` source's block sizes (:meth:`ext_proc.kv_subscribers.KvEventSubscribers.report`)."""
 

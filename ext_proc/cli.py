@@ -17,7 +17,7 @@ import yaml
 from ext_proc.checks import ConfigError
 from ext_proc.config import Config, ConfigSource, as_dict
 from ext_proc.discovery import SourceKind
-from ext_proc.prefix.kinds import PrefixSourceKind
+from ext_proc.prefix.settings import PrefixSourceKind
 from ext_proc.workers import serve_one, serve_workers
 
 
@@ -184,7 +184,10 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
 
 def _tokenizer_problem(config: Config) -> str | None:
     """Why ``affinity.prefix.tokenizer`` does not load; ``None`` when it does or none is used."""
-    from ext_proc.tokenizer import TokenizerLoadError, check_folder  # the tokenizer libraries: when used
+    from ext_proc.tokenize.folder import (  # the tokenizer libraries: when used
+        TokenizerLoadError,
+        check_folder,
+    )
 
     prefix = config.affinity.prefix
     if not (prefix.enabled and prefix.tokenizer):
@@ -278,7 +281,7 @@ def _add_envoy_bootstrap(subparsers: argparse._SubParsersAction) -> None:
 
 _LAZY = {
     "sim": ("sim.cli", "run one simulated vLLM PD engine"),
-    "demo": ("sim.demo", "compare affinity modes on a simulated PD cluster"),
+    "demo": ("demo.cli", "compare affinity modes on a simulated PD cluster"),
 }
 """Subcommands of the simulator (module with ``add_parser``, help line): imported only when used,
 so ``serve`` never loads the simulator."""

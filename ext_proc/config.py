@@ -1,14 +1,18 @@
 """The server's configuration: one typed, validated object built from YAML, env and flags.
 
-Precedence, lowest first: built-in defaults < YAML file < environment < command-line flags.
-Every key is optional. Errors raise :class:`~ext_proc.checks.ConfigError` naming the key and what it
-accepts (after the environment variable or flag that set it, when one did); the CLI turns that into
-exit code 2. Each section's dataclass and its ``check()`` live beside
-the code that reads it: ``discovery/config.py``; ``router.py`` for ``affinity``, with
-``affinity/config.py`` and ``prefix/config.py``; ``handoff/config.py``; ``handoff/routing.py``;
-``engine_load/config.py``; ``flow/config.py``; ``xds/config.py``; ``load.py`` (``load``, ``limits``);
-``tls.py``; ``admin.py``; ``envoy_health.py``. This module holds the aggregate, the loading and the
-checks of the top-level keys.
+- Precedence, lowest first: built-in defaults < YAML file < environment < command-line flags.
+- Every key is optional. Errors raise :class:`~ext_proc.checks.ConfigError` naming the key and what it
+  accepts (after the environment variable or flag that set it, when one did); the CLI turns that into
+  exit code 2.
+- Each section's dataclass and its ``check()`` live in a leaf beside the code that reads it:
+  ``discovery/config.py``; ``affinity_config.py`` (``affinity``), with ``affinity/config.py`` and
+  ``prefix/config.py``; ``handoff/config.py``; ``handoff/routing.py``; ``engine_load/config.py``;
+  ``xds/config.py``; ``load.py`` (``load``, ``limits``); ``tls.py``; ``admin_config.py``;
+  ``envoy_health_config.py``; ``shared/config.py``; ``flow/config.py``.
+- Importing it loads no compiled index, gRPC, HTTP client, tokenizer library or ZeroMQ (an import
+  contract in pyproject.toml, and tests/unit/config/test_import_weight.py at run time).
+
+This module holds the aggregate, the loading and the checks of the top-level keys.
 """
 
 from __future__ import annotations
@@ -25,17 +29,17 @@ from pathlib import Path
 
 import yaml
 
-from ext_proc.admin import AdminConfig
+from ext_proc.admin_config import AdminConfig
+from ext_proc.affinity_config import AffinityConfig
 from ext_proc.checks import ConfigError
 from ext_proc.discovery.config import DiscoveryConfig
 from ext_proc.engine_load.config import EngineMetricsConfig
-from ext_proc.envoy_health import EnvoyHealthConfig
+from ext_proc.envoy_health_config import EnvoyHealthConfig
 from ext_proc.flow.config import FlowControlConfig
 from ext_proc.handoff.base import UNSUPPORTED_HANDOFFS, HandoffMode
 from ext_proc.handoff.config import HandoffConfig
 from ext_proc.handoff.routing import RoutingConfig
 from ext_proc.load import LimitsConfig, LoadConfig
-from ext_proc.router import AffinityConfig
 from ext_proc.shared.config import SharedStateConfig
 from ext_proc.tls import TlsConfig
 from ext_proc.xds.config import XdsConfig

@@ -104,6 +104,7 @@ class EndpointState:
 
     @active_tokens.setter
     def active_tokens(self, value: int) -> None:
+        """Charge ``value`` tokens in all; the decision then reads ``value`` + :attr:`engine_offset`."""
         self._tokens[self._slot] = value + self.engine_offset
 
     @property
@@ -123,6 +124,7 @@ class EndpointState:
 
     @active_requests.setter
     def active_requests(self, value: int) -> None:
+        """Charge ``value`` requests in all."""
         self._requests[self._slot] = value
 
     @property
@@ -246,7 +248,9 @@ class Registry:
         return self._current.get((Role.DECODE, address))
 
     def find(self, role: str, address: str) -> EndpointState | None:
-        """The known endpoint of ``role`` (``prefill``, ``decode``) at ``address``, healthy or not, or a
+        """The endpoint of ``role`` at ``address`` that requests may still be charged to.
+
+        The known endpoint of ``role`` (``prefill``, ``decode``) at ``address``, healthy or not, or a
         departed one with requests of this replica's still in flight; ``None`` if neither."""
         key = (Role(role), address)
         return self._current.get(key) or self._departed.get(key)

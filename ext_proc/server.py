@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc
@@ -27,13 +28,15 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2_grpc
 
 from ext_proc import envoy_messages as msg
+from ext_proc.checks import ConfigError
 from ext_proc.choreography import BODY_LIMIT_BYTES
 from ext_proc.flow.control import FlowControl
 from ext_proc.health import Health
 from ext_proc.refusal import refuse
 from ext_proc.router import Router
 from ext_proc.stream import PendingFlow, PendingTokens, Streams
-from ext_proc.xds import AdsServer
+from ext_proc.tls import TlsConfig
+from ext_proc.xds.ads import AdsServer
 
 log = logging.getLogger(__name__)
 
@@ -143,3 +146,25 @@ async def start_health_grpc(health: Health, listen: str) -> tuple[grpc.aio.Serve
     port = _bind(server, listen, None, "gRPC health")
     await server.start()
     return server, port
+
+
+def server_credentials(tls: TlsConfig) -> grpc.ServerCredentials | None:
+    """The gRPC port's TLS credentials (``None``: plaintext).
+
+    With ``client_ca_file``, clients must present a certificate it signed. Raises
+    :class:`ConfigError` when a file cannot be read."""
+    if not tls.cert_file:
+        return None
+    contents: dict[str, bytes | None] = {}
+    for key in ("cert_file", "key_file", "client_ca_file"):
+        path = getattr(tls, key)
+        try:
+            contents[key] = Path(path).read_bytes() if path else None
+        except OSError as exc:
+            raise ConfigError(f"tls.{key}: cannot read {path}: {exc}") from None
+    ca = contents["client_ca_file"]
+    return grpc.ssl_server_credentials(
+        [(contents["key_file"], contents["cert_file"])],
+        root_certificates=ca,
+        require_client_auth=ca is not None,
+    )

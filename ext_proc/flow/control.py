@@ -44,7 +44,9 @@ class EngineSignals(Protocol):
 
     version: int
 
-    def fresh_samples(self) -> dict[str, list[tuple[float, float]]]: ...
+    def fresh_samples(self) -> dict[str, list[tuple[float, float]]]:
+        """``(waiting, kv_usage)`` of each engine with a fresh sample, per role."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,11 +101,11 @@ class FlowControl:
         admission.on_release = self.pump
 
     def arrive(self, labels: Labels, info: RequestInfo) -> Ticket | Refused | None:
-        """A read request asks to be routed: ``None`` (it holds an in-flight slot now), a refusal, or
-        the :class:`Ticket` to wait with.
+        """A read request asks to be routed: ``None`` (a slot taken), a refusal, or a :class:`Ticket`.
 
-        ``labels`` are its headers' objective and fairness id, ``info`` its estimated tokens (its cost
-        in its band's fair share)."""
+        ``None``: it holds an in-flight slot now; a ticket: wait with it (:meth:`wait`). ``labels``
+        are its headers' objective and fairness id, ``info`` its estimated tokens (its cost in its
+        band's fair share)."""
         priority, known = self._objectives.priority(labels.objective)
         if not known:
             self.flow_metrics.unknown_objective()

@@ -1,5 +1,7 @@
-"""Flow control's Prometheus metrics, on the server's registry: every label value is a configured priority
-or a fixed outcome, never a fairness id or an objective a client sent."""
+"""Flow control's Prometheus metrics, on the server's registry.
+
+Every label value is a configured priority or a fixed outcome, never a fairness id or an objective a
+client sent."""
 
 from __future__ import annotations
 

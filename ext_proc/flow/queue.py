@@ -38,8 +38,10 @@ header values carry no NUL)."""
 
 @dataclass(eq=False, slots=True)
 class Waiter:
-    """One queued request: its ``priority`` (its band), its ``flow`` (fairness id, bounded by the caller),
-    its ``cost`` in tokens (>= 0), when it ``arrived`` (seconds) and its arrival ``order`` (set by
+    """One queued request: its band, flow, cost, arrival and order.
+
+    Its ``priority`` (its band), its ``flow`` (fairness id, bounded by the caller), its ``cost`` in
+    tokens (>= 0), when it ``arrived`` (seconds) and its arrival ``order`` (set by
     :meth:`FlowQueue.push`). Compared by identity: two equal requests are two waiters."""
 
     priority: int
@@ -125,8 +127,9 @@ class FlowQueue:
         return displaced
 
     def pop(self) -> Waiter | None:
-        """Take the next waiter to dispatch: from the highest band, by deficit round-robin between its
-        flows; ``None`` when empty."""
+        """Take the next waiter to dispatch; ``None`` when empty.
+
+        From the highest band, by deficit round-robin between its flows."""
         if not self._bands:
             return None
         priority = max(self._bands)
@@ -149,8 +152,9 @@ class FlowQueue:
             band.granted = False
 
     def remove(self, waiter: Waiter) -> bool:
-        """Take ``waiter`` out wherever it is (its client left, or it waited too long); ``False`` if it
-        is not queued."""
+        """Take ``waiter`` out wherever it is; ``False`` if it is not queued.
+
+        Its client left, or it waited too long."""
         band = self._bands.get(waiter.priority)
         flow = None if band is None else band.flows.get(waiter.flow)
         if band is None or flow is None:

@@ -3,7 +3,7 @@
 Engines cache a prompt's KV in fixed-size blocks keyed by a hash chained over the blocks before it
 (vLLM: 16 tokens a block; block ``i``'s hash covers the tokens of blocks ``0..i``), so two prompts
 share cache exactly as far as their leading blocks agree. The gateway hashes token ids when it has
-them (the body's ``prompt`` / ``input`` as ids, or the gateway tokenizer's, :mod:`ext_proc.tokenizer`)
+them (the body's ``prompt`` / ``input`` as ids, or the gateway tokenizer's, :mod:`ext_proc.tokenize.gateway`)
 and otherwise the prompt text in chunks of ``CHARS_PER_TOKEN * block_tokens`` characters — the same 4
 characters a token the load accounting estimates (:mod:`ext_proc.request`). Text chunks do not line up
 with an engine's token blocks, but both chains stop agreeing where the prompts stop agreeing, so the
@@ -136,6 +136,21 @@ def model_seed(model: str) -> int:
     return int.from_bytes(
         hashlib.blake2b(model.encode(errors="surrogatepass"), digest_size=8).digest(), "little"
     )
+
+
+def prompt_chain(
+    body: dict[str, object], block_tokens: int, max_blocks: int, tokens: Sequence[int] | None = None
+) -> Chain:
+    """The chained block hashes of the request's prompt (``tokens`` when given); empty without a prompt.
+
+    The chain is seeded with the request's ``model``: different models share no cache. Both prefix
+    sources hash so a prompt they have no token ids of (:mod:`ext_proc.prefix.kinds`)."""
+    content = prompt_content(body) if tokens is None else tokens
+    if not content:
+        return np.empty(0, np.int64)
+    model = body.get("model")
+    seed = model_seed(model) if isinstance(model, str) else 0
+    return block_hashes(content, block_tokens, max_blocks, seed)
 
 
 def warm() -> None:

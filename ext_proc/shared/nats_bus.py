@@ -73,12 +73,15 @@ class NatsBus:
 
     @property
     def connected(self) -> bool:
+        """Whether the client is connected now (a publish then reaches the server)."""
         client = self._client
         return client is not None and client.is_connected
 
     async def start(self, subscriptions: dict[str, Handler], connected: Callable[[], None]) -> None:
-        """Start connecting (module docstring) and wait for the first try, :data:`START_WAIT_SECONDS` at
-        most; ``subscriptions`` are made at each connection, ``connected`` called after them."""
+        """Start connecting and wait for the first try to end.
+
+        Connecting is as the module docstring says; the wait is :data:`START_WAIT_SECONDS` at most.
+        ``subscriptions`` are made at each connection, ``connected`` called after them."""
         self._subscriptions = dict(subscriptions)
         self._on_connect = connected
         self._state("connecting")
@@ -171,6 +174,7 @@ class NatsBus:
             log.warning("shared state: still no connection to NATS at %s (%s); trying again", url, reason)
 
     def publish(self, subject: str, payload: bytes, reply: str = "") -> None:
+        """Queue ``payload`` for ``subject`` (answers on ``reply``); sent in order, dropped when offline."""
         self._outbox.append((subject, payload, reply))
         if self._writer is None or self._writer.done():
             self._writer = asyncio.get_running_loop().create_task(self._write())
@@ -187,6 +191,7 @@ class NatsBus:
                 log.debug("shared state: a publish on %s failed: %s", subject, exc)
 
     async def close(self) -> None:
+        """Stop connecting, send what is queued and disconnect."""
         self._closing = True
         if self._connecting is not None:
             self._connecting.cancel()

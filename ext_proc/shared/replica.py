@@ -29,8 +29,9 @@ from typing import Protocol
 
 from ext_proc.prefix.blocks import Chain
 from ext_proc.prefix.kinds import PrefixSource
+from ext_proc.prefix.lookup import Holder
 from ext_proc.prefix.ranks import RANK_MARK
-from ext_proc.prefix.tracker import Holder, PrefixSettings
+from ext_proc.prefix.settings import PrefixSettings
 from ext_proc.registry import EndpointState, Registry
 from ext_proc.shared import wire
 from ext_proc.shared.peers import Key, PeerLoads
@@ -44,9 +45,17 @@ MAX_PENDING_PLACEMENTS = 4096
 class SharingSink(Protocol):
     """Where the shared state reports (:class:`ext_proc.metrics.Metrics` is one)."""
 
-    def shared_sent(self, kind: str, size: int) -> None: ...
-    def shared_received(self, kind: str, size: int, lag_seconds: float | None) -> None: ...
-    def shared_dropped(self, reason: str) -> None: ...
+    def shared_sent(self, kind: str, size: int) -> None:
+        """One message of ``kind``, ``size`` bytes, was sent."""
+        ...
+
+    def shared_received(self, kind: str, size: int, lag_seconds: float | None) -> None:
+        """One peer message of ``kind`` was applied; ``lag_seconds`` since its stamp (batches only)."""
+        ...
+
+    def shared_dropped(self, reason: str) -> None:
+        """One message (or placement) was not applied or not sent, for ``reason``."""
+        ...
 
 
 def replica_name() -> str:
@@ -114,8 +123,10 @@ class ReplicaState:
         return bool(self._dirty or self._placements)
 
     def batch(self, full: bool = False) -> bytes:
-        """The next batch: the endpoints whose own load changed since the last (``full``: every endpoint
-        this replica charges), and the placements since the last. Both are then cleared."""
+        """The next batch to publish: changed loads and new placements.
+
+        The endpoints whose own load changed since the last (``full``: every endpoint this replica
+        charges), and the placements since the last. Both are then cleared."""
         states = self._charged() if full else list(self._dirty.values())
         placements, self._placements, self._dirty = tuple(self._placements), [], {}
         return self._encode(states, full, placements)
@@ -149,8 +160,10 @@ class ReplicaState:
         return answer
 
     def fingerprint(self) -> int:
-        """The prompt hashing of the prefix source in force (0: none): its kind, the block size it hashes
-        at now (``kv-events``: the engines' events give it) and the blocks of a prompt."""
+        """What identifies the prompt hashing in force (0: none).
+
+        The prefix source's kind, the block size it hashes at now (``kv-events``: the engines' events give
+        it) and the blocks of a prompt."""
         prefix = self._prefix()
         if prefix is None:
             return 0
@@ -163,9 +176,11 @@ class ReplicaState:
     # -- the peers' side ----------------------------------------------------------------------------
 
     def receive(self, payload: bytes) -> wire.Message | None:
-        """Apply one message from the bus: the peer's message it held (a
-        :class:`~ext_proc.shared.wire.SyncRequest` is for the bus to answer, :meth:`sync_answer`), or
-        ``None`` when it was dropped (counted by reason) or is this replica's own."""
+        """Apply one message from the bus.
+
+        Returns the peer's message it held (a :class:`~ext_proc.shared.wire.SyncRequest` is for the bus to
+        answer, :meth:`sync_answer`), or ``None`` when it was dropped (counted by reason) or is this
+        replica's own."""
         try:
             message = wire.decode(payload)
         except wire.WireError as exc:
@@ -195,8 +210,10 @@ class ReplicaState:
         return message
 
     def expire(self) -> None:
-        """Forget the peers silent for the timeout, and their charges; apply the loads of endpoints that
-        discovery brought since the last call (their peers' charges may have arrived before them)."""
+        """Forget the silent peers and apply the loads of new endpoints.
+
+        The silent peers' charges go with them; the loads applied are those of endpoints that discovery
+        brought since the last call (their peers' charges may have arrived before them)."""
         pools = (self.registry.prefill_pool, self.registry.decode_pool)
         if pools != self._pools:
             self._pools = pools

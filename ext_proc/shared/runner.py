@@ -40,7 +40,9 @@ class Bus(Protocol):
         ...
 
     async def start(self, subscriptions: dict[str, Handler], connected: Callable[[], None]) -> None:
-        """Subscribe ``subscriptions`` (subject → handler) and keep them; call ``connected`` at each
+        """Subscribe and start connecting; never waits for the transport.
+
+        ``subscriptions``: subject → handler, kept across reconnections; ``connected`` is called at each
         (re)connection. Returns at once when the transport is not reachable yet (it keeps trying)."""
         ...
 
@@ -83,8 +85,9 @@ class SharedRunner:
         """Whether a peer answered this replica's sync request (``False``: none yet, or no peer)."""
 
     async def start(self) -> None:
-        """Subscribe, ask the peers for their state and wait for it (``sync_wait_seconds`` at most), then
-        send heartbeats until :meth:`stop`."""
+        """Subscribe, learn the peers' state, then send heartbeats.
+
+        The wait for the peers' state is ``sync_wait_seconds`` at most; heartbeats go until :meth:`stop`."""
         self.replica.on_change = self._schedule
         subscriptions = {
             self.state_subject: self._receive,
@@ -165,10 +168,12 @@ class SharedRunner:
 
 
 class MemoryHub:
-    """Buses within one process: what one publishes reaches the others' subscriptions ``delay_seconds``
-    later (0: on the next turn of the event loop), never its own (as NATS with ``no_echo``), and in the
-    order it was published (as NATS keeps one connection's messages in order), even when several are
-    due at the same instant (the event loop's timers alone do not keep that order)."""
+    """Buses within one process, delivering as NATS does.
+
+    What one publishes reaches the others' subscriptions ``delay_seconds`` later (0: on the next turn of
+    the event loop), never its own (as NATS with ``no_echo``), and in the order it was published (as NATS
+    keeps one connection's messages in order), even when several are due at the same instant (the event
+    loop's timers alone do not keep that order)."""
 
     def __init__(self, delay_seconds: float = 0.0) -> None:
         self.delay_seconds = delay_seconds
@@ -183,6 +188,7 @@ class MemoryHub:
         return bus
 
     def deliver(self, sender: MemoryBus, subject: str, payload: bytes, reply: str) -> None:
+        """Hand ``payload`` to every other connected bus subscribed to ``subject``, after the delay."""
         loop = asyncio.get_running_loop()
         for bus in self._buses:
             handler = bus.subscriptions.get(subject)
@@ -218,12 +224,15 @@ class MemoryBus:
         self.connected = False
 
     async def start(self, subscriptions: dict[str, Handler], connected: Callable[[], None]) -> None:
+        """Subscribe ``subscriptions`` and connect at once (``connected`` called)."""
         self.subscriptions = dict(subscriptions)
         self.connected = True
         connected()
 
     def publish(self, subject: str, payload: bytes, reply: str = "") -> None:
+        """Send ``payload`` on ``subject`` to the hub's other buses."""
         self._hub.deliver(self, subject, payload, reply)
 
     async def close(self) -> None:
+        """Disconnect: nothing more is delivered to this bus."""
         self.connected = False

@@ -6,11 +6,12 @@ import dataclasses
 import json
 
 import pytest
-from conftest import load_bench
 
+from bench import handoff as handoff_bench
+from bench import overhead
+from bench import replicas as replicas_bench
+from bench import routing_quality as routing
 from ext_proc.config import load_config
-
-routing = load_bench("routing_quality")
 
 
 @pytest.mark.parametrize("name", ["unequal-groups", "one-hot-group", "decode-loss", "bursty", "long-context"])
@@ -200,7 +201,6 @@ def test_unknown_scenario_is_a_usage_error():
 
 
 def test_overhead_benchmark_reports_both_gateways(tmp_path):
-    overhead = load_bench("overhead")
     out = tmp_path / "overhead.json"
     argv = ["--requests", "8", "--concurrency", "1,4", "--throughput-seconds", "0.5", "--streams", "20"]
     argv += ["--body-requests", "3"]
@@ -224,9 +224,6 @@ def test_overhead_benchmark_reports_both_gateways(tmp_path):
     assert 20 <= throughput["cpu_us_per_request"] <= 50_000
     assert result["in_flight"]["in_flight_seen"] == result["in_flight"]["ok"] == 20
     assert result["in_flight"]["load_left_after"] == 0
-
-
-handoff_bench = load_bench("handoff")
 
 
 def test_handoff_benchmark_end_to_end(tmp_path, monkeypatch):
@@ -314,9 +311,6 @@ def test_threshold_recommendation_respects_the_tpot_tolerance():
     assert handoff_bench.recommend(stats, tolerance=0.25)["label"] == "decode-only"
     assert handoff_bench.recommend(stats, tolerance=0.01)["label"] == "0"
     assert handoff_bench.threshold_of("decode-only") > 32768
-
-
-replicas_bench = load_bench("replicas")
 
 
 def test_replicas_benchmark_end_to_end(tmp_path, monkeypatch):

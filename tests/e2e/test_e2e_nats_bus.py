@@ -6,12 +6,12 @@ from pathlib import Path
 
 import aiohttp
 from builders import endpoint
-from e2e_harness import by_outcome
 
 from ext_proc.app import start_server
 from ext_proc.config import load_config
 from ext_proc.discovery.eds import write_eds_file
 from ext_proc.workers import find_nats_server, start_private_nats
+from standins.metrics import by_outcome
 
 DECODE = "10.0.1.1:8000"
 DROPPED = "pd_extproc_shared_messages_dropped_total"

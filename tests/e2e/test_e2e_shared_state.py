@@ -31,7 +31,6 @@ import msgspec
 import nats
 import pytest
 import pytest_asyncio
-from backends import start_backend
 from builders import endpoint
 from e2e_harness import wait_idle
 from nats_server import NatsServer, nats_server
@@ -41,6 +40,7 @@ from replica_processes import Replica, book, release, rows, samples, shared_view
 from ext_proc.discovery.eds import write_eds_file
 from ext_proc.shared import wire
 from sim.gateway import free_port, render_bootstrap, start_gateway
+from standins.backends import start_backend
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

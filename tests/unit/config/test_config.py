@@ -12,6 +12,7 @@ import yaml
 
 from ext_proc.affinity import AutoModel, Mode, Policy
 from ext_proc.affinity.config import AutoConfig
+from ext_proc.affinity_config import AffinityConfig
 from ext_proc.checks import ConfigError
 from ext_proc.config import (
     ENV_AFFINITY_BONUS,
@@ -28,10 +29,8 @@ from ext_proc.discovery.config import DiscoveryConfig, InferencePoolConfig, Kube
 from ext_proc.discovery.pods import Preset, RoleScheme
 from ext_proc.handoff.routing import RoutingConfig
 from ext_proc.load import LoadConfig
-from ext_proc.prefix import PrefixSettings
 from ext_proc.prefix.config import PrefixConfig
-from ext_proc.prefix.tracker import KvEventsSettings
-from ext_proc.router import AffinityConfig
+from ext_proc.prefix.settings import KvEventsSettings, PrefixSettings
 from ext_proc.xds.config import XdsConfig
 
 NO_ENV: dict[str, str] = {}
