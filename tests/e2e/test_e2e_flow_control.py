@@ -14,11 +14,12 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import aiohttp
-from backends import EchoBackend, start_backend
 from builders import endpoint
 from e2e_harness import Gatewayed, gateway_over, wait_idle
 from polling import until
 from prometheus_client.parser import text_string_to_metric_families
+
+from standins.backends import EchoBackend, start_backend
 
 RETRY_AFTER = 3
 
