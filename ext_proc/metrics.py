@@ -254,6 +254,13 @@ class Metrics:
             ["reason"],
             registry=self.registry,
         )
+        self._shared_sync_requests = Counter(
+            "pd_extproc_shared_sync_requests_total",
+            "Peers' sync requests by outcome: answered at once, coalesced into the next answer, refused "
+            "(too many waiting)",
+            ["outcome"],
+            registry=self.registry,
+        )
         self._shared_lag = Histogram(
             "pd_extproc_shared_sync_lag_seconds",
             "From a peer's batch being stamped to its being applied here (peer's wall clock to this one's)",
@@ -535,6 +542,10 @@ class Metrics:
     def shared_dropped(self, reason: str) -> None:
         """Count one shared-state message (or placement) not applied or not sent, by ``reason``."""
         self._shared_dropped.labels(reason).inc()
+
+    def shared_sync_request(self, outcome: str) -> None:
+        """Count one peer's sync request by ``outcome`` (``answered``, ``coalesced``, ``refused``)."""
+        self._shared_sync_requests.labels(outcome).inc()
 
     def shared_connection(self, state: str) -> None:
         """The shared-state bus is ``connected``, ``connecting`` or ``disconnected``."""

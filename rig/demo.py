@@ -117,7 +117,8 @@ async def run_vllm_demo(
 
 
 async def run_vllm(requests: int, modes: list[str], rate: float, bonus: float) -> tuple[str, dict[str, dict]]:
-    """:func:`run_vllm_demo` (the engines' dtype and attention kernels, the results) with a progress
-    bar."""
+    """Run :func:`run_vllm_demo` with a progress bar.
+
+    Returns what it returns: the engines' dtype and attention kernels, and the results."""
     with tqdm(total=requests * len(modes), unit="req", desc="demo on vLLM", leave=False) as bar:
         return await run_vllm_demo(requests, modes, rate, bonus, progress=lambda: bar.update(1))

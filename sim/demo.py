@@ -18,7 +18,7 @@ from tqdm import tqdm
 from sim.cluster import clusters
 from sim.experiment import measure
 from sim.profiles import MEASURED_PROFILE, engines_of
-from sim.stack import StackError, start_stack
+from sim.stack import Stack, StackError, start_stack
 from sim.traces import SAMPLE, TraceRequest, read_window
 from sim.workload import RequestPlan, trace_plans
 
@@ -38,6 +38,23 @@ CONNECTORS = {"vllm-mooncake": "mooncake"}
 """The simulated engines' ``kv_connector`` per handoff (``nixl`` for the others)."""
 
 
+def start_demo_stack(handoff: str = HANDOFFS[0], profile: str = MEASURED_PROFILE) -> Stack:
+    """Start the demo's stack: the :data:`CLUSTER` cluster of ``profile``'s engines.
+
+    The engines have a :data:`CPU_TIER_TOKENS` CPU tier and the KV connector ``handoff`` drives."""
+    large, small, kv = engines_of(profile, CPU_TIER_TOKENS)
+    kv = replace(kv, kv_connector=CONNECTORS.get(handoff, "nixl"))
+    return start_stack(clusters(large, small)[CLUSTER], large, kv)
+
+
+def sample_plans(count: int = SAMPLE_COUNT) -> list[RequestPlan]:
+    """The demo's default workload: the first ``count`` requests of the shipped sample.
+
+    ``count`` defaults to :data:`SAMPLE_COUNT`; replayed at :data:`SAMPLE_SPEED`, outputs capped at
+    :data:`SAMPLE_MAX_OUTPUT` tokens."""
+    return trace_plans(read_window(SAMPLE, None, 0, count), SAMPLE_SPEED, SAMPLE_MAX_OUTPUT)
+
+
 async def run_demo(
     plans: list[RequestPlan],
     modes: list[str],
@@ -45,13 +62,10 @@ async def run_demo(
     handoff: str = HANDOFFS[0],
     profile: str = MEASURED_PROFILE,
 ) -> dict[str, dict]:
-    """Send ``plans`` once per mode through one stack; the summaries by mode.
+    """Send ``plans`` once per mode through one stack; return the summaries by mode.
 
-    Send ``plans`` once per mode through one stack whose engines have ``profile``'s costs and a
-    :data:`CPU_TIER_TOKENS` CPU tier, driven with ``handoff``; return the summaries by mode."""
-    large, small, kv = engines_of(profile, CPU_TIER_TOKENS)
-    kv = replace(kv, kv_connector=CONNECTORS.get(handoff, "nixl"))
-    stack = start_stack(clusters(large, small)[CLUSTER], large, kv)
+    The stack is :func:`start_demo_stack`'s for ``handoff`` and ``profile``."""
+    stack = start_demo_stack(handoff, profile)
     results: dict[str, dict] = {}
     try:
         with tqdm(total=len(plans) * len(modes), unit="req", desc="demo", leave=False) as bar:
@@ -88,8 +102,10 @@ def _window_line(args: argparse.Namespace, window: list[TraceRequest], speed: fl
 
 
 def replay(args: argparse.Namespace) -> tuple[str, str, dict[str, dict]]:
-    """Run the simulated demo for the parsed options ``args`` of ``pd-extproc demo`` (:mod:`demo.cli`):
-    what it replays, on which cluster (one line each), and the results by mode."""
+    """Run the simulated demo for the parsed options of ``pd-extproc demo``.
+
+    ``args`` come from :mod:`demo.cli`; returns what it replays, on which cluster (one line each), and the
+    results by mode."""
     window = _trace_window(args)
     speed = args.speed or (1.0 if args.trace else SAMPLE_SPEED)
     cap = args.max_output or (None if args.trace else SAMPLE_MAX_OUTPUT)

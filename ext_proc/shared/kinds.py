@@ -129,5 +129,5 @@ def build_shared_state(
 
     replica = ReplicaState(registry, prefix, metrics, config.peer_timeout_seconds)
     metrics.watch_peers(lambda: len(replica.peers.peers))
-    bus = NatsBus(config.nats, replica.name, metrics.shared_connection)
+    bus = NatsBus(config.nats, replica.name, metrics.shared_connection, replica.drop)
     return BusState(config.kind.value, replica, bus, config, metrics)
