@@ -22,6 +22,7 @@ from ext_proc.engine_load.kinds import LoadSignal, LoadSignalKind
 from ext_proc.envoy_health import EnvoyHealth
 from ext_proc.explain import EXPLAIN_BODY_LIMIT_BYTES
 from ext_proc.explain import handler as explain_handler
+from ext_proc.flow.control import FlowControl
 from ext_proc.handoff.kinds import KINDS as HANDOFFS
 from ext_proc.handoff.kinds import Handoff
 from ext_proc.health import Health
@@ -70,6 +71,7 @@ class RunningServer:
     reloads: ConfigWatcher | None
     live: LiveParts
     tracing: Tracing | None
+    flow: FlowControl | None
     _grpc: tuple[grpc.aio.Server, ...]
     _admin: web.AppRunner
     _watchers: tuple[asyncio.Task[None], ...]
@@ -87,6 +89,8 @@ class RunningServer:
         if self.publisher is not None:
             self.publisher.close()
         await asyncio.gather(*(server.stop(grace) for server in self._grpc))
+        if self.flow is not None:
+            await self.flow.close()
         await self.live.stop()
         await self.router.handoff.close()
         await self._admin.cleanup()
@@ -191,6 +195,29 @@ def build_load_signal(
     return build(registry, config.engine_metrics, metrics, live.engine_sampled)
 
 
+def build_flow(
+    config: Config, router: Router, metrics: Metrics, load_signal: LoadSignal | None
+) -> tuple[FlowControl, float] | None:
+    """Flow control and the wait Envoy is asked for while it queues a request; ``None`` when off.
+
+    Flow control takes the router's in-flight slots and reads the engines' samples. The wait is
+    ``max_queue_seconds`` plus the longest a handoff's answer may then take (a prefill leg and its
+    retry: 2 x ``handoff.prefill_timeout_seconds`` + 5 s): Envoy extends one message's wait once."""
+    flow = config.flow_control
+    if not flow.enabled:
+        return None
+    if not config.limits.max_inflight_requests and load_signal is None:
+        log.warning(
+            "flow_control.enabled, but nothing can saturate the pool: set limits.max_inflight_requests or "
+            "engine_metrics.enabled, or no request ever waits"
+        )
+    interval = config.engine_metrics.interval_seconds
+    control = FlowControl(
+        flow, router.admission, metrics, config.limits.retry_after_seconds, load_signal, poll_seconds=interval
+    )
+    return control, flow.max_queue_seconds + 2 * config.handoff.prefill_timeout_seconds + 5.0
+
+
 async def _abandon(publisher: EdsPublisher | None, servers: list[grpc.aio.Server]) -> None:
     """Stop what was started, when a later port cannot be bound."""
     if publisher is not None:
@@ -205,6 +232,7 @@ async def start_grpc_servers(
     publisher: EdsPublisher | None,
     credentials: grpc.ServerCredentials | None,
     tracing: Tracing | None = None,
+    flow: tuple[FlowControl, float] | None = None,
 ) -> tuple[list[grpc.aio.Server], int, int]:
     """Start the ext_proc gRPC server and, with ``health_listen``, the health-only one.
 
@@ -213,7 +241,7 @@ async def start_grpc_servers(
     ``(servers, grpc port, health port or 0)``; when the health port cannot be bound, what was started
     is stopped."""
     ads = publisher.ads if publisher is not None else None
-    grpc_server, grpc_port = await start_grpc(router, config.listen, health, ads, credentials, tracing)
+    grpc_server, grpc_port = await start_grpc(router, config.listen, health, ads, credentials, tracing, flow)
     servers = [grpc_server]
     if not config.health_listen:
         return servers, grpc_port, 0
@@ -354,16 +382,17 @@ async def start_server(
     live.shared = build_shared_state(config.shared_state, registry, lambda: live.prefix, metrics)
     await live.start()  # the shared state learns the peers' state before the first request (bounded wait)
     tracing = Tracing.of(config.tracing)
+    load_signal = build_load_signal(config, registry, metrics, live)
+    flow = build_flow(config, router, metrics, load_signal)
     try:
         servers, grpc_port, health_port = await start_grpc_servers(
-            config, router, health, publisher, credentials, tracing
+            config, router, health, publisher, credentials, tracing, flow
         )
     except BaseException:
         await live.stop()
         if tracing is not None:
             tracing.shutdown()
         raise
-    load_signal = build_load_signal(config, registry, metrics, live)
     waiting = load_signal.waiting if load_signal is not None else None
     metrics.watch_pools(lambda: pool_signals(registry, waiting() if waiting is not None else None))
     subscribers = KvEventSubscribers(registry, live.events, metrics)  # idle unless the source is kv-events
@@ -389,6 +418,7 @@ async def start_server(
         reloads,
         live,
         tracing,
+        None if flow is None else flow[0],
         tuple(servers),
         runner,
         tuple(watchers),

@@ -102,10 +102,11 @@ class HeadersMeta(RequestMeta):
     ``tracestate``, which only the engine handoffs' prefill legs, their logs and tracing read, on first
     use of any, in one pass over all the headers (the last of each name wins; ``None`` when absent).
     Each header looked at costs a protobuf wrapper, and Envoy sends about a dozen: a request routed
-    without a prefill leg reads two or three. Equal to (and hashed as) another ``HeadersMeta`` of the
-    same values."""
+    without a prefill leg reads two or three. ``objective`` and ``fairness_id`` (flow control's
+    headers) are read, on first use of either, in a pass of their own. Equal to (and hashed as) another
+    ``HeadersMeta`` of the same values."""
 
-    __slots__ = ("_headers", "_rest")
+    __slots__ = ("_flow", "_headers", "_rest")
 
     def __init__(self, headers: pb.HttpHeaders) -> None:
         path = ""
@@ -116,6 +117,7 @@ class HeadersMeta(RequestMeta):
         object.__setattr__(self, "path", path)
         object.__setattr__(self, "_headers", headers)
         object.__setattr__(self, "_rest", None)
+        object.__setattr__(self, "_flow", None)
 
     @property  # type: ignore[override]
     def client_request_id(self) -> str | None:
@@ -142,6 +144,30 @@ class HeadersMeta(RequestMeta):
     def tracestate(self) -> str | None:
         """The incoming ``tracestate``, or ``None``."""
         return self._read()[3]
+
+    @property  # type: ignore[override]
+    def objective(self) -> str | None:
+        """The incoming ``x-gateway-inference-objective``, or ``None``."""
+        return self._read_flow()[0]
+
+    @property  # type: ignore[override]
+    def fairness_id(self) -> str | None:
+        """The incoming ``x-gateway-inference-fairness-id``, or ``None``."""
+        return self._read_flow()[1]
+
+    def _read_flow(self) -> tuple[str | None, str | None]:
+        flow = self._flow
+        if flow is None:
+            objective, fairness_id = None, None
+            for header in self._headers.headers.headers:
+                key = header.key
+                if key == "x-gateway-inference-objective":
+                    objective = _header_value(header)
+                elif key == "x-gateway-inference-fairness-id":
+                    fairness_id = _header_value(header)
+            flow = (objective, fairness_id)
+            object.__setattr__(self, "_flow", flow)
+        return flow
 
     def _read(self) -> tuple[str | None, ...]:
         rest = self._rest

@@ -48,6 +48,8 @@ class RequestMeta:
     ``x-request-id`` (kept for logs only); ``authorization`` is forwarded to prefill legs;
     ``traceparent`` and ``tracestate`` the caller's W3C trace context, read by tracing alone
     (:mod:`ext_proc.tracing`: the request's span continues that trace), never by routing.
+    ``objective`` and ``fairness_id``: the ``x-gateway-inference-objective`` and
+    ``x-gateway-inference-fairness-id`` headers, for flow control (``None``: absent).
     """
 
     path: str = ""
@@ -55,6 +57,8 @@ class RequestMeta:
     authorization: str | None = None
     traceparent: str | None = None
     tracestate: str | None = None
+    objective: str | None = None
+    fairness_id: str | None = None
 
 
 @dataclass(slots=True)
