@@ -13,7 +13,8 @@ class AdminConfig:
     """The admin HTTP endpoint on ``metrics_listen`` (the ``admin`` section).
 
     ``debug_endpoints``: serve ``/debug/endpoints`` (every endpoint's address, health and live
-    load); ``False`` answers it 404. ``/metrics`` and ``/healthz`` are always served.
+    load), ``/debug/shared`` and ``/debug/explain`` (the decision a request would get now, and why);
+    ``False`` answers them 404. ``/metrics`` and ``/healthz`` are always served.
     """
 
     debug_endpoints: bool = True

@@ -8,7 +8,7 @@
   ``discovery/config.py``; ``affinity_config.py`` (``affinity``), with ``affinity/config.py`` and
   ``prefix/config.py``; ``handoff/config.py``; ``handoff/routing.py``; ``engine_load/config.py``;
   ``xds/config.py``; ``load.py`` (``load``, ``limits``); ``tls.py``; ``admin_config.py``;
-  ``envoy_health_config.py``; ``shared/config.py``.
+  ``envoy_health_config.py``; ``shared/config.py``; ``tracing_config.py``; ``flow/config.py``.
 - Importing it loads no compiled index, gRPC, HTTP client, tokenizer library or ZeroMQ (an import
   contract in pyproject.toml, and tests/unit/config/test_import_weight.py at run time).
 
@@ -35,12 +35,14 @@ from ext_proc.checks import ConfigError
 from ext_proc.discovery.config import DiscoveryConfig
 from ext_proc.engine_load.config import EngineMetricsConfig
 from ext_proc.envoy_health_config import EnvoyHealthConfig
+from ext_proc.flow.config import FlowControlConfig
 from ext_proc.handoff.base import UNSUPPORTED_HANDOFFS, HandoffMode
 from ext_proc.handoff.config import HandoffConfig
 from ext_proc.handoff.routing import RoutingConfig
 from ext_proc.load import LimitsConfig, LoadConfig
 from ext_proc.shared.config import SharedStateConfig
 from ext_proc.tls import TlsConfig
+from ext_proc.tracing_config import TracingConfig
 from ext_proc.xds.config import XdsConfig
 
 ENV_AFFINITY_MODE = "PD_EXTPROC_AFFINITY_MODE"
@@ -76,6 +78,8 @@ class Config:
     engine_metrics: EngineMetricsConfig = field(default_factory=EngineMetricsConfig)
     envoy_health: EnvoyHealthConfig = field(default_factory=EnvoyHealthConfig)
     shared_state: SharedStateConfig = field(default_factory=SharedStateConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
+    flow_control: FlowControlConfig = field(default_factory=FlowControlConfig)
 
 
 def _allowed(tp: object) -> str:
@@ -83,6 +87,8 @@ def _allowed(tp: object) -> str:
         return " or ".join(_allowed(member) for member in typing.get_args(tp))
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return "one of " + ", ".join(m.value for m in tp)
+    if typing.get_origin(tp) is dict:
+        return "a mapping of names to integers"
     return {str: "a string", int: "an integer", float: "a number", bool: "true or false"}.get(
         tp,  # type: ignore[call-overload]
         "a list of strings",
@@ -116,6 +122,11 @@ def _coerce(key: str, tp: object, value: object) -> object:
     is_str_list = isinstance(value, list | tuple) and all(isinstance(v, str) for v in value)
     if typing.get_origin(tp) is tuple and is_str_list:
         return tuple(value)  # type: ignore[arg-type]
+    is_int_map = isinstance(value, Mapping) and all(
+        isinstance(k, str) and type(v) is int for k, v in value.items()
+    )
+    if typing.get_origin(tp) is dict and is_int_map:
+        return dict(value)  # type: ignore[arg-type]
     raise ConfigError(f"{key}: {value!r} is not allowed; use {_allowed(tp)}")
 
 
@@ -169,6 +180,8 @@ def validate(config: Config) -> Config:
     config.tls.check()
     config.xds.check()
     config.shared_state.check()
+    config.tracing.check()
+    config.flow_control.check()
     return config
 
 

@@ -45,12 +45,20 @@ class RequestMeta:
     """What the request-headers phase tells about a request.
 
     ``path`` is the HTTP ``:path`` (query included); ``client_request_id`` the incoming
-    ``x-request-id`` (kept for logs only); ``authorization`` is forwarded to prefill legs.
+    ``x-request-id`` (kept for logs only); ``authorization`` is forwarded to prefill legs;
+    ``traceparent`` and ``tracestate`` the caller's W3C trace context, read by tracing alone
+    (:mod:`ext_proc.tracing`: the request's span continues that trace), never by routing.
+    ``objective`` and ``fairness_id``: the ``x-gateway-inference-objective`` and
+    ``x-gateway-inference-fairness-id`` headers, for flow control (``None``: absent).
     """
 
     path: str = ""
     client_request_id: str | None = None
     authorization: str | None = None
+    traceparent: str | None = None
+    tracestate: str | None = None
+    objective: str | None = None
+    fairness_id: str | None = None
 
 
 @dataclass(slots=True)
@@ -59,7 +67,8 @@ class HandoffJob:
 
     ``raw`` is the client's body as received and ``body`` its parsed JSON object; ``cost`` is what
     the request charges (tokens); ``subset`` the data plane's endpoint-subset hint, if any;
-    ``tokens`` the prompt in the engine's token ids when the gateway tokenized it (``None``: unknown).
+    ``tokens`` the prompt in the engine's token ids when the gateway tokenized it (``None``: unknown);
+    ``trace`` the request's span when tracing is on (its W3C context goes on the prefill leg).
     """
 
     raw: bytes
@@ -68,6 +77,21 @@ class HandoffJob:
     cost: Cost
     subset: frozenset[str] | None
     tokens: Sequence[int] | None = None
+    trace: Trace | None = None
+
+
+class Trace(Protocol):
+    """What routing tells a request's span (:class:`ext_proc.tracing.RequestSpan`).
+
+    ``headers``: the W3C trace context (``traceparent``, maybe ``tracestate``) the engines are sent."""
+
+    headers: tuple[tuple[str, str], ...]
+
+    def decided(self, mode: str, decision: Decision[EndpointState], hit_tokens: int | None) -> None:
+        """Record the decision of ``mode`` and the prompt tokens the prefill is estimated to hold.
+
+        ``hit_tokens`` ``None``: no prefix index, or no prefill."""
+        ...
 
 
 class Ranks(NamedTuple):

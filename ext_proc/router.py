@@ -16,16 +16,19 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 from urllib.parse import urlsplit
 
-from ext_proc.affinity import Cost, Decision, Mode, NoPair, Policy, Pool, choose
+from ext_proc.affinity import Cost, Decision, Hits, Mode, NoPair, Policy, Pool, choose
+from ext_proc.affinity.explain import Explanation, explain
 from ext_proc.ejection import Ejections
 from ext_proc.handoff.kinds import Handoff
 from ext_proc.live import LiveParts
 from ext_proc.load import Admission, Lease
 from ext_proc.metrics import Metrics
-from ext_proc.outcome import HandoffJob, PendingAnswer, Placement, Ranks, Refused, RequestMeta, Routed
+from ext_proc.outcome import HandoffJob, PendingAnswer, Placement, Ranks, Refused, RequestMeta, Routed, Trace
 from ext_proc.prefix.blocks import prompt_content
+from ext_proc.prefix.lookup import Lookup
 from ext_proc.refusal import refuse
 from ext_proc.registry import EndpointState, Registry
 from ext_proc.request import RequestError, RequestInfo, describe, parse_body
@@ -50,6 +53,19 @@ class BodyRequest:
     body: dict[str, object]
     info: RequestInfo
     meta: RequestMeta
+
+
+class Explained(NamedTuple):
+    """What :meth:`Router.explain` saw and found.
+
+    The request's ``cost``, the candidate ``prefills`` and ``decodes`` with their load, the prefix
+    ``hits`` credited (``None``: none) and the ``explanation``."""
+
+    cost: Cost
+    prefills: Pool[EndpointState]
+    decodes: Pool[EndpointState]
+    hits: Hits | None
+    explanation: Explanation[EndpointState]
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,11 +164,14 @@ class Router:
     def read(self, raw: bytes, meta: RequestMeta) -> BodyRequest | Refused:
         """Parse the JSON body ``raw`` of the request ``meta`` describes; 400 ``invalid_request`` if bad."""
         try:
-            body = parse_body(raw)
-            info = describe(body, self._default_max_tokens)
+            return self.parse(raw, meta)
         except RequestError as exc:
             return refuse(self.metrics, 400, str(exc), "invalid_request", exc.param)
-        return BodyRequest(raw, body, info, meta)
+
+    def parse(self, raw: bytes, meta: RequestMeta) -> BodyRequest:
+        """:meth:`read` without the refusal: raises :class:`RequestError` (nothing counted or logged)."""
+        body = parse_body(raw)
+        return BodyRequest(raw, body, describe(body, self._default_max_tokens), meta)
 
     def wants_tokens(self, request: BodyRequest) -> bool:
         """Whether ``request``'s prompt is to be put in token ids (:meth:`prompt_tokens`) before routing.
@@ -175,7 +194,11 @@ class Router:
         return await tokenizer.prompt_tokens(request.body, request.meta.path)
 
     def route(
-        self, request: BodyRequest, subset: frozenset[str] | None = None, tokens: Sequence[int] | None = None
+        self,
+        request: BodyRequest,
+        subset: frozenset[str] | None = None,
+        tokens: Sequence[int] | None = None,
+        trace: Trace | None = None,
     ) -> Routed | Refused | PendingAnswer:
         """Route a read request: prefill then decode, per the affinity policy.
 
@@ -184,23 +207,36 @@ class Router:
         prompt reaches ``pd_threshold_tokens`` get one. ``tokens``: the prompt's token ids from
         :meth:`prompt_tokens` (``None``: unknown); when known, the prompt is charged and compared to
         the threshold at their exact count instead of the estimate, and the prefix index looks up
-        their chain.
+        their chain. ``trace``: the request's span (tracing on), told the decision.
         """
-        info, meta = request.info, request.meta
-        prompt = info.prompt_tokens if tokens is None else len(tokens)
-        cost = Cost(prompt, prompt + info.output_budget)
-        disaggregated = prompt >= self._pd_threshold and urlsplit(meta.path).path in DISAGGREGATED_PATHS
-        prefills = self.ejections.keep(self.registry.prefill_pool) if disaggregated else self._no_prefills
-        placed = self._place(cost, prefills, subset, request.body, tokens)
+        cost, prefills = self._cost(request, tokens)
+        placed = self._place(cost, prefills, subset, request.body, tokens, trace)
         if isinstance(placed, Refused):
             return placed
-        job = HandoffJob(request.raw, request.body, meta, cost, subset, tokens)
+        job = HandoffJob(request.raw, request.body, request.meta, cost, subset, tokens, trace)
         return self.handoff.hand_off(job, placed, self)
 
-    def route_bodiless(self, subset: frozenset[str] | None = None) -> Routed | Refused:
+    def explain(
+        self, request: BodyRequest, tokens: Sequence[int] | None = None, limit: int = 10
+    ) -> Explained:
+        """What :meth:`route` would decide for ``request`` now, and why, booking nothing.
+
+        The same candidates (ejections applied; no subset hint), prefix hits and next round-robin
+        ticket as :meth:`route`; nothing is charged, recorded in the prefix index, told to the peers or
+        counted (:func:`ext_proc.affinity.explain.explain`: the ``limit`` least-cost pairs)."""
+        cost, prefills = self._cost(request, tokens)
+        decodes = self.decode_ejections.keep(self.registry.decode_pool)
+        lookup = self._lookup(request.body, tokens, prefills, decodes, cost.prefill_tokens)
+        hits = None if lookup is None else lookup.hits
+        explained = explain(cost, prefills, decodes, self.policy, self._ticket + 1, hits, limit)
+        return Explained(cost, prefills, decodes, hits, explained)
+
+    def route_bodiless(
+        self, subset: frozenset[str] | None = None, trace: Trace | None = None
+    ) -> Routed | Refused:
         """Route a request without a body (e.g. ``GET /v1/models``) to the least-loaded decode."""
         cost = Cost(0, 0)
-        placed = self._place(cost, self._no_prefills, subset)
+        placed = self._place(cost, self._no_prefills, subset, None, None, trace)
         if isinstance(placed, Refused):
             return placed
         routed = self.handoff.hand_off(HandoffJob(b"", {}, RequestMeta(), cost, subset), placed, self)
@@ -222,7 +258,7 @@ class Router:
         }
         if not keep:
             return None
-        placed = self._place(job.cost, pool.only(keep), job.subset, job.body, job.tokens)
+        placed = self._place(job.cost, pool.only(keep), job.subset, job.body, job.tokens, job.trace)
         if isinstance(placed, Refused) or placed.decision.prefill is None:
             if isinstance(placed, Placement):
                 placed.lease.release()
@@ -263,6 +299,33 @@ class Router:
         KV cache it computed: eject that prefill."""
         self.ejections.eject(address, outcome)
 
+    def _cost(self, request: BodyRequest, tokens: Sequence[int] | None) -> tuple[Cost, Pool[EndpointState]]:
+        """What ``request`` charges (its prompt at the count of ``tokens`` when known) and its prefill
+        candidates: none unless its path is disaggregated and its prompt reaches the threshold."""
+        info = request.info
+        prompt = info.prompt_tokens if tokens is None else len(tokens)
+        cost = Cost(prompt, prompt + info.output_budget)
+        disaggregated = (
+            prompt >= self._pd_threshold and urlsplit(request.meta.path).path in DISAGGREGATED_PATHS
+        )
+        prefills = self.ejections.keep(self.registry.prefill_pool) if disaggregated else self._no_prefills
+        return cost, prefills
+
+    def _lookup(
+        self,
+        body: dict[str, object] | None,
+        tokens: Sequence[int] | None,
+        prefills: Pool[EndpointState],
+        decodes: Pool[EndpointState],
+        prompt: int,
+    ) -> Lookup | None:
+        """What the candidates hold of the prompt of ``body`` (``tokens``: its ids); ``None`` without a
+        prefix source, a body or a block to look up."""
+        prefix = self.live.prefix
+        if prefix is None or body is None:
+            return None
+        return prefix.lookup_prompt(body, tokens, prefills, decodes, prompt, self.handoff.pins_ranks)
+
     def _place(
         self,
         cost: Cost,
@@ -270,6 +333,7 @@ class Router:
         subset: frozenset[str] | None,
         body: dict[str, object] | None = None,
         tokens: Sequence[int] | None = None,
+        trace: Trace | None = None,
     ) -> Placement | Refused:
         """Decide and charge: the prompt of ``body`` (``tokens``: its ids) looked up in the prefix
         source, if any, then the decision, then the placement recorded there and told the peers."""
@@ -284,11 +348,7 @@ class Router:
         decodes = self.decode_ejections.keep(decodes)
         prompt = cost.prefill_tokens
         prefix = self.live.prefix
-        lookup = (
-            None
-            if prefix is None or body is None
-            else prefix.lookup_prompt(body, tokens, prefills, decodes, prompt, self.handoff.pins_ranks)
-        )
+        lookup = self._lookup(body, tokens, prefills, decodes, prompt)
         self._ticket += 1
         started = time.perf_counter()
         hits = None if lookup is None else lookup.hits
@@ -296,10 +356,14 @@ class Router:
         seconds = time.perf_counter() - started  # the decision alone (decision_seconds)
         if isinstance(result, NoPair):
             return refuse(self.metrics, 503, result.message, result.reason.value)
+        hit = None
         if prefix is not None and lookup is not None:
             placed = prefix.placed(lookup, result, prompt)
             self.live.shared.placed(lookup.hashes, placed.holders)
             prompt -= placed.prefill_hit  # the prefill computes only what it does not hold
+            hit = None if result.prefill is None else placed.prefill_hit
+        if trace is not None:
+            trace.decided(self._mode, result, hit)
         lease = Lease(result.prefill, prompt, result.decode, cost.decode_tokens)
         locality = result.locality.value
         self.metrics.decided(self._mode, locality, seconds)

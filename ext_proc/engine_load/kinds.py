@@ -33,7 +33,10 @@ class LoadSignal(Protocol):
 
     It writes the offsets into the registry's load arrays from :meth:`run` until cancelled, describes
     what it knows of an endpoint (``/debug/endpoints``) and tells the requests each engine with a fresh
-    sample reports waiting, by address (the autoscaling signals)."""
+    sample reports waiting, by address (the autoscaling signals). Flow control reads its fresh samples
+    (:meth:`fresh_samples`, again when ``version`` changed)."""
+
+    version: int
 
     async def run(self) -> None:
         """Write each endpoint's load offset into the registry's load arrays, until cancelled."""
@@ -45,6 +48,10 @@ class LoadSignal(Protocol):
 
     def waiting(self) -> dict[str, float]:
         """The requests each engine with a fresh sample reported waiting, by address."""
+        ...
+
+    def fresh_samples(self) -> dict[str, list[tuple[float, float]]]:
+        """``(waiting, kv_usage)`` of every pickable engine with a fresh sample, per role."""
         ...
 
 

@@ -67,6 +67,9 @@ class EngineScraper:
         self._states: dict[str, list[EndpointState]] = {}
         self._request_tokens = dict.fromkeys(Role, float(config.queued_request_tokens))
         self._session: aiohttp.ClientSession | None = None
+        self.version = 0
+        """Grows with every good sample landed and every tick (samples may have gone stale): flow control
+        reads :meth:`fresh_samples` again when it changed."""
         metrics.watch_engine_scrapes(self.ages, self.stale_count)
         metrics.watch_engine_ttft(self.first_tokens)
 
@@ -104,6 +107,7 @@ class EngineScraper:
                 task.add_done_callback(lambda _, a=address: self._running.pop(a, None))
         for role, pool in ((Role.PREFILL, self._registry.prefills), (Role.DECODE, self._registry.decodes)):
             self._request_tokens[role] = self._mean_request_tokens(pool)
+        self.version += 1
         now = self._clock()
         for state in self._registry.endpoints():
             scrape = self._scrapes.get(state.address)
@@ -137,6 +141,21 @@ class EngineScraper:
             if seconds is not None and count is not None:
                 found += [(s.role.value, address, seconds, count) for s in self._states.get(address, ())]
         return found
+
+    def fresh_samples(self) -> dict[str, list[tuple[float, float]]]:
+        """``(waiting, kv_usage)`` of every pickable engine with a fresh sample, per role.
+
+        Flow control's saturation rule reads them (:mod:`ext_proc.flow.saturation`)."""
+        now, limit = self._clock(), self._config.stale_after_seconds
+        fresh: dict[str, list[tuple[float, float]]] = {}
+        for role, pool in ((Role.PREFILL, self._registry.prefills), (Role.DECODE, self._registry.decodes)):
+            scrapes = (self._scrapes.get(state.address) for state in pool)
+            fresh[role.value] = [
+                (s.sample.waiting, s.sample.kv_usage)
+                for s in scrapes
+                if s is not None and now - s.at <= limit
+            ]
+        return fresh
 
     def describe(self, state: EndpointState) -> dict[str, object]:
         """The engine's view of ``state`` for ``/debug/endpoints``.
@@ -175,6 +194,7 @@ class EngineScraper:
         if self._errors.pop(address, None) is not None:
             log.info("engine metrics of %s: scraping again", address)
         self._scrapes[address] = Scrape(sample, self._clock())
+        self.version += 1
         self._blend(address, sample)
         if self._sampled is not None:
             self._sampled(address, sample.prefix_queries, sample.prefix_hits)

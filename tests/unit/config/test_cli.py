@@ -40,10 +40,11 @@ def test_help_lists_every_subcommand(capsys: pytest.CaptureFixture[str]) -> None
         main(["--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    assert "{serve,check-config,envoy-bootstrap,sim,demo}" in out
+    assert "{serve,check-config,explain,envoy-bootstrap,sim,demo}" in out
     for line in (
         "run the ext_proc routing server",
         "validate and print the effective configuration",
+        "the pair a running server would pick now, and why",
         "print an Envoy bootstrap listing many pd-extprocs",
         "run one simulated vLLM PD engine",
         "compare affinity modes on a simulated PD cluster",

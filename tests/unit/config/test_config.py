@@ -202,7 +202,8 @@ def test_unknown_top_level_key_is_named_with_the_allowed_keys(tmp_path: Path) ->
     message = config_error(write_yaml(tmp_path, "listn: 0.0.0.0:1\n"))
     assert message == (
         "listn: unknown key; allowed keys here: admin, affinity, discovery, engine_metrics, envoy_health, "
-        "handoff, health_listen, limits, listen, load, metrics_listen, routing, shared_state, tls, xds"
+        "flow_control, handoff, health_listen, limits, listen, load, metrics_listen, routing, shared_state, "
+        "tls, tracing, xds"
     )
 
 
