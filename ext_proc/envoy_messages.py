@@ -15,7 +15,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from ext_proc.outcome import RequestMeta, RoutingInstructions
+from ext_proc.outcome import MODEL_REWRITE_HEADER, RequestMeta, RoutingInstructions
 
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
@@ -98,11 +98,10 @@ class HeadersMeta(RequestMeta):
     """The :class:`RequestMeta` of a ``request_headers`` message, each part read when first needed.
 
     ``path`` is read at once, from the first ``:path`` header (Envoy sends the pseudo-headers first:
-    a few headers are looked at); ``client_request_id`` and ``authorization``, which only the engine
-    handoffs' prefill legs and their logs read, on first use of either, in one pass over all the
-    headers (the last of each name wins; ``None`` when absent). Each header looked at costs a protobuf
-    wrapper, and Envoy sends about a dozen: a request routed without a prefill leg reads two or three.
-    Equal to (and hashed as) another ``HeadersMeta`` of the same three values."""
+    a few headers are looked at); ``client_request_id``, ``authorization`` and ``model_rewrite``, on
+    first use of any, in one pass over all the headers (the last of each name wins; ``None`` when
+    absent). Each header looked at costs a protobuf wrapper, and Envoy sends about a dozen.
+    Equal to (and hashed as) another ``HeadersMeta`` of the same four values."""
 
     __slots__ = ("_headers", "_rest")
 
@@ -126,17 +125,24 @@ class HeadersMeta(RequestMeta):
         """The incoming ``authorization``, or ``None``."""
         return self._read()[1]
 
-    def _read(self) -> tuple[str | None, str | None]:
+    @property  # type: ignore[override]
+    def model_rewrite(self) -> str | None:
+        """The incoming :data:`~ext_proc.outcome.MODEL_REWRITE_HEADER`, or ``None``."""
+        return self._read()[2]
+
+    def _read(self) -> tuple[str | None, str | None, str | None]:
         rest = self._rest
         if rest is None:
-            request_id, authorization = None, None
+            request_id = authorization = rewrite = None
             for header in self._headers.headers.headers:
                 key = header.key
                 if key == "x-request-id":
                     request_id = _header_value(header)
                 elif key == "authorization":
                     authorization = _header_value(header)
-            rest = (request_id, authorization)
+                elif key == MODEL_REWRITE_HEADER:
+                    rewrite = _header_value(header)
+            rest = (request_id, authorization, rewrite)
             object.__setattr__(self, "_rest", rest)
         return rest
 
@@ -298,6 +304,16 @@ def immediate_error(
     _set_header(immediate.headers, "content-type", b"application/json")
     if retry_after is not None:
         _set_header(immediate.headers, "retry-after", str(retry_after).encode())
+    return response
+
+
+def immediate_answer(status: int, body: bytes) -> pb.ProcessingResponse:
+    """Answer any message by ending the HTTP exchange with ``status`` and the JSON ``body``."""
+    response = pb.ProcessingResponse()
+    immediate = response.immediate_response
+    immediate.status.code = status  # type: ignore[assignment]
+    immediate.body = body
+    _set_header(immediate.headers, "content-type", b"application/json")
     return response
 
 

@@ -2,7 +2,8 @@
 
 The router parses a request (:class:`HandoffJob`) and decides where it runs; the decision and the
 charges it holds are a :class:`Placement`. The handoff turns the placement into an outcome:
-:class:`Routed` (instructions for Envoy), :class:`Refused` (an error answer), or a
+:class:`Routed` (instructions for Envoy), :class:`Refused` (an error answer), :class:`Answered` (the
+gateway's own answer), or a
 :class:`PendingAnswer` that needs I/O with an engine first and then completes into one of the two.
 A routed request's :class:`ResponseWatcher`, when its handoff attached one, sees the upstream's answer.
 
@@ -40,17 +41,24 @@ class RoutingInstructions:
     body: bytes | None = None
 
 
+MODEL_REWRITE_HEADER = "x-gateway-model-name-rewrite"
+"""The Gateway API Inference Extension's header naming the model to serve a request with instead of
+its body's ``model``: routed by, and written into the body the engines get."""
+
+
 @dataclass(frozen=True, slots=True)
 class RequestMeta:
     """What the request-headers phase tells about a request.
 
     ``path`` is the HTTP ``:path`` (query included); ``client_request_id`` the incoming
-    ``x-request-id`` (kept for logs only); ``authorization`` is forwarded to prefill legs.
+    ``x-request-id`` (kept for logs only); ``authorization`` is forwarded to prefill legs;
+    ``model_rewrite`` the :data:`MODEL_REWRITE_HEADER`, if any.
     """
 
     path: str = ""
     client_request_id: str | None = None
     authorization: str | None = None
+    model_rewrite: str | None = None
 
 
 @dataclass(slots=True)
@@ -59,7 +67,9 @@ class HandoffJob:
 
     ``raw`` is the client's body as received and ``body`` its parsed JSON object; ``cost`` is what
     the request charges (tokens); ``subset`` the data plane's endpoint-subset hint, if any;
-    ``tokens`` the prompt in the engine's token ids when the gateway tokenized it (``None``: unknown).
+    ``tokens`` the prompt in the engine's token ids when the gateway tokenized it (``None``: unknown);
+    ``rewritten``: the gateway changed the client's body (its ``model``, :data:`MODEL_REWRITE_HEADER`),
+    so ``raw`` is sent even where a handoff adds nothing.
     """
 
     raw: bytes
@@ -68,6 +78,7 @@ class HandoffJob:
     cost: Cost
     subset: frozenset[str] | None
     tokens: Sequence[int] | None = None
+    rewritten: bool = False
 
 
 class Ranks(NamedTuple):
@@ -141,6 +152,14 @@ class Refused:
     param: str | None = None
     body: bytes | None = None
     retry_after: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Answered:
+    """The gateway answers the request itself (``GET /v1/models``): ``status`` and a JSON ``body``."""
+
+    status: int
+    body: bytes
 
 
 class PendingAnswer(Protocol):

@@ -1,11 +1,14 @@
 """One request's routing, free of gRPC: parse, decide, charge, and hand off to the engines' protocol.
 
-The server reads a body (:meth:`Router.read`), awaits its prompt's token ids when the gateway
-tokenizes it (:meth:`Router.wants_tokens`, :meth:`Router.prompt_tokens`), routes it
-(:meth:`Router.route`; :meth:`Router.route_body` does both steps without tokens; a request without a
-body: :meth:`Router.route_bodiless`) and maps the outcome (:mod:`ext_proc.outcome`) onto ext_proc
-messages: :class:`Routed`, :class:`Refused` (an HTTP status, a precise message and a machine-readable
-code), or a :class:`PendingAnswer` to complete after a prefill leg.
+The server reads a body (:meth:`Router.read`; an ``x-gateway-model-name-rewrite`` header replaces its
+``model``), awaits its prompt's token ids when the gateway tokenizes it (:meth:`Router.wants_tokens`,
+:meth:`Router.prompt_tokens`), routes it (:meth:`Router.route`; :meth:`Router.route_body` does both
+steps without tokens; a request without a body: :meth:`Router.route_bodiless`) and maps the outcome
+(:mod:`ext_proc.outcome`) onto ext_proc messages: :class:`Routed`, :class:`Refused` (an HTTP status, a
+precise message and a machine-readable code), :class:`Answered` (``GET /v1/models``: the models the
+endpoints serve), or a :class:`PendingAnswer` to complete after a prefill leg. A request naming a model
+goes only to endpoints serving it (:meth:`~ext_proc.registry.Registry.pools_for`), prefill and decode
+alike; one that no endpoint serves is answered 404 ``model_not_found``.
 """
 
 from __future__ import annotations
@@ -21,10 +24,22 @@ from ext_proc.affinity import Cost, Decision, Mode, NoPair, Policy, Pool, choose
 from ext_proc.affinity.config import AutoConfig
 from ext_proc.checks import ConfigError
 from ext_proc.ejection import Ejections
+from ext_proc.handoff.body import with_fields
 from ext_proc.handoff.kinds import Handoff
 from ext_proc.load import Admission, Lease
 from ext_proc.metrics import Metrics
-from ext_proc.outcome import HandoffJob, PendingAnswer, Placement, Ranks, Refused, RequestMeta, Routed
+from ext_proc.models import ModelNameError, check_model_name, model_list_body
+from ext_proc.outcome import (
+    MODEL_REWRITE_HEADER,
+    Answered,
+    HandoffJob,
+    PendingAnswer,
+    Placement,
+    Ranks,
+    Refused,
+    RequestMeta,
+    Routed,
+)
 from ext_proc.prefix import PrefixSettings, blocks, event_source, index
 from ext_proc.prefix.blocks import Chain, prompt_content
 from ext_proc.prefix.config import PrefixConfig
@@ -40,6 +55,8 @@ log = logging.getLogger(__name__)
 
 DISAGGREGATED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 """Paths whose requests get a prefill endpoint; every other path is routed decode-only."""
+MODELS_PATH = "/v1/models"
+"""The path of OpenAI's model list, which the gateway answers itself once endpoints name their models."""
 TOKENIZED_PATHS = DISAGGREGATED_PATHS | {"/v1/embeddings"}
 """Paths whose text prompts the gateway tokenizer puts in token ids (``affinity.prefix.tokenizer``)."""
 
@@ -49,13 +66,15 @@ class BodyRequest:
     """A request's body as read, before it is routed.
 
     ``raw`` as received, ``body`` its JSON object, ``info`` its estimated prompt tokens and output
-    budget, ``meta`` what its headers said. Never modified once built; not frozen, as
+    budget, ``meta`` what its headers said; ``rewritten``: ``raw`` and ``body`` carry the model of
+    ``meta.model_rewrite`` instead of the client's. Never modified once built; not frozen, as
     :mod:`ext_proc.outcome`'s per-request records (a frozen dataclass costs more to build)."""
 
     raw: bytes
     body: dict[str, object]
     info: RequestInfo
     meta: RequestMeta
+    rewritten: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,13 +240,24 @@ class Router:
         return request if isinstance(request, Refused) else self.route(request, subset)
 
     def read(self, raw: bytes, meta: RequestMeta) -> BodyRequest | Refused:
-        """Parse the JSON body ``raw`` of the request ``meta`` describes; 400 ``invalid_request`` if bad."""
+        """Parse the JSON body ``raw`` of the request ``meta`` describes; 400 ``invalid_request`` if bad.
+
+        With ``meta.model_rewrite`` (a valid model name, else 400), the body's ``model`` is replaced by it."""
+        rewrite = meta.model_rewrite
+        rewritten = False
         try:
             body = parse_body(raw)
+            if rewrite is not None and body.get("model") != rewrite:
+                check_model_name(rewrite, f"the {MODEL_REWRITE_HEADER} header")
+                raw = with_fields(raw, body, {"model": rewrite}, ("model",))
+                body["model"] = rewrite
+                rewritten = True
             info = describe(body, self._default_max_tokens)
+        except ModelNameError as exc:
+            return refuse(self.metrics, 400, str(exc), "invalid_request")
         except RequestError as exc:
             return refuse(self.metrics, 400, str(exc), "invalid_request", exc.param)
-        return BodyRequest(raw, body, info, meta)
+        return BodyRequest(raw, body, info, meta, rewritten)
 
     def wants_tokens(self, request: BodyRequest) -> bool:
         """Whether ``request``'s prompt is to be put in token ids (:meth:`prompt_tokens`) before routing.
@@ -262,20 +292,42 @@ class Router:
         their chain.
         """
         info, meta = request.info, request.meta
+        pools = self.registry.pools_for(info.model)
+        if pools is None:
+            return self._unknown_model(str(info.model))
         prompt = info.prompt_tokens if tokens is None else len(tokens)
         cost = Cost(prompt, prompt + info.output_budget)
         disaggregated = prompt >= self._pd_threshold and urlsplit(meta.path).path in DISAGGREGATED_PATHS
-        prefills = self.ejections.keep(self.registry.prefill_pool) if disaggregated else self._no_prefills
-        placed = self._place(cost, prefills, subset, self._chain(request.body, tokens))
+        prefills = self.ejections.keep(pools[0]) if disaggregated else self._no_prefills
+        placed = self._place(cost, prefills, pools[1], subset, self._chain(request.body, tokens))
         if isinstance(placed, Refused):
             return placed
-        job = HandoffJob(request.raw, request.body, meta, cost, subset, tokens)
+        self.metrics.model_routed(self.registry.model_label(info.model))
+        job = HandoffJob(request.raw, request.body, meta, cost, subset, tokens, request.rewritten)
         return self.handoff.hand_off(job, placed, self)
 
-    def route_bodiless(self, subset: frozenset[str] | None = None) -> Routed | Refused:
-        """Route a request without a body (e.g. ``GET /v1/models``) to the least-loaded decode."""
+    def _unknown_model(self, model: str) -> Refused:
+        """The 404 ``model_not_found`` of a request for ``model``, which no known decode serves."""
+        message = (
+            f"the model {model!r} does not exist here: no endpoint serves it "
+            "(GET /v1/models lists those that do)"
+        )
+        return refuse(self.metrics, 404, message, "model_not_found", "model")
+
+    def route_bodiless(
+        self, subset: frozenset[str] | None = None, meta: RequestMeta | None = None
+    ) -> Routed | Refused | Answered:
+        """Route a request without a body to the least-loaded decode, or answer ``GET /v1/models``.
+
+        ``GET /v1/models`` (``meta.path``) is answered here, the union of the models the decodes name
+        (:meth:`~ext_proc.registry.Registry.served_models`) in OpenAI's list shape, when any names them;
+        otherwise (every endpoint serves every model) it goes to a decode, which answers its own list."""
+        if meta is not None and urlsplit(meta.path).path == MODELS_PATH:
+            models = self.registry.served_models()
+            if models is not None:
+                return Answered(200, model_list_body(models))
         cost = Cost(0, 0)
-        placed = self._place(cost, self._no_prefills, subset)
+        placed = self._place(cost, self._no_prefills, self.registry.decode_pool, subset)
         if isinstance(placed, Refused):
             return placed
         routed = self.handoff.hand_off(HandoffJob(b"", {}, RequestMeta(), cost, subset), placed, self)
@@ -291,13 +343,19 @@ class Router:
         chosen again by the same rule."""
         group = failed.prefill.group if failed.prefill is not None else ""
         strict = self.policy.mode is Mode.STRICT
-        pool = self.ejections.keep(self.registry.prefill_pool)
+        model = job.body.get("model")
+        pools = self.registry.pools_for(model if isinstance(model, str) else None)
+        if pools is None:  # no longer served by any endpoint
+            return None
+        pool = self.ejections.keep(pools[0])
         keep = {
             e.address for e in pool.endpoints if e.address not in exclude and (not strict or e.group == group)
         }
         if not keep:
             return None
-        placed = self._place(job.cost, pool.only(keep), job.subset, self._chain(job.body, job.tokens))
+        placed = self._place(
+            job.cost, pool.only(keep), pools[1], job.subset, self._chain(job.body, job.tokens)
+        )
         if isinstance(placed, Refused) or placed.decision.prefill is None:
             if isinstance(placed, Placement):
                 placed.lease.release()
@@ -362,10 +420,10 @@ class Router:
         self,
         cost: Cost,
         prefills: Pool[EndpointState],
+        decodes: Pool[EndpointState],
         subset: frozenset[str] | None,
         chain: Chain | None = None,
     ) -> Placement | Refused:
-        decodes = self.registry.decode_pool
         if subset is not None:
             decodes = decodes.only(subset)
             if not decodes.size:

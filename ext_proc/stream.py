@@ -4,7 +4,8 @@ One HTTP request is one stream. Envoy's first message states the body modes; the
 :class:`~ext_proc.choreography.Choreography` (BUFFERED, or FULL_DUPLEX_STREAMED as the Gateway API
 Inference Extension gateways configure it) decides which answers go out when; the routing is the same
 in every mode. By phase:
-- ``request_headers``: a request without a body is routed here; otherwise the path, ``x-request-id``
+- ``request_headers``: a request without a body is routed here (``GET /v1/models`` answered at once
+  when the endpoints name their models: :meth:`Router.route_bodiless`); otherwise the path, ``x-request-id``
   and ``authorization`` are noted and the body awaited (BUFFERED: client-supplied routing headers are
   stripped at once; FULL_DUPLEX_STREAMED: the answer is held until the body is complete).
 - ``request_body``: BUFFERED, the whole body in one message after the headers; FULL_DUPLEX_STREAMED,
@@ -47,7 +48,15 @@ from ext_proc import envoy_messages as msg
 from ext_proc.choreography import BODY_LIMIT_BYTES, Answers, BodyCollector, Choreographies, Choreography
 from ext_proc.load import Admission
 from ext_proc.metrics import Metrics
-from ext_proc.outcome import PendingAnswer, Refused, RequestMeta, ResponseWatcher, Routed, RoutingInstructions
+from ext_proc.outcome import (
+    Answered,
+    PendingAnswer,
+    Refused,
+    RequestMeta,
+    ResponseWatcher,
+    Routed,
+    RoutingInstructions,
+)
 from ext_proc.refusal import refuse
 from ext_proc.router import BodyRequest, Router
 
@@ -158,7 +167,13 @@ class Stream:
                     self.body = BodyCollector()
                 return choreography.header_hold
             overloaded = self._admit()
-            outcome = self._shared.router.route_bodiless(self.subset) if overloaded is None else overloaded
+            if overloaded is not None:
+                return self._routed(overloaded, choreography.route_bodiless)
+            outcome = self._shared.router.route_bodiless(self.subset, msg.HeadersMeta(headers))
+            if isinstance(outcome, Answered):
+                self._release_slot()
+                self.ended = True
+                return (msg.immediate_answer(outcome.status, outcome.body),)
             return self._routed(outcome, choreography.route_bodiless)
         if kind == "request_body":
             return self._request_body(request.request_body, choreography)
