@@ -321,7 +321,8 @@ class Registry:
         for state in self._current.values():
             if state.role is Role.DECODE:
                 for model in state.models() or ():
-                    if models.get(model.name, model).parent is None:
+                    known = models.get(model.name)
+                    if known is None or known.parent is None:  # a parent named by any engine is kept
                         models[model.name] = model
         return tuple(models.values())
 
