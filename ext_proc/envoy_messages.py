@@ -308,11 +308,14 @@ def immediate_error(
 
 
 def immediate_answer(status: int, body: bytes) -> pb.ProcessingResponse:
-    """Answer any message by ending the HTTP exchange with ``status`` and the JSON ``body``."""
+    """Answer any message by ending the HTTP exchange with ``status`` and the JSON ``body``.
+
+    Its details, ``pd_extproc_answer``, tell the shipped Envoy's local-reply mappers to leave it as it is."""
     response = pb.ProcessingResponse()
     immediate = response.immediate_response
     immediate.status.code = status  # type: ignore[assignment]
     immediate.body = body
+    immediate.details = "pd_extproc_answer"
     _set_header(immediate.headers, "content-type", b"application/json")
     return response
 
