@@ -2,14 +2,15 @@
 leaves the other's TTFT alone.
 
 The demo's simulated cluster (:func:`sim.cluster.clusters` ``demo``, engines of the measured profile,
-each pdGroup's in a child process of its own; pd-extproc and the real Envoy as their own processes, ``prefer``, the demo's
-``kv-transfer-params`` handoff) serves two models: ``alpha`` on pdGroup ``rack-a`` (2 prefills, 3 large
-decodes), ``beta`` on ``rack-b`` (1 prefill, 2 small decodes). Each engine refuses the other model's
-requests with vLLM's 404 (:attr:`sim.cluster.EngineSpec.model`) and EDS declares each endpoint's model.
-``beta`` (the victim) sends a steady stream, first alone, then while ``alpha`` floods its engines
-beyond their capacity; each request's engines (the simulator's response headers) are checked against
-its model's. The same two phases run on the same cluster with the models undeclared and the engines
-serving any model (pd-extproc before routing by model: the flood spreads over every engine) for contrast.
+each pdGroup's in a child process of its own; pd-extproc and the real Envoy as their own processes,
+``prefer``, the demo's ``kv-transfer-params`` handoff) serves two models: ``alpha`` on pdGroup
+``rack-a`` (2 prefills, 3 large decodes), ``beta`` on ``rack-b`` (1 prefill, 2 small decodes). Each
+engine refuses the other model's requests with vLLM's 404 (:attr:`sim.cluster.EngineSpec.model`) and
+EDS declares each endpoint's model. ``beta`` (the victim) sends a steady stream, first alone, then
+while ``alpha`` floods its engines at about three times their capacity (from a client process of its
+own); each request's engines (the simulator's response headers) are checked against its model's. The
+same two phases run on a fresh cluster with the models undeclared and the engines serving any model
+(pd-extproc before routing by model: the flood spreads over every engine) for contrast.
 
 Run: ``python -m bench.two_models [--quick] [--json FILE]``; prints a table and the verdict (the victim's
 TTFT p90 with the flood within 10% of alone, no request on a wrong engine, no error), exit code 1 if
@@ -77,9 +78,10 @@ def distinct(plans: list[RequestPlan], seed: int) -> list[RequestPlan]:
     ]
 
 
-def victim_plans(size: Size) -> list[RequestPlan]:
-    """The victim's steady stream: Poisson at ``victim_rps``, prompts 256-2,048, answers 16-64 tokens."""
-    return distinct(plan_workload(size.victim, size.victim_rps, (256, 2048), (16, 64), seed=11), 11)
+def victim_plans(size: Size, seed: int) -> list[RequestPlan]:
+    """The victim's steady stream: Poisson at ``victim_rps``, prompts 256-2,048, answers 16-64 tokens; the
+    same arrivals and lengths in both phases, other texts (``seed``: no phase finds the other's cached)."""
+    return distinct(plan_workload(size.victim, size.victim_rps, (256, 2048), (16, 64), seed=11), seed)
 
 
 def flood_plans(size: Size) -> list[RequestPlan]:
@@ -179,13 +181,13 @@ async def setting(declared: bool, size: Size) -> dict:
         serving = engines_by_model(stack)
         for model in MODEL_OF_GROUP.values():  # cold connections would penalise the first phase
             await run_workload(stack.urls, WARMUP, model)
-        alone, _ = await run_workload(stack.urls, victim_plans(size), VICTIM)
+        alone, _ = await run_workload(stack.urls, victim_plans(size, 11), VICTIM)
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as flooder:
             flooding = asyncio.get_running_loop().run_in_executor(
                 flooder, flood_from, stack.urls, flood_plans(size)
             )
             (victim, _), (flood, flood_s) = await asyncio.gather(
-                run_workload(stack.urls, victim_plans(size), VICTIM), flooding
+                run_workload(stack.urls, victim_plans(size, 13), VICTIM), flooding
             )
     finally:
         await asyncio.to_thread(stack.stop)
