@@ -97,9 +97,11 @@ def flood_plans(size: Size, scale: float) -> list[RequestPlan]:
 
 def summary(records: list[Record], model: str, serving: dict[str, set[str]], scale: float) -> dict:
     """One model's numbers in one phase: requests, errors, TTFT p50/p90/p99 (model ms: wall ms over
-    ``scale``), and the requests whose decode or prefill engine is not in ``model``'s group
-    (``serving``: engines by model)."""
+    ``scale``), the remote prefill's p90 as the decode engines report it (model ms: queue and compute at
+    the prefill, without the gateway's and the client's share of the TTFT), and the requests whose
+    decode or prefill engine is not in ``model``'s group (``serving``: engines by model)."""
     ttfts = [r.ttft_ms / scale for r in records if r.ttft_ms is not None]
+    prefills = [r.remote_prefill_ms for r in records if r.remote_prefill_ms is not None]
     wrong = 0
     for r in records:
         engines = {e for e in (r.decode_engine, r.prefill_engine) if e is not None}
@@ -114,6 +116,7 @@ def summary(records: list[Record], model: str, serving: dict[str, set[str]], sca
         "ttft_p50_ms": percentile(ttfts, 0.5),
         "ttft_p90_ms": percentile(ttfts, 0.9),
         "ttft_p99_ms": percentile(ttfts, 0.99),
+        "engine_prefill_p90_ms": percentile(prefills, 0.9),
         "on_other_models_engines": wrong,
     }
 
@@ -220,7 +223,7 @@ def table(results: list[dict]) -> str:
     """The phases as a table."""
     head = (
         f"{'models':<11}{'phase':<12}{'model':<7}{'requests':>9}{'errors':>8}{'TTFT p50 ms':>13}"
-        f"{'TTFT p90 ms':>13}{'TTFT p99 ms':>13}{'on other model engines':>24}"
+        f"{'TTFT p90 ms':>13}{'TTFT p99 ms':>13}{'prefill p90 ms':>16}{'on other model engines':>24}"
     )
     lines = [head, "-" * len(head)]
     for result in results:
@@ -229,6 +232,8 @@ def table(results: list[dict]) -> str:
             row = result[phase]
             cells = [row[f"ttft_{q}_ms"] for q in ("p50", "p90", "p99")]
             text = "".join(f"{'-' if c is None else f'{c:.1f}':>13}" for c in cells)
+            prefill = row["engine_prefill_p90_ms"]
+            text += f"{'-' if prefill is None else f'{prefill:.1f}':>16}"
             lines.append(
                 f"{name:<11}{phase:<12}{row['model']:<7}{row['requests']:>9}{row['errors']:>8}{text}"
                 f"{row['on_other_models_engines']:>24}"
