@@ -58,7 +58,7 @@ def scraper_of(replica: Placing, engines: Mapping[str, Engine]) -> PageScraper:
     (:class:`TypeError`)."""
     if isinstance(replica, PdExtproc):
         router = replica.router
-        return PageScraper(router.registry, engines, router.metrics, router.engine_sampled)
+        return PageScraper(router.registry, engines, router.metrics, replica.live.engine_sampled)
     if isinstance(replica, Oracle):
         return PageScraper(replica.registry, engines, Metrics(replica.registry.endpoints))
     raise TypeError(f"{type(replica).__name__} has no registry for the engine load signal")

@@ -87,7 +87,7 @@ class EventReplica(PdExtproc):
         prefix: PrefixSettings = EVENTS,
     ) -> None:
         super().__init__(endpoints, policy, prefix)
-        source = self.router.prefix
+        source = self.live.prefix
         assert isinstance(source, KvEventSource)
         feed.subscribe(source)
 

@@ -46,6 +46,7 @@ import numpy as np
 
 from ext_proc.affinity import Cost, Decision, Hits, Mode, Policy, Pool, choose
 from ext_proc.endpoints import ClusterEndpoints, EndpointSpec
+from ext_proc.live import LiveParts
 from ext_proc.load import Lease
 from ext_proc.metrics import Metrics
 from ext_proc.outcome import HandoffJob, Placement, RequestMeta, Routed, RoutingInstructions
@@ -123,13 +124,15 @@ class PdExtproc:
     def __init__(self, endpoints: Sequence[Endpoint], policy: Policy, prefix: PrefixSettings | None) -> None:
         registry = registry_of(endpoints)
         self._handoff = _Capture()
+        metrics = Metrics(registry.endpoints)
+        self.live = LiveParts(prefix, metrics)
         self.router = Router(
             RouterSettings(DEFAULT_MAX_TOKENS),
             registry=registry,
             policy=policy,
             handoff=self._handoff,
-            metrics=Metrics(registry.endpoints),
-            prefix=prefix,
+            metrics=metrics,
+            live=self.live,
         )
 
     def place(self, body: dict[str, object]) -> Placed:

@@ -74,10 +74,10 @@ class SharedReplicas(Replicas):
         self.states: list[BusState] = []
         clock = VirtualClock()
         for i, (replica, tally) in enumerate(zip(routers, self.tallies, strict=True)):
-            router = replica.router
+            router, live = replica.router, replica.live
             state = ReplicaState(
                 router.registry,
-                lambda router=router: router.prefix,
+                lambda live=live: live.prefix,
                 tally,
                 config.peer_timeout_seconds,
                 f"replica-{i}",
@@ -85,7 +85,7 @@ class SharedReplicas(Replicas):
                 wall=clock.now,
             )
             shared = BusState("memory", state, self.hub.bus(), config, tally)
-            router.shared = shared
+            live.shared = shared
             self.states.append(shared)
 
     async def start(self) -> None:

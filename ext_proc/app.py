@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import grpc
@@ -23,6 +24,7 @@ from ext_proc.handoff.kinds import KINDS as HANDOFFS
 from ext_proc.handoff.kinds import Handoff
 from ext_proc.health import Health
 from ext_proc.kv_subscribers import KvEventSubscribers
+from ext_proc.live import LiveParts
 from ext_proc.metrics import Metrics
 from ext_proc.prefix import blocks
 from ext_proc.registry import Registry
@@ -50,7 +52,8 @@ class RunningServer:
     ``health_listen``.
 
     ``config`` is the configuration it started with; ``reloads`` watches the configuration file
-    (``None`` without one) and holds the configuration in force.
+    (``None`` without one) and holds the configuration in force; ``live``: the prefix source, gateway
+    tokenizer and shared state in force (:mod:`ext_proc.live`).
     """
 
     config: Config
@@ -60,7 +63,7 @@ class RunningServer:
     health_port: int
     publisher: EdsPublisher | None
     reloads: ConfigWatcher | None
-    shared: SharedState
+    live: LiveParts
     _grpc: tuple[grpc.aio.Server, ...]
     _admin: web.AppRunner
     _watchers: tuple[asyncio.Task[None], ...]
@@ -69,8 +72,8 @@ class RunningServer:
         """Stop everything, letting live streams finish for ``grace`` seconds.
 
         Stop the discovery source and the config watcher, end the ADS streams, stop accepting streams,
-        let live ones finish for ``grace`` seconds, then stop the handoff's background prefill legs and
-        the gateway tokenizer's thread."""
+        let live ones finish for ``grace`` seconds, then stop the shared state, the gateway tokenizer's
+        thread and the handoff's background prefill legs."""
         for watcher in self._watchers:
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -78,21 +81,27 @@ class RunningServer:
         if self.publisher is not None:
             self.publisher.close()
         await asyncio.gather(*(server.stop(grace) for server in self._grpc))
-        await self.shared.stop()
+        await self.live.stop()
         await self.router.handoff.close()
-        self.router.close()
         await self._admin.cleanup()
+
+    @property
+    def shared(self) -> SharedState:
+        """The shared state in force (``shared_state``)."""
+        return self.live.shared
 
 
 class Readiness:
     """Readiness as discovery drives it: SERVING once the router holds the source's whole set.
 
     SERVING while the source is available (always, but for an InferencePool that is absent or not
-    usable) and the router's view has held the source's whole set since it became available."""
+    usable) and the router's view has held the source's whole set since it became available.
+    ``retain`` is told every endpoint known after each change (:meth:`LiveParts.retain`)."""
 
-    def __init__(self, registry: Registry, health: Health) -> None:
+    def __init__(self, registry: Registry, health: Health, retain: Callable[[Iterable[str]], None]) -> None:
         self._registry = registry
         self._health = health
+        self._retain = retain
         self._loaded = False
         self._usable = True
 
@@ -101,6 +110,7 @@ class Readiness:
 
         ``settled``: the source's whole set (with EDS served: once Envoy has it)."""
         self._registry.update(clusters)
+        self._retain(state.address for state in self._registry.endpoints())
         if settled and not self._loaded:
             self._loaded = True
             self._health.set_ready(self._usable)
@@ -144,8 +154,8 @@ def build_handoff(config: Config, metrics: Metrics) -> Handoff:
     return HANDOFFS[config.handoff.mode](config.routing, config.handoff, metrics)
 
 
-def build_router(config: Config, registry: Registry, metrics: Metrics) -> Router:
-    """The router over ``registry`` with the configured policy, handoff, limits and prefix index."""
+def build_router(config: Config, registry: Registry, metrics: Metrics, live: LiveParts) -> Router:
+    """The router over ``registry`` with the configured policy, handoff and limits, reading ``live``."""
     settings = RouterSettings(
         default_max_tokens=config.load.default_max_tokens,
         pd_threshold_tokens=config.routing.pd_threshold_tokens,
@@ -159,18 +169,18 @@ def build_router(config: Config, registry: Registry, metrics: Metrics) -> Router
         policy=config.affinity.policy(config.routing.fallback_count),
         handoff=build_handoff(config, metrics),
         metrics=metrics,
-        prefix=config.affinity.prefix.settings(),
+        live=live,
     )
 
 
 def build_load_signal(
-    config: Config, registry: Registry, metrics: Metrics, router: Router
+    config: Config, registry: Registry, metrics: Metrics, live: LiveParts
 ) -> LoadSignal | None:
     """The engine metrics scraper with ``engine_metrics.enabled``, else ``None`` (local accounting alone)."""
     if not config.engine_metrics.enabled:
         return None
     build = LOAD_SIGNALS[LoadSignalKind.ENGINE_METRICS]
-    return build(registry, config.engine_metrics, metrics, router.engine_sampled)
+    return build(registry, config.engine_metrics, metrics, live.engine_sampled)
 
 
 async def _abandon(publisher: EdsPublisher | None, servers: list[grpc.aio.Server]) -> None:
@@ -237,6 +247,7 @@ def start_watchers(
     endpoints: Source,
     load_signal: LoadSignal | None,
     router: Router,
+    live: LiveParts,
     metrics: Metrics,
     reload: tuple[ConfigSource | None, float],
     subscribers: KvEventSubscribers,
@@ -262,7 +273,7 @@ def start_watchers(
     source, interval = reload
     if source is None or source.path is None:
         return watchers, None
-    reloads = ConfigWatcher(source, config, router, metrics, interval)
+    reloads = ConfigWatcher(source, config, router, live, metrics, interval)
     watchers.append(asyncio.create_task(reloads.run(), name="config-watcher"))
     return watchers, reloads
 
@@ -314,34 +325,38 @@ async def start_server(
         discovery.prefill_cluster, discovery.decode_cluster, config.load.default_token_capacity
     )
     metrics = Metrics(registry.endpoints)
-    health = Health()
-    await health.start()
-    readiness = Readiness(registry, health)
-    publisher = build_publisher(config, readiness, metrics)
-    endpoints = await build_source(config, readiness, publisher, metrics)
     if config.shared_state.kind is not SharedStateKind.LOCAL:  # the peers' chains must compare with ours
         blocks.use_key(config.shared_state.nats.key())
-    router = build_router(config, registry, metrics)
-    shared = build_shared_state(config.shared_state, registry, lambda: router.prefix, metrics)
-    router.shared = shared
-    await shared.start()  # learns the peers' state before the first request (bounded wait)
+    live = LiveParts(config.affinity.prefix.settings(), metrics)
+    health = Health()
+    await health.start()
+    readiness = Readiness(registry, health, live.retain)
+    publisher = build_publisher(config, readiness, metrics)
+    endpoints = await build_source(config, readiness, publisher, metrics)
+    router = build_router(config, registry, metrics, live)
+    live.shared = build_shared_state(config.shared_state, registry, lambda: live.prefix, metrics)
+    await live.start()  # the shared state learns the peers' state before the first request (bounded wait)
     try:
         servers, grpc_port, health_port = await start_grpc_servers(
             config, router, health, publisher, credentials
         )
     except BaseException:
-        await shared.stop()
+        await live.stop()
         raise
-    load_signal = build_load_signal(config, registry, metrics, router)
-    subscribers = KvEventSubscribers(registry, router, metrics)  # idle unless the source is kv-events
+    load_signal = build_load_signal(config, registry, metrics, live)
+    subscribers = KvEventSubscribers(registry, live.events, metrics)  # idle unless the source is kv-events
     try:
-        runner, admin_port = await start_admin(config, registry, metrics, load_signal, shared, subscribers)
+        runner, admin_port = await start_admin(
+            config, registry, metrics, load_signal, live.shared, subscribers
+        )
     except OSError:
         await _abandon(publisher, servers)
-        await shared.stop()
+        await live.stop()
         raise
     reload = (source, reload_interval)
-    watchers, reloads = start_watchers(config, endpoints, load_signal, router, metrics, reload, subscribers)
+    watchers, reloads = start_watchers(
+        config, endpoints, load_signal, router, live, metrics, reload, subscribers
+    )
     server = RunningServer(
         config,
         router,
@@ -350,7 +365,7 @@ async def start_server(
         health_port,
         publisher,
         reloads,
-        shared,
+        live,
         tuple(servers),
         runner,
         tuple(watchers),

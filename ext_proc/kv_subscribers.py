@@ -1,13 +1,16 @@
 """Subscribers to the engines' KV-cache events: the shell that feeds the ``kv-events`` prefix source.
 
-While the router's prefix source is :class:`~ext_proc.prefix.event_source.KvEventSource`, one task per
+While the prefix source in force is of the ``kv-events`` kind (it has an
+:class:`~ext_proc.prefix.event_sink.EventFeed`: its settings and the :class:`EventSink` it is fed
+through, which the subscribers ask for each time, as a reload may swap it), one task per
 publisher of a known engine (prefill or decode, healthy or not: a cache outlives a health flap; by
 address, and by data-parallel rank for an engine of several: :mod:`ext_proc.prefix.ranks`) holds a
 ZMQ SUB socket on ``tcp://<engine ip>:<port>`` (the endpoint's ``kv_events_port`` metadata or pod
 annotation, else ``affinity.prefix.kv_events.port``; plus the rank) and applies each message to the
-source's index (:mod:`ext_proc.prefix.event_index`). Every ``interval`` seconds the set of
+sink (the source's :mod:`~ext_proc.prefix.event_index`). Every ``interval`` seconds the set of
 subscribers follows the registry: engines that joined get one, engines that left lose theirs (and
-their entries, through the router's ``retain``; a rank an engine no longer has, here). When the index
+their entries, through the prefix source's ``retain`` when discovery changes; a rank an engine no
+longer has, here). When the index
 answers a gap with :class:`~ext_proc.prefix.event_index.ReplayFrom` the task asks the engine's replay
 socket (a DEALER on its ``kv_events_replay_port``, else ``replay_port``, plus the rank) for the
 batches from there on, applies them, then goes on with the live ones: those numbered after the batch
@@ -39,12 +42,11 @@ import zmq.asyncio
 
 from ext_proc.metrics import Metrics
 from ext_proc.prefix.event_index import Applied, ReplayFrom
-from ext_proc.prefix.event_source import KvEventSource
+from ext_proc.prefix.event_sink import EventFeed, EventSink
 from ext_proc.prefix.kv_events import DecodeError, EventBatch, decode_message, decode_replay
 from ext_proc.prefix.ranks import publisher
-from ext_proc.prefix.tracker import KvEventsSettings
+from ext_proc.prefix.settings import KvEventsSettings
 from ext_proc.registry import EndpointState, Registry
-from ext_proc.router import Router
 
 log = logging.getLogger(__name__)
 
@@ -83,18 +85,21 @@ def targets(endpoints: Iterable[EndpointState], settings: KvEventsSettings) -> d
 
 
 class KvEventSubscribers:
-    """The subscribers of one server; ``clock`` (seconds, monotonic) is the index's clock."""
+    """The subscribers of one server; ``clock`` (seconds, monotonic) is the index's clock.
+
+    ``feed``: the feed of the prefix source in force (``None``: it takes no events; e.g.
+    :meth:`ext_proc.live.LiveParts.events`)."""
 
     def __init__(
         self,
         registry: Registry,
-        router: Router,
+        feed: Callable[[], EventFeed | None],
         metrics: Metrics,
         interval: float = 1.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._registry = registry
-        self._router = router
+        self._feed = feed
         self._metrics = metrics
         self._interval = interval
         self._clock = clock
@@ -130,8 +135,8 @@ class KvEventSubscribers:
         Subscribe to every known engine without a subscriber (again, when its subscriber failed);
         stop those of engines that left (or whose ports changed); stop all while the prefix source is not
         ``kv-events``."""
-        source = self._source()
-        wanted = {} if source is None else targets(self._registry.endpoints(), source.settings.kv_events)
+        feed = self._feed()
+        wanted = {} if feed is None else targets(self._registry.endpoints(), feed.settings)
         for address, (target, task) in list(self._tasks.items()):
             if task.done() and not task.cancelled() and task.exception() is not None:
                 log.error(
@@ -140,8 +145,8 @@ class KvEventSubscribers:
             if wanted.get(address) != target or task.done():
                 task.cancel()
                 del self._tasks[address]
-                if source is not None and address not in wanted:  # e.g. a rank the engine no longer has
-                    source.index.forget(address)
+                if feed is not None and address not in wanted:  # e.g. a rank the engine no longer has
+                    feed.sink.forget(address)
         now = self._clock()
         for address, target in wanted.items():
             if address not in self._tasks:
@@ -149,27 +154,27 @@ class KvEventSubscribers:
                     self._subscribe(address, target), name=f"kv-events {address}"
                 )
                 self._tasks[address] = (target, task)
-            if source is not None:
-                source.index.watch(address, now)
+            if feed is not None:
+                feed.sink.watch(address, now)
 
-    def _source(self) -> KvEventSource | None:
-        source = self._router.prefix
-        return source if isinstance(source, KvEventSource) else None
+    def _sink(self) -> EventSink | None:
+        feed = self._feed()
+        return None if feed is None else feed.sink
 
     def _blocks(self) -> dict[str, dict[str, int]]:
-        source = self._source()
-        return {} if source is None else source.index.blocks()
+        sink = self._sink()
+        return {} if sink is None else sink.blocks()
 
     def _stale_count(self) -> int:
-        source = self._source()
-        if source is None:
+        sink = self._sink()
+        if sink is None:
             return 0
         now = self._clock()
-        return sum(1 for address in self._tasks if source.index.is_stale(address, now))
+        return sum(1 for address in self._tasks if sink.is_stale(address, now))
 
     async def _subscribe(self, address: str, target: Target) -> None:
-        source = self._source()
-        queue = source.settings.kv_events.queue_batches if source is not None else 1000
+        feed = self._feed()
+        queue = feed.settings.queue_batches if feed is not None else 1000
         sub = self._socket(zmq.SUB, target.host, target.port)
         sub.setsockopt(zmq.RCVHWM, queue)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -206,30 +211,30 @@ class KvEventSubscribers:
         was applied since). The live stream comes in order, so a batch numbered after ``trigger`` and
         before the index's next expected one was covered by the replay (a duplicate, dropped), and one
         numbered ``trigger`` or less comes from an engine that restarted since (applied: a restart)."""
-        source = self._source()
-        if source is None:
+        sink = self._sink()
+        if sink is None:
             return trigger
-        expected = source.index.expected(address)
+        expected = sink.expected(address)
         if trigger is not None and expected is not None and trigger < batch.sequence < expected:
             self._metrics.kv_events_dropped(address, "duplicate")
             return trigger
         now = self._clock()
         replayable = target.replay_port > 0 and now >= self._no_replay_until.get(address, 0.0)
-        result = source.index.apply(address, batch, now, replayable)
+        result = sink.apply(address, batch, now, replayable)
         if isinstance(result, ReplayFrom):
             self._reset(address, result.reset)
-            ok = await self._replay(address, target, result.sequence, source)
+            ok = await self._replay(address, target, result.sequence, sink)
             self._metrics.kv_events_replay(address, "ok" if ok else "failed")
             if not ok:
                 self._no_replay_until[address] = self._clock() + REPLAY_BACKOFF_SECONDS
-            expected = source.index.expected(address)
+            expected = sink.expected(address)
             if expected is None or batch.sequence >= expected:  # the replay did not cover it
-                self._count(address, source.index.apply(address, batch, self._clock(), replayable=False))
+                self._count(address, sink.apply(address, batch, self._clock(), replayable=False))
             return batch.sequence
         self._count(address, result)
         return None  # the live stream is past the replay
 
-    async def _replay(self, address: str, target: Target, start: int, source: KvEventSource) -> bool:
+    async def _replay(self, address: str, target: Target, start: int, sink: EventSink) -> bool:
         """Ask for the batches from ``start`` on and apply them; whether the end marker came."""
         dealer = self._socket(zmq.DEALER, target.host, target.replay_port)
         try:
@@ -239,7 +244,7 @@ class KvEventSubscribers:
                 batch = decode_replay(frames)
                 if batch is None:
                     return True
-                self._count(address, source.index.apply(address, batch, self._clock(), replayable=False))
+                self._count(address, sink.apply(address, batch, self._clock(), replayable=False))
         except (TimeoutError, DecodeError, zmq.ZMQError) as exc:
             log.warning(
                 "the replay of %s's KV-cache events from %d failed: %s", address, start, exc or "timeout"
@@ -259,10 +264,10 @@ class KvEventSubscribers:
 
     def _tell_size(self, address: str) -> None:
         """Log once that ``address``'s blocks are of another size than the pool's (and so not indexed)."""
-        source = self._source()
-        if source is None:
+        sink = self._sink()
+        if sink is None:
             return
-        sizes = source.index.sizes
+        sizes = sink.sizes
         size = sizes.of(address)
         if size is None:
             return
@@ -285,10 +290,10 @@ class KvEventSubscribers:
 
         ``block_tokens``: the pool's, which a request's chain is hashed at; ``unusable``: each publisher
         whose events report another size, with it (their blocks are not indexed)."""
-        source = self._source()
-        if source is None:
+        sink = self._sink()
+        if sink is None:
             return None
-        sizes = source.index.sizes
+        sizes = sink.sizes
         return {"block_tokens": sizes.tokens, "unusable": sizes.unusable()}
 
     def _reset(self, address: str, reason: str | None) -> None:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from ext_proc.checks import ConfigError
 from ext_proc.config import Config, ConfigSource, as_dict
+from ext_proc.live import LiveParts
 from ext_proc.metrics import Metrics
 from ext_proc.router import Router
 
@@ -44,7 +45,8 @@ def _flatten(data: dict[str, object], prefix: str = "") -> dict[str, object]:
 
 
 class ConfigWatcher:
-    """Watches ``source.path`` and applies a changed ``affinity`` section to ``router``.
+    """Watches ``source.path`` and applies a changed ``affinity`` section: its policy to ``router``, its
+    prefix settings to the ``live`` parts (:mod:`ext_proc.live`: the prefix source and the tokenizer).
 
     ``running`` is the configuration in force: the one the server started with, plus the affinity
     of the last valid file. Every change of the file counts in ``metrics`` (``applied`` or
@@ -56,6 +58,7 @@ class ConfigWatcher:
         source: ConfigSource,
         running: Config,
         router: Router,
+        live: LiveParts,
         metrics: Metrics,
         interval: float = RELOAD_INTERVAL_SECONDS,
     ) -> None:
@@ -65,6 +68,7 @@ class ConfigWatcher:
         self._source = source
         self.running = running
         self._router = router
+        self._live = live
         self._metrics = metrics
         self._interval = interval
         self._digest = self._read_digest()
@@ -97,7 +101,7 @@ class ConfigWatcher:
         changed = [key for key in after if after[key] != before[key]]
         if new.affinity != old.affinity:
             self._router.set_policy(new.affinity.policy(self._router.policy.fallback_count))
-            self._router.set_prefix(new.affinity.prefix.settings())
+            self._live.set_prefix(new.affinity.prefix.settings())
             self.running = dataclasses.replace(old, affinity=new.affinity)
         self._metrics.config_reload("applied")
         live = [f"{key} {before[key]} -> {after[key]}" for key in changed if key.startswith("affinity.")]

@@ -1,7 +1,9 @@
-"""One request's routing, free of gRPC: parse, decide, charge, and hand off to the engines' protocol.
+"""One request's routing, free of gRPC: read, place (decide and charge), and hand off to the engines.
 
-The server reads a body (:meth:`Router.read`; an ``x-gateway-model-name-rewrite`` header replaces its
-``model``), awaits its prompt's token ids when the gateway tokenizes it (:meth:`Router.wants_tokens`,
+The router only reads the live parts (:mod:`ext_proc.live`: the prefix source, the gateway tokenizer,
+the shared state), which change and start and stop elsewhere. The server reads a body
+(:meth:`Router.read`; an ``x-gateway-model-name-rewrite`` header replaces its ``model``), awaits its
+prompt's token ids when the gateway tokenizes it (:meth:`Router.wants_tokens`,
 :meth:`Router.prompt_tokens`), routes it (:meth:`Router.route`; :meth:`Router.route_body` does both
 steps without tokens; a request without a body: :meth:`Router.route_bodiless`) and maps the outcome
 (:mod:`ext_proc.outcome`) onto ext_proc messages: :class:`Routed`, :class:`Refused` (an HTTP status, a
@@ -13,7 +15,6 @@ alike; one that no endpoint serves is answered 404 ``model_not_found``.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Sequence
@@ -26,6 +27,7 @@ from ext_proc.checks import ConfigError
 from ext_proc.ejection import Ejections
 from ext_proc.handoff.body import with_fields
 from ext_proc.handoff.kinds import Handoff
+from ext_proc.live import LiveParts
 from ext_proc.load import Admission, Lease
 from ext_proc.metrics import Metrics
 from ext_proc.models import ModelNameError, check_model_name, model_list_body
@@ -40,16 +42,11 @@ from ext_proc.outcome import (
     RequestMeta,
     Routed,
 )
-from ext_proc.prefix import PrefixSettings, blocks, event_source, index
-from ext_proc.prefix.blocks import Chain, prompt_content
+from ext_proc.prefix.blocks import prompt_content
 from ext_proc.prefix.config import PrefixConfig
-from ext_proc.prefix.kinds import KINDS as PREFIX_SOURCES
-from ext_proc.prefix.kinds import PrefixSource, PrefixSourceKind
 from ext_proc.refusal import refuse
 from ext_proc.registry import EndpointState, Registry
 from ext_proc.request import RequestError, RequestInfo, describe, parse_body
-from ext_proc.shared.kinds import LocalState, SharedState
-from ext_proc.tokenizer import GatewayTokenizer, TokenizerSettings
 
 log = logging.getLogger(__name__)
 
@@ -105,10 +102,11 @@ class Router:
 
     ``handoff`` turns each placement into what Envoy and the engines need; ``metrics`` counts.
     ``ejections`` / ``decode_ejections``: the prefills / decodes left out of the candidates (failed legs,
-    and what Envoy marks as failed: :mod:`ext_proc.envoy_health`). ``prefix`` (``None``: off): the
-    prefix index's settings; the decision then gets each endpoint's estimated cache hit and a prefill
-    is charged only the prompt tokens it is estimated to compute. ``tokenizer``: the gateway tokenizer
-    of ``prefix.tokenizer`` (``None``: none configured).
+    and what Envoy marks as failed: :mod:`ext_proc.envoy_health`). ``live``: the prefix source, gateway
+    tokenizer and shared state in force (:mod:`ext_proc.live`, which swaps, starts and stops them; the
+    router reads them per request; ``None``: none of them). With a prefix source the decision gets
+    each endpoint's estimated cache hit and a prefill is charged only the prompt tokens it is estimated
+    to compute; with a tokenizer, prompts are put in token ids first (:meth:`wants_tokens`).
     """
 
     def __init__(
@@ -119,12 +117,13 @@ class Router:
         policy: Policy,
         handoff: Handoff,
         metrics: Metrics,
-        prefix: PrefixSettings | None = None,
+        live: LiveParts | None = None,
     ) -> None:
         self.registry = registry
         self.policy = policy
         self.handoff = handoff
         self.metrics = metrics
+        self.live = LiveParts(None, metrics) if live is None else live
         self._default_max_tokens = settings.default_max_tokens
         self._pd_threshold = settings.pd_threshold_tokens
         self._mode = policy.mode.value
@@ -133,18 +132,6 @@ class Router:
         self.admission = Admission(settings.max_inflight_requests, settings.retry_after_seconds)
         self.ejections = Ejections(settings.eject_seconds, metrics)
         self.decode_ejections = Ejections(0.0, metrics)
-        self.prefix: PrefixSource | None = None
-        folder = "" if prefix is None else prefix.tokenizer
-        self.tokenizer: GatewayTokenizer | None = (
-            GatewayTokenizer.open(TokenizerSettings(folder), metrics) if folder else None
-        )
-        self._tokenizer_folder = folder
-        self.tokenizer_opening: asyncio.Task[None] | None = None
-        """The load of a tokenizer folder a reload named, while it runs (:meth:`set_prefix`)."""
-        self._indexed: tuple[Pool[EndpointState], Pool[EndpointState]] | None = None
-        self.shared: SharedState = LocalState()
-        """Where placements are told to the peer replicas (``shared_state``; the server sets it)."""
-        self.set_prefix(prefix)
         metrics.count_inflight(lambda: self.admission.inflight)
 
     def set_policy(self, policy: Policy) -> None:
@@ -153,65 +140,6 @@ class Router:
         Requests already placed keep their endpoints and charges."""
         self.policy = policy
         self._mode = policy.mode.value
-
-    def set_prefix(self, settings: PrefixSettings | None) -> None:
-        """Route every later decision with the prefix index of ``settings`` (``None``: without one).
-
-        The index is of the kind ``settings.source`` names. It is kept while its kind and hashing (and,
-        for ``kv-events``, its own settings) stay the same, and starts empty when they change. The
-        tokenizer folder ``settings.tokenizer`` is opened when it changes: on a worker thread when the
-        event loop runs (:attr:`tokenizer_opening`; a second or so with its fast encoder's check), the
-        previous tokenizer (or none: prompts routed on their text) serving meanwhile; a folder that does
-        not load is logged, and its prompts are counted and routed untokenized. A new index compiles its
-        kernels first (numba, once a process: ~0.6 s for the hashing, ~1 s more for the placements' LRU
-        or the ``kv-events`` index's tables; before the first request needs them)."""
-        folder = "" if settings is None else settings.tokenizer
-        if folder != self._tokenizer_folder:
-            self._tokenizer_folder = folder
-            if self.tokenizer_opening is not None:
-                self.tokenizer_opening.cancel()  # superseded: its folder is no longer the configured one
-                self.tokenizer_opening = None
-            try:
-                loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-            except RuntimeError:  # no event loop to keep serving: load here
-                loop = None
-            if not folder:
-                self._use_tokenizer(None)
-            elif loop is None:
-                self._use_tokenizer(GatewayTokenizer.open(TokenizerSettings(folder), self.metrics))
-            else:
-                self.tokenizer_opening = loop.create_task(self._open_tokenizer(folder))
-        if settings is None:
-            self.prefix = None
-        elif self.prefix is not None and _identity(self.prefix.settings) == _identity(settings):
-            self.prefix.settings = settings
-        else:
-            kind = PrefixSourceKind(settings.source)
-            blocks.warm()  # compile the kernels now, not on a request
-            if kind == PrefixSourceKind.APPROXIMATE:
-                index.warm()
-            else:
-                event_source.warm()
-            self.prefix = PREFIX_SOURCES[kind](settings, self.metrics)
-
-    async def _open_tokenizer(self, folder: str) -> None:
-        """Load ``folder`` on a worker thread, then tokenize with it (a later change cancels this first)."""
-        opened = await GatewayTokenizer.open_off_loop(TokenizerSettings(folder), self.metrics)
-        self.tokenizer_opening = None
-        self._use_tokenizer(opened)
-
-    def _use_tokenizer(self, tokenizer: GatewayTokenizer | None) -> None:
-        """Tokenize later prompts with ``tokenizer`` (``None``: none), the previous one closed."""
-        if self.tokenizer is not None:
-            self.tokenizer.close()
-        self.tokenizer = tokenizer
-        if tokenizer is None:
-            self.metrics.tokenizer_encoder(None)
-
-    def engine_sampled(self, address: str, queries: float | None, hits: float | None) -> None:
-        """An engine's prefix-cache counters (tokens, since it started) arrived with its load sample."""
-        if self.prefix is not None:
-            self.prefix.observe(address, queries, hits)
 
     def admit(self) -> Refused | None:
         """Take an in-flight slot for a request about to be routed, or refuse 429 when none is free.
@@ -265,7 +193,7 @@ class Router:
         With a tokenizer configured, for a path it tokenizes (:data:`TOKENIZED_PATHS`) and a prompt not
         already given as token ids (those are used as they are)."""
         return (
-            self.tokenizer is not None
+            self.live.tokenizer is not None
             and urlsplit(request.meta.path).path in TOKENIZED_PATHS
             and not isinstance(prompt_content(request.body), list)
         )
@@ -274,7 +202,7 @@ class Router:
         """The engine's token ids of ``request``'s prompt; ``None`` (counted, logged) when unknown.
 
         Tokenized off the event loop by the tokenizer configured now (:mod:`ext_proc.tokenizer`)."""
-        tokenizer = self.tokenizer
+        tokenizer = self.live.tokenizer
         if tokenizer is None:  # removed by a reload since wants_tokens
             return None
         return await tokenizer.prompt_tokens(request.body, request.meta.path)
@@ -299,7 +227,7 @@ class Router:
         cost = Cost(prompt, prompt + info.output_budget)
         disaggregated = prompt >= self._pd_threshold and urlsplit(meta.path).path in DISAGGREGATED_PATHS
         prefills = self.ejections.keep(pools[0]) if disaggregated else self._no_prefills
-        placed = self._place(cost, prefills, pools[1], subset, self._chain(request.body, tokens))
+        placed = self._place(cost, prefills, pools[1], subset, request.body, tokens)
         if isinstance(placed, Refused):
             return placed
         self.metrics.model_routed(self.registry.model_label(info.model))
@@ -353,9 +281,7 @@ class Router:
         }
         if not keep:
             return None
-        placed = self._place(
-            job.cost, pool.only(keep), pools[1], job.subset, self._chain(job.body, job.tokens)
-        )
+        placed = self._place(job.cost, pool.only(keep), pools[1], job.subset, job.body, job.tokens)
         if isinstance(placed, Refused) or placed.decision.prefill is None:
             if isinstance(placed, Placement):
                 placed.lease.release()
@@ -389,13 +315,6 @@ class Router:
         )
         lease.move_decode(served)
 
-    def close(self) -> None:
-        """Stop the gateway tokenizer's thread, if any, and a tokenizer load (the server is stopping)."""
-        if self.tokenizer_opening is not None:
-            self.tokenizer_opening.cancel()
-        if self.tokenizer is not None:
-            self.tokenizer.close()
-
     def leg_failed(self, address: str, outcome: str) -> None:
         """Eject a prefill whose leg failed or whose KV cache a decode could not pull.
 
@@ -403,27 +322,17 @@ class Router:
         KV cache it computed: eject that prefill."""
         self.ejections.eject(address, outcome)
 
-    def _chain(self, body: dict[str, object], tokens: Sequence[int] | None) -> Chain | None:
-        """The prompt's block hashes (over ``tokens`` when known) when the prefix index is on.
-
-        The index forgets the endpoints that left first."""
-        prefix = self.prefix
-        if prefix is None:
-            return None
-        pools = (self.registry.prefill_pool, self.registry.decode_pool)
-        if self._indexed != pools:
-            self._indexed = pools
-            prefix.retain({e.address for e in self.registry.endpoints()})
-        return prefix.chain(body, tokens)
-
     def _place(
         self,
         cost: Cost,
         prefills: Pool[EndpointState],
         decodes: Pool[EndpointState],
         subset: frozenset[str] | None,
-        chain: Chain | None = None,
+        body: dict[str, object] | None = None,
+        tokens: Sequence[int] | None = None,
     ) -> Placement | Refused:
+        """Decide and charge: the prompt of ``body`` (``tokens``: its ids) looked up in the prefix
+        source, if any, then the decision, then the placement recorded there and told the peers."""
         if subset is not None:
             decodes = decodes.only(subset)
             if not decodes.size:
@@ -433,11 +342,11 @@ class Router:
                 return refuse(self.metrics, 503, message, "no_endpoint_in_subset")
         decodes = self.decode_ejections.keep(decodes)
         prompt = cost.prefill_tokens
-        prefix = self.prefix
+        prefix = self.live.prefix
         lookup = (
             None
-            if prefix is None or chain is None or not len(chain)
-            else prefix.lookup(chain, prefills, decodes, prompt, self.handoff.pins_ranks)
+            if prefix is None or body is None
+            else prefix.lookup_prompt(body, tokens, prefills, decodes, prompt, self.handoff.pins_ranks)
         )
         self._ticket += 1
         started = time.perf_counter()
@@ -446,10 +355,10 @@ class Router:
         seconds = time.perf_counter() - started  # the decision alone (decision_seconds)
         if isinstance(result, NoPair):
             return refuse(self.metrics, 503, result.message, result.reason.value)
-        if prefix is not None and lookup is not None and chain is not None:
-            self.shared.placed(chain, prefix.placed(lookup, result, prompt))
-            if result.prefill is not None:  # the prefill computes only what it does not hold
-                prompt -= prefix.predicted(lookup, result.prefill.address, prompt)
+        if prefix is not None and lookup is not None:
+            placed = prefix.placed(lookup, result, prompt)
+            self.live.shared.placed(lookup.hashes, placed.holders)
+            prompt -= placed.prefill_hit  # the prefill computes only what it does not hold
         lease = Lease(result.prefill, prompt, result.decode, cost.decode_tokens)
         locality = result.locality.value
         self.metrics.decided(self._mode, locality, seconds)
@@ -461,13 +370,6 @@ class Router:
         return Placement(result, lease, Ranks(prefill, lookup.ranks.get(result.decode.address)))
 
 
-def _identity(settings: PrefixSettings) -> tuple[object, ...]:
-    """What a prefix source's state depends on: its kind and its prompt chain (an index built with other
-    values cannot be looked up) and, for ``kv-events``, the settings its index was built with."""
-    own = settings.kv_events if settings.source == PrefixSourceKind.KV_EVENTS else None
-    return settings.source, settings.block_tokens, settings.max_blocks, own
-
-
 @dataclass(frozen=True)
 class AffinityConfig:
     """The ``affinity`` section: the router's decision policy and prefix index.
@@ -475,7 +377,7 @@ class AffinityConfig:
     ``mode``: off | prefer | strict | auto. ``bonus``: utilisation slack in [0, 1] for ``prefer``.
     ``auto``: the time model of ``auto``. ``prefix``: prefix-cache aware routing. The whole section
     applies live (:mod:`ext_proc.reload`: :meth:`Router.set_policy` with :meth:`policy`,
-    :meth:`Router.set_prefix` with ``prefix.settings()``). It lives here, above both the decision
+    :meth:`LiveParts.set_prefix` with ``prefix.settings()``). It lives here, above both the decision
     (:mod:`ext_proc.affinity`) and the prefix index (:mod:`ext_proc.prefix`): the prefix index reads the
     decision's types, so the decision's package may not import the prefix's configuration.
     """

@@ -2,11 +2,15 @@
 
 How it routes: docs/routing.md, "Prefix-cache aware routing".
 
+What every kind shares: :mod:`~ext_proc.prefix.settings` (``affinity.prefix`` as values),
+:mod:`~ext_proc.prefix.lookup` (a request's :class:`Lookup`, its ``Placed`` record, the prediction
+sink), :mod:`~ext_proc.prefix.hits` (matched blocks as the decision's hit arrays), and
+:mod:`~ext_proc.prefix.kinds`, the seam (two calls a request: ``lookup_prompt``, ``placed``).
 :mod:`~ext_proc.prefix.blocks` turns a prompt into chained block hashes, :mod:`~ext_proc.prefix.index`
 is the per-endpoint LRU index (its blocks in :mod:`~ext_proc.prefix.table`'s hash tables, as the
 ``kv-events`` kind's), :mod:`~ext_proc.prefix.correction` the pure self-correction rule from
-the engines' prefix-cache counters, and :class:`PrefixTracker` what the router calls per request (the
-``approximate`` kind of :mod:`~ext_proc.prefix.kinds`, the seam). The ``kv-events`` kind
+the engines' prefix-cache counters, and :class:`PrefixTracker` the ``approximate`` kind around them.
+The ``kv-events`` kind
 (:mod:`~ext_proc.prefix.event_source`) reads the engines' KV-cache events instead:
 :mod:`~ext_proc.prefix.kv_events` decodes them, :mod:`~ext_proc.prefix.event_index` holds what each
 engine reported, :mod:`~ext_proc.prefix.recent` the placements of the last seconds. The decision
@@ -16,7 +20,9 @@ engine reported, :mod:`~ext_proc.prefix.recent` the placements of the last secon
 from ext_proc.prefix.blocks import block_hashes, prompt_content
 from ext_proc.prefix.correction import Interval, corrected_scale
 from ext_proc.prefix.index import PrefixIndex
-from ext_proc.prefix.tracker import Lookup, PrefixSettings, PrefixTracker
+from ext_proc.prefix.lookup import Lookup
+from ext_proc.prefix.settings import PrefixSettings
+from ext_proc.prefix.tracker import PrefixTracker
 
 __all__ = [
     "Interval",

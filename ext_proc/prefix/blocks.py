@@ -138,6 +138,21 @@ def model_seed(model: str) -> int:
     )
 
 
+def prompt_chain(
+    body: dict[str, object], block_tokens: int, max_blocks: int, tokens: Sequence[int] | None = None
+) -> Chain:
+    """The chained block hashes of the request's prompt (``tokens`` when given); empty without a prompt.
+
+    The chain is seeded with the request's ``model``: different models share no cache. Both prefix
+    sources hash so a prompt they have no token ids of (:mod:`ext_proc.prefix.kinds`)."""
+    content = prompt_content(body) if tokens is None else tokens
+    if not content:
+        return np.empty(0, np.int64)
+    model = body.get("model")
+    seed = model_seed(model) if isinstance(model, str) else 0
+    return block_hashes(content, block_tokens, max_blocks, seed)
+
+
 def warm() -> None:
     """Compile the hashing loop ahead of requests, for every kind of content the gateway hashes.
 

@@ -20,19 +20,20 @@ clock is injectable (seconds, monotonic).
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable, Sequence
 
 from ext_proc.affinity import Decision, Pool
 from ext_proc.affinity.model import E
 from ext_proc.prefix import event_index, recent
-from ext_proc.prefix.blocks import Chain, block_hashes, prompt_content
+from ext_proc.prefix.blocks import Chain, block_hashes, prompt_chain, prompt_content
 from ext_proc.prefix.event_index import ROOT, EventIndex
-from ext_proc.prefix.index import HitArrays
+from ext_proc.prefix.event_sink import EventFeed
+from ext_proc.prefix.hits import HitArrays
+from ext_proc.prefix.lookup import Holder, Lookup, Placed, PredictionSink, predict, prefill_hit
 from ext_proc.prefix.ranks import credited, credited_publisher
 from ext_proc.prefix.recent import RecentPlacements
-from ext_proc.prefix.tracker import Holder, Lookup, PredictionSink, PrefixSettings, prompt_chain
+from ext_proc.prefix.settings import PrefixSettings
 
 
 class KvEventSource:
@@ -56,6 +57,10 @@ class KvEventSource:
         """Tokens a block of the chains it hashes: the pool's size (:attr:`EventIndex.block_tokens`)."""
         return self.index.block_tokens
 
+    def events(self) -> EventFeed:
+        """Its ``kv_events`` settings and the index the subscribers feed."""
+        return EventFeed(self.settings.kv_events, self.index)
+
     def chain(self, body: dict[str, object], tokens: Sequence[int] | None = None) -> Chain:
         """The prompt's chain over its token ids from :data:`ROOT`, else the approximate text chain.
 
@@ -65,10 +70,20 @@ class KvEventSource:
         content = prompt_content(body) if tokens is None else tokens
         if content and not isinstance(content, str):
             return block_hashes(content, size, self.settings.max_blocks, ROOT)
-        settings = self.settings
-        if settings.block_tokens != size:
-            settings = dataclasses.replace(settings, block_tokens=size)
-        return prompt_chain(body, settings)
+        return prompt_chain(body, size, self.settings.max_blocks)
+
+    def lookup_prompt(
+        self,
+        body: dict[str, object],
+        tokens: Sequence[int] | None,
+        prefills: Pool[E],
+        decodes: Pool[E],
+        prompt_tokens: int,
+        pinned: bool = False,
+    ) -> Lookup | None:
+        """The prompt's :meth:`chain` looked up (:meth:`lookup`); ``None`` when it has no block."""
+        hashes = self.chain(body, tokens)
+        return self.lookup(hashes, prefills, decodes, prompt_tokens, pinned) if len(hashes) else None
 
     def lookup(
         self, hashes: Chain, prefills: Pool[E], decodes: Pool[E], prompt_tokens: int, pinned: bool = False
@@ -95,29 +110,22 @@ class KvEventSource:
         hits = self.hit_arrays.hits(matched, prefills, decodes, prompt_tokens, gpu)
         return Lookup(hashes, matched, hits, ranks)
 
-    def predicted(self, lookup: Lookup, address: str, prompt_tokens: int) -> int:
-        """The hit tokens ``lookup`` predicts at ``address`` (at most ``prompt_tokens``)."""
-        return min(lookup.matched.get(address, 0) * self.block_tokens, prompt_tokens)
-
-    def placed(self, lookup: Lookup, decision: Decision[E], prompt_tokens: int) -> tuple[Holder, ...]:
+    def placed(self, lookup: Lookup, decision: Decision[E], prompt_tokens: int) -> Placed:
         """Count the hits predicted at the chosen endpoints and keep the prompt as recently placed there.
 
         At an endpoint of several data-parallel ranks, on the rank the request is pinned to; nowhere
         when it is not pinned (the rank that serves it is not known). Returns where it was kept (for
-        the peer replicas)."""
+        the peer replicas) and the hit predicted at the prefill."""
         now = self.clock()
         holders: list[Holder] = []
-        for role, endpoint in (("prefill", decision.prefill), ("decode", decision.decode)):
-            if endpoint is not None:
-                address = endpoint.address
-                self._sink.prefix_predicted(
-                    role, address, prompt_tokens, self.predicted(lookup, address, prompt_tokens)
-                )
-                if endpoint.data_parallel_size == 1 or address in lookup.ranks:
-                    name = credited_publisher(address, lookup.ranks)
-                    self.recent.record(lookup.hashes, name, now)
-                    holders.append((name, endpoint.token_capacity))
-        return tuple(holders)
+        predicted = predict(lookup, decision, self.block_tokens, prompt_tokens, self._sink)
+        for endpoint, _ in predicted:
+            address = endpoint.address
+            if endpoint.data_parallel_size == 1 or address in lookup.ranks:
+                name = credited_publisher(address, lookup.ranks)
+                self.recent.record(lookup.hashes, name, now)
+                holders.append((name, endpoint.token_capacity))
+        return Placed(tuple(holders), prefill_hit(decision, predicted))
 
     def learned(self, hashes: Chain, holders: Sequence[Holder]) -> None:
         """A peer replica placed the chain ``hashes`` on ``holders``: keep it as recently placed there."""

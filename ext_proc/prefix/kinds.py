@@ -5,20 +5,25 @@ leading blocks, and learns from placements and the engines' prefix-cache counter
 (:class:`~ext_proc.prefix.tracker.PrefixTracker`) estimates from this gateway's own placements;
 ``kv-events`` (:class:`~ext_proc.prefix.event_source.KvEventSource`) reads what the engines report
 holding in their KV-cache events. A new kind is a module with its source, one
-:class:`PrefixSourceKind` member and one line in :data:`KINDS`.
+:class:`PrefixSourceKind` member, one line in :data:`KINDS` and one in ``_KERNELS``.
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Sequence
+from types import ModuleType
 from typing import Protocol
 
 from ext_proc.affinity import Decision, Pool
 from ext_proc.affinity.model import E
+from ext_proc.prefix import blocks, event_source, index
 from ext_proc.prefix.blocks import Chain
+from ext_proc.prefix.event_sink import EventFeed
 from ext_proc.prefix.event_source import KvEventSource
-from ext_proc.prefix.tracker import Holder, Lookup, PredictionSink, PrefixSettings, PrefixTracker
+from ext_proc.prefix.lookup import Holder, Lookup, Placed, PredictionSink
+from ext_proc.prefix.settings import PrefixSettings
+from ext_proc.prefix.tracker import PrefixTracker
 
 
 class PrefixSourceKind(enum.StrEnum):
@@ -29,8 +34,9 @@ class PrefixSourceKind(enum.StrEnum):
 
 
 class PrefixSource(Protocol):
-    """What the router asks of the prefix index (all in tokens unless said otherwise).
+    """What the router, the shared state and the KV-event subscribers ask of a prefix source (in tokens).
 
+    A request makes two calls: :meth:`lookup_prompt` before the decision, :meth:`placed` after it.
     ``settings`` hold its hashing (``block_tokens``, ``max_blocks``) and may be replaced live when the
     hashing stays the same.
     """
@@ -42,6 +48,10 @@ class PrefixSource(Protocol):
         """Tokens a block of the chains it hashes now (``kv-events``: the engines' events give it)."""
         ...
 
+    def events(self) -> EventFeed | None:
+        """What its KV-event subscribers feed (``None``: it learns from no engine event)."""
+        ...
+
     def chain(self, body: dict[str, object], tokens: Sequence[int] | None = None) -> Chain:
         """The chained block hashes of the request's prompt (empty without a prompt).
 
@@ -51,23 +61,28 @@ class PrefixSource(Protocol):
         then over them, whatever the body's prompt)."""
         ...
 
-    def lookup(
-        self, hashes: Chain, prefills: Pool[E], decodes: Pool[E], prompt_tokens: int, pinned: bool = False
-    ) -> Lookup:
-        """What the candidate endpoints hold of ``hashes``, with the decision's hit arrays.
+    def lookup_prompt(
+        self,
+        body: dict[str, object],
+        tokens: Sequence[int] | None,
+        prefills: Pool[E],
+        decodes: Pool[E],
+        prompt_tokens: int,
+        pinned: bool = False,
+    ) -> Lookup | None:
+        """What the candidate endpoints hold of the prompt's :meth:`chain`, with the decision's hit arrays.
 
-        ``pinned``: the handoff pins the engine requests to the data-parallel rank the lookup credits
+        ``None`` when the prompt has no block (nothing to look up, nothing to record). ``pinned``: the
+        handoff pins the engine requests to the data-parallel rank the lookup credits
         (:attr:`Lookup.ranks`); without, an endpoint of several ranks is credited only what it is known
         to hold whichever rank serves."""
         ...
 
-    def predicted(self, lookup: Lookup, address: str, prompt_tokens: int) -> int:
-        """The hit tokens ``lookup`` predicts at ``address`` (at most ``prompt_tokens``)."""
-        ...
+    def placed(self, lookup: Lookup, decision: Decision[E], prompt_tokens: int) -> Placed:
+        """The request was placed by ``decision``: its prompt is now on the chosen endpoints.
 
-    def placed(self, lookup: Lookup, decision: Decision[E], prompt_tokens: int) -> tuple[Holder, ...]:
-        """The request was placed by ``decision``: its prompt is now on the chosen endpoints, which are
-        returned as the names it was kept under (what the peer replicas learn)."""
+        Returns the names it was kept under (what the peer replicas learn) and the hit tokens
+        predicted at the prefill (at most ``prompt_tokens``), which it does not compute."""
         ...
 
     def learned(self, hashes: Chain, holders: Sequence[Holder]) -> None:
@@ -93,3 +108,33 @@ KINDS: dict[PrefixSourceKind, Callable[[PrefixSettings, PredictionSink], PrefixS
     PrefixSourceKind.KV_EVENTS: KvEventSource,
 }
 """How to build each kind of prefix source from its settings and where it reports."""
+
+_KERNELS: dict[PrefixSourceKind, ModuleType] = {
+    PrefixSourceKind.APPROXIMATE: index,
+    PrefixSourceKind.KV_EVENTS: event_source,
+}
+"""The module whose ``warm()`` compiles each kind's own kernels (numba), beside the hashing's."""
+
+
+def build(settings: PrefixSettings, sink: PredictionSink) -> PrefixSource:
+    """The prefix source of the kind ``settings.source`` names, its kernels compiled first.
+
+    Compiling takes once a process ~0.6 s for the hashing, ~1 s more for the placements' LRU or the
+    ``kv-events`` index's tables: at start or at the reload that asks for it, not on a request."""
+    kind = PrefixSourceKind(settings.source)
+    blocks.warm()
+    _KERNELS[kind].warm()
+    return KINDS[kind](settings, sink)
+
+
+def keeps_state(running: PrefixSettings, new: PrefixSettings) -> bool:
+    """Whether a source built with ``running`` may go on with ``new`` (else one starts empty).
+
+    Its kind and its prompt chain must stay (an index built with other values cannot be looked up)
+    and, for ``kv-events``, the settings its index was built with."""
+    return _identity(running) == _identity(new)
+
+
+def _identity(settings: PrefixSettings) -> tuple[object, ...]:
+    own = settings.kv_events if settings.source == PrefixSourceKind.KV_EVENTS else None
+    return settings.source, settings.block_tokens, settings.max_blocks, own

@@ -1,4 +1,4 @@
-"""The prefix index as the router uses it: one request's lookup, its placement, the engines' counters.
+"""The ``approximate`` prefix source: one request's lookup, its placement, the engines' counters.
 
 :class:`PrefixTracker` is the thin stateful layer around the pure parts: it hashes a request's prompt
 (:mod:`ext_proc.prefix.blocks`), looks the chain up in the :class:`~ext_proc.prefix.index.PrefixIndex`
@@ -10,96 +10,15 @@ sample with prefix-cache counters, corrects that endpoint's LRU size
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from types import MappingProxyType
-from typing import NamedTuple, Protocol
+from collections.abc import Sequence
 
-import numpy as np
-
-from ext_proc.affinity import Decision, Hits, Pool
+from ext_proc.affinity import Decision, Pool
 from ext_proc.affinity.model import E
-from ext_proc.prefix.blocks import Chain, block_hashes, model_seed, prompt_content
+from ext_proc.prefix.blocks import Chain, prompt_chain
 from ext_proc.prefix.correction import Interval, corrected_scale
 from ext_proc.prefix.index import PrefixIndex
-
-
-@dataclass(frozen=True, slots=True)
-class KvEventsSettings:
-    """The ``kv-events`` prefix source's settings (``affinity.prefix.kv_events``).
-
-    ``port``: the engines' KV-event PUB port (an endpoint's ``kv_events_port`` metadata overrides it);
-    ``replay_port``: their replay (ROUTER) port (an endpoint's ``kv_events_replay_port`` overrides it),
-    ``0`` when they have none: a gap then drops the endpoint's entries; data-parallel rank ``r``
-    publishes on both plus ``r``; ``stale_after_seconds``: an engine that published nothing for this long is
-    routed as holding nothing; ``recent_seconds``: how long this gateway's own placements count as held
-    before the events confirm them; ``max_blocks_per_endpoint``: the most blocks indexed per engine;
-    ``queue_batches``: the most batches waiting per engine (more are dropped: a flood is bounded)."""
-
-    port: int = 5557
-    replay_port: int = 0
-    stale_after_seconds: float = 300.0
-    recent_seconds: float = 5.0
-    max_blocks_per_endpoint: int = 1 << 20
-    queue_batches: int = 10_000
-
-
-@dataclass(frozen=True, slots=True)
-class PrefixSettings:
-    """The prefix index's settings (``affinity.prefix``).
-
-    ``block_tokens``: tokens per hashed block (4 characters a token for text); ``max_blocks``: the
-    most blocks of one prompt hashed (longer prompts match on their head only); ``self_correct``: size
-    each endpoint's LRU from its engine's prefix-cache counters too (needs engine metrics); ``source``: the
-    kind of prefix source (:class:`~ext_proc.prefix.kinds.PrefixSourceKind`'s values); ``kv_events``:
-    the ``kv-events`` source's settings; ``tokenizer``: the model's tokenizer folder (``""``: none)."""
-
-    block_tokens: int = 16
-    max_blocks: int = 2048
-    self_correct: bool = True
-    source: str = "approximate"
-    kv_events: KvEventsSettings = field(default_factory=KvEventsSettings)
-    tokenizer: str = ""
-
-
-class Lookup(NamedTuple):
-    """One request's view of the index.
-
-    Its prompt's chain (:func:`~ext_proc.prefix.blocks.block_hashes`), the blocks each endpoint holds
-    of it (by address), the decision's :class:`Hits` (``None`` when no candidate holds anything), and
-    the data-parallel rank whose blocks an endpoint of several ranks was credited with, by address (the
-    request is pinned to it there: :mod:`ext_proc.prefix.ranks`)."""
-
-    hashes: Chain
-    matched: dict[str, int]
-    hits: Hits | None
-    ranks: Mapping[str, int] = MappingProxyType({})
-
-
-Holder = tuple[str, float]
-"""Where a placement put a prompt: an endpoint's name (its address, or ``address@dp<rank>`` for one
-data-parallel rank of it) and its KV capacity in tokens."""
-
-
-class PredictionSink(Protocol):
-    """Where the tracker reports (:class:`ext_proc.metrics.Metrics` is one)."""
-
-    def prefix_predicted(self, role: str, address: str, placed: int, hit: int) -> None: ...
-    def prefix_engine(self, address: str, queries: float, hits: float, scale: float) -> None: ...
-
-
-def prompt_chain(
-    body: dict[str, object], settings: PrefixSettings, tokens: Sequence[int] | None = None
-) -> Chain:
-    """The chained block hashes of the request's prompt (``tokens`` when given); empty without a prompt.
-
-    The chain is seeded with the request's ``model``: different models share no cache."""
-    content = prompt_content(body) if tokens is None else tokens
-    if not content:
-        return np.empty(0, np.int64)
-    model = body.get("model")
-    seed = model_seed(model) if isinstance(model, str) else 0
-    return block_hashes(content, settings.block_tokens, settings.max_blocks, seed)
+from ext_proc.prefix.lookup import Holder, Lookup, Placed, PredictionSink, predict, prefill_hit
+from ext_proc.prefix.settings import PrefixSettings
 
 
 class PrefixTracker:
@@ -118,9 +37,26 @@ class PrefixTracker:
         """Tokens a block of the chains it hashes: the settings' ``block_tokens``."""
         return self.settings.block_tokens
 
+    def events(self) -> None:
+        """No feed: this kind learns from placements, not from the engines' KV-cache events."""
+
     def chain(self, body: dict[str, object], tokens: Sequence[int] | None = None) -> Chain:
         """The chained block hashes of the request's prompt, or of ``tokens`` (:func:`prompt_chain`)."""
-        return prompt_chain(body, self.settings, tokens)
+        settings = self.settings
+        return prompt_chain(body, settings.block_tokens, settings.max_blocks, tokens)
+
+    def lookup_prompt(
+        self,
+        body: dict[str, object],
+        tokens: Sequence[int] | None,
+        prefills: Pool[E],
+        decodes: Pool[E],
+        prompt_tokens: int,
+        pinned: bool = False,
+    ) -> Lookup | None:
+        """The prompt's :meth:`chain` looked up (:meth:`lookup`); ``None`` when it has no block."""
+        hashes = self.chain(body, tokens)
+        return self.lookup(hashes, prefills, decodes, prompt_tokens, pinned) if len(hashes) else None
 
     def lookup(
         self, hashes: Chain, prefills: Pool[E], decodes: Pool[E], prompt_tokens: int, pinned: bool = False
@@ -129,30 +65,24 @@ class PrefixTracker:
         matched = self.index.match(hashes) if len(hashes) else {}
         return Lookup(hashes, matched, self.index.hit_arrays.hits(matched, prefills, decodes, prompt_tokens))
 
-    def predicted(self, lookup: Lookup, address: str, prompt_tokens: int) -> int:
-        """The hit tokens ``lookup`` predicts at ``address`` (at most ``prompt_tokens``)."""
-        return min(lookup.matched.get(address, 0) * self.settings.block_tokens, prompt_tokens)
-
-    def placed(self, lookup: Lookup, decision: Decision[E], prompt_tokens: int) -> tuple[Holder, ...]:
+    def placed(self, lookup: Lookup, decision: Decision[E], prompt_tokens: int) -> Placed:
         """Record the request placed by ``decision`` and count the hits predicted at each endpoint.
 
         Its prompt is now on the prefill (which computes it) and the decode (which receives it): the
-        endpoints it was recorded on, with their capacities, are returned (for the peer replicas)."""
+        endpoints it was recorded on, with their capacities, are returned (for the peer replicas), with
+        the hit predicted at the prefill."""
+        predicted = predict(lookup, decision, self.settings.block_tokens, prompt_tokens, self._sink)
         holders: list[Holder] = []
-        for role, endpoint in (("prefill", decision.prefill), ("decode", decision.decode)):
-            if endpoint is None:
-                continue
+        for endpoint, hit in predicted:
             address = endpoint.address
-            predicted = self.predicted(lookup, address, prompt_tokens)
-            self._sink.prefix_predicted(role, address, prompt_tokens, predicted)
             pending = self._pending.setdefault(address, [0.0, 0.0])  # both engines look the prompt up
             pending[0] += prompt_tokens
-            pending[1] += predicted
+            pending[1] += hit
             if len(lookup.hashes):
                 self._capacity[address] = endpoint.token_capacity
                 self.index.record(lookup.hashes, address, endpoint.token_capacity)
                 holders.append((address, endpoint.token_capacity))
-        return tuple(holders)
+        return Placed(tuple(holders), prefill_hit(decision, predicted))
 
     def learned(self, hashes: Chain, holders: Sequence[Holder]) -> None:
         """A peer replica placed the chain ``hashes`` on ``holders``: record it there as if placed here.

@@ -15,7 +15,7 @@ from typing import Protocol
 
 from ext_proc.prefix.blocks import Chain
 from ext_proc.prefix.kinds import PrefixSource
-from ext_proc.prefix.tracker import Holder
+from ext_proc.prefix.lookup import Holder
 from ext_proc.registry import Registry
 from ext_proc.shared.config import SharedStateConfig, SharedStateKind
 from ext_proc.shared.replica import ReplicaState, SharingSink

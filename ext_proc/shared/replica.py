@@ -29,8 +29,9 @@ from typing import Protocol
 
 from ext_proc.prefix.blocks import Chain
 from ext_proc.prefix.kinds import PrefixSource
+from ext_proc.prefix.lookup import Holder
 from ext_proc.prefix.ranks import RANK_MARK
-from ext_proc.prefix.tracker import Holder, PrefixSettings
+from ext_proc.prefix.settings import PrefixSettings
 from ext_proc.registry import EndpointState, Registry
 from ext_proc.shared import wire
 from ext_proc.shared.peers import Key, PeerLoads

@@ -20,6 +20,7 @@ from ext_proc.discovery.eds import write_eds_file
 from ext_proc.endpoints import ClusterEndpoints, EndpointSpec
 from ext_proc.handoff import SidecarHandoff
 from ext_proc.handoff.kinds import Handoff
+from ext_proc.live import LiveParts
 from ext_proc.metrics import Metrics
 from ext_proc.outcome import Refused, RequestMeta, Routed
 from ext_proc.prefix import PrefixSettings
@@ -128,7 +129,7 @@ def make_router(
         policy=Policy(mode, bonus, fallback_count, prefix_weight=prefix_weight),
         handoff=SidecarHandoff(DEST, PREFILL) if handoff is None else handoff(metrics),
         metrics=metrics,
-        prefix=prefix,
+        live=LiveParts(prefix, metrics),
     )
 
 

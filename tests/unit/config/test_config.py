@@ -30,7 +30,7 @@ from ext_proc.handoff.routing import RoutingConfig
 from ext_proc.load import LoadConfig
 from ext_proc.prefix import PrefixSettings
 from ext_proc.prefix.config import PrefixConfig
-from ext_proc.prefix.tracker import KvEventsSettings
+from ext_proc.prefix.settings import KvEventsSettings
 from ext_proc.router import AffinityConfig
 from ext_proc.xds.config import XdsConfig
 

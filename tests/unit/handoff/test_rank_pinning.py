@@ -23,6 +23,7 @@ from ext_proc.handoff import (
 from ext_proc.handoff.config import HandoffConfig
 from ext_proc.handoff.kinds import Handoff
 from ext_proc.handoff.leg import LegReply
+from ext_proc.live import LiveParts
 from ext_proc.metrics import Metrics
 from ext_proc.outcome import Refused, RequestMeta, Routed
 from ext_proc.prefix import PrefixSettings
@@ -65,9 +66,9 @@ def router_of(mode: str, client: FakePrefillClient) -> Router:
         policy=Policy(Mode.PREFER, 0.3, 0, prefix_weight=0.5),
         handoff=handoff_of(mode, client, metrics),
         metrics=metrics,
-        prefix=PrefixSettings(B, 100, source="kv-events"),
+        live=LiveParts(PrefixSettings(B, 100, source="kv-events"), metrics),
     )
-    source = router.prefix
+    source = router.live.prefix
     assert isinstance(source, KvEventSource)
     stored = BlockStored(tuple(range(101, 105)), None, tuple(PROMPT), B)
     for name in (f"{PREFILL}@dp1", f"{DECODE}@dp3"):
@@ -97,7 +98,7 @@ async def test_kv_transfer_pins_the_prefill_leg_and_the_decode_to_the_ranks_hold
     assert headers[RANK] == "1"
     assert dict(result.instructions.set_headers)[RANK] == "3"
     assert predicted(router, "prefill") == predicted(router, "decode") == 4 * B
-    source = router.prefix
+    source = router.live.prefix
     assert isinstance(source, KvEventSource)  # the placements are recent on the pinned ranks
     recent = source.recent.match(block_hashes([*PROMPT, 7], B, 100, ROOT), source.clock())
     assert recent == {f"{PREFILL}@dp1": 4, f"{DECODE}@dp3": 4}

@@ -15,7 +15,7 @@ from ext_proc.prefix.event_source import KvEventSource
 from ext_proc.prefix.kinds import KINDS, PrefixSourceKind
 from ext_proc.prefix.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, Event, EventBatch
 from ext_proc.prefix.recent import RecentPlacements
-from ext_proc.prefix.tracker import KvEventsSettings
+from ext_proc.prefix.settings import KvEventsSettings
 
 B = 4  # tokens a block in these tests
 

@@ -12,7 +12,7 @@ from ext_proc.prefix.event_index import ROOT
 from ext_proc.prefix.event_source import KvEventSource
 from ext_proc.prefix.kv_events import BlockStored, EventBatch
 from ext_proc.prefix.ranks import credited, credited_publisher, endpoint_of, publisher
-from ext_proc.prefix.tracker import KvEventsSettings
+from ext_proc.prefix.settings import KvEventsSettings
 
 B = 4
 DP = "10.0.0.1:8000"  # an engine of 4 data-parallel ranks

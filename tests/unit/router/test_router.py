@@ -27,7 +27,7 @@ from ext_proc.prefix import PrefixSettings, PrefixTracker
 from ext_proc.prefix.event_source import KvEventSource
 from ext_proc.prefix.kinds import KINDS as PREFIX_SOURCES
 from ext_proc.prefix.kinds import PrefixSourceKind
-from ext_proc.prefix.tracker import KvEventsSettings
+from ext_proc.prefix.settings import KvEventsSettings
 from ext_proc.registry import EndpointState
 from ext_proc.router import Router
 
@@ -298,13 +298,13 @@ def test_set_prefix_keeps_the_index_while_its_hashing_stays_and_drops_it_when_of
     router = make_router(
         [endpoint("10.0.0.1:8000", "a")], [endpoint("10.0.1.1:8000", "a")], prefix=PrefixSettings()
     )
-    tracker = router.prefix
-    router.set_prefix(PrefixSettings(self_correct=False))
-    assert router.prefix is tracker and tracker is not None and not tracker.settings.self_correct
-    router.set_prefix(PrefixSettings(block_tokens=32))
-    assert router.prefix is not tracker and router.prefix is not None
-    router.set_prefix(None)
-    assert router.prefix is None
+    tracker = router.live.prefix
+    router.live.set_prefix(PrefixSettings(self_correct=False))
+    assert router.live.prefix is tracker and tracker is not None and not tracker.settings.self_correct
+    router.live.set_prefix(PrefixSettings(block_tokens=32))
+    assert router.live.prefix is not tracker and router.live.prefix is not None
+    router.live.set_prefix(None)
+    assert router.live.prefix is None
     routed(router.route_body(chat(TENANT), CHAT_META))  # routes without an index
 
 
@@ -316,8 +316,8 @@ def test_the_kernels_are_compiled_before_a_prefix_source_is_built(monkeypatch: p
         monkeypatch.setitem(PREFIX_SOURCES, PrefixSourceKind(kind), lambda *_, kind=kind: built.append(kind))
     router = make_router([endpoint("10.0.0.1:8000", "a")], [endpoint("10.0.1.1:8000", "a")])
     assert built == []  # no index: nothing to compile
-    router.set_prefix(PrefixSettings())
-    router.set_prefix(PrefixSettings(source="kv-events"))
+    router.live.set_prefix(PrefixSettings())
+    router.live.set_prefix(PrefixSettings(source="kv-events"))
     assert built == ["warm", "lru", "approximate", "warm", "kv-events"]  # the LRU: placements only
 
 
@@ -326,14 +326,15 @@ def test_set_prefix_builds_the_kind_the_settings_name() -> None:
     router = make_router(
         prefills, [endpoint("10.0.1.1:8000", "a")], prefix=PrefixSettings(), prefix_weight=0.1
     )
-    assert isinstance(router.prefix, PrefixTracker)
-    router.set_prefix(PrefixSettings(source="kv-events"))
-    events = router.prefix
+    assert isinstance(router.live.prefix, PrefixTracker)
+    router.live.set_prefix(PrefixSettings(source="kv-events"))
+    events = router.live.prefix
     assert isinstance(events, KvEventSource)
-    router.set_prefix(PrefixSettings(source="kv-events", self_correct=False))
-    assert router.prefix is events
-    router.set_prefix(PrefixSettings(source="kv-events", kv_events=KvEventsSettings(stale_after_seconds=1)))
-    assert router.prefix is not events and isinstance(router.prefix, KvEventSource)
+    router.live.set_prefix(PrefixSettings(source="kv-events", self_correct=False))
+    assert router.live.prefix is events
+    stale = KvEventsSettings(stale_after_seconds=1)
+    router.live.set_prefix(PrefixSettings(source="kv-events", kv_events=stale))
+    assert router.live.prefix is not events and isinstance(router.live.prefix, KvEventSource)
     prompt = json.dumps({"model": "m", "prompt": list(range(1000))}).encode()
     meta = RequestMeta("/v1/completions")
     first = routed(router.route_body(prompt, meta))

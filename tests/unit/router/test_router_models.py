@@ -195,18 +195,15 @@ def held(lookup: object) -> int:
 def test_two_models_never_share_prefix_credit_on_an_endpoint_serving_both() -> None:
     settings = PrefixSettings(block_tokens=16)
     router = make_router([endpoint(PX)], [endpoint(DX), endpoint(DA1, models=("zz",))], prefix=settings)
-    assert router.prefix is not None
+    prefix = router.live.prefix
+    assert prefix is not None
     prompt = "the same long shared system prompt " * 200
     routed_a = router.route_body(chat("a", prompt), CHAT_META)
     assert isinstance(routed_a, Routed)
     routed_a.lease.release()
     prefills, decodes = router.registry.pools_for("a") or ()
-    again = router.prefix.lookup(
-        router._chain(json.loads(chat("a", prompt)), None), prefills, decodes, 2000, False
-    )
-    other = router.prefix.lookup(
-        router._chain(json.loads(chat("b", prompt)), None), prefills, decodes, 2000, False
-    )
+    again = prefix.lookup_prompt(json.loads(chat("a", prompt)), None, prefills, decodes, 2000)
+    other = prefix.lookup_prompt(json.loads(chat("b", prompt)), None, prefills, decodes, 2000)
     assert held(again) > 0
     assert held(other) == 0  # the same prompt, another model: no credit on the endpoints serving both
 

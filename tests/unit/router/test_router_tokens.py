@@ -80,7 +80,7 @@ def test_the_events_index_is_looked_up_by_the_chain_of_the_tokens() -> None:
     """A text prompt whose token ids an engine reported holding goes to that engine; its text alone
     matches nothing there."""
     router = kv_router()
-    source = router.prefix
+    source = router.live.prefix
     assert isinstance(source, KvEventSource)
     ids = [t % 50 + 1 for t in range(4 * B)]
     source.index.apply(
@@ -98,7 +98,7 @@ def test_tokens_are_wanted_for_text_prompts_of_the_tokenized_paths_with_a_tokeni
     without = kv_router()
     assert not without.wants_tokens(read(without, chat_body()))
     router = kv_router(str(tmp_path / "missing"))  # configured, does not load: still asked (and counted)
-    assert router.tokenizer is not None and router.tokenizer.tokenizer is None
+    assert router.live.tokenizer is not None and router.live.tokenizer.tokenizer is None
     assert router.wants_tokens(read(router, chat_body()))
     text = json.dumps({"model": "m", "prompt": "hello"}).encode()
     ids = json.dumps({"model": "m", "prompt": [1, 2, 3]}).encode()
@@ -110,20 +110,20 @@ def test_tokens_are_wanted_for_text_prompts_of_the_tokenized_paths_with_a_tokeni
 
 def test_the_tokenizer_follows_the_prefix_settings(tmp_path) -> None:
     router = kv_router(str(tmp_path / "a"))
-    first = router.tokenizer
-    router.set_prefix(PrefixSettings(B, 100, source="kv-events", tokenizer=str(tmp_path / "a")))
-    assert router.tokenizer is first  # the same folder: kept
-    router.set_prefix(PrefixSettings(B, 100, source="kv-events", tokenizer=str(tmp_path / "b")))
-    assert router.tokenizer is not first and router.tokenizer is not None
-    router.set_prefix(None)
-    assert router.tokenizer is None
-    router.close()
+    first = router.live.tokenizer
+    router.live.set_prefix(PrefixSettings(B, 100, source="kv-events", tokenizer=str(tmp_path / "a")))
+    assert router.live.tokenizer is first  # the same folder: kept
+    router.live.set_prefix(PrefixSettings(B, 100, source="kv-events", tokenizer=str(tmp_path / "b")))
+    assert router.live.tokenizer is not first and router.live.tokenizer is not None
+    router.live.set_prefix(None)
+    assert router.live.tokenizer is None
+    router.live.close()
 
 
 async def test_a_reload_that_removes_the_tokenizer_leaves_a_pending_request_untokenized(tmp_path) -> None:
     router = kv_router(str(tmp_path / "missing"))
     request = read(router, chat_body())
-    router.set_prefix(PrefixSettings(B, 100, source="kv-events"))
+    router.live.set_prefix(PrefixSettings(B, 100, source="kv-events"))
     assert await router.prompt_tokens(request) is None
     assert not isinstance(router.route(request), Refused)
 
@@ -137,17 +137,17 @@ async def test_a_folder_changed_again_while_loading_is_superseded(tmp_path, monk
         return TokenizerLoadError(settings.folder)
 
     router = kv_router(str(tmp_path / "a"))
-    first = router.tokenizer
+    first = router.live.tokenizer
     monkeypatch.setattr(tokenizer_module, "load_folder", load)
-    router.set_prefix(PrefixSettings(B, 100, source="kv-events", tokenizer=str(tmp_path / "b")))
-    loading_b = router.tokenizer_opening
-    router.set_prefix(PrefixSettings(B, 100, source="kv-events", tokenizer=str(tmp_path / "c")))
+    router.live.set_prefix(PrefixSettings(B, 100, source="kv-events", tokenizer=str(tmp_path / "b")))
+    loading_b = router.live.tokenizer_opening
+    router.live.set_prefix(PrefixSettings(B, 100, source="kv-events", tokenizer=str(tmp_path / "c")))
     assert (loading_b is not None and loading_b.cancelled()) or loading_b.cancelling()
-    assert router.tokenizer is first  # the old one serves until the new one is loaded
+    assert router.live.tokenizer is first  # the old one serves until the new one is loaded
     released["c"].set()
-    opening = router.tokenizer_opening
+    opening = router.live.tokenizer_opening
     assert opening is not None
     await opening
-    assert router.tokenizer is not first and router.tokenizer_opening is None
+    assert router.live.tokenizer is not first and router.live.tokenizer_opening is None
     released["b"].set()
-    router.close()
+    router.live.close()

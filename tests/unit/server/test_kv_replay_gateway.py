@@ -35,7 +35,7 @@ def prompts() -> Iterator[list[int]]:
 
 
 def held(router: Router, engine: RunningEngine, ids: list[int]) -> int:
-    source = router.prefix
+    source = router.live.prefix
     assert isinstance(source, KvEventSource)
     chain = block_hashes(ids, BLOCK, 100, ROOT)
     return source.index.match(chain, source.clock()).get(engine.address, 0)

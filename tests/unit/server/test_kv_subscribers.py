@@ -23,6 +23,7 @@ from ext_proc.handoff import SidecarHandoff, kv_transfer
 from ext_proc.handoff.config import HandoffConfig
 from ext_proc.handoff.routing import RoutingConfig
 from ext_proc.kv_subscribers import KvEventSubscribers, Target, targets
+from ext_proc.live import LiveParts
 from ext_proc.metrics import Metrics
 from ext_proc.outcome import RequestMeta, Routed
 from ext_proc.prefix import PrefixSettings
@@ -30,7 +31,7 @@ from ext_proc.prefix.blocks import block_hashes
 from ext_proc.prefix.event_index import ROOT
 from ext_proc.prefix.event_source import KvEventSource
 from ext_proc.prefix.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from ext_proc.prefix.tracker import KvEventsSettings
+from ext_proc.prefix.settings import KvEventsSettings
 from ext_proc.registry import Registry
 from ext_proc.router import Router, RouterSettings
 from sim.config import KvEventEncoding
@@ -58,18 +59,19 @@ def router_for(publisher: Publisher, replay_port: int | None = None, queue_batch
     registry.update([ClusterEndpoints("prefill", (spec,), "p"), ClusterEndpoints("decode", (spec,), "d")])
     replay = publisher.replay_port if replay_port is None else replay_port
     kv = KvEventsSettings(replay_port=replay, queue_batches=queue_batches)
+    metrics = Metrics(registry.endpoints)
     return Router(
         RouterSettings(100),
         registry=registry,
         policy=Policy(),
         handoff=SidecarHandoff("x-dest", "x-prefill"),
-        metrics=Metrics(registry.endpoints),
-        prefix=PrefixSettings(B, 100, source="kv-events", kv_events=kv),
+        metrics=metrics,
+        live=LiveParts(PrefixSettings(B, 100, source="kv-events", kv_events=kv), metrics),
     )
 
 
 def held(router: Router, *blocks: int) -> int:
-    source = router.prefix
+    source = router.live.prefix
     assert isinstance(source, KvEventSource)
     return source.index.match(chain(*blocks), source.clock()).get(ENGINE, 0)
 
@@ -81,7 +83,7 @@ def sample(router: Router, name: str, **labels: str) -> float:
 @contextlib.asynccontextmanager
 async def subscribed(router: Router, publisher: Publisher) -> AsyncIterator[None]:
     """The router's subscribers running (and the publisher's replay socket answering) for a block."""
-    subscribers = KvEventSubscribers(router.registry, router, router.metrics, interval=0.05)
+    subscribers = KvEventSubscribers(router.registry, router.live.events, router.metrics, interval=0.05)
     tasks = [asyncio.create_task(subscribers.run())]
     if publisher.replay is not None:
         tasks.append(asyncio.create_task(publisher.serve_replays()))
@@ -146,7 +148,7 @@ async def test_live_batches_a_replayed_gap_a_restart_and_garbage(encoding: KvEve
 
 
 def expected(router: Router) -> int | None:
-    source = router.prefix
+    source = router.live.prefix
     assert isinstance(source, KvEventSource)
     return source.index.expected(ENGINE)
 
@@ -206,7 +208,7 @@ async def test_without_a_replay_socket_a_gap_drops_the_entries_and_routing_goes_
 async def test_subscribers_follow_the_registry_and_the_source_kind() -> None:
     publisher = Publisher()
     router = router_for(publisher)
-    subscribers = KvEventSubscribers(router.registry, router, router.metrics)
+    subscribers = KvEventSubscribers(router.registry, router.live.events, router.metrics)
     subscribers.tick()
     assert subscribers.addresses == [ENGINE]
     router.registry.update([ClusterEndpoints("prefill", (), "p"), ClusterEndpoints("decode", (), "d")])
@@ -215,7 +217,7 @@ async def test_subscribers_follow_the_registry_and_the_source_kind() -> None:
     router.registry.update([ClusterEndpoints("decode", (endpoint(ENGINE),), "d")])
     subscribers.tick()
     assert subscribers.addresses == [ENGINE]
-    router.set_prefix(PrefixSettings())  # approximate: no subscriber
+    router.live.set_prefix(PrefixSettings())  # approximate: no subscriber
     subscribers.tick()
     assert subscribers.addresses == []
     publisher.close()
@@ -290,7 +292,7 @@ async def test_the_server_subscribes_to_its_engines_with_the_kv_events_source(tm
 async def test_a_failed_subscriber_is_logged_and_started_again(caplog: pytest.LogCaptureFixture) -> None:
     publisher = Publisher()
     router = router_for(publisher)
-    subscribers = KvEventSubscribers(router.registry, router, router.metrics)
+    subscribers = KvEventSubscribers(router.registry, router.live.events, router.metrics)
     starts: list[str] = []
 
     async def broken(address: str, target: object) -> None:
@@ -304,7 +306,7 @@ async def test_a_failed_subscriber_is_logged_and_started_again(caplog: pytest.Lo
     await asyncio.sleep(0)
     assert starts == [ENGINE, ENGINE]
     assert "the KV-event subscriber of 127.0.0.1:8000 failed (restarted)" in caplog.text
-    router.set_prefix(PrefixSettings())
+    router.live.set_prefix(PrefixSettings())
     subscribers.tick()  # takes the second failure's exception too
     assert subscribers.addresses == []
     publisher.close()
@@ -319,18 +321,19 @@ async def test_replicas_agree_on_a_prompt_sent_straight_to_an_engine() -> None:
     def replica() -> Router:
         registry = Registry("prefill", "decode", 10_000.0)
         registry.update([ClusterEndpoints("prefill", specs, "p"), ClusterEndpoints("decode", specs, "d")])
+        metrics = Metrics(registry.endpoints)
         return Router(
             RouterSettings(100),
             registry=registry,
             policy=Policy(prefix_weight=0.5),
             handoff=SidecarHandoff("x-dest", "x-prefill"),
-            metrics=Metrics(registry.endpoints),
-            prefix=PrefixSettings(B, 100, source="kv-events"),
+            metrics=metrics,
+            live=LiveParts(PrefixSettings(B, 100, source="kv-events"), metrics),
         )
 
     replicas = [replica(), replica()]
     tasks = [
-        asyncio.create_task(KvEventSubscribers(r.registry, r, r.metrics, interval=0.05).run())
+        asyncio.create_task(KvEventSubscribers(r.registry, r.live.events, r.metrics, interval=0.05).run())
         for r in replicas
     ]
     holder, publisher = "127.0.0.1:8001", engines["127.0.0.1:8001"]
@@ -338,7 +341,7 @@ async def test_replicas_agree_on_a_prompt_sent_straight_to_an_engine() -> None:
     stored_prompt = BlockStored(tuple(range(101, 109)), None, tuple(prompt), B, None, None)
 
     def holds(router: Router) -> bool:
-        source = router.prefix
+        source = router.live.prefix
         assert isinstance(source, KvEventSource)
         return source.index.match(block_hashes(prompt, B, 100, ROOT), source.clock()).get(holder) == 8
 
@@ -445,11 +448,11 @@ async def test_every_rank_is_subscribed_and_a_request_is_pinned_to_the_rank_hold
         policy=Policy(),
         handoff=kv_transfer.build(RoutingConfig(), HandoffConfig(), metrics),
         metrics=metrics,
-        prefix=PrefixSettings(B, 100, source="kv-events"),
+        live=LiveParts(PrefixSettings(B, 100, source="kv-events"), metrics),
     )
-    source = router.prefix
+    source = router.live.prefix
     assert isinstance(source, KvEventSource)
-    subscribers = KvEventSubscribers(registry, router, metrics, interval=0.05)
+    subscribers = KvEventSubscribers(registry, router.live.events, metrics, interval=0.05)
     tasks = [asyncio.create_task(subscribers.run()), *(p.start() for p in ranks)]
     prompt = [t for b in range(1, 5) for t in tokens(b)]
 

@@ -179,19 +179,19 @@ async def test_the_prefix_index_is_switched_on_tuned_and_off_live(tmp_path: Path
     mount = ConfigMapMount(tmp_path / "mount", config_text(eds, "prefer"))
     server = await serve(mount)
     try:
-        assert server.router.prefix is None and server.router.policy.prefix_weight == 0.0
+        assert server.live.prefix is None and server.router.policy.prefix_weight == 0.0
         mount.update(config_text(eds, "prefer", prefix="{enabled: true, weight: 0.5}"))
-        await until(lambda: server.router.prefix is not None)
-        tracker = server.router.prefix
+        await until(lambda: server.live.prefix is not None)
+        tracker = server.live.prefix
         assert server.router.policy.prefix_weight == 0.5
         mount.update(config_text(eds, "prefer", prefix="{enabled: true, weight: 0.2}"))
         await until(lambda: server.router.policy.prefix_weight == 0.2)
-        assert server.router.prefix is tracker  # same hashing: the index is kept
+        assert server.live.prefix is tracker  # same hashing: the index is kept
         mount.update(config_text(eds, "prefer", prefix="{enabled: true, weight: 0.2, block_tokens: 32}"))
-        await until(lambda: server.router.prefix is not tracker)
-        assert server.router.prefix is not None and server.router.prefix.settings.block_tokens == 32
+        await until(lambda: server.live.prefix is not tracker)
+        assert server.live.prefix is not None and server.live.prefix.settings.block_tokens == 32
         mount.update(config_text(eds, "prefer", prefix="{enabled: false}"))
-        await until(lambda: server.router.prefix is None)
+        await until(lambda: server.live.prefix is None)
     finally:
         await server.stop(grace=0)
 
@@ -307,7 +307,7 @@ async def test_a_server_without_a_config_file_watches_nothing() -> None:
     await server.stop(grace=0)
     assert server.reloads is None
     with pytest.raises(ValueError, match="nothing to watch"):
-        ConfigWatcher(source, server.config, server.router, server.router.metrics)
+        ConfigWatcher(source, server.config, server.router, server.live, server.router.metrics)
 
 
 async def test_a_changed_tokenizer_folder_loads_off_the_loop_while_the_old_one_serves(
@@ -328,7 +328,7 @@ async def test_a_changed_tokenizer_folder_loads_off_the_loop_while_the_old_one_s
     mount = ConfigMapMount(tmp_path / "mount", config_text(eds, "prefer", prefix=prefix("a")))
     server = await serve(mount)
     try:
-        old = server.router.tokenizer
+        old = server.live.tokenizer
         assert old is not None and old.tokenizer is None  # the folder is missing: loaded, unusable
         monkeypatch.setattr(tokenizer_module, "load_folder", slow_load)
         mount.update(config_text(eds, "prefer", prefix=prefix("b")))
@@ -336,12 +336,12 @@ async def test_a_changed_tokenizer_folder_loads_off_the_loop_while_the_old_one_s
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
             stub = pb_grpc.ExternalProcessorStub(channel)
             assert await route(stub) in (SAME_GROUP, OTHER_GROUP)  # the loop serves while it loads
-        assert server.router.tokenizer is old
+        assert server.live.tokenizer is old
         assert sample(server, "pd_extproc_tokenize_fallbacks_total", reason="no_tokenizer") == 1
         release.set()
-        await until(lambda: server.router.tokenizer is not old)
+        await until(lambda: server.live.tokenizer is not old)
         assert threads and threads[0] != threading.main_thread().name
-        assert server.router.tokenizer_opening is None
+        assert server.live.tokenizer_opening is None
     finally:
         release.set()
         await server.stop(grace=0)

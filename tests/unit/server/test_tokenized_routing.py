@@ -59,7 +59,7 @@ async def test_an_unloadable_folder_is_counted_and_the_request_routed_on_its_tex
     assert isinstance(answers, tuple) and destination(answers[0]).startswith(D_SAME_IDLE)
     assert value(router, FALLBACKS, reason="no_tokenizer") == 1
     stream.close()
-    router.close()
+    router.live.close()
 
 
 async def answers_of(router, messages: list) -> list:
@@ -90,7 +90,7 @@ async def test_tokenizing_first_leaves_the_choreography_as_it_was(tmp_path: Path
         prefix = PrefixSettings(B, 100, source="kv-events", tokenizer=folder)
         router = make_router([endpoint(P1)], [endpoint(D_SAME_IDLE)], prefix=prefix)
         answers.append(await answers_of(router, messages))
-        router.close()
+        router.live.close()
     assert answers[0] == answers[1]
     assert any(D_SAME_IDLE in str(answer) for answer in answers[0])  # routed, not refused
 
@@ -111,7 +111,7 @@ async def test_the_stream_routes_on_the_tokens_it_awaited(folder: Path) -> None:
     assert prefill.active_tokens == len(tokens)  # the exact count, not the estimate
     assert value(router, "pd_extproc_tokenize_seconds_count") == 1
     stream.close()
-    router.close()
+    router.live.close()
 
 
 async def test_a_chat_sent_straight_to_an_engine_routes_the_next_turn_there(
@@ -129,7 +129,7 @@ async def test_a_chat_sent_straight_to_an_engine_routes_the_next_turn_there(
     blocks = len(ids) // B
     assert blocks >= 4
     stored = BlockStored(tuple(range(1, blocks + 1)), None, tuple(ids[: blocks * B]), B)
-    source = server.router.prefix
+    source = server.live.prefix
     assert isinstance(source, KvEventSource)
     try:
         for _ in range(200):  # until subscribed (a SUB socket misses what precedes its connection)

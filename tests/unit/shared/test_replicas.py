@@ -42,10 +42,10 @@ def _router() -> Router:
 
 def _share(router: Router, hub: MemoryHub, name: str) -> BusState:
     replica = ReplicaState(
-        router.registry, lambda: router.prefix, router.metrics, CONFIG.peer_timeout_seconds, name
+        router.registry, lambda: router.live.prefix, router.metrics, CONFIG.peer_timeout_seconds, name
     )
     shared = BusState("memory", replica, hub.bus(), CONFIG, router.metrics)
-    router.shared = shared
+    router.live.shared = shared
     return shared
 
 
@@ -104,8 +104,8 @@ async def test_the_peer_learns_placements_and_routes_the_same_prompt_to_their_ho
     first = _route(a, body)
     first.lease.release()
     await _turns()
-    chain = b.prefix.chain(json.loads(body))  # type: ignore[union-attr]
-    held = b.prefix.index.match(chain)  # type: ignore[union-attr]
+    chain = b.live.prefix.chain(json.loads(body))  # type: ignore[union-attr]
+    held = b.live.prefix.index.match(chain)  # type: ignore[union-attr]
     placed = {first.lease._prefill.address if first.lease._prefill else None}
     assert held and set(held) >= placed - {None}
     second = _route(b, body)
@@ -128,8 +128,8 @@ async def test_a_replica_that_starts_learns_its_peers_bookings_and_index_before_
     decode = held.lease.decode
     assert decode is not None
     assert _peer(c, "decode", decode.address) == (decode.own_tokens, 1)
-    chain = c.prefix.chain(json.loads(body))  # type: ignore[union-attr]
-    assert a.prefix.index.match(chain) == c.prefix.index.match(chain)  # type: ignore[union-attr]
+    chain = c.live.prefix.chain(json.loads(body))  # type: ignore[union-attr]
+    assert a.live.prefix.index.match(chain) == c.live.prefix.index.match(chain)  # type: ignore[union-attr]
     await asyncio.gather(shared_a.stop(), shared_c.stop())
 
 
@@ -147,7 +147,7 @@ async def test_a_peer_that_vanishes_has_its_bookings_dropped_after_the_timeout()
     shared_a.runner.bus.connected = False  # type: ignore[misc]
     await asyncio.sleep(CONFIG.peer_timeout_seconds + 3 * CONFIG.heartbeat_seconds)
     assert _peer(b, "decode", decode.address) == (0, 0)
-    assert b.shared.describe()["peers"] == {}
+    assert b.live.shared.describe()["peers"] == {}
     await shared_b.stop()
 
 
@@ -194,10 +194,10 @@ def test_an_index_snapshot_learned_back_holds_the_same_blocks_in_the_same_order(
     a, b = _router(), _router()
     for seed in range(4):
         _route(a, _body(600, seed)).lease.release()
-    for name, capacity, held in a.prefix.snapshot():  # type: ignore[union-attr]
-        b.prefix.learned(held, [(name, capacity)])  # type: ignore[union-attr]
-    for address in a.prefix.index.addresses:  # type: ignore[union-attr]
-        assert np.array_equal(a.prefix.index.held(address), b.prefix.index.held(address))  # type: ignore[union-attr]
+    for name, capacity, held in a.live.prefix.snapshot():  # type: ignore[union-attr]
+        b.live.prefix.learned(held, [(name, capacity)])  # type: ignore[union-attr]
+    for address in a.live.prefix.index.addresses:  # type: ignore[union-attr]
+        assert np.array_equal(a.live.prefix.index.held(address), b.live.prefix.index.held(address))  # type: ignore[union-attr]
 
 
 def test_the_fingerprint_is_the_hashing_in_force_the_block_size_the_engines_events_gave() -> None:
@@ -206,9 +206,9 @@ def test_the_fingerprint_is_the_hashing_in_force_the_block_size_the_engines_even
     router = make_router(
         [endpoint(P1, "g1")], [endpoint(D1, "g1")], prefix=PrefixSettings(source="kv-events")
     )
-    replica = ReplicaState(router.registry, lambda: router.prefix, router.metrics, 1.0, "a")
+    replica = ReplicaState(router.registry, lambda: router.live.prefix, router.metrics, 1.0, "a")
     assert replica.fingerprint() == wire.fingerprint("kv-events", 16, 2048)  # block_tokens, until events
-    source = router.prefix
+    source = router.live.prefix
     assert isinstance(source, KvEventSource)
     stored = BlockStored((1,), None, (7,) * 128, 128, None, None)
     source.index.apply(P1, EventBatch(0, 0.0, 0, (stored,)), 0.0, replayable=False)
@@ -260,7 +260,7 @@ async def test_a_placement_on_an_endpoint_not_known_here_is_counted_and_only_the
     replica.receive(wire.encode_batch(wire.Batch("b", 0, 0.0, True, replica.fingerprint(), (), (placed,))))
     sample = a.metrics.registry.get_sample_value
     assert sample("pd_extproc_shared_messages_dropped_total", {"reason": "unknown_endpoint"}) == 1
-    assert set(a.prefix.index.match(chain)) == {P1}  # type: ignore[union-attr]
+    assert set(a.live.prefix.index.match(chain)) == {P1}  # type: ignore[union-attr]
 
 
 def test_a_delayed_hub_hands_over_in_publishing_order_when_messages_fall_due_together() -> None:
