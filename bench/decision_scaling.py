@@ -14,7 +14,7 @@ comprehensions): the floor any pure-Python decision over per-endpoint objects pa
 
 Usage (from the repository root)::
 
-    python bench/decision_scaling.py [--quick] [--json FILE] [--png FILE]
+    python -m bench.decision_scaling [--quick] [--json FILE] [--png FILE]
 """
 
 from __future__ import annotations

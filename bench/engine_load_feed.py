@@ -15,10 +15,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Mapping, Sequence
 
-from prefix_peers import Oracle, PdExtproc, Placed, Placing, Replicas
-
-from ext_proc.engine_load import EngineScraper
+from bench.prefix_peers import Oracle, PdExtproc, Placed, Placing, Replicas
 from ext_proc.engine_load.config import EngineMetricsConfig
+from ext_proc.engine_load.scraper import EngineScraper
 from ext_proc.metrics import Metrics
 from ext_proc.registry import Registry
 from sim.engine import Engine

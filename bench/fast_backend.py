@@ -5,7 +5,7 @@ headers and one chunk at once, then is held open for ``x-hold-ms`` milliseconds 
 ``data: [DONE]``: how the benchmark keeps many streams in flight.
 GETs of ``/health``, ``/v1/models`` and ``/[get_]model_info``, ``/[get_]server_info`` answer what SGLang's
 model gateway (``smg``) asks of a worker before it routes to it.
-Run: ``python bench/fast_backend.py [PORT]`` (0 or nothing = any free port).
+Run: ``python -m bench.fast_backend [PORT]`` (0 or nothing = any free port).
 """
 
 from __future__ import annotations

@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
-from common import rss_mib
 
+from bench.common import rss_mib
 from sim.cluster import EngineSpec
 from sim.cluster_process import ClusterProcess, EngineInfo, spawn_cluster, write_cluster_eds
 from sim.config import TimingConfig

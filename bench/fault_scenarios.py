@@ -11,24 +11,20 @@ import asyncio
 import contextlib
 import math
 import signal
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import aiohttp
-from fault_rig import DISCOVERY_LAG_S, Rig, chat_body
 from prometheus_client.parser import text_string_to_metric_families
 
-from ext_proc.envoy_health import EnvoyHealthConfig
+from bench.fault_rig import DISCOVERY_LAG_S, Rig, chat_body
+from ext_proc.envoy_health_config import EnvoyHealthConfig
 from sim.cluster import EngineSpec
 from sim.cluster_process import EngineInfo
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))  # the tests' stand-ins
-from backends import start_broken_engine
-from fake_kube_api import FakeKubeApi
-from kube_objects import pod
+from standins.backends import start_broken_engine
+from standins.fake_kube_api import FakeKubeApi
+from standins.kube_objects import pod
 
 Fault = tuple[float, Callable[[], Awaitable[None]]]
 """``(at, action)``: ``action`` runs ``at`` seconds after the first request is sent."""

@@ -11,7 +11,7 @@ the set of engines discovered when the request was decided (:func:`fault_rig.nam
 open file descriptors of pd-extproc are reported before and after; the soak (:mod:`soak`) checks their
 growth.
 
-Run: ``python bench/faults.py [--quick] [--scenarios a,b] [--json FILE]`` (exit code 1 if any fails).
+Run: ``python -m bench.faults [--quick] [--scenarios a,b] [--json FILE]`` (exit code 1 if any fails).
 """
 
 from __future__ import annotations
@@ -22,13 +22,11 @@ import contextlib
 import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_json
-from fault_rig import Measured, new_rig, run_load, table_row, until_ok, usage
-from fault_scenarios import RATE, SCENARIOS, Scenario
-from soak import run_soak
+from bench.common import write_json
+from bench.fault_rig import Measured, new_rig, run_load, table_row, until_ok, usage
+from bench.fault_scenarios import RATE, SCENARIOS, Scenario
+from bench.soak import run_soak
 
 
 @dataclass(frozen=True)

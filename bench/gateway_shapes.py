@@ -1,5 +1,5 @@
 """Handoffs and fail-open behind the gateways that run an InferencePool, measured with the real Envoy 1.40
-in each gateway's shape (``tests/deploy/gateway_shapes/``, the stack of ``tests/support/shapes.py``:
+in each gateway's shape (``tests/deploy/gateway_shapes/``, the stack of :mod:`standins.shapes`:
 ``pd-extproc serve`` over TLS, scripted prefills, echo decodes).
 
 1. **Prefill legs** (issue 16 item 8). These gateways set no ``max_message_timeout`` (kgateway's
@@ -19,7 +19,7 @@ in each gateway's shape (``tests/deploy/gateway_shapes/``, the stack of ``tests/
    served them (prefills are in the pool); and one request whose body is sent in two chunks with
    pd-extproc killed (SIGKILL) between them.
 
-Run: ``flock /tmp/bench.lock python bench/gateway_shapes.py [--legs 1,10] [--requests 10] [--json F]``.
+Run: ``flock /tmp/bench.lock python -m bench.gateway_shapes [--legs 1,10] [--requests 10] [--json F]``.
 """
 
 from __future__ import annotations
@@ -35,11 +35,9 @@ from pathlib import Path
 
 import aiohttp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "support"))  # the shape stack
-from common import write_json
-from e2e_harness import by_outcome
-from shapes import EXT_PROC_TYPE, SHAPES, RenderedShape, ShapeStack, nodes, shape_stack
+from bench.common import write_json
+from standins.metrics import by_outcome
+from standins.shapes import EXT_PROC_TYPE, SHAPES, RenderedShape, ShapeStack, nodes, shape_stack
 
 HANDOFFS = ("kv-transfer-params", "sglang-bootstrap")
 ENVOY_COUNTERS = ("override_message_timeout_received", "override_message_timeout_ignored", "message_timeouts")

@@ -25,7 +25,7 @@ per seed (paired) and their medians reported.
 ``--kv-connector mooncake`` runs the engines as vLLM's upstream MooncakeConnector and compares
 ``kv-transfer-params`` (which gets no params back from such a prefill) with ``vllm-mooncake``.
 
-Run: ``python bench/handoff.py [--requests N] [--rate R] [--seeds N] [--kv-connector nixl|mooncake]
+Run: ``python -m bench.handoff [--requests N] [--rate R] [--seeds N] [--kv-connector nixl|mooncake]
 [--handoffs A,B] [--skip-sweep] [--json F] [--png F]``.
 """
 
@@ -43,9 +43,7 @@ from pathlib import Path
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_json
-
+from bench.common import write_json
 from sim.cluster import clusters
 from sim.config import KV_CONNECTORS, KvConfig
 from sim.experiment import measure

@@ -26,13 +26,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
 from itertools import count
 
-from prefix_peers import CHAT_PATH, COMPLETIONS_PATH, Endpoint, PdExtproc, Placed
-
+from bench.prefix_peers import CHAT_PATH, COMPLETIONS_PATH, Endpoint, PdExtproc, Placed
 from ext_proc.affinity import Policy
-from ext_proc.prefix import PrefixSettings, prompt_content
+from ext_proc.prefix.blocks import prompt_content
 from ext_proc.prefix.event_source import KvEventSource
-from ext_proc.prefix.kinds import PrefixSourceKind
 from ext_proc.prefix.kv_events import Event, decode_message
+from ext_proc.prefix.settings import PrefixSettings, PrefixSourceKind
 from sim.config import KvEventEncoding
 from sim.engine import Engine
 from sim.kv_events import frames

@@ -10,7 +10,7 @@ same route, nothing watched), for a short and a long stream: the slope between t
 per-chunk time and pd-extproc CPU, so the prefill leg and everything per request cancel out; the
 watched mode's slope minus the sidecar's is what the watch adds per chunk.
 
-Run: ``python bench/kv_stream_watch.py [--streams S] [--short N] [--long N] [--gap-ms G] [--json FILE]``.
+Run: ``python -m bench.kv_stream_watch [--streams S] [--short N] [--long N] [--gap-ms G] [--json FILE]``.
 """
 
 from __future__ import annotations
@@ -27,9 +27,7 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import cpu_seconds, first_line, spawn_python, write_json
-
+from bench.common import cpu_seconds, first_line, spawn_python, write_json
 from ext_proc.discovery.eds import write_eds_file
 from ext_proc.endpoints import EndpointSpec
 from sim.gateway import terminate
@@ -112,7 +110,7 @@ async def _measure(mode: str, eds: list[str], workdir: Path, args: argparse.Name
 
 
 async def _main(args: argparse.Namespace) -> dict:
-    backend = spawn_python([__file__, "--backend", "--gap-ms", str(args.gap_ms)])
+    backend = spawn_python(["-m", "bench.kv_stream_watch", "--backend", "--gap-ms", str(args.gap_ms)])
     try:
         prefill_port, decode_port = map(int, first_line(backend).split())
         workdir = Path(tempfile.mkdtemp(prefix="kv-stream-watch-"))

@@ -17,7 +17,7 @@ so machine noise hits all alike. Reported:
   filter, for 1 KB, 64 KB and 1 MB bodies: added latency p50 and pd-extproc CPU per request, and the
   ratio of the two modes' added latency.
 
-Run: ``python bench/overhead.py [--requests N] [--body-requests N] [--json FILE]``.
+Run: ``python -m bench.overhead [--requests N] [--body-requests N] [--json FILE]``.
 """
 
 from __future__ import annotations
@@ -31,8 +31,7 @@ from pathlib import Path
 
 import aiohttp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (
+from bench.common import (
     closed_loop,
     cpu_seconds,
     first_line,
@@ -43,7 +42,6 @@ from common import (
     timed_post,
     write_json,
 )
-
 from ext_proc.discovery.eds import write_eds_file
 from ext_proc.endpoints import EndpointSpec
 from sim.gateway import (
@@ -55,7 +53,6 @@ from sim.gateway import (
 )
 
 BODY = {"model": "bench", "messages": [{"role": "user", "content": "x" * 900}], "max_tokens": 32}
-BENCH = Path(__file__).resolve().parent
 
 
 BODY_SIZES = {"1KB": 1_000, "64KB": 64_000, "1MB": 1_000_000}
@@ -171,8 +168,8 @@ async def measure(
 ) -> dict:
     """Start the gateways, run every measurement, stop everything; return the results."""
     workdir = Path(tempfile.mkdtemp(prefix="pd-bench-overhead-"))
-    backend = spawn_python([str(BENCH / "fast_backend.py")])
-    bare = spawn_python([str(BENCH / "bare_extproc.py")])
+    backend = spawn_python(["-m", "bench.fast_backend"])
+    bare = spawn_python(["-m", "bench.bare_extproc"])
     processes = [backend, bare]
     gateways: list[Gateway] = []
     try:

@@ -50,7 +50,9 @@ from ext_proc.live import LiveParts
 from ext_proc.load import Lease
 from ext_proc.metrics import Metrics
 from ext_proc.outcome import HandoffJob, Placement, RequestMeta, Routed, RoutingInstructions
-from ext_proc.prefix import PrefixIndex, PrefixSettings, block_hashes, prompt_content
+from ext_proc.prefix.blocks import block_hashes, prompt_content
+from ext_proc.prefix.index import PrefixIndex
+from ext_proc.prefix.settings import PrefixSettings
 from ext_proc.registry import EndpointState, Registry
 from ext_proc.request import describe
 from ext_proc.router import BodyRequest, Router, RouterSettings

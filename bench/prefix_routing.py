@@ -35,7 +35,7 @@ decode TTFT p99 (prefill done to first decoded token), TPOT p99, prefill tokens 
 cross-group KV bytes and share, decode load CV, router µs per request (the tokenizer's apart:
 ``Record``). With several seeds: medians of per-seed ratios, and the issue's targets (:func:`verdicts`).
 
-Run: ``python bench/prefix_routing.py [--quick] [--seeds N] [--clusters a,b] [--workloads A,B,D]
+Run: ``python -m bench.prefix_routing [--quick] [--seeds N] [--clusters a,b] [--workloads A,B,D]
 [--settings s,t] [--profile NAME] [--json FILE]``.
 """
 
@@ -50,14 +50,12 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_json
-from engine_load_feed import Scraped
-from kv_event_feed import EVENTS as EVENTS_PREFIX
-from kv_event_feed import EventReplica, KvEventFeed
-from prefix_peers import (
+from bench.common import write_json
+from bench.engine_load_feed import Scraped
+from bench.kv_event_feed import EVENTS as EVENTS_PREFIX
+from bench.kv_event_feed import EventReplica, KvEventFeed
+from bench.prefix_peers import (
     Endpoint,
     LlmdScorer,
     Oracle,
@@ -67,11 +65,11 @@ from prefix_peers import (
     Replicas,
     SGLangCacheAware,
 )
-from prefix_workloads import Conversation, low_reuse, messages, multi_turn, shared_prompts
-from shared_replicas import DEFAULT_SYNC_DELAY_SECONDS, SharedReplicas
-
+from bench.prefix_workloads import Conversation, low_reuse, messages, multi_turn, shared_prompts
+from bench.shared_replicas import DEFAULT_SYNC_DELAY_SECONDS, SharedReplicas
 from ext_proc.affinity import AutoModel, Mode, Policy
-from ext_proc.prefix import PrefixSettings, prompt_content
+from ext_proc.prefix.blocks import prompt_content
+from ext_proc.prefix.settings import PrefixSettings
 from ext_proc.request import describe
 from sim.cluster import EngineSpec, clusters
 from sim.config import DEFAULT_MODEL, KvConfig, TimingConfig

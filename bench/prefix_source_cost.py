@@ -19,7 +19,7 @@ Reported per source: wall µs per request (p50, mean) of each call and of the tw
 ``ext_proc`` is first on ``PYTHONPATH``: run this file in two trees (``PYTHONPATH=TREE``) for a
 change's before and after.
 
-Run: ``python bench/prefix_source_cost.py TRACE [--start N] [--count N] [--cpu-tier TOKENS]
+Run: ``python -m bench.prefix_source_cost TRACE [--start N] [--count N] [--cpu-tier TOKENS]
 [--profile NAME] [--json OUT]``.
 """
 
@@ -33,14 +33,12 @@ from array import array
 from functools import partial
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_json
-
+from bench.common import write_json
 from ext_proc.affinity import Candidate, Decision, Locality, Pool
-from ext_proc.prefix import PrefixSettings
 from ext_proc.prefix.event_source import KvEventSource
-from ext_proc.prefix.kinds import KINDS, PrefixSource, PrefixSourceKind
+from ext_proc.prefix.kinds import KINDS, PrefixSource
 from ext_proc.prefix.kv_events import Event, EventBatch
+from ext_proc.prefix.settings import PrefixSettings, PrefixSourceKind
 from sim.cluster import clusters
 from sim.config import DEFAULT_MODEL
 from sim.prefix import BlockCache, PromptBlocks, token_ids

@@ -30,7 +30,7 @@ Three measurements, each at the trace's prompt lengths (``../shared/traces/``: m
 first use: it is not a dependency of the package. ``--baseline DIR`` also runs every pd-extproc target
 from the source tree ``DIR`` (e.g. ``git worktree add DIR main``), as ``<target>_before``, in the same
 rotations and closed loops and beside the short request: a change's before and after in one run.
-Run: ``python bench/prompt_cost.py [--requests N] [--seconds S] [--baseline DIR] [--json FILE] [--png FILE]``.
+Run: ``python -m bench.prompt_cost [--requests N] [--seconds S] [--baseline DIR] [--json FILE] [--png FILE]``.
 """
 
 from __future__ import annotations
@@ -48,8 +48,7 @@ from pathlib import Path
 
 import aiohttp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (
+from bench.common import (
     closed_loop,
     cpu_seconds,
     first_line,
@@ -59,12 +58,11 @@ from common import (
     timed_post,
     write_json,
 )
-from prefix_peers import Endpoint, PdExtproc
-
+from bench.prefix_peers import Endpoint, PdExtproc
 from ext_proc.affinity import Mode, Policy
 from ext_proc.discovery.eds import write_eds_file
 from ext_proc.endpoints import EndpointSpec
-from ext_proc.prefix import PrefixSettings
+from ext_proc.prefix.settings import PrefixSettings
 from sim.gateway import (
     Gateway,
     free_port,
@@ -74,7 +72,6 @@ from sim.gateway import (
 )
 from sim.report import percentile
 
-BENCH = Path(__file__).resolve().parent
 PROMPT_TOKENS = {"1k": 1_000, "12k": 12_000, "100k": 100_000}
 """The prompt lengths measured, in tokens (4 characters of text each)."""
 BIG_BODY_BYTES = 16 * 1024 * 1024
@@ -301,7 +298,7 @@ async def largest_body(urls: dict[str, str], requests: int) -> dict:
 
 async def _backends(workdir: Path) -> tuple[list[subprocess.Popen], str, str, list[str]]:
     """Two fast backends (prefill, decode) and the EDS files naming them."""
-    processes = [spawn_python([str(BENCH / "fast_backend.py")]) for _ in range(2)]
+    processes = [spawn_python(["-m", "bench.fast_backend"]) for _ in range(2)]
     prefill, decode = (f"127.0.0.1:{first_line(p)}" for p in processes)
     eds = [str(workdir / "prefill.json"), str(workdir / "decode.json")]
     write_eds_file(eds[0], "prefill", [EndpointSpec(prefill, "g", None, True, "HEALTHY")])
@@ -347,7 +344,7 @@ async def through_gateways(
     processes, prefill, decode, eds = await _backends(workdir)
     gateways: list[Gateway] = []
     try:
-        bare = spawn_python([str(BENCH / "bare_extproc.py")])
+        bare = spawn_python(["-m", "bench.bare_extproc"])
         processes.append(bare)
         targets = {"direct": Target(f"http://{decode}/v1/chat/completions")}
         plain = await start_envoy(eds, None)

@@ -14,7 +14,7 @@ per setting, the median and range over seeds and the median of the per-seed rati
 (paired: both ran the same workload), so one lucky workload cannot carry a conclusion, and a verdict of
 ``auto`` against issue 11's targets (:func:`verdicts`).
 
-Run: ``python bench/routing_quality.py [--quick] [--seeds N] [--scenarios a,b] [--settings s,t]
+Run: ``python -m bench.routing_quality [--quick] [--seeds N] [--scenarios a,b] [--settings s,t]
 [--json FILE] [--png FILE]``.
 """
 
@@ -29,9 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_json
-
+from bench.common import write_json
 from sim.cluster import EngineSpec
 from sim.config import KvConfig, TimingConfig
 from sim.experiment import BASELINE, Disruption, measure

@@ -23,8 +23,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from prefix_peers import PdExtproc, Replicas
-
+from bench.prefix_peers import PdExtproc, Replicas
 from ext_proc.shared.config import SharedStateConfig
 from ext_proc.shared.kinds import BusState
 from ext_proc.shared.replica import ReplicaState
@@ -39,13 +38,15 @@ SHARING = replace(SharedStateConfig(), sync_wait_seconds=0.0)
 
 @dataclass
 class Tally:
-    """What one replica's shared state sent, received (messages and bytes, by kind) and dropped (by
-    reason): a :class:`~ext_proc.shared.replica.SharingSink`."""
+    """What one replica's shared state sent, received (messages and bytes, by kind), dropped (by
+    reason) and made of its peers' sync requests (by outcome): a
+    :class:`~ext_proc.shared.replica.SharingSink`."""
 
     sent: Counter[str] = field(default_factory=Counter)
     sent_bytes: int = 0
     received: Counter[str] = field(default_factory=Counter)
     dropped: Counter[str] = field(default_factory=Counter)
+    sync_requests: Counter[str] = field(default_factory=Counter)
 
     def shared_sent(self, kind: str, size: int) -> None:
         self.sent[kind] += 1
@@ -56,6 +57,9 @@ class Tally:
 
     def shared_dropped(self, reason: str) -> None:
         self.dropped[reason] += 1
+
+    def shared_sync_request(self, outcome: str) -> None:
+        self.sync_requests[outcome] += 1
 
 
 class SharedReplicas(Replicas):

@@ -7,7 +7,7 @@ read with no request in flight, the measured requests run, the load drains, and 
 Expectation: every client that did not abort gets a complete 200; pd-extproc's load back to zero
 requests and tokens; RSS growth below :data:`MAX_RSS_GROWTH`; no more file descriptors than before.
 
-Run alone: ``python bench/soak.py [--requests N]``; ``bench/faults.py`` runs it as its ``soak`` row.
+Run alone: ``python -m bench.soak [--requests N]``; ``bench/faults.py`` runs it as its ``soak`` row.
 """
 
 from __future__ import annotations
@@ -17,14 +17,11 @@ import asyncio
 import contextlib
 import random
 import sys
-from pathlib import Path
 
 import aiohttp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import first_line, spawn_python
-from fault_rig import Measured, Outcome, chat_body, new_rig, request, table_row, until_ok, usage
-
+from bench.common import first_line, spawn_python
+from bench.fault_rig import Measured, Outcome, chat_body, new_rig, request, table_row, until_ok, usage
 from sim.cluster_process import EngineInfo
 from sim.gateway import terminate
 
@@ -70,7 +67,7 @@ async def run_soak(quick: bool = False, requests: int | None = None, seed: int =
     requests = requests or (QUICK_REQUESTS if quick else REQUESTS)
     rng = random.Random(seed)
     rig = new_rig()
-    backends = [spawn_python([str(Path(__file__).with_name("fast_backend.py"))]) for _ in range(3)]
+    backends = [spawn_python(["-m", "bench.fast_backend"]) for _ in range(3)]
     try:
         ports = [first_line(b) for b in backends]
         infos = [

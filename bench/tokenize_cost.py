@@ -12,7 +12,7 @@ model's). The prompt is a conversation of prose paragraphs from those docs: a sy
   router pays for a new long prompt. The tokenizer's own per-word cache is warm, as in a running gateway.
 - ``cached``: the same conversations, each after its previous request (the turns up to about 10k
   tokens) was tokenized: only the new turns are tokenized, after the seam check.
-- ``awaited``: ``cached`` through :class:`~ext_proc.tokenizer.GatewayTokenizer` (the hop to its worker
+- ``awaited``: ``cached`` through :class:`~ext_proc.tokenize.gateway.GatewayTokenizer` (the hop to its worker
   thread and back included), and ``cold`` likewise.
 - ``render``, ``encode``: the cold path's two parts, the chat template alone and the encoder alone.
 - ``chain``: :func:`~ext_proc.prefix.blocks.block_hashes` (16-token blocks, as the ``kv-events`` source
@@ -20,7 +20,7 @@ model's). The prompt is a conversation of prose paragraphs from those docs: a sy
   ``chain_list``: over the same ids as a list of Python ints (a prompt given as ids in the body, a
   KV event's ``token_ids``).
 
-Each path is timed for each encoder the gateway may run (:data:`ext_proc.tokenizer.ENCODERS`):
+Each path is timed for each encoder the gateway may run (:data:`ext_proc.tokenize.folder.ENCODERS`):
 ``fastokens`` and ``tiktoken`` (each when it loads for the folder: checked equal to ``tokenizers`` at
 load) and ``tokenizers``, on the same conversations, and every answer is compared id for id with
 ``tokenizers``'.
@@ -29,7 +29,7 @@ Each is timed with ``time.perf_counter`` over ``--reps`` repetitions: p50 and p9
 
 Usage (from the repository root)::
 
-    python bench/tokenize_cost.py [--quick] [--reps N] [--folder DIR] [--json FILE]
+    python -m bench.tokenize_cost [--quick] [--reps N] [--folder DIR] [--json FILE]
 """
 
 from __future__ import annotations
@@ -52,14 +52,9 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from ext_proc.prefix.blocks import block_hashes
-from ext_proc.prefix.tokens import PrefixTokenCache
-from ext_proc.tokenizer import (
-    ENCODERS,
-    FAST_ENCODERS,
-    GatewayTokenizer,
-    TokenizerSettings,
-    load_prompt_tokenizer,
-)
+from ext_proc.tokenize.cache import PrefixTokenCache
+from ext_proc.tokenize.folder import ENCODERS, FAST_ENCODERS, TokenizerSettings, load_prompt_tokenizer
+from ext_proc.tokenize.gateway import GatewayTokenizer
 from sim.report import percentile
 from sim.tokenizer_folder import write_tokenizer_folder
 

@@ -32,7 +32,7 @@ medians over them.
 (several windows: ``window`` a list, ``settings`` and ``bound`` the medians, ``windows`` each one's),
 ``--png`` the TTFT CDFs per setting (one file a window).
 
-Run: ``python bench/trace_replay.py TRACE [--format mooncake|azure] [--start N[,N...]] [--count N] [--speed X]
+Run: ``python -m bench.trace_replay TRACE [--format mooncake|azure] [--start N[,N...]] [--count N] [--speed X]
 [--max-output N] [--spread] [--cluster NAME] [--profile NAME] [--cpu-tier TOKENS] [--kv-tokens N]
 [--settings a,b,...] [--sync-delay-ms MS[,MS...]] [--json OUT] [--png OUT]``.
 """
@@ -47,14 +47,12 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_json
-from prefix_peers import DynamoKvRouter, Endpoint
-from prefix_routing import CLUSTERS, SHARED_SETTINGS, Record, Router, Serve, run_cluster, summarize
-from prefix_routing import METRICS as ROUTING_METRICS
-from prefix_routing import SETTINGS as ROUTING_SETTINGS
-from shared_replicas import DEFAULT_SYNC_DELAY_SECONDS, SharedReplicas
-
+from bench.common import write_json
+from bench.prefix_peers import DynamoKvRouter, Endpoint
+from bench.prefix_routing import CLUSTERS, SHARED_SETTINGS, Record, Router, Serve, run_cluster, summarize
+from bench.prefix_routing import METRICS as ROUTING_METRICS
+from bench.prefix_routing import SETTINGS as ROUTING_SETTINGS
+from bench.shared_replicas import DEFAULT_SYNC_DELAY_SECONDS, SharedReplicas
 from ext_proc.affinity import AutoModel
 from sim.cluster import clusters
 from sim.config import DEFAULT_MODEL

@@ -22,7 +22,7 @@ Each row: HTTP status, seconds to the status line and to the end, what the body 
 streamed event) says, and the decode's ``vllm:request_success_total{finished_reason=error}``,
 ``vllm:nixl_num_failed_transfers_total`` and ``prompt_tokens_by_source`` deltas.
 
-Run: ``python bench/vllm_kv_failure.py [--prompt-tokens N] [--repeats R] [--json FILE]`` (needs
+Run: ``python -m bench.vllm_kv_failure [--prompt-tokens N] [--repeats R] [--json FILE]`` (needs
 ``make vllm-env`` and about 8 GiB of free memory; 3-5 minutes).
 """
 
@@ -41,9 +41,7 @@ from pathlib import Path
 
 import aiohttp
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_json
-
+from bench.common import write_json
 from rig.cluster import check_memory, prefill_leg, transfer
 from rig.engine import MODEL_NAME, Engine, EngineSpec, start_engine
 from rig.model import prompt, write_tiny_llama

@@ -24,7 +24,7 @@ are 2 prefills and 2 decodes (one group, never contacted: pd-extproc only routes
   100k-token chat requests (400 KB bodies, each prompt new: the index records every block, and with
   two workers shares every placement). Median over the rounds of p50/p99 (ms).
 
-Run: ``python bench/workers.py [--rounds R] [--seconds S] [--server-cores 0,1] [--client-cores 0,1]
+Run: ``python -m bench.workers [--rounds R] [--seconds S] [--server-cores 0,1] [--client-cores 0,1]
 [--json FILE]`` (under ``flock /tmp/bench.lock``).
 """
 
@@ -45,12 +45,10 @@ from pathlib import Path
 
 import grpc
 import yaml
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import closed_loop, cpu_seconds, summary_ms, write_json
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from prompt_cost import PROMPT_TOKENS, SHORT_TOKENS, chat_body
 
+from bench.common import closed_loop, cpu_seconds, summary_ms, write_json
+from bench.prompt_cost import PROMPT_TOKENS, SHORT_TOKENS, chat_body
 from ext_proc.discovery.eds import write_eds_file
 from ext_proc.endpoints import EndpointSpec
 from ext_proc.workers import PrivateNats, find_nats_server, start_private_nats

@@ -1,11 +1,11 @@
-"""The admin HTTP endpoint: ``/metrics``, ``/debug/endpoints`` and ``/healthz``.
+"""The admin HTTP endpoint: ``/metrics``, ``/debug/endpoints``, ``/debug/explain`` and ``/healthz``.
 
-``/metrics`` is Prometheus; ``/debug/endpoints`` is JSON, unless switched off."""
+``/metrics`` is Prometheus; ``/debug/endpoints``, ``/debug/shared`` and ``/debug/explain`` are JSON,
+unless switched off."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -13,22 +13,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ext_proc.metrics import Metrics
 from ext_proc.registry import EndpointState, Registry
 
-
-@dataclass(frozen=True)
-class AdminConfig:
-    """The admin HTTP endpoint on ``metrics_listen`` (the ``admin`` section).
-
-    ``debug_endpoints``: serve ``/debug/endpoints`` (every endpoint's address, health and live
-    load); ``False`` answers it 404. ``/metrics`` and ``/healthz`` are always served.
-    """
-
-    debug_endpoints: bool = True
-
-
 EngineView = Callable[[EndpointState], dict[str, object]]
-"""What the engine load signal knows of an endpoint (:meth:`ext_proc.engine_load.EngineScraper.describe`)."""
+"""What the engine load signal knows of an endpoint (:mod:`ext_proc.engine_load.scraper`'s ``describe``)."""
 KvEventsView = Callable[[], dict[str, object] | None]
 """The ``kv-events`` source's block sizes (:meth:`ext_proc.kv_subscribers.KvEventSubscribers.report`)."""
+Handler = Callable[[web.Request], Awaitable[web.Response]]
 
 
 def endpoint_rows(registry: Registry, engine_view: EngineView | None = None) -> list[dict[str, object]]:
@@ -80,6 +69,8 @@ def build_admin_app(
     engine_view: EngineView | None = None,
     shared_view: Callable[[], dict[str, object]] | None = None,
     kv_events: KvEventsView | None = None,
+    explain: Handler | None = None,
+    client_max_size: int = 1024**2,
 ) -> web.Application:
     """The aiohttp application serving the admin routes.
 
@@ -88,7 +79,9 @@ def build_admin_app(
     ``shared_view``: what ``/debug/shared`` shows of the shared state (its kind, this replica's name,
     the connection and each peer heard from). ``/healthz`` answers the number of pickable prefills and
     decodes and, while ``kv_events`` reports (the ``kv-events`` prefix source is in force),
-    ``kv_events``: the pool's block size and the engines whose events are of another."""
+    ``kv_events``: the pool's block size and the engines whose events are of another. ``explain``
+    answers ``POST /debug/explain`` (:func:`ext_proc.explain.handler`; ``None``: 404, as switched off);
+    ``client_max_size``: the largest request body read, in bytes."""
 
     async def metrics_handler(_: web.Request) -> web.Response:
         return web.Response(
@@ -116,9 +109,10 @@ def build_admin_app(
             health["kv_events"] = report
         return web.json_response(health)
 
-    app = web.Application()
+    app = web.Application(client_max_size=client_max_size)
     app.router.add_get("/metrics", metrics_handler)
     app.router.add_get("/debug/endpoints", endpoints_handler if debug_endpoints else debug_off_handler)
     app.router.add_get("/debug/shared", shared_handler if debug_endpoints else debug_off_handler)
+    app.router.add_post("/debug/explain", explain if debug_endpoints and explain else debug_off_handler)
     app.router.add_get("/healthz", healthz_handler)
     return app

@@ -20,21 +20,26 @@ from ext_proc.endpoints import ClusterEndpoints
 from ext_proc.engine_load.kinds import KINDS as LOAD_SIGNALS
 from ext_proc.engine_load.kinds import LoadSignal, LoadSignalKind
 from ext_proc.envoy_health import EnvoyHealth
+from ext_proc.explain import EXPLAIN_BODY_LIMIT_BYTES
+from ext_proc.explain import handler as explain_handler
+from ext_proc.flow.control import FlowControl
 from ext_proc.handoff.kinds import KINDS as HANDOFFS
 from ext_proc.handoff.kinds import Handoff
 from ext_proc.health import Health
 from ext_proc.kv_subscribers import KvEventSubscribers
 from ext_proc.live import LiveParts
 from ext_proc.metrics import Metrics
+from ext_proc.pool_signals import pool_signals
 from ext_proc.prefix import blocks
 from ext_proc.registry import Registry
 from ext_proc.reload import RELOAD_INTERVAL_SECONDS, ConfigWatcher
 from ext_proc.router import Router, RouterSettings
-from ext_proc.server import start_grpc, start_health_grpc
+from ext_proc.server import server_credentials, start_grpc, start_health_grpc
 from ext_proc.shared.config import SharedStateKind
 from ext_proc.shared.kinds import SharedState, build_shared_state
-from ext_proc.tls import server_credentials, tls_mode
-from ext_proc.xds import EdsPublisher
+from ext_proc.tls import tls_mode
+from ext_proc.tracing import Tracing
+from ext_proc.xds.publisher import EdsPublisher
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +58,8 @@ class RunningServer:
 
     ``config`` is the configuration it started with; ``reloads`` watches the configuration file
     (``None`` without one) and holds the configuration in force; ``live``: the prefix source, gateway
-    tokenizer and shared state in force (:mod:`ext_proc.live`).
+    tokenizer and shared state in force (:mod:`ext_proc.live`); ``tracing`` exports the requests' spans
+    (``None``: off).
     """
 
     config: Config
@@ -64,6 +70,8 @@ class RunningServer:
     publisher: EdsPublisher | None
     reloads: ConfigWatcher | None
     live: LiveParts
+    tracing: Tracing | None
+    flow: FlowControl | None
     _grpc: tuple[grpc.aio.Server, ...]
     _admin: web.AppRunner
     _watchers: tuple[asyncio.Task[None], ...]
@@ -73,7 +81,7 @@ class RunningServer:
 
         Stop the discovery source and the config watcher, end the ADS streams, stop accepting streams,
         let live ones finish for ``grace`` seconds, then stop the shared state, the gateway tokenizer's
-        thread and the handoff's background prefill legs."""
+        thread and the handoff's background prefill legs, and export the spans still batched."""
         for watcher in self._watchers:
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -81,9 +89,13 @@ class RunningServer:
         if self.publisher is not None:
             self.publisher.close()
         await asyncio.gather(*(server.stop(grace) for server in self._grpc))
+        if self.flow is not None:
+            await self.flow.close()
         await self.live.stop()
         await self.router.handoff.close()
         await self._admin.cleanup()
+        if self.tracing is not None:
+            await asyncio.to_thread(self.tracing.shutdown)
 
     @property
     def shared(self) -> SharedState:
@@ -183,6 +195,29 @@ def build_load_signal(
     return build(registry, config.engine_metrics, metrics, live.engine_sampled)
 
 
+def build_flow(
+    config: Config, router: Router, metrics: Metrics, load_signal: LoadSignal | None
+) -> tuple[FlowControl, float] | None:
+    """Flow control and the wait Envoy is asked for while it queues a request; ``None`` when off.
+
+    Flow control takes the router's in-flight slots and reads the engines' samples. The wait is
+    ``max_queue_seconds`` plus the longest a handoff's answer may then take (a prefill leg and its
+    retry: 2 x ``handoff.prefill_timeout_seconds`` + 5 s): Envoy extends one message's wait once."""
+    flow = config.flow_control
+    if not flow.enabled:
+        return None
+    if not config.limits.max_inflight_requests and load_signal is None:
+        log.warning(
+            "flow_control.enabled, but nothing can saturate the pool: set limits.max_inflight_requests or "
+            "engine_metrics.enabled, or no request ever waits"
+        )
+    interval = config.engine_metrics.interval_seconds
+    control = FlowControl(
+        flow, router.admission, metrics, config.limits.retry_after_seconds, load_signal, poll_seconds=interval
+    )
+    return control, flow.max_queue_seconds + 2 * config.handoff.prefill_timeout_seconds + 5.0
+
+
 async def _abandon(publisher: EdsPublisher | None, servers: list[grpc.aio.Server]) -> None:
     """Stop what was started, when a later port cannot be bound."""
     if publisher is not None:
@@ -196,14 +231,17 @@ async def start_grpc_servers(
     health: Health,
     publisher: EdsPublisher | None,
     credentials: grpc.ServerCredentials | None,
+    tracing: Tracing | None = None,
+    flow: tuple[FlowControl, float] | None = None,
 ) -> tuple[list[grpc.aio.Server], int, int]:
     """Start the ext_proc gRPC server and, with ``health_listen``, the health-only one.
 
-    The ext_proc server listens on ``listen`` (with the ADS service when EDS is served). Returns
+    The ext_proc server listens on ``listen`` (with the ADS service when EDS is served; one span per
+    request with ``tracing``). Returns
     ``(servers, grpc port, health port or 0)``; when the health port cannot be bound, what was started
     is stopped."""
     ads = publisher.ads if publisher is not None else None
-    grpc_server, grpc_port = await start_grpc(router, config.listen, health, ads, credentials)
+    grpc_server, grpc_port = await start_grpc(router, config.listen, health, ads, credentials, tracing, flow)
     servers = [grpc_server]
     if not config.health_listen:
         return servers, grpc_port, 0
@@ -217,8 +255,7 @@ async def start_grpc_servers(
 
 async def start_admin(
     config: Config,
-    registry: Registry,
-    metrics: Metrics,
+    router: Router,
     load_signal: LoadSignal | None,
     shared: SharedState,
     subscribers: KvEventSubscribers,
@@ -228,7 +265,14 @@ async def start_admin(
     ``OSError`` says where when it cannot be bound."""
     describe = load_signal.describe if load_signal is not None else None
     admin = build_admin_app(
-        registry, metrics, config.admin.debug_endpoints, describe, shared.describe, subscribers.report
+        router.registry,
+        router.metrics,
+        config.admin.debug_endpoints,
+        describe,
+        shared.describe,
+        subscribers.report,
+        explain_handler(router),
+        EXPLAIN_BODY_LIMIT_BYTES + 1024,
     )
     runner = web.AppRunner(admin, access_log=None)
     await runner.setup()
@@ -284,7 +328,7 @@ def _log_started(server: RunningServer, registry: Registry, load_signal: LoadSig
     log.info(
         "pd-extproc serving ext_proc on %s (port %d, %s), gRPC health also on %s, admin on port %d; "
         "affinity %s bonus %.2f; "
-        "handoff %s%s; EDS served to Envoy: %s; engine metrics: %s; Envoy host health: %s; "
+        "handoff %s%s; EDS served to Envoy: %s; engine metrics: %s; Envoy host health: %s; tracing: %s; "
         "%d prefill and %d decode endpoints healthy",
         config.listen,
         server.grpc_port,
@@ -298,6 +342,7 @@ def _log_started(server: RunningServer, registry: Registry, load_signal: LoadSig
         "yes" if server.publisher is not None else "no",
         f"every {config.engine_metrics.interval_seconds:g} s" if load_signal is not None else "off",
         config.envoy_health.admin_url or "off",
+        config.tracing.otlp_endpoint or "off",
         len(registry.prefills),
         len(registry.decodes),
     )
@@ -336,22 +381,28 @@ async def start_server(
     router = build_router(config, registry, metrics, live)
     live.shared = build_shared_state(config.shared_state, registry, lambda: live.prefix, metrics)
     await live.start()  # the shared state learns the peers' state before the first request (bounded wait)
+    tracing = Tracing.of(config.tracing)
+    load_signal = build_load_signal(config, registry, metrics, live)
+    flow = build_flow(config, router, metrics, load_signal)
     try:
         servers, grpc_port, health_port = await start_grpc_servers(
-            config, router, health, publisher, credentials
+            config, router, health, publisher, credentials, tracing, flow
         )
     except BaseException:
         await live.stop()
+        if tracing is not None:
+            tracing.shutdown()
         raise
-    load_signal = build_load_signal(config, registry, metrics, live)
+    waiting = load_signal.waiting if load_signal is not None else None
+    metrics.watch_pools(lambda: pool_signals(registry, waiting() if waiting is not None else None))
     subscribers = KvEventSubscribers(registry, live.events, metrics)  # idle unless the source is kv-events
     try:
-        runner, admin_port = await start_admin(
-            config, registry, metrics, load_signal, live.shared, subscribers
-        )
+        runner, admin_port = await start_admin(config, router, load_signal, live.shared, subscribers)
     except OSError:
         await _abandon(publisher, servers)
         await live.stop()
+        if tracing is not None:
+            tracing.shutdown()
         raise
     reload = (source, reload_interval)
     watchers, reloads = start_watchers(
@@ -366,6 +417,8 @@ async def start_server(
         publisher,
         reloads,
         live,
+        tracing,
+        None if flow is None else flow[0],
         tuple(servers),
         runner,
         tuple(watchers),

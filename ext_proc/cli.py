@@ -1,13 +1,16 @@
-"""The ``pd-extproc`` command line: ``serve``, ``check-config``, ``envoy-bootstrap``, ``sim`` and ``demo``.
+"""The ``pd-extproc`` command line.
 
-``serve`` runs the router, ``check-config`` checks a file, ``envoy-bootstrap`` prints an Envoy bootstrap
-listing every pd-extproc worker or replica behind that Envoy, ``sim`` runs a simulated engine and
-``demo`` runs the demo."""
+Its subcommands: ``serve``, ``check-config``, ``explain``, ``envoy-bootstrap``, ``sim`` and ``demo``.
+
+``serve`` runs the router, ``check-config`` checks a file, ``explain`` asks a running server which decision
+a request would get and why, ``envoy-bootstrap`` prints an Envoy bootstrap listing every pd-extproc
+worker or replica behind that Envoy, ``sim`` runs a simulated engine and ``demo`` runs the demo."""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import logging
 import sys
 from pathlib import Path
@@ -17,7 +20,8 @@ import yaml
 from ext_proc.checks import ConfigError
 from ext_proc.config import Config, ConfigSource, as_dict
 from ext_proc.discovery import SourceKind
-from ext_proc.prefix.kinds import PrefixSourceKind
+from ext_proc.explain import ask, table
+from ext_proc.prefix.settings import PrefixSourceKind
 from ext_proc.workers import serve_one, serve_workers
 
 
@@ -184,7 +188,10 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
 
 def _tokenizer_problem(config: Config) -> str | None:
     """Why ``affinity.prefix.tokenizer`` does not load; ``None`` when it does or none is used."""
-    from ext_proc.tokenizer import TokenizerLoadError, check_folder  # the tokenizer libraries: when used
+    from ext_proc.tokenize.folder import (  # the tokenizer libraries: when used
+        TokenizerLoadError,
+        check_folder,
+    )
 
     prefix = config.affinity.prefix
     if not (prefix.enabled and prefix.tokenizer):
@@ -255,6 +262,42 @@ def _add_check_config(subparsers: argparse._SubParsersAction) -> None:
     check.set_defaults(func=_check_config)
 
 
+def _explain(args: argparse.Namespace) -> int:
+    """``explain``: 0 with the report printed; 1 when the server refuses or cannot be asked (why: stderr)."""
+    raw = sys.stdin.buffer.read() if args.body == "-" else Path(args.body).read_bytes()
+    try:
+        status, data = ask(args.admin, raw, args.path, args.limit)
+    except OSError as exc:
+        print(f"pd-extproc: explain: cannot ask {args.admin}: {exc}", file=sys.stderr)
+        return 1
+    if status != 200:
+        failure = data.get("error", {})
+        message = failure.get("message", data) if isinstance(failure, dict) else failure
+        print(f"pd-extproc: explain: {args.admin} answered {status}: {message}", file=sys.stderr)
+        return 1
+    print(json.dumps(data, indent=2) if args.json else table(data))
+    return 0
+
+
+def _add_explain(subparsers: argparse._SubParsersAction) -> None:
+    explain = subparsers.add_parser(
+        "explain",
+        help="the pair a running server would pick now, and why",
+    )
+    explain.add_argument("body", nargs="?", default="-", help="the request's JSON body: a file, or - (stdin)")
+    explain.add_argument(
+        "--admin",
+        default="http://127.0.0.1:9090",
+        help="the server's admin endpoint (metrics_listen), default http://127.0.0.1:9090",
+    )
+    explain.add_argument(
+        "--path", default="/v1/chat/completions", help="the request's path (decides disaggregation)"
+    )
+    explain.add_argument("--limit", type=int, default=10, help="the cheapest pairs to list (1-1000)")
+    explain.add_argument("--json", action="store_true", help="print the server's JSON report as it is")
+    explain.set_defaults(func=_explain)
+
+
 def _envoy_bootstrap(args: argparse.Namespace) -> int:
     from ext_proc.envoy_bootstrap import main
 
@@ -278,7 +321,7 @@ def _add_envoy_bootstrap(subparsers: argparse._SubParsersAction) -> None:
 
 _LAZY = {
     "sim": ("sim.cli", "run one simulated vLLM PD engine"),
-    "demo": ("sim.demo", "compare affinity modes on a simulated PD cluster"),
+    "demo": ("demo.cli", "compare affinity modes on a simulated PD cluster"),
 }
 """Subcommands of the simulator (module with ``add_parser``, help line): imported only when used,
 so ``serve`` never loads the simulator."""
@@ -296,6 +339,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True)
     _add_serve(subparsers)
     _add_check_config(subparsers)
+    _add_explain(subparsers)
     _add_envoy_bootstrap(subparsers)
     for name, (module, help_line) in _LAZY.items():
         if name == command:

@@ -1,14 +1,18 @@
 """The server's configuration: one typed, validated object built from YAML, env and flags.
 
-Precedence, lowest first: built-in defaults < YAML file < environment < command-line flags.
-Every key is optional. Errors raise :class:`~ext_proc.checks.ConfigError` naming the key and what it
-accepts (after the environment variable or flag that set it, when one did); the CLI turns that into
-exit code 2. Each section's dataclass and its ``check()`` live beside
-the code that reads it: ``discovery/config.py``; ``router.py`` for ``affinity``, with
-``affinity/config.py`` and ``prefix/config.py``; ``handoff/config.py``; ``handoff/routing.py``;
-``engine_load/config.py``; ``xds/config.py``; ``load.py`` (``load``, ``limits``); ``tls.py``;
-``admin.py``; ``envoy_health.py``. This module holds the aggregate, the loading and the checks of the
-top-level keys.
+- Precedence, lowest first: built-in defaults < YAML file < environment < command-line flags.
+- Every key is optional. Errors raise :class:`~ext_proc.checks.ConfigError` naming the key and what it
+  accepts (after the environment variable or flag that set it, when one did); the CLI turns that into
+  exit code 2.
+- Each section's dataclass and its ``check()`` live in a leaf beside the code that reads it:
+  ``discovery/config.py``; ``affinity_config.py`` (``affinity``), with ``affinity/config.py`` and
+  ``prefix/config.py``; ``handoff/config.py``; ``handoff/routing.py``; ``engine_load/config.py``;
+  ``xds/config.py``; ``load.py`` (``load``, ``limits``); ``tls.py``; ``admin_config.py``;
+  ``envoy_health_config.py``; ``shared/config.py``; ``tracing_config.py``; ``flow/config.py``.
+- Importing it loads no compiled index, gRPC, HTTP client, tokenizer library or ZeroMQ (an import
+  contract in pyproject.toml, and tests/unit/config/test_import_weight.py at run time).
+
+This module holds the aggregate, the loading and the checks of the top-level keys.
 """
 
 from __future__ import annotations
@@ -25,18 +29,20 @@ from pathlib import Path
 
 import yaml
 
-from ext_proc.admin import AdminConfig
+from ext_proc.admin_config import AdminConfig
+from ext_proc.affinity_config import AffinityConfig
 from ext_proc.checks import ConfigError
 from ext_proc.discovery.config import DiscoveryConfig
 from ext_proc.engine_load.config import EngineMetricsConfig
-from ext_proc.envoy_health import EnvoyHealthConfig
+from ext_proc.envoy_health_config import EnvoyHealthConfig
+from ext_proc.flow.config import FlowControlConfig
 from ext_proc.handoff.base import UNSUPPORTED_HANDOFFS, HandoffMode
 from ext_proc.handoff.config import HandoffConfig
 from ext_proc.handoff.routing import RoutingConfig
 from ext_proc.load import LimitsConfig, LoadConfig
-from ext_proc.router import AffinityConfig
 from ext_proc.shared.config import SharedStateConfig
 from ext_proc.tls import TlsConfig
+from ext_proc.tracing_config import TracingConfig
 from ext_proc.xds.config import XdsConfig
 
 ENV_AFFINITY_MODE = "PD_EXTPROC_AFFINITY_MODE"
@@ -72,6 +78,8 @@ class Config:
     engine_metrics: EngineMetricsConfig = field(default_factory=EngineMetricsConfig)
     envoy_health: EnvoyHealthConfig = field(default_factory=EnvoyHealthConfig)
     shared_state: SharedStateConfig = field(default_factory=SharedStateConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
+    flow_control: FlowControlConfig = field(default_factory=FlowControlConfig)
 
 
 def _allowed(tp: object) -> str:
@@ -79,6 +87,8 @@ def _allowed(tp: object) -> str:
         return " or ".join(_allowed(member) for member in typing.get_args(tp))
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return "one of " + ", ".join(m.value for m in tp)
+    if typing.get_origin(tp) is dict:
+        return "a mapping of names to integers"
     return {str: "a string", int: "an integer", float: "a number", bool: "true or false"}.get(
         tp,  # type: ignore[call-overload]
         "a list of strings",
@@ -112,6 +122,11 @@ def _coerce(key: str, tp: object, value: object) -> object:
     is_str_list = isinstance(value, list | tuple) and all(isinstance(v, str) for v in value)
     if typing.get_origin(tp) is tuple and is_str_list:
         return tuple(value)  # type: ignore[arg-type]
+    is_int_map = isinstance(value, Mapping) and all(
+        isinstance(k, str) and type(v) is int for k, v in value.items()
+    )
+    if typing.get_origin(tp) is dict and is_int_map:
+        return dict(value)  # type: ignore[arg-type]
     raise ConfigError(f"{key}: {value!r} is not allowed; use {_allowed(tp)}")
 
 
@@ -165,6 +180,8 @@ def validate(config: Config) -> Config:
     config.tls.check()
     config.xds.check()
     config.shared_state.check()
+    config.tracing.check()
+    config.flow_control.check()
     return config
 
 

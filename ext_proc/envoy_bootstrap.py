@@ -1,5 +1,4 @@
-"""``pd-extproc envoy-bootstrap``: a shipped Envoy bootstrap whose ``pd_extproc`` cluster lists every
-pd-extproc replica or worker behind that one Envoy.
+"""``pd-extproc envoy-bootstrap``: an Envoy bootstrap listing every pd-extproc behind it.
 
 The shipped bootstraps (``envoy/envoy.yaml``, ``envoy/envoy-ads.yaml``) list one pd-extproc, on
 ``127.0.0.1:9002``. :func:`with_extproc_workers` lists ``N`` instead, on the ports after it (``serve
@@ -36,8 +35,10 @@ class BootstrapError(ValueError):
 
 
 def with_extproc_workers(bootstrap: dict, workers: int) -> dict:
-    """``bootstrap`` (not changed) with its ``pd_extproc`` cluster listing ``workers`` endpoints: its first
-    endpoint's host on that port and the ``workers - 1`` after it, health-checked when more than one."""
+    """``bootstrap`` with its ``pd_extproc`` cluster listing ``workers`` endpoints.
+
+    ``bootstrap`` itself is not changed. The endpoints: its first endpoint's host on that port and the
+    ``workers - 1`` after it, health-checked when more than one."""
     if workers < 1:
         raise BootstrapError(f"{workers} workers: at least 1")
     config = copy.deepcopy(bootstrap)

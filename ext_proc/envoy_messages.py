@@ -98,12 +98,16 @@ class HeadersMeta(RequestMeta):
     """The :class:`RequestMeta` of a ``request_headers`` message, each part read when first needed.
 
     ``path`` is read at once, from the first ``:path`` header (Envoy sends the pseudo-headers first:
-    a few headers are looked at); ``client_request_id``, ``authorization`` and ``model_rewrite``, on
-    first use of any, in one pass over all the headers (the last of each name wins; ``None`` when
-    absent). Each header looked at costs a protobuf wrapper, and Envoy sends about a dozen.
-    Equal to (and hashed as) another ``HeadersMeta`` of the same four values."""
+    a few headers are looked at); ``client_request_id``, ``authorization``, ``traceparent``,
+    ``tracestate`` and ``model_rewrite``, which only the engine handoffs' prefill legs, their logs,
+    tracing and a rewrite read (the last two first look for their header's bytes), on first use of any,
+    in one pass over all the headers (the last of each name wins; ``None`` when absent).
+    Each header looked at costs a protobuf wrapper, and Envoy sends about a dozen: a request routed
+    without a prefill leg reads two or three. ``objective`` and ``fairness_id`` (flow control's
+    headers) are read, on first use of either, in a pass of their own. Equal to (and hashed as) another
+    ``HeadersMeta`` of the same values."""
 
-    __slots__ = ("_headers", "_rest")
+    __slots__ = ("_flow", "_headers", "_rest")
 
     def __init__(self, headers: pb.HttpHeaders) -> None:
         path = ""
@@ -114,6 +118,7 @@ class HeadersMeta(RequestMeta):
         object.__setattr__(self, "path", path)
         object.__setattr__(self, "_headers", headers)
         object.__setattr__(self, "_rest", None)
+        object.__setattr__(self, "_flow", None)
 
     @property  # type: ignore[override]
     def client_request_id(self) -> str | None:
@@ -126,25 +131,74 @@ class HeadersMeta(RequestMeta):
         return self._read()[1]
 
     @property  # type: ignore[override]
-    def model_rewrite(self) -> str | None:
-        """The incoming :data:`~ext_proc.outcome.MODEL_REWRITE_HEADER`, or ``None``."""
+    def traceparent(self) -> str | None:
+        """The incoming ``traceparent``, or ``None``.
+
+        Tracing reads it for every request, and most send none: their headers, serialised (one call),
+        are first searched for the bytes that start a ``traceparent`` header's name (``None`` at once
+        when absent), which costs a sixth of the wrapper per header the full read takes."""
+        if self._rest is None and _TRACEPARENT_KEY not in self._headers.headers.SerializeToString():
+            return None
         return self._read()[2]
 
-    def _read(self) -> tuple[str | None, str | None, str | None]:
-        rest = self._rest
-        if rest is None:
-            request_id = authorization = rewrite = None
+    @property  # type: ignore[override]
+    def tracestate(self) -> str | None:
+        """The incoming ``tracestate``, or ``None``."""
+        return self._read()[3]
+
+    @property  # type: ignore[override]
+    def model_rewrite(self) -> str | None:
+        """The incoming :data:`~ext_proc.outcome.MODEL_REWRITE_HEADER`, or ``None``.
+
+        Read for every request with a body, and most send none: looked for as ``traceparent`` is."""
+        if self._rest is None and _REWRITE_KEY not in self._headers.headers.SerializeToString():
+            return None
+        return self._read()[4]
+
+    @property  # type: ignore[override]
+    def objective(self) -> str | None:
+        """The incoming ``x-gateway-inference-objective``, or ``None``."""
+        return self._read_flow()[0]
+
+    @property  # type: ignore[override]
+    def fairness_id(self) -> str | None:
+        """The incoming ``x-gateway-inference-fairness-id``, or ``None``."""
+        return self._read_flow()[1]
+
+    def _read_flow(self) -> tuple[str | None, str | None]:
+        flow = self._flow
+        if flow is None:
+            objective, fairness_id = None, None
             for header in self._headers.headers.headers:
                 key = header.key
-                if key == "x-request-id":
-                    request_id = _header_value(header)
-                elif key == "authorization":
-                    authorization = _header_value(header)
-                elif key == MODEL_REWRITE_HEADER:
-                    rewrite = _header_value(header)
-            rest = (request_id, authorization, rewrite)
+                if key == "x-gateway-inference-objective":
+                    objective = _header_value(header)
+                elif key == "x-gateway-inference-fairness-id":
+                    fairness_id = _header_value(header)
+            flow = (objective, fairness_id)
+            object.__setattr__(self, "_flow", flow)
+        return flow
+
+    def _read(self) -> tuple[str | None, ...]:
+        rest = self._rest
+        if rest is None:
+            found: dict[str, str] = {}
+            for header in self._headers.headers.headers:
+                key = header.key
+                if key in _LAZY_HEADERS:
+                    found[key] = _header_value(header)
+            rest = tuple(found.get(name) for name in _LAZY_HEADERS)
             object.__setattr__(self, "_rest", rest)
         return rest
+
+
+_LAZY_HEADERS = ("x-request-id", "authorization", "traceparent", "tracestate", MODEL_REWRITE_HEADER)
+"""The headers :class:`HeadersMeta` reads on first use, in the order of its ``_read``."""
+_TRACEPARENT_KEY = b"\x0a\x0btraceparent"
+_REWRITE_KEY = b"\x0a" + bytes([len(MODEL_REWRITE_HEADER)]) + MODEL_REWRITE_HEADER.encode()
+"""The bytes that start a :data:`~ext_proc.outcome.MODEL_REWRITE_HEADER` header, as ``_TRACEPARENT_KEY``."""
+"""A ``HeaderValue`` whose ``key`` (field 1, length-delimited: tag 0x0a) is the 11 bytes ``traceparent``,
+as serialised: absent from a header map's bytes, no header is named so (present, the map is read)."""
 
 
 def response_status(headers: pb.HttpHeaders) -> tuple[int, str]:
@@ -200,6 +254,21 @@ def route_on_body(routing: RoutingInstructions) -> pb.ProcessingResponse:
     _fill_common(response.request_body.response, routing)
     _fill_metadata(response, routing)
     return response
+
+
+def with_headers(
+    answer: pb.ProcessingResponse, headers: tuple[tuple[str, str], ...]
+) -> pb.ProcessingResponse:
+    """A copy of the routing ``answer`` that also sets ``headers`` on the request.
+
+    ``answer`` answers ``request_headers`` or ``request_body``; a client's header of the same name is
+    replaced. A copy: a BUFFERED routing answer is shared by every request of its routing (never modified)."""
+    copy = pb.ProcessingResponse()
+    copy.CopyFrom(answer)
+    mutation = getattr(copy, copy.WhichOneof("response")).response.header_mutation
+    for name, value in headers:
+        _set_header(mutation, name, value.encode())
+    return copy
 
 
 def route_on_headers(

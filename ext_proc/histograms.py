@@ -26,7 +26,9 @@ from prometheus_client.utils import floatToGoString
 
 
 class Observations:
-    """One label set's observations: ``counts[i]`` in the bucket of the ``i``-th upper bound (the first
+    """One label set's observations: per-bucket counts, their sum, when first used.
+
+    ``counts[i]`` in the bucket of the ``i``-th upper bound (the first
     one at or above the value), their ``sum``, and when the label set was first used (``created``,
     seconds since the epoch)."""
 
@@ -81,7 +83,9 @@ class _LoopMetric(Collector, Generic[Child]):
 
 
 class LoopHistogram(_LoopMetric[Observations]):
-    """A histogram named ``name`` with ``labelnames``, of upper bounds ``buckets`` (+Inf added), on
+    """A Prometheus histogram observed from one thread, without locks.
+
+    A histogram named ``name`` with ``labelnames``, of upper bounds ``buckets`` (+Inf added), on
     ``registry``; observed from one thread only (:meth:`labels`, :meth:`observe`)."""
 
     def __init__(
@@ -106,6 +110,7 @@ class LoopHistogram(_LoopMetric[Observations]):
         self._children[()].observe(amount)
 
     def collect(self) -> Iterable[Metric]:
+        """The histogram's samples, per label set (prometheus_client's collector protocol)."""
         metric = Metric(self._name, self._documentation, "histogram")
         name = self._name
         for series, child in self._series():
@@ -121,8 +126,9 @@ class LoopHistogram(_LoopMetric[Observations]):
 
 
 class Count:
-    """One label set's count (``value``) and when the label set was first used (``created``, seconds
-    since the epoch)."""
+    """One label set's count and when it was first used.
+
+    ``value``: the count; ``created``: when the label set was first used, seconds since the epoch."""
 
     __slots__ = ("created", "value")
 
@@ -136,7 +142,9 @@ class Count:
 
 
 class LoopCounter(_LoopMetric[Count]):
-    """A counter named ``name`` (exposed without its ``_total``, as prometheus_client's ``Counter``
+    """A Prometheus counter counted from one thread, without locks.
+
+    A counter named ``name`` (exposed without its ``_total``, as prometheus_client's ``Counter``
     does) with ``labelnames`` (at least one), on ``registry``; counted from one thread only
     (:meth:`labels`, then :meth:`Count.inc`)."""
 
@@ -147,6 +155,7 @@ class LoopCounter(_LoopMetric[Count]):
         registry.register(self)
 
     def collect(self) -> Iterable[Metric]:
+        """The counter's samples, per label set (prometheus_client's collector protocol)."""
         metric = Metric(self._name, self._documentation, "counter")
         name = self._name
         for series, child in self._series():

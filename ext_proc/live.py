@@ -26,7 +26,8 @@ from ext_proc.prefix.event_sink import EventFeed
 from ext_proc.prefix.kinds import PrefixSource
 from ext_proc.prefix.settings import PrefixSettings
 from ext_proc.shared.kinds import LocalState, SharedState
-from ext_proc.tokenizer import GatewayTokenizer, TokenizerSettings
+from ext_proc.tokenize.folder import TokenizerSettings
+from ext_proc.tokenize.gateway import GatewayTokenizer
 
 
 class LiveParts:

@@ -11,6 +11,7 @@ the endpoint's slot of the registry's load arrays). A :class:`Lease` releases ea
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ext_proc.checks import ConfigError, in_range
@@ -75,14 +76,16 @@ class Admission:
     (:meth:`release`) when its ext_proc stream ends or it is refused; the caller holds at most one
     slot per request and releases each once. O(1); the asyncio loop is the only caller, so no lock.
     ``retry_after_seconds`` is what a refused client is told to wait (``Retry-After``, seconds).
+    ``on_release``, when set, is called after each slot given back (flow control hands it on).
     """
 
-    __slots__ = ("inflight", "limit", "retry_after_seconds")
+    __slots__ = ("inflight", "limit", "on_release", "retry_after_seconds")
 
     def __init__(self, limit: int = 0, retry_after_seconds: int = 1) -> None:
         self.limit = limit
         self.retry_after_seconds = retry_after_seconds
         self.inflight = 0
+        self.on_release: Callable[[], None] | None = None
 
     def admit(self) -> bool:
         """Take a slot and return ``True``; ``False`` (nothing taken) when all ``limit`` are taken."""
@@ -94,6 +97,8 @@ class Admission:
     def release(self) -> None:
         """Give back one slot taken by :meth:`admit`."""
         self.inflight -= 1
+        if self.on_release is not None:
+            self.on_release()
 
 
 @dataclass(frozen=True)

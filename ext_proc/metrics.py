@@ -13,11 +13,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
 from ext_proc.affinity import Estimate
 from ext_proc.histograms import Count, LoopCounter, LoopHistogram, Observations
+from ext_proc.pool_signals import PoolSignal
 from ext_proc.registry import EndpointState
 
 DECISION_BUCKETS = (5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2)
@@ -260,6 +261,13 @@ class Metrics:
             "pd_extproc_shared_messages_dropped_total",
             "Shared-state messages (or parts) not applied or not sent, by reason",
             ["reason"],
+            registry=self.registry,
+        )
+        self._shared_sync_requests = Counter(
+            "pd_extproc_shared_sync_requests_total",
+            "Peers' sync requests by outcome: answered at once, coalesced into the next answer, refused "
+            "(too many waiting)",
+            ["outcome"],
             registry=self.registry,
         )
         self._shared_lag = Histogram(
@@ -566,6 +574,10 @@ class Metrics:
         """Count one shared-state message (or placement) not applied or not sent, by ``reason``."""
         self._shared_dropped.labels(reason).inc()
 
+    def shared_sync_request(self, outcome: str) -> None:
+        """Count one peer's sync request by ``outcome`` (``answered``, ``coalesced``, ``refused``)."""
+        self._shared_sync_requests.labels(outcome).inc()
+
     def shared_connection(self, state: str) -> None:
         """The shared-state bus is ``connected``, ``connecting`` or ``disconnected``."""
         self._shared_connected.set(1 if state == "connected" else 0)
@@ -674,3 +686,95 @@ class Metrics:
     def untokenized(self, reason: str) -> None:
         """Count one prompt the gateway tokenizer could not tokenize, by reason."""
         self._untokenized.labels(reason).inc()
+
+    # Operations signals (docs/operations.md "Autoscaling signals", "Dashboard and alerts").
+
+    def watch_pools(self, pools: Callable[[], Iterable[PoolSignal]]) -> None:
+        """Expose ``pools()``, each role's pools by group (:mod:`ext_proc.pool_signals`), at scrape time."""
+        self.registry.register(_PoolCollector(pools))
+
+    def watch_engine_ttft(self, first_tokens: Callable[[], Iterable[tuple[str, str, float, float]]]) -> None:
+        """Expose each engine's time-to-first-token histogram, read at scrape time.
+
+        ``first_tokens()`` gives (role, address, seconds, count) of each as last sampled."""
+        self.registry.register(_EngineTtftCollector(first_tokens))
+
+
+class _PoolCollector(Collector):
+    def __init__(self, pools: Callable[[], Iterable[PoolSignal]]) -> None:
+        self._pools = pools
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        labels = ["role", "group"]
+        families = {
+            "healthy": GaugeMetricFamily(
+                "pd_extproc_pool_healthy_endpoints",
+                "Endpoints of the role and group the router may pick",
+                labels=labels,
+            ),
+            "capacity_tokens": GaugeMetricFamily(
+                "pd_extproc_pool_capacity_tokens",
+                "Declared token_capacity of the role and group's pickable endpoints, summed, in tokens",
+                labels=labels,
+            ),
+            "booked_tokens": GaugeMetricFamily(
+                "pd_extproc_pool_booked_tokens",
+                "Tokens this replica booked on the role and group's endpoints and has not released (prefill: "
+                "prompts not yet prefilled; decode: prompt plus output budget); sum over replicas",
+                labels=labels,
+            ),
+            "booked_requests": GaugeMetricFamily(
+                "pd_extproc_pool_booked_requests",
+                "Requests this replica routed to the role and group's endpoints and has not released; sum "
+                "over replicas",
+                labels=labels,
+            ),
+            "headroom_tokens": GaugeMetricFamily(
+                "pd_extproc_pool_headroom_tokens",
+                "Capacity minus the load the decision reads on the role and group's pickable endpoints, in "
+                "tokens (negative: overbooked)",
+                labels=labels,
+            ),
+        }
+        queued = GaugeMetricFamily(
+            "pd_extproc_pool_queued_requests",
+            "Requests the role and group's engines report waiting, from their fresh samples (engine_metrics)",
+            labels=labels,
+        )
+        healthy = dict.fromkeys(("prefill", "decode"), 0)
+        with_queue = False
+        for pool in self._pools():
+            values = [pool.role.value, pool.group]
+            for field, family in families.items():
+                family.add_metric(values, getattr(pool, field))
+            healthy[pool.role.value] += pool.healthy
+            if pool.queued_requests is not None:
+                with_queue = True
+                queued.add_metric(values, pool.queued_requests)
+        roles = GaugeMetricFamily(
+            "pd_extproc_healthy_endpoints",
+            "Endpoints of the role the router may pick (0 when none: nothing of that role to route to)",
+            labels=["role"],
+        )
+        for role, count in healthy.items():
+            roles.add_metric([role], count)
+        yield roles
+        yield from families.values()
+        if with_queue:
+            yield queued
+
+
+class _EngineTtftCollector(Collector):
+    def __init__(self, first_tokens: Callable[[], Iterable[tuple[str, str, float, float]]]) -> None:
+        self._first_tokens = first_tokens
+
+    def collect(self) -> Iterator[SummaryMetricFamily]:
+        ttft = SummaryMetricFamily(
+            "pd_extproc_engine_ttft_seconds",
+            "The engine's own time to first token (vllm:/sglang:time_to_first_token_seconds sum and count, "
+            "as last scraped), by the role it serves: rate(_sum) / rate(_count) is its mean",
+            labels=["role", "endpoint"],
+        )
+        for role, address, seconds, count in self._first_tokens():
+            ttft.add_metric([role, address], count_value=count, sum_value=seconds)
+        yield ttft

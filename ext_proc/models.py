@@ -43,8 +43,10 @@ def check_model_name(value: object, where: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class ServedModel:
-    """One model an endpoint serves: ``name`` as requests name it, ``parent`` the base model of an
-    adapter (``None``: a base model, or not known)."""
+    """One model an endpoint serves.
+
+    ``name`` as requests name it, ``parent`` the base model of an adapter (``None``: a base model, or not
+    known)."""
 
     name: str
     parent: str | None = None
@@ -66,8 +68,10 @@ def check_models(values: Iterable[object], where: str) -> tuple[str, ...]:
 
 
 def parse_model_list(raw: bytes) -> tuple[ServedModel, ...]:
-    """The models of an OpenAI ``GET /v1/models`` answer (vLLM: the base model, then its adapters with
-    their ``parent``); raises :class:`ModelNameError` when ``raw`` is not one, or names none."""
+    """The models of an OpenAI ``GET /v1/models`` answer.
+
+    vLLM lists the base model, then its adapters with their ``parent``. Raises :class:`ModelNameError`
+    when ``raw`` is not such an answer, or names none."""
     try:
         document = json.loads(raw)
     except (ValueError, RecursionError) as exc:

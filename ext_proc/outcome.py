@@ -52,12 +52,20 @@ class RequestMeta:
 
     ``path`` is the HTTP ``:path`` (query included); ``client_request_id`` the incoming
     ``x-request-id`` (kept for logs only); ``authorization`` is forwarded to prefill legs;
+    ``traceparent`` and ``tracestate`` the caller's W3C trace context, read by tracing alone
+    (:mod:`ext_proc.tracing`: the request's span continues that trace), never by routing.
+    ``objective`` and ``fairness_id``: the ``x-gateway-inference-objective`` and
+    ``x-gateway-inference-fairness-id`` headers, for flow control (``None``: absent).
     ``model_rewrite`` the :data:`MODEL_REWRITE_HEADER`, if any.
     """
 
     path: str = ""
     client_request_id: str | None = None
     authorization: str | None = None
+    traceparent: str | None = None
+    tracestate: str | None = None
+    objective: str | None = None
+    fairness_id: str | None = None
     model_rewrite: str | None = None
 
 
@@ -68,6 +76,7 @@ class HandoffJob:
     ``raw`` is the client's body as received and ``body`` its parsed JSON object; ``cost`` is what
     the request charges (tokens); ``subset`` the data plane's endpoint-subset hint, if any;
     ``tokens`` the prompt in the engine's token ids when the gateway tokenized it (``None``: unknown);
+    ``trace`` the request's span when tracing is on (its W3C context goes on the prefill leg).
     ``rewritten``: the gateway changed the client's body (its ``model``, :data:`MODEL_REWRITE_HEADER`),
     so ``raw`` is sent even where a handoff adds nothing.
     """
@@ -78,7 +87,22 @@ class HandoffJob:
     cost: Cost
     subset: frozenset[str] | None
     tokens: Sequence[int] | None = None
+    trace: Trace | None = None
     rewritten: bool = False
+
+
+class Trace(Protocol):
+    """What routing tells a request's span (:class:`ext_proc.tracing.RequestSpan`).
+
+    ``headers``: the W3C trace context (``traceparent``, maybe ``tracestate``) the engines are sent."""
+
+    headers: tuple[tuple[str, str], ...]
+
+    def decided(self, mode: str, decision: Decision[EndpointState], hit_tokens: int | None) -> None:
+        """Record the decision of ``mode`` and the prompt tokens the prefill is estimated to hold.
+
+        ``hit_tokens`` ``None``: no prefix index, or no prefill."""
+        ...
 
 
 class Ranks(NamedTuple):

@@ -136,6 +136,7 @@ class EndpointState:
 
     @active_tokens.setter
     def active_tokens(self, value: int) -> None:
+        """Charge ``value`` tokens in all; the decision then reads ``value`` + :attr:`engine_offset`."""
         self._tokens[self._slot] = value + self.engine_offset
 
     @property
@@ -155,6 +156,7 @@ class EndpointState:
 
     @active_requests.setter
     def active_requests(self, value: int) -> None:
+        """Charge ``value`` requests in all."""
         self._requests[self._slot] = value
 
     @property
@@ -271,8 +273,9 @@ class Registry:
         self._index_models()
 
     def set_engine_models(self, address: str, models: tuple[ServedModel, ...]) -> None:
-        """The engine at ``address`` lists ``models`` (``GET /v1/models``): its endpoints (every role)
-        serve them unless they declare their own."""
+        """Note that the engine at ``address`` lists ``models`` (``GET /v1/models``).
+
+        Its endpoints (every role) serve them unless they declare their own."""
         changed = False
         for role in Role:
             state = self._current.get((role, address))
@@ -292,7 +295,8 @@ class Registry:
         self._by_model = {}
 
     def pools_for(self, model: str | None) -> tuple[Pool[EndpointState], Pool[EndpointState]] | None:
-        """The (prefill, decode) pools of the healthy endpoints serving ``model`` (``None``: any model);
+        """The (prefill, decode) pools of the healthy endpoints serving ``model`` (``None``: any model).
+
         ``None`` when no known decode, healthy or not, serves it (the request's model is unknown).
 
         A cached pool's load is copied from the live arrays on each call: read it before the next call."""
@@ -307,14 +311,17 @@ class Registry:
         return pools.fresh()
 
     def model_label(self, model: str | None) -> str:
-        """``model`` as a metric label: itself when a known decode names it, else ``""`` (no model, or
-        one only the endpoints serving every model serve): bounded by what discovery and the engines
-        name, never by what clients send."""
+        """``model`` as a metric label, of bounded cardinality.
+
+        Itself when a known decode names it, else ``""`` (no model, or one only the endpoints serving
+        every model serve): bounded by what discovery and the engines name, never by what clients send."""
         return model if model is not None and model in self._named else ""
 
     def served_models(self) -> tuple[ServedModel, ...] | None:
-        """Every model a known decode names (``GET /v1/models``), with its parent where an engine names
-        it; ``None`` when no decode names its models (each serves every model: only the engines know)."""
+        """Every model a known decode names (``GET /v1/models``).
+
+        With its parent where an engine names it; ``None`` when no decode names its models (each serves
+        every model: only the engines know)."""
         if not self._named:
             return None
         models: dict[str, ServedModel] = {}
@@ -341,7 +348,9 @@ class Registry:
         return self._current.get((Role.DECODE, address))
 
     def find(self, role: str, address: str) -> EndpointState | None:
-        """The known endpoint of ``role`` (``prefill``, ``decode``) at ``address``, healthy or not, or a
+        """The endpoint of ``role`` at ``address`` that requests may still be charged to.
+
+        The known endpoint of ``role`` (``prefill``, ``decode``) at ``address``, healthy or not, or a
         departed one with requests of this replica's still in flight; ``None`` if neither."""
         key = (Role(role), address)
         return self._current.get(key) or self._departed.get(key)

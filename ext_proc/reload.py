@@ -45,8 +45,10 @@ def _flatten(data: dict[str, object], prefix: str = "") -> dict[str, object]:
 
 
 class ConfigWatcher:
-    """Watches ``source.path`` and applies a changed ``affinity`` section: its policy to ``router``, its
-    prefix settings to the ``live`` parts (:mod:`ext_proc.live`: the prefix source and the tokenizer).
+    """Watches ``source.path`` and applies a changed ``affinity`` section.
+
+    Its policy to ``router``, its prefix settings to the ``live`` parts (:mod:`ext_proc.live`: the prefix
+    source and the tokenizer).
 
     ``running`` is the configuration in force: the one the server started with, plus the affinity
     of the last valid file. Every change of the file counts in ``metrics`` (``applied`` or

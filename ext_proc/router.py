@@ -18,12 +18,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import NamedTuple
 from urllib.parse import urlsplit
 
-from ext_proc.affinity import Cost, Decision, Mode, NoPair, Policy, Pool, choose
-from ext_proc.affinity.config import AutoConfig
-from ext_proc.checks import ConfigError
+from ext_proc.affinity import Cost, Decision, Hits, Mode, NoPair, Policy, Pool, choose
+from ext_proc.affinity.explain import Explanation, explain
 from ext_proc.ejection import Ejections
 from ext_proc.handoff.body import with_fields
 from ext_proc.handoff.kinds import Handoff
@@ -41,9 +41,10 @@ from ext_proc.outcome import (
     Refused,
     RequestMeta,
     Routed,
+    Trace,
 )
 from ext_proc.prefix.blocks import prompt_content
-from ext_proc.prefix.config import PrefixConfig
+from ext_proc.prefix.lookup import Lookup
 from ext_proc.refusal import refuse
 from ext_proc.registry import EndpointState, Registry
 from ext_proc.request import RequestError, RequestInfo, describe, parse_body
@@ -72,6 +73,19 @@ class BodyRequest:
     info: RequestInfo
     meta: RequestMeta
     rewritten: bool = False
+
+
+class Explained(NamedTuple):
+    """What :meth:`Router.explain` saw and found.
+
+    The request's ``cost``, the candidate ``prefills`` and ``decodes`` with their load, the prefix
+    ``hits`` credited (``None``: none) and the ``explanation``."""
+
+    cost: Cost
+    prefills: Pool[EndpointState]
+    decodes: Pool[EndpointState]
+    hits: Hits | None
+    explanation: Explanation[EndpointState]
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,24 +182,28 @@ class Router:
         return request if isinstance(request, Refused) else self.route(request, subset)
 
     def read(self, raw: bytes, meta: RequestMeta) -> BodyRequest | Refused:
-        """Parse the JSON body ``raw`` of the request ``meta`` describes; 400 ``invalid_request`` if bad.
-
-        With ``meta.model_rewrite`` (a valid model name, else 400), the body's ``model`` is replaced by it."""
-        rewrite = meta.model_rewrite
-        rewritten = False
+        """Parse the JSON body ``raw`` of the request ``meta`` describes; 400 ``invalid_request`` if bad."""
         try:
-            body = parse_body(raw)
-            if rewrite is not None and body.get("model") != rewrite:
-                check_model_name(rewrite, f"the {MODEL_REWRITE_HEADER} header")
-                raw = with_fields(raw, body, {"model": rewrite}, ("model",))
-                body["model"] = rewrite
-                rewritten = True
-            info = describe(body, self._default_max_tokens)
-        except ModelNameError as exc:
-            return refuse(self.metrics, 400, str(exc), "invalid_request")
+            return self.parse(raw, meta)
         except RequestError as exc:
             return refuse(self.metrics, 400, str(exc), "invalid_request", exc.param)
-        return BodyRequest(raw, body, info, meta, rewritten)
+
+    def parse(self, raw: bytes, meta: RequestMeta) -> BodyRequest:
+        """:meth:`read` without the refusal: raises :class:`RequestError` (nothing counted or logged).
+
+        Also for a ``meta.model_rewrite`` that is no model name; with a valid one, the body's ``model`` is
+        replaced by it."""
+        body = parse_body(raw)
+        rewrite = meta.model_rewrite
+        rewritten = rewrite is not None and body.get("model") != rewrite
+        if rewritten:
+            try:
+                check_model_name(rewrite, f"the {MODEL_REWRITE_HEADER} header")
+            except ModelNameError as exc:
+                raise RequestError(str(exc)) from None
+            raw = with_fields(raw, body, {"model": rewrite}, ("model",))
+            body["model"] = rewrite
+        return BodyRequest(raw, body, describe(body, self._default_max_tokens), meta, rewritten)
 
     def wants_tokens(self, request: BodyRequest) -> bool:
         """Whether ``request``'s prompt is to be put in token ids (:meth:`prompt_tokens`) before routing.
@@ -201,14 +219,18 @@ class Router:
     async def prompt_tokens(self, request: BodyRequest) -> Sequence[int] | None:
         """The engine's token ids of ``request``'s prompt; ``None`` (counted, logged) when unknown.
 
-        Tokenized off the event loop by the tokenizer configured now (:mod:`ext_proc.tokenizer`)."""
+        Tokenized off the event loop by the tokenizer configured now (:mod:`ext_proc.tokenize.gateway`)."""
         tokenizer = self.live.tokenizer
         if tokenizer is None:  # removed by a reload since wants_tokens
             return None
         return await tokenizer.prompt_tokens(request.body, request.meta.path)
 
     def route(
-        self, request: BodyRequest, subset: frozenset[str] | None = None, tokens: Sequence[int] | None = None
+        self,
+        request: BodyRequest,
+        subset: frozenset[str] | None = None,
+        tokens: Sequence[int] | None = None,
+        trace: Trace | None = None,
     ) -> Routed | Refused | PendingAnswer:
         """Route a read request: prefill then decode, per the affinity policy.
 
@@ -217,21 +239,20 @@ class Router:
         prompt reaches ``pd_threshold_tokens`` get one. ``tokens``: the prompt's token ids from
         :meth:`prompt_tokens` (``None``: unknown); when known, the prompt is charged and compared to
         the threshold at their exact count instead of the estimate, and the prefix index looks up
-        their chain.
+        their chain. ``trace``: the request's span (tracing on), told the decision.
         """
-        info, meta = request.info, request.meta
-        pools = self.registry.pools_for(info.model)
+        model = request.info.model
+        pools = self.registry.pools_for(model)
         if pools is None:
-            return self._unknown_model(str(info.model))
-        prompt = info.prompt_tokens if tokens is None else len(tokens)
-        cost = Cost(prompt, prompt + info.output_budget)
-        disaggregated = prompt >= self._pd_threshold and urlsplit(meta.path).path in DISAGGREGATED_PATHS
-        prefills = self.ejections.keep(pools[0]) if disaggregated else self._no_prefills
-        placed = self._place(cost, prefills, pools[1], subset, request.body, tokens)
+            return self._unknown_model(str(model))
+        cost, prefills = self._cost(request, tokens, pools[0])
+        placed = self._place(cost, prefills, pools[1], subset, request.body, tokens, trace)
         if isinstance(placed, Refused):
             return placed
-        self.metrics.model_routed(self.registry.model_label(info.model))
-        job = HandoffJob(request.raw, request.body, meta, cost, subset, tokens, request.rewritten)
+        self.metrics.model_routed(self.registry.model_label(model))
+        job = HandoffJob(
+            request.raw, request.body, request.meta, cost, subset, tokens, trace, request.rewritten
+        )
         return self.handoff.hand_off(job, placed, self)
 
     def _unknown_model(self, model: str) -> Refused:
@@ -242,8 +263,27 @@ class Router:
         )
         return refuse(self.metrics, 404, message, "model_not_found", "model")
 
+    def explain(
+        self, request: BodyRequest, tokens: Sequence[int] | None = None, limit: int = 10
+    ) -> Explained:
+        """What :meth:`route` would decide for ``request`` now, and why, booking nothing.
+
+        The same candidates (ejections applied; no subset hint), prefix hits and next round-robin
+        ticket as :meth:`route`; nothing is charged, recorded in the prefix index, told to the peers or
+        counted (:func:`ext_proc.affinity.explain.explain`: the ``limit`` least-cost pairs)."""
+        pools = self.registry.pools_for(request.info.model) or (self._no_prefills, self._no_prefills)
+        cost, prefills = self._cost(request, tokens, pools[0])
+        decodes = self.decode_ejections.keep(pools[1])
+        lookup = self._lookup(request.body, tokens, prefills, decodes, cost.prefill_tokens)
+        hits = None if lookup is None else lookup.hits
+        explained = explain(cost, prefills, decodes, self.policy, self._ticket + 1, hits, limit)
+        return Explained(cost, prefills, decodes, hits, explained)
+
     def route_bodiless(
-        self, subset: frozenset[str] | None = None, meta: RequestMeta | None = None
+        self,
+        subset: frozenset[str] | None = None,
+        trace: Trace | None = None,
+        meta: RequestMeta | None = None,
     ) -> Routed | Refused | Answered:
         """Route a request without a body to the least-loaded decode, or answer ``GET /v1/models``.
 
@@ -255,7 +295,7 @@ class Router:
             if models is not None:
                 return Answered(200, model_list_body(models))
         cost = Cost(0, 0)
-        placed = self._place(cost, self._no_prefills, self.registry.decode_pool, subset)
+        placed = self._place(cost, self._no_prefills, self.registry.decode_pool, subset, None, None, trace)
         if isinstance(placed, Refused):
             return placed
         routed = self.handoff.hand_off(HandoffJob(b"", {}, RequestMeta(), cost, subset), placed, self)
@@ -281,7 +321,7 @@ class Router:
         }
         if not keep:
             return None
-        placed = self._place(job.cost, pool.only(keep), pools[1], job.subset, job.body, job.tokens)
+        placed = self._place(job.cost, pool.only(keep), pools[1], job.subset, job.body, job.tokens, job.trace)
         if isinstance(placed, Refused) or placed.decision.prefill is None:
             if isinstance(placed, Placement):
                 placed.lease.release()
@@ -322,6 +362,36 @@ class Router:
         KV cache it computed: eject that prefill."""
         self.ejections.eject(address, outcome)
 
+    def _cost(
+        self, request: BodyRequest, tokens: Sequence[int] | None, pool: Pool[EndpointState]
+    ) -> tuple[Cost, Pool[EndpointState]]:
+        """What ``request`` charges (its prompt at the count of ``tokens`` when known) and its prefill
+        candidates of ``pool`` (those serving its model): none unless its path is disaggregated and its
+        prompt reaches the threshold."""
+        info = request.info
+        prompt = info.prompt_tokens if tokens is None else len(tokens)
+        cost = Cost(prompt, prompt + info.output_budget)
+        disaggregated = (
+            prompt >= self._pd_threshold and urlsplit(request.meta.path).path in DISAGGREGATED_PATHS
+        )
+        prefills = self.ejections.keep(pool) if disaggregated else self._no_prefills
+        return cost, prefills
+
+    def _lookup(
+        self,
+        body: dict[str, object] | None,
+        tokens: Sequence[int] | None,
+        prefills: Pool[EndpointState],
+        decodes: Pool[EndpointState],
+        prompt: int,
+    ) -> Lookup | None:
+        """What the candidates hold of the prompt of ``body`` (``tokens``: its ids); ``None`` without a
+        prefix source, a body or a block to look up."""
+        prefix = self.live.prefix
+        if prefix is None or body is None:
+            return None
+        return prefix.lookup_prompt(body, tokens, prefills, decodes, prompt, self.handoff.pins_ranks)
+
     def _place(
         self,
         cost: Cost,
@@ -330,9 +400,11 @@ class Router:
         subset: frozenset[str] | None,
         body: dict[str, object] | None = None,
         tokens: Sequence[int] | None = None,
+        trace: Trace | None = None,
     ) -> Placement | Refused:
         """Decide and charge: the prompt of ``body`` (``tokens``: its ids) looked up in the prefix
-        source, if any, then the decision, then the placement recorded there and told the peers."""
+        source, if any, then the decision, then the placement recorded there and told the peers.
+        ``prefills`` and ``decodes``: the candidates (those serving the request's model)."""
         if subset is not None:
             decodes = decodes.only(subset)
             if not decodes.size:
@@ -343,11 +415,7 @@ class Router:
         decodes = self.decode_ejections.keep(decodes)
         prompt = cost.prefill_tokens
         prefix = self.live.prefix
-        lookup = (
-            None
-            if prefix is None or body is None
-            else prefix.lookup_prompt(body, tokens, prefills, decodes, prompt, self.handoff.pins_ranks)
-        )
+        lookup = self._lookup(body, tokens, prefills, decodes, prompt)
         self._ticket += 1
         started = time.perf_counter()
         hits = None if lookup is None else lookup.hits
@@ -355,10 +423,14 @@ class Router:
         seconds = time.perf_counter() - started  # the decision alone (decision_seconds)
         if isinstance(result, NoPair):
             return refuse(self.metrics, 503, result.message, result.reason.value)
+        hit = None
         if prefix is not None and lookup is not None:
             placed = prefix.placed(lookup, result, prompt)
             self.live.shared.placed(lookup.hashes, placed.holders)
             prompt -= placed.prefill_hit  # the prefill computes only what it does not hold
+            hit = None if result.prefill is None else placed.prefill_hit
+        if trace is not None:
+            trace.decided(self._mode, result, hit)
         lease = Lease(result.prefill, prompt, result.decode, cost.decode_tokens)
         locality = result.locality.value
         self.metrics.decided(self._mode, locality, seconds)
@@ -368,35 +440,3 @@ class Router:
             return Placement(result, lease)
         prefill = None if result.prefill is None else lookup.ranks.get(result.prefill.address)
         return Placement(result, lease, Ranks(prefill, lookup.ranks.get(result.decode.address)))
-
-
-@dataclass(frozen=True)
-class AffinityConfig:
-    """The ``affinity`` section: the router's decision policy and prefix index.
-
-    ``mode``: off | prefer | strict | auto. ``bonus``: utilisation slack in [0, 1] for ``prefer``.
-    ``auto``: the time model of ``auto``. ``prefix``: prefix-cache aware routing. The whole section
-    applies live (:mod:`ext_proc.reload`: :meth:`Router.set_policy` with :meth:`policy`,
-    :meth:`LiveParts.set_prefix` with ``prefix.settings()``). It lives here, above both the decision
-    (:mod:`ext_proc.affinity`) and the prefix index (:mod:`ext_proc.prefix`): the prefix index reads the
-    decision's types, so the decision's package may not import the prefix's configuration.
-    """
-
-    mode: Mode = Mode.PREFER
-    bonus: float = 0.3
-    auto: AutoConfig = field(default_factory=AutoConfig)
-    prefix: PrefixConfig = field(default_factory=PrefixConfig)
-
-    def policy(self, fallback_count: int) -> Policy:
-        """The decision's policy for this section, with ``fallback_count`` (``routing.fallback_count``)."""
-        prefix = self.prefix
-        weight = prefix.weight if prefix.enabled else 0.0
-        model = self.auto.model()
-        return Policy(self.mode, self.bonus, fallback_count, model, weight, prefix.cpu_tier_weight)
-
-    def check(self) -> None:
-        """Raise :class:`ConfigError` naming the first out-of-range key of the section or its subsections."""
-        if not 0.0 <= self.bonus <= 1.0:
-            raise ConfigError(f"affinity.bonus: {self.bonus} is not allowed; use a number in [0, 1]")
-        self.auto.check()
-        self.prefix.check()

@@ -5,9 +5,11 @@ pd-extproc serves EDS.
 
 One HTTP request is one stream, whose state machine is :class:`~ext_proc.stream.Stream` (the phases,
 the body modes and admission are described there). This shell only dispatches: it feeds Envoy's
-messages to the stream and sends its answers; when the prompt is to be tokenized first, it awaits the
-tokens and hands them back; when the answer is pending (a prefill leg first), it first asks Envoy to
-wait longer (``override_message_timeout``), then awaits it. Whatever ends the
+messages to the stream and sends its answers; when flow control queues the request, it asks Envoy to
+wait longer (``override_message_timeout``, once per message: long enough for the queue and a prefill
+leg after it), awaits its turn and hands it back; when the prompt is to be tokenized first, it awaits
+the tokens and hands them back; when the answer is pending (a prefill leg first), it first asks Envoy
+to wait longer unless it already did, then awaits it. Whatever ends the
 stream (completion, upstream error, client abort, cancellation, even in the middle of a prefill leg,
 which is then cancelled), the stream is closed in a ``finally``: its charges and its in-flight slot
 are released and its background prefill leg cancelled. No exception escapes a stream: an unexpected
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 from envoy.service.discovery.v3 import ads_pb2_grpc
@@ -25,12 +28,16 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2_grpc
 
 from ext_proc import envoy_messages as msg
+from ext_proc.checks import ConfigError
 from ext_proc.choreography import BODY_LIMIT_BYTES
+from ext_proc.flow.control import FlowControl
 from ext_proc.health import Health
 from ext_proc.refusal import refuse
 from ext_proc.router import Router
-from ext_proc.stream import PendingTokens, Streams
-from ext_proc.xds import AdsServer
+from ext_proc.stream import PendingFlow, PendingTokens, Streams
+from ext_proc.tls import TlsConfig
+from ext_proc.tracing import Tracing
+from ext_proc.xds.ads import AdsServer
 
 log = logging.getLogger(__name__)
 
@@ -46,10 +53,19 @@ the request headers come in their own message, at most Envoy's 60 KiB default). 
 
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
-    """Answers Envoy's ext_proc streams with decisions from a :class:`Router`."""
+    """Answers Envoy's ext_proc streams with decisions from a :class:`Router` (and ``flow``, if on).
 
-    def __init__(self, router: Router) -> None:
-        self._streams = Streams(router)
+    ``tracing``: each request's span (``None``: off); ``flow_timeout``: the wait Envoy is asked for while
+    flow control queues a request."""
+
+    def __init__(
+        self,
+        router: Router,
+        tracing: Tracing | None = None,
+        flow: FlowControl | None = None,
+        flow_timeout: float = 0.0,
+    ) -> None:
+        self._streams = Streams(router, tracing, flow, flow_timeout)
 
     async def Process(
         self, request_iterator: AsyncIterator[msg.ProcessingRequest], context: grpc.aio.ServicerContext
@@ -60,10 +76,16 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
             async for request in request_iterator:
                 try:
                     answers = stream.answer(request)
+                    extended = isinstance(answers, PendingFlow)
+                    if isinstance(answers, PendingFlow):
+                        yield msg.extend_timeout(answers.timeout)
+                        pending = answers
+                        answers = stream.dispatched(pending.request, await pending.wait(), pending.waited())
                     if isinstance(answers, PendingTokens):
                         answers = stream.tokenized(answers.request, await answers.tokens())
                     if not isinstance(answers, tuple):
-                        yield msg.extend_timeout(answers.timeout)
+                        if not extended:
+                            yield msg.extend_timeout(answers.timeout)
                         answers = stream.completed(await answers.complete())
                 except Exception:
                     log.exception("unexpected error while routing; answering 500")
@@ -97,12 +119,15 @@ async def start_grpc(
     health: Health,
     ads: AdsServer | None = None,
     credentials: grpc.ServerCredentials | None = None,
+    tracing: Tracing | None = None,
+    flow: tuple[FlowControl, float] | None = None,
 ) -> tuple[grpc.aio.Server, int]:
     """Start the ext_proc gRPC server on ``listen``: returns the server and the bound port.
 
-    It serves the ext_proc service, ``health``'s servicer (started by the caller,
-    :meth:`Health.start`) and ``ads`` if given, on ``listen`` (``host:port``, port 0 = any), over TLS
-    with ``credentials`` (else plaintext).
+    It serves the ext_proc service (with flow control and its wait, ``flow``, when on), ``health``'s
+    servicer (started by the caller, :meth:`Health.start`) and ``ads`` if given, on ``listen``
+    (``host:port``, port 0 = any), over TLS with ``credentials`` (else plaintext); with ``tracing``, one
+    span per request.
 
     The port is never shared (SO_REUSEPORT off, which gRPC turns on by default): a second copy on
     the same port fails here instead of silently splitting Envoy's streams. Messages up to
@@ -112,7 +137,9 @@ async def start_grpc(
     server = grpc.aio.server(
         options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", MAX_RECEIVE_BYTES)]
     )
-    pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(router), server)
+    flow_control, flow_timeout = (None, 0.0) if flow is None else flow
+    processor = ExternalProcessor(router, tracing, flow_control, flow_timeout)
+    pb_grpc.add_ExternalProcessorServicer_to_server(processor, server)
     health_pb2_grpc.add_HealthServicer_to_server(health.servicer, server)
     if ads is not None:
         ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(ads, server)
@@ -131,3 +158,25 @@ async def start_health_grpc(health: Health, listen: str) -> tuple[grpc.aio.Serve
     port = _bind(server, listen, None, "gRPC health")
     await server.start()
     return server, port
+
+
+def server_credentials(tls: TlsConfig) -> grpc.ServerCredentials | None:
+    """The gRPC port's TLS credentials (``None``: plaintext).
+
+    With ``client_ca_file``, clients must present a certificate it signed. Raises
+    :class:`ConfigError` when a file cannot be read."""
+    if not tls.cert_file:
+        return None
+    contents: dict[str, bytes | None] = {}
+    for key in ("cert_file", "key_file", "client_ca_file"):
+        path = getattr(tls, key)
+        try:
+            contents[key] = Path(path).read_bytes() if path else None
+        except OSError as exc:
+            raise ConfigError(f"tls.{key}: cannot read {path}: {exc}") from None
+    ca = contents["client_ca_file"]
+    return grpc.ssl_server_credentials(
+        [(contents["key_file"], contents["cert_file"])],
+        root_certificates=ca,
+        require_client_auth=ca is not None,
+    )

@@ -33,7 +33,11 @@ in every mode. By phase:
   through; anything else passes through unchanged.
 Admission control: a request about to be routed (headers without a body, or the body) first takes an
 in-flight slot (:meth:`Router.admit`); when all ``limits.max_inflight_requests`` are taken it is
-answered 429 ``overloaded`` with ``retry-after``. A refused request gives its slot back at once.
+answered 429 ``overloaded`` with ``retry-after``. A refused request gives its slot back at once. With
+flow control (``flow_control.enabled``, :mod:`ext_proc.flow`) a body is read first and then asks
+:class:`~ext_proc.flow.control.FlowControl` for its slot: it gets one, is refused, or the answer is
+:class:`PendingFlow`, which the shell awaits (after asking Envoy to wait up to
+:attr:`PendingFlow.timeout`) and hands back (:meth:`Stream.dispatched`) before routing goes on.
 :meth:`Stream.close` (the shell calls it whatever ends the stream) releases the request's charges and
 its in-flight slot and cancels its background prefill leg.
 """
@@ -46,6 +50,7 @@ from dataclasses import dataclass
 
 from ext_proc import envoy_messages as msg
 from ext_proc.choreography import BODY_LIMIT_BYTES, Answers, BodyCollector, Choreographies, Choreography
+from ext_proc.flow.control import FlowControl, Labels, Ticket
 from ext_proc.load import Admission
 from ext_proc.metrics import Metrics
 from ext_proc.outcome import (
@@ -59,6 +64,7 @@ from ext_proc.outcome import (
 )
 from ext_proc.refusal import refuse
 from ext_proc.router import BodyRequest, Router
+from ext_proc.tracing import RequestSpan, Tracing
 
 TOO_LARGE = (
     f"request body too large: the gateway buffers at most {BODY_LIMIT_BYTES // (1024 * 1024)} MiB "
@@ -83,13 +89,45 @@ class PendingTokens:
         return await self.router.prompt_tokens(self.request)
 
 
+@dataclass(frozen=True, slots=True)
+class PendingFlow:
+    """A read request queued by flow control until the pool has room.
+
+    The shell asks Envoy to wait ``timeout`` seconds (the queue's bound plus the longest answer a
+    handoff may then take: Envoy extends one message's wait once), awaits :meth:`wait` and passes its
+    outcome, with ``request``, to :meth:`Stream.dispatched`."""
+
+    flow: FlowControl
+    ticket: Ticket
+    request: BodyRequest
+    timeout: float
+
+    async def wait(self) -> Refused | None:
+        """``None`` once dispatched (the stream holds an in-flight slot), else the refusal to answer."""
+        return await self.flow.wait(self.ticket)
+
+    def waited(self) -> float:
+        """Seconds the request has waited in the queue so far."""
+        return self.flow.waited(self.ticket)
+
+
 class Streams:
     """What every stream of a server shares, built once and never modified after.
 
-    The router, the choreographies of its handoff's routing headers and the constant answers."""
+    The router, flow control (``None``: off), the choreographies of its handoff's routing headers, the
+    constant answers and the tracing (``None``: off). ``flow_timeout``: a :class:`PendingFlow`'s."""
 
-    def __init__(self, router: Router) -> None:
+    def __init__(
+        self,
+        router: Router,
+        tracing: Tracing | None = None,
+        flow: FlowControl | None = None,
+        flow_timeout: float = 0.0,
+    ) -> None:
         self.router = router
+        self.tracing = tracing
+        self.flow = flow
+        self.flow_timeout = flow_timeout
         self.metrics: Metrics = router.metrics
         self.choreographies = Choreographies(router.handoff.routing_headers, router.handoff.hands_kv)
         self.passthrough = {kind: msg.passthrough(kind) for kind in msg.PHASES}
@@ -108,7 +146,8 @@ class Stream:
     whether Envoy sent the request headers, what they said, the data plane's endpoint-subset hint if
     any, the FULL_DUPLEX_STREAMED body collected so far, how a pending answer's outcome becomes
     answers, whether the stream was answered with an error (later messages get no answer), and the
-    watcher of a streamed answer whose next chunk it still wants to see."""
+    watcher of a streamed answer whose next chunk it still wants to see; with tracing on, the
+    request's span (from its headers to :meth:`close`)."""
 
     __slots__ = (
         "_admission",
@@ -123,6 +162,7 @@ class Stream:
         "routed",
         "saw_headers",
         "subset",
+        "trace",
         "watching",
     )
 
@@ -140,12 +180,13 @@ class Stream:
         self.build: Build | None = None
         self.ended = False
         self.watching: ResponseWatcher | None = None
+        self.trace: RequestSpan | None = None
 
-    def answer(self, request: msg.ProcessingRequest) -> Answers | PendingAnswer | PendingTokens:
-        """The answers to Envoy's message ``request``, or the pending answer or tokens to await.
+    def answer(self, request: msg.ProcessingRequest) -> Answers | PendingAnswer | PendingTokens | PendingFlow:
+        """The answers to Envoy's message ``request``, or the pending answer, tokens or turn to await.
 
         No answers once the stream was answered with an error; a pending answer is awaited and passed
-        to :meth:`completed`, pending tokens to :meth:`tokenized`."""
+        to :meth:`completed`, pending tokens to :meth:`tokenized`, a pending turn to :meth:`dispatched`."""
         if self.ended:
             return ()
         choreography = self.choreography
@@ -161,15 +202,19 @@ class Stream:
         if kind == "request_headers":
             self.saw_headers = True
             headers = request.request_headers
+            self.meta = msg.HeadersMeta(headers)
+            tracing = self._shared.tracing
+            if tracing is not None:
+                self.trace = tracing.start(self.meta)
             if not headers.end_of_stream:
-                self.meta = msg.HeadersMeta(headers)
                 if choreography.full_duplex:
                     self.body = BodyCollector()
                 return choreography.header_hold
             overloaded = self._admit()
+            router = self._shared.router
             if overloaded is not None:
                 return self._routed(overloaded, choreography.route_bodiless)
-            outcome = self._shared.router.route_bodiless(self.subset, msg.HeadersMeta(headers))
+            outcome = router.route_bodiless(self.subset, self.trace, msg.HeadersMeta(headers))
             if isinstance(outcome, Answered):
                 self._release_slot()
                 self.ended = True
@@ -196,6 +241,20 @@ class Stream:
             return (choreography.response_body(request.response_body, self._shared.passthrough[kind]),)
         return (self._shared.passthrough[kind],)
 
+    def dispatched(
+        self, request: BodyRequest, refused: Refused | None, waited: float | None = None
+    ) -> Answers | PendingAnswer | PendingTokens:
+        """Go on with ``request`` (of :class:`PendingFlow`) once flow control let it through, or refuse it.
+
+        ``waited``: the seconds it spent queued, recorded on the request's span."""
+        if waited is not None and self.trace is not None:
+            self.trace.queued(waited)
+        if refused is not None:
+            return self.end(refused)
+        self.admitted = True
+        assert self.build is not None
+        return self._tokenize_or_route(request, self.build)
+
     def tokenized(self, request: BodyRequest, tokens: Sequence[int] | None) -> Answers | PendingAnswer:
         """Route ``request`` (of :class:`PendingTokens`) now that its prompt's ``tokens`` are known."""
         assert self.build is not None
@@ -212,15 +271,20 @@ class Stream:
     def end(self, refused: Refused) -> Answers:
         """End the stream with the error answer ``refused``; Envoy sends nothing more that needs one."""
         self.ended = True
+        if self.trace is not None:
+            self.trace.refused(refused)
         error = msg.immediate_error(
             refused.status, refused.message, refused.code, refused.param, refused.body, refused.retry_after
         )
         return (error,)
 
     def close(self) -> None:
-        """The stream has ended: give back its in-flight slot and release its charges (idempotent)."""
+        """The stream has ended: give back its slot, release its charges, end its span (idempotent)."""
         self._release_slot()
         self._release_charges()
+        if self.trace is not None:
+            self.trace.end()
+            self.trace = None
 
     def _release_slot(self) -> None:
         """Give back the stream's in-flight slot if it holds one (idempotent)."""
@@ -251,7 +315,11 @@ class Stream:
             return self.end(outcome)
         self._release_charges()  # a stream is routed once; never leak an earlier charge
         self.routed = outcome
-        return build(outcome.instructions)
+        answers = build(outcome.instructions)
+        trace = self.trace
+        if trace is None:
+            return answers
+        return (msg.with_headers(answers[0], trace.headers), *answers[1:])  # the first one routes
 
     def _admit(self) -> Refused | None:
         """Take an in-flight slot unless the stream holds one: ``None``, or the 429 to answer."""
@@ -263,7 +331,7 @@ class Stream:
 
     def _request_body(
         self, body: msg.HttpBody, choreography: Choreography
-    ) -> Answers | PendingAnswer | PendingTokens:
+    ) -> Answers | PendingAnswer | PendingTokens | PendingFlow:
         if not self.saw_headers:
             return self._misconfigured(
                 "ext_proc request_header_mode must be SEND (with SKIP, Envoy picks the upstream "
@@ -282,15 +350,31 @@ class Stream:
 
     def _route_body(
         self, raw: bytes, choreography: Choreography, trailers: bool = False
-    ) -> Answers | PendingAnswer | PendingTokens:
-        overloaded = self._admit()
-        if overloaded is not None:
-            return self.end(overloaded)
+    ) -> Answers | PendingAnswer | PendingTokens | PendingFlow:
+        flow = self._shared.flow
+        if flow is None:
+            overloaded = self._admit()
+            if overloaded is not None:
+                return self.end(overloaded)
         build = functools.partial(choreography.route_body, body=raw, trailers=trailers)
         router = self._shared.router
         request = router.read(raw, self.meta)
         if isinstance(request, Refused):
             return self._routed(request, build)
+        if flow is not None and not self.admitted:
+            gate = flow.arrive(Labels(self.meta.objective, self.meta.fairness_id), request.info)
+            if isinstance(gate, Refused):
+                return self.end(gate)
+            if gate is not None:
+                self.build = build
+                return PendingFlow(flow, gate, request, self._shared.flow_timeout)
+            self.admitted = True
+        return self._tokenize_or_route(request, build)
+
+    def _tokenize_or_route(
+        self, request: BodyRequest, build: Build
+    ) -> Answers | PendingAnswer | PendingTokens:
+        router = self._shared.router
         if router.wants_tokens(request):
             self.build = build
             return PendingTokens(router, request)
@@ -299,7 +383,7 @@ class Stream:
     def _route(
         self, request: BodyRequest, tokens: Sequence[int] | None, build: Build
     ) -> Answers | PendingAnswer:
-        outcome = self._shared.router.route(request, self.subset, tokens)
+        outcome = self._shared.router.route(request, self.subset, tokens, self.trace)
         if isinstance(outcome, Routed | Refused):
             return self._routed(outcome, build)
         self.pending = outcome  # released by close() if the stream ends from here on

@@ -1,11 +1,12 @@
-"""TLS on the gRPC port: the ``tls`` section, its check, and the credentials it gives the server."""
+"""TLS on the gRPC port: the ``tls`` section and its check.
+
+A leaf (no gRPC): :mod:`ext_proc.config` reads it; :func:`ext_proc.server.server_credentials` turns
+it into the server's credentials.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
-
-import grpc
 
 from ext_proc.checks import ConfigError
 
@@ -29,28 +30,6 @@ class TlsConfig:
             raise ConfigError("tls.cert_file and tls.key_file: set both (TLS) or neither (plaintext)")
         if self.client_ca_file and not self.cert_file:
             raise ConfigError("tls.client_ca_file: needs tls.cert_file and tls.key_file (mutual TLS is TLS)")
-
-
-def server_credentials(tls: TlsConfig) -> grpc.ServerCredentials | None:
-    """The gRPC port's TLS credentials (``None``: plaintext).
-
-    With ``client_ca_file``, clients must present a certificate it signed. Raises
-    :class:`ConfigError` when a file cannot be read."""
-    if not tls.cert_file:
-        return None
-    contents: dict[str, bytes | None] = {}
-    for key in ("cert_file", "key_file", "client_ca_file"):
-        path = getattr(tls, key)
-        try:
-            contents[key] = Path(path).read_bytes() if path else None
-        except OSError as exc:
-            raise ConfigError(f"tls.{key}: cannot read {path}: {exc}") from None
-    ca = contents["client_ca_file"]
-    return grpc.ssl_server_credentials(
-        [(contents["key_file"], contents["cert_file"])],
-        root_certificates=ca,
-        require_client_auth=ca is not None,
-    )
 
 
 def tls_mode(tls: TlsConfig) -> str:

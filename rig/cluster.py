@@ -1,5 +1,6 @@
-"""pdGroups of real vLLM engines, each a NixlConnector prefill (``kv_producer``) and decode
-(``kv_consumer``), as a cluster the gateway stack of :mod:`sim.stack` runs in front of.
+"""pdGroups of real vLLM engines, run as a cluster behind the gateway stack of :mod:`sim.stack`.
+
+Each pdGroup is a NixlConnector prefill (``kv_producer``) and decode (``kv_consumer``).
 
 :func:`start_vllm_stack` checks the memory, writes the model, starts every engine at once, waits
 for all of them, writes the EDS files (``token_capacity`` = the engine's KV cache in tokens) and
@@ -75,8 +76,10 @@ def check_memory(engines: int) -> None:
 
 @dataclass
 class VllmCluster:
-    """The running engines, in the shape :class:`sim.stack.Stack` drives (``engines``, ``stop_engine``,
-    ``stop``); ``running`` maps each live engine's address to its :class:`~rig.engine.Engine`."""
+    """The running engines, in the shape :class:`sim.stack.Stack` drives.
+
+    ``engines``, ``stop_engine``, ``stop``; ``running`` maps each live engine's address to its
+    :class:`~rig.engine.Engine`."""
 
     engines: list[EngineInfo]
     running: dict[str, Engine]
@@ -90,9 +93,13 @@ class VllmCluster:
     """Attempts each (prefill, decode) pair's last warm-up took (1 = its first transfer worked)."""
 
     def engine(self, address: str) -> Engine:
+        """The running engine at ``address``."""
+        """The running engine at ``address``."""
         return self.running[address]
 
     def of_role(self, role: str) -> list[Engine]:
+        """The running engines of ``role`` (``prefill`` or ``decode``)."""
+        """The running engines of ``role`` (``prefill`` or ``decode``)."""
         return [e for e in self.running.values() if e.spec.role == role]
 
     def info(self, address: str) -> EngineInfo:
@@ -100,6 +107,8 @@ class VllmCluster:
         return next(e for e in self.engines if e.address == address)
 
     def group_of(self, address: str) -> str:
+        """The ``pdGroupID`` of the engine at ``address`` (live or dead)."""
+        """The ``pdGroupID`` of the engine at ``address`` (live or dead)."""
         return self.info(address).group
 
     def stop_engine(self, address: str) -> None:
@@ -109,8 +118,9 @@ class VllmCluster:
         self.dead[address] = engine
 
     async def restart(self, addresses: list[str], session: aiohttp.ClientSession) -> None:
-        """Start killed engines again, all at once (same ports and roles; new NIXL engine ids), wait
-        for them and warm up every pair they belong to."""
+        """Start killed engines again, all at once, and warm up their pairs.
+
+        Same ports and roles; new NIXL engine ids."""
         engines = [
             start_engine(self.python, self.model, self.dead.pop(a).spec, self.workdir) for a in addresses
         ]
@@ -129,10 +139,10 @@ class VllmCluster:
     async def warm_up(
         self, session: aiohttp.ClientSession, only: str | None = None
     ) -> dict[tuple[str, str], int]:
-        """One KV transfer for every (prefill, decode) pair (with ``only``: every pair that engine is
-        in), sent straight to the engines; returns the attempts each pair took. Raises
-        :class:`EngineError` when a pair never succeeds, or at once when an engine is dead (see
-        :func:`transfer`)."""
+        """One KV transfer for every (prefill, decode) pair; the attempts each took.
+
+        With ``only``: every pair that engine is in; sent straight to the engines. Raises :class:`EngineError`
+        when a pair never succeeds, or at once when an engine is dead (see :func:`transfer`)."""
         attempts: dict[tuple[str, str], int] = {}
         for prefill in self.of_role("prefill"):
             for decode in self.of_role("decode"):
@@ -154,11 +164,12 @@ class VllmCluster:
 async def complete(
     session: aiohttp.ClientSession, engine: Engine, body: dict[str, object], doing: str
 ) -> dict[str, object] | None:
-    """``body`` posted to ``engine``'s ``/v1/completions``: the JSON answer, or ``None`` when it did not
-    answer 200. Raises :class:`EngineError` (:meth:`~rig.engine.Engine.death_error`, while ``doing``)
-    when the engine is dead: it could not be reached and died (within :data:`DEATH_GRACE_SECONDS`), or
-    it answered 500 and its process or log says it died; the connection's own error when it could not
-    be reached and did not die."""
+    """``body`` posted to ``engine``'s ``/v1/completions``.
+
+    The JSON answer, or ``None`` when it did not answer 200. Raises :class:`EngineError`
+    (:meth:`~rig.engine.Engine.death_error`, while ``doing``) when the engine is dead: it could not be
+    reached and died (within :data:`DEATH_GRACE_SECONDS`), or it answered 500 and its process or log says
+    it died; the connection's own error when it could not be reached and did not die."""
     try:
         async with session.post(f"{engine.url}/v1/completions", json=body) as response:
             if response.status == 200:
@@ -176,8 +187,9 @@ async def complete(
 
 
 async def prefill_leg(session: aiohttp.ClientSession, prefill: Engine, text: str) -> dict[str, object] | None:
-    """A prefill leg of ``text`` on ``prefill``, as pd-extproc sends it: the answer's
-    ``kv_transfer_params``, or ``None`` when it did not answer 200 with them. Raises
+    """A prefill leg of ``text`` on ``prefill``, as pd-extproc sends it.
+
+    The answer's ``kv_transfer_params``, or ``None`` when it did not answer 200 with them. Raises
     :class:`EngineError` when the prefill is dead (:func:`complete`)."""
     leg = {
         "model": MODEL_NAME,
@@ -191,9 +203,10 @@ async def prefill_leg(session: aiohttp.ClientSession, prefill: Engine, text: str
 
 
 async def transfer(session: aiohttp.ClientSession, prefill: Engine, decode: Engine) -> bool:
-    """A prefill leg on ``prefill`` and the decode of its ``kv_transfer_params`` on ``decode``, as
-    pd-extproc sends them: whether the decode answered 200 with text. Raises :class:`EngineError`
-    when either engine is dead (:func:`complete`)."""
+    """A prefill leg and the decode of its ``kv_transfer_params``, as pd-extproc sends them.
+
+    Whether the decode answered 200 with text. Raises :class:`EngineError` when either engine is dead
+    (:func:`complete`)."""
     params = await prefill_leg(session, prefill, WARM_UP_PROMPT)
     if params is None:
         return False
@@ -206,8 +219,9 @@ async def transfer(session: aiohttp.ClientSession, prefill: Engine, decode: Engi
 async def start_vllm_cluster(
     groups: list[str], workdir: Path, kv_load_failure_policy: str = "fail"
 ) -> VllmCluster:
-    """One prefill and one decode engine per entry of ``groups`` (their pdGroupIDs), started at once
-    and waited for, with ``kv_load_failure_policy`` on the decodes; logs under ``workdir``. Raises
+    """One prefill and one decode engine per pdGroupID of ``groups``, started and waited for.
+
+    ``kv_load_failure_policy`` on the decodes; logs under ``workdir``. Raises
     :class:`~rig.venv.VllmUnavailable` (no environment, too little memory) or
     :class:`~rig.engine.EngineError`; nothing is left running then."""
     specs = [
@@ -221,9 +235,10 @@ async def start_vllm_cluster(
 
 
 async def start_engines(specs: list[EngineSpec], workdir: Path) -> VllmCluster:
-    """The engines of ``specs``, started at once and waited for; logs and the model under ``workdir``.
-    Raises :class:`~rig.venv.VllmUnavailable` (no environment, too little memory) or
-    :class:`~rig.engine.EngineError`; nothing is left running then."""
+    """The engines of ``specs``, started at once and waited for.
+
+    Logs and the model under ``workdir``. Raises :class:`~rig.venv.VllmUnavailable` (no environment, too
+    little memory) or :class:`~rig.engine.EngineError`; nothing is left running then."""
     python = venv_python()
     if python is None:
         raise VllmUnavailable("vLLM for CPU is not installed: run `make vllm-env` (about 3.7 GB, 10-15 min)")
@@ -257,8 +272,10 @@ async def start_engines(specs: list[EngineSpec], workdir: Path) -> VllmCluster:
 
 
 async def start_vllm_stack(groups: list[str], kv_load_failure_policy: str = "fail") -> Stack:
-    """:func:`start_vllm_cluster` with its EDS files written and every pair warmed up, as a
-    :class:`~sim.stack.Stack` (no gateway yet: :meth:`~sim.stack.Stack.route_with` starts one)."""
+    """A vLLM cluster as a :class:`~sim.stack.Stack`: EDS files written, every pair warmed up.
+
+    The cluster is :func:`start_vllm_cluster`'s; no gateway yet: :meth:`~sim.stack.Stack.route_with`
+    starts one."""
     workdir = Path(tempfile.mkdtemp(prefix="pd-vllm-"))
     cluster = await start_vllm_cluster(groups, workdir, kv_load_failure_policy)
     prefill_eds, decode_eds = workdir / "prefill.json", workdir / "decode.json"
@@ -275,10 +292,11 @@ async def start_vllm_stack(groups: list[str], kv_load_failure_policy: str = "fai
 def kv_events_spec(
     group: str, int_block_hashes: bool = True, kv_blocks: int | None = None, data_parallel_size: int = 1
 ) -> EngineSpec:
-    """An engine of role ``both`` (no connector) in ``group``, publishing its KV-cache events with a
-    replay socket, its blocks named by integers or (``int_block_hashes`` false) 32 raw bytes, its KV
-    cache ``kv_blocks`` blocks (``None``: the default), of ``data_parallel_size`` ranks; every port free
-    (for ranks past the first, the ports after them: most likely free too)."""
+    """An engine of role ``both`` in ``group`` publishing its KV-cache events.
+
+    No connector; a replay socket; its blocks named by integers or (``int_block_hashes`` false) 32 raw
+    bytes; its KV cache ``kv_blocks`` blocks (``None``: the default), of ``data_parallel_size`` ranks;
+    every port free (for ranks past the first, the ports after them: most likely free too)."""
     return EngineSpec(
         "both",
         group,
@@ -293,9 +311,10 @@ def kv_events_spec(
 
 
 async def start_kv_events_stack(specs: list[EngineSpec]) -> Stack:
-    """The engines of ``specs`` (see :func:`kv_events_spec`) with their EDS files written (each in both
-    clusters, with its ``kv_events_port`` and ``kv_events_replay_port``), as a :class:`~sim.stack.Stack`
-    (no gateway yet)."""
+    """The engines of ``specs`` (:func:`kv_events_spec`) as a :class:`~sim.stack.Stack`.
+
+    Their EDS files written (each in both clusters, with its ``kv_events_port`` and
+    ``kv_events_replay_port``); no gateway yet."""
     workdir = Path(tempfile.mkdtemp(prefix="pd-vllm-events-"))
     cluster = await start_engines(specs, workdir)
     prefill_eds, decode_eds = workdir / "prefill.json", workdir / "decode.json"

@@ -16,6 +16,8 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
+from tqdm import tqdm
+
 from rig.cluster import VllmCluster, start_vllm_stack
 from rig.engine import MODEL_NAME
 from sim.experiment import measure
@@ -86,9 +88,11 @@ def _size(path: Path) -> int:
 async def run_vllm_demo(
     requests: int, modes: list[str], rate: float, bonus: float, progress: Callable[[], None]
 ) -> tuple[str, dict[str, dict]]:
-    """Run the workload once per mode on real engines: the engines' dtype and attention kernels (one
-    line, :meth:`~rig.attention.AttentionPath.describe`) and the summaries by mode. Raises
-    :class:`~rig.venv.VllmUnavailable` when the machine cannot run them (the message says why)."""
+    """Run the workload once per mode on real engines.
+
+    The engines' dtype and attention kernels (one line, :meth:`~rig.attention.AttentionPath.describe`) and
+    the summaries by mode. Raises :class:`~rig.venv.VllmUnavailable` when the machine cannot run them (the
+    message says why)."""
     plans = plan_workload(requests, rate, prompt_tokens=PROMPT_TOKENS, output_tokens=OUTPUT_TOKENS)
     stack = await start_vllm_stack(GROUPS)
     cluster = stack.cluster
@@ -110,3 +114,11 @@ async def run_vllm_demo(
     finally:
         stack.stop()
     return cluster.attention.describe(), results
+
+
+async def run_vllm(requests: int, modes: list[str], rate: float, bonus: float) -> tuple[str, dict[str, dict]]:
+    """Run :func:`run_vllm_demo` with a progress bar.
+
+    Returns what it returns: the engines' dtype and attention kernels, and the results."""
+    with tqdm(total=requests * len(modes), unit="req", desc="demo on vLLM", leave=False) as bar:
+        return await run_vllm_demo(requests, modes, rate, bonus, progress=lambda: bar.update(1))

@@ -69,9 +69,11 @@ class EngineError(StackError):
 
 @dataclass(frozen=True, slots=True)
 class EngineSpec:
-    """What one engine is: ``role`` (``prefill``, ``decode`` or ``both``), ``group`` (its pdGroupID),
-    the HTTP ``port`` and the NIXL side-channel ``side_port`` on 127.0.0.1, and the decode's
-    ``kv_load_failure_policy`` (``fail``, vLLM's default, or ``recompute``).
+    """What one engine is.
+
+    ``role`` (``prefill``, ``decode`` or ``both``), ``group`` (its pdGroupID), the HTTP ``port`` and the NIXL
+    side-channel ``side_port`` on 127.0.0.1, and the decode's ``kv_load_failure_policy`` (``fail``, vLLM's
+    default, or ``recompute``).
 
     ``kv_events_port``: the port its KV-cache events are published on (``None``: it publishes none),
     ``kv_replay_port`` its replay socket's; ``int_block_hashes``: the events name blocks by 64-bit
@@ -93,16 +95,21 @@ class EngineSpec:
 
     @property
     def address(self) -> str:
+        """``127.0.0.1:port``: the engine's OpenAI server."""
+        """``127.0.0.1:port``: the engine's OpenAI server."""
         return f"127.0.0.1:{self.port}"
 
     @property
     def name(self) -> str:
+        """``role-group-port``: the engine's name in logs and folders."""
+        """``role-group-port``: the engine's name in logs and folders."""
         return f"{self.role}-{self.group}-{self.port}"
 
 
 def exit_status(code: int) -> str:
-    """A process's exit code as it reads best: ``-4 (SIGILL)`` for one killed by a signal, else the
-    code."""
+    """A process's exit code as it reads best.
+
+    ``-4 (SIGILL)`` for one killed by a signal, else the code."""
     if code < 0:
         with contextlib.suppress(ValueError):
             return f"{code} ({signal.Signals(-code).name})"
@@ -119,8 +126,10 @@ def kv_transfer_config(spec: EngineSpec) -> dict[str, object]:
 
 
 def kv_events_config(spec: EngineSpec) -> dict[str, object]:
-    """The ``--kv-events-config`` of ``spec``'s engine (one with a ``kv_events_port``): ZMQ sockets bound
-    on every interface (vLLM binds an endpoint with ``*`` and connects to any other), no topic."""
+    """The ``--kv-events-config`` of ``spec``'s engine (one with a ``kv_events_port``).
+
+    ZMQ sockets bound on every interface (vLLM binds an endpoint with ``*`` and connects to any other), no
+    topic."""
     return {
         "enable_kv_cache_events": True,
         "publisher": "zmq",
@@ -149,9 +158,10 @@ def engine_command(python: Path, model: Path, spec: EngineSpec, nice: int = DEFA
 
 
 def engine_environment(spec: EngineSpec, base: Mapping[str, str] = os.environ) -> dict[str, str]:
-    """``base`` plus what ``spec``'s engine needs: NIXL over TCP on loopback, its side-channel port,
-    the KV cache size, the block hashes of its KV-cache events, development mode, and no network
-    access (the model is local, usage stats off)."""
+    """``base`` plus what ``spec``'s engine needs.
+
+    NIXL over TCP on loopback, its side-channel port, the KV cache size, the block hashes of its KV-cache
+    events, development mode, and no network access (the model is local, usage stats off)."""
     return {
         **base,
         "UCX_NET_DEVICES": "lo",
@@ -180,26 +190,35 @@ class Engine:
 
     @property
     def address(self) -> str:
+        """The engine's ``host:port``."""
+        """The engine's ``host:port``."""
         return self.spec.address
 
     @property
     def url(self) -> str:
+        """The engine's base URL."""
+        """The engine's base URL."""
         return f"http://{self.spec.address}"
 
     def alive(self) -> bool:
+        """Whether the engine's process is still running."""
+        """Whether the engine's process is still running."""
         return self.process.poll() is None
 
     def log_tail(self, lines: int = 25) -> str:
+        """The last ``lines`` lines of the engine's log (``""`` when it cannot be read)."""
+        """The last ``lines`` lines of the engine's log (``""`` when it cannot be read)."""
         with contextlib.suppress(OSError):
             return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
         return ""
 
     def death(self) -> str | None:
-        """Why the engine is dead, or ``None`` when nothing says it is: its process exited (``exited
-        with code -4 (SIGILL)``), and what its log says of a worker or engine core that died (``its
-        worker VllmWorker-0 died with exit code -4 (SIGILL)``; the first such line), or failing that
-        of a dead engine core (:data:`ENGINE_DEAD`, which vLLM answers with 500 while its API server
-        lives on)."""
+        """Why the engine is dead, or ``None`` when nothing says it is.
+
+        Its process exited (``exited with code -4 (SIGILL)``), and what its log says of a worker or engine
+        core that died (``its worker VllmWorker-0 died with exit code -4 (SIGILL)``; the first such line),
+        or failing that of a dead engine core (:data:`ENGINE_DEAD`, which vLLM answers with 500 while its
+        API server lives on)."""
         reasons = []
         code = self.process.poll()
         if code is not None:
@@ -217,23 +236,26 @@ class Engine:
         return "; ".join(reasons) or None
 
     async def wait_death(self, grace: float) -> str | None:
-        """:meth:`death`, waiting up to ``grace`` seconds for a sign of it (an engine that stopped
-        answering may take a moment to exit)."""
+        """Why the engine is dead, waiting up to ``grace`` seconds for a sign of it.
+
+        As :meth:`death`; an engine that stopped answering may take a moment to exit."""
         deadline = time.monotonic() + grace
         while (reason := self.death()) is None and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         return reason
 
     def death_error(self, reason: str, doing: str) -> EngineError:
-        """The error for the engine having died (``reason``, see :meth:`death`) while ``doing``
-        something: names it and quotes its log's end."""
+        """The error for the engine having died (``reason``, see :meth:`death`) while ``doing`` something.
+
+        Names it and quotes its log's end."""
         return EngineError(
             f"{self.spec.name} died during {doing}: {reason}; its log ends:\n{self.log_tail()}"
         )
 
     async def wait_ready(self, timeout: float = START_TIMEOUT_SECONDS) -> None:
-        """Wait until ``/health`` answers 200; raise :class:`EngineError` if the engine dies
-        (:meth:`death`) or ``timeout`` seconds pass."""
+        """Wait until ``/health`` answers 200.
+
+        Raise :class:`EngineError` if the engine dies (:meth:`death`) or ``timeout`` seconds pass."""
         deadline = self.started + timeout
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
             while time.monotonic() < deadline:
@@ -248,8 +270,9 @@ class Engine:
         raise EngineError(f"{self.spec.name} was not ready within {timeout:.0f} s:\n{self.log_tail()}")
 
     def kill(self) -> None:
-        """Die like a lost node: SIGKILL the engine's whole process group (API server, engine
-        core, worker) and reap it."""
+        """Die like a lost node.
+
+        SIGKILL the engine's whole process group (API server, engine core, worker) and reap it."""
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait()
@@ -282,8 +305,10 @@ class Engine:
         return total
 
     async def metrics(self, session: aiohttp.ClientSession) -> dict[str, float]:
-        """The engine's ``/metrics`` samples, each name with its labels except ``engine`` and
-        ``model_name`` (e.g. ``vllm:prompt_tokens_by_source_total{source=external_kv_transfer}``)."""
+        """The engine's ``/metrics`` samples.
+
+        Each name with its labels except ``engine`` and ``model_name`` (e.g.
+        ``vllm:prompt_tokens_by_source_total{source=external_kv_transfer}``)."""
         async with session.get(f"{self.url}/metrics") as response:
             response.raise_for_status()
             text = await response.text()
@@ -303,8 +328,9 @@ def _group_members(pgid: int) -> list[int]:
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """A Prometheus text page as ``{name{label=value,...}: value}`` (labels sorted, ``engine`` and
-    ``model_name`` left out; a name without other labels stands alone)."""
+    """A Prometheus text page as ``{name{label=value,...}: value}``.
+
+    Labels sorted, ``engine`` and ``model_name`` left out; a name without other labels stands alone."""
     samples: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -325,8 +351,9 @@ def _die_with_parent() -> None:
 def start_engine(
     python: Path, model: Path, spec: EngineSpec, log_dir: Path, nice: int = DEFAULT_NICE
 ) -> Engine:
-    """Start ``spec``'s engine (not waiting for it: see :meth:`Engine.wait_ready`), logging to
-    ``log_dir/<name>.log``."""
+    """Start ``spec``'s engine, logging to ``log_dir/<name>.log``.
+
+    Not waiting for it: see :meth:`Engine.wait_ready`."""
     log_path = log_dir / f"{spec.name}.log"
     with log_path.open("wb") as log:
         process = subprocess.Popen(

@@ -101,8 +101,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """Build the :class:`EngineConfig` from parsed options (the profile's costs, overridden by the
-    options given); raise ``ValueError`` if invalid."""
+    """The :class:`EngineConfig` of parsed options.
+
+    The profile's costs, overridden by the options given; raises ``ValueError`` if invalid."""
     profile = load_profile(args.profile)
     models = [
         dataclasses.replace(

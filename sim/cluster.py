@@ -1,5 +1,6 @@
-"""Many simulated engines in one asyncio process, sharing one model clock, one cross-group
-link and one EDS group map: the setup demos and benchmarks use.
+"""Many simulated engines in one asyncio process: the setup demos and benchmarks use.
+
+They share one model clock, one cross-group link and one EDS group map.
 
 Typical use with ephemeral ports: start the cluster, then write the EDS files the gateway will
 read from :func:`endpoint_specs` (the engines re-read them on their next lookup)::
@@ -34,10 +35,11 @@ class EngineSpec:
 
 
 def clusters(large: TimingConfig, small: TimingConfig) -> dict[str, list[EngineSpec]]:
-    """The named clusters of the demo and the benchmarks: ``demo`` (pdGroup rack-a 2 prefills + 3
-    large decodes, rack-b 1 prefill + 2 small decodes) and ``three-group`` (g1 and g2 each 2 prefills
-    + 3 large decodes; ``trap`` 2 prefills and 1 small decode); every prefill and the large decodes
-    ``large``, the small decodes ``small``."""
+    """The named clusters of the demo and the benchmarks.
+
+    ``demo`` (pdGroup rack-a 2 prefills + 3 large decodes, rack-b 1 prefill + 2 small decodes) and
+    ``three-group`` (g1 and g2 each 2 prefills + 3 large decodes; ``trap`` 2 prefills and 1 small decode);
+    every prefill and the large decodes ``large``, the small decodes ``small``."""
 
     def engines(group: str, prefills: int, decodes: int, timing: TimingConfig) -> list[EngineSpec]:
         return [EngineSpec("prefill", group, timing=large) for _ in range(prefills)] + [
@@ -109,9 +111,11 @@ def bootstrap_port(engine: RunningEngine) -> int | None:
 def endpoint_specs(
     engines: Iterable[RunningEngine], roles: Iterable[str] | None = None
 ) -> list[EndpointSpec]:
-    """EDS endpoints (address, ``pdGroupID``, :func:`bootstrap_port`, ``kv_events_port`` and
+    """The EDS endpoints of the engines whose role is in ``roles`` (default all).
+
+    Each with its address, ``pdGroupID``, :func:`bootstrap_port`, ``kv_events_port`` and
     ``kv_events_replay_port`` when the engine publishes KV-cache events, and ``models`` when it serves
-    one model only: :attr:`EngineSpec.model`) of the engines whose role is in ``roles`` (default all)."""
+    one model only (:attr:`EngineSpec.model`)."""
     wanted = set(roles) if roles is not None else None
     return [
         EndpointSpec(

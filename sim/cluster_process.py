@@ -25,7 +25,9 @@ from sim.server import RunningEngine
 
 @dataclass(frozen=True)
 class EngineInfo:
-    """One started engine as the parent sees it (``bootstrap_port``: :func:`sim.cluster.bootstrap_port`;
+    """One started engine as the parent sees it.
+
+    One started engine as the parent sees it (``bootstrap_port``: :func:`sim.cluster.bootstrap_port`;
     ``kv_events_port``: where it publishes its KV-cache events, ``None`` when it does not;
     ``kv_events_replay_port``: its replay socket, ``None`` when it has none; ``data_parallel_size``: its
     data-parallel ranks, a real engine's; ``models``: the one model it serves, refusing others, ``None``:
@@ -158,8 +160,9 @@ def spawn_cluster(
     timeout: float = 30.0,
     kv_events: KvEventsConfig | None = None,
 ) -> ClusterProcess:
-    """Start the engines in a child process and write the EDS files; return when all listen
-    (``kv_events``: every engine publishes its KV-cache events so)."""
+    """Start the engines in a child process and write the EDS files.
+
+    Return when all listen (``kv_events``: every engine publishes its KV-cache events so)."""
     parent, child = multiprocessing.get_context("spawn").Pipe()
     eds = [str(prefill_eds), str(decode_eds)]
     process = multiprocessing.get_context("spawn").Process(

@@ -94,7 +94,9 @@ class TimingConfig:
                 raise ValueError(f"{name} must be >= 0")
 
     def prefill_ms(self, tokens: int, seqs: int, pairs: int = 0) -> float:
-        """Model ms to prefill ``tokens`` prompt tokens spread over ``seqs`` sequences in one step,
+        """Model ms to prefill ``tokens`` prompt tokens in one step.
+
+        Model ms to prefill ``tokens`` prompt tokens spread over ``seqs`` sequences in one step,
         ``pairs`` attended token pairs among them (see the class docstring)."""
         if seqs <= 0:
             return 0.0
@@ -105,7 +107,9 @@ class TimingConfig:
         )
 
     def decode_ms(self, seqs: int, context: int = 0) -> float:
-        """Model ms of one decode step over ``seqs`` running sequences holding ``context`` tokens in
+        """Model ms of one decode step.
+
+        Model ms of one decode step over ``seqs`` running sequences holding ``context`` tokens in
         all (0 when none decode)."""
         if seqs <= 0:
             return 0.0
@@ -128,8 +132,10 @@ class TimingConfig:
 
 @dataclass(frozen=True)
 class KvConfig:
-    """KV-cache transfer model: ``kv_base_latency_ms + prompt_tokens * kv_bytes_per_token / bandwidth``,
-    and the timeouts of the PD handoff protocols.
+    """KV-cache transfer model.
+
+    ``kv_base_latency_ms + prompt_tokens * kv_bytes_per_token / bandwidth``, and the timeouts of the PD
+    handoff protocols.
 
     Bandwidths are in GB/s (10^9 bytes/s). Same-group transfers use a dedicated fabric; all
     cross-group transfers of one process share one link (processor sharing, :class:`sim.kv.SharedLink`).

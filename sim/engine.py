@@ -41,13 +41,17 @@ class EngineError(RuntimeError):
 
 
 class KvMissing(Exception):
-    """Raised by a :data:`Pull` whose ``kv_transfer_params`` are unusable (vLLM: "Got invalid
+    """A pull's ``kv_transfer_params`` are unusable: the sequence is prefilled locally.
+
+    Raised by a :data:`Pull` whose ``kv_transfer_params`` are unusable (vLLM: "Got invalid
     KVTransferParams ... will not utilize KVTransfer"): the engine prefills the sequence locally,
     whatever its ``kv_load_failure_policy``. The message says why."""
 
 
 class KvLoadFailed(KvMissing):
-    """Raised by a :data:`Pull` that could not load the KV cache (prefill unreachable, blocks not
+    """A pull could not load the KV cache.
+
+    Raised by a :data:`Pull` that could not load the KV cache (prefill unreachable, blocks not
     held, expired or freed): under ``kv_load_failure_policy`` ``fail`` the request fails with a
     :class:`KvLoadError`, under ``recompute`` it is prefilled locally."""
 
@@ -58,8 +62,10 @@ class KvLoadError(EngineError):
 
 @dataclass(frozen=True, slots=True)
 class Hold:
-    """Keep a finished prefill's KV blocks for a remote decode: under ``key`` (the NIXL
-    ``remote_request_id`` or the Mooncake ``transfer_id``) for ``seconds`` (model s) unless renewed."""
+    """Keep a finished prefill's KV blocks for a remote decode.
+
+    Under ``key`` (the NIXL ``remote_request_id`` or the Mooncake ``transfer_id``) for ``seconds`` (model
+    s) unless renewed."""
 
     key: str
     seconds: float
@@ -117,7 +123,9 @@ class Sequence:
 
     @property
     def finish_reason(self) -> str | None:
-        """Once finished: ``"stop"`` when the model ended (``stops``, or before the budget ran
+        """Why the sequence finished (``stop`` or ``length``); ``None`` before.
+
+        Once finished: ``"stop"`` when the model ended (``stops``, or before the budget ran
         out), else ``"length"``. ``None`` while running or when aborted."""
         if self.state != FINISHED:
             return None
@@ -126,8 +134,10 @@ class Sequence:
 
 @dataclass
 class StepPlan:
-    """One scheduler step: ``prefill`` (sequence, prompt tokens this step), ``decode`` sequences,
-    ``loads`` the sequences whose CPU-tier blocks it loads first (the step waits for the copy)."""
+    """One scheduler step.
+
+    ``prefill`` (sequence, prompt tokens this step), ``decode`` sequences, ``loads`` the sequences whose
+    CPU-tier blocks it loads first (the step waits for the copy)."""
 
     prefill: list[tuple[Sequence, int]]
     decode: list[Sequence]
@@ -207,8 +217,9 @@ class Scheduler:
                 self.cache.cache(seq.holding, hashes, seq.prefix.output_content(generated))
 
     def recompute(self, seq: Sequence) -> None:
-        """A pulled sequence's KV cache cannot be loaded: it prefills locally from the next step on
-        (its cached leading blocks still count)."""
+        """A pulled sequence's KV cache cannot be loaded.
+
+        It prefills locally from the next step on (its cached leading blocks still count)."""
         self._start(seq)
         seq.prefilled = seq.cached_tokens
 
@@ -276,8 +287,9 @@ class Scheduler:
         seq.state = ABORTED
 
     def free(self, seq: Sequence) -> None:
-        """Free the KV blocks ``seq`` reserves (a finished sequence's held blocks included); the cached
-        ones stay cached until evicted."""
+        """Free the KV blocks ``seq`` reserves (a finished sequence's held blocks included).
+
+        The cached ones stay cached until evicted."""
         self.cache.release(seq.holding)
         seq.kv_blocks = 0
 
@@ -361,7 +373,9 @@ class Engine:
             self._task = asyncio.create_task(self._run(), name=f"sim-engine-{self.engine_id}")
 
     async def stop(self) -> None:
-        """Stop the loop, fail every sequence still inside the engine, free every hold and wake
+        """Stop the loop and fail every sequence still inside the engine.
+
+        Stop the loop, fail every sequence still inside the engine, free every hold and wake
         whoever waits for one (:meth:`wait_held` returns ``None``)."""
         tasks = [t for t in (self._task, *self._pulls.values()) if t is not None]
         for task in tasks:
@@ -388,9 +402,10 @@ class Engine:
         stops: bool = False,
         hold: Hold | None = None,
     ) -> Sequence:
-        """Queue a request; raise ``ValueError`` if it can never fit. Returns its :class:`Sequence`
-        (see there for ``prefix``, ``stops`` and ``hold``; ``prefix`` is ignored unless the engine
-        runs with ``enable_prefix_caching``)."""
+        """Queue a request; raise ``ValueError`` if it can never fit.
+
+        Returns its :class:`Sequence` (see there for ``prefix``, ``stops`` and ``hold``; ``prefix`` is
+        ignored unless the engine runs with ``enable_prefix_caching``)."""
         seq = Sequence(
             request_id=f"{self.engine_id}-{next(self._ids)}",
             prompt_tokens=prompt_tokens,
@@ -430,7 +445,9 @@ class Engine:
         return self._held_keys.get(key)
 
     async def wait_held(self, key: str, timeout_s: float) -> Sequence | None:
-        """The sequence held under ``key`` once it is (a prefill may finish after its decode asks),
+        """The sequence held under ``key`` once it is, or ``None`` after a timeout.
+
+        The sequence held under ``key`` once it is (a prefill may finish after its decode asks),
         or ``None`` after ``timeout_s`` model seconds."""
         seq = self._held_keys.get(key)
         if seq is not None:

@@ -72,7 +72,9 @@ async def measure(
     ground_truth: Callable[[list[Record]], None] | None = None,
     **routing: object,
 ) -> dict:
-    """Route with ``mode`` (``off``/``prefer``/``strict``, or :data:`BASELINE`), ``handoff``
+    """Route one workload through the stack with ``mode``; its summary.
+
+    Route with ``mode`` (``off``/``prefer``/``strict``, or :data:`BASELINE`), ``handoff``
     (pd-extproc's ``handoff.mode``) and more ``routing`` options of :meth:`Stack.route_with` (with
     several ``replicas``, the requests go round robin over their gateways), run ``plans`` asking for
     ``model``; return the summary (see :func:`sim.report.summarize`). ``ground_truth``, when given,

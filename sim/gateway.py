@@ -1,5 +1,6 @@
-"""Run the gateway locally: the real Envoy from the shipped bootstrap, and pd-extproc as a process
-(tests, demo and benchmarks).
+"""Run the gateway locally.
+
+The real Envoy from the shipped bootstrap, and pd-extproc as a process (tests, demo and benchmarks).
 
 :func:`render_bootstrap` takes ``envoy/envoy.yaml`` (or ``envoy/envoy-ads.yaml``) as shipped and
 changes only what a local run must change: ports (gateway, admin, prefill-leg listener), the
@@ -76,7 +77,9 @@ def find_envoy() -> str:
 
 
 def validate_envoy(path: Path, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """``envoy --mode validate`` on the bootstrap at ``path`` (relative paths in it resolve against
+    """``envoy --mode validate`` on the bootstrap at ``path``; the finished process.
+
+    ``envoy --mode validate`` on the bootstrap at ``path`` (relative paths in it resolve against
     ``cwd``); the finished process, its output captured as text."""
     return subprocess.run(
         [find_envoy(), "--mode", "validate", "-c", str(path), "--log-level", "error"],
@@ -106,7 +109,9 @@ def render_bootstrap(
     full_duplex: bool = False,
     template: Path = SHIPPED_BOOTSTRAP,
 ) -> dict:
-    """The shipped bootstrap (``template``) bound to local ports and files (the prefill-leg
+    """The shipped bootstrap ``template`` bound to local ports and files.
+
+    The shipped bootstrap (``template``) bound to local ports and files (the prefill-leg
     listener on ``prefill_leg_port``, loopback). The EDS paths are required by a template whose
     clusters read files (``envoy.yaml``) and unused by one served over ADS (``envoy-ads.yaml``).
 
@@ -166,10 +171,11 @@ def render_bootstrap(
 
 
 def make_fail_open(bootstrap: dict) -> None:
-    """The documented fail-open edit (docs/operations.md "Reliability"), in place: the gateway
-    listener's decode route no longer requires pd-extproc's routing header, so a request pd-extproc
-    did not answer goes to a decode chosen by the decode cluster's fallback policy (the Helm chart's
-    ``envoy.failOpen``). The route of requests carrying a KV handoff keeps its headers: only
+    """The documented fail-open edit (docs/operations.md "Reliability"), in place.
+
+    The gateway listener's decode route no longer requires pd-extproc's routing header, so a request
+    pd-extproc did not answer goes to a decode chosen by the decode cluster's fallback policy (the Helm
+    chart's ``envoy.failOpen``). The route of requests carrying a KV handoff keeps its headers: only
     pd-extproc sends those."""
     listener = next(
         entry for entry in bootstrap["static_resources"]["listeners"] if entry["name"] == "gateway"
@@ -196,10 +202,12 @@ class Gateway:
 
     @property
     def url(self) -> str:
+        """The Envoy listener's base URL, where clients send requests."""
         return f"http://127.0.0.1:{self.listen_port}"
 
     @property
     def admin_url(self) -> str:
+        """Envoy's admin base URL."""
         return f"http://127.0.0.1:{self.admin_port}"
 
     def stop(self) -> None:
@@ -223,7 +231,9 @@ async def start_gateway(
     timeout: float = 20.0,
     extra_args: tuple[str, ...] = (),
 ) -> Gateway:
-    """Start Envoy on ``config`` (from :func:`render_bootstrap`), with ``extra_args`` on its command
+    """Start Envoy on ``config`` and wait until its admin says LIVE.
+
+    Start Envoy on ``config`` (from :func:`render_bootstrap`), with ``extra_args`` on its command
     line, and wait until its admin says LIVE."""
     workdir = Path(tempfile.mkdtemp(prefix="pd-gateway-"))
     path = workdir / "envoy.yaml"
@@ -284,7 +294,9 @@ def _bindable(ports: range) -> bool:
 
 
 def free_port() -> int:
-    """An unused loopback TCP port that this process was never given before, below the kernel's range of
+    """An unused loopback TCP port this process was never given before.
+
+    An unused loopback TCP port that this process was never given before, below the kernel's range of
     outgoing connections' local ports: a port handed out for a listener that binds it seconds later (a
     vLLM engine's side channel, after its 20-35 s start) cannot be taken meanwhile by a connection
     any process opens. The port and the ``_BLOCK - 1`` after it were free and none of them is handed out

@@ -95,9 +95,10 @@ class RemoteKv:
 
     @classmethod
     def parse(cls, params: dict[str, Any]) -> RemoteKv:
-        """Validate NIXL ``do_remote_prefill`` params as vLLM's connector does; ``ValueError`` names the
-        bad one. ``remote_block_ids`` is a list per KV cache group (vLLM 0.32: ``[[1, 2]]``); a flat
-        list of integers (earlier vLLM) is one group."""
+        """Validate NIXL ``do_remote_prefill`` params as vLLM's connector does.
+
+        ``ValueError`` names the bad one. ``remote_block_ids`` is a list per KV cache group (vLLM 0.32:
+        ``[[1, 2]]``); a flat list of integers (earlier vLLM) is one group."""
         host, port = params.get("remote_host"), params.get("remote_port")
         engine_id, block_ids = params.get("remote_engine_id"), params.get("remote_block_ids")
         if not isinstance(host, str) or not host:
@@ -115,8 +116,9 @@ class RemoteKv:
 
 @dataclass(frozen=True, slots=True)
 class MooncakeRemote:
-    """Where a Mooncake decode pulls from: the prefill's bootstrap ``address`` (``host:port``), its
-    engine id and the request's ``transfer_id``."""
+    """Where a Mooncake decode pulls from.
+
+    The prefill's bootstrap ``address`` (``host:port``), its engine id and the request's ``transfer_id``."""
 
     address: str
     engine_id: str
@@ -124,7 +126,9 @@ class MooncakeRemote:
 
     @classmethod
     def parse(cls, params: dict[str, Any]) -> MooncakeRemote:
-        """Validate Mooncake ``do_remote_prefill`` params (``transfer_id``, ``remote_engine_id``,
+        """Validate Mooncake ``do_remote_prefill`` params.
+
+        Validate Mooncake ``do_remote_prefill`` params (``transfer_id``, ``remote_engine_id``,
         ``remote_bootstrap_addr`` as ``http://host:port``); ``ValueError`` names the bad one."""
         for name in ("transfer_id", "remote_engine_id", "remote_bootstrap_addr"):
             if not isinstance(params.get(name), str) or not params[name]:
@@ -158,8 +162,10 @@ class Room:
             event.set()
 
     async def wait(self, event: asyncio.Event, clock: SimClock, timeout_s: float, what: str) -> None:
-        """Wait up to ``timeout_s`` model seconds for ``event``; raise :class:`BootstrapTimeout`
-        ("``what`` within ... s") after, or :class:`BootstrapError` if the room failed."""
+        """Wait up to ``timeout_s`` model seconds for ``event``.
+
+        Raise :class:`BootstrapTimeout` ("``what`` within ... s") after, or :class:`BootstrapError` if the
+        room failed."""
         try:
             await clock.wait_for(event.wait(), timeout_s)
         except TimeoutError:
@@ -189,9 +195,11 @@ def _reason(data: Any) -> str:
 
 
 class Handoff:
-    """One engine's side of both protocols: its ``/sim/`` endpoints, the KV pulls its requests make
-    (:meth:`nixl_pull`, :meth:`bootstrap_pull`), the prefill side of a bootstrap room
-    (:meth:`prefill`), and the HTTP client session it (and the llm-d sidecar call) use.
+    """One engine's side of both protocols.
+
+    Its ``/sim/`` endpoints, the KV pulls its requests make (:meth:`nixl_pull`, :meth:`bootstrap_pull`), the
+    prefill side of a bootstrap room (:meth:`prefill`), and the HTTP client session it (and the llm-d sidecar
+    call) use.
 
     :meth:`open` before serving, :meth:`shutdown` when the server stops accepting, :meth:`close` last.
     """
@@ -234,10 +242,11 @@ class Handoff:
     # --- decode side: pulls ---------------------------------------------------------------------
 
     def nixl_pull(self, params: dict[str, Any]) -> Pull:
-        """The pull of a ``do_remote_prefill`` request: validate ``params``, read the blocks from the
-        prefill, model the transfer of the tokens the decode lacks, release the blocks. Raises
-        :class:`KvMissing` when the params are malformed, :class:`KvLoadFailed` when the blocks are
-        unreadable."""
+        """The pull of a ``do_remote_prefill`` request.
+
+        Validate ``params``, read the blocks from the prefill, model the transfer of the tokens the decode
+        lacks, release the blocks. Raises :class:`KvMissing` when the params are malformed,
+        :class:`KvLoadFailed` when the blocks are unreadable."""
 
         async def pull(tokens: int) -> TransferResult:
             try:
@@ -264,7 +273,9 @@ class Handoff:
 
     @contextlib.asynccontextmanager
     async def heartbeats(self, params: dict[str, Any]) -> AsyncIterator[None]:
-        """While the body runs (a NIXL decode request waiting for its pull), renew the prefill's lease
+        """Renew the prefill's lease on its KV while the body runs.
+
+        While the body runs (a NIXL decode request waiting for its pull), renew the prefill's lease
         on its KV every ``kv_lease_s / 6`` model seconds (vLLM 0.32 ``_heartbeat_interval``); params
         without ``remote_request_id`` or a valid remote get none, as in vLLM."""
         request_id = params.get("remote_request_id")
@@ -292,10 +303,12 @@ class Handoff:
                 await task
 
     def mooncake_pull(self, params: dict[str, Any]) -> Pull:
-        """The pull of a Mooncake ``do_remote_prefill`` request: validate ``params``, query the prefill's
-        bootstrap server for the engine id, wait for the transfer's KV, model the transfer of the
-        tokens the decode lacks, release the blocks. Raises :class:`KvMissing` (malformed params) or
-        :class:`KvLoadFailed` (engine id unknown there, prefill unreachable, no KV in time)."""
+        """The pull of a Mooncake ``do_remote_prefill`` request.
+
+        Validate ``params``, query the prefill's bootstrap server for the engine id, wait for the
+        transfer's KV, model the transfer of the tokens the decode lacks, release the blocks. Raises
+        :class:`KvMissing` (malformed params) or :class:`KvLoadFailed` (engine id unknown there, prefill
+        unreachable, no KV in time)."""
 
         async def pull(tokens: int) -> TransferResult:
             try:
@@ -337,10 +350,12 @@ class Handoff:
         return pull
 
     def bootstrap_pull(self, bootstrap: Bootstrap) -> Pull:
-        """The pull of a decode request with SGLang bootstrap fields: register for the room at the
-        bootstrap server and wait (up to ``bootstrap_timeout_s``) until the prefill computed the KV,
-        model the transfer of the tokens the decode lacks, report it done. Raises :class:`EngineError`
-        (the request fails) when the server is unreachable, the room fails or times out."""
+        """The pull of a decode request with SGLang bootstrap fields.
+
+        Register for the room at the bootstrap server and wait (up to ``bootstrap_timeout_s``) until the
+        prefill computed the KV, model the transfer of the tokens the decode lacks, report it done. Raises
+        :class:`EngineError` (the request fails) when the server is unreachable, the room fails or times
+        out."""
 
         async def pull(tokens: int) -> TransferResult:
             server = host_port(bootstrap.host, bootstrap.port)
@@ -398,10 +413,11 @@ class Handoff:
     # --- prefill side -----------------------------------------------------------------------------
 
     async def prefill(self, room_id: int, prompt_tokens: int, prefix: PromptBlocks | None = None) -> Sequence:
-        """Serve the prefill request of bootstrap room ``room_id``: wait for its decode to register,
-        prefill ``prompt_tokens`` tokens (one output token; ``prefix`` keys the prefix cache, see
-        :meth:`sim.engine.Engine.submit`), hold the KV until the decode pulled it,
-        free it. Returns the finished sequence; raises :class:`BootstrapError`, :class:`EngineError`,
+        """Serve the prefill request of bootstrap room ``room_id``.
+
+        Wait for its decode to register, prefill ``prompt_tokens`` tokens (one output token; ``prefix``
+        keys the prefix cache, see :meth:`sim.engine.Engine.submit`), hold the KV until the decode pulled
+        it, free it. Returns the finished sequence; raises :class:`BootstrapError`, :class:`EngineError`,
         or ``ValueError`` when the prompt can never fit this engine's KV cache."""
         engine, timeout_s = self.engine, self.engine.config.kv.bootstrap_timeout_s
         async with self._prefill_room(room_id) as room:

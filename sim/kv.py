@@ -200,10 +200,12 @@ class GroupMap:
 
 @dataclass(frozen=True, slots=True)
 class TransferResult:
-    """What one KV pull did. ``model_ms`` is model time; ``prefill_group`` ``None`` = not in EDS;
-    ``reported_group`` is the group the prefill engine reported itself (``None``: not asked);
-    ``remote_prefill_ms`` the model ms the remote prefill took as this decode can tell (``None``: unknown);
-    ``remote_cached_tokens`` the prompt tokens the prefill found in its prefix cache (``None``: unknown)."""
+    """What one KV pull did.
+
+    ``model_ms`` is model time; ``prefill_group`` ``None`` = not in EDS; ``reported_group`` is the group
+    the prefill engine reported itself (``None``: not asked); ``remote_prefill_ms`` the model ms the remote
+    prefill took as this decode can tell (``None``: unknown); ``remote_cached_tokens`` the prompt tokens
+    the prefill found in its prefix cache (``None``: unknown)."""
 
     kind: str
     model_ms: float

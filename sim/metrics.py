@@ -87,7 +87,9 @@ class EngineMetrics:
         ).labels(**values)
 
     def add_counter(self, name: str, doc: str, fn: Callable[[], float]) -> None:
-        """Register a counter (rendered ``<name>_total``) with the usual labels whose running total
+        """Register a counter whose running total ``fn()`` is read at scrape time.
+
+        Register a counter (rendered ``<name>_total``) with the usual labels whose running total
         ``fn()`` is read at scrape time (the engine keeps the count itself)."""
         self.registry.register(_FunctionCounter(name, doc, self._values, fn))
 

@@ -59,9 +59,11 @@ _ASCII_TOKEN = np.dtype(f">u{CHARS_PER_TOKEN}")
 
 
 def token_ids(content: str | Sequence[int]) -> list[int]:
-    """The simulator's token ids of ``content``: token ids as they are; text in tokens of
-    ``CHARS_PER_TOKEN`` characters, each its UTF-8 bytes read as a big-endian integer when they are at
-    most 8 (any ASCII token), else the first 8 bytes of their BLAKE2b digest (ids below ``2**64``)."""
+    """The simulator's token ids of ``content``.
+
+    Token ids as they are; text in tokens of ``CHARS_PER_TOKEN`` characters, each its UTF-8 bytes read as a
+    big-endian integer when they are at most 8 (any ASCII token), else the first 8 bytes of their BLAKE2b
+    digest (ids below ``2**64``)."""
     if not isinstance(content, str):
         return list(content)
     if content.isascii():  # every token its bytes: read them all at once (the trace replay's hot path)
@@ -87,7 +89,9 @@ def block_content(content: str | Sequence[int], block_size: int, index: int) -> 
 
 
 def chain(content: str | Sequence[int], block_size: int) -> list[int]:
-    """The chained hashes of every full block of ``content`` (text: ``CHARS_PER_TOKEN * block_size``
+    """The chained hashes of every full block of ``content``.
+
+    The chained hashes of every full block of ``content`` (text: ``CHARS_PER_TOKEN * block_size``
     characters a block; token ids: ``block_size`` ids a block)."""
     text = isinstance(content, str)
     size = CHARS_PER_TOKEN * block_size if text else block_size
@@ -111,7 +115,9 @@ class PromptBlocks:
         self.hashes = chain(self.content, self.block_size)
 
     def with_output(self, generated: int) -> list[int]:
-        """The chained hashes of the full blocks of the prompt followed by ``generated`` output
+        """The chained hashes of the prompt's full blocks followed by ``generated`` tokens.
+
+        The chained hashes of the full blocks of the prompt followed by ``generated`` output
         tokens (token-id prompts: the prompt's alone, the generated ids being unknown)."""
         if not isinstance(self.content, str) or generated <= 0:
             return self.hashes
@@ -126,8 +132,10 @@ class PromptBlocks:
 
 @dataclass
 class Holding:
-    """The blocks one sequence holds: ``refs``, the cached blocks it references (by hash), and
-    ``private``, fresh blocks not (or not yet) cached."""
+    """The blocks one sequence holds.
+
+    ``refs``, the cached blocks it references (by hash), and ``private``, fresh blocks not (or not yet)
+    cached."""
 
     refs: list[int] = field(default_factory=list)
     private: int = 0
@@ -164,7 +172,9 @@ class BlockCache:
         return len(self._refs)
 
     def lookup(self, hashes: Sequence[int], prompt_tokens: int) -> int:
-        """How many leading blocks of ``hashes`` are cached, at most ``(prompt_tokens - 1) //
+        """How many leading blocks of ``hashes`` are cached.
+
+        How many leading blocks of ``hashes`` are cached, at most ``(prompt_tokens - 1) //
         block_size`` (at least one prompt token is always computed)."""
         limit = self._limit(hashes, prompt_tokens)
         hit = 0
@@ -173,7 +183,9 @@ class BlockCache:
         return hit
 
     def lookup_cpu(self, hashes: Sequence[int], prompt_tokens: int, start: int) -> int:
-        """How many blocks of ``hashes`` from ``start`` on (the KV-cache hit's end) are in the CPU tier
+        """How many blocks of ``hashes`` from ``start`` on are in the CPU tier only.
+
+        How many blocks of ``hashes`` from ``start`` on (the KV-cache hit's end) are in the CPU tier
         and not in the KV cache, within :meth:`lookup`'s limit."""
         limit = self._limit(hashes, prompt_tokens)
         end = start
@@ -185,13 +197,17 @@ class BlockCache:
         return min(len(hashes), max(0, prompt_tokens - 1) // self.block_size)
 
     def fits(self, hit: Sequence[int], fresh: int) -> bool:
-        """Whether ``fresh`` new blocks fit once the cached blocks ``hit`` are taken (free ones among
+        """Whether ``fresh`` new blocks fit once the cached blocks ``hit`` are taken.
+
+        Whether ``fresh`` new blocks fit once the cached blocks ``hit`` are taken (free ones among
         them stop being evictable)."""
         taken = sum(1 for h in hit if self._refs[h] == 0)
         return self.used + taken + fresh <= self.capacity
 
     def take(self, hit: Sequence[int], fresh: int, prompt_tokens: int, loaded: Sequence[int] = ()) -> Holding:
-        """Reference the cached blocks ``hit`` and allocate ``fresh`` blocks (evicting free cached
+        """Reference the cached blocks ``hit`` and allocate ``fresh`` blocks.
+
+        Reference the cached blocks ``hit`` and allocate ``fresh`` blocks (evicting free cached
         ones as needed, into the CPU tier; :meth:`fits` must hold), the first ``len(loaded)`` of them
         filled from the CPU tier's blocks ``loaded`` (:meth:`lookup_cpu`) and cached; count the lookup
         of ``prompt_tokens`` tokens."""
@@ -244,7 +260,9 @@ class BlockCache:
         return added, dropped
 
     def cache(self, holding: Holding, hashes: Sequence[int], content: str | Sequence[int] = "") -> None:
-        """The sequence of ``holding`` computed the blocks ``hashes`` (its chain over ``content``, from
+        """Cache the blocks ``hashes`` that the sequence of ``holding`` computed.
+
+        The sequence of ``holding`` computed the blocks ``hashes`` (its chain over ``content``, from
         the start): each one not cached yet becomes a cached block referenced by it (one private block
         less), reported in one batch."""
         held = set(holding.refs)
@@ -286,8 +304,9 @@ class BlockCache:
         ]
 
     def reset(self) -> bool:
-        """Drop every cached block, the CPU tier's too, as vLLM's ``reset_prefix_cache``: only while no
-        block is in use (whether it did)."""
+        """Drop every cached block, the CPU tier's too, as vLLM's ``reset_prefix_cache``.
+
+        Only while no block is in use (whether it did)."""
         if self.used:
             return False
         self._refs.clear()
@@ -299,8 +318,10 @@ class BlockCache:
         return True
 
     def release(self, holding: Holding) -> None:
-        """Free every block of ``holding``: private ones become empty, cached ones free (evictable),
-        tail first so a prompt's head is evicted last."""
+        """Free every block of ``holding``.
+
+        Private ones become empty, cached ones free (evictable), tail first so a prompt's head is evicted
+        last."""
         self.used -= holding.private
         for h in reversed(holding.refs):
             left = self._refs[h] - 1

@@ -64,8 +64,10 @@ def load_profile(name: str) -> Profile:
 
 
 def smaller(timing: TimingConfig) -> TimingConfig:
-    """A smaller, slower decode engine than ``timing``: half the KV cache and batch, a third longer
-    fixed decode step (for the legacy profile, the old demo's small decodes)."""
+    """A smaller, slower decode engine than ``timing``.
+
+    Half the KV cache and batch, a third longer fixed decode step (for the legacy profile, the old demo's
+    small decodes)."""
     return replace(
         timing,
         kv_capacity_tokens=timing.kv_capacity_tokens // 2,
@@ -77,9 +79,10 @@ def smaller(timing: TimingConfig) -> TimingConfig:
 def engines_of(
     profile: str, cpu_tier_tokens: int = 0, kv_tokens: int | None = None
 ) -> tuple[TimingConfig, TimingConfig, KvConfig]:
-    """The large engines' timing, the small decodes' (:func:`smaller`) and the KV model of ``profile``;
-    every engine caches prefixes and has a CPU KV tier of ``cpu_tier_tokens`` (0: none), the large
-    ones a KV cache of ``kv_tokens`` (``None``: the profile's)."""
+    """The large engines' timing, the small decodes' (:func:`smaller`) and the KV model of ``profile``.
+
+    Every engine caches prefixes and has a CPU KV tier of ``cpu_tier_tokens`` (0: none), the large ones a
+    KV cache of ``kv_tokens`` (``None``: the profile's)."""
     measured = load_profile(profile)
     large = replace(measured.timing, enable_prefix_caching=True, cpu_kv_capacity_tokens=cpu_tier_tokens)
     small = smaller(large)

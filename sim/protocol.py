@@ -25,8 +25,10 @@ _WORDS = (" the", " sim", " kv.", " pd!", " and", " of.", " to,", " llm")
 
 @dataclass(frozen=True, slots=True)
 class Bootstrap:
-    """SGLang's PD handoff fields: the prefill's bootstrap server ``host:port`` and the ``room``
-    (a 63-bit id shared by the prefill and the decode request of one client request)."""
+    """SGLang's PD handoff fields.
+
+    The prefill's bootstrap server ``host:port`` and the ``room`` (a 63-bit id shared by the prefill and
+    the decode request of one client request)."""
 
     host: str
     port: int
@@ -167,7 +169,9 @@ _ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError"}
 def error_response(
     status: int, message: str, headers: dict[str, str] | None = None, param: str | None = None
 ) -> web.Response:
-    """An HTTP ``status`` response carrying :func:`error_body` (type ``InternalServerError`` unless
+    """An HTTP ``status`` response carrying :func:`error_body`.
+
+    An HTTP ``status`` response carrying :func:`error_body` (type ``InternalServerError`` unless
     400 or 404)."""
     err_type = _ERROR_TYPES.get(status, "InternalServerError")
     return web.json_response(error_body(message, status, err_type, param), status=status, headers=headers)

@@ -30,9 +30,11 @@ def percentile(values: Sequence[float], q: float) -> float | None:
 def decode_loads(
     records: Iterable[Record], duration_s: float, capacities: Mapping[str, float]
 ) -> dict[str, float]:
-    """Per decode engine of ``capacities``: its time-averaged number of requests in flight (each
-    request counts from its end minus the sidecar's prefill call) divided by its relative capacity
-    (its capacity over the mean capacity). Empty without capacities or a positive duration."""
+    """Per decode engine of ``capacities``.
+
+    Its time-averaged number of requests in flight (each request counts from its end minus the sidecar's
+    prefill call) divided by its relative capacity (its capacity over the mean capacity). Empty without
+    capacities or a positive duration."""
     if not capacities or duration_s <= 0:
         return {}
     busy = dict.fromkeys(capacities, 0.0)
@@ -44,7 +46,8 @@ def decode_loads(
 
 
 def load_cv(loads: Iterable[float]) -> float | None:
-    """Coefficient of variation (population std / mean) of ``loads``, 0 = perfect balance;
+    """Coefficient of variation (population std / mean) of ``loads``, 0 = perfect balance.
+
     ``None`` without loads or when they are all zero."""
     values = list(loads)
     if not values:
@@ -125,8 +128,10 @@ HIGHER_IS_BETTER = frozenset({"throughput_rps", "throughput_tokens_per_s"})
 
 
 def better(columns: Sequence[tuple[str, str, str]] = COLUMNS) -> str:
-    """One line saying which way each of ``columns`` is better, by title: ``lower is better: …; higher
-    is better: …`` (columns of neither set left out; a side without columns left out)."""
+    """One line saying which way each of ``columns`` is better, by title.
+
+    ``lower is better: …; higher is better: …`` (columns of neither set left out; a side without columns
+    left out)."""
     sides = (("lower", LOWER_IS_BETTER), ("higher", HIGHER_IS_BETTER))
     parts = [
         f"{word} is better: {', '.join(title for key, title, _ in columns if key in keys)}"

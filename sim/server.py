@@ -1,5 +1,7 @@
-"""aiohttp front end of one simulated engine: the vLLM OpenAI server, the llm-d decode sidecar and
-the engines' PD handoff protocols (:mod:`sim.handoff` has the protocols and the ``/sim/`` endpoints).
+"""aiohttp front end of one simulated engine.
+
+The vLLM OpenAI server, the llm-d decode sidecar and the engines' PD handoff protocols (:mod:`sim.handoff` has
+the protocols and the ``/sim/`` endpoints).
 
 A generation request takes the first of these paths that applies:
 
@@ -202,8 +204,9 @@ def _role_error(
 
 @dataclass(frozen=True, slots=True)
 class PullSource:
-    """How a request gets its KV cache: ``pull`` (``None``: prefill locally) and, for a NIXL pull, the
-    ``nixl`` params its heartbeats name."""
+    """How a request gets its KV cache.
+
+    ``pull`` (``None``: prefill locally) and, for a NIXL pull, the ``nixl`` params its heartbeats name."""
 
     pull: Pull | None = None
     nixl: dict[str, Any] | None = None
@@ -479,7 +482,9 @@ async def _shutdown(app: web.Application) -> None:
 
 
 def build_app(engine: Engine) -> web.Application:
-    """The aiohttp application serving ``engine`` (OpenAI API, ``/health``, ``/metrics``,
+    """The aiohttp application serving ``engine``.
+
+    The aiohttp application serving ``engine`` (OpenAI API, ``/health``, ``/metrics``,
     ``/reset_prefix_cache`` and the ``/sim/`` handoff endpoints); the engine loop runs while the app runs."""
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app[ENGINE_KEY] = engine
@@ -497,8 +502,9 @@ def build_app(engine: Engine) -> web.Application:
 
 
 async def drop_connections(runner: web.AppRunner) -> None:
-    """Stop listening and reset every open connection of ``runner``: what a crashed node looks like
-    to its clients (a graceful stop would let in-flight requests finish)."""
+    """Stop listening and reset every open connection of ``runner``.
+
+    What a crashed node looks like to its clients (a graceful stop would let in-flight requests finish)."""
     for site in list(runner.sites):
         await site.stop()
     server = runner.server
@@ -509,8 +515,10 @@ async def drop_connections(runner: web.AppRunner) -> None:
 
 @dataclass
 class RunningEngine:
-    """A started engine: its :class:`Engine`, HTTP runner and KV-event publisher (``None``: none).
-    ``address`` is ``"host:port"``."""
+    """A started engine.
+
+    Its :class:`Engine`, HTTP runner and KV-event publisher (``None``: none). ``address`` is
+    ``"host:port"``."""
 
     engine: Engine
     runner: web.AppRunner

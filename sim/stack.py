@@ -39,8 +39,10 @@ class StackError(RuntimeError):
 
 
 class Cluster(Protocol):
-    """The engines a stack routes to: the simulated cluster (:class:`~sim.cluster_process.ClusterProcess`)
-    or real vLLM engines (:class:`rig.cluster.VllmCluster`)."""
+    """The engines a stack routes to.
+
+    The simulated cluster (:class:`~sim.cluster_process.ClusterProcess`) or real vLLM engines
+    (:class:`rig.cluster.VllmCluster`)."""
 
     engines: list[EngineInfo]
 
@@ -55,8 +57,10 @@ class Cluster(Protocol):
 
 @dataclass
 class Replica:
-    """One gateway replica: a ``pd-extproc serve`` process and the Envoy in front of it, on ports of its
-    own (``server``/``gateway`` are ``None`` while stopped; a plain-Envoy baseline has no server)."""
+    """One gateway replica.
+
+    A ``pd-extproc serve`` process and the Envoy in front of it, on ports of its own
+    (``server``/``gateway`` are ``None`` while stopped; a plain-Envoy baseline has no server)."""
 
     grpc_port: int = field(default_factory=free_port)
     admin_port: int = field(default_factory=free_port)
@@ -69,14 +73,17 @@ class Replica:
 
     @property
     def admin_url(self) -> str:
+        """This replica's pd-extproc admin base URL (``/metrics``, ``/debug/endpoints``)."""
         return f"http://127.0.0.1:{self.admin_port}"
 
     def stop_server(self) -> None:
+        """Stop this replica's pd-extproc (SIGTERM, then SIGKILL after 10 s), if running."""
         if self.server is not None:
             terminate(self.server, grace=10.0)
         self.server = None
 
     def stop_gateway(self) -> None:
+        """Stop this replica's Envoy, if running."""
         if self.gateway is not None:
             self.gateway.stop()
         self.gateway = None
@@ -108,8 +115,10 @@ class Replica:
         self.gateway_routed = extproc
 
     def failure(self) -> str | None:
-        """Why this replica no longer routes: its pd-extproc or its Envoy exited since it was started
-        (the exit code and the end of its log); ``None`` while both run (or were stopped on purpose)."""
+        """Why this replica no longer routes.
+
+        Its pd-extproc or its Envoy exited since it was started (the exit code and the end of its log);
+        ``None`` while both run (or were stopped on purpose)."""
         if self.server is not None and self.server.poll() is not None:
             code, tail = self.server.returncode, _tail(self.log)
             return f"pd-extproc exited with code {code}; the end of its log:\n{tail}"
@@ -119,6 +128,7 @@ class Replica:
         return None
 
     def stop(self) -> None:
+        """Stop Envoy, then pd-extproc."""
         self.stop_gateway()
         self.stop_server()
 
@@ -133,8 +143,10 @@ def _tail(log: Path | None, lines: int = 30) -> str:
 
 @dataclass
 class Stack:
-    """The running stack: the cluster and one or more gateway replicas (``replicas[0]`` first).
-    ``url`` is the first replica's gateway base URL, ``urls`` every replica's."""
+    """The running stack.
+
+    The cluster and one or more gateway replicas (``replicas[0]`` first). ``url`` is the first replica's
+    gateway base URL, ``urls`` every replica's."""
 
     cluster: Cluster
     workdir: Path
@@ -145,21 +157,26 @@ class Stack:
 
     @property
     def url(self) -> str:
+        """The first replica's Envoy base URL."""
         return self.urls[0]
 
     @property
     def urls(self) -> list[str]:
+        """Every replica's Envoy base URL; raises :class:`StackError` when one has no Envoy running."""
         if any(r.gateway is None for r in self.replicas):
             raise StackError("no gateway is running")
         return [r.gateway.url for r in self.replicas if r.gateway is not None]
 
     @property
     def admin_url(self) -> str:
+        """The first replica's pd-extproc admin base URL."""
         return self.replicas[0].admin_url
 
     def failure(self) -> str | None:
-        """Why the stack no longer routes: the first replica whose pd-extproc or Envoy exited (see
-        :meth:`Replica.failure`; with several replicas, which one); ``None`` while all run."""
+        """Why the stack no longer routes.
+
+        The first replica whose pd-extproc or Envoy exited (see :meth:`Replica.failure`; with several
+        replicas, which one); ``None`` while all run."""
         for index, replica in enumerate(self.replicas):
             why = replica.failure()
             if why is not None:
@@ -192,7 +209,9 @@ class Stack:
         config: dict[str, object] | None = None,
         prefill_via: str | None = None,
     ) -> str:
-        """(Re)start ``replicas`` pd-extprocs with ``mode``/``bonus``/``handoff``/``pd_threshold_tokens``
+        """(Re)start the gateway replicas with the given routing; the first gateway's URL.
+
+        (Re)start ``replicas`` pd-extprocs with ``mode``/``bonus``/``handoff``/``pd_threshold_tokens``
         (``None``: pd-extproc's default) (prefill legs through each Envoy's prefill-leg listener, or
         straight to the engine without ``via_envoy``), scraping the engines every ``engine_metrics``
         seconds when given, with ``config`` as their configuration file (e.g. the ``affinity.auto``
@@ -270,8 +289,10 @@ def start_stack(
     kv: KvConfig | None = None,
     kv_events: KvEventsConfig | None = None,
 ) -> Stack:
-    """Start the simulated cluster and write its EDS files; gateways start on demand (``kv_events``:
-    the engines publish their KV-cache events so, each on its own ports, named in EDS)."""
+    """Start the simulated cluster and write its EDS files.
+
+    Gateways start on demand (``kv_events``: the engines publish their KV-cache events so, each on its own
+    ports, named in EDS)."""
     workdir = Path(tempfile.mkdtemp(prefix="pd-stack-"))
     prefill_eds, decode_eds = workdir / "prefill.json", workdir / "decode.json"
     try:

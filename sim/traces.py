@@ -44,8 +44,10 @@ class TraceError(ValueError):
 
 @dataclass(frozen=True)
 class TraceRequest:
-    """One request of a trace: ``arrival_s`` seconds after the trace's first one; ``blocks`` the
-    prompt's block hash ids, :data:`TRACE_BLOCK_TOKENS` tokens each (empty: no prefix information)."""
+    """One request of a trace.
+
+    ``arrival_s`` seconds after the trace's first one; ``blocks`` the prompt's block hash ids,
+    :data:`TRACE_BLOCK_TOKENS` tokens each (empty: no prefix information)."""
 
     arrival_s: float
     prompt_tokens: int
@@ -142,8 +144,9 @@ def trace_format(path: Path, name: str | None) -> str:
 
 
 def read_window(path: Path, fmt: str | None, start: int, count: int | None) -> list[TraceRequest]:
-    """Requests ``start`` .. ``start + count - 1`` (0-based; ``count`` ``None``: to the end) of the
-    trace at ``path``, arrivals shifted so the window's first one is at 0.
+    """A window of the trace at ``path``, arrivals shifted so its first one is at 0.
+
+    Requests ``start`` .. ``start + count - 1`` (0-based; ``count`` ``None``: to the end).
 
     The file is read as far as the window reaches; a window past its end raises :class:`TraceError`
     naming the file's length (it was read to the end)."""
@@ -169,7 +172,9 @@ def read_window(path: Path, fmt: str | None, start: int, count: int | None) -> l
 
 
 def spread(requests: list[TraceRequest]) -> list[TraceRequest]:
-    """``requests`` (in arrival order) with the ones that share an arrival spread evenly over the time to
+    """``requests`` with the ones that share an arrival spread over the time to the next.
+
+    ``requests`` (in arrival order) with the ones that share an arrival spread evenly over the time to
     the next distinct arrival: the ``j``-th of ``k`` sharing ``t`` arrives at ``t + j * gap / k``. The last
     group takes the median gap between distinct arrivals (none: it stays at once). The Mooncake
     conversation trace stamps its requests every ~3 s, ~10 a stamp: replayed as stamped they arrive at
@@ -193,8 +198,9 @@ def block_text(key: object) -> str:
 
 
 def prompt_text(request: TraceRequest, index: int) -> str:
-    """The prompt of ``request``, the ``index``-th of its trace (see the module docstring): exactly
-    ``request.prompt_tokens`` tokens at 4 characters a token."""
+    """The prompt of ``request``, the ``index``-th of its trace (see the module docstring).
+
+    Exactly ``request.prompt_tokens`` tokens at 4 characters a token."""
     blocks = -(-request.prompt_tokens // TRACE_BLOCK_TOKENS)
     keys: list[object] = list(request.blocks[:blocks])
     keys += [("request", index, i) for i in range(len(keys), blocks)]
@@ -202,16 +208,19 @@ def prompt_text(request: TraceRequest, index: int) -> str:
 
 
 def output_budget(request: TraceRequest, cap: int | None) -> int:
-    """The completion budget a replay asks for: ``request``'s output tokens, at most ``cap`` (``None``:
-    no cap), at least 1 (a trace's 0-token answers still take one decode step)."""
+    """The completion budget a replay asks for.
+
+    ``request``'s output tokens, at most ``cap`` (``None``: no cap), at least 1 (a trace's 0-token answers
+    still take one decode step)."""
     return max(1, request.output_tokens if cap is None else min(request.output_tokens, cap))
 
 
 def reuse_bound(requests: list[TraceRequest], block_size: int = 16) -> float:
-    """The share of ``requests``' prompt tokens an infinite cache would hold when each arrives: its
-    leading blocks that an earlier request of the list had (chained, so equal as far as the ids agree),
-    at most its prompt less one token, in whole ``block_size``-token blocks (an engine computes at
-    least one token)."""
+    """The share of ``requests``' prompt tokens an infinite cache would hold when each arrives.
+
+    Its leading blocks that an earlier request of the list had (chained, so equal as far as the ids agree),
+    at most its prompt less one token, in whole ``block_size``-token blocks (an engine computes at least
+    one token)."""
     seen: set[int] = set()
     hit = total = 0
     for request in requests:

@@ -64,6 +64,7 @@ class VirtualLoop(asyncio.SelectorEventLoop):
         super().__init__(_Selector(self))
 
     def time(self) -> float:
+        """The virtual clock, in seconds."""
         return self._now
 
     def advance(self, seconds: float) -> None:
@@ -78,6 +79,7 @@ class VirtualClock(SimClock):
         super().__init__(1.0)
 
     def now(self) -> float:
+        """The running loop's time, in seconds (virtual under a :class:`VirtualLoop`)."""
         return asyncio.get_running_loop().time()
 
 
@@ -87,7 +89,9 @@ def new_loop() -> VirtualLoop:
 
 
 def build_cluster(specs: Sequence[EngineSpec], timing: TimingConfig, kv: KvConfig) -> list[Engine]:
-    """One engine per spec (``spec.timing`` or ``timing``), sharing one :class:`VirtualClock`, one
+    """Engines on one virtual clock, one per spec; not started.
+
+    One engine per spec (``spec.timing`` or ``timing``), sharing one :class:`VirtualClock`, one
     cross-group link and the groups of the specs; not started (``await engine.start()`` on a
     :class:`VirtualLoop`). Engine ``i`` is ``127.0.0.1:FIRST_PORT + i``; they talk to each other
     in process, never over HTTP."""

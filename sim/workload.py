@@ -25,8 +25,9 @@ WORDS = ("the", "cache", "prefill", "decode", "token", "group", "router", "envoy
 
 @dataclass(frozen=True)
 class RequestPlan:
-    """One request: send ``at`` seconds after the start, ``prompt_tokens`` long, up to ``max_tokens``;
-    its text ``prompt`` (``None``: words, :func:`_prompt`)."""
+    """One request: send ``at`` seconds after the start, ``prompt_tokens`` long, up to ``max_tokens``.
+
+    Its text ``prompt`` (``None``: words, :func:`_prompt`)."""
 
     at: float
     prompt_tokens: int
@@ -42,7 +43,9 @@ def plan_workload(
     seed: int = 7,
     burst: int = 1,
 ) -> list[RequestPlan]:
-    """Poisson arrivals at ``rate_rps`` (bursts of ``burst`` requests at once when > 1), prompt and
+    """A Poisson workload with uniform prompt and output lengths.
+
+    Poisson arrivals at ``rate_rps`` (bursts of ``burst`` requests at once when > 1), prompt and
     output lengths uniform in the given inclusive ranges (tokens)."""
     rng = random.Random(seed)
     plans, now = [], 0.0
@@ -54,9 +57,10 @@ def plan_workload(
 
 
 def trace_plans(requests: Sequence[TraceRequest], speed: float, max_output: int | None) -> list[RequestPlan]:
-    """A trace window (:func:`sim.traces.read_window`) as a workload: each request sent at its arrival
-    divided by ``speed``, its prompt :func:`sim.traces.prompt_text` (the ``i``-th of the window), its
-    budget :func:`sim.traces.output_budget` under ``max_output``."""
+    """A trace window (:func:`sim.traces.read_window`) as a workload.
+
+    Each request sent at its arrival divided by ``speed``, its prompt :func:`sim.traces.prompt_text` (the
+    ``i``-th of the window), its budget :func:`sim.traces.output_budget` under ``max_output``."""
     return [
         RequestPlan(r.arrival_s / speed, r.prompt_tokens, output_budget(r, max_output), prompt_text(r, i))
         for i, r in enumerate(requests)
@@ -85,8 +89,9 @@ class Record:
 
     @property
     def decode_ttft_ms(self) -> float | None:
-        """Time to first token of the decode phase: client TTFT minus the remote prefill as the decode
-        engine reports it (``x-sim-remote-prefill-ms``)."""
+        """Time to first token of the decode phase.
+
+        Client TTFT minus the remote prefill as the decode engine reports it (``x-sim-remote-prefill-ms``)."""
         if self.ttft_ms is None:
             return None
         return self.ttft_ms - (self.remote_prefill_ms or 0.0)
@@ -158,7 +163,9 @@ async def run_workload(
     progress: Callable[[], None] | None = None,
     timeout_s: float = 120.0,
 ) -> tuple[list[Record], float]:
-    """Send every planned request through ``base_url`` (the gateway; several gateway replicas: request
+    """Send every planned request through the gateway; the records and the duration.
+
+    Send every planned request through ``base_url`` (the gateway; several gateway replicas: request
     ``i`` through the ``i % n``-th, round robin); return the records and the wall-clock duration in
     seconds from the first send to the last completion."""
     urls = [base_url] if isinstance(base_url, str) else list(base_url)

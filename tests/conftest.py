@@ -1,12 +1,11 @@
-"""Shared test setup: make the test helper modules (``tests/support/``) importable by name; load benchmark
-scripts; Helm; the fake Kubernetes API server; the ``server`` and ``stub`` fixtures of the tests that drive
-the gRPC shell directly."""
+"""Shared test setup: make the test helper modules (``tests/support/``) importable by name; Helm; the fake
+Kubernetes API server; the ``server`` and ``stub`` fixtures of the tests that drive the gRPC shell
+directly."""
 
-import importlib.util
+import os
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
-from types import ModuleType
 
 import grpc
 import pytest
@@ -16,9 +15,11 @@ from hypothesis import settings
 
 sys.path.insert(0, str(Path(__file__).parent / "support"))
 
-from fake_kube_api import FakeKubeApi
 from grpc_harness import start_with
 from helm_tool import HelmUnavailable, ensure_helm
+from promtool_tool import PromtoolUnavailable, ensure_promtool
+
+from standins.fake_kube_api import FakeKubeApi
 
 # Property tests are judged on their results, not on the wall clock: Hypothesis's default deadline (200 ms
 # an example) fails an example whose process the scheduler left waiting, on a loaded shared machine
@@ -26,18 +27,6 @@ from helm_tool import HelmUnavailable, ensure_helm
 # every settings object inherits it; pytest-timeout (pyproject.toml) still bounds each test.
 settings.register_profile("results-not-timings", deadline=None)
 settings.load_profile("results-not-timings")
-
-BENCH = Path(__file__).resolve().parent.parent / "bench"
-
-
-def load_bench(name: str) -> ModuleType:
-    """Import ``bench/<name>.py`` (benchmarks are scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture
@@ -79,3 +68,15 @@ def helm() -> Path:
         return ensure_helm()
     except HelmUnavailable as exc:
         pytest.fail(str(exc))
+
+
+@pytest.fixture(scope="session")
+def promtool() -> Path:
+    """promtool (:mod:`promtool_tool`): a test fails where it cannot be fetched as root, and is skipped,
+    naming what to install, where it cannot be fetched otherwise."""
+    try:
+        return ensure_promtool()
+    except PromtoolUnavailable as exc:
+        if os.geteuid() == 0:
+            pytest.fail(str(exc))
+        pytest.skip(str(exc))

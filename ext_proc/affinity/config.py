@@ -1,7 +1,7 @@
 """The ``affinity.auto`` section: the ``auto`` mode's time model, and its check (docs/configuration.md).
 
-The ``affinity`` section around it is :class:`ext_proc.router.AffinityConfig`, beside the router that
-applies it; its ``prefix`` subsection is :class:`ext_proc.prefix.config.PrefixConfig`.
+The ``affinity`` section around it is :class:`ext_proc.affinity_config.AffinityConfig`; its ``prefix``
+subsection is :class:`ext_proc.prefix.config.PrefixConfig`.
 """
 
 from __future__ import annotations

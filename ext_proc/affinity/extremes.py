@@ -15,7 +15,9 @@ LIST_MAX = 128
 
 
 def largest(a: NDArray[Any]) -> Any:
-    """``a.max()`` (``a`` non-empty, without NaN), as the Python number ``a.tolist()`` holds below
+    """The largest element of ``a``, computed the cheaper way for its size.
+
+    ``a.max()`` (``a`` non-empty, without NaN), as the Python number ``a.tolist()`` holds below
     :data:`LIST_MAX` elements and as numpy's scalar above: equal values either way."""
     return max(a.tolist()) if len(a) <= LIST_MAX else a.max()
 

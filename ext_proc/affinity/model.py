@@ -51,17 +51,34 @@ class Endpoint(Protocol):
     """
 
     @property
-    def address(self) -> str: ...
+    def address(self) -> str:
+        """``ip:port`` (IPv6: ``[ip]:port``): what the endpoint is known and routed by."""
+        ...
+
     @property
-    def group(self) -> str: ...
+    def group(self) -> str:
+        """Its ``pdGroupID``: a prefill and a decode of one group share the fast KV fabric."""
+        ...
+
     @property
-    def token_capacity(self) -> float: ...
+    def token_capacity(self) -> float:
+        """The tokens it holds at full load (its KV cache), > 0."""
+        ...
+
     @property
-    def active_tokens(self) -> int: ...
+    def active_tokens(self) -> int:
+        """The tokens charged to it now."""
+        ...
+
     @property
-    def active_requests(self) -> int: ...
+    def active_requests(self) -> int:
+        """The requests charged to it now."""
+        ...
+
     @property
-    def data_parallel_size(self) -> int: ...
+    def data_parallel_size(self) -> int:
+        """Its engine's data-parallel ranks (1 without data parallelism)."""
+        ...
 
 
 E = TypeVar("E", bound=Endpoint)

@@ -22,7 +22,9 @@ log = logging.getLogger(__name__)
 class Source(Protocol):
     """A discovery source: publishes endpoint sets from :meth:`run` until cancelled."""
 
-    async def run(self) -> None: ...
+    async def run(self) -> None:
+        """Publish endpoint sets as they change, until cancelled."""
+        ...
 
 
 class SourceBuilder(Protocol):

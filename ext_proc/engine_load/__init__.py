@@ -2,24 +2,13 @@
 
 See docs/routing.md "Engine load signal".
 
-:mod:`~ext_proc.engine_load.names` maps metric names per engine type, :mod:`~ext_proc.engine_load.parse`
-turns a ``/metrics`` page into an :class:`EngineSample`, :mod:`~ext_proc.engine_load.blend` is the pure
-formula, and :class:`EngineScraper` runs the scrapes and writes the result into the registry's load
-arrays. The affinity decision never knows where its numbers came from. :mod:`~ext_proc.engine_load.kinds`
-is the seam: the load-signal protocol and the table of its kinds.
+- :mod:`~ext_proc.engine_load.names` maps metric names per engine type;
+- :mod:`~ext_proc.engine_load.parse` turns a ``/metrics`` page into an engine sample;
+- :mod:`~ext_proc.engine_load.blend` is the pure formula;
+- :mod:`~ext_proc.engine_load.scraper` runs the scrapes and writes the result into the registry's load
+  arrays (the affinity decision never knows where its numbers came from);
+- :mod:`~ext_proc.engine_load.kinds` is the seam: the load-signal protocol and the table of its kinds.
+
+This module imports nothing: the configuration (:mod:`~ext_proc.engine_load.config`) loads without the
+HTTP client.
 """
-
-from ext_proc.engine_load.blend import EngineSample, blended_offset, engine_tokens
-from ext_proc.engine_load.names import EngineKind
-from ext_proc.engine_load.parse import ScrapeError, parse_page
-from ext_proc.engine_load.scraper import EngineScraper
-
-__all__ = [
-    "EngineKind",
-    "EngineSample",
-    "EngineScraper",
-    "ScrapeError",
-    "blended_offset",
-    "engine_tokens",
-    "parse_page",
-]

@@ -27,13 +27,17 @@ class EngineSample:
     ``running`` is ``None`` when the page lacks it) and ``kv_usage``, the fraction of its KV cache in
     use (mean over series, clamped to [0, 1]). ``prefix_queries`` and ``prefix_hits``: the engine's
     prefix-cache counters (prompt tokens looked up and found since it started, summed over series;
-    ``None`` when the page lacks them), for the prefix index, not the load."""
+    ``None`` when the page lacks them), for the prefix index, not the load. ``ttft_sum`` (seconds) and
+    ``ttft_count`` (first tokens): the engine's time-to-first-token histogram's sum and count since it
+    started (summed over series; ``None`` when the page lacks them), shown, never blended."""
 
     running: float | None
     waiting: float
     kv_usage: float
     prefix_queries: float | None = None
     prefix_hits: float | None = None
+    ttft_sum: float | None = None
+    ttft_count: float | None = None
 
 
 def engine_tokens(sample: EngineSample, capacity: float, request_tokens: float, queue_weight: float) -> float:

@@ -31,12 +31,28 @@ class LoadSignalKind(enum.StrEnum):
 class LoadSignal(Protocol):
     """A load signal: writes each endpoint's load offset into the registry until cancelled.
 
-    It writes the offsets into the registry's load arrays from :meth:`run` until cancelled, and
-    describes what it knows of an endpoint (``/debug/endpoints``)."""
+    It writes the offsets into the registry's load arrays from :meth:`run` until cancelled, describes
+    what it knows of an endpoint (``/debug/endpoints``) and tells the requests each engine with a fresh
+    sample reports waiting, by address (the autoscaling signals). Flow control reads its fresh samples
+    (:meth:`fresh_samples`, again when ``version`` changed)."""
 
-    async def run(self) -> None: ...
+    version: int
 
-    def describe(self, state: EndpointState) -> dict[str, object]: ...
+    async def run(self) -> None:
+        """Write each endpoint's load offset into the registry's load arrays, until cancelled."""
+        ...
+
+    def describe(self, state: EndpointState) -> dict[str, object]:
+        """What it knows of ``state``'s endpoint, as JSON values (``/debug/endpoints``)."""
+        ...
+
+    def waiting(self) -> dict[str, float]:
+        """The requests each engine with a fresh sample reported waiting, by address."""
+        ...
+
+    def fresh_samples(self) -> dict[str, list[tuple[float, float]]]:
+        """``(waiting, kv_usage)`` of every pickable engine with a fresh sample, per role."""
+        ...
 
 
 class LoadSignalBuilder(Protocol):

@@ -3,7 +3,9 @@
 Three facts make the load: requests running (shown, never blended: the local accounting already
 holds the requests this gateway placed), requests waiting, and the KV-cache usage fraction. Two more,
 optional, feed the prefix index's self-correction: the prompt tokens an engine looked up in its prefix
-cache and the ones it found (vLLM's counters; SGLang has a hit-rate gauge only). A fact is
+cache and the ones it found (vLLM's counters; SGLang has a hit-rate gauge only). Two more, shown only
+(``pd_extproc_engine_ttft_seconds``), never blended: the sum and count of the engine's time-to-first-token
+histogram, whose rate is the engine's mean TTFT (a decode's includes its wait for the KV). A fact is
 a tuple of *terms* whose values add up (SGLang's waiting requests: its scheduler queue plus the PD
 disaggregation queues, which ``num_queue_reqs`` does not count); a term is a tuple of alternative names
 of which the first one a page carries is read (vLLM renamed ``gpu_cache_usage_perc`` to
@@ -16,7 +18,7 @@ from __future__ import annotations
 import enum
 from typing import Literal, get_args
 
-Fact = Literal["running", "waiting", "kv_usage", "prefix_queries", "prefix_hits"]
+Fact = Literal["running", "waiting", "kv_usage", "prefix_queries", "prefix_hits", "ttft_sum", "ttft_count"]
 Terms = tuple[tuple[str, ...], ...]
 
 
@@ -35,6 +37,8 @@ NAMES: dict[EngineKind, dict[Fact, Terms]] = {
         "kv_usage": (("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),),
         "prefix_queries": (("vllm:prefix_cache_queries_total",),),
         "prefix_hits": (("vllm:prefix_cache_hits_total",),),
+        "ttft_sum": (("vllm:time_to_first_token_seconds_sum",),),
+        "ttft_count": (("vllm:time_to_first_token_seconds_count",),),
     },
     EngineKind.SGLANG: {  # sglang/srt/metrics/collector.py SchedulerStats
         "running": (("sglang:num_running_reqs",),),
@@ -50,6 +54,8 @@ NAMES: dict[EngineKind, dict[Fact, Terms]] = {
         "kv_usage": (("sglang:token_usage",),),
         "prefix_queries": (),  # SGLang reports a hit-rate gauge only, no counters
         "prefix_hits": (),
+        "ttft_sum": (("sglang:time_to_first_token_seconds_sum",),),
+        "ttft_count": (("sglang:time_to_first_token_seconds_count",),),
     },
 }
 

@@ -1,9 +1,10 @@
 """Turn an engine's Prometheus ``/metrics`` page into an :class:`EngineSample`.
 
 A real engine's page is 50-200 KB (histograms with many buckets, per-LoRA series, process
-metrics) of which we need three gauges (and two counters for the prefix index). Parsing it all
-with ``prometheus_client``'s text parser costs milliseconds of the event loop per page (docs/routing.md
-"Engine load signal" has the measurement), so one compiled regular expression first picks the
+metrics) of which we need three gauges (and two counters for the prefix index, and the sum and
+count of the time-to-first-token histogram, shown). Parsing it all with ``prometheus_client``'s text
+parser costs milliseconds of the event loop per page (docs/routing.md "Engine load signal" has the
+measurement), so one compiled regular expression first picks the
 sample lines of the wanted names out of the bytes (C speed, no Python loop per line), and only
 those few lines go through the real parser, which checks their syntax and values.
 """
@@ -35,9 +36,18 @@ def _lines(kind: EngineKind) -> re.Pattern[bytes]:
     """Sample lines (not ``#`` comments) of ``kind``'s names, each after a newline: the name, then
     labels or a blank, then the rest of the line (the parser checks it). A literal ``\\n`` rather than
     ``^`` with ``re.MULTILINE`` lets the regex engine skip ahead between newlines: 8 times faster on a
-    75 KB vLLM page (60 µs against 460 µs)."""
-    names = sorted({n for terms in names_for(kind).values() for term in terms for n in term})
-    alternatives = b"|".join(re.escape(n.encode()) for n in names)
+    75 KB vLLM page (60 µs against 460 µs). The names are one alternative per prefix (``vllm:``,
+    ``sglang:``), each followed by its names' rests, so a line is tried against a family's names only
+    once its prefix matched: 5 times faster than one alternative per name on the same page (48 µs
+    against 255 µs, with the time-to-first-token names)."""
+    families: dict[str, list[str]] = {}
+    for name in sorted({n for terms in names_for(kind).values() for term in terms for n in term}):
+        prefix, colon, rest = name.partition(":")
+        families.setdefault(prefix + colon, []).append(rest)
+    alternatives = b"|".join(
+        re.escape(prefix.encode()) + b"(?:" + b"|".join(re.escape(r.encode()) for r in rests) + b")"
+        for prefix, rests in families.items()
+    )
     return re.compile(rb"\n((?:" + alternatives + rb")[{ \t][^\n]*)")
 
 
@@ -47,7 +57,9 @@ def parse_page(page: bytes, kind: EngineKind) -> EngineSample:
     Running and waiting: the sum of their terms' series; KV usage: the mean of its first term's
     series. Raises :class:`ScrapeError` (``parse`` for malformed lines or values that are not finite,
     ``missing`` when no name for waiting requests or KV usage is there)."""
-    found = b"\n".join(_lines(kind).findall(b"\n" + page))  # the first line has no newline before it
+    # the first line has no newline before it; sorted, each name's lines are one family to the parser
+    # (a page interleaving the TTFT histograms' _count and _sum lines parsed 1.8 times slower)
+    found = b"\n".join(sorted(_lines(kind).findall(b"\n" + page)))
     values: dict[str, list[float]] = {}
     try:
         for family in text_string_to_metric_families(found.decode("utf-8")):
@@ -70,10 +82,13 @@ def parse_page(page: bytes, kind: EngineKind) -> EngineSample:
         wanted = " and ".join(" or ".join(n for t in names[f] for n in t) for f in ("waiting", "kv_usage"))
         raise ScrapeError("missing", f"the page lacks {wanted}")
     queries, hits = present("prefix_queries"), present("prefix_hits")
+    ttft_sum, ttft_count = present("ttft_sum"), present("ttft_count")
     return EngineSample(
         running=sum(map(sum, running)) if running else None,
         waiting=sum(map(sum, waiting)),
         kv_usage=min(1.0, sum(usage[0]) / len(usage[0])),
         prefix_queries=sum(map(sum, queries)) if queries else None,
         prefix_hits=sum(map(sum, hits)) if hits else None,
+        ttft_sum=sum(map(sum, ttft_sum)) if ttft_sum and ttft_count else None,
+        ttft_count=sum(map(sum, ttft_count)) if ttft_sum and ttft_count else None,
     )

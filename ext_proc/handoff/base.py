@@ -20,7 +20,6 @@ from ext_proc.handoff.body import HANDOFF_FIELDS, without_fields
 from ext_proc.outcome import (
     HandoffJob,
     Placement,
-    RequestMeta,
     ResponseWatcher,
     Routed,
     RoutingInstructions,
@@ -109,11 +108,17 @@ def new_request_id() -> str:
     return str(uuid.uuid4())
 
 
-def leg_headers(request_id: str, meta: RequestMeta) -> dict[str, str]:
-    """The headers of a prefill leg: the gateway's request id and the client's ``authorization``."""
+def leg_headers(request_id: str, job: HandoffJob) -> dict[str, str]:
+    """The headers of a prefill leg.
+
+    The gateway's request id, the client's ``authorization`` and, when tracing, the request span's W3C
+    trace context."""
     headers = {REQUEST_ID_HEADER: request_id}
-    if meta.authorization is not None:
-        headers["authorization"] = meta.authorization
+    authorization = job.meta.authorization
+    if authorization is not None:
+        headers["authorization"] = authorization
+    if job.trace is not None:
+        headers.update(job.trace.headers)
     return headers
 
 
@@ -170,9 +175,9 @@ class DecodeRoute:
         return self.routed(placement, request_id, plain, watcher=None)
 
 
-def prefill_leg_headers(request_id: str, meta: RequestMeta, placement: Placement) -> dict[str, str]:
+def prefill_leg_headers(request_id: str, job: HandoffJob, placement: Placement) -> dict[str, str]:
     """:func:`leg_headers`, and :data:`DP_RANK_HEADER` when ``placement`` pins the prefill to a rank."""
-    headers = leg_headers(request_id, meta)
+    headers = leg_headers(request_id, job)
     if placement.ranks.prefill is not None:
         headers[DP_RANK_HEADER] = str(placement.ranks.prefill)
     return headers

@@ -154,7 +154,7 @@ class PrefillFirst(Attempts):
         self, prefill: EndpointState, body: bytes
     ) -> tuple[LegOutcome, LegReply | None, dict[str, object] | None, str]:
         """One leg: ``(outcome, the HTTP answer if any, kv_transfer_params when OK, detail for logs)``."""
-        headers = prefill_leg_headers(self._request_id, self._job.meta, self._placement)
+        headers = prefill_leg_headers(self._request_id, self._job, self._placement)
         metrics = self._handoff.metrics
         try:
             reply = await self._handoff.client.send(prefill.address, self._job.meta.path, body, headers)

@@ -201,7 +201,7 @@ class VllmMooncakeHandoff(LegHandoff):
         transfer_id = f"xfer-{uuid.uuid4()}"
         params = decode_params(transfer_id, bootstrap, rank)
         body = with_fields(job.raw, job.body, {KV_TRANSFER_PARAMS: params}, HANDOFF_FIELDS)
-        headers = {**leg_headers(request_id, job.meta), DP_RANK_HEADER: str(rank)}
+        headers = {**leg_headers(request_id, job), DP_RANK_HEADER: str(rank)}
         leg_body = prefill_leg_body(job.body, prefill_params(transfer_id))
         address = prefill.address
         leg = self.legs.start(

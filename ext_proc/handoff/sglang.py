@@ -90,7 +90,7 @@ class SglangBootstrapHandoff:
         fields = bootstrap_fields(bootstrap_host(prefill.address), port, prompt_count(job.body))
         body = with_fields(job.raw, job.body, fields, HANDOFF_FIELDS)
         request_id = new_request_id()
-        headers = leg_headers(request_id, job.meta)
+        headers = leg_headers(request_id, job)
         leg = self.legs.start(prefill, job.meta.path, body, headers, lease, router)
         watcher = KvPullWatcher(prefill.address, lease, self.metrics, router, self.watch_streams)
         return self.route.routed(placement, request_id, body, watcher=watcher, background=leg)

@@ -3,7 +3,7 @@
 Engines cache a prompt's KV in fixed-size blocks keyed by a hash chained over the blocks before it
 (vLLM: 16 tokens a block; block ``i``'s hash covers the tokens of blocks ``0..i``), so two prompts
 share cache exactly as far as their leading blocks agree. The gateway hashes token ids when it has
-them (the body's ``prompt`` / ``input`` as ids, or the gateway tokenizer's, :mod:`ext_proc.tokenizer`)
+them (the body's ``prompt`` / ``input`` as ids, or the gateway tokenizer's, :mod:`ext_proc.tokenize.gateway`)
 and otherwise the prompt text in chunks of ``CHARS_PER_TOKEN * block_tokens`` characters — the same 4
 characters a token the load accounting estimates (:mod:`ext_proc.request`). Text chunks do not line up
 with an engine's token blocks, but both chains stop agreeing where the prompts stop agreeing, so the

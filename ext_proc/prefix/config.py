@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ext_proc.checks import in_range
-from ext_proc.prefix.kinds import PrefixSourceKind
-from ext_proc.prefix.settings import KvEventsSettings, PrefixSettings
+from ext_proc.prefix.settings import KvEventsSettings, PrefixSettings, PrefixSourceKind
 
 MAX_PREFIX_BLOCKS = 1 << 16
 """Upper bound of ``affinity.prefix.max_blocks`` (65,536 blocks: a million tokens at 16)."""

@@ -372,8 +372,10 @@ def _find(endpoint: _Endpoint, tier: str, engine_hash: EngineHash) -> int | None
 
 
 def warm() -> None:
-    """Compile the kernels now (numba compiles each on its first call): an index stores blocks in
-    two tiers (growing a table), matches them in both, removes them (shrinking it) and clears."""
+    """Compile the event index's kernels now rather than on a request.
+
+    Numba compiles each kernel on its first call; here an index stores blocks in two tiers (growing a
+    table), matches them in both, removes them (shrinking it) and clears."""
     index = EventIndex(1, 1.0, 100)
     gpu, cpu = (
         BlockStored(tuple(range(40)), None, tuple(range(40)), 1, None, tier) for tier in (None, "CPU")

@@ -8,7 +8,7 @@ the two matches.
 
 The events name blocks by token ids, so only a prompt in token ids can match them: given so
 (completions' ``prompt`` as a list of ints, or a list of such lists), or put so by the gateway's
-tokenizer (``affinity.prefix.tokenizer``; :mod:`ext_proc.tokenizer`); its chain is started at
+tokenizer (``affinity.prefix.tokenizer``; :mod:`ext_proc.tokenize.gateway`); its chain is started at
 :data:`~ext_proc.prefix.event_index.ROOT`, as the events' chains are (one engine serves one model). A
 text prompt not tokenized has the approximate index's chain (text in 4-character tokens, seeded with
 the model): it matches the recent placements only. Either chain is hashed at the pool's block size,
@@ -134,8 +134,10 @@ class KvEventSource:
             self.recent.record(hashes, name, now)
 
     def snapshot(self) -> list[tuple[str, float, Chain]]:
-        """Nothing: a replica that starts reads the engines' events (and their replay) itself, and the
-        recent placements last ``recent_seconds`` only."""
+        """Nothing: a starting replica learns from the engines' events itself.
+
+        It reads the engines' events (and their replay), and the recent placements last
+        ``recent_seconds`` only."""
         return []
 
     def observe(self, address: str, queries: float | None, hits: float | None) -> None:

@@ -295,8 +295,10 @@ class PrefixIndex:
 
 
 def warm() -> None:
-    """Compile the index's kernels now (numba compiles each on its first call): a tiny index records
-    (growing its table and numbering its positions again), matches, and shrinks its capacity."""
+    """Compile the index's kernels now rather than on a request.
+
+    Numba compiles each kernel on its first call; here a tiny index records (growing its table and
+    numbering its positions again), matches, and shrinks its capacity."""
     index = PrefixIndex(1)
     chain = np.arange(40, dtype=np.int64)
     index.record(chain, "warm", 64)

@@ -5,12 +5,12 @@ leading blocks, and learns from placements and the engines' prefix-cache counter
 (:class:`~ext_proc.prefix.tracker.PrefixTracker`) estimates from this gateway's own placements;
 ``kv-events`` (:class:`~ext_proc.prefix.event_source.KvEventSource`) reads what the engines report
 holding in their KV-cache events. A new kind is a module with its source, one
-:class:`PrefixSourceKind` member, one line in :data:`KINDS` and one in ``_KERNELS``.
+:class:`~ext_proc.prefix.settings.PrefixSourceKind` member, one line in :data:`KINDS` and one in
+``_KERNELS``.
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Protocol
@@ -22,15 +22,8 @@ from ext_proc.prefix.blocks import Chain
 from ext_proc.prefix.event_sink import EventFeed
 from ext_proc.prefix.event_source import KvEventSource
 from ext_proc.prefix.lookup import Holder, Lookup, Placed, PredictionSink
-from ext_proc.prefix.settings import PrefixSettings
+from ext_proc.prefix.settings import PrefixSettings, PrefixSourceKind
 from ext_proc.prefix.tracker import PrefixTracker
-
-
-class PrefixSourceKind(enum.StrEnum):
-    """The kinds of prefix source."""
-
-    APPROXIMATE = "approximate"
-    KV_EVENTS = "kv-events"
 
 
 class PrefixSource(Protocol):
@@ -90,8 +83,10 @@ class PrefixSource(Protocol):
         ...
 
     def snapshot(self) -> list[tuple[str, float, Chain]]:
-        """What a replica that starts is to learn: (name, capacity in tokens, blocks most recently used
-        first) per endpoint, each to be :meth:`learned` in turn."""
+        """What a replica that starts is to learn of this index.
+
+        Per endpoint: its name, capacity in tokens and blocks most recently used first, each to be
+        :meth:`learned` in turn."""
         ...
 
     def observe(self, address: str, queries: float | None, hits: float | None) -> None:

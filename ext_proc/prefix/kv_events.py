@@ -93,8 +93,9 @@ def decode_message(frames: list[bytes]) -> EventBatch:
 
 
 def decode_replay(frames: list[bytes]) -> EventBatch | None:
-    """The batch of one replay answer ``[b"", topic, sequence, payload]`` or ``[b"", sequence, payload]``;
-    ``None`` for the end marker."""
+    """Decode one replay answer into its batch (``None``: the end marker).
+
+    The answer is ``[b"", topic, sequence, payload]`` or ``[b"", sequence, payload]``."""
     if len(frames) not in (3, 4) or frames[0]:
         raise DecodeError("a replay answer has 3 or 4 frames (empty, [topic,] sequence, payload)")
     sequence = _sequence(frames[-2])

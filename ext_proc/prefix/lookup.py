@@ -66,8 +66,10 @@ def hit_tokens(lookup: Lookup, address: str, block_tokens: int, prompt_tokens: i
 def predict(
     lookup: Lookup, decision: Decision[E], block_tokens: int, prompt_tokens: int, sink: PredictionSink
 ) -> list[tuple[E, int]]:
-    """The endpoints ``decision`` placed the prompt on (its prefill, if any, first), each with the hit
-    tokens ``lookup`` predicts there (:func:`hit_tokens`), which is reported to ``sink``."""
+    """The endpoints ``decision`` placed the prompt on, each with the hit tokens predicted there.
+
+    The prefill, if any, first; the hit tokens are :func:`hit_tokens` of ``lookup``, each reported to
+    ``sink``."""
     predicted: list[tuple[E, int]] = []
     for role, endpoint in (("prefill", decision.prefill), ("decode", decision.decode)):
         if endpoint is not None:

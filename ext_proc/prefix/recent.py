@@ -86,8 +86,9 @@ def _depth(table: np.ndarray, shift: int, chain: np.ndarray, floor: int) -> int:
 
 
 class RecentPlacements:
-    """The chains placed on each endpoint (``"ip:port"``, or one data-parallel rank of it) in the last
-    ``seconds``.
+    """The chains placed on each endpoint in the last ``seconds``.
+
+    An endpoint is ``"ip:port"``, or one data-parallel rank of it.
 
     A chain is a 1-D int64 array (:func:`~ext_proc.prefix.blocks.block_hashes`) or a sequence of ints in
     int64's range."""
@@ -145,8 +146,10 @@ class RecentPlacements:
 
 
 def warm() -> None:
-    """Compile the kernels now (numba compiles each on its first call): placements record, match,
-    expire and fill a table until it is rebuilt."""
+    """Compile the recent placements' kernels now rather than on a request.
+
+    Numba compiles each kernel on its first call; here placements record, match, expire and fill a table
+    until it is rebuilt."""
     recent = RecentPlacements(1.0)
     for n in range(3):
         recent.record(np.arange(n * 8, n * 8 + 8, dtype=np.int64), "warm", float(n))

@@ -5,6 +5,7 @@ Values only: :mod:`ext_proc.prefix.config` checks and builds them from the confi
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 
@@ -35,7 +36,7 @@ class PrefixSettings:
     ``block_tokens``: tokens per hashed block (4 characters a token for text); ``max_blocks``: the
     most blocks of one prompt hashed (longer prompts match on their head only); ``self_correct``: size
     each endpoint's LRU from its engine's prefix-cache counters too (needs engine metrics); ``source``: the
-    kind of prefix source (:class:`~ext_proc.prefix.kinds.PrefixSourceKind`'s values); ``kv_events``:
+    kind of prefix source (:class:`PrefixSourceKind`'s values); ``kv_events``:
     the ``kv-events`` source's settings; ``tokenizer``: the model's tokenizer folder (``""``: none)."""
 
     block_tokens: int = 16
@@ -44,3 +45,10 @@ class PrefixSettings:
     source: str = "approximate"
     kv_events: KvEventsSettings = field(default_factory=KvEventsSettings)
     tokenizer: str = ""
+
+
+class PrefixSourceKind(enum.StrEnum):
+    """The kinds of prefix source (``affinity.prefix.source``), built by ``prefix.kinds.KINDS``."""
+
+    APPROXIMATE = "approximate"
+    KV_EVENTS = "kv-events"

@@ -32,14 +32,17 @@ def power_of_two(count: int) -> int:
 
 
 def shift_of(slots: int) -> int:
-    """How far a hash times the Fibonacci constant is shifted right to give its home in ``slots`` (a power
-    of two)."""
+    """The right shift that maps a hash to its home slot in a table of ``slots``.
+
+    A hash times the Fibonacci constant, shifted right by it, is its home in ``slots`` (a power of two)."""
     return 64 - slots.bit_length() + 1
 
 
 def slots_for(held: int) -> int:
-    """The slots of a table rebuilt to hold ``held`` blocks: a quarter full at most (at least
-    :data:`MIN_SLOTS`), so at least as many blocks again are added before it is half full."""
+    """The slots of a table rebuilt to hold ``held`` blocks.
+
+    A quarter full at most (at least :data:`MIN_SLOTS`), so at least as many blocks again are added before
+    it is half full."""
     return max(MIN_SLOTS, power_of_two(4 * held))
 
 
@@ -56,8 +59,9 @@ def home(h: int, shift: int) -> int:
 
 @numba.njit(nogil=True)
 def probe(table: np.ndarray, shift: int, h: int) -> int:
-    """The slot holding the hash ``h``, else the empty slot where it would be added (the table is never
-    full)."""
+    """The slot of the hash ``h``, else the empty slot where it would go.
+
+    The table is never full."""
     mask = len(table) - 1
     i = home(h, shift)
     while table[i, 1] != EMPTY and table[i, 0] != h:
@@ -74,8 +78,9 @@ def find(table: np.ndarray, shift: int, h: int) -> int:
 
 @numba.njit(nogil=True)
 def put(table: np.ndarray, shift: int, h: int, value: int) -> bool:
-    """Set column 1 of the hash ``h`` to ``value`` (>= 0), adding ``h`` where it is not held; whether it
-    was added."""
+    """Set column 1 of the hash ``h`` to ``value``; whether ``h`` was added.
+
+    ``value`` >= 0; ``h`` is added where it is not held."""
     i = probe(table, shift, h)
     added = table[i, 1] == EMPTY
     table[i, 0] = h
@@ -85,8 +90,10 @@ def put(table: np.ndarray, shift: int, h: int, value: int) -> bool:
 
 @numba.njit(nogil=True)
 def remove(table: np.ndarray, shift: int, i: int) -> None:
-    """Empty slot ``i``, moving back each later entry of its probe run that may then sit closer to (or
-    at) its home slot: every held hash stays reachable from its home without a gap, and no tombstone."""
+    """Empty slot ``i`` without a tombstone, keeping every held hash reachable.
+
+    Each later entry of its probe run that may then sit closer to (or at) its home slot moves back: every
+    held hash stays reachable from its home without a gap."""
     mask = len(table) - 1
     j = i
     while True:
@@ -102,7 +109,9 @@ def remove(table: np.ndarray, shift: int, i: int) -> None:
 
 @numba.njit(nogil=True)
 def rehash(old: np.ndarray, new: np.ndarray, shift: int, floor: int) -> int:
-    """Put every held hash of the table ``old`` whose column 1 is at least ``floor`` (>= 0), with its
+    """Copy the held hashes of ``old`` from ``floor`` on into ``new``; how many.
+
+    Every held hash of the table ``old`` whose column 1 is at least ``floor`` (>= 0), with its
     values, into the empty table ``new`` (of the same columns, ``shift`` its shift); how many."""
     count = 0
     for i in range(len(old)):

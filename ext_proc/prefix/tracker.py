@@ -93,8 +93,10 @@ class PrefixTracker:
             self.index.record(hashes, address, capacity)
 
     def snapshot(self) -> list[tuple[str, float, Chain]]:
-        """What the index holds, to hand a replica that starts: per endpoint, its name, capacity and blocks
-        (most recently used first; :meth:`learned` of each rebuilds the same order)."""
+        """What the index holds, to hand a replica that starts.
+
+        Per endpoint, its name, capacity and blocks (most recently used first; :meth:`learned` of each
+        rebuilds the same order)."""
         return [
             (address, self._capacity[address], self.index.held(address))
             for address in self.index.addresses

@@ -1,5 +1,7 @@
-"""The ``shared_state`` section: whether and how gateway replicas share their bookings (docs/operations.md
-"Running active-active"). Read at start only: a reload that changes it is logged and waits for a restart.
+"""The ``shared_state`` section: whether and how gateway replicas share their bookings.
+
+See docs/operations.md "Running active-active". Read at start only: a reload that changes it is
+logged and waits for a restart.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ class SharedStateKind(enum.StrEnum):
 
 
 def redacted(url: str) -> str:
-    """``url`` (one or several comma-separated) without the user, password or token before an ``@``:
-    what a log line or an error message may show."""
+    """``url`` without its credentials: what a log line or an error message may show.
+
+    ``url`` may be several, comma-separated; each loses the user, password or token before its ``@``."""
     shown = []
     for one in url.split(","):
         scheme, sep, rest = one.strip().partition("://")
@@ -35,8 +38,10 @@ def redacted(url: str) -> str:
 
 @dataclass(frozen=True)
 class NatsTls:
-    """``shared_state.nats.tls``: the CA that signs the server (``ca``), and this client's certificate
-    and key for a server that asks for one (``cert``, ``key``); files in PEM, ``""``: none."""
+    """``shared_state.nats.tls``: the CA of the server and this client's certificate.
+
+    ``ca``: the CA that signs the server; ``cert`` and ``key``: this client's certificate and key,
+    for a server that asks for one. Files in PEM; ``""``: none."""
 
     ca: str = ""
     cert: str = ""

@@ -55,6 +55,7 @@ class LocalState:
         """Nothing to close."""
 
     def describe(self) -> dict[str, object]:
+        """Its kind only (``/debug/shared``)."""
         return {"kind": SharedStateKind.LOCAL.value}
 
 
@@ -77,15 +78,19 @@ class BusState:
         )
 
     def placed(self, chain: Chain, holders: Sequence[Holder]) -> None:
+        """Queue the placement of ``chain`` on ``holders`` for the next batch."""
         self.replica.placed(chain, holders)
 
     async def start(self) -> None:
+        """Connect, learn the peers' state and start the heartbeats (:meth:`SharedRunner.start`)."""
         await self.runner.start()
 
     async def stop(self) -> None:
+        """Stop the heartbeats and disconnect."""
         await self.runner.stop()
 
     def describe(self) -> dict[str, object]:
+        """Its kind, replica name, connection, sync and each peer's sequence, silence and endpoints."""
         now = self.replica.clock()
         return {
             "kind": self.kind,
@@ -102,8 +107,13 @@ class BusState:
 class SharedMetrics(SharingSink, Protocol):
     """The metrics the shared state reports to (:class:`ext_proc.metrics.Metrics` is one)."""
 
-    def shared_connection(self, state: str) -> None: ...
-    def watch_peers(self, count: Callable[[], float]) -> None: ...
+    def shared_connection(self, state: str) -> None:
+        """The bus is now ``connected``, ``connecting`` or ``disconnected``."""
+        ...
+
+    def watch_peers(self, count: Callable[[], float]) -> None:
+        """Report ``count()``, the peer replicas heard from within the timeout, when scraped."""
+        ...
 
 
 def build_shared_state(
@@ -119,5 +129,5 @@ def build_shared_state(
 
     replica = ReplicaState(registry, prefix, metrics, config.peer_timeout_seconds)
     metrics.watch_peers(lambda: len(replica.peers.peers))
-    bus = NatsBus(config.nats, replica.name, metrics.shared_connection)
+    bus = NatsBus(config.nats, replica.name, metrics.shared_connection, replica.drop)
     return BusState(config.kind.value, replica, bus, config, metrics)

@@ -10,7 +10,11 @@ would retry a first connection forever inside ``connect``. Each connection subsc
 ``connected`` (the runner sends its whole state and asks its peers for theirs).
 
 Publishes never wait: they go to an outbox that one task writes out; a publish while disconnected is not
-buffered (the runner counts it dropped and sends the whole state again once connected). The connection
+buffered (the runner counts it dropped and sends the whole state again once connected). What the client
+refuses to send (a message over the server's ``max_payload``: ``publish_error``; the connection lost
+meanwhile: ``disconnected``) and what it throws away unread (messages arriving faster than they are
+handled, beyond :data:`PENDING_MESSAGES` waiting: ``slow_consumer``) is reported to ``dropped`` (the
+replica's :meth:`~ext_proc.shared.replica.ReplicaState.drop`: counted, logged once per cause). The connection
 state is reported to ``state`` (a callback taking ``"connecting"``, ``"connected"`` or
 ``"disconnected"``). The log says when an outage begins (``cannot reach NATS`` at the start,
 ``disconnected from NATS``) and ends (``connected to NATS``, ``reconnected to NATS``), and each new
@@ -28,7 +32,7 @@ from collections.abc import Callable
 
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.errors import NoServersError
+from nats.errors import NoServersError, SlowConsumerError
 
 from ext_proc.shared.config import NatsConfig, redacted
 from ext_proc.shared.runner import Handler
@@ -47,15 +51,22 @@ MAX_RETRY_SECONDS = 4.0
 PING_SECONDS = 1.0
 """How often the client pings the server; :data:`MAX_OUTSTANDING_PINGS` unanswered end the connection."""
 MAX_OUTSTANDING_PINGS = 3
+PENDING_MESSAGES = 65_536
+"""Messages of one subscription waiting to be handled at most; more are thrown away (``slow_consumer``)."""
+
+
+Dropped = Callable[[str, str], None]
+"""Where a bus reports a message it could not send or had to throw away: its reason, what happened."""
 
 
 class NatsBus:
     """One replica's connection to the NATS server of ``config`` (module docstring)."""
 
-    def __init__(self, config: NatsConfig, name: str, state: Callable[[str], None]) -> None:
+    def __init__(self, config: NatsConfig, name: str, state: Callable[[str], None], dropped: Dropped) -> None:
         self._config = config
         self._name = name
         self._state = state
+        self._dropped = dropped
         self._client: Client | None = None
         self._connecting: asyncio.Task[None] | None = None
         self._writer: asyncio.Task[None] | None = None
@@ -73,12 +84,15 @@ class NatsBus:
 
     @property
     def connected(self) -> bool:
+        """Whether the client is connected now (a publish then reaches the server)."""
         client = self._client
         return client is not None and client.is_connected
 
     async def start(self, subscriptions: dict[str, Handler], connected: Callable[[], None]) -> None:
-        """Start connecting (module docstring) and wait for the first try, :data:`START_WAIT_SECONDS` at
-        most; ``subscriptions`` are made at each connection, ``connected`` called after them."""
+        """Start connecting and wait for the first try to end.
+
+        Connecting is as the module docstring says; the wait is :data:`START_WAIT_SECONDS` at most.
+        ``subscriptions`` are made at each connection, ``connected`` called after them."""
         self._subscriptions = dict(subscriptions)
         self._on_connect = connected
         self._state("connecting")
@@ -131,7 +145,7 @@ class NatsBus:
                 closed_cb=closed,
             )
             for subject, handler in self._subscriptions.items():
-                await client.subscribe(subject, cb=_callback(handler))
+                await client.subscribe(subject, cb=_callback(handler), pending_msgs_limit=PENDING_MESSAGES)
             if not client.is_connected:  # lost meanwhile, before its callbacks would have counted
                 raise ConnectionError("the connection was lost while subscribing")
         except Exception as exc:  # every way a try fails: refused, auth, TLS, timeout, dropped meanwhile
@@ -171,6 +185,7 @@ class NatsBus:
             log.warning("shared state: still no connection to NATS at %s (%s); trying again", url, reason)
 
     def publish(self, subject: str, payload: bytes, reply: str = "") -> None:
+        """Queue ``payload`` for ``subject`` (answers on ``reply``); sent in order, dropped when offline."""
         self._outbox.append((subject, payload, reply))
         if self._writer is None or self._writer.done():
             self._writer = asyncio.get_running_loop().create_task(self._write())
@@ -184,9 +199,11 @@ class NatsBus:
             try:
                 await client.publish(subject, payload, reply=reply)
             except Exception as exc:  # disconnected meanwhile, or too large for the server
-                log.debug("shared state: a publish on %s failed: %s", subject, exc)
+                reason = "publish_error" if client.is_connected else "disconnected"
+                self._dropped(reason, f"a publish of {len(payload)} bytes on {subject} failed: {exc!r}")
 
     async def close(self) -> None:
+        """Stop connecting, send what is queued and disconnect."""
         self._closing = True
         if self._connecting is not None:
             self._connecting.cancel()
@@ -204,6 +221,11 @@ class NatsBus:
         self._state("disconnected")
 
     async def _error(self, exc: Exception) -> None:
+        """The client's report of an error: a message it threw away (counted), or why a connection
+        failed (kept for the log line of the try)."""
+        if isinstance(exc, SlowConsumerError):
+            self._dropped("slow_consumer", f"messages on {exc.subject} come faster than they are handled")
+            return
         self._last_error = str(exc) or type(exc).__name__
         log.debug("shared state: NATS: %s", exc)
 

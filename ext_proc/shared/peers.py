@@ -22,8 +22,10 @@ Key = tuple[str, str]
 
 @dataclass(slots=True)
 class Peer:
-    """What one peer replica reported: ``loads`` (tokens, requests) by endpoint, its last ``seq`` and
-    ``sent`` (its wall clock), and ``seen`` (this replica's monotonic clock when it arrived)."""
+    """What one peer replica reported, and when it arrived.
+
+    ``loads`` (tokens, requests) by endpoint, its last ``seq`` and ``sent`` (its wall clock), and ``seen``
+    (this replica's monotonic clock when it arrived)."""
 
     seq: int
     seen: float
@@ -41,8 +43,10 @@ class PeerLoads:
         self._totals: dict[Key, tuple[int, int]] = {}
 
     def apply(self, batch: Batch, now: float) -> set[Key] | None:
-        """Apply ``batch`` (arrived at ``now``); the endpoints whose totals it may change, or ``None`` when
-        it is stale (not newer than its sender's last) or its sender would be one peer too many."""
+        """Apply one peer's ``batch``; the endpoints whose totals it may change.
+
+        ``batch`` arrived at ``now``. ``None`` instead of the endpoints when it is stale (not newer than
+        its sender's last) or its sender would be one peer too many."""
         peer = self.peers.get(batch.replica)
         if peer is None:
             if len(self.peers) >= self.max_peers:
@@ -64,8 +68,9 @@ class PeerLoads:
         return changed
 
     def expire(self, now: float) -> tuple[list[str], set[Key]]:
-        """Forget the peers silent for ``timeout_seconds`` by ``now``: their names, and the endpoints whose
-        totals changed."""
+        """Forget the peers silent for ``timeout_seconds``.
+
+        Silent by ``now``; returns their names, and the endpoints whose totals changed."""
         gone = [n for n, p in self.peers.items() if now - p.seen > self.timeout_seconds]
         changed: set[Key] = set()
         for name in gone:

@@ -11,7 +11,7 @@ nothing here waits, and the request path only marks an endpoint changed or appen
 What a message may not do: a message that does not decode, a batch of a sender this replica already
 heard newer from, or of a new sender while :attr:`PeerLoads.max_peers
 <ext_proc.shared.peers.PeerLoads.max_peers>` peers are heard from, is dropped and counted by reason
-(``sink.dropped``), the first of each reason logged; load on an endpoint this replica does not know is
+(:meth:`drop`), the first of each reason logged; load on an endpoint this replica does not know is
 kept (discovery may lag behind a peer's) and applied once the endpoint is known; a placement of another
 prompt hashing (``fingerprint``) or on an endpoint not known is not applied (counted). A replica's own
 messages (NATS may echo them) are ignored.
@@ -45,9 +45,21 @@ MAX_PENDING_PLACEMENTS = 4096
 class SharingSink(Protocol):
     """Where the shared state reports (:class:`ext_proc.metrics.Metrics` is one)."""
 
-    def shared_sent(self, kind: str, size: int) -> None: ...
-    def shared_received(self, kind: str, size: int, lag_seconds: float | None) -> None: ...
-    def shared_dropped(self, reason: str) -> None: ...
+    def shared_sent(self, kind: str, size: int) -> None:
+        """One message of ``kind``, ``size`` bytes, was sent."""
+        ...
+
+    def shared_received(self, kind: str, size: int, lag_seconds: float | None) -> None:
+        """One peer message of ``kind`` was applied; ``lag_seconds`` since its stamp (batches only)."""
+        ...
+
+    def shared_dropped(self, reason: str) -> None:
+        """One message (or placement) was not applied or not sent, for ``reason``."""
+        ...
+
+    def shared_sync_request(self, outcome: str) -> None:
+        """One peer's sync request was ``answered``, ``coalesced`` or ``refused``."""
+        ...
 
 
 def replica_name() -> str:
@@ -103,7 +115,7 @@ class ReplicaState:
         if not holders or not len(chain):
             return
         if len(self._placements) >= MAX_PENDING_PLACEMENTS:
-            self._drop("backlog", "placements pile up faster than the bus takes them")
+            self.drop("backlog", "placements pile up faster than the bus takes them")
             return
         if not self._dirty and not self._placements and self.on_change is not None:
             self.on_change()
@@ -115,8 +127,10 @@ class ReplicaState:
         return bool(self._dirty or self._placements)
 
     def batch(self, full: bool = False) -> bytes:
-        """The next batch: the endpoints whose own load changed since the last (``full``: every endpoint
-        this replica charges), and the placements since the last. Both are then cleared."""
+        """The next batch to publish: changed loads and new placements.
+
+        The endpoints whose own load changed since the last (``full``: every endpoint this replica
+        charges), and the placements since the last. Both are then cleared."""
         states = self._charged() if full else list(self._dirty.values())
         placements, self._placements, self._dirty = tuple(self._placements), [], {}
         return self._encode(states, full, placements)
@@ -150,8 +164,10 @@ class ReplicaState:
         return answer
 
     def fingerprint(self) -> int:
-        """The prompt hashing of the prefix source in force (0: none): its kind, the block size it hashes
-        at now (``kv-events``: the engines' events give it) and the blocks of a prompt."""
+        """What identifies the prompt hashing in force (0: none).
+
+        The prefix source's kind, the block size it hashes at now (``kv-events``: the engines' events give
+        it) and the blocks of a prompt."""
         prefix = self._prefix()
         if prefix is None:
             return 0
@@ -164,13 +180,15 @@ class ReplicaState:
     # -- the peers' side ----------------------------------------------------------------------------
 
     def receive(self, payload: bytes) -> wire.Message | None:
-        """Apply one message from the bus: the peer's message it held (a
-        :class:`~ext_proc.shared.wire.SyncRequest` is for the bus to answer, :meth:`sync_answer`), or
-        ``None`` when it was dropped (counted by reason) or is this replica's own."""
+        """Apply one message from the bus.
+
+        Returns the peer's message it held (a :class:`~ext_proc.shared.wire.SyncRequest` is for the bus to
+        answer, :meth:`sync_answer`), or ``None`` when it was dropped (counted by reason) or is this
+        replica's own."""
         try:
             message = wire.decode(payload)
         except wire.WireError as exc:
-            self._drop(exc.reason, str(exc))
+            self.drop(exc.reason, str(exc))
             return None
         if message.replica == self.name:
             return None
@@ -183,11 +201,11 @@ class ReplicaState:
             return message
         peers = self.peers
         if message.replica not in peers.peers and len(peers.peers) >= peers.max_peers:
-            self._drop("too_many_peers", f"{message.replica}: {peers.max_peers} peers are heard from already")
+            self.drop("too_many_peers", f"{message.replica}: {peers.max_peers} peers are heard from already")
             return None
         changed = peers.apply(message, self.clock())
         if changed is None:
-            self._drop("stale", f"batch {message.seq} of {message.replica}: not newer than the last applied")
+            self.drop("stale", f"batch {message.seq} of {message.replica}: not newer than the last applied")
             return None
         self._sink.shared_received("batch", len(payload), max(0.0, self._wall() - message.sent))
         self._apply(changed)
@@ -196,8 +214,10 @@ class ReplicaState:
         return message
 
     def expire(self) -> None:
-        """Forget the peers silent for the timeout, and their charges; apply the loads of endpoints that
-        discovery brought since the last call (their peers' charges may have arrived before them)."""
+        """Forget the silent peers and apply the loads of new endpoints.
+
+        The silent peers' charges go with them; the loads applied are those of endpoints that discovery
+        brought since the last call (their peers' charges may have arrived before them)."""
         pools = (self.registry.prefill_pool, self.registry.decode_pool)
         if pools != self._pools:
             self._pools = pools
@@ -220,13 +240,11 @@ class ReplicaState:
     def _learn(self, print_: int, chain: Chain, holders: Sequence[Holder]) -> None:
         prefix = self._prefix()
         if prefix is None or print_ != self.fingerprint():
-            self._drop("hashing", "a placement hashed otherwise (another prefix source or block size)")
+            self.drop("hashing", "a placement hashed otherwise (another prefix source or block size)")
             return
         known = [h for h in holders if self._known(h[0])]
         if len(known) < len(holders):
-            self._drop(
-                "unknown_endpoint", f"a placement on {[h[0] for h in holders]}: not all are known here"
-            )
+            self.drop("unknown_endpoint", f"a placement on {[h[0] for h in holders]}: not all are known here")
         if known and len(chain):
             prefix.learned(chain, known)
 
@@ -234,10 +252,18 @@ class ReplicaState:
         address = name.partition(RANK_MARK)[0]
         return any(self.registry.find(role, address) is not None for role in ("prefill", "decode"))
 
-    def _drop(self, reason: str, detail: str) -> None:
+    def drop(self, reason: str, detail: str, cause: BaseException | None = None) -> None:
+        """Count one message (or part) not applied or not sent for ``reason``.
+
+        Counted in ``sink.shared_dropped``; the first of each cause is logged at WARNING: of each reason,
+        and of each type of ``cause`` (an exception, whose traceback the line carries)."""
         self._sink.shared_dropped(reason)
-        if reason not in self._logged:
-            self._logged.add(reason)
+        key = reason if cause is None else f"{reason}/{type(cause).__name__}"
+        if key not in self._logged:
+            self._logged.add(key)
             log.warning(
-                "shared state: a message dropped (%s): %s; later ones are only counted", reason, detail
+                "shared state: a message dropped (%s): %s; later ones are only counted",
+                reason,
+                detail,
+                exc_info=cause,
             )

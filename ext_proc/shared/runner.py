@@ -6,7 +6,24 @@ Subjects (``P`` the configured ``subject_prefix``): ``P.state`` carries every re
 pending (so one batch carries everything placed meanwhile), a full batch every ``heartbeat_seconds``
 and whenever the bus (re)connects, and forgets silent peers at each heartbeat. Nothing on the request
 path waits for the bus: while it is down, batches are dropped (counted) and the heartbeat after the
-reconnection sends the whole state again. A bus is anything with :class:`Bus`'s three methods:
+reconnection sends the whole state again.
+
+Sync requests are answered at most once per ``answer_seconds`` (:data:`SYNC_ANSWER_SECONDS`): the
+first after a quiet spell at once, the ones that arrive within ``answer_seconds`` of an answer
+together (coalesced: the state is built once and sent to each of their reply subjects) when that time
+is up, at most :data:`MAX_WAITING_ANSWERS` reply subjects at a time (beyond them a request is refused:
+not answered). So a flood of sync requests, a buggy or hostile peer asking again and again, costs each
+replica one answer built per ``answer_seconds``, sent once to each reply subject waiting, and never
+holds back a replica that starts: its answer comes within ``answer_seconds`` of its request, inside its
+``sync_wait_seconds``. Each request is counted by
+outcome (``sink.shared_sync_request``: ``answered``, ``coalesced``, ``refused``).
+
+Faults never end a subscription nor the heartbeats: an exception while a peer's message is applied
+(``apply_error``), this replica's sync answer is built (``answer_error``) or one of its batches is
+built (``send_error``) is caught, counted as a dropped message of that reason and logged once per
+cause at WARNING, with its traceback (:meth:`ReplicaState.drop`).
+
+A bus is anything with :class:`Bus`'s three methods:
 :class:`~ext_proc.shared.nats_bus.NatsBus`, or :class:`MemoryHub`'s buses within one process (tests
 and the trace replay, with a modelled delay).
 """
@@ -21,7 +38,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from ext_proc.shared.replica import ReplicaState, SharingSink
-from ext_proc.shared.wire import Batch, IndexPart, SyncRequest
+from ext_proc.shared.wire import Batch, IndexPart, Message, SyncRequest
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +46,10 @@ Handler = Callable[[bytes, str], None]
 """What a subscription calls with each message: its payload and its reply subject (``""``: none)."""
 SYNC_QUIET_SECONDS = 0.1
 """A starting replica stops waiting for sync answers once none came for this long (after the first)."""
+SYNC_ANSWER_SECONDS = 0.25
+"""A replica answers sync requests at most once per this many seconds (module docstring)."""
+MAX_WAITING_ANSWERS = 64
+"""Reply subjects waiting for the next answer at most (as many as the peers a replica hears from)."""
 
 
 class Bus(Protocol):
@@ -40,7 +61,9 @@ class Bus(Protocol):
         ...
 
     async def start(self, subscriptions: dict[str, Handler], connected: Callable[[], None]) -> None:
-        """Subscribe ``subscriptions`` (subject → handler) and keep them; call ``connected`` at each
+        """Subscribe and start connecting; never waits for the transport.
+
+        ``subscriptions``: subject → handler, kept across reconnections; ``connected`` is called at each
         (re)connection. Returns at once when the transport is not reachable yet (it keeps trying)."""
         ...
 
@@ -65,6 +88,7 @@ class SharedRunner:
         heartbeat_seconds: float,
         batch_seconds: float,
         sync_wait_seconds: float,
+        answer_seconds: float = SYNC_ANSWER_SECONDS,
     ) -> None:
         self.replica = replica
         self.bus = bus
@@ -79,12 +103,21 @@ class SharedRunner:
         self._beat: asyncio.Task[None] | None = None
         self._answered = asyncio.Event()
         self._last_answer = 0.0
+        self._answer_seconds = answer_seconds
+        self._next_answer = 0.0
+        """When the next sync answer may go (the event loop's clock)."""
+        self._waiting: dict[str, None] = {}
+        """The reply subjects of the sync requests coalesced into the next answer, in arrival order."""
+        self._answer_later: asyncio.TimerHandle | None = None
+        self._refused = False
+        """Whether a refused sync request was logged (the first only is)."""
         self.synced = False
         """Whether a peer answered this replica's sync request (``False``: none yet, or no peer)."""
 
     async def start(self) -> None:
-        """Subscribe, ask the peers for their state and wait for it (``sync_wait_seconds`` at most), then
-        send heartbeats until :meth:`stop`."""
+        """Subscribe, learn the peers' state, then send heartbeats.
+
+        The wait for the peers' state is ``sync_wait_seconds`` at most; heartbeats go until :meth:`stop`."""
         self.replica.on_change = self._schedule
         subscriptions = {
             self.state_subject: self._receive,
@@ -105,12 +138,14 @@ class SharedRunner:
                 await self._beat
         if self._scheduled is not None:
             self._scheduled.cancel()
+        if self._answer_later is not None:
+            self._answer_later.cancel()
         self._flush()
         await self.bus.close()
 
     def _connected(self) -> None:
         """At each (re)connection: the whole state to the peers, and theirs asked for."""
-        self._send(self.state_subject, self.replica.batch(full=True), "batch")
+        self._send_batch(full=True)
         self._send(self.sync_subject, self.replica.sync_request(), "sync_request", reply=self.inbox)
 
     async def _wait_for_sync(self) -> None:
@@ -132,7 +167,17 @@ class SharedRunner:
     def _flush(self) -> None:
         self._scheduled = None
         if self.replica.pending:
-            self._send(self.state_subject, self.replica.batch(), "batch")
+            self._send_batch(full=False)
+
+    def _send_batch(self, full: bool) -> None:
+        """Send the next batch (all of this replica's loads when ``full``); a fault is counted
+        (``send_error``), never raised."""
+        try:
+            payload = self.replica.batch(full=full)
+        except Exception as exc:  # a bug must not end the heartbeats nor the connection's callback
+            self.replica.drop("send_error", "building a batch failed", exc)
+            return
+        self._send(self.state_subject, payload, "batch")
 
     def _send(self, subject: str, payload: bytes, kind: str, reply: str = "") -> None:
         if not self.bus.connected:
@@ -146,29 +191,80 @@ class SharedRunner:
             await asyncio.sleep(self._heartbeat_seconds)
             try:
                 self.replica.expire()
-                self._send(self.state_subject, self.replica.batch(full=True), "batch")
-            except Exception:  # a bug here must not end the heartbeats: logged, tried again next beat
-                log.exception("shared state: a heartbeat failed")
+            except Exception as exc:  # a bug here must not end the heartbeats: counted, tried next beat
+                self.replica.drop("send_error", "forgetting silent peers failed", exc)
+            self._send_batch(full=True)
+
+    def _apply(self, payload: bytes) -> Message | None:
+        """:meth:`ReplicaState.receive`; a fault is counted (``apply_error``) and gives ``None``."""
+        try:
+            return self.replica.receive(payload)
+        except Exception as exc:  # a bug, or a message the decoder passed that cannot be applied
+            self.replica.drop("apply_error", f"applying a message of {len(payload)} bytes failed", exc)
+            return None
 
     def _receive(self, payload: bytes, reply: str) -> None:
-        message = self.replica.receive(payload)
-        if isinstance(message, SyncRequest) and reply:
-            for answer in self.replica.sync_answer():
-                self._send(reply, answer, "sync_answer")
+        if isinstance(self._apply(payload), SyncRequest) and reply:
+            self._asked(reply)
+
+    def _asked(self, reply: str) -> None:
+        """A sync request asking for answers on ``reply``: answered now, coalesced into the next answer,
+        or refused (module docstring)."""
+        loop = asyncio.get_running_loop()
+        if self._answer_later is None and loop.time() >= self._next_answer:
+            self._sink.shared_sync_request("answered")
+            self._send_answer([reply])
+            return
+        if reply not in self._waiting and len(self._waiting) >= MAX_WAITING_ANSWERS:
+            self._sink.shared_sync_request("refused")
+            if not self._refused:
+                self._refused = True
+                log.warning(
+                    "shared state: a sync request refused: %d wait for an answer already (a flood of them); "
+                    "later ones are only counted",
+                    len(self._waiting),
+                )
+            return
+        self._sink.shared_sync_request("coalesced")
+        self._waiting[reply] = None
+        if self._answer_later is None:
+            self._answer_later = loop.call_at(self._next_answer, self._answer_waiting)
+
+    def _answer_waiting(self) -> None:
+        self._answer_later = None
+        replies, self._waiting = list(self._waiting), {}
+        self._send_answer(replies)
+
+    def _send_answer(self, replies: list[str]) -> None:
+        """This replica's state, built once, to each of ``replies``; the next answer ``answer_seconds``
+        later at the earliest."""
+        self._next_answer = asyncio.get_running_loop().time() + self._answer_seconds
+        try:
+            answer = self.replica.sync_answer()
+        except Exception as exc:
+            self.replica.drop(
+                "answer_error", f"building the answer to {len(replies)} sync requests failed", exc
+            )
+            return
+        for reply in replies:
+            for part in answer:
+                self._send(reply, part, "sync_answer")
 
     def _answer(self, payload: bytes, reply: str) -> None:
         """A message on this replica's inbox: a peer's answer to its sync request, unless dropped."""
-        if isinstance(self.replica.receive(payload), Batch | IndexPart):
+        if isinstance(self._apply(payload), Batch | IndexPart):
             self.synced = True
             self._last_answer = asyncio.get_running_loop().time()
             self._answered.set()
 
 
 class MemoryHub:
-    """Buses within one process: what one publishes reaches the others' subscriptions ``delay_seconds``
-    later (0: on the next turn of the event loop), never its own (as NATS with ``no_echo``), and in the
-    order it was published (as NATS keeps one connection's messages in order), even when several are
-    due at the same instant (the event loop's timers alone do not keep that order)."""
+    """Buses within one process, delivering as NATS does.
+
+    What one publishes reaches the others' subscriptions ``delay_seconds`` later (0: on the next turn of
+    the event loop), never its own (as NATS with ``no_echo``), and in the order it was published (as NATS
+    keeps one connection's messages in order), even when several are due at the same instant (the event
+    loop's timers alone do not keep that order)."""
 
     def __init__(self, delay_seconds: float = 0.0) -> None:
         self.delay_seconds = delay_seconds
@@ -183,6 +279,7 @@ class MemoryHub:
         return bus
 
     def deliver(self, sender: MemoryBus, subject: str, payload: bytes, reply: str) -> None:
+        """Hand ``payload`` to every other connected bus subscribed to ``subject``, after the delay."""
         loop = asyncio.get_running_loop()
         for bus in self._buses:
             handler = bus.subscriptions.get(subject)
@@ -218,12 +315,15 @@ class MemoryBus:
         self.connected = False
 
     async def start(self, subscriptions: dict[str, Handler], connected: Callable[[], None]) -> None:
+        """Subscribe ``subscriptions`` and connect at once (``connected`` called)."""
         self.subscriptions = dict(subscriptions)
         self.connected = True
         connected()
 
     def publish(self, subject: str, payload: bytes, reply: str = "") -> None:
+        """Send ``payload`` on ``subject`` to the hub's other buses."""
         self._hub.deliver(self, subject, payload, reply)
 
     async def close(self) -> None:
+        """Disconnect: nothing more is delivered to this bus."""
         self.connected = False

@@ -7,9 +7,9 @@ import copy
 
 import pytest
 import yaml
-from shapes import SHAPES, SHAPES_DIR, nodes, render_shape
 
 from sim.gateway import validate_envoy
+from standins.shapes import SHAPES, SHAPES_DIR, nodes, render_shape
 
 SERVERS = ["127.0.0.1:7001", "127.0.0.1:7002", "127.0.0.1:7003"]
 LOCAL_ONLY = ("socket_address", "lb_endpoints", "x-gateway-destination-endpoint-subset")

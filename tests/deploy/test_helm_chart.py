@@ -204,9 +204,12 @@ VALUE_SETS = {
             "extraVolumes": [{"name": "eds", "configMap": {"name": "engine-eds"}}],
             "extproc": {"extraVolumeMounts": [{"name": "eds", "mountPath": "/etc/eds", "readOnly": True}]},
             "service": {"type": "NodePort"},
+            "tracing": {"otlp_endpoint": "http://otel-collector.observability:4317", "sampling_ratio": 0.25},
         },
         (),
         {
+            "tracing.otlp_endpoint": "http://otel-collector.observability:4317",
+            "tracing.sampling_ratio": 0.25,
             "affinity.mode": "off",
             "listen": "0.0.0.0:9500",
             "discovery.source": "files",

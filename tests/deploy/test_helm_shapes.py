@@ -26,15 +26,15 @@ import aiohttp
 import grpc
 import pytest
 import yaml
-from fake_kube_api import FakeKubeApi
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from helm_chart import FULLNAME, NAMESPACE, Manifests, port_of, template
-from kube_objects import pod
 from polling import until
-from shapes import EXT_PROC_TYPE, SHAPES, SHAPES_DIR, nodes
 
 from ext_proc.app import start_server
 from ext_proc.config import load_config
+from standins.fake_kube_api import FakeKubeApi
+from standins.kube_objects import pod
+from standins.shapes import EXT_PROC_TYPE, SHAPES, SHAPES_DIR, nodes
 
 SERVICE_HOST = f"{FULLNAME}.{NAMESPACE}.svc"
 PROVIDER_OF = {"gie-standalone": "none", "istio": "istio", "ai-gateway": "none", "kgateway": "none"}

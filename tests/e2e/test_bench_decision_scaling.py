@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 from types import ModuleType
 
 import pytest
-from conftest import load_bench
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    return load_bench("decision_scaling")
+    return importlib.import_module("bench.decision_scaling")
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ import math
 from types import ModuleType
 
 import pytest
-from conftest import load_bench
 
 from ext_proc.metrics import Metrics
 from sim.config import KvConfig, TimingConfig
@@ -18,17 +17,17 @@ from sim.virtual import build_cluster, new_loop
 
 @pytest.fixture(scope="module")
 def routing() -> ModuleType:
-    return load_bench("prefix_routing")
+    return importlib.import_module("bench.prefix_routing")
 
 
 @pytest.fixture(scope="module")
 def feed(routing: ModuleType) -> ModuleType:
-    return importlib.import_module("engine_load_feed")  # the one prefix_routing imported (bench/ on the path)
+    return importlib.import_module("bench.engine_load_feed")
 
 
 @pytest.fixture(scope="module")
 def peers(routing: ModuleType) -> ModuleType:
-    return importlib.import_module("prefix_peers")
+    return importlib.import_module("bench.prefix_peers")
 
 
 def test_a_sample_of_an_engine_lands_in_its_endpoint_of_every_replica(

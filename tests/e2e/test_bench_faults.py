@@ -9,15 +9,10 @@ import math
 
 import aiohttp
 import pytest
-from conftest import load_bench
 
+from bench import fault_rig, fault_scenarios, faults, soak
 from sim.cluster import EngineSpec
 from sim.cluster_process import EngineInfo
-
-faults = load_bench("faults")
-fault_rig = load_bench("fault_rig")
-fault_scenarios = load_bench("fault_scenarios")
-soak = load_bench("soak")
 
 
 def test_two_scenarios_and_a_short_soak_pass_and_write_json(tmp_path, capsys):

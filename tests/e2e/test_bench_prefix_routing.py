@@ -3,13 +3,13 @@ deterministic, and the verdicts judge what they say (never a measurement)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
 
 import pytest
-from conftest import load_bench
 
 from sim.config import TimingConfig
 from sim.profiles import engines_of
@@ -21,7 +21,7 @@ SMALL = replace(BIG, kv_capacity_tokens=BIG.kv_capacity_tokens // 2, decode_step
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    return load_bench("prefix_routing")
+    return importlib.import_module("bench.prefix_routing")
 
 
 def test_a_quick_run_of_every_setting_writes_the_results_and_the_verdicts(

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 
 import pytest
-from conftest import load_bench
 
 from sim.traces import SAMPLE
 
@@ -14,7 +14,7 @@ from sim.traces import SAMPLE
 def test_both_sources_are_timed_call_by_call_and_the_events_applied_apart(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    bench = load_bench("prefix_source_cost")
+    bench = importlib.import_module("bench.prefix_source_cost")
     out = tmp_path / "cost.json"
     argv = [str(SAMPLE), "--start", "0", "--count", "12", "--warmup", "4", "--json", str(out)]
     assert bench.main(argv) == 0

@@ -5,9 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from conftest import load_bench
-
-prompt_cost = load_bench("prompt_cost")
+from bench import prompt_cost
 
 
 def test_prompt_text_has_the_asked_length_and_a_unique_first_block():

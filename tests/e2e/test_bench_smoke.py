@@ -6,11 +6,12 @@ import dataclasses
 import json
 
 import pytest
-from conftest import load_bench
 
+from bench import handoff as handoff_bench
+from bench import overhead
+from bench import replicas as replicas_bench
+from bench import routing_quality as routing
 from ext_proc.config import load_config
-
-routing = load_bench("routing_quality")
 
 
 @pytest.mark.parametrize("name", ["unequal-groups", "one-hot-group", "decode-loss", "bursty", "long-context"])
@@ -200,7 +201,6 @@ def test_unknown_scenario_is_a_usage_error():
 
 
 def test_overhead_benchmark_reports_both_gateways(tmp_path):
-    overhead = load_bench("overhead")
     out = tmp_path / "overhead.json"
     argv = ["--requests", "8", "--concurrency", "1,4", "--throughput-seconds", "0.5", "--streams", "20"]
     argv += ["--body-requests", "3"]
@@ -224,9 +224,6 @@ def test_overhead_benchmark_reports_both_gateways(tmp_path):
     assert 20 <= throughput["cpu_us_per_request"] <= 50_000
     assert result["in_flight"]["in_flight_seen"] == result["in_flight"]["ok"] == 20
     assert result["in_flight"]["load_left_after"] == 0
-
-
-handoff_bench = load_bench("handoff")
 
 
 def test_handoff_benchmark_end_to_end(tmp_path, monkeypatch):
@@ -316,12 +313,10 @@ def test_threshold_recommendation_respects_the_tpot_tolerance():
     assert handoff_bench.threshold_of("decode-only") > 32768
 
 
-replicas_bench = load_bench("replicas")
-
-
 def test_replicas_benchmark_end_to_end(tmp_path, monkeypatch):
-    """One and two gateway replicas (the second pair scraping the engines) with a handful of requests,
-    and a restarted replica: every request is served, and the restarted replica's view is fresh."""
+    """One and two gateway replicas (a pair scraping the engines, a pair sharing over a private
+    nats-server) with a handful of requests, and a restarted replica: every request is served, the
+    sharing pair heard each other, and the restarted replica's view is fresh."""
     monkeypatch.setattr(replicas_bench, "RESTART_AFTER", 0.5)
     monkeypatch.setattr(replicas_bench, "RESTART_REQUESTS", 30)
     out = tmp_path / "replicas.json"
@@ -331,14 +326,15 @@ def test_replicas_benchmark_end_to_end(tmp_path, monkeypatch):
         "--requests",
         "6",
         "--settings",
-        "1-replica,2-replicas-scraped",
+        "1-replica,2-replicas-scraped,2-replicas-shared",
         "--json",
         str(out),
     ]
     assert replicas_bench.main(argv) == 0
     output = json.loads(out.read_text())
     runs = output["runs"][str(routing.FIRST_SEED)]
-    assert list(runs) == ["1-replica", "2-replicas-scraped"]
+    assert list(runs) == ["1-replica", "2-replicas-scraped", "2-replicas-shared"]
+    assert [len(view["peers"]) for view in runs["2-replicas-shared"]["shared"]] == [1, 1]
     for summary in runs.values():
         assert summary["requests"] == 6 and summary["errors"] == 0, summary["error_kinds"]
     stats = output["across_seeds"]
@@ -346,11 +342,35 @@ def test_replicas_benchmark_end_to_end(tmp_path, monkeypatch):
     restart = output["restart"]
     assert restart["endpoints"] == 10 and restart["traffic_errors"] == 0
     assert restart["recovered_after_ready_s"] >= 0 and restart["restarted_decode_tokens"] >= 0
-    assert output["settings"]["2-replicas-scraped"] == {"replicas": 2, "engine_metrics": True}
+    assert output["settings"]["2-replicas-scraped"] == {
+        "replicas": 2,
+        "engine_metrics": True,
+        "shared": False,
+    }
+    assert output["across_seeds"]["2-replicas-shared"]["ttft_p90_ms_vs_1-replica"] is not None
+
+
+def test_replicas_benchmark_on_the_demo_workload_runs_each_setting_on_a_fresh_cluster(tmp_path):
+    """The demo's cluster and trace (its first requests only here): one replica, and two sharing."""
+    out = tmp_path / "replicas.json"
+    settings = "1-replica,2-replicas-shared"
+    argv = ["--workload", "demo", "--seeds", "1", "--requests", "4", "--settings", settings]
+    argv += ["--json", str(out)]
+    assert replicas_bench.main(argv) == 0
+    output = json.loads(out.read_text())
+    runs = output["runs"][str(routing.FIRST_SEED)]
+    assert list(runs) == ["1-replica", "2-replicas-shared"] and output["restart"] is None
+    for summary in runs.values():
+        assert summary["requests"] == 4 and summary["errors"] == 0, summary["error_kinds"]
+    assert all(view["connected"] for view in runs["2-replicas-shared"]["shared"])
 
 
 def test_replicas_benchmark_refuses_unknown_settings_and_a_restart_without_scraping():
-    for argv in (["--settings", "3-replicas"], ["--settings", "1-replica"]):
+    for argv in (
+        ["--settings", "3-replicas"],
+        ["--settings", "1-replica"],
+        ["--workload", "demo", "--requests", "201"],
+    ):
         with pytest.raises(SystemExit) as exit_info:
             replicas_bench.main(argv)
         assert exit_info.value.code == 2

@@ -5,9 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from conftest import load_bench
-
-cost = load_bench("tokenize_cost")
+from bench import tokenize_cost as cost
 
 
 def test_the_quick_run_measures_a_12k_chat_with_its_earlier_turn_cached_with_every_encoder(

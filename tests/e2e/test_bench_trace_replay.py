@@ -4,12 +4,12 @@ every setting runs, the JSON and the plot are written, and bad input gives one l
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 from pathlib import Path
 from types import ModuleType
 
 import pytest
-from conftest import load_bench
 
 from sim.traces import SAMPLE
 
@@ -18,7 +18,7 @@ HEAD = SAMPLE  # 200 requests
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    return load_bench("trace_replay")
+    return importlib.import_module("bench.trace_replay")
 
 
 def test_a_tiny_window_of_every_setting_writes_json_and_png(bench: ModuleType, tmp_path: Path) -> None:
@@ -62,8 +62,7 @@ def test_shared_settings_run_once_per_sync_delay_on_spread_arrivals(
 def test_shared_replicas_see_each_others_bookings_after_the_sync_delay(bench: ModuleType) -> None:
     """Two replicas on the real seam: a booking of one is on the other's endpoint the sync delay (and the
     1 ms batch) later, in virtual time, and leaves it when released."""
-    from prefix_peers import Endpoint
-
+    from bench.prefix_peers import Endpoint
     from ext_proc.affinity import AutoModel
     from sim.virtual import new_loop
 

@@ -7,9 +7,10 @@ import statistics
 
 import pytest
 
+from demo.cli import CV_NOTE
 from ext_proc.cli import main
 from sim.cluster import clusters
-from sim.demo import CLUSTER, CPU_TIER_TOKENS, CV_NOTE, run_demo
+from sim.demo import CLUSTER, CPU_TIER_TOKENS, run_demo
 from sim.experiment import measure
 from sim.profiles import MEASURED_PROFILE, engines_of, load_profile
 from sim.report import better

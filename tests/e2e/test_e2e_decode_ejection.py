@@ -11,13 +11,13 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import aiohttp
-from backends import BrokenEngine, EchoBackend, start_backend, start_broken_engine
 from builders import endpoint
 from e2e_harness import Gatewayed, gateway_over
 from polling import until
 from prometheus_client.parser import text_string_to_metric_families
 
 from sim.gateway import free_port
+from standins.backends import BrokenEngine, EchoBackend, start_backend, start_broken_engine
 
 BODY = json.dumps({"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}).encode()
 

@@ -9,7 +9,9 @@ import aiohttp
 import openai
 import pytest
 from builders import endpoint
-from e2e_harness import Stack, busy_endpoints, by_outcome, stack, wait_idle
+from e2e_harness import Stack, busy_endpoints, stack, wait_idle
+
+from standins.metrics import by_outcome
 
 CHAT = {
     "model": "m",

@@ -14,11 +14,11 @@ import json
 
 import aiohttp
 import pytest
-from backends import start_scripted_prefill
 from builders import endpoint
 from e2e_harness import busy_endpoints, gateway_over, stack, wait_idle
 
 from ext_proc.choreography import STREAMED_CHUNK_BYTES
+from standins.backends import start_scripted_prefill
 
 
 def _assert_no_stale_length(record: dict) -> None:
@@ -74,7 +74,7 @@ async def test_engine_handoffs_rewrite_the_streamed_body(tmp_path, mode):
     prefill = await start_scripted_prefill(200, json.dumps(answer).encode())
     decodes = []
     try:
-        from backends import start_backend
+        from standins.backends import start_backend
 
         decodes = [await start_backend()]
         prefill_spec = [endpoint(prefill.address, "a")]

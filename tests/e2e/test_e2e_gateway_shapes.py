@@ -31,8 +31,12 @@ import openai
 import pytest
 import pytest_asyncio
 from builders import endpoint
-from e2e_harness import by_outcome, wait_idle
-from shapes import (
+from e2e_harness import wait_idle
+
+from ext_proc.discovery.eds import write_eds_file
+from sim.gateway import free_port
+from standins.metrics import by_outcome
+from standins.shapes import (
     CLUSTER_KIND,
     EXT_PROC_TYPE,
     KV_PARAMS,
@@ -42,9 +46,6 @@ from shapes import (
     nodes,
     shape_stack,
 )
-
-from ext_proc.discovery.eds import write_eds_file
-from sim.gateway import free_port
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -15,9 +15,8 @@ from pathlib import Path
 import aiohttp
 import openai
 import pytest
-from backends import start_backend, start_scripted_prefill
 from builders import endpoint
-from e2e_harness import Gatewayed, by_outcome, gateway_over, wait_idle
+from e2e_harness import Gatewayed, gateway_over, wait_idle
 from polling import until
 
 from ext_proc.discovery.eds import write_eds_file
@@ -25,6 +24,8 @@ from ext_proc.endpoints import EndpointSpec
 from sim.cluster import EngineSpec, endpoint_specs, start_cluster, stop_cluster
 from sim.config import KvConfig
 from sim.server import RunningEngine
+from standins.backends import start_backend, start_scripted_prefill
+from standins.metrics import by_outcome
 
 KV = "kv-transfer-params"
 PROMPT = "tell me about KV caches " * 40

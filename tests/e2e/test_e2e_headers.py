@@ -13,9 +13,10 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
-from backends import EchoBackend, start_backend, start_broken_engine
 from builders import endpoint
 from e2e_harness import Gatewayed, gateway_over, raw_http, wait_idle
+
+from standins.backends import EchoBackend, start_backend, start_broken_engine
 
 BODY = json.dumps({"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}).encode()
 

@@ -17,12 +17,12 @@ import json
 import aiohttp
 import pytest
 import yaml
-from backends import KeepAliveEngine, start_keepalive_engine, start_scripted_prefill
 from builders import endpoint
 from e2e_harness import gateway_over, wait_idle
 
 from ext_proc.handoff.leg import IDLE_CONNECTION_SECONDS
 from sim.gateway import SHIPPED_ADS_BOOTSTRAP, SHIPPED_BOOTSTRAP
+from standins.backends import KeepAliveEngine, start_keepalive_engine, start_scripted_prefill
 
 UVICORN_KEEPALIVE_SECONDS = 5.0
 """vLLM's ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE`` default and SGLang's ``timeout_keep_alive`` (uvicorn)."""

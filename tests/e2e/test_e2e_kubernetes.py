@@ -12,9 +12,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from e2e_harness import gateway_over
-from fake_kube_api import FakeKubeApi
-from kube_objects import pod
 from test_e2e_xds import assert_moved_in_time, backends, envoy_endpoints, timed_changes, watched
+
+from standins.fake_kube_api import FakeKubeApi
+from standins.kube_objects import pod
 
 NS = "engines"
 

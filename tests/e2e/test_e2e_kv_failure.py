@@ -18,16 +18,17 @@ from pathlib import Path
 import aiohttp
 import openai
 import pytest
-from backends import (
+from builders import endpoint
+from e2e_harness import Gatewayed, gateway_over, wait_idle
+from prometheus_client.parser import text_string_to_metric_families
+
+from standins.backends import (
     EchoBackend,
     ScriptedPrefill,
     start_backend,
     start_kv_failing_decode,
     start_scripted_prefill,
 )
-from builders import endpoint
-from e2e_harness import Gatewayed, gateway_over, wait_idle
-from prometheus_client.parser import text_string_to_metric_families
 
 PARAMS = {"do_remote_prefill": True, "remote_engine_id": "e1", "remote_block_ids": [[1]], "remote_port": 1}
 LEG_ANSWER = json.dumps({"choices": [{"text": "x"}], "kv_transfer_params": PARAMS}).encode()

@@ -15,7 +15,6 @@ import aiohttp
 import openai
 import pytest
 import yaml
-from backends import EchoBackend, ScriptedPrefill, start_backend, start_scripted_prefill
 from builders import endpoint
 from e2e_harness import Gatewayed, gateway_over, raw_http, stack
 from polling import until
@@ -24,6 +23,7 @@ from ext_proc.envoy_messages import error_body
 from ext_proc.request import MAX_JSON_DEPTH
 from ext_proc.server import ENVOY_BODY_LIMIT_BYTES
 from sim.gateway import SHIPPED_BOOTSTRAP
+from standins.backends import EchoBackend, ScriptedPrefill, start_backend, start_scripted_prefill
 
 MIB = 1024 * 1024
 CHAT_PATH = "/v1/chat/completions"

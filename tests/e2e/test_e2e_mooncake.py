@@ -12,7 +12,16 @@ from pathlib import Path
 import aiohttp
 import openai
 import pytest
-from backends import (
+from builders import endpoint
+from e2e_harness import Gatewayed, gateway_over, wait_idle
+from polling import until
+from steering import INJECTED
+from test_e2e_handoff import CHAT, _legs, _post, sim_gateway
+
+from ext_proc.endpoints import EndpointSpec
+from sim.cluster import EngineSpec
+from sim.config import KvConfig
+from standins.backends import (
     BootstrapServer,
     EchoBackend,
     ScriptedPrefill,
@@ -21,15 +30,7 @@ from backends import (
     start_kv_failing_decode,
     start_scripted_prefill,
 )
-from builders import endpoint
-from e2e_harness import Gatewayed, by_outcome, gateway_over, wait_idle
-from polling import until
-from steering import INJECTED
-from test_e2e_handoff import CHAT, _legs, _post, sim_gateway
-
-from ext_proc.endpoints import EndpointSpec
-from sim.cluster import EngineSpec
-from sim.config import KvConfig
+from standins.metrics import by_outcome
 
 MODE = {"handoff.mode": "vllm-mooncake"}
 MOONCAKE = KvConfig(kv_connector="mooncake")

@@ -13,10 +13,11 @@ import time
 from dataclasses import dataclass
 
 import aiohttp
-from backends import start_backend
 from builders import endpoint
 from e2e_harness import gateway_over
 from polling import until
+
+from standins.backends import start_backend
 
 LIMIT = 20
 BURST = 200

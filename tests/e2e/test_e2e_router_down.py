@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
-from backends import EchoBackend, start_backend
 from builders import endpoint
 from polling import until
 
@@ -30,11 +29,12 @@ from sim.gateway import (
     terminate,
     wait_router_ready,
 )
+from standins.backends import EchoBackend, start_backend
 
 CHAT = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi " * 40}], "max_tokens": 8}
 STREAMS = 6
 PIECES = 3
-"""Content chunks of one backend stream (tests/support/backends.py), each after the request's delay."""
+"""Content chunks of one backend stream (standins/backends.py), each after the request's delay."""
 
 
 @dataclass

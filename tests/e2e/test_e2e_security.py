@@ -12,14 +12,14 @@ from pathlib import Path
 import aiohttp
 import pytest
 import yaml
-from backends import start_backend, start_scripted_prefill
 from builders import endpoint
-from certs import Certificates, Pair, make_certificates
 from e2e_harness import gateway_over, stack
 from polling import until
 from steering import CHAT, INJECTED
 
 from ext_proc.endpoints import EndpointSpec
+from standins.backends import start_backend, start_scripted_prefill
+from standins.certs import Certificates, Pair, make_certificates
 
 OPERATIONS = Path(__file__).resolve().parents[2] / "docs" / "operations.md"
 

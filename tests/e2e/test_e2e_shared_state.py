@@ -31,7 +31,6 @@ import msgspec
 import nats
 import pytest
 import pytest_asyncio
-from backends import start_backend
 from builders import endpoint
 from e2e_harness import wait_idle
 from nats_server import NatsServer, nats_server
@@ -41,6 +40,7 @@ from replica_processes import Replica, book, release, rows, samples, shared_view
 from ext_proc.discovery.eds import write_eds_file
 from ext_proc.shared import wire
 from sim.gateway import free_port, render_bootstrap, start_gateway
+from standins.backends import start_backend
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -309,6 +309,60 @@ async def test_garbage_on_the_subjects_is_dropped_counted_logged_once_and_never_
             async with channel(replica) as to_replica:
                 call, _ = await book(to_replica, completion())
                 await release(call)
+
+
+async def test_a_flood_of_sync_requests_gets_each_replica_one_answer_per_window(live: Pool) -> None:
+    """A peer asks for the replicas' state 1,000 times in a row on one reply subject: each replica answers
+    the first at once (when no earlier request holds its window) and the others together, each time its
+    0.25 s window is up, not 1,000 times."""
+    sync, answers = "pd_extproc_shared_sync_requests_total", "pd_extproc_shared_messages_sent_total"
+    flood = 1000
+    async with aiohttp.ClientSession() as session:
+        before = {r.name: await samples(session, r) for r in live.replicas.values()}
+        client = await nats.connect(live.nats.url)
+        try:
+            got: list[bytes] = []
+            inbox = f"{PREFIX}.inbox.flooder"
+
+            async def heard(msg: nats.aio.msg.Msg) -> None:
+                got.append(msg.data)
+
+            await client.subscribe(inbox, cb=heard)
+            request = wire.encode_sync_request(wire.SyncRequest("flooder"))
+            started = time.monotonic()
+            for _ in range(flood):
+                await client.publish(f"{PREFIX}.sync", request, reply=inbox)
+            await client.flush()
+
+            async def asked() -> bool:
+                for replica in live.replicas.values():
+                    metrics = await samples(session, replica)
+                    seen = total(metrics, sync) - total(before[replica.name], sync)
+                    if seen != flood:
+                        return False
+                return True
+
+            await wait(asked, deadline=20)
+            flooded = time.monotonic() - started  # every replica had every request by then
+            await asyncio.sleep(0.5)  # the last windows close: their coalesced answers go out
+        finally:
+            await client.close()
+        windows = 2 + flooded / 0.25  # the first answer, one a window while the flood came in, the last
+        for replica in live.replicas.values():
+            metrics = await samples(session, replica)
+            counted = {
+                outcome: total(metrics, sync, outcome=outcome)
+                - total(before[replica.name], sync, outcome=outcome)
+                for outcome in ("answered", "coalesced", "refused")
+            }
+            # one asker: never refused; answered at once only when no earlier request holds the window
+            assert counted["refused"] == 0 and counted["answered"] + counted["coalesced"] == flood, counted
+            sent = total(metrics, answers, kind="sync_answer") - total(
+                before[replica.name], answers, kind="sync_answer"
+            )
+            # a batch an answer (no prefix index), plus the peers' own requests that held the window, if any
+            assert 1 <= sent <= windows + len(live.replicas) - 1, (replica.name, sent, flooded)
+        assert len(got) <= len(live.replicas) * windows
 
 
 def _garbage() -> list[tuple[str, bytes]]:

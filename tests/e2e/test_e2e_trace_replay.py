@@ -3,12 +3,12 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 from types import ModuleType
 
 import pytest
-from conftest import load_bench
 
 from sim.traces import SAMPLE
 
@@ -17,7 +17,7 @@ HEAD = SAMPLE  # 200 requests
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    return load_bench("trace_replay")
+    return importlib.import_module("bench.trace_replay")
 
 
 def test_the_stack_replays_a_window_with_no_errors(bench: ModuleType, tmp_path: Path) -> None:

@@ -17,15 +17,15 @@ from pathlib import Path
 import aiohttp
 import grpc
 import pytest
-from backends import start_backend
 from builders import endpoint
-from e2e_harness import by_outcome
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from extproc_messages import body, destination, headers
 from polling import until
 
 from ext_proc.discovery.eds import write_eds_file
 from sim.gateway import free_port, render_bootstrap, start_gateway, wait_router_ready
+from standins.backends import start_backend
+from standins.metrics import by_outcome
 
 DROPPED = "pd_extproc_shared_messages_dropped_total"
 BOOKING = 20

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
-from backends import EchoBackend, start_backend
 from builders import endpoint
 from e2e_harness import Gatewayed, gateway_over
 from envoy.config.endpoint.v3 import endpoint_pb2
@@ -28,6 +27,7 @@ from polling import DEADLINE
 
 from ext_proc.discovery.eds import parse_cluster_load_assignment, write_eds_file
 from ext_proc.endpoints import EndpointSpec
+from standins.backends import EchoBackend, start_backend
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "where do I land?"}], "max_tokens": 4}
 LANDING_SECONDS = 1.0

@@ -18,12 +18,12 @@ from ext_proc.affinity import Mode, Policy
 from ext_proc.config import Config, load_config
 from ext_proc.discovery.eds import write_eds_file
 from ext_proc.endpoints import ClusterEndpoints, EndpointSpec
-from ext_proc.handoff import SidecarHandoff
 from ext_proc.handoff.kinds import Handoff
+from ext_proc.handoff.sidecar import SidecarHandoff
 from ext_proc.live import LiveParts
 from ext_proc.metrics import Metrics
 from ext_proc.outcome import Refused, RequestMeta, Routed
-from ext_proc.prefix import PrefixSettings
+from ext_proc.prefix.settings import PrefixSettings
 from ext_proc.registry import Registry
 from ext_proc.router import Router, RouterSettings
 

@@ -11,9 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
-from backends import EchoBackend, start_backend
 from builders import endpoint
-from prometheus_client.parser import text_string_to_metric_families
 
 from ext_proc.app import RunningServer, start_server
 from ext_proc.config import load_config
@@ -27,6 +25,7 @@ from sim.gateway import (
     render_bootstrap,
     start_gateway,
 )
+from standins.backends import EchoBackend, start_backend
 
 
 @dataclass
@@ -195,18 +194,3 @@ async def wait_idle(session: aiohttp.ClientSession, admin_url: str, deadline: fl
     while (busy := await busy_endpoints(session, admin_url)) and time.monotonic() < end:
         await asyncio.sleep(0.05)
     return busy
-
-
-async def by_outcome(
-    session: aiohttp.ClientSession, admin_url: str, counter: str, label: str = "outcome"
-) -> dict[str, float]:
-    """The samples of the counter ``counter`` (``..._total``) of pd-extproc at ``admin_url``, by their
-    ``label`` label."""
-    async with session.get(f"{admin_url}/metrics") as response:
-        text = await response.text()
-    return {
-        sample.labels[label]: sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == counter
-    }

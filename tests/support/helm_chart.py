@@ -54,9 +54,17 @@ def helm_args(tmp_path: Path, values: dict[str, object], sets: tuple[str, ...]) 
     return ["--namespace", NAMESPACE, "-f", str(values_file), *(a for s in sets for a in ("--set", s))]
 
 
-def template(helm: Path, tmp_path: Path, values: dict[str, object], sets: tuple[str, ...] = ()) -> list[dict]:
-    """``helm template`` of the chart: the rendered manifests."""
+def template(
+    helm: Path,
+    tmp_path: Path,
+    values: dict[str, object],
+    sets: tuple[str, ...] = (),
+    api_versions: tuple[str, ...] = (),
+) -> list[dict]:
+    """``helm template`` of the chart: the rendered manifests (``api_versions``: APIs the cluster serves
+    besides the built-in ones, e.g. ``monitoring.coreos.com/v1``)."""
     args = ["template", RELEASE, str(CHART), "--kube-version", KUBE_VERSIONS[0]]
+    args += [a for version in api_versions for a in ("--api-versions", version)]
     result = run_helm(helm, *args, *helm_args(tmp_path, values, sets))
     assert result.returncode == 0, result.stderr
     return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
@@ -147,6 +155,8 @@ CUSTOM_KINDS = {
     "ServiceMonitor": "monitoring.coreos.com/v1",
     "InferencePool": "inference.networking.k8s.io/v1",
     "DestinationRule": "networking.istio.io/v1",
+    "PrometheusRule": "monitoring.coreos.com/v1",
+    "ScaledObject": "keda.sh/v1alpha1",
 }
 """Kinds the chart renders from CRDs (kubernetes-validate has no schema for them), by apiVersion."""
 

@@ -36,7 +36,7 @@ from e2e_harness import wait_idle
 from polling import until
 
 from ext_proc.prefix.kv_events import BlockStored, decode_replay
-from ext_proc.tokenizer import TokenizerSettings, load_prompt_tokenizer
+from ext_proc.tokenize.folder import TokenizerSettings, load_prompt_tokenizer
 from rig.cluster import VllmCluster, kv_events_spec, start_kv_events_stack
 from rig.engine import BLOCK_TOKENS, MODEL_NAME, Engine, parse_metrics
 from rig.model import prompt, vocabulary

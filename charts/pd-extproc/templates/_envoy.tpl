@@ -8,11 +8,15 @@ envoy.statsPort, routing.destination_header and the timeouts below. */}}
 {{- $destination := .Values.routing.destination_header -}}
 {{- $extprocPort := include "pd-extproc.port" .Values.listen -}}
 {{- /* The kv-transfer-params handoff asks Envoy to wait up to 2 x handoff.prefill_timeout_seconds + 5 s
-(a prefill leg and its retry) for the body answer: max_message_timeout is that, at least the shipped
-290 s (at most 3595 s, under Envoy's 1 h cap, as the schema bounds the timeout at 1795 s), and the
-idle timeouts of both listeners and their routes are 10 s longer, so that neither ends a request
-waiting that long nor a prefill leg (300 s at the default, as shipped). */ -}}
-{{- $maxMessage := maxf 290 (addf (mulf 2 (float64 .Values.handoff.prefill_timeout_seconds)) 5) -}}
+(a prefill leg and its retry) for the body answer, and with flow_control.enabled a queued request asks
+for flow_control.max_queue_seconds more (Envoy extends one answer's wait once): max_message_timeout is
+that, at least the shipped 290 s (at most Envoy's 1 h cap), and the idle timeouts of both listeners and
+their routes are 10 s longer, so that neither ends a request waiting that long nor a prefill leg (300 s
+at the default, as shipped). */ -}}
+{{- $answer := addf (mulf 2 (float64 .Values.handoff.prefill_timeout_seconds)) 5 -}}
+{{- $flow := .Values.flow_control -}}
+{{- $queue := ternary (float64 $flow.max_queue_seconds) 0.0 $flow.enabled -}}
+{{- $maxMessage := maxf 290 (addf $answer $queue) -}}
 {{- $idle := include "pd-extproc.decimal" (addf $maxMessage 10) -}}
 node:
   id: pd-gateway

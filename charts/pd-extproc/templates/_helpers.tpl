@@ -196,6 +196,20 @@ tls:
 limits:
   max_inflight_requests: {{ int64 $v.limits.max_inflight_requests }}
   retry_after_seconds: {{ int64 $v.limits.retry_after_seconds }}
+flow_control:
+  {{- $f := $v.flow_control }}
+  enabled: {{ $f.enabled | toJson }}
+  objectives:
+  {{- range $name, $priority := $f.objectives }}
+    {{ $name | toJson }}: {{ int64 $priority }}
+  {{- end }}
+  default_objective: {{ $f.default_objective | toJson }}
+  max_queued_requests: {{ int64 $f.max_queued_requests }}
+  max_queue_seconds: {{ include "pd-extproc.decimal" $f.max_queue_seconds }}
+  max_flows: {{ int64 $f.max_flows }}
+  reserved_requests: {{ int64 $f.reserved_requests }}
+  queue_depth_threshold: {{ int64 $f.queue_depth_threshold }}
+  kv_cache_threshold: {{ include "pd-extproc.decimal" $f.kv_cache_threshold }}
 engine_metrics:
   enabled: {{ $v.engine_metrics.enabled | toJson }}
   interval_seconds: {{ include "pd-extproc.decimal" $v.engine_metrics.interval_seconds }}
@@ -229,4 +243,8 @@ shared_state:
       ca: {{ $s.nats.tls.ca | toJson }}
       cert: {{ $s.nats.tls.cert | toJson }}
       key: {{ $s.nats.tls.key | toJson }}
+tracing:
+  otlp_endpoint: {{ $v.tracing.otlp_endpoint | toJson }}
+  sampling_ratio: {{ include "pd-extproc.decimal" $v.tracing.sampling_ratio }}
+  service_name: {{ $v.tracing.service_name | toJson }}
 {{- end }}

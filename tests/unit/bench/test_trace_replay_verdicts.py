@@ -3,15 +3,15 @@ windows (the replays themselves run in tests/e2e/test_bench_trace_replay.py)."""
 
 from __future__ import annotations
 
+import importlib
 from types import ModuleType
 
 import pytest
-from conftest import load_bench
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    return load_bench("trace_replay")
+    return importlib.import_module("bench.trace_replay")
 
 
 def _row(p90: float, dttft: float, cross: float, cv: float, hit: float) -> dict:

@@ -20,13 +20,14 @@ SHIPPED_CONFIG = Path(__file__).resolve().parents[3] / "config" / "pd-extproc.ya
 
 
 def test_serve_never_imports_the_simulator() -> None:
-    """The product path (the parser, the configuration, the server app) loads no ``sim`` module."""
+    """The product path (the parser, the configuration, the server app) loads no module of the simulator,
+    the rig or the demo command."""
     code = (
         "import sys\n"
         "import ext_proc.app\n"
         "from ext_proc.cli import main\n"
         "assert main(['serve', '--affinity-mode', 'sideways']) == 2\n"
-        "print(sorted(m for m in sys.modules if m == 'sim' or m.startswith('sim.')))\n"
+        "print(sorted(m for m in sys.modules if m.partition('.')[0] in ('sim', 'rig', 'demo')))\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
@@ -39,10 +40,11 @@ def test_help_lists_every_subcommand(capsys: pytest.CaptureFixture[str]) -> None
         main(["--help"])
     assert exit_info.value.code == 0
     out = capsys.readouterr().out
-    assert "{serve,check-config,envoy-bootstrap,sim,demo}" in out
+    assert "{serve,check-config,explain,envoy-bootstrap,sim,demo}" in out
     for line in (
         "run the ext_proc routing server",
         "validate and print the effective configuration",
+        "the pair a running server would pick now, and why",
         "print an Envoy bootstrap listing many pd-extprocs",
         "run one simulated vLLM PD engine",
         "compare affinity modes on a simulated PD cluster",

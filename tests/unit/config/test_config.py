@@ -12,6 +12,7 @@ import yaml
 
 from ext_proc.affinity import AutoModel, Mode, Policy
 from ext_proc.affinity.config import AutoConfig
+from ext_proc.affinity_config import AffinityConfig
 from ext_proc.checks import ConfigError
 from ext_proc.config import (
     ENV_AFFINITY_BONUS,
@@ -28,10 +29,8 @@ from ext_proc.discovery.config import DiscoveryConfig, InferencePoolConfig, Kube
 from ext_proc.discovery.pods import Preset, RoleScheme
 from ext_proc.handoff.routing import RoutingConfig
 from ext_proc.load import LoadConfig
-from ext_proc.prefix import PrefixSettings
 from ext_proc.prefix.config import PrefixConfig
-from ext_proc.prefix.settings import KvEventsSettings
-from ext_proc.router import AffinityConfig
+from ext_proc.prefix.settings import KvEventsSettings, PrefixSettings
 from ext_proc.xds.config import XdsConfig
 
 NO_ENV: dict[str, str] = {}
@@ -203,7 +202,8 @@ def test_unknown_top_level_key_is_named_with_the_allowed_keys(tmp_path: Path) ->
     message = config_error(write_yaml(tmp_path, "listn: 0.0.0.0:1\n"))
     assert message == (
         "listn: unknown key; allowed keys here: admin, affinity, discovery, engine_metrics, envoy_health, "
-        "handoff, health_listen, limits, listen, load, metrics_listen, routing, shared_state, tls, xds"
+        "flow_control, handoff, health_listen, limits, listen, load, metrics_listen, routing, shared_state, "
+        "tls, tracing, xds"
     )
 
 

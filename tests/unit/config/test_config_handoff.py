@@ -8,7 +8,7 @@ import pytest
 from ext_proc.checks import ConfigError
 from ext_proc.cli import main
 from ext_proc.config import ENV_HANDOFF, load_config
-from ext_proc.handoff import FailurePolicy, HandoffMode
+from ext_proc.handoff.base import FailurePolicy, HandoffMode
 from ext_proc.handoff.config import MAX_PREFILL_TIMEOUT
 
 

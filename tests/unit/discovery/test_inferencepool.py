@@ -17,10 +17,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from fake_kube_api import FakeKubeApi
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from kube_objects import INFERNEX_RULES as RULES
-from kube_objects import inference_pool, pod
 from polling import until
 from source_run import Run
 from source_run import running as run_source
@@ -33,6 +30,9 @@ from ext_proc.discovery.kube_watch import client_settings
 from ext_proc.discovery.pods import Preset
 from ext_proc.endpoints import ClusterEndpoints
 from ext_proc.metrics import Metrics
+from standins.fake_kube_api import FakeKubeApi
+from standins.kube_objects import INFERNEX_RULES as RULES
+from standins.kube_objects import inference_pool, pod
 
 NS = "serving"
 POOL = "llama"

@@ -13,10 +13,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from fake_kube_api import FakeKubeApi
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from kube_objects import INFERNEX_RULES as RULES
-from kube_objects import pod
 from polling import until
 from source_run import running
 
@@ -26,6 +23,9 @@ from ext_proc.config import load_config
 from ext_proc.discovery.config import DiscoveryConfig, KubernetesConfig
 from ext_proc.discovery.kube_watch import backoff_delay, client_settings, status_message
 from ext_proc.discovery.kubernetes import KubernetesSource
+from standins.fake_kube_api import FakeKubeApi
+from standins.kube_objects import INFERNEX_RULES as RULES
+from standins.kube_objects import pod
 
 NS = "team-a"
 SELECTOR = "openfuyao.com/pdRole in (prefill,decode)"

@@ -6,8 +6,6 @@ import dataclasses
 
 import pytest
 from builders import endpoint
-from kube_objects import INFERNEX_RULES as INFERNEX
-from kube_objects import pod
 
 from ext_proc.discovery.pods import (
     LWS_WORKER_INDEX,
@@ -22,6 +20,8 @@ from ext_proc.discovery.pods import (
     view_pod,
 )
 from ext_proc.endpoints import ClusterEndpoints
+from standins.kube_objects import INFERNEX_RULES as INFERNEX
+from standins.kube_objects import pod
 
 LLM_D = dataclasses.replace(INFERNEX, scheme=PRESETS[Preset.LLM_D])
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from kube_objects import inference_pool
 
 from ext_proc.discovery.pool import PoolSpec, PoolView, view_pool
+from standins.kube_objects import inference_pool
 
 
 def test_a_pool_gives_its_match_labels_sorted_and_its_target_ports_in_order() -> None:

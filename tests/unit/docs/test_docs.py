@@ -1,6 +1,7 @@
 """The documentation cannot drift from the repository: every relative link and anchor of README.md and
 docs/ resolves, every ``make`` target and ``pd-extproc`` command (subcommand and flags) quoted as code
-exists and reads nothing above the clone, every flag of ``pd-extproc serve`` and every global one is
+exists and reads nothing above the clone, every benchmark command runs a module of ``bench/``, every flag
+of ``pd-extproc serve`` and every global one is
 quoted in docs/, and
 docs/configuration.md lists exactly the keys and defaults of ``ext_proc/config.py``. Each check is also
 fed a broken page, so that it is seen to fail."""
@@ -108,6 +109,35 @@ def test_a_path_above_the_clone_is_found() -> None:
     assert _above_the_clone(text) == [
         "3: T=../shared/traces/t.jsonl",
         "4: python bench/x.py ../t.jsonl --count 3",
+    ]
+
+
+_BENCH_RUN = re.compile(r"\bpython3?\s+(?:-m\s+bench\.(\w+)|bench/(\w+)\.py)")
+
+
+def _bad_bench_commands(text: str) -> list[str]:
+    """Quoted commands that run a benchmark by its path (the benchmarks are a package: ``python -m
+    bench.<name>`` from the clone's root) or name a benchmark module that does not exist."""
+    problems = []
+    for number, code in code_texts(text):
+        for match in _BENCH_RUN.finditer(code):
+            if match.group(2):
+                problems.append(f"{number}: {match.group(0)}: run as python -m bench.{match.group(2)}")
+            elif not (ROOT / "bench" / f"{match.group(1)}.py").is_file():
+                problems.append(f"{number}: {match.group(0)}: no such benchmark")
+    return problems
+
+
+@pytest.mark.parametrize("page", pages(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_quoted_benchmark_commands_run_a_module_that_exists(page: Path) -> None:
+    assert _bad_bench_commands(_read(page)) == []
+
+
+def test_a_benchmark_run_by_path_or_missing_is_found() -> None:
+    text = "`python -m bench.overhead` is fine\n```bash\npython bench/overhead.py\npython -m bench.no\n```"
+    assert _bad_bench_commands(text) == [
+        "3: python bench/overhead.py: run as python -m bench.overhead",
+        "4: python -m bench.no: no such benchmark",
     ]
 
 

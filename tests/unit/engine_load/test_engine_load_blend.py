@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ext_proc.endpoints import ClusterEndpoints
-from ext_proc.engine_load import EngineSample, blended_offset, engine_tokens
+from ext_proc.engine_load.blend import EngineSample, blended_offset, engine_tokens
 from ext_proc.load import Lease
 from ext_proc.registry import Registry
 

@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from ext_proc.engine_load import EngineKind, EngineSample, ScrapeError, parse_page
+from ext_proc.engine_load.blend import EngineSample
+from ext_proc.engine_load.names import EngineKind
+from ext_proc.engine_load.parse import ScrapeError, parse_page
 from sim.metrics import EngineMetrics
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -16,7 +18,8 @@ SGLANG = (FIXTURES / "sglang_metrics.txt").read_bytes()
 
 
 def test_vllm_page_sums_requests_and_averages_kv_usage_over_engines() -> None:
-    # engine 0: 14 running, 3 waiting, 0.6234 usage; engine 1: 11, 0, 0.4410; prefix-cache counters summed
+    # engine 0: 14 running, 3 waiting, 0.6234 usage; engine 1: 11, 0, 0.4410; prefix-cache counters and
+    # the time-to-first-token histograms' sums and counts summed
     sample = parse_page(VLLM, EngineKind.AUTO)
     assert sample == EngineSample(
         running=25.0,
@@ -24,23 +27,30 @@ def test_vllm_page_sums_requests_and_averages_kv_usage_over_engines() -> None:
         kv_usage=pytest.approx(0.5322),
         prefix_queries=pytest.approx(8.645014528139366e06 + 7.276590425264394e06),
         prefix_hits=pytest.approx(2.3106338676150874e06 + 2.391090274556218e06),
+        ttft_sum=pytest.approx(54.590179140745036 + 62.68755896512823),
+        ttft_count=400.0,
     )
     assert parse_page(VLLM, EngineKind.VLLM) == sample
 
 
 def test_older_vllm_names_are_read() -> None:
-    assert parse_page(VLLM_V0, EngineKind.VLLM) == EngineSample(running=7.0, waiting=2.0, kv_usage=0.35)
+    expected = EngineSample(running=7.0, waiting=2.0, kv_usage=0.35, ttft_sum=1247.3, ttft_count=3070.0)
+    assert parse_page(VLLM_V0, EngineKind.VLLM) == expected
 
 
 def test_sglang_page() -> None:
-    expected = EngineSample(running=22.0, waiting=5.0, kv_usage=0.28)
+    expected = EngineSample(
+        running=22.0, waiting=5.0, kv_usage=0.28, ttft_sum=128.61379517527874, ttft_count=300.0
+    )
     assert parse_page(SGLANG, EngineKind.SGLANG) == expected
     assert parse_page(SGLANG, EngineKind.AUTO) == expected
 
 
 def test_the_simulators_own_page() -> None:
     metrics = EngineMetrics("sim-llama-3-8b", lambda: 4, lambda: 1, lambda: 0.25)
-    assert parse_page(metrics.render(), EngineKind.AUTO) == EngineSample(4.0, 1.0, 0.25)
+    assert parse_page(metrics.render(), EngineKind.AUTO) == EngineSample(
+        4.0, 1.0, 0.25, ttft_sum=0.0, ttft_count=0.0
+    )
 
 
 @pytest.mark.parametrize(("page", "kind"), [(SGLANG, EngineKind.VLLM), (VLLM, EngineKind.SGLANG)])
@@ -61,6 +71,13 @@ def test_names_that_only_start_like_a_wanted_one_are_not_read() -> None:
         b"vllm:num_requests_waiting 1\nvllm:kv_cache_usage_perc 0.5\n# vllm:num_requests_waiting 99\n"
     )
     assert parse_page(page, EngineKind.VLLM).waiting == 1.0
+
+
+def test_a_ttft_sum_without_its_count_is_no_ttft() -> None:
+    page = b"vllm:num_requests_waiting 0\nvllm:kv_cache_usage_perc 0.5\n"
+    page += b"vllm:time_to_first_token_seconds_sum 3\n"
+    sample = parse_page(page, EngineKind.VLLM)
+    assert (sample.ttft_sum, sample.ttft_count) == (None, None)
 
 
 def test_usage_above_one_is_clamped() -> None:

@@ -16,8 +16,8 @@ from builders import endpoint
 from polling import until
 
 from ext_proc.endpoints import ClusterEndpoints
-from ext_proc.engine_load import EngineScraper
 from ext_proc.engine_load.config import EngineMetricsConfig
+from ext_proc.engine_load.scraper import EngineScraper
 from ext_proc.load import Lease
 from ext_proc.metrics import Metrics
 from ext_proc.registry import Registry
@@ -317,3 +317,27 @@ async def test_the_engines_model_lists_are_polled_where_nothing_is_declared(engi
             assert registry.pools_for("sql") is None
     finally:
         await declared.stop()
+
+
+async def test_engine_ttft_and_waiting_are_exposed_as_last_sampled(engine: Engine) -> None:
+    """The engine's time-to-first-token sum and count are mirrored by the role it serves; its waiting
+    requests are told while fresh, then no more."""
+    now = [0.0]
+    ttft = b"vllm:time_to_first_token_seconds_sum 12.5\nvllm:time_to_first_token_seconds_count 50\n"
+    engine.page = usage_page(0.1, waiting=3) + ttft
+    registry = registry_of([engine.address])
+    async with scraping(registry, clock=lambda: now[0]) as (scraper, metrics):
+        await until(lambda: scraper.waiting() == {engine.address: 3.0})
+        labels = {"role": "decode", "endpoint": engine.address}
+        sample = metrics.registry.get_sample_value
+        assert sample("pd_extproc_engine_ttft_seconds_sum", labels) == 12.5
+        assert sample("pd_extproc_engine_ttft_seconds_count", labels) == 50
+        engine.status = 503
+        await until(lambda: scrapes(metrics, "status") >= 1)
+        now[0] += CONFIG.stale_after_seconds + 0.001
+        assert scraper.waiting() == {}
+        assert sample("pd_extproc_engine_ttft_seconds_count", labels) == 50  # a counter: kept
+        engine.page = usage_page(0.1)  # an engine without the histogram: not mirrored
+        engine.status = 200
+        await until(lambda: scraper.waiting() == {engine.address: 0.0})
+        assert sample("pd_extproc_engine_ttft_seconds_count", labels) is None

@@ -12,17 +12,14 @@ import pytest
 from builders import endpoint, registry_of
 
 from ext_proc.affinity import Mode, Policy
-from ext_proc.handoff import (
-    DecodeRoute,
-    FailurePolicy,
-    KvTransferParamsHandoff,
-    SglangBootstrapHandoff,
-    VllmMooncakeHandoff,
-)
+from ext_proc.handoff.base import DecodeRoute, FailurePolicy
 from ext_proc.handoff.config import HandoffConfig
 from ext_proc.handoff.kinds import Handoff
 from ext_proc.handoff.kv_failure import KvPullWatcher
+from ext_proc.handoff.kv_transfer import KvTransferParamsHandoff
 from ext_proc.handoff.leg import LegError, LegOutcome, LegReply
+from ext_proc.handoff.mooncake import VllmMooncakeHandoff
+from ext_proc.handoff.sglang import SglangBootstrapHandoff
 from ext_proc.metrics import Metrics
 from ext_proc.outcome import Refused, RequestMeta, Routed
 from ext_proc.router import Router, RouterSettings

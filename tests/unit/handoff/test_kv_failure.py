@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from backends import VLLM_GENERATION_ERROR
 
 from ext_proc import envoy_messages as msg
 from ext_proc.handoff import kv_failure
+from standins.backends import VLLM_GENERATION_ERROR
 
 DECODE, PREFILL = "10.0.0.2:8000", "10.0.0.1:8000"
 

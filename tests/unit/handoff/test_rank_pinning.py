@@ -13,24 +13,22 @@ from builders import endpoint, registry_of
 from test_engine_handoffs import BOOTSTRAP_ANSWER, LEG_ANSWER, FakePrefillClient, body_of
 
 from ext_proc.affinity import Mode, Policy
-from ext_proc.handoff import (
-    DecodeRoute,
-    KvTransferParamsHandoff,
-    SglangBootstrapHandoff,
-    SidecarHandoff,
-    VllmMooncakeHandoff,
-)
+from ext_proc.handoff.base import DecodeRoute
 from ext_proc.handoff.config import HandoffConfig
 from ext_proc.handoff.kinds import Handoff
+from ext_proc.handoff.kv_transfer import KvTransferParamsHandoff
 from ext_proc.handoff.leg import LegReply
+from ext_proc.handoff.mooncake import VllmMooncakeHandoff
+from ext_proc.handoff.sglang import SglangBootstrapHandoff
+from ext_proc.handoff.sidecar import SidecarHandoff
 from ext_proc.live import LiveParts
 from ext_proc.metrics import Metrics
 from ext_proc.outcome import Refused, RequestMeta, Routed
-from ext_proc.prefix import PrefixSettings
 from ext_proc.prefix.blocks import block_hashes
 from ext_proc.prefix.event_index import ROOT
 from ext_proc.prefix.event_source import KvEventSource
 from ext_proc.prefix.kv_events import BlockStored, EventBatch
+from ext_proc.prefix.settings import PrefixSettings
 from ext_proc.router import Router, RouterSettings
 
 B = 16

@@ -8,7 +8,7 @@ import pytest
 from builders import endpoint, registry_of
 
 from ext_proc.affinity import Cost, Mode, Policy
-from ext_proc.handoff import SidecarHandoff
+from ext_proc.handoff.sidecar import SidecarHandoff
 from ext_proc.metrics import Metrics
 from ext_proc.outcome import HandoffJob, RequestMeta, Routed
 from ext_proc.router import Router, RouterSettings

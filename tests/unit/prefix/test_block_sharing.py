@@ -7,7 +7,8 @@ from array import array
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from ext_proc.prefix import PrefixIndex, block_hashes
+from ext_proc.prefix.blocks import block_hashes
+from ext_proc.prefix.index import PrefixIndex
 
 BLOCK_TOKENS = 4  # 16 characters a text block: short prompts span many blocks
 TEXT = 4 * BLOCK_TOKENS

@@ -8,14 +8,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ext_proc.affinity import Candidate, Decision, Locality, Pool
-from ext_proc.prefix import PrefixSettings
 from ext_proc.prefix.blocks import block_hashes
 from ext_proc.prefix.event_index import ROOT, Applied, EventIndex, ReplayFrom
 from ext_proc.prefix.event_source import KvEventSource
-from ext_proc.prefix.kinds import KINDS, PrefixSourceKind
+from ext_proc.prefix.kinds import KINDS
 from ext_proc.prefix.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, Event, EventBatch
 from ext_proc.prefix.recent import RecentPlacements
-from ext_proc.prefix.settings import KvEventsSettings
+from ext_proc.prefix.settings import KvEventsSettings, PrefixSettings, PrefixSourceKind
 
 B = 4  # tokens a block in these tests
 

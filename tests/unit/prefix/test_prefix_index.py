@@ -13,16 +13,11 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from ext_proc.affinity import Candidate, Decision, Locality, Pool
-from ext_proc.prefix import (
-    Interval,
-    PrefixIndex,
-    PrefixSettings,
-    PrefixTracker,
-    block_hashes,
-    corrected_scale,
-    prompt_content,
-)
-from ext_proc.prefix.correction import MIN_QUERY_TOKENS, MIN_SCALE
+from ext_proc.prefix.blocks import block_hashes, prompt_content
+from ext_proc.prefix.correction import MIN_QUERY_TOKENS, MIN_SCALE, Interval, corrected_scale
+from ext_proc.prefix.index import PrefixIndex
+from ext_proc.prefix.settings import PrefixSettings
+from ext_proc.prefix.tracker import PrefixTracker
 
 # ---------------------------------------------------------------- prompt content and hashing
 

@@ -6,13 +6,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ext_proc.affinity import Candidate, Decision, Locality, Pool
-from ext_proc.prefix import PrefixSettings
 from ext_proc.prefix.blocks import block_hashes
 from ext_proc.prefix.event_index import ROOT
 from ext_proc.prefix.event_source import KvEventSource
 from ext_proc.prefix.kv_events import BlockStored, EventBatch
 from ext_proc.prefix.ranks import credited, credited_publisher, endpoint_of, publisher
-from ext_proc.prefix.settings import KvEventsSettings
+from ext_proc.prefix.settings import KvEventsSettings, PrefixSettings
 
 B = 4
 DP = "10.0.0.1:8000"  # an engine of 4 data-parallel ranks

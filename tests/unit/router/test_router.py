@@ -23,11 +23,10 @@ from builders import (
 from ext_proc.affinity import Mode
 from ext_proc.load import Lease
 from ext_proc.outcome import Refused, RequestMeta, Routed, RoutingInstructions
-from ext_proc.prefix import PrefixSettings, PrefixTracker
 from ext_proc.prefix.event_source import KvEventSource
 from ext_proc.prefix.kinds import KINDS as PREFIX_SOURCES
-from ext_proc.prefix.kinds import PrefixSourceKind
-from ext_proc.prefix.settings import KvEventsSettings
+from ext_proc.prefix.settings import KvEventsSettings, PrefixSettings, PrefixSourceKind
+from ext_proc.prefix.tracker import PrefixTracker
 from ext_proc.registry import EndpointState
 from ext_proc.router import Router
 

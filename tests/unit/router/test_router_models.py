@@ -11,7 +11,7 @@ from builders import CHAT_META, DEST, PREFILL, endpoint, make_router, refused, v
 from ext_proc.affinity import Mode
 from ext_proc.models import MAX_MODEL_NAME_CHARS, ServedModel
 from ext_proc.outcome import Answered, RequestMeta, Routed
-from ext_proc.prefix import PrefixSettings
+from ext_proc.prefix.settings import PrefixSettings
 from ext_proc.router import Router
 
 # Group g1 serves model "a" (two prefills, two decodes), g2 model "b"; X serves both, in g3.
@@ -134,7 +134,7 @@ def test_a_bad_rewrite_header_is_a_clear_400(rewrite: str) -> None:
 
 def test_get_models_answers_the_union_of_the_decodes_models_in_openais_shape() -> None:
     router = two_models(Mode.PREFER)
-    answer = router.route_bodiless(None, RequestMeta("/v1/models?x=1"))
+    answer = router.route_bodiless(None, meta=RequestMeta("/v1/models?x=1"))
     assert isinstance(answer, Answered) and answer.status == 200
     listed = json.loads(answer.body)
     assert listed["object"] == "list"
@@ -142,13 +142,13 @@ def test_get_models_answers_the_union_of_the_decodes_models_in_openais_shape() -
         ("a", "model", None),
         ("b", "model", None),
     ]
-    other = router.route_bodiless(None, RequestMeta("/v1/other"))
+    other = router.route_bodiless(None, meta=RequestMeta("/v1/other"))
     assert isinstance(other, Routed)
 
 
 def test_get_models_goes_to_a_decode_while_no_endpoint_names_its_models() -> None:
     router = make_router([endpoint(PA1)], [endpoint(DA1)])
-    assert headers(router.route_bodiless(None, RequestMeta("/v1/models")))[DEST] == DA1
+    assert headers(router.route_bodiless(None, meta=RequestMeta("/v1/models")))[DEST] == DA1
 
 
 def test_an_engines_list_applies_where_nothing_is_declared_and_a_declaration_wins() -> None:
@@ -162,7 +162,7 @@ def test_an_engines_list_applies_where_nothing_is_declared_and_a_declaration_win
         assert (sent[DEST], sent[PREFILL] in {PA1, PB1}) == (DA1, True)
     assert headers(router.route_body(chat("b"), CHAT_META))[DEST] == DB1
     assert refused(router.route_body(chat("other"), CHAT_META)).code == "model_not_found"
-    answer = router.route_bodiless(None, RequestMeta("/v1/models"))
+    answer = router.route_bodiless(None, meta=RequestMeta("/v1/models"))
     assert isinstance(answer, Answered)
     assert [(m["id"], m["parent"]) for m in json.loads(answer.body)["data"]] == [
         ("b", None),

@@ -9,16 +9,16 @@ from pathlib import Path
 
 from builders import CHAT_META, DEFAULT_MAX_TOKENS, P1, PREFILL, endpoint, make_router, registry_of
 
-from ext_proc import tokenizer as tokenizer_module
 from ext_proc.affinity import Policy
-from ext_proc.handoff import SidecarHandoff
+from ext_proc.handoff.sidecar import SidecarHandoff
 from ext_proc.metrics import Metrics
 from ext_proc.outcome import Refused, RequestMeta, Routed
-from ext_proc.prefix import PrefixSettings
 from ext_proc.prefix.event_source import KvEventSource
 from ext_proc.prefix.kv_events import BlockStored, EventBatch
+from ext_proc.prefix.settings import PrefixSettings
 from ext_proc.router import BodyRequest, Router, RouterSettings
-from ext_proc.tokenizer import TokenizerLoadError, TokenizerSettings
+from ext_proc.tokenize import gateway as gateway_module
+from ext_proc.tokenize.folder import TokenizerLoadError, TokenizerSettings
 
 P2 = "10.0.0.2:8000"
 D1 = "10.0.1.1:8000"
@@ -138,7 +138,7 @@ async def test_a_folder_changed_again_while_loading_is_superseded(tmp_path, monk
 
     router = kv_router(str(tmp_path / "a"))
     first = router.live.tokenizer
-    monkeypatch.setattr(tokenizer_module, "load_folder", load)
+    monkeypatch.setattr(gateway_module, "load_folder", load)
     router.live.set_prefix(PrefixSettings(B, 100, source="kv-events", tokenizer=str(tmp_path / "b")))
     loading_b = router.live.tokenizer_opening
     router.live.set_prefix(PrefixSettings(B, 100, source="kv-events", tokenizer=str(tmp_path / "c")))

@@ -14,7 +14,8 @@ from prometheus_client import generate_latest
 from ext_proc.checks import ConfigError
 from ext_proc.config import load_config
 from ext_proc.ejection import Ejections
-from ext_proc.envoy_health import EnvoyHealth, EnvoyHealthConfig, EnvoyHealthError, failed_hosts
+from ext_proc.envoy_health import EnvoyHealth, EnvoyHealthError, failed_hosts
+from ext_proc.envoy_health_config import EnvoyHealthConfig
 from ext_proc.metrics import Metrics
 
 

@@ -10,7 +10,6 @@ from pathlib import Path
 import grpc
 import pytest
 from builders import endpoint
-from certs import make_certificates
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -21,6 +20,7 @@ from ext_proc.config import load_config
 from ext_proc.discovery.eds import write_eds_file
 from ext_proc.health import Health
 from ext_proc.server import start_health_grpc
+from standins.certs import make_certificates
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 READY_NAMES = ("readiness", "envoy.service.ext_proc.v3.ExternalProcessor", "inference-extension", "")

@@ -19,19 +19,19 @@ from ext_proc import kv_subscribers
 from ext_proc.affinity import Policy
 from ext_proc.app import start_server
 from ext_proc.endpoints import ClusterEndpoints
-from ext_proc.handoff import SidecarHandoff, kv_transfer
+from ext_proc.handoff import kv_transfer
 from ext_proc.handoff.config import HandoffConfig
 from ext_proc.handoff.routing import RoutingConfig
+from ext_proc.handoff.sidecar import SidecarHandoff
 from ext_proc.kv_subscribers import KvEventSubscribers, Target, targets
 from ext_proc.live import LiveParts
 from ext_proc.metrics import Metrics
 from ext_proc.outcome import RequestMeta, Routed
-from ext_proc.prefix import PrefixSettings
 from ext_proc.prefix.blocks import block_hashes
 from ext_proc.prefix.event_index import ROOT
 from ext_proc.prefix.event_source import KvEventSource
 from ext_proc.prefix.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-from ext_proc.prefix.settings import KvEventsSettings
+from ext_proc.prefix.settings import KvEventsSettings, PrefixSettings
 from ext_proc.registry import Registry
 from ext_proc.router import Router, RouterSettings
 from sim.config import KvEventEncoding

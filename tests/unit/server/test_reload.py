@@ -19,13 +19,13 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from extproc_messages import body, destination, headers, response_headers
 from polling import until
 
-from ext_proc import tokenizer as tokenizer_module
 from ext_proc.affinity import Mode
 from ext_proc.app import RunningServer, start_server
 from ext_proc.config import ConfigSource
 from ext_proc.discovery.eds import write_eds_file
 from ext_proc.reload import ConfigWatcher
-from ext_proc.tokenizer import TokenizerLoadError, TokenizerSettings
+from ext_proc.tokenize import gateway as gateway_module
+from ext_proc.tokenize.folder import TokenizerLoadError, TokenizerSettings
 
 PREFILL, SAME_GROUP, OTHER_GROUP = "10.0.0.1:8000", "10.0.0.2:8000", "10.0.0.3:8000"
 RELOAD_INTERVAL = 0.05
@@ -330,7 +330,7 @@ async def test_a_changed_tokenizer_folder_loads_off_the_loop_while_the_old_one_s
     try:
         old = server.live.tokenizer
         assert old is not None and old.tokenizer is None  # the folder is missing: loaded, unusable
-        monkeypatch.setattr(tokenizer_module, "load_folder", slow_load)
+        monkeypatch.setattr(gateway_module, "load_folder", slow_load)
         mount.update(config_text(eds, "prefer", prefix=prefix("b")))
         await asyncio.to_thread(loading.wait, 10)
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:

@@ -13,7 +13,6 @@ import grpc
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from builders import P1, endpoint, make_router
-from certs import Certificates, Pair, make_certificates
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from steering import CHAT, INJECTED
 from test_admin import D1, D2, make_registry
@@ -25,21 +24,18 @@ from ext_proc.app import RunningServer, build_handoff, start_server
 from ext_proc.checks import ConfigError
 from ext_proc.config import load_config
 from ext_proc.discovery.eds import write_eds_file
-from ext_proc.handoff import (
-    DecodeRoute,
-    FailurePolicy,
-    HandoffMode,
-    KvTransferParamsHandoff,
-    PrefillClient,
-    SglangBootstrapHandoff,
-)
-from ext_proc.handoff.base import STEERING_HEADERS
+from ext_proc.handoff.base import STEERING_HEADERS, DecodeRoute, FailurePolicy, HandoffMode
 from ext_proc.handoff.body import HANDOFF_FIELDS, PREFILL_REQUEST_PARAMS, prefill_leg_body
 from ext_proc.handoff.config import HandoffConfig
+from ext_proc.handoff.kv_transfer import KvTransferParamsHandoff
+from ext_proc.handoff.leg import PrefillClient
+from ext_proc.handoff.sglang import SglangBootstrapHandoff
 from ext_proc.metrics import Metrics
 from ext_proc.outcome import HandoffJob, Placement, RequestMeta, Routed
 from ext_proc.router import Router, RouterSettings
-from ext_proc.tls import TlsConfig, server_credentials, tls_mode
+from ext_proc.server import server_credentials
+from ext_proc.tls import TlsConfig, tls_mode
+from standins.certs import Certificates, Pair, make_certificates
 
 DECODE = "10.0.1.1:8000"
 

@@ -8,13 +8,13 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
-from backends import ScriptedPrefill, start_scripted_prefill
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from extproc_messages import body, headers
 from grpc_harness import load, start_with
 from polling import until
 
 from ext_proc.app import RunningServer
+from standins.backends import ScriptedPrefill, start_scripted_prefill
 
 Prefilled = tuple[RunningServer, ScriptedPrefill]
 

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import grpc
 import pytest
-from backends import start_scripted_prefill
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from extproc_messages import body, headers, response_headers, with_modes
 from grpc_harness import load, start_with
 
 from ext_proc.app import RunningServer
+from standins.backends import start_scripted_prefill
 
 DECODE = "10.0.0.2:8000"
 LEG_ANSWER = json.dumps(

@@ -11,11 +11,12 @@ import json
 
 import grpc
 import pytest
-from backends import start_scripted_prefill
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from extproc_messages import body, headers, with_modes
 from grpc_harness import start_with
+
+from standins.backends import start_scripted_prefill
 
 CLIENT_HEADERS = {
     "x-gateway-destination-endpoint": b"10.6.6.6:6666",

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from backends import VLLM_GENERATION_ERROR
 from builders import D_SAME_IDLE, DEST, P1, PREFILL, endpoint, make_router, value
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from extproc_messages import (
@@ -20,13 +19,15 @@ from extproc_messages import (
 )
 
 from ext_proc.choreography import BODY_LIMIT_BYTES, Answers
-from ext_proc.handoff import DecodeRoute, FailurePolicy, KvTransferParamsHandoff
+from ext_proc.handoff.base import DecodeRoute, FailurePolicy
 from ext_proc.handoff.config import HandoffConfig
+from ext_proc.handoff.kv_transfer import KvTransferParamsHandoff
 from ext_proc.handoff.leg import LegReply
 from ext_proc.metrics import Metrics
 from ext_proc.outcome import PendingAnswer
 from ext_proc.router import Router
 from ext_proc.stream import TOO_LARGE, Stream, Streams
+from standins.backends import VLLM_GENERATION_ERROR
 
 PARAMS = {"do_remote_prefill": True, "remote_block_ids": [1, 2]}
 REJECTED = "pd_extproc_rejected_total"

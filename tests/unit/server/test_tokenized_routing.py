@@ -19,11 +19,11 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from extproc_messages import body, destination, headers, trailers, with_modes
 
 from ext_proc.app import start_server
-from ext_proc.prefix import PrefixSettings
 from ext_proc.prefix.event_source import KvEventSource
 from ext_proc.prefix.kv_events import BlockStored
+from ext_proc.prefix.settings import PrefixSettings
 from ext_proc.stream import PendingTokens, Streams
-from ext_proc.tokenizer import TokenizerSettings, load_prompt_tokenizer
+from ext_proc.tokenize.folder import TokenizerSettings, load_prompt_tokenizer
 from sim.kv_events import Publisher
 from sim.tokenizer_folder import write_tokenizer_folder
 

@@ -13,9 +13,9 @@ from builders import CHAT_META, endpoint, make_router
 
 from ext_proc.endpoints import ClusterEndpoints
 from ext_proc.outcome import Routed
-from ext_proc.prefix import PrefixSettings
 from ext_proc.prefix.event_source import KvEventSource
 from ext_proc.prefix.kv_events import BlockStored, EventBatch
+from ext_proc.prefix.settings import PrefixSettings
 from ext_proc.router import Router
 from ext_proc.shared import wire
 from ext_proc.shared.config import SharedStateConfig

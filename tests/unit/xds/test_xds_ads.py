@@ -19,7 +19,7 @@ from prometheus_client import generate_latest
 from ext_proc.discovery.eds import CLA_TYPE_URL, cluster_load_assignment
 from ext_proc.endpoints import ClusterEndpoints, EndpointSpec
 from ext_proc.metrics import Metrics
-from ext_proc.xds import AdsServer
+from ext_proc.xds.ads import AdsServer
 
 DECODE = endpoint("10.0.0.2:8000", "a", 1000.0)
 PREFILL = endpoint("10.0.0.1:8000", "a", bootstrap_port=8998)

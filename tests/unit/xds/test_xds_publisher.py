@@ -25,7 +25,7 @@ from ext_proc.discovery.eds import write_eds_file
 from ext_proc.endpoints import ClusterEndpoints, EndpointSpec
 from ext_proc.metrics import Metrics
 from ext_proc.registry import Registry
-from ext_proc.xds import EdsPublisher
+from ext_proc.xds.publisher import EdsPublisher
 
 D1, D2, D3 = (endpoint(f"10.0.0.{i}:8000", "a", 1000.0) for i in (1, 2, 3))
 

@@ -1,49 +1,35 @@
-"""The gateway's tokenizer: a model's tokenizer folder, run off the event loop, its failures counted.
+"""A model's tokenizer folder loaded into the prompt tokenizer, with the fastest encoder that agrees.
 
-:func:`load_prompt_tokenizer` reads a folder as transformers saves a tokenizer (``tokenizer.json``;
-``tokenizer_config.json`` with the chat template and the special tokens; ``chat_template.jinja``, which
-newer transformers write instead and which wins) into the pure
-:class:`~ext_proc.prefix.tokens.PromptTokenizer`, with one of three encoders (:data:`ENCODERS`): the
-first fast one (:data:`FAST_ENCODERS`: :mod:`ext_proc.fastokens_encoder`, then
-:mod:`ext_proc.tiktoken_encoder`) that builds from ``tokenizer.json`` and gives the same ids as the
-``tokenizers`` library on its check corpus (:mod:`ext_proc.encoder_check`), else ``tokenizers`` itself;
-the choice and its reason are logged. :class:`GatewayTokenizer` is what the router awaits:
-:meth:`GatewayTokenizer.prompt_tokens` runs the tokenizer on a thread of its own (the encoders release
-the GIL while they encode: fastokens' and tiktoken's ``encode``, ``tokenizers``' ``encode_batch_fast``),
-so the event loop keeps serving, and answers ``None``
-instead of raising: a folder that is missing or unreadable, a template that fails, a body it cannot
-render are logged and counted, and the caller routes that request on the ``approximate`` index.
+- :func:`load_prompt_tokenizer` reads a folder as transformers saves a tokenizer: ``tokenizer.json``;
+  ``tokenizer_config.json`` with the chat template and the special tokens; ``chat_template.jinja``
+  (newer transformers write it instead; it wins).
+- It builds the pure :class:`~ext_proc.tokenize.prompt.PromptTokenizer` with one of three encoders
+  (:data:`ENCODERS`): the first fast one (:data:`FAST_ENCODERS`:
+  :mod:`~ext_proc.tokenize.fastokens_encoder`, then :mod:`~ext_proc.tokenize.tiktoken_encoder`) that
+  gives the ``tokenizers`` library's ids on the check corpus (:mod:`ext_proc.tokenize.check`), else
+  ``tokenizers`` itself. Every encoder releases the GIL while it encodes.
+- Errors raise :class:`TokenizerLoadError` naming the file; :func:`load_folder` returns it instead
+  (for a worker thread), :func:`check_folder` is ``pd-extproc check-config``'s check.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
-import logging
-import time
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Literal
 
 import jinja2
 from tokenizers import Tokenizer
 
-from ext_proc.encoder_check import NotRepresentable
-from ext_proc.fastokens_encoder import fastokens_encoder
-from ext_proc.prefix.tokens import (
-    ChatTemplate,
-    PrefixTokenCache,
-    PromptTokenizer,
-    TextEncoder,
-    Tokenized,
-    TokenizeFailure,
-    UntokenizedReason,
-)
-from ext_proc.tiktoken_encoder import tiktoken_encoder
-
-log = logging.getLogger(__name__)
+from ext_proc.tokenize.base import TextEncoder
+from ext_proc.tokenize.cache import PrefixTokenCache
+from ext_proc.tokenize.check import NotRepresentable
+from ext_proc.tokenize.fastokens_encoder import fastokens_encoder
+from ext_proc.tokenize.prompt import PromptTokenizer
+from ext_proc.tokenize.template import ChatTemplate
+from ext_proc.tokenize.tiktoken_encoder import tiktoken_encoder
 
 FastEncoderName = Literal["fastokens", "tiktoken"]
 EncoderName = Literal["fastokens", "tiktoken", "tokenizers"]
@@ -86,7 +72,7 @@ class TokenizerLoadError(Exception):
 
 
 class TokenizersEncoder:
-    """The ``tokenizers`` library's tokenizer as a :class:`~ext_proc.prefix.tokens.TextEncoder`.
+    """The ``tokenizers`` library's tokenizer as a :class:`~ext_proc.tokenize.base.TextEncoder`.
 
     Without truncation or padding; ``encode_batch_fast`` (no offsets) releases the GIL while it encodes."""
 
@@ -102,7 +88,7 @@ class TokenizersEncoder:
 
 @dataclass(frozen=True, slots=True)
 class LoadedTokenizer:
-    """A folder's :class:`~ext_proc.prefix.tokens.PromptTokenizer` and which encoder it runs, and why."""
+    """A folder's :class:`~ext_proc.tokenize.prompt.PromptTokenizer` and which encoder it runs, and why."""
 
     tokenizer: PromptTokenizer
     encoder: EncoderName
@@ -243,89 +229,3 @@ def load_folder(settings: TokenizerSettings) -> LoadedTokenizer | TokenizerLoadE
         return load_prompt_tokenizer(settings)
     except TokenizerLoadError as exc:
         return exc
-
-
-class TokenizeSink(Protocol):
-    """Where the gateway tokenizer reports (:class:`ext_proc.metrics.Metrics` is one)."""
-
-    def tokenized(self, seconds: float, tokens: int, cached: int) -> None: ...
-    def untokenized(self, reason: str) -> None: ...
-    def tokenizer_encoder(self, encoder: str | None) -> None: ...
-
-
-class GatewayTokenizer:
-    """Tokenizes requests' prompts off the event loop; ``None`` (counted, logged) where it cannot.
-
-    ``tokenizer`` is ``None`` when the folder did not load (every prompt is then ``None``, counted as
-    ``no_tokenizer``). One worker thread: requests are tokenized one at a time, in arrival order, and the
-    prefix cache is touched by that thread alone. ``clock`` gives the cache's time (seconds)."""
-
-    def __init__(
-        self,
-        tokenizer: PromptTokenizer | None,
-        sink: TokenizeSink,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.tokenizer = tokenizer
-        self._sink = sink
-        self._clock = clock
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
-        self._warned: set[UntokenizedReason] = set()
-
-    @classmethod
-    def open(cls, settings: TokenizerSettings, sink: TokenizeSink) -> GatewayTokenizer:
-        """A gateway tokenizer for ``settings.folder``; one that answers ``None`` when it does not load.
-
-        Loads on the calling thread (:meth:`open_off_loop` does not), logs which encoder it runs and why,
-        and tells ``sink`` (``None``: no tokenizer)."""
-        return cls.opened(settings, load_folder(settings), sink)
-
-    @classmethod
-    async def open_off_loop(cls, settings: TokenizerSettings, sink: TokenizeSink) -> GatewayTokenizer:
-        """:meth:`open`, the folder loaded (and its fast encoder checked) on a worker thread."""
-        return cls.opened(settings, await asyncio.to_thread(load_folder, settings), sink)
-
-    @classmethod
-    def opened(
-        cls, settings: TokenizerSettings, loaded: LoadedTokenizer | TokenizerLoadError, sink: TokenizeSink
-    ) -> GatewayTokenizer:
-        """The gateway tokenizer of ``loaded`` (what :func:`load_folder` gave); logged, ``sink`` told."""
-        if isinstance(loaded, TokenizerLoadError):
-            log.error("tokenizer folder unusable, prompts are routed on the approximate index: %s", loaded)
-            sink.tokenizer_encoder(None)
-            return cls(None, sink)
-        log.info("tokenizer %s encodes with %s: %s", settings.folder, loaded.encoder, loaded.why)
-        sink.tokenizer_encoder(loaded.encoder)
-        return cls(loaded.tokenizer, sink)
-
-    async def prompt_tokens(self, body: Mapping[str, object], path: str) -> Sequence[int] | None:
-        """The engine's token ids for ``body`` sent to ``path``; ``None`` when they cannot be known.
-
-        ``body`` must not change until this returns (the worker thread reads it)."""
-        if self.tokenizer is None:
-            self._failed(UntokenizedReason.NO_TOKENIZER, "no tokenizer loaded")
-            return None
-        started = time.perf_counter()
-        loop = asyncio.get_running_loop()
-        try:
-            result = await loop.run_in_executor(self._executor, self._tokens, self.tokenizer, body, path)
-        except TokenizeFailure as failure:
-            self._failed(failure.reason, str(failure))
-            return None
-        self._sink.tokenized(time.perf_counter() - started, len(result.ids), result.cached)
-        return result.ids
-
-    def _tokens(self, tokenizer: PromptTokenizer, body: Mapping[str, object], path: str) -> Tokenized:
-        return tokenizer.tokens(body, path, self._clock())
-
-    def _failed(self, reason: UntokenizedReason, message: str) -> None:
-        self._sink.untokenized(reason.value)
-        if reason in self._warned:
-            log.debug("prompt not tokenized (%s): %s", reason.value, message)
-        else:
-            self._warned.add(reason)
-            log.warning("prompt not tokenized (%s, logged once; counted after): %s", reason.value, message)
-
-    def close(self) -> None:
-        """Stop the worker thread once the prompts already asked for are tokenized (without waiting)."""
-        self._executor.shutdown(wait=False)

@@ -5,8 +5,8 @@ Hugging Face ``tokenizer.json`` as it is and encodes a 12k-token chat prompt abo
 faster than tiktoken on this box, twenty times faster than ``tokenizers`` (`docs/benchmarks.md`
 section 8). It is used only where it computes the ``tokenizers`` library's ids:
 :func:`fastokens_encoder` builds it and encodes the check corpus of
-:func:`ext_proc.encoder_check.check_ids` with both, raising
-:class:`~ext_proc.encoder_check.NotRepresentable` when fastokens refuses the tokenizer or one id
+:func:`ext_proc.tokenize.check.check_ids` with both, raising
+:class:`~ext_proc.tokenize.check.NotRepresentable` when fastokens refuses the tokenizer or one id
 differs. Its encoder threads are held to one (``FASTOKENS_BPE_THREADS``, unless set): the gateway
 encodes one prompt at a time on its tokenizer thread, and the other cores serve the event loop.
 """
@@ -20,15 +20,15 @@ from collections.abc import Iterable, Mapping
 
 import fastokens
 
-from ext_proc.encoder_check import NotRepresentable, check_ids, vocabulary_bytes
-from ext_proc.prefix.tokens import TextEncoder
+from ext_proc.tokenize.base import TextEncoder
+from ext_proc.tokenize.check import NotRepresentable, check_ids, vocabulary_bytes
 
 BPE_THREADS = "1"
 """fastokens' encoder threads (its ``FASTOKENS_BPE_THREADS``) when the environment does not say."""
 
 
 class FastokensEncoder:
-    """A :class:`~ext_proc.prefix.tokens.TextEncoder` on fastokens (releases the GIL while it encodes).
+    """A :class:`~ext_proc.tokenize.base.TextEncoder` on fastokens (releases the GIL while it encodes).
 
     Added tokens written in the text are encoded as themselves and the post-processor adds its special
     tokens, as in ``tokenizers``; a lone surrogate raises :class:`UnicodeEncodeError`. The ids come as
@@ -53,9 +53,9 @@ def fastokens_encoder(
 ) -> FastokensEncoder:
     """fastokens standing in for ``reference`` (the tokenizer ``spec_text``, parsed: ``spec``).
 
-    Raises :class:`~ext_proc.encoder_check.NotRepresentable` when fastokens refuses the tokenizer, or
+    Raises :class:`~ext_proc.tokenize.check.NotRepresentable` when fastokens refuses the tokenizer, or
     when an id differs from ``reference``'s on the check corpus of ``texts``, the added tokens and the
-    vocabulary (:func:`ext_proc.encoder_check.check_ids`)."""
+    vocabulary (:func:`ext_proc.tokenize.check.check_ids`)."""
     if array("I").itemsize != 4:
         raise NotRepresentable("this machine's unsigned int is not the 32 bits of fastokens' ids")
     os.environ.setdefault("FASTOKENS_BPE_THREADS", BPE_THREADS)

@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from ext_proc.encoder_check import NotRepresentable, check_corpus
 from ext_proc.metrics import Metrics
-from ext_proc.tiktoken_encoder import tiktoken_encoder
-from ext_proc.tokenizer import GatewayTokenizer, TokenizersEncoder, TokenizerSettings, load_prompt_tokenizer
+from ext_proc.tokenize.check import NotRepresentable, check_corpus
+from ext_proc.tokenize.folder import TokenizersEncoder, TokenizerSettings, load_prompt_tokenizer
+from ext_proc.tokenize.gateway import GatewayTokenizer
+from ext_proc.tokenize.tiktoken_encoder import tiktoken_encoder
 from sim.tokenizer_folder import SPECIAL_TOKENS, write_tokenizer_folder
 
 DOCS = sorted((Path(__file__).parents[3] / "docs").glob("*.md"))
@@ -151,7 +152,7 @@ def test_the_encoder_in_use_is_logged_and_in_the_metrics(
 ) -> None:
     metrics = Metrics(lambda: [])
     value = metrics.registry.get_sample_value
-    caplog.set_level(logging.INFO, logger="ext_proc.tokenizer")
+    caplog.set_level(logging.INFO, logger="ext_proc.tokenize.gateway")
     GatewayTokenizer.open(TokenizerSettings(str(folder), **TIKTOKEN), metrics).close()
     assert "encodes with tiktoken" in caplog.text
     assert [value("pd_extproc_tokenizer_encoder", {"encoder": e}) for e in ("tiktoken", "tokenizers")] == [

@@ -32,11 +32,9 @@ from pathlib import Path
 
 import aiohttp
 import yaml
-from backends import EchoBackend, ScriptedPrefill, start_backend, start_scripted_prefill
-from builders import endpoint
-from certs import self_signed
 
 from ext_proc.discovery.eds import write_eds_file
+from ext_proc.endpoints import EndpointSpec
 from sim.gateway import (
     Gateway,
     GatewayError,
@@ -46,8 +44,10 @@ from sim.gateway import (
     terminate,
     wait_router_ready,
 )
+from standins.backends import EchoBackend, ScriptedPrefill, start_backend, start_scripted_prefill
+from standins.certs import self_signed
 
-SHAPES_DIR = Path(__file__).resolve().parents[1] / "deploy" / "gateway_shapes"
+SHAPES_DIR = Path(__file__).resolve().parents[1] / "tests" / "deploy" / "gateway_shapes"
 SHAPES = ("gie-standalone", "istio", "ai-gateway", "kgateway")
 """Every shape, by file name (without ``.yaml``)."""
 EXT_PROC_TYPE = "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor"
@@ -274,7 +274,7 @@ async def shape_stack(
     group_of = dict(zip([e.address for e in engines], GROUPS["prefill"] + GROUPS["decode"], strict=True))
     eds = {role: folder / f"{role}.yaml" for role in GROUPS}
     for role, members in (("prefill", prefills), ("decode", decodes)):
-        specs = [endpoint(e.address, group_of[e.address]) for e in members]
+        specs = [EndpointSpec(e.address, group_of[e.address], None, True, "HEALTHY") for e in members]
         write_eds_file(eds[role], role, specs)
     pair = self_signed(folder / "tls")
     base: dict[str, object] = {

@@ -13,11 +13,11 @@ computes the same ids, which :func:`tiktoken_encoder` makes sure of, raising :cl
 - Merge order: tiktoken merges the adjacent pair whose concatenation ranks lowest, ``tokenizers`` the
   pair whose merge rule ranks lowest; they agree when the merge rules, in order, make tokens of
   non-decreasing id (vocabularies trained the usual way, Llama 3's among them). Checked on every rule.
-- Ids: both encode the check corpus of :func:`ext_proc.encoder_check.check_ids`; every id must agree.
+- Ids: both encode the check corpus of :func:`ext_proc.tokenize.check.check_ids`; every id must agree.
   0.35 s for a 32k vocabulary on a two-vCPU box, about a second when it is busy.
 
-:mod:`ext_proc.fastokens_encoder` is tried first (faster again, and not bound to this shape); tiktoken
-is the fast path where fastokens refuses the tokenizer or does not give the same ids.
+:mod:`~ext_proc.tokenize.fastokens_encoder` is tried first (faster again, and not bound to this shape);
+tiktoken is the fast path where fastokens refuses the tokenizer or does not give the same ids.
 """
 
 from __future__ import annotations
@@ -26,12 +26,13 @@ from collections.abc import Iterable, Mapping
 
 import tiktoken
 
-from ext_proc.encoder_check import NotRepresentable, byte_alphabet, check_ids
-from ext_proc.prefix.tokens import TextEncoder, added_specials
+from ext_proc.tokenize.base import TextEncoder
+from ext_proc.tokenize.check import NotRepresentable, byte_alphabet, check_ids
+from ext_proc.tokenize.prompt import added_specials
 
 
 class TiktokenEncoder:
-    """A :class:`~ext_proc.prefix.tokens.TextEncoder` on tiktoken (releases the GIL while it encodes).
+    """A :class:`~ext_proc.tokenize.base.TextEncoder` on tiktoken (releases the GIL while it encodes).
 
     ``head`` and ``tail`` are the ids the post-processor adds around a prompt (``add_special_tokens``).
     Added tokens written in the text are encoded as themselves, as ``tokenizers`` encodes them. A lone
@@ -143,7 +144,7 @@ def tiktoken_encoder(
 
     Raises :class:`NotRepresentable` when :func:`tiktoken_encoding` does, or when an id differs from
     ``reference``'s on the check corpus of ``texts``, the added tokens and the vocabulary
-    (:func:`ext_proc.encoder_check.check_ids`)."""
+    (:func:`ext_proc.tokenize.check.check_ids`)."""
     encoding = tiktoken_encoding(spec)
     added = added_specials(reference)
     if added is None:

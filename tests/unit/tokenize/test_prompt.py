@@ -19,17 +19,12 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
 from ext_proc.metrics import Metrics
-from ext_proc.prefix.tokens import (
-    KEY_CHARS,
-    ChatTemplate,
-    PrefixTokenCache,
-    PromptTokenizer,
-    TokenizeFailure,
-    UntokenizedReason,
-    conversation,
-    tool_schemas,
-)
-from ext_proc.tokenizer import GatewayTokenizer, TokenizerLoadError, TokenizerSettings, load_prompt_tokenizer
+from ext_proc.tokenize.base import TokenizeFailure, UntokenizedReason
+from ext_proc.tokenize.cache import KEY_CHARS, PrefixTokenCache
+from ext_proc.tokenize.folder import TokenizerLoadError, TokenizerSettings, load_prompt_tokenizer
+from ext_proc.tokenize.gateway import GatewayTokenizer
+from ext_proc.tokenize.prompt import PromptTokenizer
+from ext_proc.tokenize.template import ChatTemplate, conversation, tool_schemas
 from sim.tokenizer_folder import BOS, write_tokenizer_folder
 
 DOCS = sorted((Path(__file__).parents[3] / "docs").glob("*.md"))

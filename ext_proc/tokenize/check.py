@@ -1,12 +1,14 @@
 """The check that a fast encoder stands in exactly for a tokenizer: a corpus both encode, every id compared.
 
-A faster encoder (:mod:`ext_proc.fastokens_encoder`, :mod:`ext_proc.tiktoken_encoder`) is used by the
-gateway only where it computes the ``tokenizers`` library's ids; :func:`check_ids` makes sure of it on a
-check corpus (the chat templates rendered over sample messages, Unicode, whitespace and digit edge
-cases, the special tokens inside text, random strings from a seeded generator, all these with and
-without the post-processor's special tokens; then every vocabulary token's bytes once, in a seeded
-random order: a few hundred kB for a 32k vocabulary), raising :class:`NotRepresentable` at the first
-text whose ids differ.
+A faster encoder (:mod:`~ext_proc.tokenize.fastokens_encoder`, :mod:`~ext_proc.tokenize.tiktoken_encoder`)
+is used by the gateway only where it computes the ``tokenizers`` library's ids. :func:`check_ids` makes
+sure of it, raising :class:`NotRepresentable` at the first text whose ids differ. The check corpus:
+
+- the chat templates rendered over sample messages;
+- Unicode, whitespace and digit edge cases, the special tokens inside text;
+- random strings from a seeded generator;
+- all these with and without the post-processor's special tokens;
+- every vocabulary token's bytes once, in a seeded random order (a few hundred kB for a 32k vocabulary).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import random
 from collections.abc import Iterable
 
-from ext_proc.prefix.tokens import TextEncoder
+from ext_proc.tokenize.base import TextEncoder
 
 CHECK_SEED = 26
 CHECK_RANDOM_TEXTS = 400
@@ -78,7 +80,9 @@ def byte_alphabet() -> dict[str, int]:
 
 
 def check_corpus(texts: Iterable[str], specials: Iterable[str], seed: int = CHECK_SEED) -> list[str]:
-    """``texts`` (e.g. rendered chat templates), the edge cases, ``specials`` written into text, and
+    """The texts every fast encoder must encode as ``tokenizers`` does.
+
+    ``texts`` (e.g. rendered chat templates), the edge cases, ``specials`` written into text, and
     :data:`CHECK_RANDOM_TEXTS` random strings mixing scripts, digits, punctuation and whitespace."""
     rng = random.Random(seed)
     corpus = [*texts, *_EDGE_CASES]
@@ -91,8 +95,10 @@ def check_corpus(texts: Iterable[str], specials: Iterable[str], seed: int = CHEC
 
 
 def vocabulary_corpus(vocabulary: Iterable[bytes], seed: int = CHECK_SEED) -> list[str]:
-    """The ``vocabulary`` tokens' bytes one after another in a random order, in texts of about
-    :data:`_VOCAB_CHUNK_BYTES` (invalid UTF-8 replaced): every token's bytes, next to others."""
+    """Every vocabulary token's bytes, in texts of a few kB.
+
+    The tokens' bytes one after another in a random order, in texts of about :data:`_VOCAB_CHUNK_BYTES`
+    (invalid UTF-8 replaced): every token's bytes, next to others."""
     tokens = sorted(vocabulary)
     random.Random(seed).shuffle(tokens)
     joined = b"".join(tokens)

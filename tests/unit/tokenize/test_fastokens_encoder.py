@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from ext_proc.encoder_check import NotRepresentable
-from ext_proc.fastokens_encoder import FastokensEncoder, fastokens_encoder
 from ext_proc.metrics import Metrics
-from ext_proc.tokenizer import GatewayTokenizer, TokenizersEncoder, TokenizerSettings, load_prompt_tokenizer
+from ext_proc.tokenize.check import NotRepresentable
+from ext_proc.tokenize.fastokens_encoder import FastokensEncoder, fastokens_encoder
+from ext_proc.tokenize.folder import TokenizersEncoder, TokenizerSettings, load_prompt_tokenizer
+from ext_proc.tokenize.gateway import GatewayTokenizer
 from sim.tokenizer_folder import SPECIAL_TOKENS, write_tokenizer_folder
 
 DOCS = sorted((Path(__file__).parents[3] / "docs").glob("*.md"))
@@ -107,7 +108,7 @@ def test_the_encoder_in_use_is_logged_and_in_the_metrics(
     folder: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     metrics = Metrics(lambda: [])
-    caplog.set_level(logging.INFO, logger="ext_proc.tokenizer")
+    caplog.set_level(logging.INFO, logger="ext_proc.tokenize.gateway")
     GatewayTokenizer.open(TokenizerSettings(str(folder)), metrics).close()
     assert "encodes with fastokens" in caplog.text
     value = metrics.registry.get_sample_value

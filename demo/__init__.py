@@ -1,0 +1,2 @@
+"""The ``pd-extproc demo`` command (:mod:`demo.cli`), above the two demos it runs: :mod:`sim.demo` on
+simulated engines and :mod:`rig.demo` on real vLLM engines (which the simulator never imports)."""
