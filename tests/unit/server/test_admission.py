@@ -54,6 +54,10 @@ class Stream:
         self._inbox.put_nowait(request)
         return await anext(self._answers)
 
+    async def next_answer(self) -> pb.ProcessingResponse:
+        """The server's next answer to what was already sent (after it asked Envoy to wait)."""
+        return await anext(self._answers)
+
     async def end(self) -> None:
         """Envoy closes the stream: no more messages."""
         self._inbox.put_nowait(None)
