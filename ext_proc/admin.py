@@ -26,8 +26,9 @@ def endpoint_rows(registry: Registry, engine_view: EngineView | None = None) -> 
     Each row says whether the router may pick the endpoint now (healthy and still listed: not a
     departed endpoint finishing its requests), its capacity (tokens) and live load:
     ``active_tokens`` and ``active_requests`` (every gateway replica's), of which ``peer_tokens`` and
-    ``peer_requests`` the peer replicas' (shared state), ``blended_tokens`` (what the decision reads)
-    and, with
+    ``peer_requests`` the peer replicas' (shared state), ``blended_tokens`` (what the decision reads),
+    ``models`` (the names it serves with their parents, ``null``: every model) and ``models_from``
+    (``declared``, ``engine`` or ``null``: see :mod:`ext_proc.registry`) and, with
     ``engine_view`` (engine metrics enabled), ``engine``: the last engine sample, its age and freshness."""
     pickable = {id(s) for s in (*registry.prefills, *registry.decodes)}
     return [
@@ -44,10 +45,21 @@ def endpoint_rows(registry: Registry, engine_view: EngineView | None = None) -> 
             "peer_tokens": s.peer_tokens,
             "peer_requests": s.peer_requests,
             "blended_tokens": s.blended_tokens,
+            "models": None
+            if s.served is None
+            else [{"id": m.name, "parent": m.parent} for m in s.models() or ()],
+            "models_from": _models_from(s),
         }
         | ({"engine": engine_view(s)} if engine_view is not None else {})
         for s in registry.endpoints()
     ]
+
+
+def _models_from(state: EndpointState) -> str | None:
+    """Where ``state``'s model list comes from: ``declared``, ``engine``, or ``None`` (every model)."""
+    if state.declared_models is not None:
+        return "declared"
+    return None if state.engine_models is None else "engine"
 
 
 def build_admin_app(

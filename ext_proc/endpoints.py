@@ -23,7 +23,8 @@ class EndpointSpec:
     ``bootstrap_port``, ``metrics_port``, ``kv_events_port`` and ``kv_events_replay_port`` are ``None``
     when the metadata does not set them; ``data_parallel_size`` is the engine's number of data-parallel
     ranks (1 when not set: rank ``r`` publishes its KV-cache events on the ports plus ``r``);
-    ``healthy`` is true for ``HEALTHY`` and ``UNKNOWN`` health status.
+    ``healthy`` is true for ``HEALTHY`` and ``UNKNOWN`` health status; ``models`` the model names it
+    serves (:mod:`ext_proc.models`), ``None`` when the source declares none: every model.
     """
 
     address: str
@@ -36,6 +37,7 @@ class EndpointSpec:
     kv_events_port: int | None = None
     kv_events_replay_port: int | None = None
     data_parallel_size: int = 1
+    models: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
-from ext_proc.outcome import RequestMeta, RoutingInstructions
+from ext_proc.outcome import MODEL_REWRITE_HEADER, RequestMeta, RoutingInstructions
 
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
@@ -98,9 +98,10 @@ class HeadersMeta(RequestMeta):
     """The :class:`RequestMeta` of a ``request_headers`` message, each part read when first needed.
 
     ``path`` is read at once, from the first ``:path`` header (Envoy sends the pseudo-headers first:
-    a few headers are looked at); ``client_request_id``, ``authorization``, ``traceparent`` and
-    ``tracestate``, which only the engine handoffs' prefill legs, their logs and tracing read, on first
-    use of any, in one pass over all the headers (the last of each name wins; ``None`` when absent).
+    a few headers are looked at); ``client_request_id``, ``authorization``, ``traceparent``,
+    ``tracestate`` and ``model_rewrite``, which only the engine handoffs' prefill legs, their logs,
+    tracing and a rewrite read (the last two first look for their header's bytes), on first use of any,
+    in one pass over all the headers (the last of each name wins; ``None`` when absent).
     Each header looked at costs a protobuf wrapper, and Envoy sends about a dozen: a request routed
     without a prefill leg reads two or three. ``objective`` and ``fairness_id`` (flow control's
     headers) are read, on first use of either, in a pass of their own. Equal to (and hashed as) another
@@ -146,6 +147,15 @@ class HeadersMeta(RequestMeta):
         return self._read()[3]
 
     @property  # type: ignore[override]
+    def model_rewrite(self) -> str | None:
+        """The incoming :data:`~ext_proc.outcome.MODEL_REWRITE_HEADER`, or ``None``.
+
+        Read for every request with a body, and most send none: looked for as ``traceparent`` is."""
+        if self._rest is None and _REWRITE_KEY not in self._headers.headers.SerializeToString():
+            return None
+        return self._read()[4]
+
+    @property  # type: ignore[override]
     def objective(self) -> str | None:
         """The incoming ``x-gateway-inference-objective``, or ``None``."""
         return self._read_flow()[0]
@@ -182,9 +192,11 @@ class HeadersMeta(RequestMeta):
         return rest
 
 
-_LAZY_HEADERS = ("x-request-id", "authorization", "traceparent", "tracestate")
+_LAZY_HEADERS = ("x-request-id", "authorization", "traceparent", "tracestate", MODEL_REWRITE_HEADER)
 """The headers :class:`HeadersMeta` reads on first use, in the order of its ``_read``."""
 _TRACEPARENT_KEY = b"\x0a\x0btraceparent"
+_REWRITE_KEY = b"\x0a" + bytes([len(MODEL_REWRITE_HEADER)]) + MODEL_REWRITE_HEADER.encode()
+"""The bytes that start a :data:`~ext_proc.outcome.MODEL_REWRITE_HEADER` header, as ``_TRACEPARENT_KEY``."""
 """A ``HeaderValue`` whose ``key`` (field 1, length-delimited: tag 0x0a) is the 11 bytes ``traceparent``,
 as serialised: absent from a header map's bytes, no header is named so (present, the map is read)."""
 
@@ -361,6 +373,19 @@ def immediate_error(
     _set_header(immediate.headers, "content-type", b"application/json")
     if retry_after is not None:
         _set_header(immediate.headers, "retry-after", str(retry_after).encode())
+    return response
+
+
+def immediate_answer(status: int, body: bytes) -> pb.ProcessingResponse:
+    """Answer any message by ending the HTTP exchange with ``status`` and the JSON ``body``.
+
+    Its details, ``pd_extproc_answer``, tell the shipped Envoy's local-reply mappers to leave it as it is."""
+    response = pb.ProcessingResponse()
+    immediate = response.immediate_response
+    immediate.status.code = status  # type: ignore[assignment]
+    immediate.body = body
+    immediate.details = "pd_extproc_answer"
+    _set_header(immediate.headers, "content-type", b"application/json")
     return response
 
 

@@ -60,6 +60,12 @@ class _EndpointLoadCollector(Collector):
             "active_requests)",
             labels=labels,
         )
+        served = GaugeMetricFamily(
+            "pd_extproc_endpoint_model_info",
+            "1 for each model the endpoint serves (declared or listed by its engine; none: every model), "
+            "with its parent (an adapter's base model, else empty)",
+            labels=[*labels, "model", "parent"],
+        )
         blended = GaugeMetricFamily(
             "pd_extproc_endpoint_blended_tokens",
             "Tokens the decision reads for the endpoint: local in-flight tokens blended with the engine's "
@@ -73,11 +79,14 @@ class _EndpointLoadCollector(Collector):
             blended.add_metric(values, state.blended_tokens)
             peer_tokens.add_metric(values, state.peer_tokens)
             peer_requests.add_metric(values, state.peer_requests)
+            for model in state.models() or ():
+                served.add_metric([*values, model.name, model.parent or ""], 1)
         yield tokens
         yield requests
         yield blended
         yield peer_tokens
         yield peer_requests
+        yield served
 
 
 class _EngineScrapeCollector(Collector):
@@ -385,6 +394,13 @@ class Metrics:
             ["outcome"],
             registry=self.registry,
         )
+        self._model_polls = Counter(
+            "pd_extproc_engine_model_polls_total",
+            "Polls of engines' GET /v1/models (engine_metrics.models_interval_seconds) by outcome: ok, or "
+            "the error (timeout, connect, status, too_large, parse)",
+            ["outcome"],
+            registry=self.registry,
+        )
         self._engine_scrape_seconds = Histogram(
             "pd_extproc_engine_scrape_seconds",
             "Duration of one scrape of an engine's /metrics (fetch and parse), in seconds",
@@ -437,6 +453,14 @@ class Metrics:
         )
         self.registry.register(_EndpointLoadCollector(endpoints))
         self._decision_children: dict[tuple[str, str], Count] = {}
+        self._models = LoopCounter(
+            "pd_extproc_model_requests_total",
+            "Requests routed, by the model they name (empty: none, or one that no endpoint names: those "
+            "serving every model took it); bounded by the endpoints' model lists",
+            ["model"],
+            registry=self.registry,
+        )
+        self._model_children: dict[str, Count] = {}
         self._rejected_children: dict[str, Counter] = {}
 
     def decided(self, mode: str, locality: str, seconds: float) -> None:
@@ -449,6 +473,13 @@ class Metrics:
             child = self._decision_children[key] = self._decisions.labels(mode, locality)
         child.inc()
         self._decision_seconds.observe(seconds)
+
+    def model_routed(self, model: str) -> None:
+        """Count one request routed for ``model`` (a bounded label: :meth:`Registry.model_label`)."""
+        child = self._model_children.get(model)
+        if child is None:
+            child = self._model_children[model] = self._models.labels(model)
+        child.inc()
 
     def estimated(self, locality: str, estimate: Estimate) -> None:
         """Record the parts of one ``auto`` decision's estimate (a margin only when there is one)."""
@@ -563,6 +594,10 @@ class Metrics:
         """Count one scrape of an engine's ``/metrics`` by ``outcome`` and record its ``seconds``."""
         self._engine_scrapes.labels(outcome).inc()
         self._engine_scrape_seconds.observe(seconds)
+
+    def engine_models_polled(self, outcome: str) -> None:
+        """Count one poll of an engine's ``GET /v1/models`` by ``outcome``."""
+        self._model_polls.labels(outcome).inc()
 
     def rejected(self, reason: str) -> None:
         """Count one request answered with an error, by machine-readable reason."""

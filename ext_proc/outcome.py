@@ -2,7 +2,8 @@
 
 The router parses a request (:class:`HandoffJob`) and decides where it runs; the decision and the
 charges it holds are a :class:`Placement`. The handoff turns the placement into an outcome:
-:class:`Routed` (instructions for Envoy), :class:`Refused` (an error answer), or a
+:class:`Routed` (instructions for Envoy), :class:`Refused` (an error answer), :class:`Answered` (the
+gateway's own answer), or a
 :class:`PendingAnswer` that needs I/O with an engine first and then completes into one of the two.
 A routed request's :class:`ResponseWatcher`, when its handoff attached one, sees the upstream's answer.
 
@@ -40,6 +41,11 @@ class RoutingInstructions:
     body: bytes | None = None
 
 
+MODEL_REWRITE_HEADER = "x-gateway-model-name-rewrite"
+"""The Gateway API Inference Extension's header naming the model to serve a request with instead of
+its body's ``model``: routed by, and written into the body the engines get."""
+
+
 @dataclass(frozen=True, slots=True)
 class RequestMeta:
     """What the request-headers phase tells about a request.
@@ -50,6 +56,7 @@ class RequestMeta:
     (:mod:`ext_proc.tracing`: the request's span continues that trace), never by routing.
     ``objective`` and ``fairness_id``: the ``x-gateway-inference-objective`` and
     ``x-gateway-inference-fairness-id`` headers, for flow control (``None``: absent).
+    ``model_rewrite`` the :data:`MODEL_REWRITE_HEADER`, if any.
     """
 
     path: str = ""
@@ -59,6 +66,7 @@ class RequestMeta:
     tracestate: str | None = None
     objective: str | None = None
     fairness_id: str | None = None
+    model_rewrite: str | None = None
 
 
 @dataclass(slots=True)
@@ -69,6 +77,8 @@ class HandoffJob:
     the request charges (tokens); ``subset`` the data plane's endpoint-subset hint, if any;
     ``tokens`` the prompt in the engine's token ids when the gateway tokenized it (``None``: unknown);
     ``trace`` the request's span when tracing is on (its W3C context goes on the prefill leg).
+    ``rewritten``: the gateway changed the client's body (its ``model``, :data:`MODEL_REWRITE_HEADER`),
+    so ``raw`` is sent even where a handoff adds nothing.
     """
 
     raw: bytes
@@ -78,6 +88,7 @@ class HandoffJob:
     subset: frozenset[str] | None
     tokens: Sequence[int] | None = None
     trace: Trace | None = None
+    rewritten: bool = False
 
 
 class Trace(Protocol):
@@ -165,6 +176,14 @@ class Refused:
     param: str | None = None
     body: bytes | None = None
     retry_after: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Answered:
+    """The gateway answers the request itself (``GET /v1/models``): ``status`` and a JSON ``body``."""
+
+    status: int
+    body: bytes
 
 
 class PendingAnswer(Protocol):

@@ -12,6 +12,13 @@ which the engine load signal (:mod:`ext_proc.engine_load`) sets when a scrape la
 charge or release stays one in-place addition and the decision reads one number per endpoint. The
 ``requests`` slot likewise holds this replica's requests plus its peers'.
 
+Each endpoint serves every model, or the names it declares (EDS metadata ``models``, the pod
+annotation) or, declaring none, the names its engine lists (``GET /v1/models``, polled with the engine
+metrics: :meth:`Registry.set_engine_models`): a declaration wins, as the operator's deliberate word, known
+before the first poll. :meth:`Registry.pools_for` gives a model's pools: the role pools themselves while
+no endpoint names its models (no cost), else a cached pool of the endpoints serving it per name, its
+load copied from the live arrays on each call (O(endpoints), numpy).
+
 Updates from a discovery source keep the same object for an endpoint that stays (same role and
 address) and rebuild the arrays with every live value carried over: in-flight accounting survives
 any number of EDS changes. An endpoint that leaves while it still has requests in flight keeps its
@@ -30,6 +37,7 @@ from numpy.typing import NDArray
 
 from ext_proc.affinity import Pool
 from ext_proc.endpoints import ClusterEndpoints, merge_clusters
+from ext_proc.models import ServedModel
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +62,8 @@ class EndpointState:
     one's, :attr:`own_tokens`, plus its peers', ``peer_tokens``), ``blended_tokens`` what the decision
     reads, ``active_tokens + engine_offset``. ``watch`` (``None``: nobody) is called with the endpoint
     after each of this replica's own charges and releases (the shared state publishes them).
+    ``declared_models`` (discovery) and ``engine_models`` (the engine's own list) say which models it
+    serves; :attr:`served` is the effective set (``None``: every model), see the module docstring.
     """
 
     __slots__ = (
@@ -63,6 +73,8 @@ class EndpointState:
         "address",
         "bootstrap_port",
         "data_parallel_size",
+        "declared_models",
+        "engine_models",
         "engine_offset",
         "group",
         "health_status",
@@ -73,6 +85,7 @@ class EndpointState:
         "peer_requests",
         "peer_tokens",
         "role",
+        "served",
         "token_capacity",
         "watch",
     )
@@ -89,6 +102,9 @@ class EndpointState:
         self.kv_events_port: int | None = None
         self.kv_events_replay_port: int | None = None
         self.data_parallel_size = 1
+        self.declared_models: tuple[str, ...] | None = None
+        self.engine_models: tuple[ServedModel, ...] | None = None
+        self.served: frozenset[str] | None = None
         self.engine_offset = 0
         self.peer_tokens = 0
         self.peer_requests = 0
@@ -96,6 +112,22 @@ class EndpointState:
         self._tokens: NDArray[np.int64] = np.zeros(1, dtype=np.int64)
         self._requests: NDArray[np.int64] = np.zeros(1, dtype=np.int64)
         self._slot = 0
+
+    def models(self) -> tuple[ServedModel, ...] | None:
+        """The models it serves with their parents where its engine names them (``None``: every model)."""
+        if self.served is None:
+            return None
+        parents = {m.name: m.parent for m in self.engine_models or ()}
+        return tuple(ServedModel(name, parents.get(name)) for name in sorted(self.served))
+
+    def _serve(self) -> None:
+        """Recompute :attr:`served`: the declared names, else the engine's, else ``None`` (every model)."""
+        if self.declared_models is not None:
+            self.served = frozenset(self.declared_models)
+        elif self.engine_models is not None:
+            self.served = frozenset(m.name for m in self.engine_models)
+        else:
+            self.served = None
 
     @property
     def active_tokens(self) -> int:
@@ -184,6 +216,10 @@ class Registry:
         self.prefill_pool: Pool[EndpointState] = Pool.of(())
         self.decode_pool: Pool[EndpointState] = Pool.of(())
         self._watch: Callable[[EndpointState], None] | None = None
+        self._named: frozenset[str] = frozenset()
+        self._any_model = True
+        self._restricted = False
+        self._by_model: dict[str, _ModelPools] = {}
 
     def watch(self, callback: Callable[[EndpointState], None] | None) -> None:
         """Call ``callback`` after each own charge and release of any endpoint, present or to come."""
@@ -224,6 +260,8 @@ class Registry:
                 state.kv_events_port = spec.kv_events_port
                 state.kv_events_replay_port = spec.kv_events_replay_port
                 state.data_parallel_size = spec.data_parallel_size
+                state.declared_models = spec.models
+                state._serve()
                 fresh[key] = state
         for key, state in self._current.items():
             if key not in fresh and state.own_requests:
@@ -232,6 +270,68 @@ class Registry:
         self._current = fresh
         self.prefill_pool = _place(s for s in fresh.values() if s.role is Role.PREFILL)
         self.decode_pool = _place(s for s in fresh.values() if s.role is Role.DECODE)
+        self._index_models()
+
+    def set_engine_models(self, address: str, models: tuple[ServedModel, ...]) -> None:
+        """Note that the engine at ``address`` lists ``models`` (``GET /v1/models``).
+
+        Its endpoints (every role) serve them unless they declare their own."""
+        changed = False
+        for role in Role:
+            state = self._current.get((role, address))
+            if state is not None and state.engine_models != models:
+                state.engine_models = models
+                state._serve()
+                changed = True
+        if changed:
+            self._index_models()
+
+    def _index_models(self) -> None:
+        """Note which names the known decodes serve, and forget the per-model pools."""
+        decodes = [s for s in self._current.values() if s.role is Role.DECODE]
+        self._named = frozenset(name for s in decodes if s.served is not None for name in s.served)
+        self._any_model = any(s.served is None for s in decodes)
+        self._restricted = any(s.served is not None for s in self._current.values())
+        self._by_model = {}
+
+    def pools_for(self, model: str | None) -> tuple[Pool[EndpointState], Pool[EndpointState]] | None:
+        """The (prefill, decode) pools of the healthy endpoints serving ``model`` (``None``: any model).
+
+        ``None`` when no known decode, healthy or not, serves it (the request's model is unknown).
+
+        A cached pool's load is copied from the live arrays on each call: read it before the next call."""
+        if model is None or not self._restricted:
+            return self.prefill_pool, self.decode_pool
+        key = model if model in self._named else ""  # "": served only by the endpoints serving every model
+        if not key and not self._any_model:
+            return None
+        pools = self._by_model.get(key)
+        if pools is None:
+            pools = self._by_model[key] = _ModelPools(self.prefill_pool, self.decode_pool, key)
+        return pools.fresh()
+
+    def model_label(self, model: str | None) -> str:
+        """``model`` as a metric label, of bounded cardinality.
+
+        Itself when a known decode names it, else ``""`` (no model, or one only the endpoints serving
+        every model serve): bounded by what discovery and the engines name, never by what clients send."""
+        return model if model is not None and model in self._named else ""
+
+    def served_models(self) -> tuple[ServedModel, ...] | None:
+        """Every model a known decode names (``GET /v1/models``).
+
+        With its parent where an engine names it; ``None`` when no decode names its models (each serves
+        every model: only the engines know)."""
+        if not self._named:
+            return None
+        models: dict[str, ServedModel] = {}
+        for state in self._current.values():
+            if state.role is Role.DECODE:
+                for model in state.models() or ():
+                    known = models.get(model.name)
+                    if known is None or known.parent is None:  # a parent named by any engine is kept
+                        models[model.name] = model
+        return tuple(models.values())
 
     @property
     def prefills(self) -> tuple[EndpointState, ...]:
@@ -258,6 +358,36 @@ class Registry:
     def endpoints(self) -> tuple[EndpointState, ...]:
         """Every known endpoint, healthy or not, plus departed ones that still have requests in flight."""
         return (*self._current.values(), *self._departed.values())
+
+
+class _ModelPools:
+    """The healthy endpoints of both roles that serve one model, as pools of their own.
+
+    ``key``: the model's name, or ``""`` for a name no endpoint lists (served by the endpoints that
+    serve every model). The pools' arrays are copies that :meth:`fresh` refills from the live ones."""
+
+    __slots__ = ("_decode", "_decodes", "_prefill", "_prefills")
+
+    def __init__(self, prefills: Pool[EndpointState], decodes: Pool[EndpointState], key: str) -> None:
+        self._prefills, self._prefill = prefills, _serving(prefills, key)
+        self._decodes, self._decode = decodes, _serving(decodes, key)
+
+    def fresh(self) -> tuple[Pool[EndpointState], Pool[EndpointState]]:
+        """Both pools, their load copied from the live arrays now."""
+        for live, (positions, pool) in ((self._prefills, self._prefill), (self._decodes, self._decode)):
+            np.take(live.tokens, positions, out=pool.tokens)
+            np.take(live.requests, positions, out=pool.requests)
+        return self._prefill[1], self._decode[1]
+
+
+def _serving(pool: Pool[EndpointState], key: str) -> tuple[NDArray[np.intp], Pool[EndpointState]]:
+    """The positions in ``pool`` of the endpoints serving ``key`` (see :class:`_ModelPools`), and their
+    pool."""
+    keep = [i for i, s in enumerate(pool.endpoints) if s.served is None or key in s.served]
+    positions = np.array(keep, dtype=np.intp)
+    endpoints = [pool.endpoints[i] for i in keep]
+    load = pool.tokens[positions], pool.requests[positions], pool.capacity[positions]
+    return positions, Pool(endpoints, *load)
 
 
 def _place(states: Iterable[EndpointState]) -> Pool[EndpointState]:

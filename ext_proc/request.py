@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import msgspec
 
+from ext_proc.models import ModelNameError, check_model_name
+
 MAX_OUTPUT_BUDGET = 2**40
 """The most output tokens one request may reserve, all sequences together: far beyond any model's
 context, and small enough that the in-flight token sums (int64 load arrays) cannot overflow."""
@@ -220,11 +222,15 @@ def describe(body: dict[str, object], default_max_tokens: int) -> RequestInfo:
     """What routing needs from a parsed body; raise :class:`RequestError` naming the field that is wrong.
 
     The prompt comes from ``messages`` (chat), else ``prompt`` (completions), else ``input``
-    (embeddings/responses); a body with none of them has zero prompt tokens.
+    (embeddings/responses); a body with none of them has zero prompt tokens. A ``model``, when given,
+    is a name :func:`~ext_proc.models.check_model_name` accepts.
     """
     model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise RequestError("'model' must be a string", "model")
+    if model is not None:
+        try:
+            check_model_name(model, "'model'")
+        except ModelNameError as exc:
+            raise RequestError(str(exc), "model") from None
     stream = body.get("stream", False)
     if stream is None:
         stream = False

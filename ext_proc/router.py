@@ -2,12 +2,15 @@
 
 The router only reads the live parts (:mod:`ext_proc.live`: the prefix source, the gateway tokenizer,
 the shared state), which change and start and stop elsewhere. The server reads a body
-(:meth:`Router.read`), awaits its prompt's token ids when the gateway tokenizes it
-(:meth:`Router.wants_tokens`, :meth:`Router.prompt_tokens`), routes it (:meth:`Router.route`;
-:meth:`Router.route_body` does both steps without tokens; a request without a body:
-:meth:`Router.route_bodiless`) and maps the outcome (:mod:`ext_proc.outcome`) onto ext_proc
-messages: :class:`Routed`, :class:`Refused` (an HTTP status, a precise message and a machine-readable
-code), or a :class:`PendingAnswer` to complete after a prefill leg.
+(:meth:`Router.read`; an ``x-gateway-model-name-rewrite`` header replaces its ``model``), awaits its
+prompt's token ids when the gateway tokenizes it (:meth:`Router.wants_tokens`,
+:meth:`Router.prompt_tokens`), routes it (:meth:`Router.route`; :meth:`Router.route_body` does both
+steps without tokens; a request without a body: :meth:`Router.route_bodiless`) and maps the outcome
+(:mod:`ext_proc.outcome`) onto ext_proc messages: :class:`Routed`, :class:`Refused` (an HTTP status, a
+precise message and a machine-readable code), :class:`Answered` (``GET /v1/models``: the models the
+endpoints serve), or a :class:`PendingAnswer` to complete after a prefill leg. A request naming a model
+goes only to endpoints serving it (:meth:`~ext_proc.registry.Registry.pools_for`), prefill and decode
+alike; one that no endpoint serves is answered 404 ``model_not_found``.
 """
 
 from __future__ import annotations
@@ -22,11 +25,24 @@ from urllib.parse import urlsplit
 from ext_proc.affinity import Cost, Decision, Hits, Mode, NoPair, Policy, Pool, choose
 from ext_proc.affinity.explain import Explanation, explain
 from ext_proc.ejection import Ejections
+from ext_proc.handoff.body import with_fields
 from ext_proc.handoff.kinds import Handoff
 from ext_proc.live import LiveParts
 from ext_proc.load import Admission, Lease
 from ext_proc.metrics import Metrics
-from ext_proc.outcome import HandoffJob, PendingAnswer, Placement, Ranks, Refused, RequestMeta, Routed, Trace
+from ext_proc.models import ModelNameError, check_model_name, model_list_body
+from ext_proc.outcome import (
+    MODEL_REWRITE_HEADER,
+    Answered,
+    HandoffJob,
+    PendingAnswer,
+    Placement,
+    Ranks,
+    Refused,
+    RequestMeta,
+    Routed,
+    Trace,
+)
 from ext_proc.prefix.blocks import prompt_content
 from ext_proc.prefix.lookup import Lookup
 from ext_proc.refusal import refuse
@@ -37,6 +53,8 @@ log = logging.getLogger(__name__)
 
 DISAGGREGATED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 """Paths whose requests get a prefill endpoint; every other path is routed decode-only."""
+MODELS_PATH = "/v1/models"
+"""The path of OpenAI's model list, which the gateway answers itself once endpoints name their models."""
 TOKENIZED_PATHS = DISAGGREGATED_PATHS | {"/v1/embeddings"}
 """Paths whose text prompts the gateway tokenizer puts in token ids (``affinity.prefix.tokenizer``)."""
 
@@ -46,13 +64,15 @@ class BodyRequest:
     """A request's body as read, before it is routed.
 
     ``raw`` as received, ``body`` its JSON object, ``info`` its estimated prompt tokens and output
-    budget, ``meta`` what its headers said. Never modified once built; not frozen, as
+    budget, ``meta`` what its headers said; ``rewritten``: ``raw`` and ``body`` carry the model of
+    ``meta.model_rewrite`` instead of the client's. Never modified once built; not frozen, as
     :mod:`ext_proc.outcome`'s per-request records (a frozen dataclass costs more to build)."""
 
     raw: bytes
     body: dict[str, object]
     info: RequestInfo
     meta: RequestMeta
+    rewritten: bool = False
 
 
 class Explained(NamedTuple):
@@ -169,9 +189,21 @@ class Router:
             return refuse(self.metrics, 400, str(exc), "invalid_request", exc.param)
 
     def parse(self, raw: bytes, meta: RequestMeta) -> BodyRequest:
-        """:meth:`read` without the refusal: raises :class:`RequestError` (nothing counted or logged)."""
+        """:meth:`read` without the refusal: raises :class:`RequestError` (nothing counted or logged).
+
+        Also for a ``meta.model_rewrite`` that is no model name; with a valid one, the body's ``model`` is
+        replaced by it."""
         body = parse_body(raw)
-        return BodyRequest(raw, body, describe(body, self._default_max_tokens), meta)
+        rewrite = meta.model_rewrite
+        rewritten = rewrite is not None and body.get("model") != rewrite
+        if rewritten:
+            try:
+                check_model_name(rewrite, f"the {MODEL_REWRITE_HEADER} header")
+            except ModelNameError as exc:
+                raise RequestError(str(exc)) from None
+            raw = with_fields(raw, body, {"model": rewrite}, ("model",))
+            body["model"] = rewrite
+        return BodyRequest(raw, body, describe(body, self._default_max_tokens), meta, rewritten)
 
     def wants_tokens(self, request: BodyRequest) -> bool:
         """Whether ``request``'s prompt is to be put in token ids (:meth:`prompt_tokens`) before routing.
@@ -209,12 +241,27 @@ class Router:
         the threshold at their exact count instead of the estimate, and the prefix index looks up
         their chain. ``trace``: the request's span (tracing on), told the decision.
         """
-        cost, prefills = self._cost(request, tokens)
-        placed = self._place(cost, prefills, subset, request.body, tokens, trace)
+        model = request.info.model
+        pools = self.registry.pools_for(model)
+        if pools is None:
+            return self._unknown_model(str(model))
+        cost, prefills = self._cost(request, tokens, pools[0])
+        placed = self._place(cost, prefills, pools[1], subset, request.body, tokens, trace)
         if isinstance(placed, Refused):
             return placed
-        job = HandoffJob(request.raw, request.body, request.meta, cost, subset, tokens, trace)
+        self.metrics.model_routed(self.registry.model_label(model))
+        job = HandoffJob(
+            request.raw, request.body, request.meta, cost, subset, tokens, trace, request.rewritten
+        )
         return self.handoff.hand_off(job, placed, self)
+
+    def _unknown_model(self, model: str) -> Refused:
+        """The 404 ``model_not_found`` of a request for ``model``, which no known decode serves."""
+        message = (
+            f"the model {model!r} does not exist here: no endpoint serves it "
+            "(GET /v1/models lists those that do)"
+        )
+        return refuse(self.metrics, 404, message, "model_not_found", "model")
 
     def explain(
         self, request: BodyRequest, tokens: Sequence[int] | None = None, limit: int = 10
@@ -224,19 +271,31 @@ class Router:
         The same candidates (ejections applied; no subset hint), prefix hits and next round-robin
         ticket as :meth:`route`; nothing is charged, recorded in the prefix index, told to the peers or
         counted (:func:`ext_proc.affinity.explain.explain`: the ``limit`` least-cost pairs)."""
-        cost, prefills = self._cost(request, tokens)
-        decodes = self.decode_ejections.keep(self.registry.decode_pool)
+        pools = self.registry.pools_for(request.info.model) or (self._no_prefills, self._no_prefills)
+        cost, prefills = self._cost(request, tokens, pools[0])
+        decodes = self.decode_ejections.keep(pools[1])
         lookup = self._lookup(request.body, tokens, prefills, decodes, cost.prefill_tokens)
         hits = None if lookup is None else lookup.hits
         explained = explain(cost, prefills, decodes, self.policy, self._ticket + 1, hits, limit)
         return Explained(cost, prefills, decodes, hits, explained)
 
     def route_bodiless(
-        self, subset: frozenset[str] | None = None, trace: Trace | None = None
-    ) -> Routed | Refused:
-        """Route a request without a body (e.g. ``GET /v1/models``) to the least-loaded decode."""
+        self,
+        subset: frozenset[str] | None = None,
+        trace: Trace | None = None,
+        meta: RequestMeta | None = None,
+    ) -> Routed | Refused | Answered:
+        """Route a request without a body to the least-loaded decode, or answer ``GET /v1/models``.
+
+        ``GET /v1/models`` (``meta.path``) is answered here, the union of the models the decodes name
+        (:meth:`~ext_proc.registry.Registry.served_models`) in OpenAI's list shape, when any names them;
+        otherwise (every endpoint serves every model) it goes to a decode, which answers its own list."""
+        if meta is not None and urlsplit(meta.path).path == MODELS_PATH:
+            models = self.registry.served_models()
+            if models is not None:
+                return Answered(200, model_list_body(models))
         cost = Cost(0, 0)
-        placed = self._place(cost, self._no_prefills, subset, None, None, trace)
+        placed = self._place(cost, self._no_prefills, self.registry.decode_pool, subset, None, None, trace)
         if isinstance(placed, Refused):
             return placed
         routed = self.handoff.hand_off(HandoffJob(b"", {}, RequestMeta(), cost, subset), placed, self)
@@ -252,13 +311,17 @@ class Router:
         chosen again by the same rule."""
         group = failed.prefill.group if failed.prefill is not None else ""
         strict = self.policy.mode is Mode.STRICT
-        pool = self.ejections.keep(self.registry.prefill_pool)
+        model = job.body.get("model")
+        pools = self.registry.pools_for(model if isinstance(model, str) else None)
+        if pools is None:  # no longer served by any endpoint
+            return None
+        pool = self.ejections.keep(pools[0])
         keep = {
             e.address for e in pool.endpoints if e.address not in exclude and (not strict or e.group == group)
         }
         if not keep:
             return None
-        placed = self._place(job.cost, pool.only(keep), job.subset, job.body, job.tokens, job.trace)
+        placed = self._place(job.cost, pool.only(keep), pools[1], job.subset, job.body, job.tokens, job.trace)
         if isinstance(placed, Refused) or placed.decision.prefill is None:
             if isinstance(placed, Placement):
                 placed.lease.release()
@@ -299,16 +362,19 @@ class Router:
         KV cache it computed: eject that prefill."""
         self.ejections.eject(address, outcome)
 
-    def _cost(self, request: BodyRequest, tokens: Sequence[int] | None) -> tuple[Cost, Pool[EndpointState]]:
+    def _cost(
+        self, request: BodyRequest, tokens: Sequence[int] | None, pool: Pool[EndpointState]
+    ) -> tuple[Cost, Pool[EndpointState]]:
         """What ``request`` charges (its prompt at the count of ``tokens`` when known) and its prefill
-        candidates: none unless its path is disaggregated and its prompt reaches the threshold."""
+        candidates of ``pool`` (those serving its model): none unless its path is disaggregated and its
+        prompt reaches the threshold."""
         info = request.info
         prompt = info.prompt_tokens if tokens is None else len(tokens)
         cost = Cost(prompt, prompt + info.output_budget)
         disaggregated = (
             prompt >= self._pd_threshold and urlsplit(request.meta.path).path in DISAGGREGATED_PATHS
         )
-        prefills = self.ejections.keep(self.registry.prefill_pool) if disaggregated else self._no_prefills
+        prefills = self.ejections.keep(pool) if disaggregated else self._no_prefills
         return cost, prefills
 
     def _lookup(
@@ -330,14 +396,15 @@ class Router:
         self,
         cost: Cost,
         prefills: Pool[EndpointState],
+        decodes: Pool[EndpointState],
         subset: frozenset[str] | None,
         body: dict[str, object] | None = None,
         tokens: Sequence[int] | None = None,
         trace: Trace | None = None,
     ) -> Placement | Refused:
         """Decide and charge: the prompt of ``body`` (``tokens``: its ids) looked up in the prefix
-        source, if any, then the decision, then the placement recorded there and told the peers."""
-        decodes = self.registry.decode_pool
+        source, if any, then the decision, then the placement recorded there and told the peers.
+        ``prefills`` and ``decodes``: the candidates (those serving the request's model)."""
         if subset is not None:
             decodes = decodes.only(subset)
             if not decodes.size:

@@ -4,7 +4,8 @@ One HTTP request is one stream. Envoy's first message states the body modes; the
 :class:`~ext_proc.choreography.Choreography` (BUFFERED, or FULL_DUPLEX_STREAMED as the Gateway API
 Inference Extension gateways configure it) decides which answers go out when; the routing is the same
 in every mode. By phase:
-- ``request_headers``: a request without a body is routed here; otherwise the path, ``x-request-id``
+- ``request_headers``: a request without a body is routed here (``GET /v1/models`` answered at once
+  when the endpoints name their models: :meth:`Router.route_bodiless`); otherwise the path, ``x-request-id``
   and ``authorization`` are noted and the body awaited (BUFFERED: client-supplied routing headers are
   stripped at once; FULL_DUPLEX_STREAMED: the answer is held until the body is complete).
 - ``request_body``: BUFFERED, the whole body in one message after the headers; FULL_DUPLEX_STREAMED,
@@ -52,7 +53,15 @@ from ext_proc.choreography import BODY_LIMIT_BYTES, Answers, BodyCollector, Chor
 from ext_proc.flow.control import FlowControl, Labels, Ticket
 from ext_proc.load import Admission
 from ext_proc.metrics import Metrics
-from ext_proc.outcome import PendingAnswer, Refused, RequestMeta, ResponseWatcher, Routed, RoutingInstructions
+from ext_proc.outcome import (
+    Answered,
+    PendingAnswer,
+    Refused,
+    RequestMeta,
+    ResponseWatcher,
+    Routed,
+    RoutingInstructions,
+)
 from ext_proc.refusal import refuse
 from ext_proc.router import BodyRequest, Router
 from ext_proc.tracing import RequestSpan, Tracing
@@ -203,7 +212,13 @@ class Stream:
                 return choreography.header_hold
             overloaded = self._admit()
             router = self._shared.router
-            outcome = router.route_bodiless(self.subset, self.trace) if overloaded is None else overloaded
+            if overloaded is not None:
+                return self._routed(overloaded, choreography.route_bodiless)
+            outcome = router.route_bodiless(self.subset, self.trace, msg.HeadersMeta(headers))
+            if isinstance(outcome, Answered):
+                self._release_slot()
+                self.ended = True
+                return (msg.immediate_answer(outcome.status, outcome.body),)
             return self._routed(outcome, choreography.route_bodiless)
         if kind == "request_body":
             return self._request_body(request.request_body, choreography)

@@ -30,6 +30,8 @@ class EngineSpec:
     group: str
     port: int = 0
     timing: TimingConfig | None = None
+    model: str | None = None
+    """The model it serves, refusing others as vLLM does (``None``: the cluster's, serving any name)."""
 
 
 def clusters(large: TimingConfig, small: TimingConfig) -> dict[str, list[EngineSpec]]:
@@ -86,6 +88,8 @@ async def start_cluster(
             config = replace(
                 base, role=spec.role, group=spec.group, port=spec.port, timing=spec.timing or timing
             )
+            if spec.model is not None:
+                config = replace(config, model=spec.model, strict_model=True)
             started.append(await start_engine(config, clock=clock, link=link, groups=groups))
     except BaseException:
         await stop_cluster(started)
@@ -109,8 +113,9 @@ def endpoint_specs(
 ) -> list[EndpointSpec]:
     """The EDS endpoints of the engines whose role is in ``roles`` (default all).
 
-    Each with its address, ``pdGroupID``, :func:`bootstrap_port`, and ``kv_events_port`` and
-    ``kv_events_replay_port`` when the engine publishes KV-cache events."""
+    Each with its address, ``pdGroupID``, :func:`bootstrap_port`, ``kv_events_port`` and
+    ``kv_events_replay_port`` when the engine publishes KV-cache events, and ``models`` when it serves
+    one model only (:attr:`EngineSpec.model`)."""
     wanted = set(roles) if roles is not None else None
     return [
         EndpointSpec(
@@ -122,6 +127,7 @@ def endpoint_specs(
             bootstrap_port(e),
             kv_events_port=e.kv_events_port,
             kv_events_replay_port=e.kv_events_replay_port,
+            models=(e.engine.config.model,) if e.engine.config.strict_model else None,
         )
         for e in engines
         if wanted is None or e.engine.config.role in wanted

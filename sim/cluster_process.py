@@ -30,7 +30,8 @@ class EngineInfo:
     One started engine as the parent sees it (``bootstrap_port``: :func:`sim.cluster.bootstrap_port`;
     ``kv_events_port``: where it publishes its KV-cache events, ``None`` when it does not;
     ``kv_events_replay_port``: its replay socket, ``None`` when it has none; ``data_parallel_size``: its
-    data-parallel ranks, a real engine's)."""
+    data-parallel ranks, a real engine's; ``models``: the one model it serves, refusing others, ``None``:
+    any, as :attr:`sim.cluster.EngineSpec.model` says)."""
 
     address: str
     role: str
@@ -40,6 +41,7 @@ class EngineInfo:
     kv_events_port: int | None = None
     kv_events_replay_port: int | None = None
     data_parallel_size: int = 1
+    models: tuple[str, ...] | None = None
 
 
 def _endpoint(info: EngineInfo, healthy: bool = True) -> EndpointSpec:
@@ -54,6 +56,7 @@ def _endpoint(info: EngineInfo, healthy: bool = True) -> EndpointSpec:
         kv_events_port=info.kv_events_port,
         kv_events_replay_port=info.kv_events_replay_port,
         data_parallel_size=info.data_parallel_size,
+        models=info.models,
     )
 
 
@@ -92,6 +95,7 @@ async def _serve(setup: _Setup, conn: Connection) -> None:
                 bootstrap_port(e),
                 e.kv_events_port,
                 e.kv_events_replay_port,
+                models=(e.engine.config.model,) if e.engine.config.strict_model else None,
             )
             for e in engines
         ]

@@ -238,7 +238,9 @@ class EngineConfig:
     ``port`` 0 binds an ephemeral port. ``advertise_host`` (default: ``host``) is the host this
     engine reports in ``x-sim-engine`` and ``kv_transfer_params.remote_host``; it must match the
     address in the EDS files for group lookups to work. ``kv_events``: publish the KV cache's events
-    (``None``: not; it needs ``timing.enable_prefix_caching`` to have any).
+    (``None``: not; it needs ``timing.enable_prefix_caching`` to have any). ``strict_model``: refuse a
+    request naming another model than ``model`` with vLLM's 404 (off: any name is served, as the
+    tests that name no particular model expect).
     """
 
     role: Role = "both"
@@ -255,6 +257,7 @@ class EngineConfig:
     shutdown_timeout_s: float = 5.0
     access_log: bool = False
     kv_events: KvEventsConfig | None = None
+    strict_model: bool = False
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -243,7 +243,10 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         req = parse_generate(await request.read(), chat, engine.config.timing)
     except RequestError as exc:
         return error_response(400, str(exc), headers, exc.param)
-    role = engine.config.role
+    config = engine.config
+    if config.strict_model and req.model is not None and req.model != config.model:
+        return error_response(404, f"The model `{req.model}` does not exist.", headers, "model")
+    role = config.role
     failure = _role_error(role, req, request.headers.get(PREFILLER_HEADER), headers)
     if failure is not None:
         return failure

@@ -50,6 +50,7 @@ class KubernetesConfig:
     kv_events_port_annotation: str = "pd-extproc/kv-events-port"
     kv_events_replay_port_annotation: str = "pd-extproc/kv-events-replay-port"
     data_parallel_size_annotation: str = "pd-extproc/data-parallel-size"
+    models_annotation: str = "pd-extproc/models"
 
     def scheme(self) -> RoleScheme:
         """The preset's role scheme with each role and port key that is set here in its place."""
@@ -78,6 +79,7 @@ class KubernetesConfig:
             "kv_events_port_annotation": self.kv_events_port_annotation,
             "kv_events_replay_port_annotation": self.kv_events_replay_port_annotation,
             "data_parallel_size_annotation": self.data_parallel_size_annotation,
+            "models_annotation": self.models_annotation,
         }
         for name, value in keys.items():
             if not is_label_key(value):
@@ -176,6 +178,7 @@ class DiscoveryConfig:
             kubernetes.kv_events_port_annotation,
             kubernetes.kv_events_replay_port_annotation,
             kubernetes.data_parallel_size_annotation,
+            kubernetes.models_annotation,
         )
 
     def check(self) -> None:

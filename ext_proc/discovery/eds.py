@@ -8,7 +8,8 @@ exactly one resource. Our extra data lives in the endpoint metadata under
 ``metrics_port`` (the port of the engine's Prometheus ``/metrics`` when it is not the serving port),
 ``kv_events_port`` and ``kv_events_replay_port`` (the ports of the engine's KV-cache event publisher and
 replay socket, when not the configured ones) and ``data_parallel_size`` (the engine's data-parallel
-ranks, 1..1024, default 1: rank ``r`` publishes on those ports plus ``r``).
+ranks, 1..1024, default 1: rank ``r`` publishes on those ports plus ``r``) and ``models`` (the model
+names the endpoint serves, a list of strings; absent: every model; :mod:`ext_proc.models`).
 The values parsed into and rendered from (:class:`~ext_proc.endpoints.EndpointSpec`,
 :class:`~ext_proc.endpoints.ClusterEndpoints`) are protobuf-free, in :mod:`ext_proc.endpoints`.
 """
@@ -29,6 +30,7 @@ from envoy.service.discovery.v3 import discovery_pb2
 from google.protobuf import json_format, struct_pb2
 
 from ext_proc.endpoints import MAX_DATA_PARALLEL_SIZE, ClusterEndpoints, EndpointSpec, endpoint_address
+from ext_proc.models import check_models
 
 _CANDIDATE_STATUSES = frozenset(
     {health_check_pb2.HealthStatus.UNKNOWN, health_check_pb2.HealthStatus.HEALTHY}
@@ -77,6 +79,17 @@ def _size(fields: Mapping[str, struct_pb2.Value], name: str, namespace: str) -> 
     return int(number)
 
 
+def _models(fields: Mapping[str, struct_pb2.Value], namespace: str) -> tuple[str, ...] | None:
+    """The model names under ``models`` (a list of strings), ``None`` when absent; raises ``ValueError``."""
+    if "models" not in fields:
+        return None
+    value = fields["models"]
+    if value.WhichOneof("kind") != "list_value":
+        raise ValueError(f"metadata {namespace}.models must be a list of model names")
+    names = [v.string_value if v.WhichOneof("kind") == "string_value" else v for v in value.list_value.values]
+    return check_models(names, f"metadata {namespace}.models")
+
+
 def _pd_metadata(lb_endpoint: endpoint_pb2.LbEndpoint, namespace: str) -> dict[str, Any]:
     """The :class:`EndpointSpec` fields the metadata under ``namespace`` sets; raises ``ValueError``."""
     fields = (
@@ -100,7 +113,8 @@ def _pd_metadata(lb_endpoint: endpoint_pb2.LbEndpoint, namespace: str) -> dict[s
         capacity = value.number_value
     ports = {name: _port(fields, name, namespace) for name in _PORT_KEYS}
     size = _size(fields, "data_parallel_size", namespace)
-    return {"group": group, "token_capacity": capacity, **ports, "data_parallel_size": size}
+    models = _models(fields, namespace)
+    return {"group": group, "token_capacity": capacity, **ports, "data_parallel_size": size, "models": models}
 
 
 def parse_cluster_load_assignment(
@@ -198,6 +212,8 @@ def render_cla(cluster_name: str, endpoints: Iterable[EndpointSpec], namespace: 
                 metadata[name] = getattr(spec, name)
         if spec.data_parallel_size != 1:
             metadata["data_parallel_size"] = spec.data_parallel_size
+        if spec.models is not None:
+            metadata["models"] = list(spec.models)
         lb_endpoints.append(
             {
                 "endpoint": {

@@ -5,8 +5,10 @@ says, at its pod IP and the container port its role names. Only a routable pod c
 ``Running``, condition ``Ready`` true, a pod IP, no deletion timestamp, and in a LeaderWorkerSet
 only the leader (worker-index label absent or ``"0"``). Its group is the group label's value
 (missing = group ``""``); optional annotations declare its token capacity (tokens), its SGLang
-bootstrap port, the ports of its ``/metrics``, KV-cache event publisher and replay socket, and its
-number of data-parallel ranks. Pods are the JSON objects the API server sends (camelCase keys), as dicts.
+bootstrap port, the ports of its ``/metrics``, KV-cache event publisher and replay socket, its
+number of data-parallel ranks, and the models it serves (comma-separated names; absent: every model;
+one that is not valid leaves the pod out: it would otherwise be sent every model's requests). Pods
+are the JSON objects the API server sends (camelCase keys), as dicts.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ext_proc.endpoints import MAX_DATA_PARALLEL_SIZE, ClusterEndpoints, EndpointSpec, endpoint_address
+from ext_proc.models import ModelNameError, check_models
 
 LWS_WORKER_INDEX = "leaderworkerset.sigs.k8s.io/worker-index"
 """Label LeaderWorkerSet puts on every pod of a group: ``"0"`` on the leader."""
@@ -108,6 +111,7 @@ class PodRules:
     kv_events_port_annotation: str = "pd-extproc/kv-events-port"
     kv_events_replay_port_annotation: str = "pd-extproc/kv-events-replay-port"
     data_parallel_size_annotation: str = "pd-extproc/data-parallel-size"
+    models_annotation: str = "pd-extproc/models"
     target_ports: tuple[int, ...] = ()
 
 
@@ -128,7 +132,8 @@ def view_pod(pod: Mapping[str, Any], rules: PodRules) -> PodView:
 
     Every endpoint of a routable pod is ``HEALTHY``; a pod that is not routable, or whose role label
     is missing or has another value (:func:`has_role`), has none. A role whose port cannot be found
-    yields no endpoint and a problem; an invalid annotation is ignored with a problem. With
+    yields no endpoint and a problem; an invalid annotation is ignored with a problem, except the models
+    annotation: the pod then has no endpoint (and a problem). With
     ``rules.target_ports``, each role has an endpoint at each of them (no container port is looked up).
     """
     metadata = pod.get("metadata") or {}
@@ -157,6 +162,12 @@ def view_pod(pod: Mapping[str, Any], rules: PodRules) -> PodView:
     size = _size(
         annotations.get(rules.data_parallel_size_annotation), rules.data_parallel_size_annotation, problems
     )
+    models_text = annotations.get(rules.models_annotation)
+    try:
+        names = None if models_text is None else [n.strip() for n in models_text.split(",")]
+        models = None if names is None else check_models(names, rules.models_annotation)
+    except ModelNameError as exc:
+        return PodView((), (f"annotation {exc}: the pod is left out",))
     ip = status["podIP"]
     group = labels.get(rules.group_label, "")
     endpoints: list[tuple[str, EndpointSpec]] = []
@@ -181,6 +192,7 @@ def view_pod(pod: Mapping[str, Any], rules: PodRules) -> PodView:
                 kv_events_port,
                 replay_port,
                 size,
+                models,
             )
             endpoints.append((cluster, spec))
     return PodView(tuple(endpoints), tuple(problems))

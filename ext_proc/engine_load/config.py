@@ -29,6 +29,9 @@ class EngineMetricsConfig:
     ``metrics_port`` metadata, else its serving port) locate the page; ``max_bytes`` caps what is read
     of it. ``queue_weight`` scales the queue term; ``queued_request_tokens`` is what one queued request
     counts (tokens) when the gateway has no request in flight to take the mean of.
+    ``models_interval_seconds``: how often each engine's ``GET /v1/models`` (on its serving port) is
+    asked which models it serves (vLLM: the base model and its adapters, with their ``parent``), for the
+    endpoints that declare none (0: never; docs/routing.md "Routing by model").
     """
 
     enabled: bool = False
@@ -41,6 +44,7 @@ class EngineMetricsConfig:
     max_bytes: int = 4 * 1024 * 1024
     queue_weight: float = 0.0
     queued_request_tokens: int = 2048
+    models_interval_seconds: float = 0.0
 
     @property
     def stale_after_seconds(self) -> float:
@@ -63,6 +67,7 @@ class EngineMetricsConfig:
             raise ConfigError(f"{key}.port: must be 0 (metadata or serving port) or a port in 1..65535")
         in_range(f"{key}.max_bytes", self.max_bytes, 1024, 256 * 1024 * 1024, kind="an integer")
         in_range(f"{key}.queue_weight", self.queue_weight, 0, 100)
+        in_range(f"{key}.models_interval_seconds", self.models_interval_seconds, 0, 3600)
         in_range(
             f"{key}.queued_request_tokens",
             self.queued_request_tokens,

@@ -6,7 +6,9 @@ scrape of each engine whose last one has ended and zeroes the offset of every en
 sample is older than ``stale_after_intervals`` intervals. A sample is blended the moment it lands
 (:mod:`ext_proc.engine_load.blend`), so the request path only ever reads the registry's arrays:
 nothing here runs per request. Parsing a page costs about 0.3 ms of the event loop for a 75 KB
-vLLM page (see :mod:`ext_proc.engine_load.parse`).
+vLLM page (see :mod:`ext_proc.engine_load.parse`). With ``models_interval_seconds``, each engine's
+``GET /v1/models`` is asked as often which models it serves (:meth:`Registry.set_engine_models`); a
+failed poll keeps the last list (models come and go far more rarely than polls fail).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -24,6 +27,7 @@ import aiohttp
 from ext_proc.engine_load.blend import EngineSample, blended_offset, engine_tokens
 from ext_proc.engine_load.parse import ScrapeError, parse_page
 from ext_proc.metrics import Metrics
+from ext_proc.models import ModelNameError, parse_model_list
 from ext_proc.registry import EndpointState, Registry, Role
 
 if TYPE_CHECKING:
@@ -64,6 +68,9 @@ class EngineScraper:
         self._scrapes: dict[str, Scrape] = {}
         self._errors: dict[str, str] = {}
         self._running: dict[str, asyncio.Task[None]] = {}
+        self._polled: dict[str, float] = {}
+        self._polling: dict[str, asyncio.Task[None]] = {}
+        self._poll_errors: dict[str, str] = {}
         self._states: dict[str, list[EndpointState]] = {}
         self._request_tokens = dict.fromkeys(Role, float(config.queued_request_tokens))
         self._session: aiohttp.ClientSession | None = None
@@ -82,9 +89,10 @@ class EngineScraper:
                 self.tick()
                 await asyncio.sleep(self._config.interval_seconds)
         finally:
-            for task in self._running.values():
+            tasks = [*self._running.values(), *self._polling.values()]
+            for task in tasks:
                 task.cancel()
-            for task in list(self._running.values()):
+            for task in tasks:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
             await self._session.close()
@@ -109,10 +117,45 @@ class EngineScraper:
             self._request_tokens[role] = self._mean_request_tokens(pool)
         self.version += 1
         now = self._clock()
+        if self._config.models_interval_seconds > 0:
+            self._poll_models(now)
         for state in self._registry.endpoints():
             scrape = self._scrapes.get(state.address)
             if state.engine_offset and (scrape is None or now - scrape.at > self._config.stale_after_seconds):
                 state.set_engine_offset(0)
+
+    def _poll_models(self, now: float) -> None:
+        """Start a ``GET /v1/models`` of each pickable engine whose last one is due and has ended."""
+        self._polled = {a: t for a, t in self._polled.items() if a in self._states}
+        self._poll_errors = {a: e for a, e in self._poll_errors.items() if a in self._states}
+        for address in self._states:
+            due = now - self._polled.get(address, -math.inf) >= self._config.models_interval_seconds
+            if due and address not in self._polling:
+                self._polled[address] = now
+                task = asyncio.get_running_loop().create_task(self._models(address))
+                self._polling[address] = task
+                task.add_done_callback(lambda _, a=address: self._polling.pop(a, None))
+
+    async def _models(self, address: str) -> None:
+        """Ask the engine at ``address`` which models it serves; tell the registry."""
+        url = f"http://{address}/v1/models"
+        try:
+            page = await self._fetch(url)
+            try:
+                models = parse_model_list(page)
+            except ModelNameError as exc:
+                raise ScrapeError("parse", f"{url}: {exc}") from None
+        except ScrapeError as exc:
+            self._metrics.engine_models_polled(exc.reason)
+            if address not in self._poll_errors:
+                log.warning(
+                    "models of %s: %s (the last list stays; logged once until a poll succeeds)", address, exc
+                )
+            self._poll_errors[address] = f"{exc.reason}: {exc}"
+            return
+        self._metrics.engine_models_polled("ok")
+        self._poll_errors.pop(address, None)
+        self._registry.set_engine_models(address, models)
 
     def ages(self) -> dict[str, float]:
         """Seconds since each scraped engine's last good sample, by address."""
@@ -161,9 +204,11 @@ class EngineScraper:
         """The engine's view of ``state`` for ``/debug/endpoints``.
 
         The last sample, its age and whether it is fresh (blended), the engine-reported tokens and the
-        last scrape error (``None`` if ok)."""
+        last scrape error (``None`` if ok) and, polling models, the last poll's (``models_error``)."""
         scrape = self._scrapes.get(state.address)
         row: dict[str, object] = {"error": self._errors.get(state.address)}
+        if self._config.models_interval_seconds > 0:
+            row["models_error"] = self._poll_errors.get(state.address)
         if scrape is None:
             return row | {"fresh": False, "age_seconds": None}
         age = self._clock() - scrape.at

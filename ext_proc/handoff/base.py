@@ -171,7 +171,7 @@ class DecodeRoute:
 
     def decode_only(self, job: HandoffJob, placement: Placement, request_id: str | None) -> Routed:
         """The client's body, without its handoff fields, to the decode already chosen."""
-        plain = without_fields(job.raw, job.body, HANDOFF_FIELDS)
+        plain = without_fields(job.raw, job.body, HANDOFF_FIELDS, job.rewritten)
         return self.routed(placement, request_id, plain, watcher=None)
 
 

@@ -59,10 +59,14 @@ def with_fields(
     return _dumps(kept)
 
 
-def without_fields(raw: bytes, body: dict[str, object], owned: tuple[str, ...]) -> bytes | None:
-    """The client's body without the ``owned`` keys, or ``None`` when it has none (send it unchanged)."""
+def without_fields(
+    raw: bytes, body: dict[str, object], owned: tuple[str, ...], rewritten: bool = False
+) -> bytes | None:
+    """The client's body without the ``owned`` keys, or ``None`` when it has none (send it unchanged).
+
+    ``rewritten``: ``raw`` is the gateway's rewrite of the client's body: sent even without those keys."""
     if body.keys().isdisjoint(owned):  # one C loop, not a generator (every routed request asks)
-        return None
+        return raw if rewritten else None
     return with_fields(raw, body, {}, owned)
 
 

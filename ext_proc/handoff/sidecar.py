@@ -57,7 +57,7 @@ class SidecarHandoff:
 
     def hand_off(self, job: HandoffJob, placement: Placement, router: Rerouter) -> Routed:
         """Routing headers, and the client's body without its handoff fields if it had any."""
-        plain = without_fields(job.raw, job.body, HANDOFF_FIELDS)
+        plain = without_fields(job.raw, job.body, HANDOFF_FIELDS, job.rewritten)
         return Routed(self.instructions(placement.decision, plain), placement.lease)
 
     async def close(self) -> None:

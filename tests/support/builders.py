@@ -48,9 +48,11 @@ def endpoint(
     kv_events_port: int | None = None,
     kv_events_replay_port: int | None = None,
     data_parallel_size: int = 1,
+    models: tuple[str, ...] | None = None,
 ) -> EndpointSpec:
     """One endpoint as an EDS file declares it; healthy for ``HEALTHY`` and ``UNKNOWN``, as the EDS reader
-    reads a health status; ``capacity`` ``None``: none declared (the registry's default applies)."""
+    reads a health status; ``capacity`` ``None``: none declared (the registry's default applies);
+    ``models`` ``None``: every model."""
     healthy = health in ("HEALTHY", "UNKNOWN")
     return EndpointSpec(
         address,
@@ -63,6 +65,7 @@ def endpoint(
         kv_events_port,
         kv_events_replay_port,
         data_parallel_size,
+        models,
     )
 
 

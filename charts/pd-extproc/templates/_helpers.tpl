@@ -132,6 +132,7 @@ discovery:
     kv_events_port_annotation: {{ $k.kv_events_port_annotation | toJson }}
     kv_events_replay_port_annotation: {{ $k.kv_events_replay_port_annotation | toJson }}
     data_parallel_size_annotation: {{ $k.data_parallel_size_annotation | toJson }}
+    models_annotation: {{ $k.models_annotation | toJson }}
   inferencepool:
     name: {{ $v.discovery.inferencepool.name | toJson }}
     namespace: {{ $v.discovery.inferencepool.namespace | toJson }}
@@ -220,6 +221,7 @@ engine_metrics:
   max_bytes: {{ int64 $v.engine_metrics.max_bytes }}
   queue_weight: {{ include "pd-extproc.decimal" $v.engine_metrics.queue_weight }}
   queued_request_tokens: {{ int64 $v.engine_metrics.queued_request_tokens }}
+  models_interval_seconds: {{ include "pd-extproc.decimal" $v.engine_metrics.models_interval_seconds }}
 envoy_health:
   admin_url: {{ $v.envoy_health.admin_url | toJson }}
   interval_seconds: {{ include "pd-extproc.decimal" $v.envoy_health.interval_seconds }}

@@ -751,3 +751,32 @@ def test_a_publish_that_fails_is_retried_on_the_next_poll(tmp_path: Path) -> Non
     assert source.poll() is True  # the file did not change, but its content was never applied
     assert addresses(calls[-1]) == [["10.0.0.1:8000"]]
     assert source.poll() is False
+
+
+def test_models_are_read_deduplicated_and_written_back(tmp_path: Path) -> None:
+    metadata = {"models": ["llama", "llama-sql", "llama"]}
+    path = write_doc(
+        tmp_path / "d.yaml", response(cla("decode", lb_endpoint("10.0.0.1", 8000, metadata=metadata)))
+    )
+    (spec,) = load_eds_file(path).endpoints
+    assert spec.models == ("llama", "llama-sql")
+    write_eds_file(tmp_path / "again.json", "decode", [spec])
+    assert load_eds_file(tmp_path / "again.json").endpoints == (spec,)
+    assert "models" not in json.dumps(render_cla("d", [dataclasses.replace(spec, models=None)]))
+
+
+@pytest.mark.parametrize(
+    ("models", "says"),
+    [
+        ("llama", "must be a list of model names"),
+        ([], "must list at least one model"),
+        (["llama", 3], "entries must be a string"),
+        ([""], "entries must not be empty"),
+        (["m" * 513], "513 characters long"),
+        ([f"m{i}" for i in range(257)], "lists 257 models; at most 256"),
+    ],
+)
+def test_bad_models_make_the_file_invalid(tmp_path: Path, models: object, says: str) -> None:
+    path = write_doc(tmp_path / "d.yaml", response(cla("decode", lb_endpoint(metadata={"models": models}))))
+    assert eds_error(path).startswith(f"{path}: endpoints[0].lb_endpoints[0]: metadata pd.models")
+    assert says in eds_error(path)

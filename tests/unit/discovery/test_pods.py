@@ -321,3 +321,14 @@ def test_cluster_endpoints_keeps_the_views_order_and_always_names_both_clusters(
         ClusterEndpoints("prefill", (), "k"),
         ClusterEndpoints("decode", (), "k"),
     ]
+
+
+def test_a_models_annotation_names_the_served_models_and_a_bad_one_leaves_the_pod_out() -> None:
+    view = view_pod(pod(annotations={"pd-extproc/models": "llama, llama-sql,llama"}), INFERNEX)
+    assert view == PodView(
+        (("decode", dataclasses.replace(endpoint("10.0.0.1:8200"), models=("llama", "llama-sql"))),)
+    )
+    for bad in ("", "llama,,sql", "m" * 600):
+        view = view_pod(pod(annotations={"pd-extproc/models": bad}), INFERNEX)
+        assert view.endpoints == () and view.problems[0].startswith("annotation pd-extproc/models")
+        assert view.problems[0].endswith("the pod is left out")

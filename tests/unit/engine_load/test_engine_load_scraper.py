@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -30,7 +31,8 @@ CONFIG = EngineMetricsConfig(
 
 
 class Engine:
-    """A loopback HTTP server whose /metrics serves ``page`` (or misbehaves as told)."""
+    """A loopback HTTP server whose /metrics serves ``page`` (or misbehaves as told), and whose
+    /v1/models serves ``models`` (404 while ``None``)."""
 
     def __init__(self, page: bytes) -> None:
         self.page = page
@@ -38,6 +40,7 @@ class Engine:
         self.hang = asyncio.Event()
         self.hanging = False
         self.chunked = False
+        self.models: bytes | None = None
         self.port = 0
         self._runner: web.AppRunner | None = None
 
@@ -53,9 +56,15 @@ class Engine:
         await response.write_eof()
         return response
 
+    async def _models(self, _: web.Request) -> web.Response:
+        if self.models is None:
+            return web.Response(status=404)
+        return web.Response(body=self.models, content_type="application/json")
+
     async def start(self) -> None:
         app = web.Application()
         app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/v1/models", self._models)
         self._runner = web.AppRunner(app, shutdown_timeout=0.1)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -266,6 +275,48 @@ async def test_the_metrics_port_and_path_come_from_metadata_and_config(engine: E
         metrics,
     ):
         await until(lambda: scrapes(metrics, "status") >= 1)  # the configured port, the configured path: 404
+
+
+def model_list(*models: tuple[str, str | None]) -> bytes:
+    """A vLLM ``GET /v1/models`` answer listing ``(id, parent)`` pairs."""
+    data = [{"id": m, "object": "model", "root": m, "parent": p, "max_model_len": 4096} for m, p in models]
+    return json.dumps({"object": "list", "data": data}).encode()
+
+
+def polls(metrics: Metrics, outcome: str) -> float:
+    return (
+        metrics.registry.get_sample_value("pd_extproc_engine_model_polls_total", {"outcome": outcome}) or 0.0
+    )
+
+
+async def test_the_engines_model_lists_are_polled_where_nothing_is_declared(engine: Engine) -> None:
+    engine.models = model_list(("base", None), ("sql", "base"))
+    declared = Engine(usage_page(0.1))
+    await declared.start()
+    registry = builders.registry_of(
+        [], [endpoint(engine.address), endpoint(declared.address, models=("b",))], 1.0
+    )
+    declared.models = model_list(("base", None))
+    now = [0.0]
+    config = dataclasses.replace(CONFIG, models_interval_seconds=5.0)
+    try:
+        async with scraping(registry, config, clock=lambda: now[0]) as (scraper, metrics):
+            polled, kept = registry.decodes
+            await until(lambda: polls(metrics, "ok") == 2)
+            assert polled.served == {"base", "sql"} and kept.served == {"b"}  # a declaration wins
+            assert [(m.name, m.parent) for m in polled.models() or ()] == [("base", None), ("sql", "base")]
+            assert scraper.describe(polled)["models_error"] is None
+            engine.models = b"{not json"
+            now[0] = 5.0  # due again
+            await until(lambda: polls(metrics, "parse") == 1)
+            assert polled.served == {"base", "sql"}  # a failed poll keeps the last list
+            assert str(scraper.describe(polled)["models_error"]).startswith("parse")
+            engine.models = model_list(("base", None))  # the adapter unloaded
+            now[0] = 10.0
+            await until(lambda: polled.served == {"base"})
+            assert registry.pools_for("sql") is None
+    finally:
+        await declared.stop()
 
 
 async def test_engine_ttft_and_waiting_are_exposed_as_last_sampled(engine: Engine) -> None:

@@ -80,7 +80,7 @@ def test_retry_takes_the_next_ranked_prefill_and_charges_it(mode):
 
 def _decision(r: Router, prefill: str):
     """A decision that chose ``prefill`` (as the failed leg's was)."""
-    placed = r._place(JOB.cost, r.registry.prefill_pool.only({prefill}), None)
+    placed = r._place(JOB.cost, r.registry.prefill_pool.only({prefill}), r.registry.decode_pool, None)
     placed.lease.release()
     return placed.decision
 

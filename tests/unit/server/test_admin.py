@@ -57,6 +57,8 @@ async def test_debug_endpoints_lists_every_endpoint_with_live_load(
             "peer_tokens": 0,
             "peer_requests": 0,
             "blended_tokens": 30,
+            "models": None,
+            "models_from": None,
         },
         D1: {
             "address": D1,
@@ -71,6 +73,8 @@ async def test_debug_endpoints_lists_every_endpoint_with_live_load(
             "peer_tokens": 0,
             "peer_requests": 0,
             "blended_tokens": 80,
+            "models": None,
+            "models_from": None,
         },
         D2: {
             "address": D2,
@@ -85,6 +89,8 @@ async def test_debug_endpoints_lists_every_endpoint_with_live_load(
             "peer_tokens": 0,
             "peer_requests": 0,
             "blended_tokens": 0,
+            "models": None,
+            "models_from": None,
         },
     }
     lease.release()

@@ -79,7 +79,7 @@ def job(body: dict[str, object]) -> HandoffJob:
 
 
 def decode_only(router: Router) -> Placement:
-    placed = router._place(Cost(10, 14), router._no_prefills, None)
+    placed = router._place(Cost(10, 14), router._no_prefills, router.registry.decode_pool, None)
     assert isinstance(placed, Placement) and placed.decision.prefill is None
     return placed
 
