@@ -38,10 +38,13 @@ RUN set -eu; \
     fi; \
     python3 -m venv /opt/pd-extproc; \
     /opt/pd-extproc/bin/pip install . ; \
+    /opt/pd-extproc/bin/pip install --force-reinstall --no-deps "opentelemetry-proto==$(/opt/pd-extproc/bin/python -c \
+        'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')" ; \
     /opt/pd-extproc/bin/pip uninstall --yes pip setuptools wheel >/dev/null 2>&1 || true; \
     find /opt/pd-extproc/lib -depth -type d -path '*/numpy/*' -name tests -exec rm -rf {} + ; \
     rm -f /tmp/pip-ca.pem; \
     /opt/pd-extproc/bin/pd-extproc --help >/dev/null; \
+    /opt/pd-extproc/bin/python -c 'import opentelemetry.exporter.otlp.proto.grpc.trace_exporter'; \
     /opt/pd-extproc/bin/envoy --version
 
 FROM ${BASE_IMAGE}

@@ -12,10 +12,15 @@ PYTEST_WORKERS ?= -n auto --maxprocesses=4
 
 .PHONY: install demo test test-fast test-compose vllm-env test-vllm lint format bench clean
 
+# xds-protos ships an old copy of the OpenTelemetry protos (opentelemetry/proto/...), the files
+# opentelemetry-proto installs too: whichever pip installs last wins, and the OTLP exporter needs the
+# latter's, so it is reinstalled last (the Dockerfile does the same).
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet --force-reinstall --no-deps "opentelemetry-proto==$$($(BIN)/python -c \
+		'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')"
 	touch $(STAMP)
 
 install: $(STAMP)

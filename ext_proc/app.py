@@ -355,8 +355,8 @@ async def start_server(
 
     Build the discovery source (files: loaded once here), start the gRPC server and the admin
     endpoint, then the source's watcher (and, with ``engine_metrics.enabled``, the engine scraper).
-    Raises :class:`~ext_proc.config.ConfigError` when a TLS file
-    cannot be read or the source cannot be set up, ``OSError`` when an address cannot be bound.
+    Raises :class:`~ext_proc.config.ConfigError` when a TLS file cannot be read, tracing's exporter
+    cannot be loaded or the source cannot be set up, ``OSError`` when an address cannot be bound.
 
     With ``xds.serve_eds`` the source's endpoints go through an :class:`EdsPublisher` (Envoy
     first, then the router) and its ADS service runs on the gRPC port. Readiness (:mod:`ext_proc.health`,
@@ -365,6 +365,7 @@ async def start_server(
     ``reload_interval`` seconds and a changed affinity section is applied live (:mod:`ext_proc.reload`).
     """
     credentials = server_credentials(config.tls)
+    tracing = Tracing.of(config.tracing)  # before anything starts: its exporter may not load
     discovery = config.discovery
     registry = Registry(
         discovery.prefill_cluster, discovery.decode_cluster, config.load.default_token_capacity
@@ -381,7 +382,6 @@ async def start_server(
     router = build_router(config, registry, metrics, live)
     live.shared = build_shared_state(config.shared_state, registry, lambda: live.prefix, metrics)
     await live.start()  # the shared state learns the peers' state before the first request (bounded wait)
-    tracing = Tracing.of(config.tracing)
     load_signal = build_load_signal(config, registry, metrics, live)
     flow = build_flow(config, router, metrics, load_signal)
     try:

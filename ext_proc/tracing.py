@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from opentelemetry import trace
 from opentelemetry.context import Context
-from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
@@ -28,6 +27,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from ext_proc.affinity import Decision
+from ext_proc.checks import ConfigError
 from ext_proc.outcome import Refused, RequestMeta
 from ext_proc.registry import EndpointState
 from ext_proc.tracing_config import TracingConfig
@@ -106,6 +106,23 @@ class RequestSpan:
         self._span.end()
 
 
+def otlp_exporter(endpoint: str) -> SpanExporter:
+    """The OTLP gRPC span exporter to ``endpoint``, imported only when tracing is on.
+
+    Raises :class:`ConfigError` naming the repair when the OpenTelemetry protos on disk are not
+    ``opentelemetry-proto``'s: ``xds-protos`` ships an older copy of the same files, and whichever of the
+    two pip installs last wins (``make install`` and the image reinstall ``opentelemetry-proto`` last)."""
+    try:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    except ImportError as error:
+        raise ConfigError(
+            f"tracing.otlp_endpoint: the OTLP exporter cannot be loaded ({error}); the OpenTelemetry protos "
+            "on disk are xds-protos' older copy: run `pip install --force-reinstall --no-deps "
+            "opentelemetry-proto` in pd-extproc's environment"
+        ) from error
+    return OTLPSpanExporter(endpoint=endpoint)
+
+
 class Tracing:
     """The tracer provider of :class:`TracingConfig`: starts each request's :class:`RequestSpan`.
 
@@ -116,7 +133,7 @@ class Tracing:
         resource = Resource.create({SERVICE_NAME: config.service_name})
         self._provider = TracerProvider(sampler=sampler, resource=resource)
         if exporter is None:
-            exporter = OTLPSpanExporter(endpoint=config.otlp_endpoint)
+            exporter = otlp_exporter(config.otlp_endpoint)
         self._provider.add_span_processor(BatchSpanProcessor(exporter))
         self._tracer = self._provider.get_tracer("pd-extproc")
         self._root = Context()

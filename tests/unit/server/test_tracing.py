@@ -4,6 +4,8 @@ tests/e2e/test_e2e_tracing.py's, through the real Envoy to a real collector)."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -91,3 +93,14 @@ def test_an_unsampled_span_records_nothing_and_still_passes_its_context(spans: I
     span.end()
     tracing.shutdown()
     assert spans.get_finished_spans() == ()
+
+
+def test_an_exporter_that_cannot_load_is_a_config_error_naming_the_repair(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # What an environment where xds-protos' older OpenTelemetry protos won the install looks like: the
+    # exporter's import fails. Tracing off never imports it.
+    monkeypatch.setitem(sys.modules, "opentelemetry.exporter.otlp.proto.grpc.trace_exporter", None)
+    assert Tracing.of(TracingConfig()) is None
+    with pytest.raises(ConfigError, match=r"pip install --force-reinstall --no-deps opentelemetry-proto"):
+        Tracing.of(TracingConfig("http://127.0.0.1:4317"))
