@@ -64,6 +64,8 @@ class EndpointState:
     after each of this replica's own charges and releases (the shared state publishes them).
     ``declared_models`` (discovery) and ``engine_models`` (the engine's own list) say which models it
     serves; :attr:`served` is the effective set (``None``: every model), see the module docstring.
+    ``lora_adapters``: the LoRA adapters its engine's fresh sample says it holds (engine metrics;
+    ``None``: unknown — no fresh sample, or an engine that does not report them).
     """
 
     __slots__ = (
@@ -81,6 +83,7 @@ class EndpointState:
         "healthy",
         "kv_events_port",
         "kv_events_replay_port",
+        "lora_adapters",
         "metrics_port",
         "peer_requests",
         "peer_tokens",
@@ -106,6 +109,7 @@ class EndpointState:
         self.engine_models: tuple[ServedModel, ...] | None = None
         self.served: frozenset[str] | None = None
         self.engine_offset = 0
+        self.lora_adapters: frozenset[str] | None = None
         self.peer_tokens = 0
         self.peer_requests = 0
         self.watch: Callable[[EndpointState], None] | None = None
