@@ -276,7 +276,8 @@ class Router:
         decodes = self.decode_ejections.keep(pools[1])
         lookup = self._lookup(request.body, tokens, prefills, decodes, cost.prefill_tokens)
         hits = None if lookup is None else lookup.hits
-        explained = explain(cost, prefills, decodes, self.policy, self._ticket + 1, hits, limit)
+        lacks = self.registry.lacks(request.info.model, prefills, decodes)
+        explained = explain(cost, prefills, decodes, self.policy, self._ticket + 1, hits, limit, lacks)
         return Explained(cost, prefills, decodes, hits, explained)
 
     def route_bodiless(
@@ -419,7 +420,9 @@ class Router:
         self._ticket += 1
         started = time.perf_counter()
         hits = None if lookup is None else lookup.hits
-        result = choose(cost, prefills, decodes, self.policy, self._ticket, hits)
+        model = None if body is None else body.get("model")
+        lacks = self.registry.lacks(model if isinstance(model, str) else None, prefills, decodes)
+        result = choose(cost, prefills, decodes, self.policy, self._ticket, hits, lacks)
         seconds = time.perf_counter() - started  # the decision alone (decision_seconds)
         if isinstance(result, NoPair):
             return refuse(self.metrics, 503, result.message, result.reason.value)

@@ -530,13 +530,13 @@ def test_one_prefill_and_one_decode_are_the_pair_the_ranking_gives(scenario: tup
     u = (d.tokens + cost.decode_tokens) / d.capacity
     uncached = prompt if h is None else prompt - h.prefill
     if policy.mode is not Mode.AUTO:
-        assert decide._rank(prompt, p, d, u, uncached, h, None, want, tiebreak, policy) == (0, [0])
+        assert decide._rank(prompt, p, d, u, uncached, h, None, None, want, tiebreak, policy) == (0, [0])
         return
     model = policy.auto
     lack = prompt if h is None else prompt - h.decode
     cpu = (None, None) if h is None else (h.prefill_cpu, h.decode_cpu)
     priced = p.tokens + uncached + uncached
-    ranking = decide._rank_auto(p, d, model.wait_s(u), lack, priced, *cpu, want, tiebreak, model)
+    ranking = decide._rank_auto(p, d, model.wait_s(u), lack, priced, *cpu, None, want, tiebreak, model)
     assert ranking == (0, [0], None)
 
 
