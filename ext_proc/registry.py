@@ -318,6 +318,10 @@ class Registry:
             pools = self._by_model[key] = _ModelPools(self.prefill_pool, self.decode_pool, key)
         return pools.fresh()
 
+    def is_adapter(self, model: str | None) -> bool:
+        """Whether ``model`` is a LoRA adapter: an engine lists it with a ``parent``."""
+        return model in self._adapters
+
     def lacks(
         self, model: str | None, prefills: Pool[EndpointState], decodes: Pool[EndpointState]
     ) -> Lacks | None:
@@ -326,7 +330,7 @@ class Registry:
         ``None`` unless ``model`` is an adapter (an engine lists it with a ``parent``); else per pool
         position, true where the endpoint's fresh engine sample lists its adapters without ``model``
         (:attr:`EndpointState.lora_adapters`; unknown counts as holding it). O(endpoints) Python."""
-        if model is None or model not in self._adapters:
+        if model is None or not self.is_adapter(model):
             return None
         return Lacks(_lacking(prefills, model), _lacking(decodes, model))
 

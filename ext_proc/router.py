@@ -312,8 +312,7 @@ class Router:
         chosen again by the same rule."""
         group = failed.prefill.group if failed.prefill is not None else ""
         strict = self.policy.mode is Mode.STRICT
-        model = job.body.get("model")
-        pools = self.registry.pools_for(model if isinstance(model, str) else None)
+        pools = self.registry.pools_for(_model_of(job.body))
         if pools is None:  # no longer served by any endpoint
             return None
         pool = self.ejections.keep(pools[0])
@@ -391,7 +390,8 @@ class Router:
         prefix = self.live.prefix
         if prefix is None or body is None:
             return None
-        return prefix.lookup_prompt(body, tokens, prefills, decodes, prompt, self.handoff.pins_ranks)
+        adapter = self.registry.is_adapter(_model_of(body))
+        return prefix.lookup_prompt(body, tokens, prefills, decodes, prompt, self.handoff.pins_ranks, adapter)
 
     def _place(
         self,
@@ -420,8 +420,7 @@ class Router:
         self._ticket += 1
         started = time.perf_counter()
         hits = None if lookup is None else lookup.hits
-        model = None if body is None else body.get("model")
-        lacks = self.registry.lacks(model if isinstance(model, str) else None, prefills, decodes)
+        lacks = self.registry.lacks(None if body is None else _model_of(body), prefills, decodes)
         result = choose(cost, prefills, decodes, self.policy, self._ticket, hits, lacks)
         seconds = time.perf_counter() - started  # the decision alone (decision_seconds)
         if isinstance(result, NoPair):
@@ -443,3 +442,9 @@ class Router:
             return Placement(result, lease)
         prefill = None if result.prefill is None else lookup.ranks.get(result.prefill.address)
         return Placement(result, lease, Ranks(prefill, lookup.ranks.get(result.decode.address)))
+
+
+def _model_of(body: dict[str, object]) -> str | None:
+    """The body's ``model`` (the one routed by: a rewrite is in it), ``None`` when it names none."""
+    model = body.get("model")
+    return model if isinstance(model, str) else None
