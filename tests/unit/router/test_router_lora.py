@@ -10,10 +10,14 @@ from builders import CHAT_META, DEST, PREFILL, endpoint, make_router
 
 from ext_proc.affinity import Mode
 from ext_proc.models import ServedModel
-from ext_proc.outcome import Routed
+from ext_proc.outcome import RequestMeta, Routed
+from ext_proc.prefix.event_source import KvEventSource
+from ext_proc.prefix.kv_events import BlockStored, EventBatch
+from ext_proc.prefix.settings import PrefixSettings
 from ext_proc.router import Router
 
 P1, P2, D1, D2 = "10.0.0.1:1", "10.0.0.2:1", "10.0.1.1:1", "10.0.1.2:1"
+COMPLETION_META = RequestMeta("/v1/completions")
 LISTED = (ServedModel("base"), ServedModel("sql-lora", "base"))
 
 
@@ -78,3 +82,25 @@ def test_explain_ranks_the_lacking_endpoints_one_tick_behind() -> None:
     assert explained.prefill_keys[0] == explained.prefill_keys[1] + 1  # P1 lacks it, P2 holds it
     assert explained.decode_keys[1] == explained.decode_keys[0] + 1  # D2 lacks it, D1 holds it
     assert explained.chosen is not None and (explained.chosen.prefill, explained.chosen.decode) == (1, 0)
+
+
+def test_kv_events_credit_a_base_models_blocks_to_its_requests_never_to_an_adapters() -> None:
+    prefix = PrefixSettings(16, 100, source="kv-events")
+    router = make_router([endpoint(P1), endpoint(P2)], [endpoint(D1)], prefix=prefix, prefix_weight=0.5)
+    for address in (P1, P2, D1):
+        router.registry.set_engine_models(address, LISTED)
+    source = router.live.prefix
+    assert isinstance(source, KvEventSource)
+    source.clock = lambda: 1.0  # the index's sample is fresh
+    ids = list(range(1, 65))  # four blocks of 16 tokens, held by P2 for the base model
+    source.index.apply(
+        P2, EventBatch(0, 0.0, None, (BlockStored((1, 2, 3, 4), None, tuple(ids), 16),)), 0.0, False
+    )
+
+    def hits(model: str) -> list[int] | None:
+        body = json.dumps({"model": model, "prompt": [*ids, 99]}).encode()
+        found = router.explain(router.parse(body, COMPLETION_META)).hits
+        return None if found is None else found.prefill.tolist()
+
+    assert hits("base") == [0, 64]
+    assert hits("sql-lora") is None  # the same token ids under the adapter: nothing held
