@@ -30,8 +30,9 @@ def summary_ms(seconds: list[float]) -> dict[str, float]:
 
 
 async def timed_post(session: aiohttp.ClientSession, url: str, body: dict | bytes) -> float:
-    """Seconds one POST of ``body`` (a JSON object, or its encoding) to ``url`` took to be answered
-    in full; ``RuntimeError`` unless the answer is a 200."""
+    """Seconds one POST of ``body`` to ``url`` took to be answered in full.
+
+    ``body``: a JSON object, or its encoding. ``RuntimeError`` unless the answer is a 200."""
     started = time.perf_counter()
     sent = {"json": body} if isinstance(body, dict) else {"data": body, "headers": _JSON}
     async with session.post(url, **sent) as response:
@@ -47,9 +48,10 @@ _JSON = {"Content-Type": "application/json"}
 async def closed_loop(
     send: Callable[[int], Awaitable[object]], concurrency: int, seconds: float
 ) -> tuple[int, int, float]:
-    """``concurrency`` clients awaiting ``send(n)`` back to back for ``seconds`` (``n``: the requests
-    sent so far); the requests completed, those failed (``RuntimeError`` or ``aiohttp.ClientError``),
-    and the seconds elapsed."""
+    """Run ``concurrency`` closed-loop clients for ``seconds``: (completed, failed, seconds elapsed).
+
+    Each client awaits ``send(n)`` back to back (``n``: the requests sent so far); a request failed
+    on ``RuntimeError`` or ``aiohttp.ClientError``."""
     done = errors = 0
     deadline = time.perf_counter() + seconds
 
@@ -70,9 +72,11 @@ async def closed_loop(
 async def start_envoy(
     eds: list[str], extproc_port: int | None, *, fail_open: bool = False, full_duplex: bool = False
 ) -> Gateway:
-    """Envoy from the shipped bootstrap on free loopback ports, one worker thread, its clusters read
-    from the EDS files ``eds`` (prefill, decode); ``extproc_port`` ``None``: without the ext_proc filter
-    (the other options: :func:`sim.gateway.render_bootstrap`'s)."""
+    """Start Envoy from the shipped bootstrap on free loopback ports, one worker thread.
+
+    - its clusters are read from the EDS files ``eds`` (prefill, decode);
+    - ``extproc_port`` ``None``: without the ext_proc filter;
+    - the other options: :func:`sim.gateway.render_bootstrap`'s."""
     listen, admin = free_port(), free_port()
     bootstrap = render_bootstrap(
         listen_port=listen,

@@ -148,6 +148,7 @@ def run(quick: bool) -> list[dict[str, Any]]:
 
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The rows as a fixed-width text table, one line per row under a header."""
     header = f"{'endpoints':>9} {'groups':>6} {'mode':>7} {'hits':>5} {'median µs':>10} "
     header += f"{'p99 µs':>9} {'floor µs':>9} {'reps':>6}"
     lines = [header, "-" * len(header)]
@@ -192,6 +193,7 @@ def write_png(rows: Sequence[dict[str, Any]], path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark from the command line ``argv``; print the table (and write JSON when asked)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--quick", action="store_true", help="few repetitions: a smoke run, not a measurement"

@@ -73,6 +73,7 @@ class Scraped:
         self._scrapers = list(scrapers)
 
     def place(self, body: dict[str, object]) -> Placed:
+        """Route ``body`` with the router, its view of load blended from the scrapes."""
         return self._router.place(body)
 
     @classmethod

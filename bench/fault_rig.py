@@ -1,12 +1,12 @@
-"""The fault campaign's rig: engines, pd-extproc as a process and the real Envoy on loopback, a client
-that classifies what it gets, and the after-the-fact checks (load left, RSS, file descriptors, and every
-address the router named against the set discovered when it decided, read from Envoy's access log).
+"""The fault campaign's rig: engines, pd-extproc as a process and the real Envoy on loopback.
 
-Envoy runs from the shipped bootstrap with two changes only: an access log on both listeners (per
-request: when it began, when its upstream request was sent, the routing header pd-extproc set and the
-host Envoy used), and the stream and route idle
-timeouts shortened from 300 s to :data:`IDLE_TIMEOUT_S`, so that a stalled request is answered within
-the run instead of five minutes later.
+- a client that classifies what it gets;
+- after-the-fact checks: load left, RSS, file descriptors, and every address the router named against
+  the set discovered when it decided, read from Envoy's access log;
+- Envoy runs from the shipped bootstrap with two changes only: an access log on both listeners (per
+  request: when it began, when its upstream request was sent, the routing header pd-extproc set and
+  the host Envoy used), and the stream and route idle timeouts shortened from 300 s to
+  :data:`IDLE_TIMEOUT_S`, so that a stalled request is answered within the run.
 """
 
 from __future__ import annotations
@@ -66,10 +66,11 @@ to it: the time pd-extproc and Envoy take to read a change (pd-extproc polls EDS
 
 @dataclass(frozen=True)
 class Outcome:
-    """What one client saw: ``label`` is ``"200"`` (a complete answer: ``[DONE]`` for a stream),
-    ``"200 cut"`` (the answer started and was cut), ``"<status> <error code>"`` (``non-json`` when the
-    body is no JSON error), ``"conn-error"`` (no answer at all), ``"hung"`` or ``"aborted"``
-    (the client gave up on purpose)."""
+    """What one client saw, as a ``label`` (one of a fixed set).
+
+    ``label`` is ``"200"`` (a complete answer: ``[DONE]`` for a stream), ``"200 cut"`` (the answer started and
+    was cut), ``"<status> <error code>"`` (``non-json`` when the body is no JSON error), ``"conn-error"`` (no
+    answer at all), ``"hung"`` or ``"aborted"`` (the client gave up on purpose)."""
 
     label: str
     seconds: float
@@ -127,8 +128,10 @@ async def run_load(
     body: Callable[[], dict],
     faults: list[tuple[float, Callable[[], Awaitable[None]]]] = (),  # type: ignore[assignment]
 ) -> list[Outcome]:
-    """Send ``requests`` chat requests to ``url`` at ``rate`` per second (each on its own connection when
-    needed), run each ``(at, fault)`` ``at`` seconds after the first; every outcome, in sending order."""
+    """Send ``requests`` chat requests to ``url`` at ``rate`` per second, injecting the faults.
+
+    Each request goes on its own connection when needed; each ``(at, fault)`` runs ``at`` seconds
+    after the first request. Returns every outcome, in sending order."""
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
 
@@ -160,9 +163,10 @@ async def until_ok(url: str, body: dict, deadline: float = 30.0) -> None:
 
 
 async def open_fds(pid: int) -> int:
-    """File descriptors process ``pid`` holds open: the least of 10 counts over half a second, so that
-    the connection of the rig's own last ``/debug/endpoints`` poll, closed by the client and not yet by
-    pd-extproc, is not counted (a leak persists, and shows in every count)."""
+    """File descriptors process ``pid`` holds open (the least of 10 counts over half a second).
+
+    The least count, so that the connection of the rig's own last ``/debug/endpoints`` poll, closed by
+    the client and not yet by pd-extproc, is not counted (a leak persists, and shows in every count)."""
     counts = []
     for _ in range(10):
         counts.append(len(os.listdir(f"/proc/{pid}/fd")))
@@ -177,8 +181,10 @@ async def usage(pid: int) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class Listing:
-    """A discovered set of engine ``addresses``, in force from ``since`` (Unix seconds, before its
-    files were written) until ``until`` (the next set's files written; ``inf``: still in force)."""
+    """A discovered set of engine ``addresses`` and when it was in force.
+
+    In force from ``since`` (Unix seconds, before its files were written) until ``until`` (the next set's
+    files written; ``inf``: still in force)."""
 
     since: float
     until: float
@@ -191,9 +197,11 @@ def listed(listings: Sequence[Listing], address: str, start: float, end: float) 
 
 
 def names_outside(line: str, listings: Sequence[Listing]) -> bool:
-    """Whether access-log ``line`` (:data:`LOG_FORMAT`, after the listener's name) names an address, or
-    shows Envoy connected to one, that was not discovered at any moment from :data:`DISCOVERY_LAG_S`
-    before the request began to when its upstream request was sent (or it ended): when it was decided."""
+    """Whether access-log ``line`` names an address not discovered when the request was decided.
+
+    ``line``: :data:`LOG_FORMAT`, after the listener's name. An address counts when the line names it
+    or shows Envoy connected to it; "when decided" spans from :data:`DISCOVERY_LAG_S` before the
+    request began to when its upstream request was sent (or it ended)."""
     began, to_upstream, to_end, named, upstream, _ = line.split(" ")
     start = float(began)
     decided = start + (float(to_upstream if to_upstream != "-" else to_end) + 2) / 1000  # ms, truncated
@@ -203,10 +211,11 @@ def names_outside(line: str, listings: Sequence[Listing]) -> bool:
 
 @dataclass
 class Measured:
-    """One run as measured: every client's outcome; pd-extproc's load after it settled (``None``: it
-    had exited) and its :func:`usage` before and after (``None`` values: exited); the gateway
-    listener's access-log lines (one per request) and the lines of both listeners that name an address
-    outside the discovered set (:func:`names_outside`)."""
+    """One run as measured: outcomes, load, usage and access-log lines.
+
+    Every client's outcome; pd-extproc's load after it settled (``None``: it had exited) and its :func:`usage`
+    before and after (``None`` values: exited); the gateway listener's access-log lines (one per request) and
+    the lines of both listeners that name an address outside the discovered set (:func:`names_outside`)."""
 
     outcomes: list[Outcome]
     load: tuple[int, float] | None
@@ -219,9 +228,10 @@ class Measured:
 def table_row(
     name: str, expectation: str, allowed: frozenset[str], run: Measured, failures: list[str]
 ) -> dict:
-    """A row of the fault table: counts, measurements, ``failures`` (``failures`` given, plus outcomes
-    not in ``allowed``, pd-extproc exited, load left, fewer access-log lines than requests, addresses
-    outside the set) and ``passed``."""
+    """A row of the fault table: counts, measurements, ``failures`` and ``passed``.
+
+    ``failures``: ``failures`` given, plus outcomes not in ``allowed``, pd-extproc exited, load left, fewer
+    access-log lines than requests, addresses outside the set; ``passed`` when there are none."""
     counts = Counter(o.label for o in run.outcomes)
     failures = [f"{n} x {label}" for label, n in counts.items() if label not in allowed] + failures
     if run.load is None:
@@ -294,22 +304,27 @@ class Rig:
 
     @property
     def prefill_eds(self) -> Path:
+        """The EDS file listing the prefill engines."""
         return self.workdir / "prefill.json"
 
     @property
     def decode_eds(self) -> Path:
+        """The EDS file listing the decode engines."""
         return self.workdir / "decode.json"
 
     @property
     def admin_url(self) -> str:
+        """pd-extproc's admin URL (``http://127.0.0.1:<admin_port>``)."""
         return f"http://127.0.0.1:{self.admin_port}"
 
     @property
     def access_log(self) -> Path:
+        """The file Envoy writes its access log to."""
         return self.workdir / "access.log"
 
     @property
     def url(self) -> str:
+        """The gateway's URL (Envoy must be running)."""
         assert self.gateway is not None
         return self.gateway.url
 
@@ -392,7 +407,9 @@ class Rig:
         return load
 
     async def named_outside(self, requests: int, wait: float = 5.0) -> tuple[int, int]:
-        """(the gateway listener's access-log lines, lines of both listeners where pd-extproc named, or
+        """The gateway's access-log lines, and those naming an address outside the discovered sets.
+
+        Returns (the gateway listener's lines, the lines of both listeners where pd-extproc named, or
         Envoy used, an address outside :attr:`listings` when it decided: :func:`names_outside`). Waits
         up to ``wait`` seconds for the gateway's lines to reach ``requests``; no log reads as no line."""
         end = time.monotonic() + wait

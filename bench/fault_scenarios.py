@@ -1,8 +1,9 @@
-"""The fault campaign's scenarios: how each builds its stack, which faults it injects when, and which
-client outcomes its expectation allows (the rest of the expectation is common: see ``bench/faults.py``).
+"""The fault campaign's scenarios: stacks, faults and allowed client outcomes.
 
-Fault times are fractions of the load's duration (``requests / rate`` seconds), so ``--quick`` runs the
-same story with fewer requests.
+- each scenario builds its stack, injects its faults when it says, and allows some client outcomes;
+  the rest of the expectation is common (see ``bench/faults.py``);
+- fault times are fractions of the load's duration (``requests / rate`` seconds), so ``--quick`` runs
+  the same story with fewer requests.
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ BUSY_WAIT_S = 5.0
 
 @dataclass
 class Plan:
-    """What a scenario's setup hands the runner: the faults, and a final check (``None``: fine; else why
-    not) run after the load has settled."""
+    """What a scenario's setup hands the runner: the faults and a final check.
+
+    The final check runs after the load has settled: ``None`` when fine, else why not."""
 
     faults: list[Fault] = field(default_factory=list)
     check: Callable[[], Awaitable[str | None]] | None = None
@@ -52,9 +54,11 @@ Setup = Callable[[Rig, contextlib.AsyncExitStack, float], Awaitable[Plan]]
 
 @dataclass(frozen=True)
 class Scenario:
-    """One row of the table. ``setup(rig, cleanup, duration)`` starts the engines (and, when it must
-    come first, pd-extproc) and returns the :class:`Plan`; ``allowed`` are the client outcome labels
-    (:class:`fault_rig.Outcome`) the expectation accepts."""
+    """One row of the fault table: how it sets up and which outcomes it allows.
+
+    ``setup(rig, cleanup, duration)`` starts the engines (and, when it must come first, pd-extproc) and
+    returns the :class:`Plan`; ``allowed`` are the client outcome labels (:class:`fault_rig.Outcome`) the
+    expectation accepts."""
 
     name: str
     expectation: str
@@ -152,8 +156,9 @@ async def _prefill_killed(rig: Rig, cleanup: contextlib.AsyncExitStack, duration
 
 
 def left_out(attempts: int, max_attempts: int) -> str | None:
-    """``None`` when a broken engine got at most ``max_attempts`` requests (it was left out in time),
-    else why the row fails."""
+    """Whether a broken engine was left out in time: ``None`` when so, else why not.
+
+    In time: the broken engine got at most ``max_attempts`` requests."""
     if attempts <= max_attempts:
         return None
     return f"the broken decode got {attempts} requests, more than {max_attempts}: it was not left out"

@@ -64,7 +64,9 @@ async def run_scenario(scenario: Scenario, size: Size) -> dict:
 
 
 def verdict(scenario: Scenario, run: Measured, extra: str | None) -> dict:
-    """The scenario's row (:func:`fault_rig.table_row`): also failed when no request was served, more than
+    """The scenario's row of the fault table, with the campaign's common expectation applied.
+
+    The row is :func:`fault_rig.table_row`'s, also failed when no request was served, more than
     ``max_failed_share`` were not, or the scenario's final check said ``extra``."""
     served = sum(o.label == "200" for o in run.outcomes)
     failures = [] if served else ["no request served"]
@@ -122,6 +124,7 @@ async def run_all(names: list[str], quick: bool, soak_requests: int | None) -> l
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the fault campaign from the command line ``argv``; 0 when every row passed."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer requests per scenario, a shorter soak")
     parser.add_argument(

@@ -78,6 +78,7 @@ class Shape:
 
     @property
     def slots(self) -> int:
+        """The two engines' batch slots together: the pool's saturation."""
         return 2 * self.max_batch
 
 
@@ -210,8 +211,11 @@ def _rps(phases: dict[str, dict[str, object]], phase: str, tenant: str) -> float
 
 
 def verdict(phases: dict[str, dict[str, object]], capacity: float, phase: str) -> dict[str, object]:
-    """The targets of the ``phase`` with flow control: interactive TTFT p99 within 1.3 x alone (p50 shown
-    too); batch >= 90% of what is left; two tenants of one band within 10% of an equal share."""
+    """The targets of the ``phase`` with flow control: the ratios, and ``targets_met`` per target.
+
+    - interactive TTFT p99 within 1.3 x alone (p50 shown too);
+    - batch >= 90% of what is left;
+    - two tenants of one band within 10% of an equal share."""
     ttft_ratio = _p99(phases, phase, "interactive") / _p99(phases, "alone", "interactive")
     p50 = _ttft(phases, phase, "p50_ms") / _ttft(phases, "alone", "p50_ms")
     left = capacity - _rps(phases, phase, "interactive")
@@ -252,6 +256,7 @@ def report(result: dict[str, object]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark from the command line ``argv``; print the report (and write JSON when asked)."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

@@ -1,6 +1,7 @@
-"""Handoffs and fail-open behind the gateways that run an InferencePool, measured with the real Envoy 1.40
-in each gateway's shape (``tests/deploy/gateway_shapes/``, the stack of :mod:`standins.shapes`:
-``pd-extproc serve`` over TLS, scripted prefills, echo decodes).
+"""Handoffs and fail-open behind the gateways that run an InferencePool, with the real Envoy.
+
+Measured with the real Envoy 1.40 in each gateway's shape (``tests/deploy/gateway_shapes/``, the stack of
+:mod:`standins.shapes`: ``pd-extproc serve`` over TLS, scripted prefills, echo decodes).
 
 1. **Prefill legs** (issue 16 item 8). These gateways set no ``max_message_timeout`` (kgateway's
    ``message_timeout`` is 5 s), so the ``override_message_timeout`` pd-extproc sends before a
@@ -200,8 +201,9 @@ async def _unrouted(session: aiohttp.ClientSession, stack: ShapeStack, requests:
 
 
 async def measure_fail_open(shape: str, requests: int, folder: Path) -> dict:
-    """Part 2 for one shape: pd-extproc down (its address refuses connections), the picker cluster
-    without endpoints, pd-extproc killed between two body chunks."""
+    """Part 2 for one shape: fail-open with pd-extproc down, without endpoints, or killed mid-body.
+
+    pd-extproc down means its address refuses connections; killed means SIGKILL between two body chunks."""
     async with shape_stack(shape, folder / "down", fail_open) as stack, aiohttp.ClientSession() as session:
         down = await _unrouted(session, stack, requests)
         await stack.picker()
@@ -243,6 +245,7 @@ def _print_fail_open(rows: list[dict]) -> None:
 
 
 async def run(legs: list[float], requests: int, shapes: list[str]) -> dict:
+    """Both parts for every shape in ``shapes``: the prefill-leg rows and the fail-open rows."""
     with tempfile.TemporaryDirectory(prefix="gateway-shapes-") as tmp:
         leg_rows = [
             row for shape in shapes for row in await measure_legs(shape, legs, Path(tmp) / f"legs-{shape}")
@@ -254,6 +257,7 @@ async def run(legs: list[float], requests: int, shapes: list[str]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark from the command line ``argv``; print the tables (and write JSON when asked)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--legs", default="1,10", help="prefill durations to measure, seconds, comma-separated"

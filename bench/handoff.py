@@ -148,8 +148,9 @@ SWEEP_LABELS = (*(str(t) for t in SWEEP_THRESHOLDS), DECODE_ONLY)
 
 
 async def prefill_legs(stack: Stack) -> int:
-    """Prefill legs the running pd-extproc has sent since it started (``pd_extproc_prefill_leg_total``
-    over every outcome; the warm-up's legs included)."""
+    """Prefill legs the running pd-extproc has sent since it started.
+
+    ``pd_extproc_prefill_leg_total`` over every outcome; the warm-up's legs included."""
     async with aiohttp.ClientSession() as http, http.get(f"{stack.admin_url}/metrics") as resp:
         text = await resp.text()
     return int(
@@ -163,9 +164,11 @@ async def prefill_legs(stack: Stack) -> int:
 
 
 async def run_one(stack: Stack, plans: list[RequestPlan], run: HandoffRun, threshold: int = 0) -> dict:
-    """:func:`~sim.experiment.measure` one handoff/threshold setting (affinity :data:`MODE`); the summary
-    gains ``prefill_legs`` (router's count, warm-up included) and ``disaggregated_share`` (of the
-    served requests, the share whose decode pulled a KV cache: simulator ground truth)."""
+    """Measure one handoff/threshold setting; the summary gains the prefill legs and disaggregated share.
+
+    Measured by :func:`~sim.experiment.measure` (affinity :data:`MODE`); the summary gains ``prefill_legs``
+    (router's count, warm-up included) and ``disaggregated_share`` (of the served requests, the share whose
+    decode pulled a KV cache: simulator ground truth)."""
     summary = await measure(
         stack, MODE, plans, BONUS, handoff=run.handoff, via_envoy=run.via_envoy, pd_threshold_tokens=threshold
     )
@@ -245,10 +248,11 @@ def handoffs_across_seeds(runs: list[dict[str, dict]]) -> dict[str, dict]:
 
 
 def sweep_across_seeds(sweeps: list[dict[str, dict]]) -> dict[str, dict]:
-    """Per threshold label: the :func:`_medians` over seeds of :data:`SWEEP_METRICS`, and the medians
-    of the per-seed (paired, against threshold 0 of the same seed) :data:`PAIRED` values:
-    ``tpot_p99_vs_0`` (ratio of TPOT p99s), ``ttft_mean_minus_0_ms`` and ``ttft_p50_minus_0_ms``
-    (differences), ``None`` where never known."""
+    """Per threshold label: the medians over seeds of the sweep's metrics and paired values.
+
+    The :func:`_medians` over seeds of :data:`SWEEP_METRICS`, and the medians of the per-seed (paired, against
+    threshold 0 of the same seed) :data:`PAIRED` values: ``tpot_p99_vs_0`` (ratio of TPOT p99s),
+    ``ttft_mean_minus_0_ms`` and ``ttft_p50_minus_0_ms`` (differences), ``None`` where never known."""
     out: dict[str, dict] = {}
     for label in sweeps[0]:
         row = _medians([s[label] for s in sweeps], SWEEP_METRICS)
@@ -266,10 +270,11 @@ def sweep_across_seeds(sweeps: list[dict[str, dict]]) -> dict[str, dict]:
 
 
 def recommend(sweep: dict[str, dict], tolerance: float) -> dict:
-    """The threshold label of lowest mean TTFT among those whose ``tpot_p99_vs_0`` is at most
-    ``1 + tolerance`` (threshold 0 always qualifies), with its numbers; ``sweep`` as from
-    :func:`sweep_across_seeds`. The mean, not the p50: a threshold moves only the prompts below it,
-    which are the fastest ones, so the p50 hardly sees their gain until the threshold passes the
+    """The threshold label of lowest mean TTFT within the TPOT tolerance, with its numbers.
+
+    Within the tolerance: ``tpot_p99_vs_0`` at most ``1 + tolerance`` (threshold 0 always qualifies);
+    ``sweep`` as from :func:`sweep_across_seeds`. The mean, not the p50: a threshold moves only the prompts
+    below it, which are the fastest ones, so the p50 hardly sees their gain until the threshold passes the
     median prompt, while it does see the stalls their local prefills cause the others."""
     allowed = [label for label, row in sweep.items() if label == "0" or row["tpot_p99_vs_0"] <= 1 + tolerance]
     best = min(allowed, key=lambda label: sweep[label]["ttft_mean_ms"])
@@ -402,8 +407,9 @@ def _positive(kind: type) -> Callable[[str], int | float]:
 async def run_all(
     handoffs: list[str], requests: int, rate: float, seeds: list[int], sweep: bool, kv_connector: str = "nixl"
 ) -> tuple[dict[int, dict[str, dict]], dict[int, dict[str, dict]]]:
-    """Every seed's comparison and sweep on one cluster whose engines run ``kv_connector``:
-    (per-seed comparisons, per-seed sweeps)."""
+    """Every seed's comparison and sweep on one cluster whose engines run ``kv_connector``.
+
+    Returns (per-seed comparisons, per-seed sweeps)."""
     compared: dict[int, dict[str, dict]] = {}
     swept: dict[int, dict[str, dict]] = {}
     stack = start_stack(CLUSTER, kv=KvConfig(kv_connector=kv_connector))
@@ -425,6 +431,7 @@ async def run_all(
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark from the command line ``argv``; print the tables (and write JSON when asked)."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

@@ -66,8 +66,10 @@ class KvEventFeed:
 
 
 def prompt_ids(body: dict[str, object]) -> array:
-    """The engines' token ids of ``body``'s prompt (the simulator's tokenizer), as an array of unsigned
-    64-bit ints: the gateway tokenizer hands the router its ids in an array too (unsigned 32-bit)."""
+    """The engines' token ids of ``body``'s prompt, as an array of unsigned 64-bit ints.
+
+    The simulator's tokenizer makes them; the gateway tokenizer hands the router its ids in an array too
+    (unsigned 32-bit)."""
     content = prompt_content(body)
     assert content, "every benchmark request has a prompt"
     return array("Q", token_ids(content))
@@ -91,8 +93,10 @@ class EventReplica(PdExtproc):
         feed.subscribe(source)
 
     def place(self, body: dict[str, object]) -> Placed:
-        """Route ``body`` as the gateway does with its tokenizer: the prompt put in the engines' token ids
-        first (timed apart: :attr:`Placed.tokenize_s`), the body read, and routed on those ids."""
+        """Route ``body`` on its prompt's token ids, as the gateway does with its tokenizer.
+
+        The prompt is put in the engines' token ids first (timed apart: :attr:`Placed.tokenize_s`), the body
+        read, and routed on those ids."""
         started = time.perf_counter()
         ids = prompt_ids(body)
         tokenize_s = time.perf_counter() - started

@@ -127,6 +127,7 @@ async def _main(args: argparse.Namespace) -> dict:
 
 
 def main() -> int:
+    """Run the benchmark from the command line; print the numbers."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--streams", type=int, default=20, help="streams per length and mode")

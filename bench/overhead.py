@@ -257,6 +257,7 @@ def _print(results: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark from the command line ``argv``; print the table (and write JSON when asked)."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

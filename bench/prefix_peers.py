@@ -157,7 +157,8 @@ class PdExtproc:
 class Placing(Protocol):
     """A router: places one request."""
 
-    def place(self, body: dict[str, object]) -> Placed: ...
+    def place(self, body: dict[str, object]) -> Placed:
+        """Where ``body`` goes, and how its charges are released."""
 
 
 class Replicas:
@@ -168,6 +169,7 @@ class Replicas:
         self._turn = 0
 
     def place(self, body: dict[str, object]) -> Placed:
+        """Route ``body`` with the next router in turn."""
         self._turn += 1
         return self.routers[self._turn % len(self.routers)].place(body)
 
@@ -186,6 +188,7 @@ class PrefillFirst:
         self._ticket = 0
 
     def place(self, body: dict[str, object]) -> Placed:
+        """Route ``body`` prefill first, as today's decision does."""
         cost, registry = _cost(body), self._registry
         self._ticket += 1
         prefills, decodes = registry.prefill_pool, registry.decode_pool
@@ -223,6 +226,7 @@ class Oracle:
         return np.array(hits, dtype=np.int64)
 
     def place(self, body: dict[str, object]) -> Placed:
+        """Route ``body`` with ``auto``, told the engines' true prefix hits."""
         cost, registry = _cost(body), self.registry
         self._ticket += 1
         content = prompt_content(body)
@@ -280,6 +284,7 @@ class SGLangCacheAware:
         return workers[sizes.index(min(sizes))]
 
     def place(self, body: dict[str, object]) -> Placed:
+        """Route ``body`` by SGLang's ``cache_aware`` policy, once per role."""
         text = _text(body)
         hashes = block_hashes(text, self.CHUNK // 4, 1 << 30).tolist()  # kept in the workers' sets
         prefill = self._pick(self._roles["prefill"], hashes, len(text))
@@ -339,6 +344,7 @@ class LlmdScorer:
         return tied[self._ticket % len(tied)]
 
     def place(self, body: dict[str, object]) -> Placed:
+        """Route ``body`` by llm-d's scores, decode first."""
         self._ticket += 1
         hashes = block_hashes(_text(body), self.BLOCK_TOKENS, self.MAX_BLOCKS).tolist()
         decode = self._pick(self._roles["decode"], hashes)
@@ -381,6 +387,7 @@ class DynamoKvRouter:
         return address, new, request_blocks
 
     def place(self, body: dict[str, object]) -> Placed:
+        """Route ``body`` by Dynamo's KV router cost, once per role."""
         self._ticket += 1
         blocks = PromptBlocks(_text(body), 16)
         cost = _cost(body)

@@ -112,9 +112,10 @@ WORKLOADS = {
 
 
 def auto_model(specs: Sequence[EngineSpec], timing: TimingConfig, kv: KvConfig) -> AutoModel:
-    """``affinity.auto`` told the simulated fabric ``kv``; the wait scale one decode step at half batch of
-    the median decode engine (``timing`` where a spec has none), the prefill cost ``timing``'s per-token
-    cost."""
+    """``affinity.auto`` told the simulated fabric ``kv`` and the engines' costs.
+
+    The wait scale: one decode step at half batch of the median decode engine (``timing`` where a spec has
+    none); the prefill cost: ``timing``'s per-token cost."""
     steps = sorted(
         (s.timing or timing).decode_ms((s.timing or timing).max_batch // 2)
         for s in specs
@@ -240,8 +241,10 @@ TODAY = ("off", "prefer", "strict", "auto")
 
 @dataclass
 class Record:
-    """One request as the engines served it; times in model seconds, counts in tokens (``prefill_hit``
-    the prompt tokens its prefill found cached, ``prefill_cpu_hit`` of them in the CPU tier).
+    """One request as the engines served it.
+
+    Times in model seconds, counts in tokens (``prefill_hit``: the prompt tokens its prefill found cached,
+    ``prefill_cpu_hit`` of them in the CPU tier).
 
     ``router_us``: the wall µs its router took to place it (the benchmark's JSON encoding of the body
     included), less ``tokenize_us``: those of the gateway tokenizer's stand-in (the ``kv-events``
@@ -330,7 +333,9 @@ async def run_cluster(
     kv: KvConfig,
     drive: Callable[[Serve, VirtualClock], Awaitable[None]],
 ) -> tuple[list[Record], dict[str, float]]:
-    """Start the cluster of ``specs`` (``timing`` where a spec has none) in virtual time with the router
+    """Serve ``drive``'s requests on the cluster of ``specs`` in virtual time; the records and KV capacities.
+
+    Start the cluster of ``specs`` (``timing`` where a spec has none) in virtual time with the router
     ``router_of`` makes, let ``drive`` send its requests through ``serve``, stop the cluster; return
     the records and the decode engines' KV capacities by address. Run it on a :func:`new_loop`."""
     engines = build_cluster(specs, timing, kv)
@@ -425,8 +430,9 @@ def summarize(records: list[Record], capacities: dict[str, float], kv_bytes_per_
 def run_one(
     cluster: str, workload: str, setting: str, seed: int, quick: bool, profile: str = DEFAULT_PROFILE
 ) -> dict:
-    """One setting on one cluster and workload seed, on engines of ``profile``, in virtual time on a
-    fresh event loop."""
+    """One setting on one cluster and workload seed, in virtual time on a fresh event loop.
+
+    The engines run ``profile``."""
     large, small, kv = engines_of(profile)
     plan = WORKLOADS[workload].plan(seed, quick)
     loop = new_loop()
@@ -516,6 +522,7 @@ def verdicts(results: dict[str, dict[str, dict[int, dict[str, dict]]]]) -> list[
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark from the command line ``argv``; print the tables (and write JSON when asked)."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

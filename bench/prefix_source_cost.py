@@ -61,8 +61,9 @@ class Engine:
         self.placed = 0.0  # when a request was last placed here (ties go to the least recent)
 
     def serve(self, text: str, prompt_tokens: int) -> None:
-        """Prefill ``text`` at once: its cached blocks taken (CPU-tier ones loaded), the rest computed,
-        all cached and freed (the cache reports its events as it goes)."""
+        """Prefill ``text`` at once, reporting the cache's events as it goes.
+
+        Its cached blocks are taken (CPU-tier ones loaded), the rest computed, all cached and freed."""
         cache = self.cache
         hashes = PromptBlocks(text, cache.block_size).hashes
         hit = cache.lookup(hashes, prompt_tokens)
@@ -100,9 +101,10 @@ class Sink:
 def run(
     trace: Path, start: int, count: int, cpu_tier: int, profile: str, warmup: int
 ) -> dict[str, dict[str, float]]:
-    """Both sources over the window (module docstring), the first ``warmup`` requests untimed; per
-    source, per call and ``total`` (and ``apply`` for ``kv-events``): ``{"<name>_p50_us",
-    "<name>_mean_us"}``."""
+    """Time both prefix sources over the window: per source, p50 and mean µs per call.
+
+    The window is the module docstring's; the first ``warmup`` requests untimed. Per source, per call and
+    ``total`` (and ``apply`` for ``kv-events``): ``{"<name>_p50_us", "<name>_mean_us"}``."""
     now = [0.0]
     sources: dict[str, PrefixSource] = {
         kind.value: KINDS[kind](PrefixSettings(source=kind.value), Sink()) for kind in PrefixSourceKind
@@ -170,6 +172,7 @@ def run(
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark from the command line ``argv``; print the numbers (and write JSON when asked)."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

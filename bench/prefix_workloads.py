@@ -23,8 +23,10 @@ OUTPUT_TOKENS = (16, 96)
 
 @dataclass(frozen=True)
 class Turn:
-    """One request of a conversation: the new question ``user``, its output budget and the ``think_s``
-    seconds waited after the previous turn's reply (0 for a first turn)."""
+    """One request of a conversation: its question, output budget and think time.
+
+    ``user``: the new question; ``think_s``: seconds waited after the previous turn's reply (0 for a first
+    turn)."""
 
     user: str
     max_tokens: int
@@ -41,8 +43,9 @@ class Conversation:
 
 
 def messages(conversation: Conversation, turn: int, replies: list[str]) -> list[dict[str, str]]:
-    """The chat messages of turn ``turn``: the system prompt, every earlier question with its reply
-    (``replies``, the engine's text), the new question."""
+    """The chat messages of turn ``turn``: the system prompt, the history and the new question.
+
+    ``replies``: the engine's text of every earlier turn."""
     out = [{"role": "system", "content": conversation.system}] if conversation.system else []
     for earlier, reply in zip(conversation.turns[:turn], replies, strict=True):
         out += [{"role": "user", "content": earlier.user}, {"role": "assistant", "content": reply}]

@@ -1,5 +1,6 @@
-"""Gateway replicas: the same simulated cluster behind one gateway and behind two, with and without the
-engine load signal, and sharing their bookings over NATS.
+"""Gateway replicas: one simulated cluster behind one gateway and behind two.
+
+With and without the engine load signal, and sharing their bookings over NATS.
 
 Workload ``two-equal-groups`` (the default): one simulated cluster (the routing benchmark's reference
 scenario) is started per workload seed, and the same seeded streaming workload is sent, ``prefer`` at
@@ -202,8 +203,9 @@ async def run_seed(
 
 
 async def run_demo_round(round_: int, requests: int, interval: float, settings: list[str]) -> dict[str, dict]:
-    """Every setting on the ``demo`` workload (its first ``requests``), each on a fresh demo cluster, the
-    order rotated by ``round_``."""
+    """Every setting on the ``demo`` workload's first ``requests``, each on a fresh demo cluster.
+
+    The settings' order is rotated by ``round_``."""
     plans = demo_plans(requests)
     shift = round_ % len(settings)
     results: dict[str, dict] = {}
@@ -230,8 +232,10 @@ RATIOS = ("decode_load_cv", "ttft_p90_ms")
 
 
 def summarize_seeds(runs: dict[int, dict[str, dict]], base: str) -> dict[str, dict]:
-    """:func:`routing_quality.across_seeds`, with the TTFT p90's median [min-max] and its median
-    per-seed ratio to ``base``'s (``ttft_p90_ms_vs_<base>``) added."""
+    """:func:`routing_quality.across_seeds` of ``runs``, with the TTFT p90 added.
+
+    Added: the TTFT p90's median [min-max] and its median per-seed ratio to ``base``'s
+    (``ttft_p90_ms_vs_<base>``)."""
     stats = across_seeds(runs, base=base)
     for name, row in stats.items():
         values = [run[name]["ttft_p90_ms"] for run in runs.values() if run[name]["ttft_p90_ms"] is not None]
@@ -270,6 +274,7 @@ def format_summary(stats: dict[str, dict], seeds: int, base: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark from the command line ``argv``; print the tables (and write JSON when asked)."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

@@ -96,6 +96,7 @@ class Scenario:
     kv: KvConfig = field(default_factory=KvConfig)
 
     def plans(self, quick: bool, seed: int = FIRST_SEED) -> list[RequestPlan]:
+        """The scenario's seeded workload: 10 requests when ``quick``."""
         requests = 10 if quick else self.requests
         return plan_workload(
             requests, self.rate, self.prompt_tokens, self.output_tokens, seed=seed, burst=self.burst
@@ -103,9 +104,11 @@ class Scenario:
 
 
 def auto_keys(scenario: Scenario, bandwidth_error: float = 1.0) -> dict[str, object]:
-    """pd-extproc's ``affinity.auto`` configuration for ``scenario``: the simulator's KV model, the
-    cross-group bandwidth times ``bandwidth_error`` (capped at the in-group one, as the config
-    requires), and as the wait scale one decode step at half batch of the median decode engine."""
+    """pd-extproc's ``affinity.auto`` configuration for ``scenario``.
+
+    The simulator's KV model, the cross-group bandwidth times ``bandwidth_error`` (capped at the in-group
+    one, as the config requires), and as the wait scale one decode step at half batch of the median decode
+    engine."""
     kv = scenario.kv
     steps = sorted(
         (e.timing or BIG).decode_ms((e.timing or BIG).max_batch // 2)
@@ -219,10 +222,11 @@ async def run_scenario(
 
 
 def across_seeds(runs: dict[int, dict[str, dict]], base: str = "off") -> dict[str, dict]:
-    """Per setting run in every seed: each :data:`ACROSS_SEEDS` metric's median/min/max over
-    seeds (``None`` values skipped), the median over seeds of each :data:`RATIO_TO_OFF` metric
-    divided by setting ``base``'s in the same seed (``<metric>_vs_<base>``; only where both are known
-    and the base's is non-zero), and total errors."""
+    """Per setting run in every seed: medians over seeds, paired ratios to ``base`` and total errors.
+
+    Each :data:`ACROSS_SEEDS` metric's median/min/max over seeds (``None`` values skipped), the median over
+    seeds of each :data:`RATIO_TO_OFF` metric divided by setting ``base``'s in the same seed
+    (``<metric>_vs_<base>``; only where both are known and the base's is non-zero), and total errors."""
     settings = [s for s in next(iter(runs.values())) if all(s in run for run in runs.values())]
     stats: dict[str, dict] = {}
     for setting in settings:
@@ -241,8 +245,9 @@ def across_seeds(runs: dict[int, dict[str, dict]], base: str = "off") -> dict[st
 
 
 def paired_ratio(runs: dict[int, dict[str, dict]], setting: str, base: str, key: str) -> float | None:
-    """The median over seeds of ``setting``'s ``key`` divided by ``base``'s in the same seed (paired: the
-    same workload), over the seeds where both ran and are known and ``base``'s is non-zero."""
+    """The median over seeds of ``setting``'s ``key`` divided by ``base``'s in the same seed.
+
+    Paired (the same workload), over the seeds where both ran and are known and ``base``'s is non-zero."""
     ratios = [
         mine / theirs
         for run in runs.values()
@@ -295,8 +300,10 @@ def _median(stats: dict[str, dict], setting: str, key: str) -> float | None:
 
 
 def verdict(scenario: str, runs: dict[int, dict[str, dict]]) -> dict | None:
-    """``auto`` against issue 11's targets over the seeds of ``runs`` (seed → setting → summary), or
-    ``None`` without ``auto``, ``off`` and a ``prefer`` bonus in every seed.
+    """``auto`` against issue 11's targets over the seeds of ``runs``.
+
+    ``runs``: seed → setting → summary. ``None`` without ``auto``, ``off`` and a ``prefer`` bonus in every
+    seed.
 
     Every ratio is paired (:func:`paired_ratio`: the median over seeds of per-seed ratios): auto's
     dTTFT p50 and p99 to the best fixed bonus's (the ``prefer@b`` with the lowest median over seeds,
@@ -452,6 +459,7 @@ def _plot(sweep: dict[str, dict], path: str, medians: dict[str, dict[str, dict]]
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark from the command line ``argv``; print the tables (and write JSON when asked)."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

@@ -38,8 +38,9 @@ SHARING = replace(SharedStateConfig(), sync_wait_seconds=0.0)
 
 @dataclass
 class Tally:
-    """What one replica's shared state sent, received (messages and bytes, by kind), dropped (by
-    reason) and made of its peers' sync requests (by outcome): a
+    """What one replica's shared state sent, received, dropped and made of its peers' sync requests.
+
+    Sent and received: messages and bytes, by kind; dropped: by reason; sync requests: by outcome. A
     :class:`~ext_proc.shared.replica.SharingSink`."""
 
     sent: Counter[str] = field(default_factory=Counter)
@@ -49,22 +50,28 @@ class Tally:
     sync_requests: Counter[str] = field(default_factory=Counter)
 
     def shared_sent(self, kind: str, size: int) -> None:
+        """Count one message of ``kind`` sent, ``size`` bytes."""
         self.sent[kind] += 1
         self.sent_bytes += size
 
     def shared_received(self, kind: str, size: int, lag_seconds: float | None) -> None:
+        """Count one message of ``kind`` received (``size`` and ``lag_seconds`` are not kept)."""
         self.received[kind] += 1
 
     def shared_dropped(self, reason: str) -> None:
+        """Count one message dropped for ``reason``."""
         self.dropped[reason] += 1
 
     def shared_sync_request(self, outcome: str) -> None:
+        """Count one peer's sync request by its ``outcome``."""
         self.sync_requests[outcome] += 1
 
 
 class SharedReplicas(Replicas):
-    """``routers`` taking turns, sharing their state over one :class:`MemoryHub` of ``delay_seconds``
-    (module docstring); :meth:`start` before the first request, :meth:`stop` after the last."""
+    """``routers`` taking turns, sharing their state over one in-memory hub.
+
+    The hub: one :class:`MemoryHub` of ``delay_seconds`` (module docstring); :meth:`start` before the first
+    request, :meth:`stop` after the last."""
 
     def __init__(
         self,

@@ -1,6 +1,7 @@
-"""Soak: many streaming requests through the real Envoy and pd-extproc, a share of the clients aborting
-at random points, over fast backends (``bench/fast_backend.py``: one chunk at once, the stream held
-open ``x-hold-ms``, then ``[DONE]``).
+"""Soak: many streaming requests through the real Envoy and pd-extproc, some clients aborting.
+
+The clients that abort do so at random points; the backends are fast (``bench/fast_backend.py``: one chunk at
+once, the stream held open ``x-hold-ms``, then ``[DONE]``).
 
 A warm-up (unmeasured for growth) comes first; then pd-extproc's RSS and open file descriptors are
 read with no request in flight, the measured requests run, the load drains, and they are read again.
@@ -62,8 +63,9 @@ async def _drive(url: str, requests: int, rng: random.Random) -> list[Outcome]:
 
 
 async def run_soak(quick: bool = False, requests: int | None = None, seed: int = 9) -> dict:
-    """The soak as one row of the fault table (``bench/faults.py``'s :func:`verdict` keys), with
-    ``rss_growth`` (fraction) and ``fd_growth`` added."""
+    """The soak as one row of the fault table, with ``rss_growth`` and ``fd_growth`` added.
+
+    The row has ``bench/faults.py``'s :func:`verdict` keys; ``rss_growth`` is a fraction."""
     requests = requests or (QUICK_REQUESTS if quick else REQUESTS)
     rng = random.Random(seed)
     rig = new_rig()
@@ -93,8 +95,10 @@ async def run_soak(quick: bool = False, requests: int | None = None, seed: int =
 
 
 def soak_verdict(run: Measured) -> dict:
-    """The soak's row (:func:`fault_rig.table_row`), with ``rss_growth`` (fraction); also failed on RSS growth
-    of :data:`MAX_RSS_GROWTH` or more, or more file descriptors after than before."""
+    """The soak's row of the fault table, also failed on RSS or file-descriptor growth.
+
+    The row is :func:`fault_rig.table_row`'s with ``rss_growth`` (fraction); failed on RSS growth of
+    :data:`MAX_RSS_GROWTH` or more, or more file descriptors after than before."""
     assert run.after["rss"] is not None and run.after["fds"] is not None
     growth = run.after["rss"] / run.before["rss"] - 1
     failures = []
@@ -114,6 +118,7 @@ def soak_verdict(run: Measured) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the soak from the command line ``argv``; 0 when its row passed."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=REQUESTS, help="measured requests")
     args = parser.parse_args(argv)

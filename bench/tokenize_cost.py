@@ -124,8 +124,10 @@ def paragraphs() -> list[str]:
 
 
 def conversation(raw: Tokenizer, pool: list[str], rng: random.Random) -> tuple[list[dict[str, str]], int]:
-    """Messages rendering to about :data:`PROMPT_TOKENS` tokens, and how many of them make the turn that
-    holds about :data:`SEEN_TOKENS` (the previous request of this conversation)."""
+    """Messages rendering to about :data:`PROMPT_TOKENS` tokens, and the length of the turn seen before.
+
+    The turn seen before: how many messages make the one that holds about :data:`SEEN_TOKENS` (the previous
+    request of this conversation)."""
 
     def count(text: str) -> int:
         return len(raw.encode(text, add_special_tokens=False).ids)
@@ -148,6 +150,7 @@ def conversation(raw: Tokenizer, pool: list[str], rng: random.Random) -> tuple[l
 
 
 def empty_cache(settings: TokenizerSettings) -> PrefixTokenCache:
+    """An empty prefix token cache sized by ``settings``."""
     return PrefixTokenCache(settings.cache_entries, settings.cache_tokens, settings.cache_ttl_s)
 
 
@@ -159,6 +162,7 @@ def calibration() -> dict[str, float]:
 
 
 def summary(seconds: list[float]) -> dict[str, float]:
+    """The p50 and p90 of ``seconds``, in milliseconds."""
     return {"p50_ms": percentile(seconds, 0.5) * 1e3, "p90_ms": percentile(seconds, 0.9) * 1e3}
 
 
@@ -259,10 +263,12 @@ async def measure_awaited(
 
 
 def spread(values: dict[str, float]) -> str:
+    """``values``' min / p50 / max, as whole numbers."""
     return f"{values['min']:.0f} / {values['p50']:.0f} / {values['max']:.0f}"
 
 
 def report(result: dict[str, Any]) -> str:
+    """The benchmark's ``result`` as printable text."""
     encoders = [e for e in ENCODERS if e in result]
     sizes = result[encoders[0]]
     lines = [
@@ -287,6 +293,7 @@ def report(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark from the command line ``argv``; print the report (and write JSON when asked)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a 4k BPE on the docs alone, few repetitions")
     parser.add_argument("--reps", type=int, help="conversations timed (default 200, 5 with --quick)")

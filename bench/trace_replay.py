@@ -92,9 +92,11 @@ SETTINGS: dict[str, Router] = {
 
 @dataclass(frozen=True)
 class Replay:
-    """What one replay runs: the window's requests, their output cap, the arrival speed-up, the cluster,
-    the engines' profile, CPU tier (tokens, 0: none), KV cache (tokens of the large engines; ``None``:
-    the profile's) and the ` shared` settings' sync delay (seconds). Every engine caches prefixes."""
+    """What one replay runs: the window's requests, the cluster and the engines' settings.
+
+    Also their output cap, the arrival speed-up, the engines' profile, CPU tier (tokens, 0: none), KV cache
+    (tokens of the large engines; ``None``: the profile's) and the ` shared` settings' sync delay (seconds).
+    Every engine caches prefixes."""
 
     requests: list[TraceRequest]
     max_output: int | None
@@ -303,10 +305,11 @@ def medians(runs: list[dict[str, dict]]) -> dict[str, dict]:
 
 
 def verdicts(rows: dict[str, dict], bound: float) -> list[dict]:
-    """The issue's targets on ``rows`` (one window's numbers, or medians over windows): pd-extproc's
-    best setting (its least TTFT p90) against the best peer rule (least TTFT p90; least dTTFT p99 for
-    that target), ``off`` and the oracle; its hit rate against ``bound``. Only what ``rows`` holds is
-    judged."""
+    """The issue's targets judged on ``rows``: pd-extproc's best setting against the peers.
+
+    ``rows``: one window's numbers, or medians over windows. pd-extproc's best setting (its least TTFT p90)
+    against the best peer rule (least TTFT p90; least dTTFT p99 for that target), ``off`` and the oracle; its
+    hit rate against ``bound``. Only what ``rows`` holds is judged."""
     ours = [
         s for s in rows if s not in PEERS and not _is_oracle(s) and rows[s].get("ttft_p90_ms") is not None
     ]
@@ -449,8 +452,10 @@ def _delays(text: str) -> list[float]:
 
 
 def runs_of(settings: list[str], delays_ms: list[float]) -> list[tuple[str, str, float]]:
-    """``(row name, setting, sync delay in seconds)`` per run: a ` shared` setting once per delay (named
-    ``SETTING Dms`` when there are several), every other setting once."""
+    """``(row name, setting, sync delay in seconds)`` per run.
+
+    A ` shared` setting once per delay (named ``SETTING Dms`` when there are several), every other setting
+    once."""
     out = []
     for setting in settings:
         if setting not in SHARED_SETTINGS:
@@ -473,6 +478,7 @@ def _starts(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the replay from the command line ``argv``; print the tables (and write JSON when asked)."""
     parser = _parser()
     args = parser.parse_args(argv)
     settings = _check(parser, args)

@@ -250,8 +250,9 @@ def _stream_off(rounds: int, batch: int) -> float:
 
 
 def baseline(tree: str, rounds: int, batch: int) -> dict[str, float]:
-    """Tracing off here and in the source tree ``tree`` (e.g. a worktree of the commit before tracing),
-    the same ``stream`` harness in two processes running at once, so machine noise hits both alike."""
+    """Tracing off here and in the source tree ``tree`` (e.g. a worktree of the commit before tracing).
+
+    The same ``stream`` harness runs in two processes at once, so machine noise hits both alike."""
     script = str(Path(__file__).resolve())
     command = [sys.executable, script, "--stream-off", "--rounds", str(rounds), "--batch", str(batch)]
     env = {**os.environ, "PYTHONPATH": tree}

@@ -1,4 +1,6 @@
-"""Two models behind one gateway on the demo cluster: no request on a wrong engine, and one model's flood
+"""Two models behind one gateway on the demo cluster: routed apart, one's flood sparing the other.
+
+Two models behind one gateway on the demo cluster: no request on a wrong engine, and one model's flood
 leaves the other's TTFT alone.
 
 The demo's simulated cluster (:func:`sim.cluster.clusters` ``demo``, engines of the measured profile,
@@ -49,7 +51,9 @@ TOLERANCE = 0.10
 
 @dataclass(frozen=True)
 class Size:
-    """The workloads: the victim's ``victim`` requests at ``victim_rps``; the flood's ``flood`` requests at
+    """The workloads' sizes: the victim's and the flood's requests and rates.
+
+    The workloads: the victim's ``victim`` requests at ``victim_rps``; the flood's ``flood`` requests at
     ``flood_rps`` (long prompts, short answers: it saturates its prefills, not the client's CPU)."""
 
     victim: int
@@ -69,7 +73,9 @@ profile, so 20 a second ask about three times what ``rack-a``'s two prefills com
 
 
 def distinct(plans: list[RequestPlan], seed: int, scale: float) -> list[RequestPlan]:
-    """``plans`` with a prompt of its own each (random words: no prefix-cache hit makes one cheap), sent
+    """``plans`` with a prompt of its own each, sent ``scale`` times later.
+
+    ``plans`` with a prompt of its own each (random words: no prefix-cache hit makes one cheap), sent
     ``scale`` times later (model time to wall time)."""
     rng = random.Random(seed)
     return [
@@ -85,7 +91,9 @@ def distinct(plans: list[RequestPlan], seed: int, scale: float) -> list[RequestP
 
 
 def victim_plans(size: Size, seed: int, scale: float) -> list[RequestPlan]:
-    """The victim's steady stream: Poisson at ``victim_rps``, prompts 256-2,048, answers 16-64 tokens; the
+    """The victim's steady stream: Poisson at ``victim_rps``, the same arrivals in both phases.
+
+    The victim's steady stream: Poisson at ``victim_rps``, prompts 256-2,048, answers 16-64 tokens; the
     same arrivals and lengths in both phases, other texts (``seed``: no phase finds the other's cached)."""
     return distinct(plan_workload(size.victim, size.victim_rps, (256, 2048), (16, 64), seed=11), seed, scale)
 
@@ -96,7 +104,9 @@ def flood_plans(size: Size, scale: float) -> list[RequestPlan]:
 
 
 def summary(records: list[Record], model: str, serving: dict[str, set[str]], scale: float) -> dict:
-    """One model's numbers in one phase: requests, errors, TTFT p50/p90/p99 (model ms: wall ms over
+    """One model's numbers in one phase: requests, errors, TTFT and remote prefill percentiles.
+
+    One model's numbers in one phase: requests, errors, TTFT p50/p90/p99 (model ms: wall ms over
     ``scale``), the remote prefill's p90 as the decode engines report it (model ms: queue and compute at
     the prefill, without the gateway's and the client's share of the TTFT), and the requests whose
     decode or prefill engine is not in ``model``'s group (``serving``: engines by model)."""
@@ -122,14 +132,18 @@ def summary(records: list[Record], model: str, serving: dict[str, set[str]], sca
 
 
 def flood_from(urls: list[str], plans: list[RequestPlan]) -> tuple[list[Record], float]:
-    """Send the flood (run in a process of its own: its 20 streams a second are not the victim's
+    """Send the flood, in a process of its own.
+
+    Send the flood (run in a process of its own: its 20 streams a second are not the victim's
     client's CPU)."""
     return asyncio.run(run_workload(urls, plans, FLOOD))
 
 
 @dataclass
 class Clusters:
-    """Several simulated clusters as one (:class:`sim.stack.Cluster`): each model's engines in a process
+    """Several simulated clusters as one, each model's engines in a process of their own.
+
+    Several simulated clusters as one (:class:`sim.stack.Cluster`): each model's engines in a process
     of their own, as on GPUs of their own (in one process, the flood's engine loops would slow the
     victim's: an artefact of the simulator on a small machine, not of routing)."""
 
@@ -180,7 +194,9 @@ def engines_by_model(stack: Stack) -> dict[str, set[str]]:
 
 
 async def setting(declared: bool, size: Size, scale: float) -> dict:
-    """Both phases on a fresh demo cluster: the models declared (and the engines strict), or not; the
+    """Both phases on a fresh demo cluster, the models declared or not.
+
+    Both phases on a fresh demo cluster: the models declared (and the engines strict), or not; the
     engines' ``time_scale`` is ``scale``."""
     large, small, kv = engines_of(MEASURED_PROFILE)
     large, small = replace(large, time_scale=scale), replace(small, time_scale=scale)
@@ -243,7 +259,9 @@ def table(results: list[dict]) -> str:
 
 
 def verdict(declared: dict) -> tuple[bool, str]:
-    """Whether routing by model held: no error and no request on a wrong engine in any phase, and the
+    """Whether routing by model held, and the victim's TTFT p90 with the flood stayed near alone.
+
+    Whether routing by model held: no error and no request on a wrong engine in any phase, and the
     victim's TTFT p90 with the flood within :data:`TOLERANCE` of alone."""
     phases = [declared[p] for p in ("alone", "with_flood", "flood")]
     wrong = sum(p["on_other_models_engines"] for p in phases)
@@ -257,6 +275,7 @@ def verdict(declared: dict) -> tuple[bool, str]:
 
 
 async def main_async(args: argparse.Namespace) -> int:
+    """Run both settings with the parsed options ``args``; print the table and verdict; 0 when it held."""
     size, scale = QUICK if args.quick else FULL, args.time_scale
     print(
         f"demo cluster: {VICTIM} on rack-b (1P + 2 small D), {FLOOD} on rack-a (2P + 3 large D), "
@@ -280,6 +299,7 @@ async def main_async(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark from the command line ``argv``; 0 when the verdict held."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="half the victim's and the flood's requests")
     parser.add_argument("--json", type=Path, help="write the results here")

@@ -112,6 +112,9 @@ def stranger(params: dict, port: int) -> dict:
 
 
 async def run(prompt_tokens: int, repeats: int) -> dict:
+    """Run every case ``repeats`` times on real vLLM engines, prompts of ``prompt_tokens``.
+
+    Returns the rows and their summary."""
     python = venv_python()
     if python is None:
         raise VllmUnavailable("vLLM for CPU is not installed: run `make vllm-env`")
@@ -202,6 +205,7 @@ def summarise(rows: list[dict]) -> list[dict]:
 
 
 def main() -> int:
+    """Run the benchmark from the command line; print the rows (and write JSON when asked)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompt-tokens", type=int, default=1000)
     parser.add_argument("--repeats", type=int, default=3)

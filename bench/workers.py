@@ -101,6 +101,7 @@ class Cluster:
 
     async def exchange(self, body: bytes) -> float:
         """One request over the next worker's port (round robin): seconds to its routing answer.
+
         ``RuntimeError`` when it was not routed or the stream failed."""
         self.sent += 1
         call = self.calls[self.sent % len(self.calls)]()
@@ -172,8 +173,9 @@ def _serve(
 
 @dataclass(frozen=True)
 class Spec:
-    """A cluster to start: its name, its routing processes and how they run (:data:`SERVE` …), and the
-    shared state's ``batch_seconds`` (``None``: the default)."""
+    """A cluster to start: its name, its routing processes and the shared state's batching.
+
+    How the processes run: :data:`SERVE` …; ``batch_seconds`` ``None``: the default."""
 
     name: str
     workers: int
@@ -408,6 +410,7 @@ def _print(results: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark from the command line ``argv``; print the table (and write JSON when asked)."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

@@ -26,10 +26,11 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 
 @dataclass
 class EchoBackend:
-    """A running backend; ``requests`` records the path, seen routing headers, ``x-request-id`` and
-    JSON body (POST only; ``raw``: its bytes as received, ``size``: their number) of every request
-    served. A completion is recorded at once but answered only while ``answering`` is set (it is,
-    unless a test clears it)."""
+    """A running echo backend that records every request it serves.
+
+    ``requests`` records the path, seen routing headers, ``x-request-id`` and JSON body (POST only; ``raw``:
+    its bytes as received, ``size``: their number) of every request served. A completion is recorded at once
+    but answered only while ``answering`` is set (it is, unless a test clears it)."""
 
     runner: web.AppRunner
     address: str
@@ -37,6 +38,7 @@ class EchoBackend:
     answering: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def stop(self) -> None:
+        """Stop serving and release the port."""
         await self.runner.cleanup()
 
 
@@ -115,8 +117,9 @@ async def _models(request: web.Request) -> web.Response:
 
 
 async def start_backend(middlewares: tuple = ()) -> EchoBackend:
-    """Start a backend on an ephemeral loopback port (``middlewares``: aiohttp middlewares in front
-    of its handlers)."""
+    """Start an echo backend on an ephemeral loopback port.
+
+    ``middlewares``: aiohttp middlewares in front of its handlers."""
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=list(middlewares))
     backend = EchoBackend(web.AppRunner(app, access_log=None), "")
     backend.answering.set()
@@ -147,6 +150,7 @@ class ScriptedPrefill:
     cancelled: int = 0
 
     async def stop(self) -> None:
+        """Stop serving and release the port."""
         await self.runner.cleanup()
 
     async def kill(self) -> None:
@@ -186,14 +190,16 @@ async def start_scripted_prefill(
 
 @dataclass
 class BrokenEngine:
-    """A TCP server standing in for a broken engine (see :func:`start_broken_engine`); ``requests``
-    counts the request heads it read."""
+    """A TCP server standing in for a broken engine (see :func:`start_broken_engine`).
+
+    ``requests`` counts the request heads it read."""
 
     server: asyncio.Server
     address: str
     requests: int = 0
 
     async def stop(self) -> None:
+        """Close the server and wait until it is closed."""
         self.server.close()
         await self.server.wait_closed()
 
@@ -203,8 +209,10 @@ GARBAGE = b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03 this is not HTTP \xff\x
 
 
 async def start_broken_engine(kind: str) -> BrokenEngine:
-    """Start a :class:`BrokenEngine` on an ephemeral loopback port: ``hang`` reads each request head and
-    never answers (until the peer closes); ``garbage`` answers :data:`GARBAGE` and closes."""
+    """Start a :class:`BrokenEngine` on an ephemeral loopback port.
+
+    ``hang`` reads each request head and never answers (until the peer closes); ``garbage`` answers
+    :data:`GARBAGE` and closes."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -228,16 +236,18 @@ async def start_broken_engine(kind: str) -> BrokenEngine:
 
 @dataclass
 class KeepAliveEngine:
-    """An HTTP/1.1 engine stand-in that keeps idle connections like uvicorn (vLLM's and SGLang's HTTP
-    server): ``keepalive`` seconds after its last answer on a connection it is done with it.
+    """An HTTP/1.1 engine stand-in that keeps idle connections like uvicorn, resetting late reuse.
 
-    The race it reproduces: uvicorn closes the idle connection at that moment while a client that
-    pooled it writes its next request; the request meets a closed socket and the client sees the
-    connection reset, with no answer. On loopback the close usually wins by a hair, so to make the
-    crossing happen every time the engine does not close at expiry: it resets the connection when a
-    request arrives on it after ``keepalive`` seconds (the kernel answers data for a closed socket
-    with a reset too). Every answer is ``body`` (JSON, status 200). ``served`` and ``resets`` count
-    answered and reset requests; ``connections`` the connections accepted.
+    - like uvicorn (vLLM's and SGLang's HTTP server), it is done with a connection ``keepalive`` seconds
+      after its last answer on it;
+    - the race it reproduces: uvicorn closes the idle connection at that moment while a client that
+      pooled it writes its next request, which meets a closed socket: the client sees the connection
+      reset, with no answer;
+    - on loopback the close usually wins by a hair, so to make the crossing happen every time it does not
+      close at expiry: it resets the connection when a request arrives on it after ``keepalive`` seconds
+      (the kernel answers data for a closed socket with a reset too);
+    - every answer is ``body`` (JSON, status 200); ``served`` and ``resets`` count answered and reset
+      requests, ``connections`` the connections accepted.
     """
 
     server: asyncio.Server
@@ -249,6 +259,7 @@ class KeepAliveEngine:
     connections: int = 0
 
     async def stop(self) -> None:
+        """Close the server and wait until it is closed."""
         self.server.close()
         await self.server.wait_closed()
 
@@ -322,17 +333,20 @@ async def _fail_kv_pulls(request: web.Request, handler) -> web.StreamResponse:  
 
 
 async def start_kv_failing_decode() -> EchoBackend:
-    """A decode that cannot load any KV cache, answering as vLLM 0.32 does: a request carrying
-    ``kv_transfer_params`` gets HTTP 500 with :data:`VLLM_GENERATION_ERROR` (non-streaming) or HTTP 200
-    whose events are that error, then ``[DONE]`` (streaming; a chat stream announces the role first);
-    any other request is served as by :func:`start_backend`. Its ``requests`` record every request."""
+    """A decode that cannot load any KV cache, answering as vLLM 0.32 does.
+
+    A request carrying ``kv_transfer_params`` gets HTTP 500 with :data:`VLLM_GENERATION_ERROR` (non-streaming)
+    or HTTP 200 whose events are that error, then ``[DONE]`` (streaming; a chat stream announces the role
+    first); any other request is served as by :func:`start_backend`. Its ``requests`` record every request."""
     return await start_backend((_fail_kv_pulls,))
 
 
 @dataclass
 class BootstrapServer:
-    """A vLLM Mooncake bootstrap server stand-in: ``GET /query`` answers ``status`` and ``body``
-    (``MooncakeBootstrapServer.query``'s shape by default); ``queries`` counts the queries."""
+    """A vLLM Mooncake bootstrap server stand-in.
+
+    ``GET /query`` answers ``status`` and ``body`` (``MooncakeBootstrapServer.query``'s shape by default);
+    ``queries`` counts the queries."""
 
     runner: web.AppRunner
     port: int
@@ -341,6 +355,7 @@ class BootstrapServer:
     queries: int = 0
 
     async def stop(self) -> None:
+        """Stop serving and release the port."""
         await self.runner.cleanup()
 
 

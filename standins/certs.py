@@ -34,8 +34,9 @@ def make_ca(folder: Path, name: str) -> Pair:
 
 
 def issue(ca: Pair, folder: Path, name: str, server: bool) -> Pair:
-    """A certificate ``name`` signed by ``ca``: for a server (SAN ``DNS:pd-extproc``, ``IP:127.0.0.1``)
-    or a client."""
+    """A certificate ``name`` signed by ``ca``, for a server or a client.
+
+    A server's carries SAN ``DNS:pd-extproc`` and ``IP:127.0.0.1``."""
     pair = Pair(folder / f"{name}.crt", folder / f"{name}.key")
     request = folder / f"{name}.csr"
     extensions = folder / f"{name}.ext"
@@ -54,8 +55,10 @@ def issue(ca: Pair, folder: Path, name: str, server: bool) -> Pair:
 
 
 def self_signed(folder: Path, name: str = SERVER_NAME) -> Pair:
-    """A self-signed server certificate ``name`` in ``folder`` (SAN ``DNS:pd-extproc``, ``IP:127.0.0.1``):
-    what the gateways that dial the picker without verifying it are given."""
+    """A self-signed server certificate ``name`` in ``folder``.
+
+    SAN ``DNS:pd-extproc``, ``IP:127.0.0.1``: what the gateways that dial the picker without verifying
+    it are given."""
     folder.mkdir(parents=True, exist_ok=True)
     pair = Pair(folder / f"{name}.crt", folder / f"{name}.key")
     _openssl(
@@ -68,8 +71,10 @@ def self_signed(folder: Path, name: str = SERVER_NAME) -> Pair:
 
 @dataclass(frozen=True)
 class Certificates:
-    """Everything a TLS test needs: ``ca`` signs ``server`` and ``client``; ``other_ca`` signs
-    ``stranger``, a client pd-extproc must refuse."""
+    """Everything a TLS test needs: two CAs, a server, a client and a stranger.
+
+    ``ca`` signs ``server`` and ``client``; ``other_ca`` signs ``stranger``, a client pd-extproc must
+    refuse."""
 
     ca: Pair
     server: Pair

@@ -179,9 +179,11 @@ def _event(change: _Change, selects: Callable[[dict[str, Any]], bool]) -> bytes 
 
 
 class FakeKubeApi:
-    """The fake API server. ``requests`` records every request: ``kind`` (list / watch / get),
-    ``resource`` (pods / inferencepools), ``namespace``, ``authorization`` and the query parameters.
-    ``list_gates`` maps ``(resource, namespace)`` to an event a list waits for."""
+    """The fake Kubernetes API server; ``requests`` records every request.
+
+    A request's record: ``kind`` (list / watch / get), ``resource`` (pods / inferencepools), ``namespace``,
+    ``authorization`` and the query parameters. ``list_gates`` maps ``(resource, namespace)`` to an event a
+    list waits for."""
 
     def __init__(self) -> None:
         self.objects: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}
@@ -200,8 +202,10 @@ class FakeKubeApi:
     # --- lifecycle ------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Serve on 127.0.0.1 (the same port again after :meth:`stop`). As a (re)started API server's
-        watch cache, the event history starts now: a watch from an older version gets ``410 Expired``."""
+        """Serve on 127.0.0.1 (the same port again after :meth:`stop`).
+
+        As a (re)started API server's watch cache, the event history starts now: a watch from an older version
+        gets ``410 Expired``."""
         self.history = []
         self.compacted = self.version
         app = web.Application()
@@ -234,8 +238,9 @@ class FakeKubeApi:
     # --- what the tests do to the objects -------------------------------------------------
 
     def put(self, obj: dict[str, Any], *, silent: bool = False) -> int:
-        """Create or replace ``obj`` (a Pod or an InferencePool, by its ``kind``); returns its new
-        resourceVersion."""
+        """Create or replace ``obj``; returns its new resourceVersion.
+
+        ``obj``: a Pod or an InferencePool, by its ``kind``."""
         obj = copy.deepcopy(obj)
         resource = RESOURCES[obj["kind"]]
         metadata = obj["metadata"]
@@ -284,8 +289,9 @@ class FakeKubeApi:
         return self.version
 
     def expire(self) -> None:
-        """Compact the history up to the current version (only a watch from it stays possible); open
-        watches get ``ERROR 410`` and end."""
+        """Compact the history up to the current version; open watches end.
+
+        Only a watch from the current version stays possible; open watches get ``ERROR 410``."""
         self.compacted = self.version
         for watch in self._watches:
             watch.lines.put_nowait(_line("ERROR", self._gone(watch.request)))

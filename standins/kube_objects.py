@@ -35,8 +35,10 @@ def pod(
     deleting: bool = False,
     role_label: str = ROLE,
 ) -> dict[str, Any]:
-    """A pod of one ``engine`` container; ``ports`` maps container port names to numbers
-    (default: InferNex's ``prefill-port`` 8000 and ``decode-port`` 8200)."""
+    """A pod of one ``engine`` container, as the API server sends it.
+
+    ``ports`` maps container port names to numbers (default: InferNex's ``prefill-port`` 8000 and
+    ``decode-port`` 8200)."""
     all_labels = dict(labels or {})
     if role is not None:
         all_labels[role_label] = role
@@ -93,8 +95,9 @@ def inference_pool(
     namespace: str = "default",
     picker: dict[str, object] | None = _DEFAULT_PICKER,
 ) -> dict[str, Any]:
-    """An ``inference.networking.k8s.io/v1`` InferencePool as the API server sends it: ``labels``
-    its ``spec.selector.matchLabels`` (default ``app: vllm``), ``ports`` its ``targetPorts``
+    """An ``inference.networking.k8s.io/v1`` InferencePool as the API server sends it.
+
+    ``labels``: its ``spec.selector.matchLabels`` (default ``app: vllm``), ``ports`` its ``targetPorts``
     (default 8000), ``picker`` its ``endpointPickerRef`` (``None``: absent)."""
     spec: dict[str, Any] = {
         "selector": {"matchLabels": {"app": "vllm"} if labels is None else labels},

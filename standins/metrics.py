@@ -9,8 +9,9 @@ from prometheus_client.parser import text_string_to_metric_families
 async def by_outcome(
     session: aiohttp.ClientSession, admin_url: str, counter: str, label: str = "outcome"
 ) -> dict[str, float]:
-    """The samples of the counter ``counter`` (``..._total``) of pd-extproc at ``admin_url``, by their
-    ``label`` label."""
+    """The samples of pd-extproc's counter ``counter`` at ``admin_url``, by their ``label`` label.
+
+    ``counter``: a counter's name (``..._total``)."""
     async with session.get(f"{admin_url}/metrics") as response:
         text = await response.text()
     return {

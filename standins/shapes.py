@@ -1,6 +1,7 @@
-"""The gateway shapes of ``tests/deploy/gateway_shapes/``: Envoy bootstraps as the gateways that run an
-InferencePool generate them (each file names its sources and its differences in a header comment),
-bound to a local run by :func:`render_shape`.
+"""The gateway shapes of ``tests/deploy/gateway_shapes/``: Envoy bootstraps bound to a local run.
+
+Each shape is an Envoy bootstrap as the gateways that run an InferencePool generate it (each file names its
+sources and its differences in a header comment), bound to a local run by :func:`render_shape`.
 
 A shape file is a complete, valid Envoy bootstrap. Its structure is what the renderer relies on, so
 keep it when editing a shape:
@@ -121,7 +122,9 @@ def _replace(node: object, change: Callable[[object], object]) -> object:
 
 
 def render_shape(shape: str, extproc_port: int, model_servers: list[str]) -> RenderedShape:
-    """``tests/deploy/gateway_shapes/<shape>.yaml`` with the admin and every listener on free loopback ports,
+    """A gateway shape's bootstrap bound to free loopback ports, pd-extproc and ``model_servers``.
+
+    ``tests/deploy/gateway_shapes/<shape>.yaml`` with the admin and every listener on free loopback ports,
     the picker clusters on pd-extproc's ``127.0.0.1:extproc_port`` and each pool cluster's template
     endpoint replaced by ``model_servers`` (``ip:port`` each, in order). Nothing else changes."""
     config = yaml.safe_load((SHAPES_DIR / f"{shape}.yaml").read_text(encoding="utf-8"))
@@ -197,6 +200,7 @@ class ShapeStack:
 
     @property
     def url(self) -> str:
+        """The gateway's URL."""
         return self.gateway.url
 
     @property
@@ -205,9 +209,11 @@ class ShapeStack:
         return f"http://127.0.0.1:{self.admin_port}"
 
     async def picker(self, changes: dict[str, object] | None = None, through_envoy: bool = True) -> None:
-        """Have ``pd-extproc serve`` run with the base settings updated by ``changes`` (dotted keys),
-        from a config file as a user would: (re)started only when they differ from the running ones,
-        then waited for until it is ready and (``through_envoy``) answers through Envoy."""
+        """Have ``pd-extproc serve`` run with the base settings updated by ``changes``.
+
+        ``changes``: dotted keys. It runs from a config file as a user would: (re)started only when they
+        differ from the running ones, then waited for until it is ready and (``through_envoy``) answers
+        through Envoy."""
         settings = {**self.base, **(changes or {})}
         if self.router is not None and settings == self.running:
             return
@@ -262,11 +268,13 @@ class ShapeStack:
 async def shape_stack(
     shape: str, folder: Path, edit: Callable[[RenderedShape, list[str], list[str]], None] | None = None
 ) -> AsyncIterator[ShapeStack]:
-    """Start the engines of :data:`GROUPS` (scripted prefills answering :data:`PREFILL_ANSWER`, echo
-    decodes), their EDS files for pd-extproc, a self-signed certificate for it, and Envoy in ``shape``
-    over all of them (``edit(rendered, prefill addresses, decode addresses)`` may change the rendered
-    bootstrap first); ``folder`` (made if missing) holds the files. pd-extproc starts with
-    :meth:`ShapeStack.picker`; everything stops on exit."""
+    """Start engines, pd-extproc's files and Envoy in ``shape``; everything stops on exit.
+
+    The engines are those of :data:`GROUPS` (scripted prefills answering :data:`PREFILL_ANSWER`, echo
+    decodes), their EDS files for pd-extproc, a self-signed certificate for it, and Envoy in ``shape`` over
+    all of them (``edit(rendered, prefill addresses, decode addresses)`` may change the rendered bootstrap
+    first); ``folder`` (made if missing) holds the files. pd-extproc starts with :meth:`ShapeStack.picker`;
+    everything stops on exit."""
     folder.mkdir(parents=True, exist_ok=True)
     prefills = [await start_scripted_prefill(body=PREFILL_ANSWER) for _ in GROUPS["prefill"]]
     decodes = [await start_backend() for _ in GROUPS["decode"]]
