@@ -393,6 +393,15 @@ class Router:
         adapter = self.registry.is_adapter(_model_of(body))
         return prefix.lookup_prompt(body, tokens, prefills, decodes, prompt, self.handoff.pins_ranks, adapter)
 
+    def _count_lora(self, adapter: str, result: Decision[EndpointState]) -> None:
+        """Count where a request for ``adapter`` went: to endpoints holding it, lacking it, or unknown."""
+        for role, state in (("prefill", result.prefill), ("decode", result.decode)):
+            if state is not None:
+                held = state.lora_adapters
+                self.metrics.lora_placed(
+                    role, "unknown" if held is None else "held" if adapter in held else "lacking"
+                )
+
     def _place(
         self,
         cost: Cost,
@@ -420,7 +429,8 @@ class Router:
         self._ticket += 1
         started = time.perf_counter()
         hits = None if lookup is None else lookup.hits
-        lacks = self.registry.lacks(None if body is None else _model_of(body), prefills, decodes)
+        model = None if body is None else _model_of(body)
+        lacks = self.registry.lacks(model, prefills, decodes)
         result = choose(cost, prefills, decodes, self.policy, self._ticket, hits, lacks)
         seconds = time.perf_counter() - started  # the decision alone (decision_seconds)
         if isinstance(result, NoPair):
@@ -433,6 +443,8 @@ class Router:
             hit = None if result.prefill is None else placed.prefill_hit
         if trace is not None:
             trace.decided(self._mode, result, hit)
+        if lacks is not None and model is not None:
+            self._count_lora(model, result)
         lease = Lease(result.prefill, prompt, result.decode, cost.decode_tokens)
         locality = result.locality.value
         self.metrics.decided(self._mode, locality, seconds)

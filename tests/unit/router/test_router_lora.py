@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from builders import CHAT_META, DEST, PREFILL, endpoint, make_router
+from builders import CHAT_META, DEST, PREFILL, endpoint, make_router, value
 
 from ext_proc.affinity import Mode
 from ext_proc.models import ServedModel
@@ -52,6 +52,9 @@ def test_an_adapter_goes_to_the_endpoints_holding_it(mode: Mode) -> None:
     router = serving_lora(mode)
     hold(router, {P1: frozenset(), P2: frozenset({"sql-lora"}), D1: frozenset({"sql-lora"}), D2: frozenset()})
     assert pairs(router, "sql-lora") == {(P2, D1)}
+    for role in ("prefill", "decode"):
+        assert value(router, "pd_extproc_lora_placements_total", role=role, held="held") == 8.0
+        assert value(router, "pd_extproc_lora_placements_total", role=role, held="lacking") is None
 
 
 @pytest.mark.parametrize("mode", list(Mode))
@@ -59,8 +62,10 @@ def test_unknown_holdings_and_base_models_spread_as_before(mode: Mode) -> None:
     router = serving_lora(mode)
     hold(router, dict.fromkeys((P1, P2, D1, D2)))  # no fresh sample anywhere: unknown
     assert {p for p, _ in pairs(router, "sql-lora")} == {P1, P2}
+    assert value(router, "pd_extproc_lora_placements_total", role="decode", held="unknown") == 8.0
     hold(router, {P1: frozenset(), P2: frozenset({"sql-lora"}), D1: frozenset({"sql-lora"}), D2: frozenset()})
     assert {p for p, _ in pairs(router, "base")} == {P1, P2}  # a base model: no preference
+    assert value(router, "pd_extproc_lora_placements_total", role="decode", held="held") is None
 
 
 def test_the_registry_masks_only_adapters_and_only_known_lacks() -> None:
@@ -104,3 +109,11 @@ def test_kv_events_credit_a_base_models_blocks_to_its_requests_never_to_an_adapt
 
     assert hits("base") == [0, 64]
     assert hits("sql-lora") is None  # the same token ids under the adapter: nothing held
+
+
+def test_an_adapter_placed_where_it_is_lacking_is_counted_so() -> None:
+    router = serving_lora(Mode.PREFER)
+    hold(router, {P1: frozenset(), P2: frozenset(), D1: frozenset({"sql-lora"}), D2: frozenset({"sql-lora"})})
+    pairs(router, "sql-lora", n=3)
+    assert value(router, "pd_extproc_lora_placements_total", role="prefill", held="lacking") == 3.0
+    assert value(router, "pd_extproc_lora_placements_total", role="decode", held="held") == 3.0
