@@ -14,6 +14,7 @@ from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry
 
+from ext_proc.flow.metrics import FlowMetrics
 from ext_proc.metrics import Metrics
 from ext_proc.pool_signals import PoolSignal
 from ext_proc.registry import Registry, Role
@@ -67,8 +68,10 @@ def exposed_names(registry: CollectorRegistry) -> set[str]:
 
 
 def pd_extproc_names() -> set[str]:
-    """Every sample name pd-extproc's ``/metrics`` can carry: a :class:`Metrics` with each collector
-    registered, as ``serve`` registers them with engine metrics, KV events and shared state on."""
+    """Every sample name pd-extproc's ``/metrics`` can carry.
+
+    A :class:`Metrics` with each collector registered, as ``serve`` registers them with engine metrics, KV
+    events, shared state and flow control on."""
     metrics = Metrics(Registry("prefill", "decode", 1.0).endpoints)
     metrics.count_inflight(lambda: 0)
     metrics.watch_engine_scrapes(dict, lambda: 0)
@@ -76,6 +79,8 @@ def pd_extproc_names() -> set[str]:
     metrics.watch_peers(lambda: 0)
     metrics.watch_pools(lambda: [PoolSignal(Role.DECODE, "g", 1, 1.0, 0, 0, 1.0, 0.0)])
     metrics.watch_engine_ttft(list)
+    flow = FlowMetrics(metrics.registry, [0])
+    flow.watch(dict, dict)
     return exposed_names(metrics.registry)
 
 
