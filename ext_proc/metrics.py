@@ -461,6 +461,14 @@ class Metrics:
             registry=self.registry,
         )
         self._model_children: dict[str, Count] = {}
+        self._lora = LoopCounter(
+            "pd_extproc_lora_placements_total",
+            "Requests for a LoRA adapter placed, by role and whether the chosen endpoint's engine reported "
+            "holding the adapter (held, lacking, unknown: no fresh report)",
+            ["role", "held"],
+            registry=self.registry,
+        )
+        self._lora_children: dict[tuple[str, str], Count] = {}
         self._rejected_children: dict[str, Counter] = {}
 
     def decided(self, mode: str, locality: str, seconds: float) -> None:
@@ -479,6 +487,13 @@ class Metrics:
         child = self._model_children.get(model)
         if child is None:
             child = self._model_children[model] = self._models.labels(model)
+        child.inc()
+
+    def lora_placed(self, role: str, held: str) -> None:
+        """Count one adapter request placed on a ``role`` endpoint: ``held`` is held, lacking or unknown."""
+        child = self._lora_children.get((role, held))
+        if child is None:
+            child = self._lora_children[(role, held)] = self._lora.labels(role, held)
         child.inc()
 
     def estimated(self, locality: str, estimate: Estimate) -> None:

@@ -17,7 +17,8 @@ annotation) or, declaring none, the names its engine lists (``GET /v1/models``, 
 metrics: :meth:`Registry.set_engine_models`): a declaration wins, as the operator's deliberate word, known
 before the first poll. :meth:`Registry.pools_for` gives a model's pools: the role pools themselves while
 no endpoint names its models (no cost), else a cached pool of the endpoints serving it per name, its
-load copied from the live arrays on each call (O(endpoints), numpy).
+load copied from the live arrays on each call (O(endpoints), numpy). A model some engine lists with a
+``parent`` is a LoRA adapter: :meth:`Registry.lacks` says which endpoints are known to lack it.
 
 Updates from a discovery source keep the same object for an endpoint that stays (same role and
 address) and rebuild the arrays with every live value carried over: in-flight accounting survives
@@ -35,7 +36,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 from numpy.typing import NDArray
 
-from ext_proc.affinity import Pool
+from ext_proc.affinity import Lacks, Pool
 from ext_proc.endpoints import ClusterEndpoints, merge_clusters
 from ext_proc.models import ServedModel
 
@@ -64,6 +65,8 @@ class EndpointState:
     after each of this replica's own charges and releases (the shared state publishes them).
     ``declared_models`` (discovery) and ``engine_models`` (the engine's own list) say which models it
     serves; :attr:`served` is the effective set (``None``: every model), see the module docstring.
+    ``lora_adapters``: the LoRA adapters its engine's fresh sample says it holds (engine metrics;
+    ``None``: unknown — no fresh sample, or an engine that does not report them).
     """
 
     __slots__ = (
@@ -81,6 +84,7 @@ class EndpointState:
         "healthy",
         "kv_events_port",
         "kv_events_replay_port",
+        "lora_adapters",
         "metrics_port",
         "peer_requests",
         "peer_tokens",
@@ -106,6 +110,7 @@ class EndpointState:
         self.engine_models: tuple[ServedModel, ...] | None = None
         self.served: frozenset[str] | None = None
         self.engine_offset = 0
+        self.lora_adapters: frozenset[str] | None = None
         self.peer_tokens = 0
         self.peer_requests = 0
         self.watch: Callable[[EndpointState], None] | None = None
@@ -218,6 +223,7 @@ class Registry:
         self._watch: Callable[[EndpointState], None] | None = None
         self._named: frozenset[str] = frozenset()
         self._any_model = True
+        self._adapters: frozenset[str] = frozenset()
         self._restricted = False
         self._by_model: dict[str, _ModelPools] = {}
 
@@ -291,6 +297,8 @@ class Registry:
         decodes = [s for s in self._current.values() if s.role is Role.DECODE]
         self._named = frozenset(name for s in decodes if s.served is not None for name in s.served)
         self._any_model = any(s.served is None for s in decodes)
+        listed = (m for s in self._current.values() for m in s.engine_models or ())
+        self._adapters = frozenset(m.name for m in listed if m.parent is not None)
         self._restricted = any(s.served is not None for s in self._current.values())
         self._by_model = {}
 
@@ -309,6 +317,22 @@ class Registry:
         if pools is None:
             pools = self._by_model[key] = _ModelPools(self.prefill_pool, self.decode_pool, key)
         return pools.fresh()
+
+    def is_adapter(self, model: str | None) -> bool:
+        """Whether ``model`` is a LoRA adapter: an engine lists it with a ``parent``."""
+        return model in self._adapters
+
+    def lacks(
+        self, model: str | None, prefills: Pool[EndpointState], decodes: Pool[EndpointState]
+    ) -> Lacks | None:
+        """Which endpoints of ``prefills`` and ``decodes`` are known to lack the LoRA adapter ``model``.
+
+        ``None`` unless ``model`` is an adapter (an engine lists it with a ``parent``); else per pool
+        position, true where the endpoint's fresh engine sample lists its adapters without ``model``
+        (:attr:`EndpointState.lora_adapters`; unknown counts as holding it). O(endpoints) Python."""
+        if model is None or not self.is_adapter(model):
+            return None
+        return Lacks(_lacking(prefills, model), _lacking(decodes, model))
 
     def model_label(self, model: str | None) -> str:
         """``model`` as a metric label, of bounded cardinality.
@@ -378,6 +402,12 @@ class _ModelPools:
             np.take(live.tokens, positions, out=pool.tokens)
             np.take(live.requests, positions, out=pool.requests)
         return self._prefill[1], self._decode[1]
+
+
+def _lacking(pool: Pool[EndpointState], adapter: str) -> NDArray[np.bool_]:
+    """Per position of ``pool``: its endpoint reported its adapters, and ``adapter`` is not among them."""
+    held = (s.lora_adapters for s in pool.endpoints)
+    return np.fromiter((a is not None and adapter not in a for a in held), dtype=np.bool_, count=pool.size)
 
 
 def _serving(pool: Pool[EndpointState], key: str) -> tuple[NDArray[np.intp], Pool[EndpointState]]:

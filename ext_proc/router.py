@@ -276,7 +276,8 @@ class Router:
         decodes = self.decode_ejections.keep(pools[1])
         lookup = self._lookup(request.body, tokens, prefills, decodes, cost.prefill_tokens)
         hits = None if lookup is None else lookup.hits
-        explained = explain(cost, prefills, decodes, self.policy, self._ticket + 1, hits, limit)
+        lacks = self.registry.lacks(request.info.model, prefills, decodes)
+        explained = explain(cost, prefills, decodes, self.policy, self._ticket + 1, hits, limit, lacks)
         return Explained(cost, prefills, decodes, hits, explained)
 
     def route_bodiless(
@@ -311,8 +312,7 @@ class Router:
         chosen again by the same rule."""
         group = failed.prefill.group if failed.prefill is not None else ""
         strict = self.policy.mode is Mode.STRICT
-        model = job.body.get("model")
-        pools = self.registry.pools_for(model if isinstance(model, str) else None)
+        pools = self.registry.pools_for(_model_of(job.body))
         if pools is None:  # no longer served by any endpoint
             return None
         pool = self.ejections.keep(pools[0])
@@ -390,7 +390,17 @@ class Router:
         prefix = self.live.prefix
         if prefix is None or body is None:
             return None
-        return prefix.lookup_prompt(body, tokens, prefills, decodes, prompt, self.handoff.pins_ranks)
+        adapter = self.registry.is_adapter(_model_of(body))
+        return prefix.lookup_prompt(body, tokens, prefills, decodes, prompt, self.handoff.pins_ranks, adapter)
+
+    def _count_lora(self, adapter: str, result: Decision[EndpointState]) -> None:
+        """Count where a request for ``adapter`` went: to endpoints holding it, lacking it, or unknown."""
+        for role, state in (("prefill", result.prefill), ("decode", result.decode)):
+            if state is not None:
+                held = state.lora_adapters
+                self.metrics.lora_placed(
+                    role, "unknown" if held is None else "held" if adapter in held else "lacking"
+                )
 
     def _place(
         self,
@@ -419,7 +429,9 @@ class Router:
         self._ticket += 1
         started = time.perf_counter()
         hits = None if lookup is None else lookup.hits
-        result = choose(cost, prefills, decodes, self.policy, self._ticket, hits)
+        model = None if body is None else _model_of(body)
+        lacks = self.registry.lacks(model, prefills, decodes)
+        result = choose(cost, prefills, decodes, self.policy, self._ticket, hits, lacks)
         seconds = time.perf_counter() - started  # the decision alone (decision_seconds)
         if isinstance(result, NoPair):
             return refuse(self.metrics, 503, result.message, result.reason.value)
@@ -431,6 +443,8 @@ class Router:
             hit = None if result.prefill is None else placed.prefill_hit
         if trace is not None:
             trace.decided(self._mode, result, hit)
+        if lacks is not None and model is not None:
+            self._count_lora(model, result)
         lease = Lease(result.prefill, prompt, result.decode, cost.decode_tokens)
         locality = result.locality.value
         self.metrics.decided(self._mode, locality, seconds)
@@ -440,3 +454,9 @@ class Router:
             return Placement(result, lease)
         prefill = None if result.prefill is None else lookup.ranks.get(result.prefill.address)
         return Placement(result, lease, Ranks(prefill, lookup.ranks.get(result.decode.address)))
+
+
+def _model_of(body: dict[str, object]) -> str | None:
+    """The body's ``model`` (the one routed by: a rewrite is in it), ``None`` when it names none."""
+    model = body.get("model")
+    return model if isinstance(model, str) else None

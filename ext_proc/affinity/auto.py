@@ -39,9 +39,11 @@ class AutoModel:
     groups; ``base_latency_ms`` >= 0: fixed cost of one transfer; ``wait_scale_ms`` >= 0: the wait
     model's service time (ms); ``prefill_ms_per_token`` >= 0: prefill compute per prompt token (ms);
     ``cpu_tier_gbps`` > 0: the bandwidth at which an engine loads blocks held in its CPU tier into GPU
-    memory (GB/s). Defaults: Llama-3-8B in bf16 (128 KiB/token), 100 GB/s in a group, 10 GB/s across,
-    1 ms per transfer, 0.05 ms per prefilled token (the simulator's defaults), a 15 ms decode step and
-    PCIe's 55 GB/s as measured (docs/routing.md "Tiers").
+    memory (GB/s); ``lora_load_ms`` >= 0: what an engine lacking a request's LoRA adapter takes to load
+    it (ms; docs/routing.md "LoRA adapters"). Defaults: Llama-3-8B in bf16 (128 KiB/token), 100 GB/s
+    in a group, 10 GB/s across, 1 ms per transfer, 0.05 ms per prefilled token (the simulator's
+    defaults), a 15 ms decode step, PCIe's 55 GB/s as measured (docs/routing.md "Tiers") and 100 ms to
+    load an adapter.
     """
 
     kv_bytes_per_token: int = 131_072
@@ -51,6 +53,11 @@ class AutoModel:
     wait_scale_ms: float = 15.0
     prefill_ms_per_token: float = 0.05
     cpu_tier_gbps: float = 55.0
+    lora_load_ms: float = 100.0
+
+    def lora_load_s(self, lacks: NDArray[np.bool_]) -> NDArray[np.float64]:
+        """Seconds each endpoint takes to load the request's adapter: ``lora_load_ms`` where it lacks it."""
+        return lacks * (self.lora_load_ms / 1e3)  # type: ignore[no-any-return]
 
     def cpu_load_s(self, tokens: U) -> U:
         """Seconds to load ``tokens`` prompt tokens' KV cache from the CPU tier (element-wise on arrays)."""

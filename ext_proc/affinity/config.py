@@ -29,7 +29,8 @@ class AutoConfig:
     ``prefill_ms_per_token``: prefill compute per prompt token, ms (the prefill's queue and its compute
     on the uncached tokens are priced with it). ``cpu_tier_gbps``: the bandwidth at which an engine
     loads a block held in its CPU tier back into GPU memory, GB/s (PCIe; a hit there is priced as that
-    load instead of the prefill it saves).
+    load instead of the prefill it saves). ``lora_load_ms``: what an engine that lacks a request's LoRA
+    adapter takes to load it, ms (docs/routing.md "LoRA adapters").
     """
 
     kv_bytes_per_token: int = 0
@@ -43,6 +44,7 @@ class AutoConfig:
     wait_scale_ms: float = 15.0
     prefill_ms_per_token: float = 0.05
     cpu_tier_gbps: float = 55.0
+    lora_load_ms: float = 100.0
 
     def bytes_per_token(self) -> int:
         """KV bytes per prompt token: ``kv_bytes_per_token``, or the model shape's when that is 0."""
@@ -59,6 +61,7 @@ class AutoConfig:
             self.wait_scale_ms,
             self.prefill_ms_per_token,
             self.cpu_tier_gbps,
+            self.lora_load_ms,
         )
 
     def check(self) -> None:
@@ -87,5 +90,5 @@ class AutoConfig:
                 f"{key}.cross_group_gbps ({self.cross_group_gbps:g}) must not exceed same_group_gbps "
                 f"({self.same_group_gbps:g}): a group's own fabric is the fast one"
             )
-        for name in ("base_latency_ms", "wait_scale_ms", "prefill_ms_per_token"):
+        for name in ("base_latency_ms", "wait_scale_ms", "prefill_ms_per_token", "lora_load_ms"):
             in_range(f"{key}.{name}", getattr(self, name), 0, 1e6, note="ms")

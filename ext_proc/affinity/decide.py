@@ -26,6 +26,7 @@ from ext_proc.affinity.model import (
     E,
     Estimate,
     Hits,
+    Lacks,
     Locality,
     Mode,
     NoPair,
@@ -106,6 +107,11 @@ def _credit(hits: Ints | None, cpu: Ints | None, prompt: int, policy: Policy, ex
     return _ticks((hits - (1.0 - policy.cpu_tier_weight) * cpu) * (weight / prompt), exact)
 
 
+def _tick(mask: NDArray[np.bool_], exact: bool) -> Keys:
+    """One tick where ``mask`` is true, 0 elsewhere, as keys (float64 when ``exact``, else Python ints)."""
+    return mask.astype(np.float64) if exact else mask.astype(np.int64).astype(object)
+
+
 def choose(
     cost: Cost,
     prefills: Pool[E],
@@ -113,6 +119,7 @@ def choose(
     policy: Policy,
     tiebreak: int,
     hits: Hits | None = None,
+    lacks: Lacks | None = None,
 ) -> Decision[E] | NoPair:
     """Pick where one request runs, from healthy endpoints only (the pools hold no others).
 
@@ -126,7 +133,8 @@ def choose(
 
     ``hits`` (optional): the prompt tokens each endpoint's prefix cache is estimated to hold. Token
     counts must fit in int64 (numpy raises ``OverflowError`` on the pools' arrays otherwise); the
-    pools are only read.
+    pools are only read. ``lacks`` (optional, a request for a LoRA adapter): the endpoints known to lack
+    it (docs/routing.md "LoRA adapters").
     """
     if not decodes.size:
         return NoPair(
@@ -143,7 +151,7 @@ def choose(
     if mode is _AUTO and prefills.size:
         backlog = ptokens + uncached
         return _choose_auto(
-            prompt, prefills, decodes, u, backlog, uncached, dhits, pcpu, dcpu, want, tiebreak, policy
+            prompt, prefills, decodes, u, backlog, uncached, dhits, pcpu, dcpu, lacks, want, tiebreak, policy
         )
     groups = len(decodes.groups)
     eligible = None
@@ -161,7 +169,9 @@ def choose(
     if prefills.size <= 1 and decodes.size == 1:  # one decode, one prefill or none: no key is computed
         first, ranked = (0 if prefills.size else None), [0]
     else:
-        first, ranked = _rank(prompt, prefills, decodes, u, uncached, hits, eligible, want, tiebreak, policy)
+        first, ranked = _rank(
+            prompt, prefills, decodes, u, uncached, hits, lacks, eligible, want, tiebreak, policy
+        )
     picked = [out[i] for i in ranked]
     decode = picked[0]
     if first is None:
@@ -177,6 +187,7 @@ def _rank(
     u: Floats,
     uncached: int | Ints,
     hits: Hits | None,
+    lacks: Lacks | None,
     eligible: Positions | None,
     want: int,
     tiebreak: int,
@@ -187,7 +198,7 @@ def _rank(
 
     ``u`` holds the decodes' utilisations with the request placed, ``uncached`` the prompt tokens each
     prefill would compute; ``eligible`` (``strict``): the prefills whose group has a decode, ``None``
-    when all have one."""
+    when all have one. An endpoint in ``lacks`` ranks one tick behind (its key + 1)."""
     mode = policy.mode
     weight = policy.prefix_weight
     phits, dhits = (None, None) if hits is None else (hits.prefill, hits.decode)
@@ -199,10 +210,14 @@ def _rank(
     exact = top + 2.0 * weight + policy.bonus < _SAFE_U
     pcpu, dcpu = (None, None) if hits is None else (hits.prefill_cpu, hits.decode_cpu)
     dkey = _ticks(u, exact) - _credit(dhits, dcpu, prompt, policy, exact)
+    if lacks is not None:
+        dkey = dkey + _tick(lacks.decode, exact)
     requests = decodes.requests
     if not prefills.size:
         return None, _top(dkey, want, tiebreak, requests)
     keys = _ticks(pu, exact) - _credit(phits, pcpu, prompt, policy, exact)
+    if lacks is not None:
+        keys = keys + _tick(lacks.prefill, exact)
     groups = len(decodes.groups)
     if mode is not _OFF:  # off: the decode does not depend on the prefill's group
         pair = np.empty(groups + 1, dtype=dkey.dtype)  # the last: a prefill group without decodes
@@ -239,6 +254,7 @@ def _choose_auto(
     dhits: Ints | int | None,
     pcpu: Ints | int | None,
     dcpu: Ints | int | None,
+    lacks: Lacks | None,
     want: int,
     tiebreak: int,
     policy: Policy,
@@ -250,17 +266,21 @@ def _choose_auto(
     tokens each decode holds, ``pcpu``/``dcpu`` the hit tokens held only in a CPU tier (``None``: no
     hits), all as :func:`_loads` gives them; ``want`` = 1 + fallbacks. A hit held only in a CPU tier
     adds its load (:meth:`AutoModel.cpu_load_s`) to the prefill's time at a prefill, to the
-    transfer's at a decode. One prefill and one decode make the only pair: no key is computed
-    (:func:`_top` reads none for one endpoint).
+    transfer's at a decode. An endpoint in ``lacks`` adds loading the request's LoRA adapter
+    (:meth:`AutoModel.lora_load_s`): to the prefill's time at a prefill, to the wait at a decode. One
+    prefill and one decode make the only pair: no key is computed (:func:`_top` reads none for one
+    endpoint).
     """
     model = policy.auto
     wait = model.wait_s(u)
+    if lacks is not None:
+        wait = wait + model.lora_load_s(lacks.decode)
     lack = prompt if dhits is None else prompt - dhits
     if prefills.size == decodes.size == 1:
         first, ranked, margin = 0, [0], None
     else:
         first, ranked, margin = _rank_auto(
-            prefills, decodes, wait, lack, backlog + uncached, pcpu, dcpu, want, tiebreak, model
+            prefills, decodes, wait, lack, backlog + uncached, pcpu, dcpu, lacks, want, tiebreak, model
         )
     prefill = prefills.endpoints[first]
     out = decodes.endpoints
@@ -272,6 +292,8 @@ def _choose_auto(
     transfer = model.transfer_s(_at(lack, chosen), home_pick)
     if pcpu is not None:
         prefill_first += model.cpu_load_s(_at(pcpu, first))
+    if lacks is not None and lacks.prefill[first]:
+        prefill_first += model.lora_load_ms / 1e3
     if dcpu is not None:
         transfer += model.cpu_load_s(_at(dcpu, chosen))
     estimate = Estimate(prefill_first, transfer, _at(wait, chosen), margin)
@@ -286,6 +308,7 @@ def _rank_auto(
     priced: Ints,
     pcpu: Ints | None,
     dcpu: Ints | None,
+    lacks: Lacks | None,
     want: int,
     tiebreak: int,
     model: AutoModel,
@@ -293,8 +316,9 @@ def _rank_auto(
     """``auto``'s ranking: the prefill's pool position, the decodes' (chosen first, then fallbacks)
     and the estimate's margin (``None`` when every decode has the chosen one's locality).
 
-    ``wait`` per decode, ``lack`` the prompt tokens each decode lacks, ``priced`` the tokens each
-    prefill's cost is priced at (a miss priced twice: docs/routing.md "The exact rule")."""
+    ``wait`` per decode (its adapter load included), ``lack`` the prompt tokens each decode lacks,
+    ``priced`` the tokens each prefill's cost is priced at (a miss priced twice: docs/routing.md "The
+    exact rule")."""
     same_s = wait + lack * model.seconds_per_token(True)
     cross_s = wait + lack * model.seconds_per_token(False)
     prefill_s = model.prefill_s(priced)
@@ -303,6 +327,8 @@ def _rank_auto(
         same_s, cross_s = same_s + dload, cross_s + dload
     if pcpu is not None:
         prefill_s = prefill_s + model.cpu_load_s(pcpu)
+    if lacks is not None:  # the decodes' loads are in ``wait``
+        prefill_s = prefill_s + model.lora_load_s(lacks.prefill)
     exact = max(largest(cross_s), largest(same_s), largest(prefill_s)) < _EXACT / 4 / _SCALE_F
     same_key, cross_key = _ticks(same_s, exact), _ticks(cross_s, exact)
     order, starts = decodes.group_order, decodes.group_starts

@@ -24,7 +24,7 @@ from typing import Generic, NamedTuple
 import numpy as np
 
 from ext_proc.affinity.decide import _credit, _ticks, choose, ticks
-from ext_proc.affinity.model import Cost, Decision, E, Hits, Mode, NoPair, Policy
+from ext_proc.affinity.model import Cost, Decision, E, Hits, Lacks, Mode, NoPair, Policy
 from ext_proc.affinity.pool import Pool
 
 
@@ -68,7 +68,7 @@ def _as_ints(keys: object, size: int) -> list[int]:
 
 
 def _keys(
-    cost: Cost, prefills: Pool[E], decodes: Pool[E], policy: Policy, hits: Hits | None
+    cost: Cost, prefills: Pool[E], decodes: Pool[E], policy: Policy, hits: Hits | None, lacks: Lacks | None
 ) -> tuple[list[int], list[int], list[int | None]]:
     """``(prefill keys, decode keys in group, decode keys outside)`` in ticks, by the float operations
     of ``choose`` in the same order (so the ticks are equal to the ones it compares)."""
@@ -79,6 +79,8 @@ def _keys(
     if policy.mode is Mode.AUTO and prefills.size:
         model = policy.auto
         wait = model.wait_s(u)
+        if lacks is not None:
+            wait = wait + model.lora_load_s(lacks.decode)
         lack = prompt if dhits is None else prompt - dhits
         same_s = wait + lack * model.seconds_per_token(True)
         cross_s = wait + lack * model.seconds_per_token(False)
@@ -88,6 +90,8 @@ def _keys(
             same_s, cross_s = same_s + dload, cross_s + dload
         if pcpu is not None:
             prefill_s = prefill_s + model.cpu_load_s(pcpu)
+        if lacks is not None:
+            prefill_s = prefill_s + model.lora_load_s(lacks.prefill)
         pkeys = _as_ints(_ticks(prefill_s, False), prefills.size)
         return (
             pkeys,
@@ -95,11 +99,15 @@ def _keys(
             list(_as_ints(_ticks(cross_s, False), decodes.size)),
         )
     dkeys = _as_ints(_ticks(u, False) - _credit(dhits, dcpu, prompt, policy, False), decodes.size)
+    if lacks is not None:  # one tick behind
+        dkeys = [k + int(lacking) for k, lacking in zip(dkeys, lacks.decode.tolist(), strict=True)]
     inflight = prefills.tokens
     if policy.mode is not Mode.OFF and prefills.size:
         inflight = inflight * prefills.share_ratios_in(decodes)
     pu = (inflight + uncached) / prefills.capacity
     pkeys = _as_ints(_ticks(pu, False) - _credit(phits, pcpu, prompt, policy, False), prefills.size)
+    if lacks is not None:
+        pkeys = [k + int(lacking) for k, lacking in zip(pkeys, lacks.prefill.tolist(), strict=True)]
     if policy.mode is Mode.STRICT:
         return pkeys, dkeys, [None] * decodes.size
     bonus = ticks(policy.bonus) if policy.mode is Mode.PREFER else 0
@@ -114,15 +122,16 @@ def explain(
     tiebreak: int,
     hits: Hits | None = None,
     limit: int = 10,
+    lacks: Lacks | None = None,
 ) -> Explanation[E]:
     """The decision ``choose`` takes on these inputs, with the terms and pairs behind it.
 
     Each endpoint's term and the ``limit`` (>= 1) least-cost pairs (module docstring); without decodes,
     no key and no pair."""
-    decision = choose(cost, prefills, decodes, policy, tiebreak, hits)
+    decision = choose(cost, prefills, decodes, policy, tiebreak, hits, lacks)
     if not decodes.size:  # no pair at all, and no key the rule defines
         return Explanation(decision, False, [], [], [], [], None)
-    pkeys, dkeys, away = _keys(cost, prefills, decodes, policy, hits)
+    pkeys, dkeys, away = _keys(cost, prefills, decodes, policy, hits, lacks)
     seconds = policy.mode is Mode.AUTO and prefills.size > 0
     if not prefills.size:
         pairs = [PairCost(None, j, False, dkeys[j]) for j in range(decodes.size)]

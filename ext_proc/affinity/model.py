@@ -133,6 +133,20 @@ class Hits(NamedTuple):
     decode_cpu: NDArray[np.int64] | None = None
 
 
+class Lacks(NamedTuple):
+    """Which endpoints lack the LoRA adapter a request names, for a request for an adapter.
+
+    ``prefill[i]`` belongs to position ``i`` of the prefill pool, ``decode[j]`` to position ``j`` of the
+    decode pool; bool, true where the endpoint reported the adapters it holds (a fresh engine-metrics
+    sample) and the request's is not among them: it must load the adapter before it serves the request.
+    False where it holds it or did not report (unknown: no preference either way). ``auto`` prices a
+    lacking endpoint ``AutoModel.lora_load_ms`` more; the other modes rank it one tick behind
+    (docs/routing.md "LoRA adapters")."""
+
+    prefill: NDArray[np.bool_]
+    decode: NDArray[np.bool_]
+
+
 @dataclass(frozen=True, slots=True)
 class Policy:
     """The affinity knobs. ``bonus`` is in utilisation units, within [0, 1] (checked by the config).

@@ -29,7 +29,10 @@ class EngineSample:
     prefix-cache counters (prompt tokens looked up and found since it started, summed over series;
     ``None`` when the page lacks them), for the prefix index, not the load. ``ttft_sum`` (seconds) and
     ``ttft_count`` (first tokens): the engine's time-to-first-token histogram's sum and count since it
-    started (summed over series; ``None`` when the page lacks them), shown, never blended."""
+    started (summed over series; ``None`` when the page lacks them), shown, never blended.
+    ``lora_adapters``: the LoRA adapters the engine holds now, running or waiting requests (the names
+    its LoRA info gauge lists), and ``max_lora`` the adapters it can hold in GPU memory at once; both
+    ``None`` when the page has no LoRA info (an engine without LoRA, or one that does not report it)."""
 
     running: float | None
     waiting: float
@@ -38,6 +41,8 @@ class EngineSample:
     prefix_hits: float | None = None
     ttft_sum: float | None = None
     ttft_count: float | None = None
+    lora_adapters: frozenset[str] | None = None
+    max_lora: int | None = None
 
 
 def engine_tokens(sample: EngineSample, capacity: float, request_tokens: float, queue_weight: float) -> float:

@@ -10,7 +10,8 @@ a tuple of *terms* whose values add up (SGLang's waiting requests: its scheduler
 disaggregation queues, which ``num_queue_reqs`` does not count); a term is a tuple of alternative names
 of which the first one a page carries is read (vLLM renamed ``gpu_cache_usage_perc`` to
 ``kv_cache_usage_perc``; SGLang ``num_prefill_prealloc_queue_reqs`` to ``..._bootstrap_queue_reqs``).
-A term a page lacks adds nothing; a fact none of whose terms is there is missing.
+A term a page lacks adds nothing; a fact none of whose terms is there is missing. Apart from the facts,
+:data:`LORA_INFO` names the info gauge of an engine type's LoRA adapters (vLLM's; SGLang has none).
 """
 
 from __future__ import annotations
@@ -58,6 +59,22 @@ NAMES: dict[EngineKind, dict[Fact, Terms]] = {
         "ttft_count": (("sglang:time_to_first_token_seconds_count",),),
     },
 }
+
+
+LORA_INFO: dict[EngineKind, str] = {
+    # vllm/v1/metrics/loggers.py: labels running_lora_adapters and waiting_lora_adapters (comma-separated
+    # adapter names) and max_lora; the value is when the label set was last set (Unix seconds), so the
+    # page keeps every past label set and the largest value is the current one
+    EngineKind.VLLM: "vllm:lora_requests_info",
+}
+"""The LoRA info gauge of each engine type that has one."""
+
+
+def lora_info_names(kind: EngineKind) -> tuple[str, ...]:
+    """The LoRA info gauges to read for engine type ``kind`` (``auto``: every type's)."""
+    if kind is EngineKind.AUTO:
+        return tuple(LORA_INFO.values())
+    return tuple(name for k, name in LORA_INFO.items() if k is kind)
 
 
 def names_for(kind: EngineKind) -> dict[Fact, Terms]:

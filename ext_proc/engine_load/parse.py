@@ -18,7 +18,7 @@ from functools import cache
 from prometheus_client.parser import text_string_to_metric_families
 
 from ext_proc.engine_load.blend import EngineSample
-from ext_proc.engine_load.names import EngineKind, Fact, names_for
+from ext_proc.engine_load.names import EngineKind, Fact, lora_info_names, names_for
 
 
 class ScrapeError(Exception):
@@ -41,7 +41,8 @@ def _lines(kind: EngineKind) -> re.Pattern[bytes]:
     once its prefix matched: 5 times faster than one alternative per name on the same page (48 µs
     against 255 µs, with the time-to-first-token names)."""
     families: dict[str, list[str]] = {}
-    for name in sorted({n for terms in names_for(kind).values() for term in terms for n in term}):
+    wanted = {n for terms in names_for(kind).values() for term in terms for n in term}
+    for name in sorted(wanted | set(lora_info_names(kind))):
         prefix, colon, rest = name.partition(":")
         families.setdefault(prefix + colon, []).append(rest)
     alternatives = b"|".join(
@@ -55,15 +56,23 @@ def parse_page(page: bytes, kind: EngineKind) -> EngineSample:
     """The sample a page holds for engine type ``kind``.
 
     Running and waiting: the sum of their terms' series; KV usage: the mean of its first term's
-    series. Raises :class:`ScrapeError` (``parse`` for malformed lines or values that are not finite,
-    ``missing`` when no name for waiting requests or KV usage is there)."""
+    series; LoRA adapters: those of the LoRA info sample with the largest value (the latest set).
+    Raises :class:`ScrapeError` (``parse`` for malformed lines or values that are not finite, or a
+    ``max_lora`` that is no integer >= 0; ``missing`` when no name for waiting requests or KV usage is
+    there)."""
     # the first line has no newline before it; sorted, each name's lines are one family to the parser
     # (a page interleaving the TTFT histograms' _count and _sum lines parsed 1.8 times slower)
     found = b"\n".join(sorted(_lines(kind).findall(b"\n" + page)))
     values: dict[str, list[float]] = {}
+    lora_names = lora_info_names(kind)
+    lora: tuple[float, dict[str, str]] | None = None  # the LoRA info sample with the largest value
     try:
         for family in text_string_to_metric_families(found.decode("utf-8")):
             for sample in family.samples:
+                if sample.name in lora_names:
+                    if lora is None or sample.value > lora[0]:
+                        lora = (sample.value, sample.labels)
+                    continue
                 values.setdefault(sample.name, []).append(sample.value)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ScrapeError("parse", f"malformed metric line: {exc}") from None
@@ -81,6 +90,7 @@ def parse_page(page: bytes, kind: EngineKind) -> EngineSample:
     if not waiting or not usage:
         wanted = " and ".join(" or ".join(n for t in names[f] for n in t) for f in ("waiting", "kv_usage"))
         raise ScrapeError("missing", f"the page lacks {wanted}")
+    adapters, max_lora = (None, None) if lora is None else _lora(lora[1])
     queries, hits = present("prefix_queries"), present("prefix_hits")
     ttft_sum, ttft_count = present("ttft_sum"), present("ttft_count")
     return EngineSample(
@@ -91,4 +101,21 @@ def parse_page(page: bytes, kind: EngineKind) -> EngineSample:
         prefix_hits=sum(map(sum, hits)) if hits else None,
         ttft_sum=sum(map(sum, ttft_sum)) if ttft_sum and ttft_count else None,
         ttft_count=sum(map(sum, ttft_count)) if ttft_sum and ttft_count else None,
+        lora_adapters=adapters,
+        max_lora=max_lora,
     )
+
+
+def _lora(labels: dict[str, str]) -> tuple[frozenset[str], int]:
+    """The adapters held (running and waiting, comma-separated) and ``max_lora`` of a LoRA info sample.
+
+    Raises :class:`ScrapeError` (``parse``) when ``max_lora`` is not a non-negative integer."""
+    try:
+        max_lora = int(labels.get("max_lora", ""))
+    except ValueError:
+        max_lora = -1
+    if max_lora < 0:
+        got = labels.get("max_lora")
+        raise ScrapeError("parse", f"LoRA info: max_lora must be an integer >= 0, got {got!r}")
+    listed = f"{labels.get('running_lora_adapters', '')},{labels.get('waiting_lora_adapters', '')}"
+    return frozenset(name for name in (n.strip() for n in listed.split(",")) if name), max_lora

@@ -3,12 +3,13 @@
 One aiohttp session, one scrape in flight per engine at most (a slow engine delays only itself),
 each bounded by a timeout and by ``max_bytes`` of body. Every ``interval_seconds`` a tick starts a
 scrape of each engine whose last one has ended and zeroes the offset of every endpoint whose last
-sample is older than ``stale_after_intervals`` intervals. A sample is blended the moment it lands
-(:mod:`ext_proc.engine_load.blend`), so the request path only ever reads the registry's arrays:
-nothing here runs per request. Parsing a page costs about 0.3 ms of the event loop for a 75 KB
-vLLM page (see :mod:`ext_proc.engine_load.parse`). With ``models_interval_seconds``, each engine's
-``GET /v1/models`` is asked as often which models it serves (:meth:`Registry.set_engine_models`); a
-failed poll keeps the last list (models come and go far more rarely than polls fail).
+sample is older than ``stale_after_intervals`` intervals (and forgets their LoRA adapters). A sample
+is blended the moment it lands (:mod:`ext_proc.engine_load.blend`), so the request path only ever
+reads the registry's arrays: nothing here runs per request. Parsing a page costs about 0.3 ms of the
+event loop for a 75 KB vLLM page (see :mod:`ext_proc.engine_load.parse`). With
+``models_interval_seconds``, each engine's ``GET /v1/models`` is asked as often which models it
+serves (:meth:`Registry.set_engine_models`); a failed poll keeps the last list (models come and go
+far more rarely than polls fail).
 """
 
 from __future__ import annotations
@@ -121,8 +122,10 @@ class EngineScraper:
             self._poll_models(now)
         for state in self._registry.endpoints():
             scrape = self._scrapes.get(state.address)
-            if state.engine_offset and (scrape is None or now - scrape.at > self._config.stale_after_seconds):
-                state.set_engine_offset(0)
+            if scrape is None or now - scrape.at > self._config.stale_after_seconds:
+                state.lora_adapters = None
+                if state.engine_offset:
+                    state.set_engine_offset(0)
 
     def _poll_models(self, now: float) -> None:
         """Start a ``GET /v1/models`` of each pickable engine whose last one is due and has ended."""
@@ -203,8 +206,9 @@ class EngineScraper:
     def describe(self, state: EndpointState) -> dict[str, object]:
         """The engine's view of ``state`` for ``/debug/endpoints``.
 
-        The last sample, its age and whether it is fresh (blended), the engine-reported tokens and the
-        last scrape error (``None`` if ok) and, polling models, the last poll's (``models_error``)."""
+        The last sample, its age and whether it is fresh (blended), the engine-reported tokens, the
+        LoRA adapters it holds and its ``max_lora`` (``None``: not reported), the last scrape error
+        (``None`` if ok) and, polling models, the last poll's (``models_error``)."""
         scrape = self._scrapes.get(state.address)
         row: dict[str, object] = {"error": self._errors.get(state.address)}
         if self._config.models_interval_seconds > 0:
@@ -220,6 +224,8 @@ class EngineScraper:
             "waiting": sample.waiting,
             "kv_usage": sample.kv_usage,
             "engine_tokens": round(self._engine_tokens(state, sample)),
+            "lora_adapters": None if sample.lora_adapters is None else sorted(sample.lora_adapters),
+            "max_lora": sample.max_lora,
         }
 
     def _url(self, state: EndpointState) -> str:
@@ -281,9 +287,10 @@ class EngineScraper:
 
     def _blend(self, address: str, sample: EngineSample) -> None:
         """Set the offset of the engine's endpoints (one per role it serves) from ``sample`` and
-        their local tokens now (docs/routing.md "Engine load signal")."""
+        their local tokens now (docs/routing.md "Engine load signal"), and the LoRA adapters it holds."""
         for state in self._states.get(address, ()):
             state.set_engine_offset(blended_offset(state.active_tokens, self._engine_tokens(state, sample)))
+            state.lora_adapters = sample.lora_adapters
 
     def _engine_tokens(self, state: EndpointState, sample: EngineSample) -> float:
         request_tokens = self._request_tokens[state.role]

@@ -19,10 +19,11 @@ restart: its entries are dropped first. ``AllBlocksCleared`` empties the endpoin
 from last more than ``stale_after`` seconds ago is stale: :meth:`EventIndex.match` leaves it out.
 
 Events not applied are counted by reason in :attr:`Applied.dropped`: ``lora`` (blocks of a LoRA
-adapter: requests name adapters by model, not by the engine's id), ``block_size`` (blocks of another
-size than the pool's, which the engines' events set: :mod:`ext_proc.prefix.block_sizes`; such blocks
-could never match a request's chain), ``orphan`` (the parent block is
-unknown: stored before this gateway listened, or missed), ``full`` (the endpoint already holds
+adapter: requests name adapters by model, the events by the engine's id for it, which the gateway cannot
+map; an adapter's request chains from its own seed instead: :mod:`ext_proc.prefix.event_source`),
+``block_size`` (blocks of another size than the pool's, which the engines' events set:
+:mod:`ext_proc.prefix.block_sizes`; such blocks could never match a request's chain), ``orphan`` (the
+parent block is unknown: stored before this gateway listened, or missed), ``full`` (the endpoint already holds
 ``max_blocks`` blocks). No clock (``now`` is passed in, in seconds) and no I/O.
 
 Cost: no Python int per block on a request's path. Each endpoint keeps the blocks it holds in an

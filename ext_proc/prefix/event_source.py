@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from ext_proc.affinity import Decision, Pool
 from ext_proc.affinity.model import E
 from ext_proc.prefix import event_index, recent
-from ext_proc.prefix.blocks import Chain, block_hashes, prompt_chain, prompt_content
+from ext_proc.prefix.blocks import Chain, block_hashes, model_seed, prompt_chain, prompt_content
 from ext_proc.prefix.event_index import ROOT, EventIndex
 from ext_proc.prefix.event_sink import EventFeed
 from ext_proc.prefix.hits import HitArrays
@@ -61,15 +61,22 @@ class KvEventSource:
         """Its ``kv_events`` settings and the index the subscribers feed."""
         return EventFeed(self.settings.kv_events, self.index)
 
-    def chain(self, body: dict[str, object], tokens: Sequence[int] | None = None) -> Chain:
+    def chain(
+        self, body: dict[str, object], tokens: Sequence[int] | None = None, adapter: bool = False
+    ) -> Chain:
         """The prompt's chain over its token ids from :data:`ROOT`, else the approximate text chain.
 
         The token ids are ``tokens`` (the gateway tokenized the prompt), else the body's own; blocks of
-        :attr:`block_tokens` tokens."""
+        :attr:`block_tokens` tokens. For an ``adapter`` (a LoRA adapter's request), token ids are
+        chained from the adapter's seed instead of :data:`ROOT`: the index holds no adapter's blocks
+        (their events name adapters by an id the gateway cannot map), so it matches only the recent
+        placements of the same adapter, never the base model's blocks."""
         size = self.index.block_tokens
         content = prompt_content(body) if tokens is None else tokens
         if content and not isinstance(content, str):
-            return block_hashes(content, size, self.settings.max_blocks, ROOT)
+            model = body.get("model")
+            root = model_seed(model) if adapter and isinstance(model, str) else ROOT
+            return block_hashes(content, size, self.settings.max_blocks, root)
         return prompt_chain(body, size, self.settings.max_blocks)
 
     def lookup_prompt(
@@ -80,9 +87,10 @@ class KvEventSource:
         decodes: Pool[E],
         prompt_tokens: int,
         pinned: bool = False,
+        adapter: bool = False,
     ) -> Lookup | None:
         """The prompt's :meth:`chain` looked up (:meth:`lookup`); ``None`` when it has no block."""
-        hashes = self.chain(body, tokens)
+        hashes = self.chain(body, tokens, adapter)
         return self.lookup(hashes, prefills, decodes, prompt_tokens, pinned) if len(hashes) else None
 
     def lookup(

@@ -45,13 +45,16 @@ class PrefixSource(Protocol):
         """What its KV-event subscribers feed (``None``: it learns from no engine event)."""
         ...
 
-    def chain(self, body: dict[str, object], tokens: Sequence[int] | None = None) -> Chain:
+    def chain(
+        self, body: dict[str, object], tokens: Sequence[int] | None = None, adapter: bool = False
+    ) -> Chain:
         """The chained block hashes of the request's prompt (empty without a prompt).
 
         A 1-D int64 array (:func:`~ext_proc.prefix.blocks.block_hashes`).
 
         ``tokens``: the prompt in the engine's token ids when the gateway tokenized it (the chain is
-        then over them, whatever the body's prompt)."""
+        then over them, whatever the body's prompt). ``adapter``: the body's ``model`` is a LoRA
+        adapter, whose cache the engines keep apart from the base model's (the chain is keyed by it)."""
         ...
 
     def lookup_prompt(
@@ -62,13 +65,14 @@ class PrefixSource(Protocol):
         decodes: Pool[E],
         prompt_tokens: int,
         pinned: bool = False,
+        adapter: bool = False,
     ) -> Lookup | None:
         """What the candidate endpoints hold of the prompt's :meth:`chain`, with the decision's hit arrays.
 
         ``None`` when the prompt has no block (nothing to look up, nothing to record). ``pinned``: the
         handoff pins the engine requests to the data-parallel rank the lookup credits
         (:attr:`Lookup.ranks`); without, an endpoint of several ranks is credited only what it is known
-        to hold whichever rank serves."""
+        to hold whichever rank serves. ``adapter``: as for :meth:`chain`."""
         ...
 
     def placed(self, lookup: Lookup, decision: Decision[E], prompt_tokens: int) -> Placed:

@@ -40,8 +40,12 @@ class PrefixTracker:
     def events(self) -> None:
         """No feed: this kind learns from placements, not from the engines' KV-cache events."""
 
-    def chain(self, body: dict[str, object], tokens: Sequence[int] | None = None) -> Chain:
-        """The chained block hashes of the request's prompt, or of ``tokens`` (:func:`prompt_chain`)."""
+    def chain(
+        self, body: dict[str, object], tokens: Sequence[int] | None = None, adapter: bool = False
+    ) -> Chain:
+        """The chained block hashes of the request's prompt, or of ``tokens`` (:func:`prompt_chain`).
+
+        Every chain is seeded with the model, an adapter's (``adapter``) as any other's."""
         settings = self.settings
         return prompt_chain(body, settings.block_tokens, settings.max_blocks, tokens)
 
@@ -53,9 +57,10 @@ class PrefixTracker:
         decodes: Pool[E],
         prompt_tokens: int,
         pinned: bool = False,
+        adapter: bool = False,
     ) -> Lookup | None:
         """The prompt's :meth:`chain` looked up (:meth:`lookup`); ``None`` when it has no block."""
-        hashes = self.chain(body, tokens)
+        hashes = self.chain(body, tokens, adapter)
         return self.lookup(hashes, prefills, decodes, prompt_tokens, pinned) if len(hashes) else None
 
     def lookup(

@@ -152,6 +152,7 @@ affinity:
     wait_scale_ms: {{ include "pd-extproc.decimal" $a.wait_scale_ms }}
     prefill_ms_per_token: {{ include "pd-extproc.decimal" $a.prefill_ms_per_token }}
     cpu_tier_gbps: {{ include "pd-extproc.decimal" $a.cpu_tier_gbps }}
+    lora_load_ms: {{ include "pd-extproc.decimal" $a.lora_load_ms }}
   prefix:
     {{- $p := $v.affinity.prefix }}
     enabled: {{ $p.enabled | toJson }}

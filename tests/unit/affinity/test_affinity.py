@@ -81,7 +81,7 @@ ALL_MODES = pytest.mark.parametrize("mode", list(Mode))
 
 def test_package_exports_choose_and_every_model_type() -> None:
     expected = {"choose", "Candidate", "Cost", "Decision", "Locality", "Mode", "Policy", "Pool"}
-    expected |= {"Endpoint", "NoPairReason", "NoPair", "AutoModel", "Estimate", "Hits"}
+    expected |= {"Endpoint", "NoPairReason", "NoPair", "AutoModel", "Estimate", "Hits", "Lacks"}
     assert set(affinity.__all__) == expected
     assert all(hasattr(affinity, name) for name in affinity.__all__)
 

@@ -24,6 +24,7 @@ from ext_proc.affinity import (
     Cost,
     Decision,
     Hits,
+    Lacks,
     Locality,
     Mode,
     NoPair,
@@ -76,6 +77,7 @@ auto_models = st.builds(
     wait_scale_ms=st.sampled_from([15.0, 0.0, 200.0]),
     prefill_ms_per_token=st.sampled_from([0.05, 0.0, 1.0]),
     cpu_tier_gbps=st.sampled_from([55.0, 1.0, 0.001]),
+    lora_load_ms=st.sampled_from([100.0, 0.0, 5.0]) | st.floats(min_value=0.0, max_value=1000.0),
 )
 policies = st.builds(
     Policy,
@@ -130,9 +132,11 @@ def choose(
     policy: Policy,
     tiebreak: int,
     hits: tuple | None = None,
+    lacks: Lacks | None = None,
 ) -> Decision | NoPair:
     """:func:`ext_proc.affinity.choose` over pools built from candidate lists (the array form)."""
-    return choose_over_pools(cost, Pool.of(prefills), Pool.of(decodes), policy, tiebreak, as_hits(hits))
+    pools = Pool.of(prefills), Pool.of(decodes)
+    return choose_over_pools(cost, *pools, policy, tiebreak, as_hits(hits), lacks)
 
 
 # ---------------------------------------------------------------- naive reference
@@ -160,8 +164,19 @@ def share(pool: list, group: str) -> float:
 class Keys:
     """Every per-endpoint key of the module docstring, for one scenario, in plain Python ints."""
 
-    def __init__(self, cost: Cost, prefills: list, decodes: list, policy: Policy, hits: tuple | None):
+    def __init__(
+        self,
+        cost: Cost,
+        prefills: list,
+        decodes: list,
+        policy: Policy,
+        hits: tuple | None,
+        lacks: tuple[list[bool], list[bool]] | None = None,
+    ):
         self.cost, self.policy = cost, policy
+        lp, ld = lacks if lacks is not None else ([False] * len(prefills), [False] * len(decodes))
+        self.lp = {c.address: lack for c, lack in zip(prefills, lp, strict=True)}  # lacks the adapter
+        self.ld = {c.address: lack for c, lack in zip(decodes, ld, strict=True)}
         p_hits, d_hits = hits[:2] if hits is not None else ([0] * len(prefills), [0] * len(decodes))
         p_cpu, d_cpu = (
             hits[2:] if hits is not None and len(hits) == 4 else ([0] * len(prefills), [0] * len(decodes))
@@ -186,24 +201,29 @@ class Keys:
 
     def decode(self, d: Candidate) -> int:
         credit = self.credit(self.hd[d.address], self.cd[d.address])
-        return ticks(d.utilisation(self.cost.decode_tokens)) - credit
+        return ticks(d.utilisation(self.cost.decode_tokens)) - credit + self.ld[d.address]  # one tick behind
 
     def prefill(self, p: Candidate) -> int:
         backlog = p.active_tokens * self.ratio[p.group] + (self.cost.prefill_tokens - self.hp[p.address])
-        return ticks(backlog / p.token_capacity) - self.credit(self.hp[p.address], self.cp[p.address])
+        credit = self.credit(self.hp[p.address], self.cp[p.address])
+        return ticks(backlog / p.token_capacity) - credit + self.lp[p.address]
 
     def auto_decode(self, d: Candidate, same: bool) -> int:
-        """The wait, the transfer of what ``d`` lacks, and the load of what it holds in a CPU tier."""
+        """The wait (its adapter load included), the transfer of what ``d`` lacks, and the load of what it
+        holds in a CPU tier."""
         model = self.policy.auto
         wait = model.wait_s(d.utilisation(self.cost.decode_tokens))
+        wait += model.lora_load_ms / 1e3 if self.ld[d.address] else 0.0
         lack = self.cost.prefill_tokens - self.hd[d.address]
         return ticks(wait + lack * model.seconds_per_token(same) + model.cpu_load_s(self.cd[d.address]))
 
     def auto_prefill(self, p: Candidate) -> int:
-        """The queue, the uncached tokens twice (a miss priced twice), the load of its CPU-tier hit."""
+        """The queue, the uncached tokens twice (a miss priced twice), the load of its CPU-tier hit and
+        of the adapter it lacks."""
         model = self.policy.auto
         uncached = self.cost.prefill_tokens - self.hp[p.address]
-        return ticks(model.prefill_s(p.active_tokens + 2 * uncached) + model.cpu_load_s(self.cp[p.address]))
+        seconds = model.prefill_s(p.active_tokens + 2 * uncached) + model.cpu_load_s(self.cp[p.address])
+        return ticks(seconds + (model.lora_load_ms / 1e3 if self.lp[p.address] else 0.0))
 
 
 def pair_cost(keys: Keys, p: Candidate, d: Candidate) -> int | None:
@@ -233,10 +253,18 @@ def decode_key(keys: Keys, group: str) -> Callable:
 
 
 def reference(
-    cost: Cost, prefills: list, decodes: list, policy: Policy, tiebreak: int, hits: tuple | None
+    cost: Cost,
+    prefills: list,
+    decodes: list,
+    policy: Policy,
+    tiebreak: int,
+    hits: tuple | None,
+    lacks: tuple[list[bool], list[bool]] | None = None,
 ) -> NoPairReason | tuple:
-    """The expected ``(prefill, [decode, *fallbacks])``, or the expected rejection reason."""
-    keys = Keys(cost, prefills, decodes, policy, hits)
+    """The expected ``(prefill, [decode, *fallbacks])``, or the expected rejection reason.
+
+    ``lacks``: per endpoint, whether it lacks the request's LoRA adapter (``None``: none does)."""
+    keys = Keys(cost, prefills, decodes, policy, hits, lacks)
     want = policy.fallback_count + 1
     if not decodes:
         return NoPairReason.NO_DECODE_ENDPOINT
@@ -282,10 +310,11 @@ def reference(
     return prefill, naive_rank(pool, decode_key(keys, prefill.group), tiebreak)[:want]
 
 
-def assert_matches_reference(scenario: tuple) -> None:
+def assert_matches_reference(scenario: tuple, lacks: tuple[list[bool], list[bool]] | None = None) -> None:
     cost, prefills, decodes, policy, tiebreak, hits = scenario
-    result = choose(cost, prefills, decodes, policy, tiebreak, hits)
-    expected = reference(cost, prefills, decodes, policy, tiebreak, hits)
+    masks = None if lacks is None else Lacks(*(np.array(side, dtype=np.bool_) for side in lacks))
+    result = choose(cost, prefills, decodes, policy, tiebreak, hits, masks)
+    expected = reference(cost, prefills, decodes, policy, tiebreak, hits, lacks)
     if isinstance(expected, NoPairReason):
         assert isinstance(result, NoPair) and result.reason is expected
         return
@@ -306,6 +335,21 @@ def assert_matches_reference(scenario: tuple) -> None:
 @given(scenarios())
 def test_the_decision_is_the_documented_rule(scenario: tuple) -> None:
     assert_matches_reference(scenario)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.one_of(scenarios(), tiered_scenarios()), st.booleans(), st.data())
+def test_a_request_for_an_adapter_follows_the_documented_rule(
+    scenario: tuple, idle: bool, data: st.DataObject
+) -> None:
+    """Any endpoints lacking the adapter (docs/routing.md "LoRA adapters"), in every mode; ``idle``
+    pools (no token in flight) make the tied keys that the adapter breaks."""
+    cost, prefills, decodes, *rest = scenario
+    if idle:
+        prefills, decodes = ([replace(c, active_tokens=0) for c in side] for side in (prefills, decodes))
+    sizes = (len(prefills), len(decodes))
+    lacks = tuple(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)) for n in sizes)
+    assert_matches_reference((cost, prefills, decodes, *rest), lacks)
 
 
 @settings(max_examples=40, deadline=None)
@@ -530,13 +574,13 @@ def test_one_prefill_and_one_decode_are_the_pair_the_ranking_gives(scenario: tup
     u = (d.tokens + cost.decode_tokens) / d.capacity
     uncached = prompt if h is None else prompt - h.prefill
     if policy.mode is not Mode.AUTO:
-        assert decide._rank(prompt, p, d, u, uncached, h, None, want, tiebreak, policy) == (0, [0])
+        assert decide._rank(prompt, p, d, u, uncached, h, None, None, want, tiebreak, policy) == (0, [0])
         return
     model = policy.auto
     lack = prompt if h is None else prompt - h.decode
     cpu = (None, None) if h is None else (h.prefill_cpu, h.decode_cpu)
     priced = p.tokens + uncached + uncached
-    ranking = decide._rank_auto(p, d, model.wait_s(u), lack, priced, *cpu, want, tiebreak, model)
+    ranking = decide._rank_auto(p, d, model.wait_s(u), lack, priced, *cpu, None, want, tiebreak, model)
     assert ranking == (0, [0], None)
 
 

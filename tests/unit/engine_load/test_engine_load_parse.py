@@ -15,6 +15,7 @@ FIXTURES = Path(__file__).parent / "fixtures"
 VLLM = (FIXTURES / "vllm_metrics.txt").read_bytes()  # vLLM v1, two data-parallel engines, ~75 KB
 VLLM_V0 = (FIXTURES / "vllm_v0_metrics.txt").read_bytes()  # vLLM v0: gpu_cache_usage_perc
 SGLANG = (FIXTURES / "sglang_metrics.txt").read_bytes()
+VLLM_LORA = (FIXTURES / "vllm_lora_metrics.txt").read_bytes()  # vLLM v1 with --enable-lora --max-loras 4
 
 
 def test_vllm_page_sums_requests_and_averages_kv_usage_over_engines() -> None:
@@ -29,8 +30,42 @@ def test_vllm_page_sums_requests_and_averages_kv_usage_over_engines() -> None:
         prefix_hits=pytest.approx(2.3106338676150874e06 + 2.391090274556218e06),
         ttft_sum=pytest.approx(54.590179140745036 + 62.68755896512823),
         ttft_count=400.0,
+        lora_adapters=frozenset(),  # served without LoRA: max_lora 0, no adapters
+        max_lora=0,
     )
     assert parse_page(VLLM, EngineKind.VLLM) == sample
+
+
+@pytest.mark.parametrize("kind", [EngineKind.AUTO, EngineKind.VLLM])
+def test_the_latest_lora_info_gives_the_adapters_running_and_waiting(kind: EngineKind) -> None:
+    # four label sets on the page, set at different times: the latest holds sql-lora and chat-lora
+    # running, tone-lora waiting
+    sample = parse_page(VLLM_LORA, kind)
+    assert sample.lora_adapters == frozenset({"sql-lora", "chat-lora", "tone-lora"})
+    assert sample.max_lora == 4
+    assert (sample.running, sample.waiting, sample.kv_usage) == (6.0, 2.0, 0.3125)
+
+
+def test_sglang_pages_have_no_lora_info() -> None:
+    assert parse_page(SGLANG, EngineKind.AUTO).lora_adapters is None
+
+
+def test_lora_lists_ignore_blanks_and_spaces() -> None:
+    page = (
+        b"vllm:num_requests_waiting 0\nvllm:kv_cache_usage_perc 0.1\n"
+        b'vllm:lora_requests_info{max_lora="2",running_lora_adapters=" a, ,b",waiting_lora_adapters=","} 5\n'
+    )
+    sample = parse_page(page, EngineKind.VLLM)
+    assert (sample.lora_adapters, sample.max_lora) == (frozenset({"a", "b"}), 2)
+
+
+@pytest.mark.parametrize("max_lora", [b"", b"-1", b"two", b"1.5"])
+def test_a_bad_max_lora_is_a_parse_error(max_lora: bytes) -> None:
+    page = b"vllm:num_requests_waiting 0\nvllm:kv_cache_usage_perc 0.1\n"
+    page += b'vllm:lora_requests_info{max_lora="' + max_lora + b'",running_lora_adapters="a"} 5\n'
+    with pytest.raises(ScrapeError) as error:
+        parse_page(page, EngineKind.VLLM)
+    assert error.value.reason == "parse"
 
 
 def test_older_vllm_names_are_read() -> None:

@@ -341,3 +341,23 @@ async def test_engine_ttft_and_waiting_are_exposed_as_last_sampled(engine: Engin
         engine.status = 200
         await until(lambda: scraper.waiting() == {engine.address: 0.0})
         assert sample("pd_extproc_engine_ttft_seconds_count", labels) is None
+
+
+async def test_the_lora_adapters_an_engine_holds_are_kept_while_its_sample_is_fresh(engine: Engine) -> None:
+    now = [0.0]
+    lora = (
+        b'vllm:lora_requests_info{max_lora="2",running_lora_adapters="sql",waiting_lora_adapters="chat"} 9\n'
+    )
+    engine.page = usage_page(0.25) + lora
+    registry = registry_of([engine.address])
+    state = registry.decodes[0]
+    assert state.lora_adapters is None  # unknown before any sample
+    async with scraping(registry, clock=lambda: now[0]) as (scraper, _):
+        await until(lambda: state.lora_adapters == frozenset({"sql", "chat"}))
+        view = scraper.describe(state)
+        assert (view["lora_adapters"], view["max_lora"]) == (["chat", "sql"], 2)
+        engine.status = 503
+        now[0] += CONFIG.stale_after_seconds + 0.001
+        await until(lambda: state.lora_adapters is None)  # stale: unknown again, no preference
+        engine.status = 200
+        await until(lambda: state.lora_adapters == frozenset({"sql", "chat"}))

@@ -361,3 +361,24 @@ def test_the_source_hands_the_decision_the_cpu_tier_part_of_each_hit() -> None:
     kv.index.apply("p1", batch(1, BlockRemoved((2, 3), "CPU")), 0.0, False)
     gpu_only = kv.lookup(kv.chain(body), pool("p2"), pool("d1"), 12)
     assert gpu_only.hits is not None and gpu_only.hits.prefill_cpu is None  # no tier holds a block now
+
+
+def test_an_adapters_token_chain_matches_its_own_placements_never_the_base_models_blocks() -> None:
+    """The index holds the base model's blocks (an adapter's, with a ``lora_id``, are dropped); an
+    adapter's request chains its token ids from the adapter's seed: no credit from the base model's
+    blocks, credit from the adapter's own recent placements, and none of them for the base model."""
+    now = [0.0]
+    kv, _ = source(now)
+    kv.index.apply("p1", batch(0, stored([1, 2], [1, 2])), 0.0, False)
+    lora = kv.index.apply("p2", batch(0, BlockStored((9,), None, tuple(tokens(1)), B, 3, None)), 0.0, False)
+    assert isinstance(lora, Applied) and lora.dropped == Counter({"lora": 1})
+    base, sql = {"model": "base", "prompt": tokens(1, 2, 3)}, {"model": "sql-lora", "prompt": tokens(1, 2, 3)}
+    assert kv.chain(base, adapter=False).tolist() == chain(1, 2, 3).tolist()
+    assert kv.lookup_prompt(base, None, pool("p1", "p2"), pool("d1"), 12).matched == {"p1": 2}
+    looked = kv.lookup_prompt(sql, None, pool("p1", "p2"), pool("d1"), 12, adapter=True)
+    assert looked is not None and looked.matched == {}
+    p2, d1 = pool("p2").endpoints[0], pool("d1").endpoints[0]
+    kv.placed(looked, Decision(p2, d1, (), Locality.SAME_GROUP), 12)
+    again = kv.lookup_prompt(sql, None, pool("p1", "p2"), pool("d1"), 12, adapter=True)
+    assert again is not None and again.matched == {"p2": 3, "d1": 3}
+    assert kv.lookup_prompt(base, None, pool("p1", "p2"), pool("d1"), 12).matched == {"p1": 2}
