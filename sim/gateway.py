@@ -228,13 +228,13 @@ async def start_gateway(
     listen_port: int,
     admin_port: int,
     concurrency: int = 1,
-    timeout: float = 20.0,
+    timeout: float = 60.0,
     extra_args: tuple[str, ...] = (),
 ) -> Gateway:
     """Start Envoy on ``config`` and wait until its admin says LIVE.
 
-    Start Envoy on ``config`` (from :func:`render_bootstrap`), with ``extra_args`` on its command
-    line, and wait until its admin says LIVE."""
+    ``config`` comes from :func:`render_bootstrap`; ``extra_args`` go on Envoy's command line. ``timeout``
+    bounds only a failing start (a loaded machine has taken over 20 s to bring Envoy up)."""
     workdir = Path(tempfile.mkdtemp(prefix="pd-gateway-"))
     path = workdir / "envoy.yaml"
     path.write_text(yaml.safe_dump(config), encoding="utf-8")
@@ -352,7 +352,7 @@ def start_router_process(
         )
 
 
-async def wait_router_ready(process: subprocess.Popen, admin_port: int, timeout: float = 20.0) -> None:
+async def wait_router_ready(process: subprocess.Popen, admin_port: int, timeout: float = 60.0) -> None:
     """Wait until the router's ``/healthz`` reports decode endpoints; raise if it exits or times out."""
     deadline = time.monotonic() + timeout
     async with aiohttp.ClientSession() as session:
