@@ -30,13 +30,13 @@ from ext_proc.prefix.blocks import Chain, block_hashes, model_seed, prompt_chain
 from ext_proc.prefix.event_index import ROOT, EventIndex
 from ext_proc.prefix.event_sink import EventFeed
 from ext_proc.prefix.hits import HitArrays
-from ext_proc.prefix.lookup import Holder, Lookup, Placed, PredictionSink, predict, prefill_hit
+from ext_proc.prefix.lookup import Holder, Lookup, Placed, PredictionSink, PromptLookups, predict, prefill_hit
 from ext_proc.prefix.ranks import credited, credited_publisher
 from ext_proc.prefix.recent import RecentPlacements
 from ext_proc.prefix.settings import PrefixSettings
 
 
-class KvEventSource:
+class KvEventSource(PromptLookups):
     """The event-fed index of one router and its recent placements; ``sink`` gets the predictions."""
 
     def __init__(
@@ -78,20 +78,6 @@ class KvEventSource:
             root = model_seed(model) if adapter and isinstance(model, str) else ROOT
             return block_hashes(content, size, self.settings.max_blocks, root)
         return prompt_chain(body, size, self.settings.max_blocks)
-
-    def lookup_prompt(
-        self,
-        body: dict[str, object],
-        tokens: Sequence[int] | None,
-        prefills: Pool[E],
-        decodes: Pool[E],
-        prompt_tokens: int,
-        pinned: bool = False,
-        adapter: bool = False,
-    ) -> Lookup | None:
-        """The prompt's :meth:`chain` looked up (:meth:`lookup`); ``None`` when it has no block."""
-        hashes = self.chain(body, tokens, adapter)
-        return self.lookup(hashes, prefills, decodes, prompt_tokens, pinned) if len(hashes) else None
 
     def lookup(
         self, hashes: Chain, prefills: Pool[E], decodes: Pool[E], prompt_tokens: int, pinned: bool = False

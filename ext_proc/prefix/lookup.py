@@ -8,11 +8,12 @@ the peer replicas learn); a :class:`PredictionSink` counts what each source pred
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import NamedTuple, Protocol
 
-from ext_proc.affinity import Decision, Hits
+from ext_proc.affinity import Decision, Hits, Pool
 from ext_proc.affinity.model import E
 from ext_proc.prefix.blocks import Chain
 
@@ -29,6 +30,36 @@ class Lookup(NamedTuple):
     matched: dict[str, int]
     hits: Hits | None
     ranks: Mapping[str, int] = MappingProxyType({})
+
+
+class PromptLookups(ABC):
+    """A prompt looked up the one way every prefix kind does: its :meth:`chain`, then :meth:`lookup`."""
+
+    @abstractmethod
+    def chain(
+        self, body: dict[str, object], tokens: Sequence[int] | None = None, adapter: bool = False
+    ) -> Chain:
+        """The prompt's chain of block hashes (empty: no whole block)."""
+
+    @abstractmethod
+    def lookup(
+        self, hashes: Chain, prefills: Pool[E], decodes: Pool[E], prompt_tokens: int, pinned: bool = False
+    ) -> Lookup:
+        """What the candidates hold of ``hashes``, with the decision's hit arrays."""
+
+    def lookup_prompt(
+        self,
+        body: dict[str, object],
+        tokens: Sequence[int] | None,
+        prefills: Pool[E],
+        decodes: Pool[E],
+        prompt_tokens: int,
+        pinned: bool = False,
+        adapter: bool = False,
+    ) -> Lookup | None:
+        """The prompt's :meth:`chain` looked up (:meth:`lookup`); ``None`` when it has no block."""
+        hashes = self.chain(body, tokens, adapter)
+        return self.lookup(hashes, prefills, decodes, prompt_tokens, pinned) if len(hashes) else None
 
 
 Holder = tuple[str, float]

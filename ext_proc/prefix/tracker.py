@@ -17,11 +17,11 @@ from ext_proc.affinity.model import E
 from ext_proc.prefix.blocks import Chain, prompt_chain
 from ext_proc.prefix.correction import Interval, corrected_scale
 from ext_proc.prefix.index import PrefixIndex
-from ext_proc.prefix.lookup import Holder, Lookup, Placed, PredictionSink, predict, prefill_hit
+from ext_proc.prefix.lookup import Holder, Lookup, Placed, PredictionSink, PromptLookups, predict, prefill_hit
 from ext_proc.prefix.settings import PrefixSettings
 
 
-class PrefixTracker:
+class PrefixTracker(PromptLookups):
     """Owns the index of one router; ``sink`` gets the predictions and the engine-reported counters."""
 
     def __init__(self, settings: PrefixSettings, sink: PredictionSink) -> None:
@@ -48,20 +48,6 @@ class PrefixTracker:
         Every chain is seeded with the model, an adapter's (``adapter``) as any other's."""
         settings = self.settings
         return prompt_chain(body, settings.block_tokens, settings.max_blocks, tokens)
-
-    def lookup_prompt(
-        self,
-        body: dict[str, object],
-        tokens: Sequence[int] | None,
-        prefills: Pool[E],
-        decodes: Pool[E],
-        prompt_tokens: int,
-        pinned: bool = False,
-        adapter: bool = False,
-    ) -> Lookup | None:
-        """The prompt's :meth:`chain` looked up (:meth:`lookup`); ``None`` when it has no block."""
-        hashes = self.chain(body, tokens, adapter)
-        return self.lookup(hashes, prefills, decodes, prompt_tokens, pinned) if len(hashes) else None
 
     def lookup(
         self, hashes: Chain, prefills: Pool[E], decodes: Pool[E], prompt_tokens: int, pinned: bool = False
