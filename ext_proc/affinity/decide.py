@@ -113,9 +113,10 @@ def _tick(mask: NDArray[np.bool_], exact: bool) -> Keys:
 
 
 def prefill_utilisation(prefills: Pool[E], decodes: Pool[E], uncached: int | Ints, mode: Mode) -> Floats:
-    """``off``, ``prefer`` and ``strict``'s prefill term before credit: each prefill's utilisation with the
-    request placed, its tokens in flight (weighed by ``r(g)`` unless ``off``: docs/routing.md) plus the
-    ``uncached`` prompt tokens it would compute, over its capacity."""
+    """Each prefill's utilisation with the request placed (``off``, ``prefer``, ``strict``).
+
+    Its tokens in flight (weighed by ``r(g)`` unless ``off``: docs/routing.md) plus the ``uncached``
+    prompt tokens it would compute, over its capacity: its key before credit."""
     inflight = prefills.tokens
     if mode is not _OFF and prefills.size:
         inflight = inflight * prefills.share_ratios_in(decodes)
@@ -131,10 +132,10 @@ def endpoint_keys(
     policy: Policy,
     exact: bool,
 ) -> Keys:
-    """``off``, ``prefer`` and ``strict``'s key of each endpoint of one pool (docs/routing.md "The exact
-    rule"), in ticks: ``ticks(utilisation) - credit(hits)``, one tick more where ``lacking`` (an adapter).
+    """The key of each endpoint of one pool in ``off``, ``prefer`` and ``strict``, in ticks.
 
-    Integral float64 when ``exact`` (the caller checked the magnitudes), else Python ints."""
+    docs/routing.md "The exact rule": ``ticks(utilisation) - credit(hits)``, one tick more where
+    ``lacking`` (the request's adapter). Integral float64 when ``exact`` (the caller checked the magnitudes), else Python ints."""
     keys = _ticks(utilisation, exact) - _credit(hits, cpu, prompt, policy, exact)
     return keys if lacking is None else keys + _tick(lacking, exact)
 
@@ -142,8 +143,10 @@ def endpoint_keys(
 def auto_wait(
     prompt: int, u: Floats | float, dhits: Ints | int | None, lacks: Lacks | None, model: AutoModel
 ) -> tuple[Floats | float, Ints | int]:
-    """``auto``'s per-decode terms: ``(wait, lack)``, the wait at each decode (``u``: its utilisation with
-    the request placed; its adapter's load included when it lacks it) and the prompt tokens it lacks."""
+    """``auto``'s per-decode terms ``(wait, lack)``.
+
+    The wait at each decode (``u``: its utilisation with the request placed; its adapter's load included
+    when it lacks it) and the prompt tokens it lacks."""
     wait = model.wait_s(u)
     if lacks is not None:
         wait = wait + model.lora_load_s(lacks.decode)
@@ -159,7 +162,7 @@ def auto_seconds(
     lacks: Lacks | None,
     model: AutoModel,
 ) -> tuple[Floats, Floats, Floats]:
-    """``auto``'s costs in seconds (docs/routing.md "The exact rule"): ``(prefill, S(d), C(d))``.
+    """``auto``'s costs in seconds, ``(prefill, S(d), C(d))`` (docs/routing.md "The exact rule").
 
     ``wait``, ``lack``: :func:`auto_wait`'s; ``priced``: the tokens each prefill's cost is priced at
     (a miss priced twice); ``pcpu``/``dcpu``: the hit tokens held only in a CPU tier (their load added);

@@ -83,7 +83,8 @@ class SharedStateConfig:
     ``kind``: ``local`` (default: nothing shared) or ``nats``. ``heartbeat_seconds``: how often a replica
     sends all its bookings (and checks its peers); ``peer_timeout_seconds``: a peer silent this long has
     its bookings dropped; ``batch_seconds``: how long a booking waits to travel with the next ones (0:
-    the next turn of the event loop); ``sync_wait_seconds``: how long a starting replica waits for its
+    the next turn of the event loop), hence at most ``1 / batch_seconds`` messages a second from a replica
+    besides its heartbeats; ``sync_wait_seconds``: how long a starting replica waits for its
     peers' state before it answers requests (it answers anyway after that); ``sync_answer_seconds``: a
     replica answers its peers' sync requests at most once per this long, the ones arriving meanwhile
     together (a flood of them costs one answer built per window), so a starting replica's answer comes
@@ -94,7 +95,7 @@ class SharedStateConfig:
     nats: NatsConfig = field(default_factory=NatsConfig)
     heartbeat_seconds: float = 1.0
     peer_timeout_seconds: float = 5.0
-    batch_seconds: float = 0.001
+    batch_seconds: float = 0.01
     sync_wait_seconds: float = 1.0
     sync_answer_seconds: float = 0.25
     sync_max_waiting: int = 64
