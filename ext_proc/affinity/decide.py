@@ -135,7 +135,8 @@ def endpoint_keys(
     """The key of each endpoint of one pool in ``off``, ``prefer`` and ``strict``, in ticks.
 
     docs/routing.md "The exact rule": ``ticks(utilisation) - credit(hits)``, one tick more where
-    ``lacking`` (the request's adapter). Integral float64 when ``exact`` (the caller checked the magnitudes), else Python ints."""
+    ``lacking`` (the request's adapter). Integral float64 when ``exact`` (the caller checked the
+    magnitudes), else Python ints."""
     keys = _ticks(utilisation, exact) - _credit(hits, cpu, prompt, policy, exact)
     return keys if lacking is None else keys + _tick(lacking, exact)
 

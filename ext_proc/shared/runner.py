@@ -12,11 +12,12 @@ Sync requests are answered at most once per ``answer_seconds`` (``shared_state.s
 the first after a quiet spell at once, the ones that arrive within ``answer_seconds`` of an answer
 together (coalesced: the state is built once and sent to each of their reply subjects) when that time
 is up, at most ``max_waiting`` (``shared_state.sync_max_waiting``) reply subjects at a time (beyond
-them a request is refused: not answered). So a flood of sync requests, a buggy or hostile peer asking again and again, costs each
-replica one answer built per ``answer_seconds``, sent once to each reply subject waiting, and never
-holds back a replica that starts: its answer comes within ``answer_seconds`` of its request, inside its
-``sync_wait_seconds``. Each request is counted by
-outcome (``sink.shared_sync_request``: ``answered``, ``coalesced``, ``refused``).
+them a request is refused: not answered). So a flood of sync requests, a buggy or hostile peer asking
+again and again, costs each replica one answer built per ``answer_seconds``, sent once to each reply
+subject waiting, and never holds back a replica that starts: its answer comes within
+``answer_seconds`` of its request, inside its ``sync_wait_seconds`` (the configuration's check keeps
+the one within the other). Each request is counted by outcome (``sink.shared_sync_request``:
+``answered``, ``coalesced``, ``refused``).
 
 Faults never end a subscription nor the heartbeats: an exception while a peer's message is applied
 (``apply_error``), this replica's sync answer is built (``answer_error``) or one of its batches is
