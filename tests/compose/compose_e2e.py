@@ -276,34 +276,9 @@ def pip_build_args() -> Iterator[list[str]]:
             server.server_close()
 
 
-def build_image(base: str) -> None:
+def docker_build(context: Path, tag: str, base: str, *args: str) -> None:
+    """``docker build`` of ``context`` on ``base`` (host network), logging the image's size and build time."""
     started = time.monotonic()
-    with pip_build_args() as pip_args:
-        run(
-            [
-                "docker",
-                "build",
-                "--network",
-                "host",
-                "--build-arg",
-                f"BASE_IMAGE={base}",
-                *pip_args,
-                "-t",
-                IMAGE,
-                str(ROOT),
-            ]
-        )
-    size = int(run(["docker", "image", "inspect", "-f", "{{.Size}}", IMAGE]).strip())
-    log(f"image {IMAGE}: {size / 1e6:.0f} MB, built in {time.monotonic() - started:.0f} s")
-    probe = f"for tool in {' '.join(USER_TOOLS)}; do command -v $tool; done"
-    tools = run(["docker", "run", "--rm", base, "sh", "-c", probe], check=False).split()
-    assert tools == [], f"the base image has {tools}"
-    whoami = "import os; print(os.getuid(), os.getgid())"
-    ids = run(["docker", "run", "--rm", IMAGE, "python3", "-c", whoami]).split()
-    assert ids == ["10001", "10001"], ids
-    log(f"the image runs as uid/gid 10001, built on a base without {', '.join(USER_TOOLS)}")
-    started = time.monotonic()
-    context = ROOT / "compose" / "prometheus"
     run(
         [
             "docker",
@@ -312,13 +287,28 @@ def build_image(base: str) -> None:
             "host",
             "--build-arg",
             f"BASE_IMAGE={base}",
+            *args,
             "-t",
-            PROMETHEUS_IMAGE,
+            tag,
             str(context),
         ]
     )
-    size = int(run(["docker", "image", "inspect", "-f", "{{.Size}}", PROMETHEUS_IMAGE]).strip())
-    log(f"image {PROMETHEUS_IMAGE}: {size / 1e6:.0f} MB, built in {time.monotonic() - started:.0f} s")
+    size = int(run(["docker", "image", "inspect", "-f", "{{.Size}}", tag]).strip())
+    log(f"image {tag}: {size / 1e6:.0f} MB, built in {time.monotonic() - started:.0f} s")
+
+
+def build_image(base: str) -> None:
+    """pd-extproc's image (checked to run as uid/gid 10001) and the compose stack's Prometheus."""
+    with pip_build_args() as pip_args:
+        docker_build(ROOT, IMAGE, base, *pip_args)
+    probe = f"for tool in {' '.join(USER_TOOLS)}; do command -v $tool; done"
+    tools = run(["docker", "run", "--rm", base, "sh", "-c", probe], check=False).split()
+    assert tools == [], f"the base image has {tools}"
+    whoami = "import os; print(os.getuid(), os.getgid())"
+    ids = run(["docker", "run", "--rm", IMAGE, "python3", "-c", whoami]).split()
+    assert ids == ["10001", "10001"], ids
+    log(f"the image runs as uid/gid 10001, built on a base without {', '.join(USER_TOOLS)}")
+    docker_build(ROOT / "compose" / "prometheus", PROMETHEUS_IMAGE, base)
 
 
 # --- compose ----------------------------------------------------------------------------------
