@@ -95,7 +95,7 @@ class SharedStateConfig:
     nats: NatsConfig = field(default_factory=NatsConfig)
     heartbeat_seconds: float = 1.0
     peer_timeout_seconds: float = 5.0
-    batch_seconds: float = 0.01
+    batch_seconds: float = 0.02
     sync_wait_seconds: float = 1.0
     sync_answer_seconds: float = 0.25
     sync_max_waiting: int = 64
