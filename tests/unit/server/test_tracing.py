@@ -8,12 +8,18 @@ import sys
 
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import SpanContext, StatusCode
 
 from ext_proc.checks import ConfigError
 from ext_proc.envoy_messages import HeadersMeta
 from ext_proc.outcome import Refused, RequestMeta
-from ext_proc.tracing import SPAN_NAME, Tracing
+from ext_proc.otlp import OtlpSpanExporter, SpanEncoder
+from ext_proc.tracing import SCOPE_NAME, SPAN_NAME, Tracing
 from ext_proc.tracing_config import TracingConfig
 
 CALLER = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
@@ -101,6 +107,44 @@ def test_an_exporter_that_cannot_load_is_a_config_error_naming_the_repair(
     # What an environment where xds-protos' older OpenTelemetry protos won the install looks like: the
     # exporter's import fails. Tracing off never imports it.
     monkeypatch.setitem(sys.modules, "opentelemetry.exporter.otlp.proto.grpc.trace_exporter", None)
+    monkeypatch.delitem(sys.modules, "ext_proc.otlp")  # imported above: loaded again, from that exporter
     assert Tracing.of(TracingConfig()) is None
     with pytest.raises(ConfigError, match=r"pip install --force-reinstall --no-deps opentelemetry-proto"):
         Tracing.of(TracingConfig("http://127.0.0.1:4317"))
+
+
+def _finished(tracing: Tracing, spans: InMemorySpanExporter, *metas: RequestMeta) -> tuple[ReadableSpan, ...]:
+    """The spans of ``metas``' requests, each given every attribute type and the first refused."""
+    for n, meta in enumerate(metas):
+        span = tracing.start(meta)
+        span.queued(0.125 * n)
+        if n == 0:
+            span.refused(Refused(400, "the body is not JSON", "invalid_request"))
+        span.end()
+    tracing.shutdown()
+    return spans.get_finished_spans()
+
+
+def test_the_lean_encoding_is_the_sdks_byte_for_byte(spans: InMemorySpanExporter) -> None:
+    tracing = Tracing(TracingConfig("http://127.0.0.1:4317", 1.0, "gw"), spans)
+    metas = (
+        RequestMeta("/v1/completions", traceparent=CALLER, tracestate="k=v,l=w"),  # a remote parent
+        RequestMeta("/v1/completions"),  # a root
+    )
+    finished = _finished(tracing, spans, *metas)
+    assert [span.status.status_code for span in finished] == [StatusCode.ERROR, StatusCode.UNSET]
+    ours = SpanEncoder(finished[0].resource, finished[0].instrumentation_scope).encode(finished)
+    assert ours.SerializeToString(deterministic=True) == encode_spans(finished).SerializeToString(
+        deterministic=True
+    )
+
+
+def test_the_exporter_encodes_with_the_lean_encoder(spans: InMemorySpanExporter) -> None:
+    # The one difference the SDK's encoder does not share: a value this server never records fails.
+    resource, scope = Resource.create({}), InstrumentationScope(SCOPE_NAME)
+    exporter = OtlpSpanExporter("http://127.0.0.1:4317", resource, scope)
+    span = ReadableSpan(SPAN_NAME, SpanContext(1, 1, False), attributes={"list": ("a",)}, resource=resource)
+    assert encode_spans([span]).resource_spans  # the SDK's would encode it
+    with pytest.raises(TypeError, match="'list': tuple is not encoded"):
+        exporter.export([span])
+    exporter.shutdown()
