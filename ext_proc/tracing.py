@@ -8,11 +8,19 @@ and to the decode (a request header mutation), so engines that export their own 
 ``--otlp-traces-endpoint``) join the same trace. The caller's context is read for that alone: nothing of
 it reaches the decision.
 
-Sampling is the SDK's ``ParentBased(TraceIdRatioBased(sampling_ratio))``: a request without a sampled
-caller is kept at ``sampling_ratio``; a caller's sampled flag is honoured (docs/operations.md
-"Tracing"). An unsampled span records nothing and still sends its context (flag ``00``), so the engines
-drop theirs too. Spans leave in batches on the SDK's exporter thread (OTLP over gRPC); a collector that is
-down costs the exporter's retries there, never a request's time.
+Sampling is the SDK's ``ParentBased(TraceIdRatioBased(sampling_ratio))`` rule, with its ids
+(``RandomIdGenerator``) and trace flags: a request without a sampled caller is kept at
+``sampling_ratio``; a caller's sampled flag is honoured (docs/operations.md "Tracing"). An unsampled span
+records nothing and still sends its context (flag ``00``), so the engines drop theirs too.
+
+The cost per request is kept low (docs/benchmarks.md 13): a span is not the SDK's live ``Span`` (a lock,
+attribute validation and limits on every write, a processor call at its start) but its start time, its
+ids and a dict of the attributes already computed; at its end a sampled one becomes the SDK's
+``ReadableSpan``, handed to the SDK's ``BatchSpanProcessor`` (the public span-processor API). The spans
+leave in batches on the processor's exporter thread, OTLP over gRPC (:mod:`ext_proc.otlp`: the SDK's
+exporter with a leaner encoding); a collector that is down costs the exporter's retries there, never a
+request's time. The SDK's span limits (``OTEL_SPAN_ATTRIBUTE_*``) do not apply: a span holds at most the
+nine attributes named here, each a short value.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.sdk.trace.sampling import TraceIdRatioBased
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags
+from opentelemetry.trace import SpanContext, SpanKind, Status, StatusCode, TraceFlags, TraceState
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from ext_proc.affinity import Decision
@@ -59,27 +67,33 @@ _MODE, _PREFILL, _DECODE, _GROUP, _CROSS, _HITS, _QUEUE = ATTRIBUTES
 _PROPAGATOR = TraceContextTextMapPropagator()
 _ROOT = Context()
 _UNSET = Status(StatusCode.UNSET)
+_SAMPLED = TraceFlags.SAMPLED
 
 
 class RequestSpan:
     """One request's span, and the W3C trace context (:attr:`headers`) the engines are sent.
 
     ``headers``: ``traceparent`` (and the caller's ``tracestate``, if any) naming this span as the
-    parent. A sampled span keeps its start time and its attributes in plain values until :meth:`end`
-    hands the finished span (an SDK ``ReadableSpan``) to the batch processor; every method is a no-op
-    on attributes when the span is not sampled."""
+    parent. ``ids``: the span's trace id, span id and W3C trace flags; ``parent``: the caller's span
+    (``None``: a root), ``state`` its ``tracestate``. A sampled span keeps its start time and its
+    attributes in plain values until :meth:`end` hands the finished span (an SDK ``ReadableSpan``) to the
+    batch processor; every method is a no-op on attributes when the span is not sampled."""
 
-    __slots__ = ("_attributes", "_context", "_parent", "_start", "_status", "_tracing", "headers")
+    __slots__ = ("_attributes", "_ids", "_parent", "_start", "_state", "_status", "_tracing", "headers")
 
-    def __init__(self, tracing: Tracing, context: SpanContext, parent: SpanContext | None) -> None:
-        self._tracing, self._context, self._parent = tracing, context, parent
-        sampled = context.trace_flags & TraceFlags.SAMPLED
-        self._attributes: dict[str, str | bool | int | float] | None = {} if sampled else None
+    def __init__(
+        self,
+        tracing: Tracing,
+        ids: tuple[int, int, int],
+        parent: SpanContext | None,
+        state: TraceState | None,
+    ) -> None:
+        self._tracing, self._ids, self._parent, self._state = tracing, ids, parent, state
+        trace_id, span_id, flags = ids
+        self._attributes: dict[str, str | bool | int | float] | None = {} if flags & _SAMPLED else None
         self._start = time_ns()
         self._status = _UNSET
-        parent_header = f"00-{context.trace_id:032x}-{context.span_id:016x}-{context.trace_flags:02x}"
-        state = context.trace_state
-        self.headers = ((TRACEPARENT, parent_header),)
+        self.headers = ((TRACEPARENT, f"00-{trace_id:032x}-{span_id:016x}-{flags:02x}"),)
         if state:
             self.headers += ((TRACESTATE, state.to_header()),)
 
@@ -116,8 +130,10 @@ class RequestSpan:
     def end(self) -> None:
         """The request is over: a sampled span leaves with the exporter's next batch."""
         if self._attributes is not None:
+            trace_id, span_id, flags = self._ids
+            context = SpanContext(trace_id, span_id, False, TraceFlags(flags), self._state)
             self._tracing.finished(
-                self._context, self._parent, self._attributes, self._status, self._start, time_ns()
+                context, self._parent, self._attributes, self._status, self._start, time_ns()
             )
 
 
@@ -140,14 +156,14 @@ def otlp_exporter(endpoint: str, resource: Resource, scope: InstrumentationScope
 
 
 class Tracing:
-    """The sampler, ids and batch export of :class:`TracingConfig`: starts each request's :class:`RequestSpan`.
+    """The sampler, ids and batch export of :class:`TracingConfig`: starts each :class:`RequestSpan`.
 
     ``exporter``: where the batches go (default: OTLP over gRPC to ``otlp_endpoint``)."""
 
     def __init__(self, config: TracingConfig, exporter: SpanExporter | None = None) -> None:
         self._bound = TraceIdRatioBased(config.sampling_ratio).bound
         self._ids = RandomIdGenerator()
-        self._random = TraceFlags.RANDOM_TRACE_ID if self._ids.is_trace_id_random() else TraceFlags.DEFAULT
+        self._random = TraceFlags.RANDOM_TRACE_ID if self._ids.is_trace_id_random() else 0
         self._resource = Resource.create({SERVICE_NAME: config.service_name})
         self._scope = InstrumentationScope(SCOPE_NAME)
         if exporter is None:
@@ -170,12 +186,9 @@ class Tracing:
         if parent is None:
             trace_id = self._ids.generate_trace_id()
             sampled = (trace_id & TraceIdRatioBased.TRACE_ID_LIMIT) < self._bound
-            flags = self._random | (TraceFlags.SAMPLED if sampled else TraceFlags.DEFAULT)
-            context = SpanContext(trace_id, span_id, False, TraceFlags(flags))
-        else:
-            flags = parent.trace_flags & (TraceFlags.SAMPLED | TraceFlags.RANDOM_TRACE_ID)
-            context = SpanContext(parent.trace_id, span_id, False, TraceFlags(flags), parent.trace_state)
-        return RequestSpan(self, context, parent)
+            return RequestSpan(self, (trace_id, span_id, self._random | sampled), None, None)
+        flags = parent.trace_flags & (_SAMPLED | TraceFlags.RANDOM_TRACE_ID)
+        return RequestSpan(self, (parent.trace_id, span_id, flags), parent, parent.trace_state)
 
     def finished(
         self,

@@ -17,8 +17,8 @@ from opentelemetry.trace import SpanContext, StatusCode
 
 from ext_proc.checks import ConfigError
 from ext_proc.envoy_messages import HeadersMeta
-from ext_proc.outcome import Refused, RequestMeta
 from ext_proc.otlp import OtlpSpanExporter, SpanEncoder
+from ext_proc.outcome import Refused, RequestMeta
 from ext_proc.tracing import SCOPE_NAME, SPAN_NAME, Tracing
 from ext_proc.tracing_config import TracingConfig
 
@@ -148,3 +148,33 @@ def test_the_exporter_encodes_with_the_lean_encoder(spans: InMemorySpanExporter)
     with pytest.raises(TypeError, match="'list': tuple is not encoded"):
         exporter.export([span])
     exporter.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("traceparent", "flags", "recorded"),
+    [
+        (None, "03", True),  # a root at ratio 1: sampled, and the SDK's random-trace-id flag
+        ("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00", "00", False),  # the caller's "no"
+        ("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-03", "03", True),  # its flags carried
+        ("00-00000000000000000000000000000000-00f067aa0ba902b7-01", "03", True),  # invalid: a new root
+    ],
+)
+def test_the_sdks_sampling_rule_and_flags(
+    spans: InMemorySpanExporter, traceparent: str | None, flags: str, recorded: bool
+) -> None:
+    tracing = Tracing(TracingConfig("http://127.0.0.1:4317", 1.0), spans)
+    span = tracing.start(RequestMeta("/v1/completions", traceparent=traceparent))
+    ((_, value),) = span.headers
+    version, trace_id, span_id, sent_flags = value.split("-")
+    assert (version, sent_flags) == ("00", flags)
+    span.end()
+    tracing.shutdown()
+    finished = spans.get_finished_spans()
+    assert len(finished) == recorded
+    if traceparent is not None and "4bf92f" in traceparent:
+        assert trace_id == "4bf92f3577b34da6a3ce929d0e0e4736"
+    for span_data in finished:
+        assert (f"{span_data.context.trace_id:032x}", f"{span_data.context.span_id:016x}") == (
+            trace_id,
+            span_id,
+        )
