@@ -138,8 +138,9 @@ class RequestSpan:
 
 
 def otlp_exporter(endpoint: str, resource: Resource, scope: InstrumentationScope) -> SpanExporter:
-    """The OTLP gRPC span exporter to ``endpoint`` (:class:`ext_proc.otlp.OtlpSpanExporter`), imported
-    only when tracing is on; its spans are all of ``resource`` and ``scope``.
+    """The OTLP gRPC span exporter to ``endpoint``, imported only when tracing is on.
+
+    :class:`ext_proc.otlp.OtlpSpanExporter`: its spans are all of ``resource`` and ``scope``.
 
     Raises :class:`ConfigError` naming the repair when the OpenTelemetry protos on disk are not
     ``opentelemetry-proto``'s: ``xds-protos`` ships an older copy of the same files, and whichever of the
