@@ -197,6 +197,13 @@ async def test_an_adapters_requests_stay_on_the_engines_serving_it_and_the_kv_mo
                 engine = cluster.engine(address)
                 assert received_adapters(engine.log_since(logs[address])) == [adapter], engine.spec.name
 
+        lora_info = {
+            cluster.engine(a).spec.name: sorted(k for k in page if k.startswith("vllm:lora_requests_info"))
+            for a, page in (await snapshot(cluster, session)).items()
+            if cluster.group_of(a) == adapter_group
+        }
+        print(f"\nvLLM's adapter signal after {adapter}'s requests: {lora_info}", flush=True)
+
         groups = set()
         for _ in range(4):
             before = await snapshot(cluster, session)
