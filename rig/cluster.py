@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,7 +34,7 @@ import aiohttp
 
 from rig.attention import AttentionPath, probe_attention
 from rig.engine import BLOCK_TOKENS, KV_CACHE_GIB, MODEL_NAME, Engine, EngineError, EngineSpec, start_engine
-from rig.model import KV_BYTES_PER_TOKEN, write_tiny_llama
+from rig.model import KV_BYTES_PER_TOKEN, lora_folder, write_lora_adapter, write_tiny_llama
 from rig.venv import VllmUnavailable, venv_python
 from sim.cluster_process import EngineInfo, write_cluster_eds
 from sim.gateway import free_port
@@ -217,16 +218,27 @@ async def transfer(session: aiohttp.ClientSession, prefill: Engine, decode: Engi
 
 
 async def start_vllm_cluster(
-    groups: list[str], workdir: Path, kv_load_failure_policy: str = "fail"
+    groups: list[str],
+    workdir: Path,
+    kv_load_failure_policy: str = "fail",
+    adapters: Mapping[str, tuple[str, ...]] | None = None,
+    otlp_traces_endpoint: str | None = None,
 ) -> VllmCluster:
     """One prefill and one decode engine per pdGroupID of ``groups``, started and waited for.
 
-    ``kv_load_failure_policy`` on the decodes; logs under ``workdir``. Raises
-    :class:`~rig.venv.VllmUnavailable` (no environment, too little memory) or
-    :class:`~rig.engine.EngineError`; nothing is left running then."""
+    ``kv_load_failure_policy`` on the decodes; both engines of group ``g`` serve the LoRA adapters
+    ``adapters[g]`` (none when absent); every engine exports its spans to ``otlp_traces_endpoint`` when
+    given. Logs under ``workdir``. Raises :class:`~rig.venv.VllmUnavailable` (no environment, too little
+    memory) or :class:`~rig.engine.EngineError`; nothing is left running then."""
     specs = [
         EngineSpec(
-            role, group, free_port(), free_port(), kv_load_failure_policy if role == "decode" else "fail"
+            role,
+            group,
+            free_port(),
+            free_port(),
+            kv_load_failure_policy if role == "decode" else "fail",
+            adapters=(adapters or {}).get(group, ()),
+            otlp_traces_endpoint=otlp_traces_endpoint,
         )
         for group in groups
         for role in ("prefill", "decode")
@@ -237,13 +249,16 @@ async def start_vllm_cluster(
 async def start_engines(specs: list[EngineSpec], workdir: Path) -> VllmCluster:
     """The engines of ``specs``, started at once and waited for.
 
-    Logs and the model under ``workdir``. Raises :class:`~rig.venv.VllmUnavailable` (no environment, too
-    little memory) or :class:`~rig.engine.EngineError`; nothing is left running then."""
+    Logs, the model and the adapters the specs name under ``workdir``. Raises
+    :class:`~rig.venv.VllmUnavailable` (no environment, too little memory) or
+    :class:`~rig.engine.EngineError`; nothing is left running then."""
     python = venv_python()
     if python is None:
         raise VllmUnavailable("vLLM for CPU is not installed: run `make vllm-env` (about 3.7 GB, 10-15 min)")
     check_memory(sum(s.data_parallel_size for s in specs))  # each rank an engine core of its own
     model = write_tiny_llama(workdir / "model")
+    for name in sorted({name for spec in specs for name in spec.adapters}):
+        write_lora_adapter(lora_folder(model, name), model)
     running: dict[str, Engine] = {}
     probe = asyncio.create_task(probe_attention(python))
     try:
@@ -271,13 +286,20 @@ async def start_engines(specs: list[EngineSpec], workdir: Path) -> VllmCluster:
     return VllmCluster(infos, running, workdir, python, model, attention)
 
 
-async def start_vllm_stack(groups: list[str], kv_load_failure_policy: str = "fail") -> Stack:
+async def start_vllm_stack(
+    groups: list[str],
+    kv_load_failure_policy: str = "fail",
+    adapters: Mapping[str, tuple[str, ...]] | None = None,
+    otlp_traces_endpoint: str | None = None,
+) -> Stack:
     """A vLLM cluster as a :class:`~sim.stack.Stack`: EDS files written, every pair warmed up.
 
-    The cluster is :func:`start_vllm_cluster`'s; no gateway yet: :meth:`~sim.stack.Stack.route_with`
-    starts one."""
+    The cluster is :func:`start_vllm_cluster`'s (with the same arguments); no gateway yet:
+    :meth:`~sim.stack.Stack.route_with` starts one."""
     workdir = Path(tempfile.mkdtemp(prefix="pd-vllm-"))
-    cluster = await start_vllm_cluster(groups, workdir, kv_load_failure_policy)
+    cluster = await start_vllm_cluster(
+        groups, workdir, kv_load_failure_policy, adapters, otlp_traces_endpoint
+    )
     prefill_eds, decode_eds = workdir / "prefill.json", workdir / "decode.json"
     try:
         write_cluster_eds(cluster.engines, prefill_eds, decode_eds)

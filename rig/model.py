@@ -6,11 +6,18 @@
 smaller head dim), two layers, in :data:`DTYPE`, and a word-level tokenizer over :data:`WORDS`.
 Text is nonsense; token counts are exact, which is what routing and KV-transfer tests need: a prompt
 of ``n`` words from :func:`prompt` is ``n`` tokens (plus the beginning-of-sequence token vLLM adds).
+
+:func:`write_lora_adapter` writes a LoRA adapter of that model (PEFT's folder layout: a rank
+:data:`LORA_RANK` ``q_proj``/``v_proj`` adapter in ``adapter_config.json`` and
+``adapter_model.safetensors``, written by hand), which vLLM serves with ``--enable-lora --lora-modules
+NAME=FOLDER``.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import struct
 from pathlib import Path
 
 WORDS = tuple(f"w{i}" for i in range(1000))
@@ -40,6 +47,11 @@ CHAT_TEMPLATE = (
 """Roles and contents joined by spaces: every word of a chat is one token (``user``, ``:`` and
 ``assistant`` are in the vocabulary too)."""
 _CHAT_WORDS = ("user", "assistant", "system", ":")
+LORA_RANK = 8
+"""The adapters' rank (the engines' ``--max-lora-rank``)."""
+LORA_TARGETS = ("q_proj", "v_proj")
+"""The attention projections the adapters change: both map ``HIDDEN_SIZE`` to ``HIDDEN_SIZE`` (as many
+query as key-value heads)."""
 
 
 def vocabulary() -> dict[str, int]:
@@ -128,4 +140,56 @@ def write_tiny_llama(folder: Path) -> Path:
         ("generation_config.json", generation),
     ):
         (folder / name).write_text(json.dumps(content, indent=1), encoding="utf-8")
+    return folder
+
+
+def lora_folder(model: Path, name: str) -> Path:
+    """Where the adapter ``name`` of the model folder ``model`` is written: beside it."""
+    return model.parent / f"lora-{name}"
+
+
+def _safetensors(tensors: dict[str, tuple[tuple[int, ...], list[float]]]) -> bytes:
+    """``tensors`` (name → (shape, values in row-major order)) as a float32 safetensors file.
+
+    The format: the JSON header's length (8 bytes, little-endian), the header (each tensor's dtype, shape
+    and byte offsets into the data), then the data."""
+    header: dict[str, object] = {}
+    data = bytearray()
+    for name, (shape, values) in tensors.items():
+        assert len(values) == math.prod(shape), name
+        start = len(data)
+        data += struct.pack(f"<{len(values)}f", *values)
+        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [start, len(data)]}
+    encoded = json.dumps(header).encode()
+    return struct.pack("<Q", len(encoded)) + encoded + bytes(data)
+
+
+def write_lora_adapter(folder: Path, base: Path, seed: int = 1) -> Path:
+    """Write a LoRA adapter of the model in ``base`` into ``folder``; return it.
+
+    Rank :data:`LORA_RANK` on :data:`LORA_TARGETS` of every layer, its weights small deterministic values
+    from ``seed`` (``lora_A``: rank x in, ``lora_B``: out x rank, PEFT's names)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": str(base),
+        "r": LORA_RANK,
+        "lora_alpha": 2 * LORA_RANK,
+        "lora_dropout": 0.0,
+        "target_modules": list(LORA_TARGETS),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "modules_to_save": None,
+    }
+    tensors = {}
+    for layer in range(LAYERS):
+        for target in LORA_TARGETS:
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{target}"
+            for matrix, shape in (("lora_A", (LORA_RANK, HIDDEN_SIZE)), ("lora_B", (HIDDEN_SIZE, LORA_RANK))):
+                count = math.prod(shape)
+                values = [((seed * 7919 + i * 31) % 201 - 100) / 10_000 for i in range(count)]
+                tensors[f"{prefix}.{matrix}.weight"] = (shape, values)
+    (folder / "adapter_config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
+    (folder / "adapter_model.safetensors").write_bytes(_safetensors(tensors))
     return folder

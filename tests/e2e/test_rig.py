@@ -28,9 +28,21 @@ from rig.engine import (
     engine_command,
     engine_environment,
     parse_metrics,
+    received_adapters,
     start_engine,
 )
-from rig.model import DTYPE, WORDS, prompt, vocabulary, write_tiny_llama
+from rig.model import (
+    DTYPE,
+    HIDDEN_SIZE,
+    LAYERS,
+    LORA_RANK,
+    WORDS,
+    lora_folder,
+    prompt,
+    vocabulary,
+    write_lora_adapter,
+    write_tiny_llama,
+)
 from rig.venv import VllmUnavailable
 from sim.cluster_process import EngineInfo, write_cluster_eds
 from sim.gateway import free_port
@@ -115,6 +127,58 @@ def test_an_engine_of_several_data_parallel_ranks_starts_them_behind_one_server_
     info = EngineInfo(spec.address, spec.role, spec.group, capacity(spec), data_parallel_size=2)
     write_cluster_eds([info], tmp_path / "p.json", tmp_path / "d.json")
     assert load_eds_file(tmp_path / "d.json").endpoints[0].data_parallel_size == 2
+
+
+def test_a_lora_adapter_is_written_in_peft_layout_and_served_with_its_own_rank(tmp_path):
+    """The adapter's safetensors file, read back by its format: header length, JSON header, float32 data."""
+    model = write_tiny_llama(tmp_path / "model")
+    folder = write_lora_adapter(lora_folder(model, "ad1"), model)
+    assert folder == tmp_path / "lora-ad1"
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert (config["peft_type"], config["r"], config["target_modules"]) == (
+        "LORA",
+        LORA_RANK,
+        ["q_proj", "v_proj"],
+    )
+    blob = (folder / "adapter_model.safetensors").read_bytes()
+    length = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8 : 8 + length])
+    assert len(header) == LAYERS * 2 * 2
+    a = header["base_model.model.model.layers.1.self_attn.v_proj.lora_A.weight"]
+    b = header["base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"]
+    assert (a["dtype"], a["shape"], b["shape"]) == ("F32", [LORA_RANK, HIDDEN_SIZE], [HIDDEN_SIZE, LORA_RANK])
+    assert max(t["data_offsets"][1] for t in header.values()) == len(blob) - 8 - length
+
+    spec = EngineSpec("prefill", "rack-a", 8201, 5701, adapters=("ad1", "ad2"))
+    command = engine_command(Path("p"), model, spec, nice=0)
+    assert {"--enable-lora"} <= set(command) and command[command.index("--max-lora-rank") + 1] == "8"
+    modules = [command[i + 1] for i, arg in enumerate(command) if arg == "--lora-modules"]
+    assert modules == [f"ad1={tmp_path / 'lora-ad1'}", f"ad2={tmp_path / 'lora-ad2'}"]
+    assert "--enable-lora" not in engine_command(Path("p"), model, EngineSpec("prefill", "b", 1, 2), nice=0)
+
+
+def test_a_tracing_engine_exports_only_sampled_callers_spans_under_its_own_name(tmp_path):
+    spec = EngineSpec("decode", "rack-a", 8201, 5701, otlp_traces_endpoint="http://127.0.0.1:4317")
+    command = engine_command(Path("p"), tmp_path, spec, nice=0)
+    assert command[command.index("--otlp-traces-endpoint") + 1] == "http://127.0.0.1:4317"
+    env = engine_environment(spec, base={})
+    assert env["OTEL_SERVICE_NAME"] == "vllm-decode-rack-a-8201"
+    assert (env["OTEL_TRACES_SAMPLER"], env["OTEL_TRACES_SAMPLER_ARG"]) == ("parentbased_traceidratio", "0")
+    untraced = EngineSpec("decode", "rack-a", 8201, 5701)
+    assert "--otlp-traces-endpoint" not in engine_command(Path("p"), tmp_path, untraced, nice=0)
+    assert not any(k.startswith("OTEL_") for k in engine_environment(untraced, base={}))
+
+
+def test_an_engines_request_log_says_which_adapter_each_request_ran():
+    """vLLM's ``--enable-log-requests`` line for a request of the model, then of an adapter (abridged)."""
+    log = (
+        "(APIServer pid=1) INFO [request_logger.py:65] Received request cmpl-1-0: params: SamplingParams("
+        "n=1, max_tokens=1, extra_args={'kv_transfer_params': {}}), lora_request: None.\n"
+        "(APIServer pid=1) INFO [serving.py:226] Loaded new LoRA adapter: name 'ad1', path '/x/lora-ad1'\n"
+        "(APIServer pid=1) INFO [request_logger.py:65] Received request cmpl-2-0: params: SamplingParams(), "
+        "lora_request: LoRARequest(lora_name='ad1', lora_int_id=1, lora_path='/x/lora-ad1').\n"
+    )
+    assert received_adapters(log) == [None, "ad1"]
 
 
 def test_metrics_are_keyed_by_name_and_labels_without_engine_and_model():

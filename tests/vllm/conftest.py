@@ -1,7 +1,9 @@
 """The real-engine suite (``make test-vllm``): one cluster of real vLLM engines for the module using it.
 
 Two pdGroups, ``rack-a`` and ``rack-b``, each a NixlConnector prefill and decode (4 engines,
-:mod:`rig.cluster`), every pair warmed up before the first test that asks for it (``vllm_stack``) and
+:mod:`rig.cluster`), ``rack-a``'s also serving the LoRA adapter :data:`ADAPTER`, every engine exporting
+its traced requests' spans to one loopback OTLP port (nothing listens there but the tracing test's
+collector), every pair warmed up before the first test that asks for it (``vllm_stack``) and
 stopped after the module's last. The tests route through the shipped Envoy bootstrap and
 ``pd-extproc serve --handoff kv-transfer-params`` started by :meth:`sim.stack.Stack.route_with`. A
 test that kills an engine starts it again before it ends, so every such test begins with four live,
@@ -27,9 +29,13 @@ import aiohttp
 import pytest
 
 from rig.cluster import VllmCluster, start_vllm_stack
+from sim.gateway import free_port
 from sim.stack import Stack
 
 GROUPS = ["rack-a", "rack-b"]
+ADAPTER = "ad1"
+ADAPTER_GROUP = "rack-a"
+"""The LoRA adapter the engines of :data:`ADAPTER_GROUP` serve besides the model (the others do not)."""
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -42,7 +48,10 @@ def pytest_configure(config: pytest.Config) -> None:
 def vllm_stack() -> Iterator[Stack]:
     """The module's cluster as a :class:`~sim.stack.Stack` (no gateway until a test routes)."""
     started = time.monotonic()
-    stack = asyncio.run(start_vllm_stack(GROUPS))
+    traces = f"http://127.0.0.1:{free_port()}"  # the tracing test's collector listens there
+    stack = asyncio.run(
+        start_vllm_stack(GROUPS, adapters={ADAPTER_GROUP: (ADAPTER,)}, otlp_traces_endpoint=traces)
+    )
     cluster = stack.cluster
     assert isinstance(cluster, VllmCluster)
     print(

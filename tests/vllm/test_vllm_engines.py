@@ -6,6 +6,11 @@ one prefill (``vllm:prompt_tokens_by_source_total{source=local_compute}``), its 
 computed locally), and the two are in the same pdGroupID group. Faults are real: engines killed
 with SIGKILL (their whole process group, as a lost node) or frozen with SIGSTOP. After each test
 pd-extproc holds no load.
+
+``rack-a``'s two engines also serve a LoRA adapter (``rack-b``'s do not; ``conftest.ADAPTER``):
+its requests stay in ``rack-a`` by the engines' own ``GET /v1/models``, prefill and decode both running
+it. Every engine exports its request spans (``--otlp-traces-endpoint``) to the OTLP port the tracing
+test listens on; an untraced request records none.
 """
 
 from __future__ import annotations
@@ -25,9 +30,10 @@ from polling import until
 from prometheus_client.parser import text_string_to_metric_families
 
 from rig.cluster import VllmCluster
-from rig.engine import MODEL_NAME, Engine
+from rig.engine import MODEL_NAME, Engine, received_adapters
 from rig.model import prompt
 from sim.stack import Stack
+from standins.otlp import OtlpReceiver
 
 pytestmark = pytest.mark.timeout(900)  # the first test waits for four engines to start (1-4 min)
 
@@ -76,27 +82,29 @@ async def pd_extproc_counter(admin_url: str, name: str, **labels: str) -> float:
     )
 
 
-async def ask(url: str, api: str, stream: bool, text: str, max_tokens: int = 4) -> str:
-    """One request through the gateway with the OpenAI SDK; the generated text."""
+async def ask(
+    url: str, api: str, stream: bool, text: str, max_tokens: int = 4, model: str = MODEL_NAME
+) -> str:
+    """One request for ``model`` through the gateway with the OpenAI SDK; the generated text."""
     async with openai.AsyncOpenAI(
         base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120
     ) as client:
         if api == "completions":
             if not stream:
-                answer = await client.completions.create(model=MODEL_NAME, prompt=text, max_tokens=max_tokens)
+                answer = await client.completions.create(model=model, prompt=text, max_tokens=max_tokens)
                 return answer.choices[0].text
             chunks = await client.completions.create(
-                model=MODEL_NAME, prompt=text, max_tokens=max_tokens, stream=True
+                model=model, prompt=text, max_tokens=max_tokens, stream=True
             )
             return "".join([c.choices[0].text async for c in chunks if c.choices])
         messages = [{"role": "user", "content": text}]
         if not stream:
             reply = await client.chat.completions.create(
-                model=MODEL_NAME, messages=messages, max_tokens=max_tokens
+                model=model, messages=messages, max_tokens=max_tokens
             )
             return reply.choices[0].message.content or ""
         deltas = await client.chat.completions.create(
-            model=MODEL_NAME, messages=messages, max_tokens=max_tokens, stream=True
+            model=model, messages=messages, max_tokens=max_tokens, stream=True
         )
         return "".join([c.choices[0].delta.content or "" async for c in deltas if c.choices])
 
@@ -145,6 +153,111 @@ async def test_completions_and_chat_streamed_or_not_move_the_kv_inside_the_group
             pairs.append((prefill, decode))
         assert await wait_idle(session, vllm_stack.admin_url) == []
     assert len({p for p, _ in pairs}) == 2, f"both groups' prefills take turns: {pairs}"
+
+
+async def test_an_adapters_requests_stay_on_the_engines_serving_it_and_the_kv_moves_with_it(vllm_stack):
+    """Only ``rack-a``'s engines serve the adapter, as their own ``GET /v1/models`` says (no EDS
+    declaration): its requests (completions, a streamed chat) are prefilled and decoded there, both
+    engines running the adapter, the
+    KV pulled over NIXL as for the base model, which still goes to both groups; a model no engine
+    serves is a 404."""
+    cluster = cluster_of(vllm_stack)
+    ((adapter, adapter_group),) = {
+        (n, e.spec.group) for e in cluster.running.values() for n in e.spec.adapters
+    }
+    engine_models = {"engine_metrics": {"enabled": True, "models_interval_seconds": 0.5}}
+    url = await vllm_stack.route_with("prefer", handoff=KV, pd_threshold_tokens=0, config=engine_models)
+    admin = vllm_stack.admin_url
+    async with engines_session() as session:
+
+        async def rows() -> list[dict]:
+            async with session.get(f"{admin}/debug/endpoints") as response:
+                return await response.json()
+
+        async def every_list_known() -> bool:
+            return all(row["models"] is not None for row in await rows())
+
+        await until(every_list_known, every=0.2)
+        for row in await rows():
+            assert row["models_from"] == "engine"
+            served = {m["id"]: m["parent"] for m in row["models"]}
+            in_group = cluster.group_of(row["address"]) == adapter_group
+            assert served == ({MODEL_NAME: None, adapter: MODEL_NAME} if in_group else {MODEL_NAME: None})
+        async with session.get(f"{url}/v1/models") as response:
+            listed = [(m["id"], m["parent"]) for m in (await response.json())["data"]]
+        assert listed == [(adapter, MODEL_NAME), (MODEL_NAME, None)]
+
+        for api, stream in [("completions", False), ("chat", True)]:
+            before = await snapshot(cluster, session)
+            logs = {a: e.log_size() for a, e in cluster.running.items()}
+            text = await ask(url, api, stream, fresh_prompt(), model=adapter)
+            assert text.strip(), f"{api} stream={stream}: no text"
+            prefill, decode = await served_in_group(cluster, session, before)
+            assert cluster.group_of(prefill) == cluster.group_of(decode) == adapter_group
+            for address in (prefill, decode):  # each ran its request (the leg, the decode) with the adapter
+                engine = cluster.engine(address)
+                assert received_adapters(engine.log_since(logs[address])) == [adapter], engine.spec.name
+
+        lora_info = {
+            cluster.engine(a).spec.name: sorted(k for k in page if k.startswith("vllm:lora_requests_info"))
+            for a, page in (await snapshot(cluster, session)).items()
+            if cluster.group_of(a) == adapter_group
+        }
+        print(f"\nvLLM's adapter signal after {adapter}'s requests: {lora_info}", flush=True)
+
+        groups = set()
+        for _ in range(4):
+            before = await snapshot(cluster, session)
+            assert (await ask(url, "completions", False, fresh_prompt())).strip()
+            prefill, decode = await served_in_group(cluster, session, before)
+            groups.add(cluster.group_of(prefill))
+        assert len(groups) == 2, "the base model is served by both groups"
+
+        with pytest.raises(openai.NotFoundError) as missing:
+            await ask(url, "chat", False, fresh_prompt(), model="not-an-adapter")
+        assert missing.value.code == "model_not_found"
+        assert await wait_idle(session, admin) == []
+    assert await pd_extproc_counter(admin, "pd_extproc_model_requests_total", model=adapter) == 2
+
+
+async def test_one_trace_holds_the_gateways_span_and_both_engines_spans(vllm_stack, monkeypatch):
+    """pd-extproc traced, the engines exporting to the same collector: one request through Envoy is
+    one trace, the gateway's span and an ``llm_request`` span of the prefill it chose and of the decode,
+    both children of the gateway's span (the context both legs carry)."""
+    cluster = cluster_of(vllm_stack)
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")  # pd-extproc's batch delay, ms (default 5 s)
+    endpoint = cluster.of_role("prefill")[0].spec.otlp_traces_endpoint
+    assert endpoint is not None
+    receiver = await OtlpReceiver().start(int(endpoint.rsplit(":", 1)[1]))
+    try:
+        traced = {"tracing": {"otlp_endpoint": receiver.endpoint, "sampling_ratio": 1.0}}
+        url = await vllm_stack.route_with("prefer", handoff=KV, pd_threshold_tokens=0, config=traced)
+        async with engines_session() as session:
+            before = await snapshot(cluster, session)
+            assert (await ask(url, "chat", True, fresh_prompt())).strip()
+            prefill, decode = await served_in_group(cluster, session, before)
+            await until(lambda: len(receiver.spans) >= 3)
+            assert await wait_idle(session, vllm_stack.admin_url) == []
+    finally:
+        await receiver.stop()
+    (gateway,) = [s for s in receiver.spans if s.service == "pd-extproc"]
+    engines = {s.service: s for s in receiver.spans if s is not gateway}
+    assert sorted(engines) == sorted(f"vllm-{cluster.engine(a).spec.name}" for a in (prefill, decode))
+    assert gateway.parent_span_id == ""  # the client sent no traceparent: the gateway's span is the root
+    assert (gateway.attributes["pd_extproc.prefill"], gateway.attributes["pd_extproc.decode"]) == (
+        prefill,
+        decode,
+    )
+    for span in engines.values():
+        assert span.name == "llm_request" and span.kind == 2  # SERVER
+        assert (span.trace_id, span.parent_span_id) == (gateway.trace_id, gateway.span_id)
+    print(
+        f"\none trace {gateway.trace_id}: "
+        + "; ".join(
+            f"{s.service} {s.name} {s.span_id} <- {s.parent_span_id or 'root'}" for s in receiver.spans
+        ),
+        flush=True,
+    )
 
 
 async def test_a_client_abort_during_the_prefill_leg_cancels_it_and_forwards_nothing(vllm_stack):
