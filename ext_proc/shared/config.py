@@ -84,7 +84,9 @@ class SharedStateConfig:
     sends all its bookings (and checks its peers); ``peer_timeout_seconds``: a peer silent this long has
     its bookings dropped; ``batch_seconds``: how long a booking waits to travel with the next ones (0:
     the next turn of the event loop); ``sync_wait_seconds``: how long a starting replica waits for its
-    peers' state before it answers requests (it answers anyway after that)."""
+    peers' state before it answers requests (it answers anyway after that). ``decision_slot_ms``: the
+    replicas take turns to decide, each in slots of this many milliseconds (:mod:`ext_proc.shared.slots`;
+    0: off, every replica decides at once); needs wall clocks in step (NTP) to well within half a slot."""
 
     kind: SharedStateKind = SharedStateKind.LOCAL
     nats: NatsConfig = field(default_factory=NatsConfig)
@@ -92,6 +94,7 @@ class SharedStateConfig:
     peer_timeout_seconds: float = 5.0
     batch_seconds: float = 0.001
     sync_wait_seconds: float = 1.0
+    decision_slot_ms: float = 0.0
 
     def check(self) -> None:
         """Raise :class:`ConfigError` naming the first key out of range."""
@@ -107,6 +110,7 @@ class SharedStateConfig:
         )
         in_range(f"{key}.batch_seconds", self.batch_seconds, 0, 1)
         in_range(f"{key}.sync_wait_seconds", self.sync_wait_seconds, 0, 60)
+        in_range(f"{key}.decision_slot_ms", self.decision_slot_ms, 0, 50)
         nats = self.nats
         prefix = nats.subject_prefix
         if not prefix or any(c in prefix for c in " \t*>") or prefix.startswith(".") or prefix.endswith("."):

@@ -20,6 +20,7 @@ from ext_proc.registry import Registry
 from ext_proc.shared.config import SharedStateConfig, SharedStateKind
 from ext_proc.shared.replica import ReplicaState, SharingSink
 from ext_proc.shared.runner import Bus, SharedRunner
+from ext_proc.shared.slots import rank_of, slot_wait
 
 
 class SharedState(Protocol):
@@ -27,6 +28,10 @@ class SharedState(Protocol):
 
     def placed(self, chain: Chain, holders: Sequence[Holder]) -> None:
         """This replica placed the prompt of ``chain`` on ``holders``."""
+        ...
+
+    def decision_wait(self) -> float:
+        """Seconds a request waits for this replica's decision slot before it is routed (0.0: none)."""
         ...
 
     async def start(self) -> None:
@@ -48,6 +53,10 @@ class LocalState:
     def placed(self, chain: Chain, holders: Sequence[Holder]) -> None:
         """Nothing to tell: there are no peers."""
 
+    def decision_wait(self) -> float:
+        """No peers to take turns with: never waits."""
+        return 0.0
+
     async def start(self) -> None:
         """Nothing to connect to."""
 
@@ -67,6 +76,7 @@ class BusState:
     ) -> None:
         self.kind = kind
         self.replica = replica
+        self.slot_seconds = config.decision_slot_ms / 1000
         self.runner = SharedRunner(
             replica,
             bus,
@@ -80,6 +90,15 @@ class BusState:
     def placed(self, chain: Chain, holders: Sequence[Holder]) -> None:
         """Queue the placement of ``chain`` on ``holders`` for the next batch."""
         self.replica.placed(chain, holders)
+
+    def decision_wait(self) -> float:
+        """Seconds to this replica's next decision slot among itself and its live peers (:mod:`.slots`).
+
+        0.0 with ``decision_slot_ms`` 0 or no peer heard from; timed on the replica's wall clock."""
+        if not self.slot_seconds or not self.replica.peers.peers:
+            return 0.0
+        rank, count = rank_of(self.replica.name, self.replica.peers.peers)
+        return slot_wait(self.replica.wall(), rank, count, self.slot_seconds)
 
     async def start(self) -> None:
         """Connect, learn the peers' state and start the heartbeats (:meth:`SharedRunner.start`)."""
