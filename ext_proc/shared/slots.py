@@ -21,6 +21,10 @@ OPEN_SHARE = 0.5
 """The share of its slot in which a replica decides (the rest carries its bookings to its peers)."""
 
 
+SNAP = 1e-9
+"""A wait shorter than this (a slot starting now, up to the rounding of the modulo) is none."""
+
+
 def rank_of(name: str, peers: Iterable[str]) -> tuple[int, int]:
     """Replica ``name``'s rank among itself and ``peers`` (sorted by name), and how many they are."""
     names = sorted({name, *peers})
@@ -38,6 +42,7 @@ def slot_wait(now: float, rank: int, count: int, slot: float) -> float:
     cycle = slot * count
     start = (rank % count) * slot
     past = (now - start) % cycle  # seconds since this replica's slot last started
-    if past < slot * OPEN_SHARE:
+    wait = cycle - past
+    if past < slot * OPEN_SHARE or wait < SNAP:
         return 0.0
-    return cycle - past
+    return wait
