@@ -106,8 +106,9 @@ class SharedReplicas(Replicas):
             self.states.append(shared)
 
     async def next_in_turn(self) -> PdExtproc:
-        """The next replica in turn, once its decision slot came (:meth:`Router.decision_turn
-        <ext_proc.router.Router.decision_turn>`, the shipped wait; at once with slots off)."""
+        """The next replica in turn, once its decision slot came (at once with slots off).
+
+        The wait is the shipped one, :meth:`Router.decision_turn <ext_proc.router.Router.decision_turn>`."""
         self._turn += 1
         replica = self.replicas[self._turn % len(self.replicas)]
         self.waits.append(await replica.router.decision_turn())

@@ -234,6 +234,7 @@ shared_state:
   peer_timeout_seconds: {{ include "pd-extproc.decimal" $s.peer_timeout_seconds }}
   batch_seconds: {{ include "pd-extproc.decimal" $s.batch_seconds }}
   sync_wait_seconds: {{ include "pd-extproc.decimal" $s.sync_wait_seconds }}
+  decision_slot_ms: {{ include "pd-extproc.decimal" $s.decision_slot_ms }}
   nats:
     url: {{ $s.nats.url | toJson }}
     creds_file: {{ $s.nats.creds_file | toJson }}
