@@ -228,13 +228,18 @@ class Router:
 
     def decision_wait(self) -> float:
         """Seconds a request would wait now for this replica's decision slot (0.0: none; ``shared_state``)."""
-        return self.live.shared.decision_wait()
+        return self.live.shared.decision_wait() or 0.0
 
     async def decision_turn(self) -> float:
         """Wait for this replica's decision slot (:mod:`ext_proc.shared.slots`); the seconds waited.
 
-        Without slots, at once (0.0). Cancelled with the request (its client left): nothing is charged yet."""
+        Without slots, at once (0.0); with them, the wait is recorded
+        (``pd_extproc_decision_slot_wait_seconds``). Cancelled with the request (its client left):
+        nothing is charged yet."""
         wait = self.live.shared.decision_wait()
+        if wait is None:
+            return 0.0
+        self.metrics.decision_slot_waited(wait)
         if wait > 0:
             await asyncio.sleep(wait)
         return wait

@@ -30,8 +30,10 @@ class SharedState(Protocol):
         """This replica placed the prompt of ``chain`` on ``holders``."""
         ...
 
-    def decision_wait(self) -> float:
-        """Seconds a request waits for this replica's decision slot before it is routed (0.0: none)."""
+    def decision_wait(self) -> float | None:
+        """Seconds a request waits for this replica's decision slot before it is routed.
+
+        ``None``: no slots (off, or no peer to take turns with); 0.0: this replica's slot is open."""
         ...
 
     async def start(self) -> None:
@@ -53,9 +55,9 @@ class LocalState:
     def placed(self, chain: Chain, holders: Sequence[Holder]) -> None:
         """Nothing to tell: there are no peers."""
 
-    def decision_wait(self) -> float:
-        """No peers to take turns with: never waits."""
-        return 0.0
+    def decision_wait(self) -> float | None:
+        """No peers to take turns with: no slots."""
+        return None
 
     async def start(self) -> None:
         """Nothing to connect to."""
@@ -91,12 +93,12 @@ class BusState:
         """Queue the placement of ``chain`` on ``holders`` for the next batch."""
         self.replica.placed(chain, holders)
 
-    def decision_wait(self) -> float:
+    def decision_wait(self) -> float | None:
         """Seconds to this replica's next decision slot among itself and its live peers (:mod:`.slots`).
 
-        0.0 with ``decision_slot_ms`` 0 or no peer heard from; timed on the replica's wall clock."""
+        ``None`` with ``decision_slot_ms`` 0 or no peer heard from; timed on the replica's wall clock."""
         if not self.slot_seconds or not self.replica.peers.peers:
-            return 0.0
+            return None
         rank, count = rank_of(self.replica.name, self.replica.peers.peers)
         return slot_wait(self.replica.wall(), rank, count, self.slot_seconds)
 

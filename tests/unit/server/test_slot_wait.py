@@ -54,6 +54,8 @@ async def test_a_request_waits_for_its_slot_in_the_stream_then_routes() -> None:
     assert sum(s.active_requests for s in router.registry.decodes) == 1
     stream.close()
     assert all(s.active_requests == 0 for s in router.registry.endpoints())
+    assert value(router, "pd_extproc_decision_slot_wait_seconds_count") == 1
+    assert value(router, "pd_extproc_decision_slot_wait_seconds_sum") == pytest.approx(0.03)
 
 
 async def test_without_a_wait_the_stream_routes_at_once() -> None:
@@ -63,6 +65,7 @@ async def test_without_a_wait_the_stream_routes_at_once() -> None:
     answers = stream.answer(body(chat(100)))
     assert isinstance(answers, tuple) and answers[0].WhichOneof("response") == "request_body"
     stream.close()
+    assert value(router, "pd_extproc_decision_slot_wait_seconds_count") == 0
 
 
 async def test_a_client_that_leaves_during_the_wait_leaves_no_load_and_its_slot_back() -> None:
@@ -78,3 +81,10 @@ async def test_a_client_that_leaves_during_the_wait_leaves_no_load_and_its_slot_
         await sent
     assert router.admission.inflight == 0 and value(router, "pd_extproc_inflight_requests") == 0
     assert all(s.active_requests == 0 and s.active_tokens == 0 for s in router.registry.endpoints())
+
+
+def test_no_slots_while_off_or_alone() -> None:
+    off = share(two_pair_router(), MemoryHub(), "a", CONFIG)
+    assert off.decision_wait() is None
+    alone = share(two_pair_router(), MemoryHub(), "a", replace(CONFIG, decision_slot_ms=10.0))
+    assert alone.decision_wait() is None  # no peer heard from: nothing to take turns with
