@@ -211,6 +211,8 @@ SETTINGS |= {
     )(SETTINGS[name])
     for name in (NEW, f"{NEW} x2", f"{NEW} x4", EVENTS, f"{EVENTS} x2", f"{EVENTS} x4", "oracle", "oracle x4")
 }
+SLOT_BATCH_SECONDS = 0.001
+"""``shared_state.batch_seconds`` of replicas with decision slots (the 20 ms default outlasts a half slot)."""
 SHARED = " shared"
 """The suffix of a setting whose replicas share their state over the real seam
 (:mod:`bench.shared_replicas`)."""
@@ -218,10 +220,12 @@ SHARED = " shared"
 
 def _shared(count: int, source: str) -> Callable[[float], Router]:
     """The router maker of ``count`` replicas on ``source`` (``NEW`` or ``EVENTS``) sharing their state
-    over the seam with a sync delay given in seconds (and decision slots of ``slot_ms``; 0: off)."""
+    over the seam with a sync delay given in seconds (and decision slots of ``slot_ms``, 0: off; with
+    slots, batches of :data:`SLOT_BATCH_SECONDS`, whose half slot must exceed them)."""
 
     def of(delay: float, slot_ms: float = 0.0) -> Router:
-        config = replace(SHARING, decision_slot_ms=slot_ms)
+        slotted = replace(SHARING, decision_slot_ms=slot_ms, batch_seconds=SLOT_BATCH_SECONDS)
+        config = slotted if slot_ms else SHARING
 
         def router(endpoints: list[Endpoint], engines: dict[str, Engine], model: AutoModel) -> SharedReplicas:
             if source == EVENTS:

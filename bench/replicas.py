@@ -21,7 +21,7 @@ settings:
   ``nats``) through a real nats-server on loopback (the one ``serve --workers`` starts,
   :func:`ext_proc.workers.start_private_nats`), started for the run and stopped after it;
 * ``2-replicas-shared-slots``: the same, the replicas taking turns to decide in 10 ms slots
-  (``shared_state.decision_slot_ms``).
+  (``shared_state.decision_slot_ms``, with ``batch_seconds`` 0.001, which half a slot must exceed).
 
 Reported per setting: decode load CV, cross-group KV share, decode TTFT p50, TTFT p90, errors; across
 seeds the median [min-max] and the median of per-seed ratios of the load CV and the TTFT p90 to
@@ -154,7 +154,8 @@ def _shared_state(setting: Setting) -> Iterator[dict[str, object] | None]:
     nats = start_private_nats(binary)
     try:
         nats_config = {"url": nats.url, "token": nats.token}
-        yield {"shared_state": {"kind": "nats", "nats": nats_config, "decision_slot_ms": setting.slot_ms}}
+        slotted = {"decision_slot_ms": setting.slot_ms, "batch_seconds": 0.001} if setting.slot_ms else {}
+        yield {"shared_state": {"kind": "nats", "nats": nats_config, **slotted}}
     finally:
         nats.stop()
 

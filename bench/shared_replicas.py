@@ -35,7 +35,7 @@ from sim.virtual import VirtualClock
 DEFAULT_SYNC_DELAY_SECONDS = 0.002
 """The replay's default sync delay (``--sync-delay-ms 2``)."""
 SHARING = replace(SharedStateConfig(), sync_wait_seconds=0.0)
-"""``shared_state`` at its defaults (1 s heartbeats, 5 s peer timeout, 1 ms batches), no sync wait."""
+"""``shared_state`` at its defaults (1 s heartbeats, 5 s peer timeout, 20 ms batches), no sync wait."""
 
 
 @dataclass

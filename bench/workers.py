@@ -358,17 +358,17 @@ async def measure(args: argparse.Namespace) -> dict:
         "loadavg_before": _loadavg(),
     }
     print("throughput:", flush=True)
-    specs = [
-        Spec("local1", 1, SERVE),
-        Spec("nats1", 1, NATS),
-        Spec("local2", 2, SEPARATE),
-        Spec("workers2", 2, SERVE),
-        Spec("workers4", 4, SERVE),
-        Spec("workers2_batch5ms", 2, SERVE, 0.005),
-        Spec("workers4_batch5ms", 4, SERVE, 0.005),
-    ]
+    specs = [Spec("local1", 1, SERVE), Spec("nats1", 1, NATS), Spec("local2", 2, SEPARATE)]
+    specs += [Spec(f"workers{n}", n, SERVE) for n in args.workers]
+    for batch in args.batches:
+        suffix = f"_batch{batch * 1000:g}ms"
+        specs.append(Spec(f"nats1{suffix}", 1, NATS, batch))
+        specs += [Spec(f"workers{n}{suffix}", n, SERVE, batch) for n in args.workers]
     async with _clusters(workdir, specs, args.server_cores, prefix=False) as clusters:
         results["throughput"] = await throughput(clusters, args.rounds, args.seconds, args.concurrency)
+    if not args.short:
+        results["loadavg_after"] = _loadavg()
+        return results
     print("short beside long:", flush=True)
     specs = [Spec("local1", 1, SERVE), Spec("workers2", 2, SERVE)]
     async with _clusters(workdir, specs, args.server_cores, prefix=True) as clusters:
@@ -401,7 +401,7 @@ def _print(results: dict) -> None:
         f"\n{'cluster':<10}{'alone p50':>11}{'alone p99':>11}{'beside p50':>12}{'beside p99':>12}"
         f"{'x alone':>9}"
     )
-    for name, row in results["short_beside_long"].items():
+    for name, row in results.get("short_beside_long", {}).items():
         alone, beside = row["alone"], row["beside"]
         print(
             f"{name:<10}{alone['p50_ms']:>11.2f}{alone['p99_ms']:>11.2f}{beside['p50_ms']:>12.2f}"
@@ -421,7 +421,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--concurrency", type=int, default=32, help="streams in flight in the throughput windows"
     )
-    parser.add_argument("--short", type=int, default=200, help="short requests per run")
+    parser.add_argument(
+        "--short", type=int, default=200, help="short requests per run (0: no short-beside-long runs)"
+    )
+    parser.add_argument(
+        "--workers",
+        type=lambda text: [int(n) for n in text.split(",")],
+        default=[2, 4],
+        help="the serve --workers N clusters, comma-separated (default 2,4)",
+    )
+    parser.add_argument(
+        "--batches",
+        type=lambda text: [float(b) for b in text.split(",") if b],
+        default=[0.001],
+        help="shared_state.batch_seconds of the extra nats1 and workersN clusters, comma-separated",
+    )
     parser.add_argument(
         "--long-streams", type=int, default=2, help="100k-token closed loops beside the short"
     )

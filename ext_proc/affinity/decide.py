@@ -112,6 +112,75 @@ def _tick(mask: NDArray[np.bool_], exact: bool) -> Keys:
     return mask.astype(np.float64) if exact else mask.astype(np.int64).astype(object)
 
 
+def prefill_utilisation(prefills: Pool[E], decodes: Pool[E], uncached: int | Ints, mode: Mode) -> Floats:
+    """Each prefill's utilisation with the request placed (``off``, ``prefer``, ``strict``).
+
+    Its tokens in flight (weighed by ``r(g)`` unless ``off``: docs/routing.md) plus the ``uncached``
+    prompt tokens it would compute, over its capacity: its key before credit."""
+    inflight = prefills.tokens
+    if mode is not _OFF and prefills.size:
+        inflight = inflight * prefills.share_ratios_in(decodes)
+    return (inflight + uncached) / prefills.capacity
+
+
+def endpoint_keys(
+    utilisation: Floats,
+    hits: Ints | None,
+    cpu: Ints | None,
+    lacking: NDArray[np.bool_] | None,
+    prompt: int,
+    policy: Policy,
+    exact: bool,
+) -> Keys:
+    """The key of each endpoint of one pool in ``off``, ``prefer`` and ``strict``, in ticks.
+
+    docs/routing.md "The exact rule": ``ticks(utilisation) - credit(hits)``, one tick more where
+    ``lacking`` (the request's adapter). Integral float64 when ``exact`` (the caller checked the
+    magnitudes), else Python ints."""
+    keys = _ticks(utilisation, exact) - _credit(hits, cpu, prompt, policy, exact)
+    return keys if lacking is None else keys + _tick(lacking, exact)
+
+
+def auto_wait(
+    prompt: int, u: Floats | float, dhits: Ints | int | None, lacks: Lacks | None, model: AutoModel
+) -> tuple[Floats | float, Ints | int]:
+    """``auto``'s per-decode terms ``(wait, lack)``.
+
+    The wait at each decode (``u``: its utilisation with the request placed; its adapter's load included
+    when it lacks it) and the prompt tokens it lacks."""
+    wait = model.wait_s(u)
+    if lacks is not None:
+        wait = wait + model.lora_load_s(lacks.decode)
+    return wait, prompt if dhits is None else prompt - dhits
+
+
+def auto_seconds(
+    wait: Floats,
+    lack: int | Ints,
+    priced: Ints,
+    pcpu: Ints | None,
+    dcpu: Ints | None,
+    lacks: Lacks | None,
+    model: AutoModel,
+) -> tuple[Floats, Floats, Floats]:
+    """``auto``'s costs in seconds, ``(prefill, S(d), C(d))`` (docs/routing.md "The exact rule").
+
+    ``wait``, ``lack``: :func:`auto_wait`'s; ``priced``: the tokens each prefill's cost is priced at
+    (a miss priced twice); ``pcpu``/``dcpu``: the hit tokens held only in a CPU tier (their load added);
+    ``lacks``: the prefills lacking the adapter pay its load (the decodes' is in ``wait``)."""
+    same_s = wait + lack * model.seconds_per_token(True)
+    cross_s = wait + lack * model.seconds_per_token(False)
+    prefill_s = model.prefill_s(priced)
+    if dcpu is not None:
+        dload = model.cpu_load_s(dcpu)
+        same_s, cross_s = same_s + dload, cross_s + dload
+    if pcpu is not None:
+        prefill_s = prefill_s + model.cpu_load_s(pcpu)
+    if lacks is not None:
+        prefill_s = prefill_s + model.lora_load_s(lacks.prefill)
+    return prefill_s, same_s, cross_s
+
+
 def choose(
     cost: Cost,
     prefills: Pool[E],
@@ -200,24 +269,15 @@ def _rank(
     prefill would compute; ``eligible`` (``strict``): the prefills whose group has a decode, ``None``
     when all have one. An endpoint in ``lacks`` ranks one tick behind (its key + 1)."""
     mode = policy.mode
-    weight = policy.prefix_weight
-    phits, dhits = (None, None) if hits is None else (hits.prefill, hits.decode)
-    inflight = prefills.tokens
-    if mode is not _OFF and prefills.size:  # the backlog in flight weighed by r(g) (docs/routing.md)
-        inflight = inflight * prefills.share_ratios_in(decodes)
-    pu = (inflight + uncached) / prefills.capacity
+    phits, dhits, pcpu, dcpu = (None, None, None, None) if hits is None else hits
+    pu = prefill_utilisation(prefills, decodes, uncached, mode)
     top = float(largest(u)) + (float(largest(pu)) if prefills.size else 0.0)
-    exact = top + 2.0 * weight + policy.bonus < _SAFE_U
-    pcpu, dcpu = (None, None) if hits is None else (hits.prefill_cpu, hits.decode_cpu)
-    dkey = _ticks(u, exact) - _credit(dhits, dcpu, prompt, policy, exact)
-    if lacks is not None:
-        dkey = dkey + _tick(lacks.decode, exact)
+    exact = top + 2.0 * policy.prefix_weight + policy.bonus < _SAFE_U
+    dkey = endpoint_keys(u, dhits, dcpu, None if lacks is None else lacks.decode, prompt, policy, exact)
     requests = decodes.requests
     if not prefills.size:
         return None, _top(dkey, want, tiebreak, requests)
-    keys = _ticks(pu, exact) - _credit(phits, pcpu, prompt, policy, exact)
-    if lacks is not None:
-        keys = keys + _tick(lacks.prefill, exact)
+    keys = endpoint_keys(pu, phits, pcpu, None if lacks is None else lacks.prefill, prompt, policy, exact)
     groups = len(decodes.groups)
     if mode is not _OFF:  # off: the decode does not depend on the prefill's group
         pair = np.empty(groups + 1, dtype=dkey.dtype)  # the last: a prefill group without decodes
@@ -272,10 +332,7 @@ def _choose_auto(
     endpoint).
     """
     model = policy.auto
-    wait = model.wait_s(u)
-    if lacks is not None:
-        wait = wait + model.lora_load_s(lacks.decode)
-    lack = prompt if dhits is None else prompt - dhits
+    wait, lack = auto_wait(prompt, u, dhits, lacks, model)
     if prefills.size == decodes.size == 1:
         first, ranked, margin = 0, [0], None
     else:
@@ -319,16 +376,7 @@ def _rank_auto(
     ``wait`` per decode (its adapter load included), ``lack`` the prompt tokens each decode lacks,
     ``priced`` the tokens each prefill's cost is priced at (a miss priced twice: docs/routing.md "The
     exact rule")."""
-    same_s = wait + lack * model.seconds_per_token(True)
-    cross_s = wait + lack * model.seconds_per_token(False)
-    prefill_s = model.prefill_s(priced)
-    if dcpu is not None:
-        dload = model.cpu_load_s(dcpu)
-        same_s, cross_s = same_s + dload, cross_s + dload
-    if pcpu is not None:
-        prefill_s = prefill_s + model.cpu_load_s(pcpu)
-    if lacks is not None:  # the decodes' loads are in ``wait``
-        prefill_s = prefill_s + model.lora_load_s(lacks.prefill)
+    prefill_s, same_s, cross_s = auto_seconds(wait, lack, priced, pcpu, dcpu, lacks, model)
     exact = max(largest(cross_s), largest(same_s), largest(prefill_s)) < _EXACT / 4 / _SCALE_F
     same_key, cross_key = _ticks(same_s, exact), _ticks(cross_s, exact)
     order, starts = decodes.group_order, decodes.group_starts

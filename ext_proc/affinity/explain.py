@@ -23,7 +23,15 @@ from typing import Generic, NamedTuple
 
 import numpy as np
 
-from ext_proc.affinity.decide import _credit, _ticks, choose, ticks
+from ext_proc.affinity.decide import (
+    _ticks,
+    auto_seconds,
+    auto_wait,
+    choose,
+    endpoint_keys,
+    prefill_utilisation,
+    ticks,
+)
 from ext_proc.affinity.model import Cost, Decision, E, Hits, Lacks, Mode, NoPair, Policy
 from ext_proc.affinity.pool import Pool
 
@@ -70,44 +78,26 @@ def _as_ints(keys: object, size: int) -> list[int]:
 def _keys(
     cost: Cost, prefills: Pool[E], decodes: Pool[E], policy: Policy, hits: Hits | None, lacks: Lacks | None
 ) -> tuple[list[int], list[int], list[int | None]]:
-    """``(prefill keys, decode keys in group, decode keys outside)`` in ticks, by the float operations
-    of ``choose`` in the same order (so the ticks are equal to the ones it compares)."""
+    """``(prefill keys, decode keys in group, decode keys outside)`` in ticks, by ``choose``'s own
+    functions (so the ticks are equal to the ones it compares)."""
     prompt = cost.prefill_tokens
     phits, dhits, pcpu, dcpu = (None, None, None, None) if hits is None else hits
     u = (decodes.tokens + cost.decode_tokens) / decodes.capacity
     uncached = prompt if phits is None else prompt - phits
     if policy.mode is Mode.AUTO and prefills.size:
         model = policy.auto
-        wait = model.wait_s(u)
-        if lacks is not None:
-            wait = wait + model.lora_load_s(lacks.decode)
-        lack = prompt if dhits is None else prompt - dhits
-        same_s = wait + lack * model.seconds_per_token(True)
-        cross_s = wait + lack * model.seconds_per_token(False)
-        prefill_s = model.prefill_s(prefills.tokens + uncached + uncached)
-        if dcpu is not None:
-            dload = model.cpu_load_s(dcpu)
-            same_s, cross_s = same_s + dload, cross_s + dload
-        if pcpu is not None:
-            prefill_s = prefill_s + model.cpu_load_s(pcpu)
-        if lacks is not None:
-            prefill_s = prefill_s + model.lora_load_s(lacks.prefill)
-        pkeys = _as_ints(_ticks(prefill_s, False), prefills.size)
+        wait, lack = auto_wait(prompt, u, dhits, lacks, model)
+        priced = prefills.tokens + uncached + uncached
+        prefill_s, same_s, cross_s = auto_seconds(wait, lack, priced, pcpu, dcpu, lacks, model)
         return (
-            pkeys,
+            _as_ints(_ticks(prefill_s, False), prefills.size),
             _as_ints(_ticks(same_s, False), decodes.size),
             list(_as_ints(_ticks(cross_s, False), decodes.size)),
         )
-    dkeys = _as_ints(_ticks(u, False) - _credit(dhits, dcpu, prompt, policy, False), decodes.size)
-    if lacks is not None:  # one tick behind
-        dkeys = [k + int(lacking) for k, lacking in zip(dkeys, lacks.decode.tolist(), strict=True)]
-    inflight = prefills.tokens
-    if policy.mode is not Mode.OFF and prefills.size:
-        inflight = inflight * prefills.share_ratios_in(decodes)
-    pu = (inflight + uncached) / prefills.capacity
-    pkeys = _as_ints(_ticks(pu, False) - _credit(phits, pcpu, prompt, policy, False), prefills.size)
-    if lacks is not None:
-        pkeys = [k + int(lacking) for k, lacking in zip(pkeys, lacks.prefill.tolist(), strict=True)]
+    pu = prefill_utilisation(prefills, decodes, uncached, policy.mode)
+    plack, dlack = (None, None) if lacks is None else (lacks.prefill, lacks.decode)
+    dkeys = _as_ints(endpoint_keys(u, dhits, dcpu, dlack, prompt, policy, False), decodes.size)
+    pkeys = _as_ints(endpoint_keys(pu, phits, pcpu, plack, prompt, policy, False), prefills.size)
     if policy.mode is Mode.STRICT:
         return pkeys, dkeys, [None] * decodes.size
     bonus = ticks(policy.bonus) if policy.mode is Mode.PREFER else 0

@@ -87,6 +87,8 @@ class BusState:
             config.heartbeat_seconds,
             config.batch_seconds,
             config.sync_wait_seconds,
+            config.sync_answer_seconds,
+            config.sync_max_waiting,
         )
 
     def placed(self, chain: Chain, holders: Sequence[Holder]) -> None:

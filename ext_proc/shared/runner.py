@@ -8,15 +8,16 @@ and whenever the bus (re)connects, and forgets silent peers at each heartbeat. N
 path waits for the bus: while it is down, batches are dropped (counted) and the heartbeat after the
 reconnection sends the whole state again.
 
-Sync requests are answered at most once per ``answer_seconds`` (:data:`SYNC_ANSWER_SECONDS`): the
-first after a quiet spell at once, the ones that arrive within ``answer_seconds`` of an answer
+Sync requests are answered at most once per ``answer_seconds`` (``shared_state.sync_answer_seconds``):
+the first after a quiet spell at once, the ones that arrive within ``answer_seconds`` of an answer
 together (coalesced: the state is built once and sent to each of their reply subjects) when that time
-is up, at most :data:`MAX_WAITING_ANSWERS` reply subjects at a time (beyond them a request is refused:
-not answered). So a flood of sync requests, a buggy or hostile peer asking again and again, costs each
-replica one answer built per ``answer_seconds``, sent once to each reply subject waiting, and never
-holds back a replica that starts: its answer comes within ``answer_seconds`` of its request, inside its
-``sync_wait_seconds``. Each request is counted by
-outcome (``sink.shared_sync_request``: ``answered``, ``coalesced``, ``refused``).
+is up, at most ``max_waiting`` (``shared_state.sync_max_waiting``) reply subjects at a time (beyond
+them a request is refused: not answered). So a flood of sync requests, a buggy or hostile peer asking
+again and again, costs each replica one answer built per ``answer_seconds``, sent once to each reply
+subject waiting, and never holds back a replica that starts: its answer comes within
+``answer_seconds`` of its request, inside its ``sync_wait_seconds`` (the configuration's check keeps
+the one within the other). Each request is counted by outcome (``sink.shared_sync_request``:
+``answered``, ``coalesced``, ``refused``).
 
 Faults never end a subscription nor the heartbeats: an exception while a peer's message is applied
 (``apply_error``), this replica's sync answer is built (``answer_error``) or one of its batches is
@@ -46,10 +47,6 @@ Handler = Callable[[bytes, str], None]
 """What a subscription calls with each message: its payload and its reply subject (``""``: none)."""
 SYNC_QUIET_SECONDS = 0.1
 """A starting replica stops waiting for sync answers once none came for this long (after the first)."""
-SYNC_ANSWER_SECONDS = 0.25
-"""A replica answers sync requests at most once per this many seconds (module docstring)."""
-MAX_WAITING_ANSWERS = 64
-"""Reply subjects waiting for the next answer at most (as many as the peers a replica hears from)."""
 
 
 class Bus(Protocol):
@@ -88,7 +85,8 @@ class SharedRunner:
         heartbeat_seconds: float,
         batch_seconds: float,
         sync_wait_seconds: float,
-        answer_seconds: float = SYNC_ANSWER_SECONDS,
+        answer_seconds: float,
+        max_waiting: int,
     ) -> None:
         self.replica = replica
         self.bus = bus
@@ -104,6 +102,7 @@ class SharedRunner:
         self._answered = asyncio.Event()
         self._last_answer = 0.0
         self._answer_seconds = answer_seconds
+        self._max_waiting = max_waiting
         self._next_answer = 0.0
         """When the next sync answer may go (the event loop's clock)."""
         self._waiting: dict[str, None] = {}
@@ -215,7 +214,7 @@ class SharedRunner:
             self._sink.shared_sync_request("answered")
             self._send_answer([reply])
             return
-        if reply not in self._waiting and len(self._waiting) >= MAX_WAITING_ANSWERS:
+        if reply not in self._waiting and len(self._waiting) >= self._max_waiting:
             self._sink.shared_sync_request("refused")
             if not self._refused:
                 self._refused = True

@@ -226,6 +226,8 @@ VALUE_SETS = {
             "shared_state": {
                 "kind": "nats",
                 "peer_timeout_seconds": 4,
+                "sync_answer_seconds": 0.5,
+                "sync_max_waiting": 16,
                 "nats": {"subject_prefix": "team.pool-a"},
             },
             "natsServer": {"enabled": True},
@@ -238,6 +240,8 @@ VALUE_SETS = {
             "shared_state.nats.subject_prefix": "team.pool-a",
             "shared_state.peer_timeout_seconds": 4.0,
             "shared_state.batch_seconds": 0.002,
+            "shared_state.sync_answer_seconds": 0.5,
+            "shared_state.sync_max_waiting": 16,
         },
     ),
 }

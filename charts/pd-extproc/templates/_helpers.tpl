@@ -235,6 +235,8 @@ shared_state:
   batch_seconds: {{ include "pd-extproc.decimal" $s.batch_seconds }}
   sync_wait_seconds: {{ include "pd-extproc.decimal" $s.sync_wait_seconds }}
   decision_slot_ms: {{ include "pd-extproc.decimal" $s.decision_slot_ms }}
+  sync_answer_seconds: {{ include "pd-extproc.decimal" $s.sync_answer_seconds }}
+  sync_max_waiting: {{ int64 $s.sync_max_waiting }}
   nats:
     url: {{ $s.nats.url | toJson }}
     creds_file: {{ $s.nats.creds_file | toJson }}

@@ -40,11 +40,11 @@ def _router() -> Router:
     )
 
 
-def _share(router: Router, hub: MemoryHub, name: str) -> BusState:
+def _share(router: Router, hub: MemoryHub, name: str, config: SharedStateConfig = CONFIG) -> BusState:
     replica = ReplicaState(
-        router.registry, lambda: router.live.prefix, router.metrics, CONFIG.peer_timeout_seconds, name
+        router.registry, lambda: router.live.prefix, router.metrics, config.peer_timeout_seconds, name
     )
-    shared = BusState("memory", replica, hub.bus(), CONFIG, router.metrics)
+    shared = BusState("memory", replica, hub.bus(), config, router.metrics)
     router.live.shared = shared
     return shared
 

@@ -7,17 +7,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 
 import pytest
 from test_replicas import CONFIG, _body, _peer, _route, _router, _share, _turns
 
 from ext_proc.router import Router
 from ext_proc.shared import wire
-from ext_proc.shared.runner import MAX_WAITING_ANSWERS, SYNC_ANSWER_SECONDS, MemoryBus, MemoryHub
+from ext_proc.shared.runner import MemoryBus, MemoryHub
 
 DROPPED = "pd_extproc_shared_messages_dropped_total"
 SYNC = "pd_extproc_shared_sync_requests_total"
 SYNC_SUBJECT, INBOX = "pd-extproc.sync", "pd-extproc.inbox.flooder"
+FLOODED = replace(CONFIG, sync_answer_seconds=0.1, sync_max_waiting=8)
+"""The answer window and the waiting cap the flood tests configure (not the defaults: the keys are read)."""
+SYNC_ANSWER_SECONDS, MAX_WAITING_ANSWERS = FLOODED.sync_answer_seconds, FLOODED.sync_max_waiting
 
 
 def _sample(router: Router, name: str, **labels: str) -> float:
@@ -139,7 +143,7 @@ def _batches(got: list[bytes]) -> int:
 async def test_a_flood_of_sync_requests_gets_one_answer_per_window() -> None:
     hub = MemoryHub()
     a = _router()
-    shared = _share(a, hub, "a")
+    shared = _share(a, hub, "a", FLOODED)
     await shared.start()
     flooder, got = await _flooder(hub)
     request = wire.encode_sync_request(wire.SyncRequest("flooder"))
@@ -163,7 +167,7 @@ async def test_sync_requests_beyond_the_waiting_cap_are_refused_and_counted(
 ) -> None:
     hub = MemoryHub()
     a = _router()
-    shared = _share(a, hub, "a")
+    shared = _share(a, hub, "a", FLOODED)
     await shared.start()
     flooder, _ = await _flooder(hub)
     request = wire.encode_sync_request(wire.SyncRequest("flooder"))

@@ -23,6 +23,9 @@ from ext_proc.shared.config import redacted
         ({"shared_state.nats.subject_prefix": "pool.>"}, {}, "shared_state.nats.subject_prefix"),
         ({"shared_state.heartbeat_seconds": 10.0}, {}, "shared_state.peer_timeout_seconds"),
         ({"shared_state.nats.tls.cert": "c.pem"}, {}, "cert and key go together"),
+        ({"shared_state.sync_answer_seconds": 0.0}, {}, "shared_state.sync_answer_seconds: must be"),
+        ({"shared_state.sync_answer_seconds": 2.0}, {}, "is more than sync_wait_seconds (1)"),
+        ({"shared_state.sync_max_waiting": 0}, {}, "shared_state.sync_max_waiting: must be an integer"),
     ],
 )
 def test_a_bad_section_is_refused_naming_the_key_and_never_the_password(

@@ -89,6 +89,9 @@ def test_the_slot_is_checked_against_its_range() -> None:
         SharedStateConfig(decision_slot_ms=51).check()
     with pytest.raises(ConfigError, match="decision_slot_ms"):
         SharedStateConfig(decision_slot_ms=-1).check()
+    with pytest.raises(ConfigError, match=r"half a slot \(10 ms\) must exceed batch_seconds \(20 ms\)"):
+        SharedStateConfig(decision_slot_ms=20, batch_seconds=0.02).check()
+    SharedStateConfig(decision_slot_ms=5, batch_seconds=0.001).check()
 
 
 def _simultaneous_prefills(slot_ms: float) -> tuple[list[str], list[float]]:
