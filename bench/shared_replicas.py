@@ -13,7 +13,9 @@ they run in model time: a 2 ms sync delay is 2 ms of the engines' time.
 The replicas share one process, so their prompt hashing (:mod:`ext_proc.prefix.blocks`'s per-process
 key) is the same, as ``shared_state.nats.hash_key`` makes it across processes. They all start before the
 first request and wait for no peer (``sync_wait_seconds`` 0): all start empty. Each keeps its own
-tally of what it sent, received and dropped (:class:`Tally`).
+tally of what it sent, received and dropped (:class:`Tally`). With decision slots
+(``shared_state.decision_slot_ms``, :mod:`ext_proc.shared.slots`) a request waits for its replica's
+slot on the router's own wait, timed by the same virtual clock as the replicas' wall clocks (no skew).
 """
 
 from __future__ import annotations
@@ -71,7 +73,8 @@ class SharedReplicas(Replicas):
     """``routers`` taking turns, sharing their state over one in-memory hub.
 
     The hub: one :class:`MemoryHub` of ``delay_seconds`` (module docstring); :meth:`start` before the first
-    request, :meth:`stop` after the last."""
+    request, :meth:`stop` after the last. A request takes :meth:`next_in_turn` and places itself there
+    (with ``config.decision_slot_ms``, after waiting for that replica's slot)."""
 
     def __init__(
         self,
@@ -80,6 +83,9 @@ class SharedReplicas(Replicas):
         config: SharedStateConfig = SHARING,
     ) -> None:
         super().__init__(routers)
+        self.replicas = list(routers)
+        self.waits: list[float] = []
+        """Seconds each request waited for its replica's decision slot (``decision_slot_ms``)."""
         self.hub = MemoryHub(delay_seconds)
         self.tallies = [Tally() for _ in routers]
         self.states: list[BusState] = []
@@ -98,6 +104,15 @@ class SharedReplicas(Replicas):
             shared = BusState("memory", state, self.hub.bus(), config, tally)
             live.shared = shared
             self.states.append(shared)
+
+    async def next_in_turn(self) -> PdExtproc:
+        """The next replica in turn, once its decision slot came (at once with slots off).
+
+        The wait is the shipped one, :meth:`Router.decision_turn <ext_proc.router.Router.decision_turn>`."""
+        self._turn += 1
+        replica = self.replicas[self._turn % len(self.replicas)]
+        self.waits.append(await replica.router.decision_turn())
+        return replica
 
     async def start(self) -> None:
         """Start every replica's runner (each subscribes and sends its first full batch)."""

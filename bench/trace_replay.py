@@ -13,7 +13,7 @@ tier. Settings are :mod:`bench.prefix_routing`'s (its replica settings ``x2``, `
 simulated engines' ``/metrics`` pages read in process at virtual time, ``norecent``: the
 ``kv-events`` source without each replica's overlay of its own recent placements, and ``shared``: the
 replicas sharing their bookings and placements over the real ``shared_state`` seam with a sync delay of
-``--sync-delay-ms``, :mod:`bench.shared_replicas`),
+``--sync-delay-ms``, and with ``--decision-slot-ms`` their decision slots, :mod:`bench.shared_replicas`),
 ``pair:auto+prefix tier`` (the same, its endpoints declaring their KV capacity plus their CPU tier's:
 the prefix index then remembers what the tier holds, and the load is weighed by that capacity too) and
 ``dynamo``; clusters its ``demo`` and ``three-group``, built from the profile (small decodes: half the
@@ -24,7 +24,8 @@ prompt tokens the prefill found in its KV cache, in its CPU tier), prompt tokens
 cross-group share and GB, decode load CV, router µs per request (p50 and mean; the ``kv-events``
 settings' tokenizer stand-in apart, its p50 ``tok µs``: :class:`bench.prefix_routing.Record`),
 throughput (requests and output tokens per model second) and errors (a ``shared`` setting: also the KB
-its replicas published per request, and the messages dropped); plus the window's reuse bound
+its replicas published per request, the messages dropped, and the p50 and mean of the requests' wait
+for their replica's decision slot); plus the window's reuse bound
 (the share of prompt tokens an infinite cache would hold), and the issue's targets for pd-extproc's
 best setting (:func:`verdicts`). With several ``--start`` windows, each window's table, then the
 medians over them.
@@ -34,7 +35,8 @@ medians over them.
 
 Run: ``python -m bench.trace_replay TRACE [--format mooncake|azure] [--start N[,N...]] [--count N] [--speed X]
 [--max-output N] [--spread] [--cluster NAME] [--profile NAME] [--cpu-tier TOKENS] [--kv-tokens N]
-[--settings a,b,...] [--sync-delay-ms MS[,MS...]] [--json OUT] [--png OUT]``.
+[--settings a,b,...] [--sync-delay-ms MS[,MS...]] [--decision-slot-ms MS[,MS...]] [--json OUT]
+[--png OUT]``.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import asyncio
 import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -95,7 +98,8 @@ class Replay:
     """What one replay runs: the window's requests, the cluster and the engines' settings.
 
     Also their output cap, the arrival speed-up, the engines' profile, CPU tier (tokens, 0: none), KV cache
-    (tokens of the large engines; ``None``: the profile's) and the ` shared` settings' sync delay (seconds).
+    (tokens of the large engines; ``None``: the profile's) and the ` shared` settings' sync delay (seconds)
+    and decision slot (``shared_state.decision_slot_ms``; 0: off).
     Every engine caches prefixes."""
 
     requests: list[TraceRequest]
@@ -106,13 +110,15 @@ class Replay:
     cpu_tier_tokens: int
     kv_tokens: int | None = None
     sync_delay_s: float = DEFAULT_SYNC_DELAY_SECONDS
+    decision_slot_ms: float = 0.0
 
 
 def run_setting(replay: Replay, setting: str) -> tuple[list[Record], dict]:
     """One setting over the window in virtual time on a fresh event loop: the records and the summary.
 
     A ` shared` setting's replicas share their state with ``replay.sync_delay_s``; its summary adds what
-    they published (KB per request, each message reaching every peer) and dropped (messages)."""
+    they published (KB per request, each message reaching every peer) and dropped (messages), and the
+    requests' wait for their replica's decision slot (p50 and mean, ms)."""
     large, small, kv = engines_of(replay.profile, replay.cpu_tier_tokens, replay.kv_tokens)
     specs = clusters(large, small)[replay.cluster]
     errors = 0
@@ -121,7 +127,7 @@ def run_setting(replay: Replay, setting: str) -> tuple[list[Record], dict]:
     def router_of(endpoints: list[Endpoint], engines: dict[str, Engine], model: AutoModel) -> object:
         of = SETTINGS[setting]
         if setting in SHARED_SETTINGS:
-            of = SHARED_SETTINGS[setting](replay.sync_delay_s)
+            of = SHARED_SETTINGS[setting](replay.sync_delay_s, replay.decision_slot_ms)
         made.append(of(endpoints, engines, model))
         return made[-1]
 
@@ -160,6 +166,8 @@ def run_setting(replay: Replay, setting: str) -> tuple[list[Record], dict]:
         row.update(
             sync_kb_per_request=sharing.sent_bytes / 1e3 / max(1, len(records)),
             sync_dropped=sum(sharing.dropped.values()),
+            slot_wait_p50_ms=statistics.median(made[0].waits) * 1e3,
+            slot_wait_mean_ms=statistics.fmean(made[0].waits) * 1e3,
         )
     return records, row
 
@@ -176,6 +184,8 @@ METRICS = (
     ("errors", "errors", "{}"),
     ("sync_kb_per_request", "sync KB/req", "{:.1f}"),
     ("sync_dropped", "sync drops", "{}"),
+    ("slot_wait_p50_ms", "slot wait p50", "{:.1f}"),
+    ("slot_wait_mean_ms", "mean", "{:.1f}"),
 )
 
 
@@ -241,10 +251,17 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated subset")
     parser.add_argument(
         "--sync-delay-ms",
-        type=_delays,
+        type=_milliseconds("--sync-delay-ms", 60_000),
         default=[DEFAULT_SYNC_DELAY_SECONDS * 1e3],
         help="the ` shared` settings' sync delay, ms (default 2); several, comma-separated: each shared "
         "setting once per delay, its rows named 'SETTING Dms'",
+    )
+    parser.add_argument(
+        "--decision-slot-ms",
+        type=_milliseconds("--decision-slot-ms", 50),
+        default=[0.0],
+        help="the ` shared` settings' decision slot, ms (shared_state.decision_slot_ms; default 0: off); "
+        "several, comma-separated: each shared setting once per slot (and delay), rows 'SETTING slot Sms'",
     )
     parser.add_argument(
         "--stack",
@@ -362,9 +379,9 @@ def _replay_window(
     bound = {"hit_rate": reuse_bound(requests)}
     rows: dict[str, dict] = {}
     ttfts: dict[str, list[float]] = {}
-    for name, setting, delay in runs_of(settings, args.sync_delay_ms):
+    for name, setting, delay, slot in runs_of(settings, args.sync_delay_ms, args.decision_slot_ms):
         started = time.perf_counter()
-        records, rows[name] = run_setting(replace(replay, sync_delay_s=delay), setting)
+        records, rows[name] = run_setting(replace(replay, sync_delay_s=delay, decision_slot_ms=slot), setting)
         ttfts[name] = [(r.first_token - r.arrival) * 1e3 for r in records]
         print(f"  {start} {name}: {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
     title = (
@@ -441,29 +458,38 @@ def _stack_window(
     return {"window": window, "settings": rows, "bound": {"hit_rate": reuse_bound(requests)}}
 
 
-def _delays(text: str) -> list[float]:
-    try:
-        delays = [float(n) for n in text.split(",") if n.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError("--sync-delay-ms must be milliseconds separated by commas") from None
-    if not delays or any(not 0 <= d < 60_000 for d in delays):
-        raise argparse.ArgumentTypeError("--sync-delay-ms must name delays in [0, 60000) ms")
-    return delays
+def _milliseconds(flag: str, high: float) -> Callable[[str], list[float]]:
+    """The parser of ``flag``: milliseconds separated by commas, each in ``[0, high]``."""
+
+    def parse(text: str) -> list[float]:
+        try:
+            values = [float(n) for n in text.split(",") if n.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} must be milliseconds separated by commas") from None
+        if not values or any(not 0 <= v <= high for v in values):
+            raise argparse.ArgumentTypeError(f"{flag} must name values in [0, {high:g}] ms")
+        return values
+
+    return parse
 
 
-def runs_of(settings: list[str], delays_ms: list[float]) -> list[tuple[str, str, float]]:
-    """``(row name, setting, sync delay in seconds)`` per run.
+def runs_of(
+    settings: list[str], delays_ms: list[float], slots_ms: Sequence[float] = (0.0,)
+) -> list[tuple[str, str, float, float]]:
+    """``(row name, setting, sync delay in seconds, decision slot in ms)`` per run.
 
-    A ` shared` setting once per delay (named ``SETTING Dms`` when there are several), every other setting
-    once."""
+    A ` shared` setting once per delay and slot (named ``SETTING Dms`` when there are several delays,
+    ``… slot Sms`` when there are several slots or the one is not 0), every other setting once."""
     out = []
     for setting in settings:
         if setting not in SHARED_SETTINGS:
-            out.append((setting, setting, DEFAULT_SYNC_DELAY_SECONDS))
-        elif len(delays_ms) == 1:
-            out.append((setting, setting, delays_ms[0] / 1e3))
-        else:
-            out += [(f"{setting} {d:g}ms", setting, d / 1e3) for d in delays_ms]
+            out.append((setting, setting, DEFAULT_SYNC_DELAY_SECONDS, 0.0))
+            continue
+        for d in delays_ms:
+            named = setting if len(delays_ms) == 1 else f"{setting} {d:g}ms"
+            for slot in slots_ms:
+                shown = f"{named} slot {slot:g}ms" if len(slots_ms) > 1 or slot else named
+                out.append((shown, setting, d / 1e3, slot))
     return out
 
 
@@ -515,6 +541,7 @@ def main(argv: list[str] | None = None) -> int:
             "cpu_tier_tokens": args.cpu_tier,
             "kv_tokens": args.kv_tokens,
             "sync_delay_ms": args.sync_delay_ms,
+            "decision_slot_ms": args.decision_slot_ms,
             "spread": args.spread,
             "settings": rows,
             "bound": bound,

@@ -276,6 +276,13 @@ class Metrics:
             buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0),
             registry=self.registry,
         )
+        self._slot_wait = Histogram(
+            "pd_extproc_decision_slot_wait_seconds",
+            "Time a request waited for this replica's decision slot before it was routed "
+            "(shared_state.decision_slot_ms on, peers heard from), in seconds",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0),
+            registry=self.registry,
+        )
         self._shared_connected = Gauge(
             "pd_extproc_shared_connected",
             "1 while the shared-state bus is connected, 0 otherwise (shared_state kind nats)",
@@ -584,6 +591,10 @@ class Metrics:
         self._shared_received.labels(kind).inc()
         if lag_seconds is not None:
             self._shared_lag.observe(lag_seconds)
+
+    def decision_slot_waited(self, seconds: float) -> None:
+        """Record one request's wait for its decision slot (0 when it came within the slot)."""
+        self._slot_wait.observe(seconds)
 
     def shared_dropped(self, reason: str) -> None:
         """Count one shared-state message (or placement) not applied or not sent, by ``reason``."""

@@ -15,6 +15,7 @@ alike; one that no endpoint serves is answered 404 ``model_not_found``.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Sequence
@@ -224,6 +225,24 @@ class Router:
         if tokenizer is None:  # removed by a reload since wants_tokens
             return None
         return await tokenizer.prompt_tokens(request.body, request.meta.path)
+
+    def decision_wait(self) -> float:
+        """Seconds a request would wait now for this replica's decision slot (0.0: none; ``shared_state``)."""
+        return self.live.shared.decision_wait() or 0.0
+
+    async def decision_turn(self) -> float:
+        """Wait for this replica's decision slot (:mod:`ext_proc.shared.slots`); the seconds waited.
+
+        Without slots, at once (0.0); with them, the wait is recorded
+        (``pd_extproc_decision_slot_wait_seconds``). Cancelled with the request (its client left):
+        nothing is charged yet."""
+        wait = self.live.shared.decision_wait()
+        if wait is None:
+            return 0.0
+        self.metrics.decision_slot_waited(wait)
+        if wait > 0:
+            await asyncio.sleep(wait)
+        return wait
 
     def route(
         self,

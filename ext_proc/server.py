@@ -7,10 +7,10 @@ One HTTP request is one stream, whose state machine is :class:`~ext_proc.stream.
 the body modes and admission are described there). This shell only dispatches: it feeds Envoy's
 messages to the stream and sends its answers; when flow control queues the request, it asks Envoy to
 wait longer (``override_message_timeout``, once per message: long enough for the queue and a prefill
-leg after it), awaits its turn and hands it back; when the prompt is to be tokenized first, it awaits
-the tokens and hands them back; when the answer is pending (a prefill leg first), it first asks Envoy
-to wait longer unless it already did, then awaits it. Whatever ends the
-stream (completion, upstream error, client abort, cancellation, even in the middle of a prefill leg,
+leg after it), awaits its turn and hands it back; when the prompt is to be tokenized first or the request
+waits for its decision slot, it awaits that and hands the tokens back; when the answer is pending (a
+prefill leg first), it first asks Envoy to wait longer unless it already did, then awaits it. Whatever
+ends the stream (completion, upstream error, client abort, cancellation, even in the middle of a prefill leg,
 which is then cancelled), the stream is closed in a ``finally``: its charges and its in-flight slot
 are released and its background prefill leg cancelled. No exception escapes a stream: an unexpected
 one becomes a logged 500 answer. The rest: TLS credentials, binding, and starting the servers.
@@ -34,7 +34,7 @@ from ext_proc.flow.control import FlowControl
 from ext_proc.health import Health
 from ext_proc.refusal import refuse
 from ext_proc.router import Router
-from ext_proc.stream import PendingFlow, PendingTokens, Streams
+from ext_proc.stream import PendingFlow, PendingRoute, Streams
 from ext_proc.tls import TlsConfig
 from ext_proc.tracing import Tracing
 from ext_proc.xds.ads import AdsServer
@@ -81,8 +81,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
                         yield msg.extend_timeout(answers.timeout)
                         pending = answers
                         answers = stream.dispatched(pending.request, await pending.wait(), pending.waited())
-                    if isinstance(answers, PendingTokens):
-                        answers = stream.tokenized(answers.request, await answers.tokens())
+                    if isinstance(answers, PendingRoute):
+                        answers = stream.prepared(answers.request, await answers.ready())
                     if not isinstance(answers, tuple):
                         if not extended:
                             yield msg.extend_timeout(answers.timeout)

@@ -13,9 +13,10 @@ in every mode. By phase:
   ``request_too_large``) until ``end_of_stream`` (or the request trailers). Then parse, decide, charge,
   answer with routing headers, ``envoy.lb`` metadata and, for the engine handoffs, a new body; or with
   an ``ImmediateResponse`` error. With a gateway tokenizer (``affinity.prefix.tokenizer``) a text
-  prompt is first put in token ids: the answer is then :class:`PendingTokens`, which the shell awaits
-  and hands back (:meth:`Stream.tokenized`) before routing goes on; Envoy is sent nothing meanwhile,
-  so the choreography is the same. When the handoff first runs a prefill leg, the answer is a
+  prompt is first put in token ids, and with decision slots (``shared_state.decision_slot_ms``) the
+  request waits for this replica's turn to decide: the answer is then :class:`PendingRoute`, which the
+  shell awaits and hands back (:meth:`Stream.prepared`) before routing goes on; Envoy is sent nothing
+  meanwhile, so the choreography is the same. When the handoff first runs a prefill leg, the answer is a
   :class:`~ext_proc.outcome.PendingAnswer`: the shell asks Envoy to wait longer, awaits it and hands
   its outcome back (:meth:`Stream.completed`). An endpoint-subset hint in the metadata (endpoint-picker
   protocol) restricts the decode choice; no eligible endpoint in it → 503.
@@ -76,17 +77,23 @@ Build = Callable[[RoutingInstructions], Answers]
 
 
 @dataclass(frozen=True, slots=True)
-class PendingTokens:
-    """A read request whose prompt the gateway tokenizer puts in token ids before it is routed.
+class PendingRoute:
+    """A read request that waits before it is routed: for its prompt's token ids, its decision slot, or both.
 
-    The shell awaits :meth:`tokens` and passes them, with ``request``, to :meth:`Stream.tokenized`."""
+    ``tokenize``: the gateway tokenizer puts the prompt in token ids first; then the request waits for
+    this replica's decision slot (:meth:`Router.decision_turn`, 0 unless ``shared_state.decision_slot_ms``
+    is on). The shell awaits :meth:`ready` and passes its tokens, with ``request``, to
+    :meth:`Stream.prepared`."""
 
     router: Router
     request: BodyRequest
+    tokenize: bool
 
-    async def tokens(self) -> Sequence[int] | None:
-        """The prompt's token ids (``None``: unknown; the request is then routed on its text)."""
-        return await self.router.prompt_tokens(self.request)
+    async def ready(self) -> Sequence[int] | None:
+        """The prompt's token ids (``None``: not tokenized or unknown), once the decision slot came."""
+        tokens = await self.router.prompt_tokens(self.request) if self.tokenize else None
+        await self.router.decision_turn()
+        return tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,11 +189,11 @@ class Stream:
         self.watching: ResponseWatcher | None = None
         self.trace: RequestSpan | None = None
 
-    def answer(self, request: msg.ProcessingRequest) -> Answers | PendingAnswer | PendingTokens | PendingFlow:
+    def answer(self, request: msg.ProcessingRequest) -> Answers | PendingAnswer | PendingRoute | PendingFlow:
         """The answers to Envoy's message ``request``, or the pending answer, tokens or turn to await.
 
         No answers once the stream was answered with an error; a pending answer is awaited and passed
-        to :meth:`completed`, pending tokens to :meth:`tokenized`, a pending turn to :meth:`dispatched`."""
+        to :meth:`completed`, a pending route to :meth:`prepared`, a pending turn to :meth:`dispatched`."""
         if self.ended:
             return ()
         choreography = self.choreography
@@ -243,7 +250,7 @@ class Stream:
 
     def dispatched(
         self, request: BodyRequest, refused: Refused | None, waited: float | None = None
-    ) -> Answers | PendingAnswer | PendingTokens:
+    ) -> Answers | PendingAnswer | PendingRoute:
         """Go on with ``request`` (of :class:`PendingFlow`) once flow control let it through, or refuse it.
 
         ``waited``: the seconds it spent queued, recorded on the request's span."""
@@ -253,10 +260,10 @@ class Stream:
             return self.end(refused)
         self.admitted = True
         assert self.build is not None
-        return self._tokenize_or_route(request, self.build)
+        return self._prepare_or_route(request, self.build)
 
-    def tokenized(self, request: BodyRequest, tokens: Sequence[int] | None) -> Answers | PendingAnswer:
-        """Route ``request`` (of :class:`PendingTokens`) now that its prompt's ``tokens`` are known."""
+    def prepared(self, request: BodyRequest, tokens: Sequence[int] | None) -> Answers | PendingAnswer:
+        """Route ``request`` (of :class:`PendingRoute`) now that it is ready, with its prompt's ``tokens``."""
         assert self.build is not None
         return self._route(request, tokens, self.build)
 
@@ -331,7 +338,7 @@ class Stream:
 
     def _request_body(
         self, body: msg.HttpBody, choreography: Choreography
-    ) -> Answers | PendingAnswer | PendingTokens | PendingFlow:
+    ) -> Answers | PendingAnswer | PendingRoute | PendingFlow:
         if not self.saw_headers:
             return self._misconfigured(
                 "ext_proc request_header_mode must be SEND (with SKIP, Envoy picks the upstream "
@@ -350,7 +357,7 @@ class Stream:
 
     def _route_body(
         self, raw: bytes, choreography: Choreography, trailers: bool = False
-    ) -> Answers | PendingAnswer | PendingTokens | PendingFlow:
+    ) -> Answers | PendingAnswer | PendingRoute | PendingFlow:
         flow = self._shared.flow
         if flow is None:
             overloaded = self._admit()
@@ -369,15 +376,14 @@ class Stream:
                 self.build = build
                 return PendingFlow(flow, gate, request, self._shared.flow_timeout)
             self.admitted = True
-        return self._tokenize_or_route(request, build)
+        return self._prepare_or_route(request, build)
 
-    def _tokenize_or_route(
-        self, request: BodyRequest, build: Build
-    ) -> Answers | PendingAnswer | PendingTokens:
+    def _prepare_or_route(self, request: BodyRequest, build: Build) -> Answers | PendingAnswer | PendingRoute:
         router = self._shared.router
-        if router.wants_tokens(request):
+        tokenize = router.wants_tokens(request)
+        if tokenize or router.decision_wait() > 0:
             self.build = build
-            return PendingTokens(router, request)
+            return PendingRoute(router, request, tokenize)
         return self._route(request, None, build)
 
     def _route(

@@ -89,7 +89,10 @@ class SharedStateConfig:
     replica answers its peers' sync requests at most once per this long, the ones arriving meanwhile
     together (a flood of them costs one answer built per window), so a starting replica's answer comes
     within it; ``sync_max_waiting``: the sync requests waiting for that next answer at most (more are
-    refused, unanswered: as many as the replicas of a pool is enough)."""
+    refused, unanswered: as many as the replicas of a pool is enough). ``decision_slot_ms``: the replicas
+    take turns to decide, each in slots of this many milliseconds (:mod:`ext_proc.shared.slots`; 0: off,
+    every replica decides at once); half a slot must exceed ``batch_seconds`` (checked) plus the bus's
+    delay and the wall clocks' skew (NTP)."""
 
     kind: SharedStateKind = SharedStateKind.LOCAL
     nats: NatsConfig = field(default_factory=NatsConfig)
@@ -99,6 +102,7 @@ class SharedStateConfig:
     sync_wait_seconds: float = 1.0
     sync_answer_seconds: float = 0.25
     sync_max_waiting: int = 64
+    decision_slot_ms: float = 0.0
 
     def check(self) -> None:
         """Raise :class:`ConfigError` naming the first key out of range."""
@@ -122,6 +126,13 @@ class SharedStateConfig:
                 "answer may come; make it at most sync_wait_seconds (or sync_wait_seconds 0: no wait)"
             )
         in_range(f"{key}.sync_max_waiting", self.sync_max_waiting, 1, 10_000, kind="an integer")
+        in_range(f"{key}.decision_slot_ms", self.decision_slot_ms, 0, 50)
+        if self.decision_slot_ms and self.decision_slot_ms / 2000 <= self.batch_seconds:
+            raise ConfigError(
+                f"{key}.decision_slot_ms: half a slot ({self.decision_slot_ms / 2:g} ms) must exceed "
+                f"batch_seconds ({self.batch_seconds * 1000:g} ms), or a replica's bookings leave after the "
+                "next replica's slot began; lengthen the slot or shorten batch_seconds (0.001 with slots)"
+            )
         nats = self.nats
         prefix = nats.subject_prefix
         if not prefix or any(c in prefix for c in " \t*>") or prefix.startswith(".") or prefix.endswith("."):

@@ -20,6 +20,7 @@ from ext_proc.registry import Registry
 from ext_proc.shared.config import SharedStateConfig, SharedStateKind
 from ext_proc.shared.replica import ReplicaState, SharingSink
 from ext_proc.shared.runner import Bus, SharedRunner
+from ext_proc.shared.slots import rank_of, slot_wait
 
 
 class SharedState(Protocol):
@@ -27,6 +28,12 @@ class SharedState(Protocol):
 
     def placed(self, chain: Chain, holders: Sequence[Holder]) -> None:
         """This replica placed the prompt of ``chain`` on ``holders``."""
+        ...
+
+    def decision_wait(self) -> float | None:
+        """Seconds a request waits for this replica's decision slot before it is routed.
+
+        ``None``: no slots (off, or no peer to take turns with); 0.0: this replica's slot is open."""
         ...
 
     async def start(self) -> None:
@@ -48,6 +55,10 @@ class LocalState:
     def placed(self, chain: Chain, holders: Sequence[Holder]) -> None:
         """Nothing to tell: there are no peers."""
 
+    def decision_wait(self) -> float | None:
+        """No peers to take turns with: no slots."""
+        return None
+
     async def start(self) -> None:
         """Nothing to connect to."""
 
@@ -67,6 +78,7 @@ class BusState:
     ) -> None:
         self.kind = kind
         self.replica = replica
+        self.slot_seconds = config.decision_slot_ms / 1000
         self.runner = SharedRunner(
             replica,
             bus,
@@ -82,6 +94,15 @@ class BusState:
     def placed(self, chain: Chain, holders: Sequence[Holder]) -> None:
         """Queue the placement of ``chain`` on ``holders`` for the next batch."""
         self.replica.placed(chain, holders)
+
+    def decision_wait(self) -> float | None:
+        """Seconds to this replica's next decision slot among itself and its live peers (:mod:`.slots`).
+
+        ``None`` with ``decision_slot_ms`` 0 or no peer heard from; timed on the replica's wall clock."""
+        if not self.slot_seconds or not self.replica.peers.peers:
+            return None
+        rank, count = rank_of(self.replica.name, self.replica.peers.peers)
+        return slot_wait(self.replica.wall(), rank, count, self.slot_seconds)
 
     async def start(self) -> None:
         """Connect, learn the peers' state and start the heartbeats (:meth:`SharedRunner.start`)."""

@@ -73,7 +73,8 @@ class ReplicaState:
     ``registry``: the endpoints whose loads are shared. ``prefix``: the prefix source in force (read at
     each use: a reload replaces it). ``sink``: the metrics. ``timeout_seconds``: a peer silent this long is
     forgotten. ``clock`` (monotonic seconds) times the peers' silence, ``wall`` (seconds since the epoch)
-    stamps the batches (the receivers' sync lag)."""
+    stamps the batches (the receivers' sync lag) and
+    times the decision slots (:mod:`ext_proc.shared.slots`)."""
 
     def __init__(
         self,
@@ -91,7 +92,7 @@ class ReplicaState:
         self._prefix = prefix
         self._sink = sink
         self.clock = clock
-        self._wall = wall
+        self.wall = wall
         self._seq = 0
         self._dirty: dict[tuple[str, str], EndpointState] = {}
         self._placements: list[wire.Placed] = []
@@ -142,7 +143,7 @@ class ReplicaState:
         self, states: Sequence[EndpointState], full: bool, placements: tuple[wire.Placed, ...]
     ) -> bytes:
         loads = tuple(wire.Load(s.role.value, s.address, s.own_tokens, s.own_requests) for s in states)
-        batch = wire.Batch(self.name, self._seq, self._wall(), full, self.fingerprint(), loads, placements)
+        batch = wire.Batch(self.name, self._seq, self.wall(), full, self.fingerprint(), loads, placements)
         self._seq += 1
         return wire.encode_batch(batch)
 
@@ -207,7 +208,7 @@ class ReplicaState:
         if changed is None:
             self.drop("stale", f"batch {message.seq} of {message.replica}: not newer than the last applied")
             return None
-        self._sink.shared_received("batch", len(payload), max(0.0, self._wall() - message.sent))
+        self._sink.shared_received("batch", len(payload), max(0.0, self.wall() - message.sent))
         self._apply(changed)
         for placed in message.placements:
             self._learn(message.fingerprint, placed.chain, placed.holders)

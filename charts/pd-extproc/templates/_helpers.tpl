@@ -234,6 +234,7 @@ shared_state:
   peer_timeout_seconds: {{ include "pd-extproc.decimal" $s.peer_timeout_seconds }}
   batch_seconds: {{ include "pd-extproc.decimal" $s.batch_seconds }}
   sync_wait_seconds: {{ include "pd-extproc.decimal" $s.sync_wait_seconds }}
+  decision_slot_ms: {{ include "pd-extproc.decimal" $s.decision_slot_ms }}
   sync_answer_seconds: {{ include "pd-extproc.decimal" $s.sync_answer_seconds }}
   sync_max_waiting: {{ int64 $s.sync_max_waiting }}
   nats:

@@ -3,6 +3,7 @@ windows (the replays themselves run in tests/e2e/test_bench_trace_replay.py)."""
 
 from __future__ import annotations
 
+import argparse
 import importlib
 from types import ModuleType
 
@@ -56,3 +57,23 @@ def test_medians_are_per_setting_and_metric_over_the_windows_leaving_none_out(be
     ]
     assert bench.medians(runs) == {"off": {"ttft_p90_ms": 200.0, "errors": 1, "dttft_p99_ms": 30.0}}
     assert bench.medians([{"off": {"dttft_p99_ms": None}}]) == {"off": {"dttft_p99_ms": None}}
+
+
+def test_each_shared_setting_runs_once_per_delay_and_decision_slot(bench: ModuleType) -> None:
+    shared = "pair:auto+prefix x4 shared"
+    assert bench.runs_of(["pair:auto+prefix", shared], [2.0], [0.0, 10.0]) == [
+        ("pair:auto+prefix", "pair:auto+prefix", 0.002, 0.0),
+        (f"{shared} slot 0ms", shared, 0.002, 0.0),
+        (f"{shared} slot 10ms", shared, 0.002, 10.0),
+    ]
+    assert bench.runs_of([shared], [0.0, 20.0]) == [
+        (f"{shared} 0ms", shared, 0.0, 0.0),
+        (f"{shared} 20ms", shared, 0.02, 0.0),
+    ]
+    assert bench.runs_of([shared], [2.0], [5.0]) == [(f"{shared} slot 5ms", shared, 0.002, 5.0)]
+    parse = bench._milliseconds("--decision-slot-ms", 50)
+    assert parse("0, 5,10") == [0.0, 5.0, 10.0]
+    with pytest.raises(argparse.ArgumentTypeError, match=r"must name values in \[0, 50\] ms"):
+        parse("60")
+    with pytest.raises(argparse.ArgumentTypeError, match="--decision-slot-ms must be milliseconds"):
+        parse("x")

@@ -22,7 +22,7 @@ from ext_proc.app import start_server
 from ext_proc.prefix.event_source import KvEventSource
 from ext_proc.prefix.kv_events import BlockStored
 from ext_proc.prefix.settings import PrefixSettings
-from ext_proc.stream import PendingTokens, Streams
+from ext_proc.stream import PendingRoute, Streams
 from ext_proc.tokenize.folder import TokenizerSettings, load_prompt_tokenizer
 from sim.kv_events import Publisher
 from sim.tokenizer_folder import write_tokenizer_folder
@@ -53,9 +53,9 @@ async def test_an_unloadable_folder_is_counted_and_the_request_routed_on_its_tex
     stream = Streams(router).open()
     assert stream.answer(headers(path=CHAT_META.path)) is not None
     pending = stream.answer(body(json.dumps(chat("hello")).encode()))
-    assert isinstance(pending, PendingTokens)
-    assert await pending.tokens() is None
-    answers = stream.tokenized(pending.request, None)
+    assert isinstance(pending, PendingRoute)
+    assert await pending.ready() is None
+    answers = stream.prepared(pending.request, None)
     assert isinstance(answers, tuple) and destination(answers[0]).startswith(D_SAME_IDLE)
     assert value(router, FALLBACKS, reason="no_tokenizer") == 1
     stream.close()
@@ -63,13 +63,13 @@ async def test_an_unloadable_folder_is_counted_and_the_request_routed_on_its_tex
 
 
 async def answers_of(router, messages: list) -> list:
-    """Every answer of one stream to ``messages``, its pending tokens awaited as the shell awaits them."""
+    """Every answer of one stream to ``messages``, its pending route awaited as the shell awaits them."""
     stream = Streams(router).open()
     out = []
     for message in messages:
         answers = stream.answer(message)
-        if isinstance(answers, PendingTokens):
-            answers = stream.tokenized(answers.request, await answers.tokens())
+        if isinstance(answers, PendingRoute):
+            answers = stream.prepared(answers.request, await answers.ready())
         assert isinstance(answers, tuple)
         out += answers
     stream.close()
@@ -102,10 +102,10 @@ async def test_the_stream_routes_on_the_tokens_it_awaited(folder: Path) -> None:
     stream.answer(headers(path=CHAT))
     raw = json.dumps(chat("hello " * 50)).encode()
     pending = stream.answer(body(raw))
-    assert isinstance(pending, PendingTokens)
-    tokens = await pending.tokens()
+    assert isinstance(pending, PendingRoute)
+    tokens = await pending.ready()
     assert tokens is not None and len(tokens) > 0
-    answers = stream.tokenized(pending.request, tokens)
+    answers = stream.prepared(pending.request, tokens)
     assert isinstance(answers, tuple) and answers[0].WhichOneof("response") == "request_body"
     prefill = next(s for s in router.registry.endpoints() if s.role.value == "prefill")
     assert prefill.active_tokens == len(tokens)  # the exact count, not the estimate
