@@ -358,7 +358,8 @@ class Stream:
                 return self.end(overloaded)
         build = functools.partial(choreography.route_body, body=raw, trailers=trailers)
         router = self._shared.router
-        request = router.read(raw, self.meta)
+        priority = None if flow is None else flow.engine_priority(self.meta.objective)
+        request = router.read(raw, self.meta, priority)
         if isinstance(request, Refused):
             return self._routed(request, build)
         if flow is not None and not self.admitted:

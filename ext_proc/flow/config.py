@@ -32,6 +32,9 @@ class FlowControlConfig:
     further ids share one flow. ``reserved_requests``: the room (in-flight slots, or requests the engines
     can take) sheddable requests leave to the others: one is shed while no more than this is left, so
     that a request of a higher band finds room at once instead of waiting for a slot to free.
+    ``engine_priority``: write each request's scheduling priority into the body the engines get (vLLM's
+    ``priority``, lower first: the objective's priority negated), replacing any the client sent; off, a
+    client's ``priority`` reaches the engines as it came.
     ``queue_depth_threshold`` and ``kv_cache_threshold``: the Gateway API
     Inference Extension's saturation rule on the engines' own signals (``engine_metrics``): an engine
     with fewer requests waiting and less of its KV cache in use than these has room.
@@ -44,6 +47,7 @@ class FlowControlConfig:
     max_queue_seconds: float = 30.0
     max_flows: int = 64
     reserved_requests: int = 0
+    engine_priority: bool = False
     queue_depth_threshold: int = 5
     kv_cache_threshold: float = 0.8
 

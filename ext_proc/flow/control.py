@@ -100,6 +100,15 @@ class FlowControl:
         self.flow_metrics.watch(self._queue.lengths, self._queue.flow_counts)
         admission.on_release = self.pump
 
+    def engine_priority(self, objective: str | None) -> int | None:
+        """The ``priority`` the engines get for a request of ``objective`` (``None``: the client's own).
+
+        With ``flow_control.engine_priority``, the objective's priority negated (vLLM schedules lower
+        values first; an unknown or absent objective: the default one's), else ``None``."""
+        if not self._config.engine_priority:
+            return None
+        return -self._objectives.priority(objective)[0]
+
     def arrive(self, labels: Labels, info: RequestInfo) -> Ticket | Refused | None:
         """A read request asks to be routed: ``None`` (a slot taken), a refusal, or a :class:`Ticket`.
 
