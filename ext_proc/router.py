@@ -65,8 +65,9 @@ class BodyRequest:
 
     ``raw`` as received, ``body`` its JSON object, ``info`` its estimated prompt tokens and output
     budget, ``meta`` what its headers said; ``rewritten``: ``raw`` and ``body`` carry the gateway's fields
-    instead of the client's (the model of ``meta.model_rewrite``, the engines' ``priority``). Never modified once built; not frozen, as
-    :mod:`ext_proc.outcome`'s per-request records (a frozen dataclass costs more to build)."""
+    instead of the client's (the model of ``meta.model_rewrite``, the engines' ``priority``). Never
+    modified once built; not frozen, as :mod:`ext_proc.outcome`'s per-request records (a frozen
+    dataclass costs more to build)."""
 
     raw: bytes
     body: dict[str, object]
@@ -289,21 +290,23 @@ class Router:
         explained = explain(cost, prefills, decodes, self.policy, self._ticket + 1, hits, limit, lacks)
         return Explained(cost, prefills, decodes, hits, explained)
 
-    def route_bodiless(
-        self,
-        subset: frozenset[str] | None = None,
-        trace: Trace | None = None,
-        meta: RequestMeta | None = None,
-    ) -> Routed | Refused | Answered:
-        """Route a request without a body to the least-loaded decode, or answer ``GET /v1/models``.
+    def answer_bodiless(self, meta: RequestMeta) -> Answered | None:
+        """The gateway's own answer to a request without a body; ``None``: route it (:meth:`route_bodiless`).
 
         ``GET /v1/models`` (``meta.path``) is answered here, the union of the models the decodes name
         (:meth:`~ext_proc.registry.Registry.served_models`) in OpenAI's list shape, when any names them;
         otherwise (every endpoint serves every model) it goes to a decode, which answers its own list."""
-        if meta is not None and urlsplit(meta.path).path == MODELS_PATH:
+        if urlsplit(meta.path).path == MODELS_PATH:
             models = self.registry.served_models()
             if models is not None:
                 return Answered(200, model_list_body(models))
+        return None
+
+    def route_bodiless(
+        self, subset: frozenset[str] | None = None, trace: Trace | None = None
+    ) -> Routed | Refused:
+        """Route a request without a body (one :meth:`answer_bodiless` does not answer) to the
+        least-loaded decode."""
         cost = Cost(0, 0)
         placed = self._place(cost, self._no_prefills, self.registry.decode_pool, subset, None, None, trace)
         if isinstance(placed, Refused):

@@ -54,7 +54,6 @@ from ext_proc.flow.control import FlowControl, Labels, Ticket
 from ext_proc.load import Admission
 from ext_proc.metrics import Metrics
 from ext_proc.outcome import (
-    Answered,
     PendingAnswer,
     Refused,
     RequestMeta,
@@ -63,6 +62,7 @@ from ext_proc.outcome import (
     RoutingInstructions,
 )
 from ext_proc.refusal import refuse
+from ext_proc.request import RequestInfo
 from ext_proc.router import BodyRequest, Router
 from ext_proc.tracing import RequestSpan, Tracing
 
@@ -73,6 +73,9 @@ TOO_LARGE = (
 """The 413 message, the same as the shipped Envoy's own (``envoy/envoy.yaml`` local reply)."""
 
 Build = Callable[[RoutingInstructions], Answers]
+BODILESS_INFO = RequestInfo(None, False, 0, 0)
+"""What flow control knows of a request without a body: no model, no tokens (its cost in its band's
+fair share is nothing)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,11 +98,11 @@ class PendingFlow:
 
     The shell asks Envoy to wait ``timeout`` seconds (the queue's bound plus the longest answer a
     handoff may then take: Envoy extends one message's wait once), awaits :meth:`wait` and passes its
-    outcome, with ``request``, to :meth:`Stream.dispatched`."""
+    outcome, with ``request`` (``None``: a request without a body), to :meth:`Stream.dispatched`."""
 
     flow: FlowControl
     ticket: Ticket
-    request: BodyRequest
+    request: BodyRequest | None
     timeout: float
 
     async def wait(self) -> Refused | None:
@@ -210,16 +213,7 @@ class Stream:
                 if choreography.full_duplex:
                     self.body = BodyCollector()
                 return choreography.header_hold
-            overloaded = self._admit()
-            router = self._shared.router
-            if overloaded is not None:
-                return self._routed(overloaded, choreography.route_bodiless)
-            outcome = router.route_bodiless(self.subset, self.trace, msg.HeadersMeta(headers))
-            if isinstance(outcome, Answered):
-                self._release_slot()
-                self.ended = True
-                return (msg.immediate_answer(outcome.status, outcome.body),)
-            return self._routed(outcome, choreography.route_bodiless)
+            return self._bodiless(choreography)
         if kind == "request_body":
             return self._request_body(request.request_body, choreography)
         if kind is None:
@@ -242,9 +236,10 @@ class Stream:
         return (self._shared.passthrough[kind],)
 
     def dispatched(
-        self, request: BodyRequest, refused: Refused | None, waited: float | None = None
+        self, request: BodyRequest | None, refused: Refused | None, waited: float | None = None
     ) -> Answers | PendingAnswer | PendingTokens:
-        """Go on with ``request`` (of :class:`PendingFlow`) once flow control let it through, or refuse it.
+        """Go on with ``request`` (of :class:`PendingFlow`; ``None``: a request without a body) once flow
+        control let it through, or refuse it.
 
         ``waited``: the seconds it spent queued, recorded on the request's span."""
         if waited is not None and self.trace is not None:
@@ -253,6 +248,8 @@ class Stream:
             return self.end(refused)
         self.admitted = True
         assert self.build is not None
+        if request is None:
+            return self._routed(self._shared.router.route_bodiless(self.subset, self.trace), self.build)
         return self._tokenize_or_route(request, self.build)
 
     def tokenized(self, request: BodyRequest, tokens: Sequence[int] | None) -> Answers | PendingAnswer:
@@ -328,6 +325,30 @@ class Stream:
         overloaded = self._shared.router.admit()
         self.admitted = overloaded is None
         return overloaded
+
+    def _bodiless(self, choreography: Choreography) -> Answers | PendingFlow:
+        """A request without a body: the gateway's own answer (no slot needed), or routed once it holds
+        an in-flight slot (with flow control, queued for one as a request with a body is)."""
+        router = self._shared.router
+        answered = router.answer_bodiless(self.meta)
+        if answered is not None:
+            self.ended = True
+            return (msg.immediate_answer(answered.status, answered.body),)
+        build = choreography.route_bodiless
+        flow = self._shared.flow
+        if flow is None:
+            overloaded = self._admit()
+            if overloaded is not None:
+                return self._routed(overloaded, build)
+        else:
+            gate = flow.arrive(Labels(self.meta.objective, self.meta.fairness_id), BODILESS_INFO)
+            if isinstance(gate, Refused):
+                return self.end(gate)
+            if gate is not None:
+                self.build = build
+                return PendingFlow(flow, gate, None, self._shared.flow_timeout)
+            self.admitted = True
+        return self._routed(router.route_bodiless(self.subset, self.trace), build)
 
     def _request_body(
         self, body: msg.HttpBody, choreography: Choreography

@@ -415,7 +415,9 @@ class Engine:
             lambda: cache.cpu_hits,
         )
         self.metrics.add_counter(
-            "vllm:num_preemptions", "Running sequences preempted (recomputed later).", lambda: sched.preemptions
+            "vllm:num_preemptions",
+            "Running sequences preempted (recomputed later).",
+            lambda: sched.preemptions,
         )
         self.metrics.add_gauge(
             "sim:kv_held_requests",
