@@ -20,8 +20,9 @@ machine's CPU goes to the clients, Envoy and pd-extproc, whose own delays then w
 ``--reserved`` lists values of ``flow_control.reserved_requests`` (the slots the sheddable tenant leaves
 to the interactive one): one ``with`` phase each, ``with r=N``, each judged against the targets.
 ``--priority`` lists ``O:M`` pairs, one ``prio O:M`` phase each: ``flow_control.engine_priority`` on (the
-engines get each request's priority; they run vLLM's ``priority`` scheduling policy in every phase,
-which without priorities in the bodies orders by arrival as ``fcfs`` does),
+engines get each request's priority; they run ``--engine-policy`` in every phase: vLLM's ``priority``
+by default, or ``priority-preempt``, SGLang's, which also preempts to admit; without priorities in the
+bodies either orders by arrival as ``fcfs`` does),
 ``limits.max_inflight_requests`` = slots + ``O`` + ``M`` and ``reserved_requests`` = ``M``: the batch
 tenant may overbook the engines' slots by ``O`` requests, which wait in the engines' queues, and ``M``
 in-flight slots stay for the interactive one, which the engines then schedule before every waiting batch
@@ -45,7 +46,7 @@ import aiohttp
 
 from bench.common import summary_ms, write_json
 from sim.cluster import EngineSpec
-from sim.config import DEFAULT_MODEL, TimingConfig
+from sim.config import DEFAULT_MODEL, SCHEDULING_POLICIES, TimingConfig
 from sim.stack import Stack, start_stack
 
 OBJECTIVE = "x-gateway-inference-objective"
@@ -179,13 +180,17 @@ async def _configure(
 
 
 async def run(
-    shape: Shape, reserved: list[int], priority: list[tuple[int, int]] | None = None
+    shape: Shape,
+    reserved: list[int],
+    priority: list[tuple[int, int]] | None = None,
+    engine_policy: str = "priority",
 ) -> dict[str, object]:
     """Every phase on one simulated cluster; the numbers and the targets' verdicts.
 
-    ``priority``: the ``(overbook, reserved)`` of each ``prio`` phase."""
+    ``priority``: the ``(overbook, reserved)`` of each ``prio`` phase; ``engine_policy``: the engines'
+    scheduling policy (:data:`sim.config.SCHEDULING_POLICIES`)."""
     timing = TimingConfig(
-        max_batch=shape.max_batch, time_scale=shape.time_scale, scheduling_policy="priority"
+        max_batch=shape.max_batch, time_scale=shape.time_scale, scheduling_policy=engine_policy
     )
     stack = start_stack([EngineSpec("both", "a"), EngineSpec("both", "a")], timing)
     phases: dict[str, dict[str, object]] = {}
@@ -221,7 +226,13 @@ async def run(
     for overbook, value in priority or []:
         name = f"prio {overbook}:{value}"
         verdicts[name] = verdict(phases, capacity, name)
-    return {"shape": shape.__dict__, "capacity_rps": capacity, "phases": phases, "verdicts": verdicts}
+    return {
+        "shape": shape.__dict__,
+        "engine_policy": engine_policy,
+        "capacity_rps": capacity,
+        "phases": phases,
+        "verdicts": verdicts,
+    }
 
 
 def _p99(phases: dict[str, dict[str, object]], phase: str, tenant: str) -> float:
@@ -265,7 +276,11 @@ def verdict(phases: dict[str, dict[str, object]], capacity: float, phase: str) -
 
 def report(result: dict[str, object]) -> str:
     """The phases as a table, then the verdicts."""
-    lines = [f"pool capacity C = {result['capacity_rps']:.1f} completions/s", ""]
+    lines = [
+        f"engines' scheduling policy: {result.get('engine_policy', 'fcfs')}",
+        f"pool capacity C = {result['capacity_rps']:.1f} completions/s",
+        "",
+    ]
     lines.append(
         f"{'phase':<11}{'tenant':<13}{'sent':>6}{'ok':>6}{'done/s':>8}{'TTFT p50':>10}{'p99 ms':>9}  statuses"
     )
@@ -302,6 +317,12 @@ def main(argv: list[str] | None = None) -> int:
         default="",
         help="overbook:reserved pairs of the 'prio' phases (engine priorities on), comma-separated",
     )
+    parser.add_argument(
+        "--engine-policy",
+        default="priority",
+        choices=[policy for policy in SCHEDULING_POLICIES if policy != "fcfs"],
+        help="the engines' scheduling policy (default %(default)s: vLLM's)",
+    )
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args(argv)
     shape = Shape(
@@ -309,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     pairs = [tuple(int(n) for n in pair.split(":")) for pair in args.priority.split(",") if pair]
     priority = [(pair[0], pair[1]) for pair in pairs]
-    result = asyncio.run(run(shape, [int(value) for value in args.reserved.split(",")], priority))
+    reserved = [int(value) for value in args.reserved.split(",")]
+    result = asyncio.run(run(shape, reserved, priority, args.engine_policy))
     print(report(result))
     write_json(args.json, result)
     return 0

@@ -17,8 +17,9 @@ KV_CONNECTORS = ("nixl", "mooncake")
 KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")
 
 
-SCHEDULING_POLICIES = ("fcfs", "priority")
-"""vLLM's ``--scheduling-policy`` values the simulator models."""
+SCHEDULING_POLICIES = ("fcfs", "priority", "priority-preempt")
+"""The engines' scheduling policies the simulator models: vLLM's ``--scheduling-policy`` values, and
+``priority-preempt`` (SGLang's priority scheduling: preempts to admit; :mod:`sim.engine`)."""
 
 
 def _opt(default: Any, help_text: str) -> Any:
@@ -77,7 +78,9 @@ class TimingConfig:
         "fcfs",
         "vLLM --scheduling-policy: fcfs (KV reserved for prompt + output at admission, no preemption) or "
         "priority (waiting ordered by the body's priority, lower first; KV taken as sequences grow, the "
-        "lowest-priority running sequence preempted and recomputed when a block is missing)",
+        "lowest-priority running sequence preempted and recomputed when a block is missing) or "
+        "priority-preempt (SGLang's: as priority, and a waiting sequence finding no room preempts running "
+        "ones whose priority is more than 10 worse)",
     )
 
     def __post_init__(self) -> None:

@@ -11,7 +11,11 @@ token needs it; when none is free, the running sequence of the lowest priority (
 equals) is preempted, possibly the one asking: its blocks are freed and it waits again, to recompute
 its prompt and the tokens it generated (vLLM's recompute preemption) before its next token. As in vLLM
 v1, nothing preempts a running sequence to admit a waiting one: a waiting sequence of higher priority
-waits for a batch slot or blocks to free. :class:`Engine`
+waits for a batch slot or blocks to free. ``priority-preempt`` adds what SGLang's priority scheduling
+(``--enable-priority-scheduling``, ``SchedulePolicy.preempt_to_schedule``) and vLLM's removed V0
+scheduler (``_schedule_priority_preemption``) do: a waiting sequence that finds no batch slot or blocks
+preempts the running sequences of the lowest priority, one by one, while theirs is more than
+:data:`PREEMPTION_THRESHOLD` worse. :class:`Engine`
 runs it in an asyncio task, sleeping each step's modelled duration, pulling remote KV caches for
 admitted sequences (falling back to a local prefill when a pull raises :class:`KvMissing`), holding
 the KV blocks of finished prefills for remote decodes, and waking request handlers through
@@ -39,6 +43,9 @@ from sim.prefix import BlockCache, Holding, PromptBlocks
 log = logging.getLogger(__name__)
 
 WAITING, PULLING, RUNNING, FINISHED, ABORTED = "waiting", "pulling", "running", "finished", "aborted"
+PREEMPTION_THRESHOLD = 10
+"""``priority-preempt``: a waiting sequence preempts a running one whose priority is more than this
+worse (SGLang's ``--priority-scheduling-preemption-threshold`` default)."""
 Pull = Callable[[int], Awaitable[TransferResult]]
 """Load a sequence's KV cache from a remote prefill, given how many prompt tokens to load."""
 
@@ -172,7 +179,8 @@ class Scheduler:
         self.pulling: list[Sequence] = []
         self.running: list[Sequence] = []
         self.cache = BlockCache(timing.kv_capacity_blocks, timing.block_size, timing.cpu_kv_capacity_blocks)
-        self.by_priority = timing.scheduling_policy == "priority"
+        self.by_priority = timing.scheduling_policy != "fcfs"
+        self.preempts_to_admit = timing.scheduling_policy == "priority-preempt"
         self.preemptions = 0
 
     @property
@@ -211,17 +219,23 @@ class Scheduler:
         return -(-seq.context_tokens // self.timing.block_size)
 
     def admit(self, now: float) -> list[Sequence]:
-        """Admit waiting sequences in FIFO order while batch slots and KV blocks last."""
+        """Admit waiting sequences in queue order while batch slots and KV blocks last.
+
+        Under ``priority-preempt``, a head that finds neither preempts running sequences
+        (:meth:`_preempt_for`) until it fits, while they are of a priority low enough."""
         admitted: list[Sequence] = []
         cache = self.cache
-        while self.waiting and len(self.running) + len(self.pulling) < self.timing.max_batch:
+        while self.waiting:
             seq = self.waiting[0]
             need = self._admission_blocks(seq)
             hashes = seq.prefix.hashes if seq.prefix is not None else ()
             hbm = cache.lookup(hashes, seq.prompt_tokens)
             hit = hashes[:hbm]
             loaded = hashes[hbm : hbm + cache.lookup_cpu(hashes, seq.prompt_tokens, hbm)]
-            if not cache.fits(hit, need - len(hit)):
+            slot = len(self.running) + len(self.pulling) < self.timing.max_batch
+            if not (slot and cache.fits(hit, need - len(hit))):
+                if self._preempt_for(seq):
+                    continue
                 break
             self.waiting.popleft()
             queried = seq.prompt_tokens if seq.prefix is not None else 0
@@ -308,6 +322,17 @@ class Scheduler:
                     missing = 0
                 else:
                     self.preempt(max(self.running, key=lambda s: (s.priority, s.arrival)))
+
+    def _preempt_for(self, seq: Sequence) -> bool:
+        """Under ``priority-preempt``, preempt the lowest-priority running sequence for the waiting ``seq``
+        if ``seq``'s priority is more than :data:`PREEMPTION_THRESHOLD` better; whether it did."""
+        if not self.preempts_to_admit or not self.running:
+            return False
+        victim = max(self.running, key=lambda s: (s.priority, s.arrival))
+        if victim.priority - seq.priority <= PREEMPTION_THRESHOLD:
+            return False
+        self.preempt(victim)
+        return True
 
     def preempt(self, seq: Sequence) -> None:
         """Preempt the running ``seq``: free its blocks, queue it to recompute its prompt and output."""

@@ -102,3 +102,24 @@ def test_priority_field_is_parsed_and_validated() -> None:
 def test_unknown_policy_rejected() -> None:
     with pytest.raises(ValueError, match="scheduling_policy"):
         TimingConfig(scheduling_policy="lifo")
+
+
+def test_priority_preempt_evicts_a_much_lower_priority_for_a_waiting_one_and_it_resumes() -> None:
+    s = Scheduler(TimingConfig(max_batch=1, scheduling_policy="priority-preempt"))
+    batch = _seq("batch", 8, 3, priority=1)
+    s.add(batch)
+    s.admit(0.0)
+    _run_step(s, 0.1)  # the batch sequence's first token
+    near = _seq("near", 8, 1, priority=-9, arrival=1.0)  # 10 better: not more than the threshold
+    s.add(near)
+    assert s.admit(1.0) == [] and batch.state == RUNNING
+    s.abort(near)
+    urgent = _seq("urgent", 8, 1, priority=-10, arrival=1.0)  # 11 better
+    s.add(urgent)
+    assert s.admit(1.0) == [urgent]
+    assert (batch.state, batch.resumed, batch.preemptions, list(s.waiting)) == (WAITING, 1, 1, [batch])
+    _run_step(s, 1.1)
+    assert urgent.state == FINISHED
+    assert s.admit(1.1) == [batch]
+    plan = s.plan()
+    assert plan is not None and plan.prefill == [(batch, 9)]  # its prompt and its first token again
