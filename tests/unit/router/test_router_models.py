@@ -237,3 +237,19 @@ def test_the_engines_priority_replaces_the_clients_on_both_legs_and_is_left_alon
     assert isinstance(untouched, Routed) and untouched.instructions.body is None
     same = router.read(json.dumps({**sent, "priority": 3}).encode(), CHAT_META, 3)
     assert isinstance(same, BodyRequest) and not same.rewritten  # the value already: the body unchanged
+
+
+def test_a_mixed_pool_lists_the_declared_models_and_an_all_serving_decodes_once_its_engine_says() -> None:
+    router = make_router([endpoint(PA1)], [endpoint(DA1, models=("a",)), endpoint(DX)])
+
+    def listed() -> list[str]:
+        answer = router.answer_bodiless(RequestMeta("/v1/models"))
+        assert isinstance(answer, Answered)
+        return [m["id"] for m in json.loads(answer.body)["data"]]
+
+    assert listed() == ["a"]  # DX serves every model, but which ones is not known yet: it adds nothing
+    assert headers(router.route_body(chat("zz"), CHAT_META))[DEST] == DX  # though it takes any name
+    router.registry.set_engine_models(DX, (ServedModel("base"), ServedModel("lora-1", "base")))
+    assert listed() == ["a", "base", "lora-1"]
+    router.registry.set_engine_models(PA1, (ServedModel("prefill-only"),))  # prefills are not listed
+    assert listed() == ["a", "base", "lora-1"]
