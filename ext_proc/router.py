@@ -305,8 +305,9 @@ class Router:
     def route_bodiless(
         self, subset: frozenset[str] | None = None, trace: Trace | None = None
     ) -> Routed | Refused:
-        """Route a request without a body (one :meth:`answer_bodiless` does not answer) to the
-        least-loaded decode."""
+        """Route a request without a body to the least-loaded decode.
+
+        One that :meth:`answer_bodiless` does not answer itself."""
         cost = Cost(0, 0)
         placed = self._place(cost, self._no_prefills, self.registry.decode_pool, subset, None, None, trace)
         if isinstance(placed, Refused):

@@ -238,10 +238,10 @@ class Stream:
     def dispatched(
         self, request: BodyRequest | None, refused: Refused | None, waited: float | None = None
     ) -> Answers | PendingAnswer | PendingTokens:
-        """Go on with ``request`` (of :class:`PendingFlow`; ``None``: a request without a body) once flow
-        control let it through, or refuse it.
+        """Go on with ``request`` (of :class:`PendingFlow`) once flow control let it through, or refuse it.
 
-        ``waited``: the seconds it spent queued, recorded on the request's span."""
+        ``request`` ``None``: a request without a body. ``waited``: the seconds it spent queued, recorded
+        on the request's span."""
         if waited is not None and self.trace is not None:
             self.trace.queued(waited)
         if refused is not None:

@@ -180,8 +180,10 @@ class FlowControl:
                 self._admission.release()
 
     def describe(self) -> dict[str, object]:
-        """What ``/debug/queue`` shows: the bounds, the slots in flight, and per configured band its
-        objectives, queued requests, flows, oldest wait (seconds), largest flows and outcomes so far."""
+        """What ``/debug/queue`` shows (JSON): the bounds, the slots in flight, and each band's queue.
+
+        Per configured band its objectives, queued requests, flows, oldest wait (seconds), largest flows
+        (at most :data:`DEBUG_FLOWS`) and outcomes so far."""
         now = self._clock()
         config = self._config
         summaries = self._queue.bands(DEBUG_FLOWS)

@@ -73,8 +73,10 @@ class _Band:
 
 @dataclass(frozen=True, slots=True)
 class BandSummary:
-    """One band's queue: ``size`` waiters in ``flows`` flows, the oldest ``oldest`` (its arrival), and the
-    largest flows, most waiters first: ``(flow, waiters, tokens)`` each."""
+    """One band's queue, as :meth:`FlowQueue.bands` sees it.
+
+    ``size`` waiters in ``flows`` flows, the oldest arrived at ``oldest`` (seconds), and the ``largest``
+    flows, most waiters first: ``(flow, waiters, tokens)`` each."""
 
     size: int
     flows: int
