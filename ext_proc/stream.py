@@ -4,8 +4,9 @@ One HTTP request is one stream. Envoy's first message states the body modes; the
 :class:`~ext_proc.choreography.Choreography` (BUFFERED, or FULL_DUPLEX_STREAMED as the Gateway API
 Inference Extension gateways configure it) decides which answers go out when; the routing is the same
 in every mode. By phase:
-- ``request_headers``: a request without a body is routed here (``GET /v1/models`` answered at once
-  when the endpoints name their models: :meth:`Router.route_bodiless`); otherwise the path, ``x-request-id``
+- ``request_headers``: a request without a body is routed here (``GET /v1/models`` answered at once,
+  without an in-flight slot, when the endpoints name their models: :meth:`Router.answer_bodiless`;
+  otherwise :meth:`Router.route_bodiless`); otherwise the path, ``x-request-id``
   and ``authorization`` are noted and the body awaited (BUFFERED: client-supplied routing headers are
   stripped at once; FULL_DUPLEX_STREAMED: the answer is held until the body is complete).
 - ``request_body``: BUFFERED, the whole body in one message after the headers; FULL_DUPLEX_STREAMED,
@@ -34,9 +35,10 @@ in every mode. By phase:
 Admission control: a request about to be routed (headers without a body, or the body) first takes an
 in-flight slot (:meth:`Router.admit`); when all ``limits.max_inflight_requests`` are taken it is
 answered 429 ``overloaded`` with ``retry-after``. A refused request gives its slot back at once. With
-flow control (``flow_control.enabled``, :mod:`ext_proc.flow`) a body is read first and then asks
-:class:`~ext_proc.flow.control.FlowControl` for its slot: it gets one, is refused, or the answer is
-:class:`PendingFlow`, which the shell awaits (after asking Envoy to wait up to
+flow control (``flow_control.enabled``, :mod:`ext_proc.flow`) a body is read first (a request without
+one: its headers) and then asks :class:`~ext_proc.flow.control.FlowControl` for its slot (and, with
+``flow_control.engine_priority``, the priority written into its body): it gets one, is refused, or
+the answer is :class:`PendingFlow`, which the shell awaits (after asking Envoy to wait up to
 :attr:`PendingFlow.timeout`) and hands back (:meth:`Stream.dispatched`) before routing goes on.
 :meth:`Stream.close` (the shell calls it whatever ends the stream) releases the request's charges and
 its in-flight slot and cancels its background prefill leg.
