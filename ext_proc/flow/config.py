@@ -52,7 +52,7 @@ class FlowControlConfig:
     kv_cache_threshold: float = 0.8
 
     def check(self) -> None:
-        """Raise :class:`ConfigError` naming the first key out of range or an unknown default objective."""
+        """Raise :class:`ConfigError` naming the first bad key (out of range, unknown, needing another)."""
         key = "flow_control"
         for name, priority in self.objectives.items():
             if not name or len(name) > 128:
@@ -72,3 +72,8 @@ class FlowControlConfig:
         in_range(f"{key}.reserved_requests", self.reserved_requests, 0, 1_000_000, kind="an integer")
         in_range(f"{key}.queue_depth_threshold", self.queue_depth_threshold, 1, 1_000_000, kind="an integer")
         in_range(f"{key}.kv_cache_threshold", self.kv_cache_threshold, 0, 1, low_open=True)
+        if self.engine_priority and not self.enabled:
+            raise ConfigError(
+                f"{key}.engine_priority: needs {key}.enabled (the priority comes from flow control's "
+                "objectives); turn both on, or this off"
+            )
