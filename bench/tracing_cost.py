@@ -21,7 +21,8 @@ request (all its threads), each ratio to tracing off; and the spans the collecto
 ratio-1 request must arrive: a dropped span would understate the cost).
 
 ``--baseline DIR`` then runs the ``stream`` level with tracing off here and in the source tree ``DIR`` (a
-checkout of the commit before tracing) in two processes at once: what "off costs nothing" means.
+checkout of the commit before tracing, or of main) in two fresh processes at once: what "off costs
+nothing" means.
 
 Run: ``python -m bench.tracing_cost [--rounds N] [--batch N] [--baseline DIR] [--json FILE]``.
 """
@@ -252,14 +253,19 @@ def _stream_off(rounds: int, batch: int) -> float:
 def baseline(tree: str, rounds: int, batch: int) -> dict[str, float]:
     """Tracing off here and in the source tree ``tree`` (e.g. a worktree of the commit before tracing).
 
-    The same ``stream`` harness runs in two processes at once, so machine noise hits both alike."""
+    The same ``stream`` harness runs in two fresh processes at once, so machine noise hits both alike
+    (not in this process: its traced rounds, servers and exporter threads would weigh on its side)."""
     script = str(Path(__file__).resolve())
     command = [sys.executable, script, "--stream-off", "--rounds", str(rounds), "--batch", str(batch)]
-    env = {**os.environ, "PYTHONPATH": tree}
-    other = subprocess.Popen(command, cwd=tree, env=env, stdout=subprocess.PIPE, text=True)
-    here = _stream_off(rounds, batch)
-    out, _ = other.communicate()
-    return {"off_us": here, "baseline_off_us": float(out.split()[-1]), "ratio": here / float(out.split()[-1])}
+    here_tree = str(Path(__file__).resolve().parents[1])
+    children = [
+        subprocess.Popen(
+            command, cwd=root, env={**os.environ, "PYTHONPATH": root}, stdout=subprocess.PIPE, text=True
+        )
+        for root in (here_tree, tree)
+    ]
+    here, there = (float(child.communicate()[0].split()[-1]) for child in children)
+    return {"off_us": here, "baseline_off_us": there, "ratio": here / there}
 
 
 async def measure(rounds: int, batch: int, concurrency: int) -> dict:

@@ -8,8 +8,11 @@ and non-streaming OpenAI SDK requests through the published gateway port and che
 simulator's ``x-sim-*`` headers, that each lands on a decode of its prefill's pdGroup; then
 recreates the two pd-extproc replicas with ``PD_EXTPROC_AFFINITY_MODE=strict`` and each engine handoff
 (``PD_EXTPROC_HANDOFF``), checks both replicas' ``/metrics`` (their decisions, and each holding the
-other as its peer over the ``nats`` service); then stops one replica (every request still routed by the
-other) and starts it again (it takes its peer's state back), and ends with ``docker-compose down -v``.
+other as its peer over the ``nats`` service); checks the stack's Prometheus (compose/prometheus/, its
+image built here on the same base): every target up (both replicas and Envoy's admin), the chart's rule
+groups loaded and evaluated, and its sum of the replicas' route decisions equal to their own
+``/metrics``; then stops one replica (every request still routed by the other) and starts it again (it
+takes its peer's state back), and ends with ``docker-compose down -v``.
 
 Run as root it installs what it lacks (Debian's docker.io, docker-compose, debootstrap) and starts
 ``dockerd --storage-driver=vfs`` if no engine answers, stopping it again at the end. Not root: it
@@ -27,6 +30,7 @@ import contextlib
 import functools
 import hashlib
 import http.server
+import json
 import os
 import shlex
 import shutil
@@ -43,10 +47,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import openai
+import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 PROJECT = "pdxcomposetest"
 IMAGE = "pd-extproc:compose-test"
+PROMETHEUS_IMAGE = "pd-extproc-prometheus:compose-test"
+RULES = ROOT / "charts" / "pd-extproc" / "monitoring" / "pd-extproc-rules.yaml"
 BASE_PACKAGES = ("python3", "python3-venv")
 BASE_PURGED = ("adduser", "passwd")
 """Removed from the base (``dpkg --force-depends``: apt depends on adduser, nothing the image runs
@@ -269,25 +276,31 @@ def pip_build_args() -> Iterator[list[str]]:
             server.server_close()
 
 
-def build_image(base: str) -> None:
+def docker_build(context: Path, tag: str, base: str, *args: str) -> None:
+    """``docker build`` of ``context`` on ``base`` (host network), logging the image's size and build time."""
     started = time.monotonic()
+    run(
+        [
+            "docker",
+            "build",
+            "--network",
+            "host",
+            "--build-arg",
+            f"BASE_IMAGE={base}",
+            *args,
+            "-t",
+            tag,
+            str(context),
+        ]
+    )
+    size = int(run(["docker", "image", "inspect", "-f", "{{.Size}}", tag]).strip())
+    log(f"image {tag}: {size / 1e6:.0f} MB, built in {time.monotonic() - started:.0f} s")
+
+
+def build_image(base: str) -> None:
+    """pd-extproc's image (checked to run as uid/gid 10001) and the compose stack's Prometheus."""
     with pip_build_args() as pip_args:
-        run(
-            [
-                "docker",
-                "build",
-                "--network",
-                "host",
-                "--build-arg",
-                f"BASE_IMAGE={base}",
-                *pip_args,
-                "-t",
-                IMAGE,
-                str(ROOT),
-            ]
-        )
-    size = int(run(["docker", "image", "inspect", "-f", "{{.Size}}", IMAGE]).strip())
-    log(f"image {IMAGE}: {size / 1e6:.0f} MB, built in {time.monotonic() - started:.0f} s")
+        docker_build(ROOT, IMAGE, base, *pip_args)
     probe = f"for tool in {' '.join(USER_TOOLS)}; do command -v $tool; done"
     tools = run(["docker", "run", "--rm", base, "sh", "-c", probe], check=False).split()
     assert tools == [], f"the base image has {tools}"
@@ -295,6 +308,7 @@ def build_image(base: str) -> None:
     ids = run(["docker", "run", "--rm", IMAGE, "python3", "-c", whoami]).split()
     assert ids == ["10001", "10001"], ids
     log(f"the image runs as uid/gid 10001, built on a base without {', '.join(USER_TOOLS)}")
+    docker_build(ROOT / "compose" / "prometheus", PROMETHEUS_IMAGE, base)
 
 
 # --- compose ----------------------------------------------------------------------------------
@@ -315,12 +329,15 @@ class Compose:
     def __init__(self) -> None:
         self.gateway_port = free_port(8080)
         self.metrics_ports = (free_port(9090), free_port(9091))
+        self.prometheus_port = free_port(9095)
         self.base_env = {
             **os.environ,
             "PD_EXTPROC_IMAGE": IMAGE,
             "PD_EXTPROC_GATEWAY_PORT": str(self.gateway_port),
             "PD_EXTPROC_METRICS_PORT": str(self.metrics_ports[0]),
             "PD_EXTPROC_METRICS_PORT_2": str(self.metrics_ports[1]),
+            "PD_EXTPROC_PROMETHEUS_IMAGE": PROMETHEUS_IMAGE,
+            "PD_EXTPROC_PROMETHEUS_PORT": str(self.prometheus_port),
             "COMPOSE_PROJECT_NAME": PROJECT,
             # Creating a container copies the whole image with the vfs storage driver: on a loaded
             # machine that outlasts docker-compose's default 60 s read timeout.
@@ -365,6 +382,14 @@ class Compose:
             f"http://127.0.0.1:{self.metrics_ports[replica]}/metrics", timeout=5
         ) as r:
             return r.read().decode()
+
+    def prometheus(self, path: str, **params: str) -> dict:
+        """The ``data`` of Prometheus' HTTP API answer to ``path`` (``status`` must be ``success``)."""
+        query = f"?{urllib.parse.urlencode(params)}" if params else ""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.prometheus_port}{path}{query}", timeout=5) as r:
+            answer = json.load(r)
+        assert answer["status"] == "success", answer
+        return answer["data"]
 
 
 def sample(metrics: str, name: str) -> float:
@@ -461,6 +486,50 @@ def check_requests(compose: Compose, mode: str, handoff: str) -> None:
     log(f"/metrics on :{compose.metrics_ports}: {'; '.join(decisions)}")
 
 
+def check_prometheus(compose: Compose, timeout: float = 60) -> None:
+    """Prometheus scrapes both replicas and Envoy, has evaluated the chart's rules, and holds the
+    replicas' route decisions: its sum equal to theirs (read from their ``/metrics`` each try)."""
+    t0 = time.monotonic()
+    targets = {
+        ("pd-extproc", "127.0.0.1:9090"): "up",
+        ("pd-extproc", "127.0.0.1:9091"): "up",
+        ("envoy", "127.0.0.1:9901"): "up",
+    }
+    groups = {group["name"]: "ok" for group in yaml.safe_load(RULES.read_text())["groups"]}
+    decisions = "sum(pd_extproc_route_decisions_total)"
+    deadline = t0 + timeout
+    while True:
+        replicas = sum(
+            float(line.rsplit(" ", 1)[1])
+            for replica in (0, 1)
+            for line in compose.metrics(replica).splitlines()
+            if line.startswith("pd_extproc_route_decisions_total{")
+        )
+        scraped = {
+            (t["labels"]["job"], t["labels"]["instance"]): t["health"]
+            for t in compose.prometheus("/api/v1/targets", state="active")["activeTargets"]
+        }
+        loaded = {
+            group["name"]: "ok" if all(r["health"] == "ok" for r in group["rules"]) else str(group["rules"])
+            for group in compose.prometheus("/api/v1/rules")["groups"]
+        }
+        result = compose.prometheus("/api/v1/query", query=decisions)["result"]
+        held = float(result[0]["value"][1]) if result else 0.0
+        if scraped == targets and loaded == groups and held == replicas > 0:
+            break
+        if time.monotonic() > deadline:
+            raise SystemExit(
+                f"Prometheus after {timeout:.0f} s: targets {scraped}, rule groups {loaded}, "
+                f"{decisions} = {held} (the replicas: {replicas})"
+            )
+        time.sleep(1)
+    log(
+        f"Prometheus on :{compose.prometheus_port}: targets {sorted(i for _, i in scraped)} up, rule groups "
+        f"{sorted(loaded)} evaluated ok, {decisions} = {held:.0f} as the replicas' /metrics "
+        f"({time.monotonic() - t0:.1f} s)"
+    )
+
+
 def check_failover(compose: Compose) -> None:
     """One replica stopped: every request is routed by the other; started again: it holds its peer."""
     t0 = time.monotonic()
@@ -517,6 +586,7 @@ def main() -> int:
                     wait_for_peers(compose)
                     log(f"pd-extproc recreated with {env} in {time.monotonic() - t0:.1f} s")
                 check_requests(compose, mode, handoff)
+            check_prometheus(compose)
             check_failover(compose)
         finally:
             compose("down", "-v", "--remove-orphans")

@@ -105,6 +105,8 @@ def test_the_panels_the_operations_guide_names_are_there() -> None:
         "Prefix hit rate: predicted vs engines",
         "KV-event health",
         "Bus and peers",
+        "Shared-state drops by reason",
+        "Sync requests by outcome",
         "Queued at the engines",
         "Decode headroom",
     } <= titles

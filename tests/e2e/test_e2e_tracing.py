@@ -78,6 +78,9 @@ async def test_one_trace_holds_the_gateways_span_and_the_context_both_legs_carri
     # The caller's request: the span is its child, and both legs name that span as their parent.
     assert (continued.trace_id, continued.parent_span_id) == (CALLER_TRACE, CALLER_SPAN)
     assert continued.service == "pd-extproc" and continued.kind == 2  # SERVER
+    assert continued.name == fresh.name == "pd_extproc.route"
+    assert continued.status_code == fresh.status_code == 0  # UNSET
+    assert 0 < continued.start_ns < continued.end_ns and 0 < fresh.start_ns < fresh.end_ns
     assert continued.attributes == {
         "pd_extproc.mode": "prefer",
         "pd_extproc.prefill": prefill.address,
