@@ -18,7 +18,15 @@ Two engines (``--max-batch`` sequences each), every request decode-only, the sam
 ``--time-scale`` slows the engines (fewer requests per second for the same load: less of this
 machine's CPU goes to the clients, Envoy and pd-extproc, whose own delays then weigh less).
 ``--reserved`` lists values of ``flow_control.reserved_requests`` (the slots the sheddable tenant leaves
-to the interactive one): one ``with`` phase each, ``with r=N``, each judged against the targets. TTFTs
+to the interactive one): one ``with`` phase each, ``with r=N``, each judged against the targets.
+``--priority`` lists ``O:M`` pairs, one ``prio O:M`` phase each: ``flow_control.engine_priority`` on (the
+engines get each request's priority; they run ``--engine-policy`` in every phase: vLLM's ``priority``
+by default, or ``priority-preempt``, SGLang's, which also preempts to admit; without priorities in the
+bodies either orders by arrival as ``fcfs`` does),
+``limits.max_inflight_requests`` = slots + ``O`` + ``M`` and ``reserved_requests`` = ``M``: the batch
+tenant may overbook the engines' slots by ``O`` requests, which wait in the engines' queues, and ``M``
+in-flight slots stay for the interactive one, which the engines then schedule before every waiting batch
+request. TTFTs
 are of requests sent after ``--warmup`` seconds; completions per second are of requests ending between
 the warmup and the end of the phase.
 
@@ -38,7 +46,7 @@ import aiohttp
 
 from bench.common import summary_ms, write_json
 from sim.cluster import EngineSpec
-from sim.config import DEFAULT_MODEL, TimingConfig
+from sim.config import DEFAULT_MODEL, SCHEDULING_POLICIES, TimingConfig
 from sim.stack import Stack, start_stack
 
 OBJECTIVE = "x-gateway-inference-objective"
@@ -152,22 +160,38 @@ def _row(seen: Seen, shape: Shape) -> dict[str, object]:
     }
 
 
-async def _configure(stack: Stack, flow: bool, shape: Shape, reserved: int = 0) -> str:
+async def _configure(
+    stack: Stack, flow: bool, shape: Shape, reserved: int = 0, overbook: int | None = None
+) -> str:
+    """Route with flow control (or without); ``overbook`` set: engine priorities on, the in-flight limit
+    ``overbook`` + ``reserved`` above the engines' slots."""
     config: dict[str, object] = {"load": {"default_max_tokens": shape.output_tokens}}
     if flow:
-        config["limits"] = {"max_inflight_requests": shape.slots, "retry_after_seconds": 1}
+        extra = 0 if overbook is None else overbook + reserved
+        config["limits"] = {"max_inflight_requests": shape.slots + extra, "retry_after_seconds": 1}
         config["flow_control"] = {
             "enabled": True,
             "max_queued_requests": 4 * shape.slots,
             "max_queue_seconds": 30,
             "reserved_requests": reserved,
+            "engine_priority": overbook is not None,
         }
     return await stack.route_with("prefer", pd_threshold_tokens=1_000_000, config=config)
 
 
-async def run(shape: Shape, reserved: list[int]) -> dict[str, object]:
-    """Every phase on one simulated cluster; the numbers and the targets' verdicts."""
-    timing = TimingConfig(max_batch=shape.max_batch, time_scale=shape.time_scale)
+async def run(
+    shape: Shape,
+    reserved: list[int],
+    priority: list[tuple[int, int]] | None = None,
+    engine_policy: str = "priority",
+) -> dict[str, object]:
+    """Every phase on one simulated cluster; the numbers and the targets' verdicts.
+
+    ``priority``: the ``(overbook, reserved)`` of each ``prio`` phase; ``engine_policy``: the engines'
+    scheduling policy (:data:`sim.config.SCHEDULING_POLICIES`)."""
+    timing = TimingConfig(
+        max_batch=shape.max_batch, time_scale=shape.time_scale, scheduling_policy=engine_policy
+    )
     stack = start_stack([EngineSpec("both", "a"), EngineSpec("both", "a")], timing)
     phases: dict[str, dict[str, object]] = {}
     try:
@@ -185,6 +209,10 @@ async def run(shape: Shape, reserved: list[int]) -> dict[str, object]:
             url = await _configure(stack, True, shape, value)
             seen = await run_phase(url, [interactive, flood], shape, seed=9)
             phases[f"with r={value}"] = {name: _row(s, shape) for name, s in seen.items()}
+        for overbook, value in priority or []:
+            url = await _configure(stack, True, shape, value, overbook)
+            seen = await run_phase(url, [interactive, flood], shape, seed=9)
+            phases[f"prio {overbook}:{value}"] = {name: _row(s, shape) for name, s in seen.items()}
         url = await _configure(stack, False, shape)
         seen = await run_phase(url, [interactive, flood], shape, seed=9)
         phases["without"] = {name: _row(s, shape) for name, s in seen.items()}
@@ -195,7 +223,16 @@ async def run(shape: Shape, reserved: list[int]) -> dict[str, object]:
     finally:
         stack.stop()
     verdicts = {f"r={value}": verdict(phases, capacity, f"with r={value}") for value in reserved}
-    return {"shape": shape.__dict__, "capacity_rps": capacity, "phases": phases, "verdicts": verdicts}
+    for overbook, value in priority or []:
+        name = f"prio {overbook}:{value}"
+        verdicts[name] = verdict(phases, capacity, name)
+    return {
+        "shape": shape.__dict__,
+        "engine_policy": engine_policy,
+        "capacity_rps": capacity,
+        "phases": phases,
+        "verdicts": verdicts,
+    }
 
 
 def _p99(phases: dict[str, dict[str, object]], phase: str, tenant: str) -> float:
@@ -239,7 +276,11 @@ def verdict(phases: dict[str, dict[str, object]], capacity: float, phase: str) -
 
 def report(result: dict[str, object]) -> str:
     """The phases as a table, then the verdicts."""
-    lines = [f"pool capacity C = {result['capacity_rps']:.1f} completions/s", ""]
+    lines = [
+        f"engines' scheduling policy: {result.get('engine_policy', 'fcfs')}",
+        f"pool capacity C = {result['capacity_rps']:.1f} completions/s",
+        "",
+    ]
     lines.append(
         f"{'phase':<11}{'tenant':<13}{'sent':>6}{'ok':>6}{'done/s':>8}{'TTFT p50':>10}{'p99 ms':>9}  statuses"
     )
@@ -271,12 +312,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--reserved", default="0", help="flow_control.reserved_requests of the 'with' phases, comma-separated"
     )
+    parser.add_argument(
+        "--priority",
+        default="",
+        help="overbook:reserved pairs of the 'prio' phases (engine priorities on), comma-separated",
+    )
+    parser.add_argument(
+        "--engine-policy",
+        default="priority",
+        choices=[policy for policy in SCHEDULING_POLICIES if policy != "fcfs"],
+        help="the engines' scheduling policy (default %(default)s: vLLM's)",
+    )
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args(argv)
     shape = Shape(
         args.max_batch, args.prompt_tokens, args.output_tokens, args.seconds, args.warmup, args.time_scale
     )
-    result = asyncio.run(run(shape, [int(value) for value in args.reserved.split(",")]))
+    pairs = [tuple(int(n) for n in pair.split(":")) for pair in args.priority.split(",") if pair]
+    priority = [(pair[0], pair[1]) for pair in pairs]
+    reserved = [int(value) for value in args.reserved.split(",")]
+    result = asyncio.run(run(shape, reserved, priority, args.engine_policy))
     print(report(result))
     write_json(args.json, result)
     return 0

@@ -1,7 +1,7 @@
 """The admin HTTP endpoint: ``/metrics``, ``/debug/endpoints``, ``/debug/explain`` and ``/healthz``.
 
-``/metrics`` is Prometheus; ``/debug/endpoints``, ``/debug/shared`` and ``/debug/explain`` are JSON,
-unless switched off."""
+``/metrics`` is Prometheus; ``/debug/endpoints``, ``/debug/shared``, ``/debug/queue`` and
+``/debug/explain`` are JSON, unless switched off."""
 
 from __future__ import annotations
 
@@ -71,6 +71,7 @@ def build_admin_app(
     kv_events: KvEventsView | None = None,
     explain: Handler | None = None,
     client_max_size: int = 1024**2,
+    queue_view: Callable[[], dict[str, object]] | None = None,
 ) -> web.Application:
     """The aiohttp application serving the admin routes.
 
@@ -81,7 +82,9 @@ def build_admin_app(
     decodes and, while ``kv_events`` reports (the ``kv-events`` prefix source is in force),
     ``kv_events``: the pool's block size and the engines whose events are of another. ``explain``
     answers ``POST /debug/explain`` (:func:`ext_proc.explain.handler`; ``None``: 404, as switched off);
-    ``client_max_size``: the largest request body read, in bytes."""
+    ``client_max_size``: the largest request body read, in bytes. ``queue_view``: what ``GET
+    /debug/queue`` shows of flow control (:meth:`ext_proc.flow.control.FlowControl.describe`; ``None``:
+    flow control is off, and the page says so)."""
 
     async def metrics_handler(_: web.Request) -> web.Response:
         return web.Response(
@@ -93,6 +96,9 @@ def build_admin_app(
 
     async def shared_handler(_: web.Request) -> web.Response:
         return web.json_response(shared_view() if shared_view is not None else {"kind": "local"})
+
+    async def queue_handler(_: web.Request) -> web.Response:
+        return web.json_response(queue_view() if queue_view is not None else {"enabled": False})
 
     async def debug_off_handler(request: web.Request) -> web.Response:
         error = {"message": f"{request.path} is switched off (admin.debug_endpoints)", "code": "disabled"}
@@ -113,6 +119,7 @@ def build_admin_app(
     app.router.add_get("/metrics", metrics_handler)
     app.router.add_get("/debug/endpoints", endpoints_handler if debug_endpoints else debug_off_handler)
     app.router.add_get("/debug/shared", shared_handler if debug_endpoints else debug_off_handler)
+    app.router.add_get("/debug/queue", queue_handler if debug_endpoints else debug_off_handler)
     app.router.add_post("/debug/explain", explain if debug_endpoints and explain else debug_off_handler)
     app.router.add_get("/healthz", healthz_handler)
     return app

@@ -259,8 +259,11 @@ async def start_admin(
     load_signal: LoadSignal | None,
     shared: SharedState,
     subscribers: KvEventSubscribers,
+    flow: FlowControl | None = None,
 ) -> tuple[web.AppRunner, int]:
     """Start the metrics and admin endpoint on ``metrics_listen``: ``(runner, port)``.
+
+    ``flow``: flow control, shown at ``/debug/queue`` (``None``: off).
 
     ``OSError`` says where when it cannot be bound."""
     describe = load_signal.describe if load_signal is not None else None
@@ -273,6 +276,7 @@ async def start_admin(
         subscribers.report,
         explain_handler(router),
         EXPLAIN_BODY_LIMIT_BYTES + 1024,
+        None if flow is None else flow.describe,
     )
     runner = web.AppRunner(admin, access_log=None)
     await runner.setup()
@@ -397,7 +401,8 @@ async def start_server(
     metrics.watch_pools(lambda: pool_signals(registry, waiting() if waiting is not None else None))
     subscribers = KvEventSubscribers(registry, live.events, metrics)  # idle unless the source is kv-events
     try:
-        runner, admin_port = await start_admin(config, router, load_signal, live.shared, subscribers)
+        control = None if flow is None else flow[0]
+        runner, admin_port = await start_admin(config, router, load_signal, live.shared, subscribers, control)
     except OSError:
         await _abandon(publisher, servers)
         await live.stop()

@@ -77,7 +77,8 @@ class HandoffJob:
     the request charges (tokens); ``subset`` the data plane's endpoint-subset hint, if any;
     ``tokens`` the prompt in the engine's token ids when the gateway tokenized it (``None``: unknown);
     ``trace`` the request's span when tracing is on (its W3C context goes on the prefill leg).
-    ``rewritten``: the gateway changed the client's body (its ``model``, :data:`MODEL_REWRITE_HEADER`),
+    ``rewritten``: the gateway changed the client's body (its ``model``, :data:`MODEL_REWRITE_HEADER`; its
+    ``priority``, ``flow_control.engine_priority``),
     so ``raw`` is sent even where a handoff adds nothing.
     """
 

@@ -65,9 +65,10 @@ class BodyRequest:
     """A request's body as read, before it is routed.
 
     ``raw`` as received, ``body`` its JSON object, ``info`` its estimated prompt tokens and output
-    budget, ``meta`` what its headers said; ``rewritten``: ``raw`` and ``body`` carry the model of
-    ``meta.model_rewrite`` instead of the client's. Never modified once built; not frozen, as
-    :mod:`ext_proc.outcome`'s per-request records (a frozen dataclass costs more to build)."""
+    budget, ``meta`` what its headers said; ``rewritten``: ``raw`` and ``body`` carry the gateway's fields
+    instead of the client's (the model of ``meta.model_rewrite``, the engines' ``priority``). Never
+    modified once built; not frozen, as :mod:`ext_proc.outcome`'s per-request records (a frozen
+    dataclass costs more to build)."""
 
     raw: bytes
     body: dict[str, object]
@@ -182,29 +183,38 @@ class Router:
         request = self.read(raw, meta)
         return request if isinstance(request, Refused) else self.route(request, subset)
 
-    def read(self, raw: bytes, meta: RequestMeta) -> BodyRequest | Refused:
-        """Parse the JSON body ``raw`` of the request ``meta`` describes; 400 ``invalid_request`` if bad."""
+    def read(self, raw: bytes, meta: RequestMeta, priority: int | None = None) -> BodyRequest | Refused:
+        """Parse the JSON body ``raw`` of the request ``meta`` describes; 400 ``invalid_request`` if bad.
+
+        ``priority``: the engines' scheduling priority to write into the body (:meth:`parse`)."""
         try:
-            return self.parse(raw, meta)
+            return self.parse(raw, meta, priority)
         except RequestError as exc:
             return refuse(self.metrics, 400, str(exc), "invalid_request", exc.param)
 
-    def parse(self, raw: bytes, meta: RequestMeta) -> BodyRequest:
+    def parse(self, raw: bytes, meta: RequestMeta, priority: int | None = None) -> BodyRequest:
         """:meth:`read` without the refusal: raises :class:`RequestError` (nothing counted or logged).
 
         Also for a ``meta.model_rewrite`` that is no model name; with a valid one, the body's ``model`` is
-        replaced by it."""
+        replaced by it. ``priority`` (``None``: the client's body keeps its own ``priority``, if any):
+        the body's ``priority`` becomes it, whatever the client sent (``flow_control.engine_priority``).
+        This is the one place the gateway rewrites a client's fields: every handoff's engine requests,
+        the prefill leg's included, are built from the rewritten ``raw`` and ``body``."""
         body = parse_body(raw)
+        fields: dict[str, object] = {}
         rewrite = meta.model_rewrite
-        rewritten = rewrite is not None and body.get("model") != rewrite
-        if rewritten:
+        if rewrite is not None and body.get("model") != rewrite:
             try:
                 check_model_name(rewrite, f"the {MODEL_REWRITE_HEADER} header")
             except ModelNameError as exc:
                 raise RequestError(str(exc)) from None
-            raw = with_fields(raw, body, {"model": rewrite}, ("model",))
-            body["model"] = rewrite
-        return BodyRequest(raw, body, describe(body, self._default_max_tokens), meta, rewritten)
+            fields["model"] = rewrite
+        if priority is not None and body.get("priority") != priority:
+            fields["priority"] = priority
+        if fields:
+            raw = with_fields(raw, body, fields, tuple(fields))
+            body.update(fields)
+        return BodyRequest(raw, body, describe(body, self._default_max_tokens), meta, bool(fields))
 
     def wants_tokens(self, request: BodyRequest) -> bool:
         """Whether ``request``'s prompt is to be put in token ids (:meth:`prompt_tokens`) before routing.
@@ -299,21 +309,24 @@ class Router:
         explained = explain(cost, prefills, decodes, self.policy, self._ticket + 1, hits, limit, lacks)
         return Explained(cost, prefills, decodes, hits, explained)
 
-    def route_bodiless(
-        self,
-        subset: frozenset[str] | None = None,
-        trace: Trace | None = None,
-        meta: RequestMeta | None = None,
-    ) -> Routed | Refused | Answered:
-        """Route a request without a body to the least-loaded decode, or answer ``GET /v1/models``.
+    def answer_bodiless(self, meta: RequestMeta) -> Answered | None:
+        """The gateway's own answer to a request without a body; ``None``: route it (:meth:`route_bodiless`).
 
         ``GET /v1/models`` (``meta.path``) is answered here, the union of the models the decodes name
         (:meth:`~ext_proc.registry.Registry.served_models`) in OpenAI's list shape, when any names them;
         otherwise (every endpoint serves every model) it goes to a decode, which answers its own list."""
-        if meta is not None and urlsplit(meta.path).path == MODELS_PATH:
+        if urlsplit(meta.path).path == MODELS_PATH:
             models = self.registry.served_models()
             if models is not None:
                 return Answered(200, model_list_body(models))
+        return None
+
+    def route_bodiless(
+        self, subset: frozenset[str] | None = None, trace: Trace | None = None
+    ) -> Routed | Refused:
+        """Route a request without a body to the least-loaded decode.
+
+        One that :meth:`answer_bodiless` does not answer itself."""
         cost = Cost(0, 0)
         placed = self._place(cost, self._no_prefills, self.registry.decode_pool, subset, None, None, trace)
         if isinstance(placed, Refused):

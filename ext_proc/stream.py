@@ -4,8 +4,9 @@ One HTTP request is one stream. Envoy's first message states the body modes; the
 :class:`~ext_proc.choreography.Choreography` (BUFFERED, or FULL_DUPLEX_STREAMED as the Gateway API
 Inference Extension gateways configure it) decides which answers go out when; the routing is the same
 in every mode. By phase:
-- ``request_headers``: a request without a body is routed here (``GET /v1/models`` answered at once
-  when the endpoints name their models: :meth:`Router.route_bodiless`); otherwise the path, ``x-request-id``
+- ``request_headers``: a request without a body is routed here (``GET /v1/models`` answered at once,
+  without an in-flight slot, when the endpoints name their models: :meth:`Router.answer_bodiless`;
+  otherwise :meth:`Router.route_bodiless`); otherwise the path, ``x-request-id``
   and ``authorization`` are noted and the body awaited (BUFFERED: client-supplied routing headers are
   stripped at once; FULL_DUPLEX_STREAMED: the answer is held until the body is complete).
 - ``request_body``: BUFFERED, the whole body in one message after the headers; FULL_DUPLEX_STREAMED,
@@ -35,9 +36,10 @@ in every mode. By phase:
 Admission control: a request about to be routed (headers without a body, or the body) first takes an
 in-flight slot (:meth:`Router.admit`); when all ``limits.max_inflight_requests`` are taken it is
 answered 429 ``overloaded`` with ``retry-after``. A refused request gives its slot back at once. With
-flow control (``flow_control.enabled``, :mod:`ext_proc.flow`) a body is read first and then asks
-:class:`~ext_proc.flow.control.FlowControl` for its slot: it gets one, is refused, or the answer is
-:class:`PendingFlow`, which the shell awaits (after asking Envoy to wait up to
+flow control (``flow_control.enabled``, :mod:`ext_proc.flow`) a body is read first (a request without
+one: its headers) and then asks :class:`~ext_proc.flow.control.FlowControl` for its slot (and, with
+``flow_control.engine_priority``, the priority written into its body): it gets one, is refused, or
+the answer is :class:`PendingFlow`, which the shell awaits (after asking Envoy to wait up to
 :attr:`PendingFlow.timeout`) and hands back (:meth:`Stream.dispatched`) before routing goes on.
 :meth:`Stream.close` (the shell calls it whatever ends the stream) releases the request's charges and
 its in-flight slot and cancels its background prefill leg.
@@ -55,7 +57,6 @@ from ext_proc.flow.control import FlowControl, Labels, Ticket
 from ext_proc.load import Admission
 from ext_proc.metrics import Metrics
 from ext_proc.outcome import (
-    Answered,
     PendingAnswer,
     Refused,
     RequestMeta,
@@ -64,6 +65,7 @@ from ext_proc.outcome import (
     RoutingInstructions,
 )
 from ext_proc.refusal import refuse
+from ext_proc.request import RequestInfo
 from ext_proc.router import BodyRequest, Router
 from ext_proc.tracing import RequestSpan, Tracing
 
@@ -74,6 +76,9 @@ TOO_LARGE = (
 """The 413 message, the same as the shipped Envoy's own (``envoy/envoy.yaml`` local reply)."""
 
 Build = Callable[[RoutingInstructions], Answers]
+BODILESS_INFO = RequestInfo(None, False, 0, 0)
+"""What flow control knows of a request without a body: no model, no tokens (its cost in its band's
+fair share is nothing)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,11 +107,11 @@ class PendingFlow:
 
     The shell asks Envoy to wait ``timeout`` seconds (the queue's bound plus the longest answer a
     handoff may then take: Envoy extends one message's wait once), awaits :meth:`wait` and passes its
-    outcome, with ``request``, to :meth:`Stream.dispatched`."""
+    outcome, with ``request`` (``None``: a request without a body), to :meth:`Stream.dispatched`."""
 
     flow: FlowControl
     ticket: Ticket
-    request: BodyRequest
+    request: BodyRequest | None
     timeout: float
 
     async def wait(self) -> Refused | None:
@@ -217,16 +222,7 @@ class Stream:
                 if choreography.full_duplex:
                     self.body = BodyCollector()
                 return choreography.header_hold
-            overloaded = self._admit()
-            router = self._shared.router
-            if overloaded is not None:
-                return self._routed(overloaded, choreography.route_bodiless)
-            outcome = router.route_bodiless(self.subset, self.trace, msg.HeadersMeta(headers))
-            if isinstance(outcome, Answered):
-                self._release_slot()
-                self.ended = True
-                return (msg.immediate_answer(outcome.status, outcome.body),)
-            return self._routed(outcome, choreography.route_bodiless)
+            return self._bodiless(choreography)
         if kind == "request_body":
             return self._request_body(request.request_body, choreography)
         if kind is None:
@@ -249,17 +245,20 @@ class Stream:
         return (self._shared.passthrough[kind],)
 
     def dispatched(
-        self, request: BodyRequest, refused: Refused | None, waited: float | None = None
+        self, request: BodyRequest | None, refused: Refused | None, waited: float | None = None
     ) -> Answers | PendingAnswer | PendingRoute:
         """Go on with ``request`` (of :class:`PendingFlow`) once flow control let it through, or refuse it.
 
-        ``waited``: the seconds it spent queued, recorded on the request's span."""
+        ``request`` ``None``: a request without a body. ``waited``: the seconds it spent queued, recorded
+        on the request's span."""
         if waited is not None and self.trace is not None:
             self.trace.queued(waited)
         if refused is not None:
             return self.end(refused)
         self.admitted = True
         assert self.build is not None
+        if request is None:
+            return self._routed(self._shared.router.route_bodiless(self.subset, self.trace), self.build)
         return self._prepare_or_route(request, self.build)
 
     def prepared(self, request: BodyRequest, tokens: Sequence[int] | None) -> Answers | PendingAnswer:
@@ -336,6 +335,30 @@ class Stream:
         self.admitted = overloaded is None
         return overloaded
 
+    def _bodiless(self, choreography: Choreography) -> Answers | PendingFlow:
+        """A request without a body: the gateway's own answer (no slot needed), or routed once it holds
+        an in-flight slot (with flow control, queued for one as a request with a body is)."""
+        router = self._shared.router
+        answered = router.answer_bodiless(self.meta)
+        if answered is not None:
+            self.ended = True
+            return (msg.immediate_answer(answered.status, answered.body),)
+        build = choreography.route_bodiless
+        flow = self._shared.flow
+        if flow is None:
+            overloaded = self._admit()
+            if overloaded is not None:
+                return self._routed(overloaded, build)
+        else:
+            gate = flow.arrive(Labels(self.meta.objective, self.meta.fairness_id), BODILESS_INFO)
+            if isinstance(gate, Refused):
+                return self.end(gate)
+            if gate is not None:
+                self.build = build
+                return PendingFlow(flow, gate, None, self._shared.flow_timeout)
+            self.admitted = True
+        return self._routed(router.route_bodiless(self.subset, self.trace), build)
+
     def _request_body(
         self, body: msg.HttpBody, choreography: Choreography
     ) -> Answers | PendingAnswer | PendingRoute | PendingFlow:
@@ -365,7 +388,8 @@ class Stream:
                 return self.end(overloaded)
         build = functools.partial(choreography.route_body, body=raw, trailers=trailers)
         router = self._shared.router
-        request = router.read(raw, self.meta)
+        priority = None if flow is None else flow.engine_priority(self.meta.objective)
+        request = router.read(raw, self.meta, priority)
         if isinstance(request, Refused):
             return self._routed(request, build)
         if flow is not None and not self.admitted:

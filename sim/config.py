@@ -17,6 +17,11 @@ KV_CONNECTORS = ("nixl", "mooncake")
 KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority", "priority-preempt")
+"""The engines' scheduling policies the simulator models: vLLM's ``--scheduling-policy`` values, and
+``priority-preempt`` (SGLang's priority scheduling: preempts to admit; :mod:`sim.engine`)."""
+
+
 def _opt(default: Any, help_text: str) -> Any:
     return field(default=default, metadata={"help": help_text})
 
@@ -69,6 +74,14 @@ class TimingConfig:
     default_max_tokens: int = _opt(256, "output budget when the request sets neither max_tokens")
     stream_interval: int = _opt(1, "tokens per streamed chunk (vLLM --stream-interval)")
     time_scale: float = _opt(1.0, "wall seconds per model second; < 1 runs faster than real time")
+    scheduling_policy: str = _opt(
+        "fcfs",
+        "vLLM --scheduling-policy: fcfs (KV reserved for prompt + output at admission, no preemption) or "
+        "priority (waiting ordered by the body's priority, lower first; KV taken as sequences grow, the "
+        "lowest-priority running sequence preempted and recomputed when a block is missing) or "
+        "priority-preempt (SGLang's: as priority, and a waiting sequence finding no room preempts running "
+        "ones whose priority is more than 10 worse)",
+    )
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "max_num_batched_tokens", "kv_capacity_tokens", "block_size"):
@@ -81,6 +94,8 @@ class TimingConfig:
                 raise ValueError(f"{name} must be >= 1")
         if not (self.time_scale > 0 and math.isfinite(self.time_scale)):
             raise ValueError("time_scale must be a finite number > 0")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}")
         for name in (
             "prefill_base_ms",
             "prefill_per_token_ms",

@@ -4,7 +4,18 @@
 blocks (reserved for prompt + output up front, no preemption; with ``enable_prefix_caching`` the
 prompt's cached leading blocks are shared, not reserved again, and not computed again:
 :mod:`sim.prefix`), then steps that each prefill a chunk of prompt tokens and decode one token for
-every sequence past its prefill. :class:`Engine`
+every sequence past its prefill. With ``scheduling_policy`` ``priority``, vLLM v1's priority policy
+(``vllm/v1/core/sched/scheduler.py``, 0.32.0): the waiting queue is ordered by (priority, arrival),
+lower first; a sequence takes the KV blocks of its context at admission and one more whenever its next
+token needs it; when none is free, the running sequence of the lowest priority (latest arrival among
+equals) is preempted, possibly the one asking: its blocks are freed and it waits again, to recompute
+its prompt and the tokens it generated (vLLM's recompute preemption) before its next token. As in vLLM
+v1, nothing preempts a running sequence to admit a waiting one: a waiting sequence of higher priority
+waits for a batch slot or blocks to free. ``priority-preempt`` adds what SGLang's priority scheduling
+(``--enable-priority-scheduling``, ``SchedulePolicy.preempt_to_schedule``) and vLLM's removed V0
+scheduler (``_schedule_priority_preemption``) do: a waiting sequence that finds no batch slot or blocks
+preempts the running sequences of the lowest priority, one by one, while theirs is more than
+:data:`PREEMPTION_THRESHOLD` worse. :class:`Engine`
 runs it in an asyncio task, sleeping each step's modelled duration, pulling remote KV caches for
 admitted sequences (falling back to a local prefill when a pull raises :class:`KvMissing`), holding
 the KV blocks of finished prefills for remote decodes, and waking request handlers through
@@ -32,6 +43,9 @@ from sim.prefix import BlockCache, Holding, PromptBlocks
 log = logging.getLogger(__name__)
 
 WAITING, PULLING, RUNNING, FINISHED, ABORTED = "waiting", "pulling", "running", "finished", "aborted"
+PREEMPTION_THRESHOLD = 10
+"""``priority-preempt``: a waiting sequence preempts a running one whose priority is more than this
+worse (SGLang's ``--priority-scheduling-preemption-threshold`` default)."""
 Pull = Callable[[int], Awaitable[TransferResult]]
 """Load a sequence's KV cache from a remote prefill, given how many prompt tokens to load."""
 
@@ -86,7 +100,9 @@ class Sequence:
     or the hold's time runs out. ``cpu_tokens`` of the ``cached_tokens`` were found in the CPU KV tier
     (loaded, not computed; the first step it runs in pays the load, then it is ``cpu_loaded``).
     ``warning`` says why a pull fell back to a local prefill. ``ready`` is set once its KV cache is in
-    place (or it failed); ``progress`` whenever it gains a token or ends.
+    place (or it failed); ``progress`` whenever it gains a token or ends. ``priority``: the body's
+    (lower first, under the ``priority`` policy); ``resumed``: the output tokens it recomputes with
+    its prompt after a preemption; ``preemptions``: how often it was preempted.
     """
 
     request_id: str
@@ -98,6 +114,9 @@ class Sequence:
     prefix: PromptBlocks | None = None
     stops: bool = False
     hold: Hold | None = None
+    priority: int = 0
+    resumed: int = 0
+    preemptions: int = 0
     held_block_ids: tuple[int, ...] = ()
     warning: str | None = None
     state: str = WAITING
@@ -120,6 +139,11 @@ class Sequence:
     def done(self) -> bool:
         """Finished or aborted."""
         return self.state in (FINISHED, ABORTED)
+
+    @property
+    def context_tokens(self) -> int:
+        """Tokens it computes before its next output token: its prompt, plus ``resumed``."""
+        return self.prompt_tokens + self.resumed
 
     @property
     def finish_reason(self) -> str | None:
@@ -155,6 +179,9 @@ class Scheduler:
         self.pulling: list[Sequence] = []
         self.running: list[Sequence] = []
         self.cache = BlockCache(timing.kv_capacity_blocks, timing.block_size, timing.cpu_kv_capacity_blocks)
+        self.by_priority = timing.scheduling_policy != "fcfs"
+        self.preempts_to_admit = timing.scheduling_policy == "priority-preempt"
+        self.preemptions = 0
 
     @property
     def used_blocks(self) -> int:
@@ -172,20 +199,43 @@ class Scheduler:
                 f"request needs {seq.prompt_tokens + seq.output_tokens} KV tokens, "
                 f"more than the cache holds ({self.timing.kv_capacity_blocks * self.timing.block_size})"
             )
-        self.waiting.append(seq)
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        """Put ``seq`` in the waiting queue: last (FCFS), or after those of its (priority, arrival)."""
+        if not self.by_priority:
+            self.waiting.append(seq)
+            return
+        key = (seq.priority, seq.arrival)
+        index = len(self.waiting)
+        while index and (self.waiting[index - 1].priority, self.waiting[index - 1].arrival) > key:
+            index -= 1
+        self.waiting.insert(index, seq)
+
+    def _admission_blocks(self, seq: Sequence) -> int:
+        """KV blocks ``seq`` takes at admission: prompt + output (FCFS), or its context (priority)."""
+        if not self.by_priority:
+            return self.blocks_for(seq)
+        return -(-seq.context_tokens // self.timing.block_size)
 
     def admit(self, now: float) -> list[Sequence]:
-        """Admit waiting sequences in FIFO order while batch slots and KV blocks last."""
+        """Admit waiting sequences in queue order while batch slots and KV blocks last.
+
+        Under ``priority-preempt``, a head that finds neither preempts running sequences
+        (:meth:`_preempt_for`) until it fits, while they are of a priority low enough."""
         admitted: list[Sequence] = []
         cache = self.cache
-        while self.waiting and len(self.running) + len(self.pulling) < self.timing.max_batch:
+        while self.waiting:
             seq = self.waiting[0]
-            need = self.blocks_for(seq)
+            need = self._admission_blocks(seq)
             hashes = seq.prefix.hashes if seq.prefix is not None else ()
             hbm = cache.lookup(hashes, seq.prompt_tokens)
             hit = hashes[:hbm]
             loaded = hashes[hbm : hbm + cache.lookup_cpu(hashes, seq.prompt_tokens, hbm)]
-            if not cache.fits(hit, need - len(hit)):
+            slot = len(self.running) + len(self.pulling) < self.timing.max_batch
+            if not (slot and cache.fits(hit, need - len(hit))):
+                if self._preempt_for(seq):
+                    continue
                 break
             self.waiting.popleft()
             queried = seq.prompt_tokens if seq.prefix is not None else 0
@@ -229,13 +279,18 @@ class Scheduler:
         self.running.append(seq)
 
     def plan(self) -> StepPlan | None:
-        """The next step, or ``None`` when no running sequence has work."""
-        decode = [s for s in self.running if s.prefilled >= s.prompt_tokens]
+        """The next step, or ``None`` when no running sequence has work.
+
+        Under the ``priority`` policy, the decoding sequences first get the block their next token
+        needs (:meth:`_grow`), preempting as vLLM does."""
+        if self.by_priority:
+            self._grow()
+        decode = [s for s in self.running if s.prefilled >= s.context_tokens]
         budget = self.timing.max_num_batched_tokens - len(decode)
         prefill: list[tuple[Sequence, int]] = []
         for seq in self.running:
-            if seq.prefilled < seq.prompt_tokens and budget > 0:
-                chunk = min(seq.prompt_tokens - seq.prefilled, budget)
+            if seq.prefilled < seq.context_tokens and budget > 0:
+                chunk = min(seq.context_tokens - seq.prefilled, budget)
                 prefill.append((seq, chunk))
                 budget -= chunk
         if not decode and not prefill:
@@ -250,6 +305,45 @@ class Scheduler:
         )
         return StepPlan(prefill, decode, ms / 1e3, loads)
 
+    def _grow(self) -> None:
+        """Give each decoding sequence the KV block its next token needs, preempting when none is free.
+
+        The victim is the running sequence of the lowest priority, the latest arrival among equals
+        (vLLM: ``max(running, key=(priority, arrival_time))``), possibly the one asking."""
+        size = self.timing.block_size
+        for seq in list(self.running):
+            if seq.state != RUNNING or seq.prefilled < seq.context_tokens:
+                continue  # preempted meanwhile, or still prefilling (its context's blocks are taken)
+            missing = -(-(seq.prompt_tokens + seq.generated) // size) - seq.kv_blocks
+            while missing > 0 and seq.state == RUNNING:
+                if self.cache.fits((), missing):
+                    seq.holding.private += self.cache.take((), missing, 0).private
+                    seq.kv_blocks += missing
+                    missing = 0
+                else:
+                    self.preempt(max(self.running, key=lambda s: (s.priority, s.arrival)))
+
+    def _preempt_for(self, seq: Sequence) -> bool:
+        """Under ``priority-preempt``, preempt the lowest-priority running sequence for the waiting ``seq``
+        if ``seq``'s priority is more than :data:`PREEMPTION_THRESHOLD` better; whether it did."""
+        if not self.preempts_to_admit or not self.running:
+            return False
+        victim = max(self.running, key=lambda s: (s.priority, s.arrival))
+        if victim.priority - seq.priority <= PREEMPTION_THRESHOLD:
+            return False
+        self.preempt(victim)
+        return True
+
+    def preempt(self, seq: Sequence) -> None:
+        """Preempt the running ``seq``: free its blocks, queue it to recompute its prompt and output."""
+        self.running.remove(seq)
+        self.free(seq)
+        seq.state, seq.resumed, seq.prefilled = WAITING, seq.generated, 0
+        seq.pull, seq.cpu_tokens, seq.cpu_loaded = None, 0, False
+        seq.preemptions += 1
+        self.preemptions += 1
+        self._enqueue(seq)
+
     def apply(self, plan: StepPlan, now: float) -> list[Sequence]:
         """Account a step ending at ``now``; return the sequences that gained a token."""
         progressed: list[Sequence] = []
@@ -258,7 +352,7 @@ class Scheduler:
         for seq, chunk in plan.prefill:
             if seq.state == RUNNING:
                 seq.prefilled += chunk
-                if seq.prefilled >= seq.prompt_tokens:
+                if seq.prefilled >= seq.context_tokens:
                     progressed.append(seq)
                     self._computed(seq)
         progressed.extend(s for s in plan.decode if s.state == RUNNING)
@@ -345,6 +439,11 @@ class Engine:
             "Prefix cache hits in the CPU KV tier, in loaded tokens.",
             lambda: cache.cpu_hits,
         )
+        self.metrics.add_counter(
+            "vllm:num_preemptions",
+            "Running sequences preempted (recomputed later).",
+            lambda: sched.preemptions,
+        )
         self.metrics.add_gauge(
             "sim:kv_held_requests",
             "Finished prefills whose KV is held for a remote decode.",
@@ -401,11 +500,13 @@ class Engine:
         prefix: PromptBlocks | None = None,
         stops: bool = False,
         hold: Hold | None = None,
+        priority: int = 0,
     ) -> Sequence:
         """Queue a request; raise ``ValueError`` if it can never fit.
 
-        Returns its :class:`Sequence` (see there for ``prefix``, ``stops`` and ``hold``; ``prefix`` is
-        ignored unless the engine runs with ``enable_prefix_caching``)."""
+        Returns its :class:`Sequence` (see there for ``prefix``, ``stops``, ``hold`` and ``priority``;
+        ``prefix`` is ignored unless the engine runs with ``enable_prefix_caching``, ``priority`` unless
+        with the ``priority`` scheduling policy)."""
         seq = Sequence(
             request_id=f"{self.engine_id}-{next(self._ids)}",
             prompt_tokens=prompt_tokens,
@@ -416,6 +517,7 @@ class Engine:
             prefix=prefix if self.config.timing.enable_prefix_caching else None,
             stops=stops,
             hold=hold,
+            priority=priority,
         )
         self.scheduler.add(seq)
         self._wakeup.set()

@@ -46,7 +46,8 @@ class GenerateRequest:
     or the simulator extension ``sim_output_tokens`` (the model ends after that many tokens).
     ``stops`` is true when the model ends by itself within the budget (``sim_output_tokens`` <=
     ``max_tokens``): the finish reason is then ``"stop"``, else ``"length"``. ``bootstrap`` holds
-    SGLang's handoff fields when the body has any of them.
+    SGLang's handoff fields when the body has any of them. ``priority``: vLLM's (lower is scheduled
+    earlier under ``--scheduling-policy priority``; ignored otherwise), 0 when absent.
     """
 
     body: dict[str, Any]
@@ -60,6 +61,7 @@ class GenerateRequest:
     stops: bool
     kv_transfer_params: dict[str, Any] | None
     bootstrap: Bootstrap | None
+    priority: int = 0
 
     @property
     def remote_decode(self) -> bool:
@@ -126,6 +128,9 @@ def parse_generate(raw: bytes, chat: bool, timing: TimingConfig) -> GenerateRequ
             f"{info.prompt_tokens} prompt tokens and asks for {budget} output tokens",
             "max_tokens",
         )
+    priority = body.get("priority", 0)
+    if type(priority) is not int:
+        raise RequestError("'priority' must be an integer", "priority")
     early = _positive_int(body, "sim_output_tokens")
     return GenerateRequest(
         body=body,
@@ -139,6 +144,7 @@ def parse_generate(raw: bytes, chat: bool, timing: TimingConfig) -> GenerateRequ
         stops=early is not None and early <= budget,
         kv_transfer_params=kv_params,
         bootstrap=_bootstrap(body),
+        priority=priority,
     )
 
 

@@ -267,6 +267,7 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
             prefix=_prompt_blocks(engine, req),
             stops=req.stops,
             hold=hold,
+            priority=req.priority,
         )
     except ValueError as exc:
         return error_response(400, str(exc), headers, "max_tokens")

@@ -32,6 +32,9 @@ class FlowControlConfig:
     further ids share one flow. ``reserved_requests``: the room (in-flight slots, or requests the engines
     can take) sheddable requests leave to the others: one is shed while no more than this is left, so
     that a request of a higher band finds room at once instead of waiting for a slot to free.
+    ``engine_priority``: write each request's scheduling priority into the body the engines get (vLLM's
+    ``priority``, lower first: the objective's priority negated), replacing any the client sent; off, a
+    client's ``priority`` reaches the engines as it came.
     ``queue_depth_threshold`` and ``kv_cache_threshold``: the Gateway API
     Inference Extension's saturation rule on the engines' own signals (``engine_metrics``): an engine
     with fewer requests waiting and less of its KV cache in use than these has room.
@@ -44,11 +47,12 @@ class FlowControlConfig:
     max_queue_seconds: float = 30.0
     max_flows: int = 64
     reserved_requests: int = 0
+    engine_priority: bool = False
     queue_depth_threshold: int = 5
     kv_cache_threshold: float = 0.8
 
     def check(self) -> None:
-        """Raise :class:`ConfigError` naming the first key out of range or an unknown default objective."""
+        """Raise :class:`ConfigError` naming the first bad key (out of range, unknown, needing another)."""
         key = "flow_control"
         for name, priority in self.objectives.items():
             if not name or len(name) > 128:
@@ -68,3 +72,8 @@ class FlowControlConfig:
         in_range(f"{key}.reserved_requests", self.reserved_requests, 0, 1_000_000, kind="an integer")
         in_range(f"{key}.queue_depth_threshold", self.queue_depth_threshold, 1, 1_000_000, kind="an integer")
         in_range(f"{key}.kv_cache_threshold", self.kv_cache_threshold, 0, 1, low_open=True)
+        if self.engine_priority and not self.enabled:
+            raise ConfigError(
+                f"{key}.engine_priority: needs {key}.enabled (the priority comes from flow control's "
+                "objectives); turn both on, or this off"
+            )

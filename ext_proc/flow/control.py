@@ -26,13 +26,16 @@ from typing import Protocol
 from ext_proc.flow.classify import Objectives, flow_of
 from ext_proc.flow.config import FlowControlConfig
 from ext_proc.flow.metrics import FlowMetrics
-from ext_proc.flow.queue import OVERFLOW_FLOW, FlowQueue, QueueFull, Waiter
+from ext_proc.flow.queue import OVERFLOW_FLOW, BandSummary, FlowQueue, QueueFull, Waiter
 from ext_proc.flow.saturation import headroom
 from ext_proc.load import Admission
 from ext_proc.metrics import Metrics
 from ext_proc.outcome import Refused
 from ext_proc.refusal import refuse
 from ext_proc.request import RequestInfo
+
+DEBUG_FLOWS = 10
+"""The most flows ``/debug/queue`` lists per band (the largest): never every fairness id."""
 
 
 class EngineSignals(Protocol):
@@ -100,6 +103,15 @@ class FlowControl:
         self.flow_metrics.watch(self._queue.lengths, self._queue.flow_counts)
         admission.on_release = self.pump
 
+    def engine_priority(self, objective: str | None) -> int | None:
+        """The ``priority`` the engines get for a request of ``objective`` (``None``: the client's own).
+
+        With ``flow_control.engine_priority``, the objective's priority negated (vLLM schedules lower
+        values first; an unknown or absent objective: the default one's), else ``None``."""
+        if not self._config.engine_priority:
+            return None
+        return -self._objectives.priority(objective)[0]
+
     def arrive(self, labels: Labels, info: RequestInfo) -> Ticket | Refused | None:
         """A read request asks to be routed: ``None`` (a slot taken), a refusal, or a :class:`Ticket`.
 
@@ -166,6 +178,34 @@ class FlowControl:
             self.flow_metrics.dispatched(waiter.priority, self._clock() - waiter.arrived)
             if not self._settle(waiter, None):
                 self._admission.release()
+
+    def describe(self) -> dict[str, object]:
+        """What ``/debug/queue`` shows (JSON): the bounds, the slots in flight, and each band's queue.
+
+        Per configured band its objectives, queued requests, flows, oldest wait (seconds), largest flows
+        (at most :data:`DEBUG_FLOWS`) and outcomes so far."""
+        now = self._clock()
+        config = self._config
+        summaries = self._queue.bands(DEBUG_FLOWS)
+        outcomes = self.flow_metrics.outcomes()
+        objectives: dict[int, list[str]] = {}
+        for name, priority in sorted(config.objectives.items()):
+            objectives.setdefault(priority, []).append(name)
+        bands = [
+            _band_view(priority, names, summaries.get(priority), outcomes.get(priority, {}), now)
+            for priority, names in sorted(objectives.items(), reverse=True)
+        ]
+        return {
+            "enabled": True,
+            "queued": len(self._queue),
+            "max_queued_requests": config.max_queued_requests,
+            "max_queue_seconds": config.max_queue_seconds,
+            "max_flows": config.max_flows,
+            "inflight": self._admission.inflight,
+            "max_inflight_requests": self._admission.limit,
+            "engine_room": self._room,
+            "bands": bands,
+        }
 
     async def close(self) -> None:
         """Stop the sweeper (the server is stopping); waiters left end with their streams."""
@@ -243,3 +283,22 @@ class FlowControl:
 
     def _refuse(self, status: int, message: str, code: str) -> Refused:
         return refuse(self._metrics, status, message, code, retry_after=self._retry_after)
+
+
+def _band_view(
+    priority: int, objectives: list[str], summary: BandSummary | None, outcomes: dict[str, int], now: float
+) -> dict[str, object]:
+    """One band's row of ``/debug/queue`` (``summary`` ``None``: nothing queued in it)."""
+    largest = () if summary is None else summary.largest
+    return {
+        "priority": priority,
+        "objectives": objectives,
+        "queued": 0 if summary is None else summary.size,
+        "flows": 0 if summary is None else summary.flows,
+        "oldest_wait_seconds": None if summary is None else round(now - summary.oldest, 6),
+        "largest_flows": [
+            {"fairness_id": None if flow == OVERFLOW_FLOW else flow, "queued": queued, "tokens": tokens}
+            for flow, queued, tokens in largest
+        ],
+        "outcomes": outcomes,
+    }

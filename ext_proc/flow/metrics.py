@@ -92,6 +92,16 @@ class FlowMetrics:
         self._children[priority, "dispatched"].inc()
         self._waits[priority].observe(waited)
 
+    def outcomes(self) -> dict[int, dict[str, int]]:
+        """Requests counted so far per band and outcome (``pd_extproc_flow_requests_total``)."""
+        counts: dict[int, dict[str, int]] = {}
+        for family in self._requests.collect():
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    band = counts.setdefault(int(sample.labels["priority"]), {})
+                    band[sample.labels["outcome"]] = int(sample.value)
+        return counts
+
     def unknown_objective(self) -> None:
         """Count one request naming an unknown objective."""
         self._unknown.inc()

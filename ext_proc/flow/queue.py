@@ -71,6 +71,19 @@ class _Band:
     size: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class BandSummary:
+    """One band's queue, as :meth:`FlowQueue.bands` sees it.
+
+    ``size`` waiters in ``flows`` flows, the oldest arrived at ``oldest`` (seconds), and the ``largest``
+    flows, most waiters first: ``(flow, waiters, tokens)`` each."""
+
+    size: int
+    flows: int
+    oldest: float
+    largest: tuple[tuple[str, int, int], ...]
+
+
 class QueueFull(Exception):
     """The queue is full and holds no request to give its place to the arriving one."""
 
@@ -179,6 +192,22 @@ class FlowQueue:
     def flow_counts(self) -> dict[int, int]:
         """Flows with a waiter queued, per band (priority)."""
         return {priority: len(band.flows) for priority, band in self._bands.items()}
+
+    def bands(self, top: int) -> dict[int, BandSummary]:
+        """What each band holding a waiter holds: see :class:`BandSummary`; its ``top`` largest flows.
+
+        O(flows) per band, no scan of the waiters."""
+        summaries = {}
+        for priority, band in self._bands.items():
+            heads = [flow.waiters[0] for flow in band.flows.values()]
+            largest = sorted(band.flows.items(), key=lambda item: (-len(item[1].waiters), item[0]))[:top]
+            summaries[priority] = BandSummary(
+                band.size,
+                len(band.flows),
+                min(w.arrived for w in heads),
+                tuple((name, len(flow.waiters), flow.tokens) for name, flow in largest),
+            )
+        return summaries
 
     def _forget_if_empty(self, priority: int, band: _Band, name: str, flow: _Flow) -> None:
         """Count one waiter less; drop the flow once empty (its credit with it), the band too."""

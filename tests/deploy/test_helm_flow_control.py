@@ -27,6 +27,7 @@ FLOW = {
         "max_queue_seconds": 120.5,
         "max_flows": 8,
         "reserved_requests": 2,
+        "engine_priority": True,
         "queue_depth_threshold": 3,
         "kv_cache_threshold": 0.9,
     }

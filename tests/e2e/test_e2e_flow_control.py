@@ -151,3 +151,59 @@ async def test_a_request_waiting_longer_than_max_queue_seconds_gets_503_with_ret
         decode.answering.set()
         assert (await first)[0] == 200
         assert _served(decode) == ["first"]
+
+
+async def _get_models(session: aiohttp.ClientSession, url: str, objective: str) -> tuple[int, dict]:
+    headers = {"x-gateway-inference-objective": objective, "x-gateway-inference-fairness-id": "t"}
+    async with session.get(f"{url}/v1/models", headers=headers) as response:
+        return response.status, json.loads(await response.read())
+
+
+async def test_bodiless_requests_queue_and_the_engines_get_the_objectives_priority(tmp_path):
+    async with (
+        flow_gateway(tmp_path, engine_priority=True) as (g, decode),
+        aiohttp.ClientSession() as session,
+    ):
+        url, admin = g.gateway.url, g.admin_url
+        decode.answering.clear()
+        first = asyncio.create_task(_chat(session, url, "first", "standard"))
+        await until(lambda: len(decode.requests) == 1)
+        status, answer = await _get_models(session, url, "batch")  # sheddable: no queue for it either
+        assert (status, answer["error"]["code"]) == (429, "shed")
+        listing = asyncio.create_task(_get_models(session, url, "interactive"))  # no body: queued too
+        await until(lambda: _queued_is(session, admin, 1))
+        body = {
+            "model": "m",
+            "max_tokens": 4,
+            "priority": -99,
+            "messages": [{"role": "user", "content": "i"}],
+        }
+        headers = {"x-gateway-inference-objective": "interactive", "x-gateway-inference-fairness-id": "t"}
+        interactive = asyncio.create_task(
+            session.post(f"{url}/v1/chat/completions", json=body, headers=headers)
+        )
+        await until(lambda: _queued_is(session, admin, 2))
+        async with session.get(f"{admin}/debug/queue") as response:
+            view = await response.json()
+        band = next(b for b in view["bands"] if b["priority"] == 10)
+        assert (view["queued"], view["inflight"], band["queued"], band["flows"]) == (2, 1, 2, 1)
+        assert [(f["fairness_id"], f["queued"]) for f in band["largest_flows"]] == [("t", 2)]
+        assert band["oldest_wait_seconds"] > 0
+        assert next(b for b in view["bands"] if b["priority"] == -1)["outcomes"]["shed"] == 1
+        decode.answering.set()
+        assert (await first)[0] == 200
+        status, listed = await listing
+        assert (
+            status == 200 and listed["object"] == "list"
+        )  # the decode's own list (no endpoint names its models)
+        async with await interactive as response:
+            assert response.status == 200
+        chats = [r["body"] for r in decode.requests if "body" in r]
+        assert [(c["messages"][0]["content"], c["priority"]) for c in chats] == [("first", 0), ("i", -10)]
+        assert [r["path"] for r in decode.requests] == [
+            "/v1/chat/completions",
+            "/v1/models",
+            "/v1/chat/completions",
+        ]
+        assert await wait_idle(session, admin) == []
+        assert g.server.router.admission.inflight == 0

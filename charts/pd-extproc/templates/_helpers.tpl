@@ -209,6 +209,7 @@ flow_control:
   max_queue_seconds: {{ include "pd-extproc.decimal" $f.max_queue_seconds }}
   max_flows: {{ int64 $f.max_flows }}
   reserved_requests: {{ int64 $f.reserved_requests }}
+  engine_priority: {{ $f.engine_priority | toJson }}
   queue_depth_threshold: {{ int64 $f.queue_depth_threshold }}
   kv_cache_threshold: {{ include "pd-extproc.decimal" $f.kv_cache_threshold }}
 engine_metrics:

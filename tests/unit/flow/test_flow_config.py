@@ -51,6 +51,7 @@ def test_off_by_default():
             "queue_depth_threshold: 0",
             "flow_control.queue_depth_threshold: must be an integer in [1, 1000000]",
         ),
+        ("engine_priority: true", "flow_control.engine_priority: needs flow_control.enabled"),
     ],
 )
 def test_a_bad_value_is_refused_naming_its_key(tmp_path, text, message):

@@ -185,3 +185,49 @@ async def test_the_engines_headroom_bounds_dispatch_between_samples():
     engines.land([(0, 0.1), (0, 0.1)])
     assert await asyncio.wait_for(pending.pop(), 5) is None
     assert admission.inflight == 5
+
+
+def test_engine_priority_is_the_objectives_negated_only_when_on():
+    off, _, _ = control()
+    assert off.engine_priority("interactive") is None
+    flow, _, metrics = control(engine_priority=True)
+    assert [flow.engine_priority(name) for name in ("interactive", "standard", "batch")] == [-10, 0, 1]
+    assert flow.engine_priority(None) == 0 and flow.engine_priority("no-such-objective") == 0  # the default's
+    assert sample(metrics, "pd_extproc_flow_unknown_objectives_total") == 0  # counted once, on arrival
+
+
+async def test_describe_shows_each_band_its_flows_bounded_oldest_wait_and_outcomes():
+    clock = Clock()
+    flow, admission, _ = control(limit=1, clock=clock, max_flows=2)
+    assert flow.arrive(STANDARD, INFO) is None
+    assert isinstance(flow.arrive(BATCH, INFO), Refused)  # shed
+    tickets = [queued(flow, Labels("standard", tenant)) for tenant in ("a", "a", "b", "c", "d")]
+    clock.now = 2.5
+    tickets.append(queued(flow, Labels("interactive", "x" * 100)))
+    clock.now = 3.0
+    view = flow.describe()
+    bands = {band["priority"]: band for band in view["bands"]}  # type: ignore[union-attr]
+    assert [band["priority"] for band in view["bands"]] == [10, 0, -1]  # type: ignore[union-attr]
+    assert (view["queued"], view["inflight"], view["max_inflight_requests"]) == (6, 1, 1)
+    standard = bands[0]
+    assert (standard["objectives"], standard["queued"], standard["flows"]) == (["standard"], 5, 3)
+    assert standard["oldest_wait_seconds"] == 3.0
+    assert standard["largest_flows"] == [  # "c" and "d" beyond max_flows: one shared flow, no id
+        {"fairness_id": None, "queued": 2, "tokens": 400},
+        {"fairness_id": "a", "queued": 2, "tokens": 400},
+        {"fairness_id": "b", "queued": 1, "tokens": 200},
+    ]
+    assert standard["outcomes"]["dispatched"] == 1
+    interactive = bands[10]
+    assert interactive["oldest_wait_seconds"] == 0.5
+    assert interactive["largest_flows"] == [{"fairness_id": "x" * 64, "queued": 1, "tokens": 200}]
+    assert bands[-1]["outcomes"]["shed"] == 1 and bands[-1]["queued"] == 0
+    assert bands[-1]["oldest_wait_seconds"] is None and bands[-1]["largest_flows"] == []
+    for ticket in tickets:
+        task = asyncio.ensure_future(flow.wait(ticket))
+        await asyncio.sleep(0)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert flow.describe()["queued"] == 0
+    admission.release()
+    await flow.close()

@@ -9,10 +9,11 @@ import pytest
 from builders import CHAT_META, DEST, PREFILL, endpoint, make_router, refused, value
 
 from ext_proc.affinity import Mode
+from ext_proc.handoff.body import prefill_leg_body
 from ext_proc.models import MAX_MODEL_NAME_CHARS, ServedModel
 from ext_proc.outcome import Answered, RequestMeta, Routed
 from ext_proc.prefix.settings import PrefixSettings
-from ext_proc.router import Router
+from ext_proc.router import BodyRequest, Router
 
 # Group g1 serves model "a" (two prefills, two decodes), g2 model "b"; X serves both, in g3.
 PA1, PA2, PB1, PX = "10.0.0.1:1", "10.0.0.2:1", "10.0.0.3:1", "10.0.0.9:1"
@@ -134,7 +135,7 @@ def test_a_bad_rewrite_header_is_a_clear_400(rewrite: str) -> None:
 
 def test_get_models_answers_the_union_of_the_decodes_models_in_openais_shape() -> None:
     router = two_models(Mode.PREFER)
-    answer = router.route_bodiless(None, meta=RequestMeta("/v1/models?x=1"))
+    answer = router.answer_bodiless(RequestMeta("/v1/models?x=1"))
     assert isinstance(answer, Answered) and answer.status == 200
     listed = json.loads(answer.body)
     assert listed["object"] == "list"
@@ -142,13 +143,14 @@ def test_get_models_answers_the_union_of_the_decodes_models_in_openais_shape() -
         ("a", "model", None),
         ("b", "model", None),
     ]
-    other = router.route_bodiless(None, meta=RequestMeta("/v1/other"))
-    assert isinstance(other, Routed)
+    assert router.answer_bodiless(RequestMeta("/v1/other")) is None  # routed: route_bodiless
+    assert isinstance(router.route_bodiless(), Routed)
 
 
 def test_get_models_goes_to_a_decode_while_no_endpoint_names_its_models() -> None:
     router = make_router([endpoint(PA1)], [endpoint(DA1)])
-    assert headers(router.route_bodiless(None, meta=RequestMeta("/v1/models")))[DEST] == DA1
+    assert router.answer_bodiless(RequestMeta("/v1/models")) is None
+    assert headers(router.route_bodiless())[DEST] == DA1
 
 
 def test_an_engines_list_applies_where_nothing_is_declared_and_a_declaration_wins() -> None:
@@ -162,7 +164,7 @@ def test_an_engines_list_applies_where_nothing_is_declared_and_a_declaration_win
         assert (sent[DEST], sent[PREFILL] in {PA1, PB1}) == (DA1, True)
     assert headers(router.route_body(chat("b"), CHAT_META))[DEST] == DB1
     assert refused(router.route_body(chat("other"), CHAT_META)).code == "model_not_found"
-    answer = router.route_bodiless(None, meta=RequestMeta("/v1/models"))
+    answer = router.answer_bodiless(RequestMeta("/v1/models"))
     assert isinstance(answer, Answered)
     assert [(m["id"], m["parent"]) for m in json.loads(answer.body)["data"]] == [
         ("b", None),
@@ -217,3 +219,37 @@ def test_metrics_label_only_the_models_endpoints_name() -> None:
     assert value(router, "pd_extproc_model_requests_total", model="client-chosen-1") is None
     info = {"role": "decode", "group": "g1", "endpoint": DB1, "model": "b", "parent": ""}
     assert value(router, "pd_extproc_endpoint_model_info", **info) == 1.0
+
+
+def test_the_engines_priority_replaces_the_clients_on_both_legs_and_is_left_alone_without_one() -> None:
+    router = two_models(Mode.PREFER)
+    sent = json.loads(chat("a"))
+    sent["priority"] = -99  # a client's own: never the engines' word once the gateway sets one
+    raw = json.dumps(sent).encode()
+    request = router.read(raw, CHAT_META, -10)
+    assert isinstance(request, BodyRequest) and request.rewritten and request.body["priority"] == -10
+    assert json.loads(prefill_leg_body(request.body))["priority"] == -10  # the prefill leg's body
+    result = router.route(request)
+    assert isinstance(result, Routed) and result.instructions.body is not None  # the decode's body
+    assert json.loads(result.instructions.body)["priority"] == -10
+    assert json.loads(result.instructions.body)["messages"] == sent["messages"]
+    untouched = router.route_body(raw, CHAT_META)  # engine priorities off: the body goes as it came
+    assert isinstance(untouched, Routed) and untouched.instructions.body is None
+    same = router.read(json.dumps({**sent, "priority": 3}).encode(), CHAT_META, 3)
+    assert isinstance(same, BodyRequest) and not same.rewritten  # the value already: the body unchanged
+
+
+def test_a_mixed_pool_lists_the_declared_models_and_an_all_serving_decodes_once_its_engine_says() -> None:
+    router = make_router([endpoint(PA1)], [endpoint(DA1, models=("a",)), endpoint(DX)])
+
+    def listed() -> list[str]:
+        answer = router.answer_bodiless(RequestMeta("/v1/models"))
+        assert isinstance(answer, Answered)
+        return [m["id"] for m in json.loads(answer.body)["data"]]
+
+    assert listed() == ["a"]  # DX serves every model, but which ones is not known yet: it adds nothing
+    assert headers(router.route_body(chat("zz"), CHAT_META))[DEST] == DX  # though it takes any name
+    router.registry.set_engine_models(DX, (ServedModel("base"), ServedModel("lora-1", "base")))
+    assert listed() == ["a", "base", "lora-1"]
+    router.registry.set_engine_models(PA1, (ServedModel("prefill-only"),))  # prefills are not listed
+    assert listed() == ["a", "base", "lora-1"]

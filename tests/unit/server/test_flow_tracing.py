@@ -1,5 +1,7 @@
 """A request flow control queued: its span records the seconds it waited (``pd_extproc.queue_wait_s``).
 
+A request without a body queues as one with a body does; the model list the gateway answers needs no slot.
+
 Driven through the gRPC shell in process (:class:`ExternalProcessor` with tracing and flow control), the
 spans kept by the SDK's in-memory exporter."""
 
@@ -7,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
-from builders import value
+from builders import D_SAME_IDLE, P1, endpoint, make_router, value
 from extproc_messages import body, headers
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from test_admission import Stream, limited, routed_stream
@@ -54,3 +56,43 @@ async def test_a_queued_requests_span_records_its_wait_and_a_direct_one_records_
     waits = sorted(span.attributes.get(QUEUE_WAIT, -1.0) for span in spans.get_finished_spans())
     assert waits == [-1.0, 2.5]
     assert value(router, "pd_extproc_inflight_requests") == 0
+
+
+async def test_a_bodiless_request_queues_for_a_slot_and_a_gateway_answered_list_needs_none() -> None:
+    router = limited(1)
+    flow = FlowControl(FlowControlConfig(enabled=True), router.admission, router.metrics, 7)
+    processor = ExternalProcessor(router, None, flow, 30.0)
+    first = await routed_stream(processor)  # takes the only slot
+    shed = Stream(processor)
+    refused = await shed.send(headers(end_of_stream=True, extra={"x-gateway-inference-objective": b"batch"}))
+    assert refused.immediate_response.status.code == 429  # sheddable: no queue, with or without a body
+    bodiless = Stream(processor)
+    extension = await bodiless.send(headers(end_of_stream=True, path="/v1/other"))  # queued: Envoy waits
+    assert extension.HasField("override_message_timeout"), extension
+    routed = asyncio.create_task(bodiless.next_answer())
+    await asyncio.sleep(0)
+    assert not routed.done()
+    await first.end()  # its slot goes to the queued request, routed as before
+    assert (await routed).WhichOneof("response") == "request_headers"
+    assert router.admission.inflight == 1
+    await bodiless.end()
+    await shed.end()
+    assert router.admission.inflight == 0
+    assert value(router, "pd_extproc_flow_requests_total", priority="0", outcome="dispatched") == 2
+
+
+async def test_get_models_the_gateway_answers_takes_no_slot() -> None:
+    router = make_router(
+        [endpoint(P1, "g1", models=("m",))],
+        [endpoint(D_SAME_IDLE, "g1", models=("m",))],
+        max_inflight_requests=1,
+    )
+    flow = FlowControl(FlowControlConfig(enabled=True), router.admission, router.metrics, 7)
+    processor = ExternalProcessor(router, None, flow, 30.0)
+    first = await routed_stream(processor)  # the only slot taken
+    listing = Stream(processor)
+    answer = await listing.send(headers(end_of_stream=True, path="/v1/models"))
+    assert answer.immediate_response.status.code == 200  # at once, though the pool is saturated
+    assert router.admission.inflight == 1
+    await listing.end()
+    await first.end()

@@ -138,6 +138,10 @@ async def test_debug_endpoints_can_be_switched_off(debug_endpoints: bool) -> Non
             assert response.status == 404
             error = (await response.json())["error"]
             assert error["code"] == "disabled" and "admin.debug_endpoints" in error["message"]
+        queue = await client.get("/debug/queue")  # flow control off: the page says so, or is off too
+        assert queue.status == (200 if debug_endpoints else 404)
+        if debug_endpoints:
+            assert await queue.json() == {"enabled": False}
         assert (await client.get("/metrics")).status == 200
         assert (await client.get("/healthz")).status == 200
 

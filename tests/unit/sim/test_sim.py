@@ -438,3 +438,22 @@ async def test_start_engine_direct_and_stop(http) -> None:
         await running.stop()
     with pytest.raises(aiohttp.ClientConnectionError):
         await post(http, running, "/v1/completions", {"prompt": "abcd"})
+
+
+async def test_priority_policy_serves_the_bodys_priority_first_and_preempts_to_admit(http) -> None:
+    """Over HTTP: ``priority-preempt`` preempts the running batch request for an urgent one; the batch one
+    then resumes (recomputed) and still answers in full."""
+    timing = TimingConfig(time_scale=0.02, max_batch=1, scheduling_policy="priority-preempt")
+    async with cluster([EngineSpec("both", "g1")], timing=timing) as [engine]:
+        batch = {"prompt": "abcd", "max_tokens": 400, "priority": 1, "stream": True}
+        async with http.post(engine.url + "/v1/completions", json=batch) as streaming:
+            await streaming.content.readline()  # it runs: the only batch slot is taken
+            urgent = {"prompt": "abcd", "max_tokens": 2, "priority": -10}
+            status, _, answer = await post(http, engine, "/v1/completions", urgent)
+            assert status == 200 and answer["usage"]["completion_tokens"] == 2
+            text = await streaming.text()
+        assert text.rstrip().endswith("data: [DONE]")
+        m = await metrics(http, engine)
+        assert m["vllm:num_preemptions_total"] == 1
+        status, _, answer = await post(http, engine, "/v1/completions", {"prompt": "x", "priority": "high"})
+        assert (status, answer["error"]["param"]) == (400, "priority")
