@@ -346,6 +346,7 @@ def test_replicas_benchmark_end_to_end(tmp_path, monkeypatch):
         "replicas": 2,
         "engine_metrics": True,
         "shared": False,
+        "slot_ms": 0.0,
     }
     assert output["across_seeds"]["2-replicas-shared"]["ttft_p90_ms_vs_1-replica"] is not None
 
