@@ -350,14 +350,24 @@ class Stream:
             if overloaded is not None:
                 return self._routed(overloaded, build)
         else:
-            gate = flow.arrive(Labels(self.meta.objective, self.meta.fairness_id), BODILESS_INFO)
-            if isinstance(gate, Refused):
-                return self.end(gate)
-            if gate is not None:
-                self.build = build
-                return PendingFlow(flow, gate, None, self._shared.flow_timeout)
-            self.admitted = True
+            queued = self._arrive(flow, BODILESS_INFO, None, build)
+            if queued is not None:
+                return queued
         return self._routed(router.route_bodiless(self.subset, self.trace), build)
+
+    def _arrive(
+        self, flow: FlowControl, info: RequestInfo, request: BodyRequest | None, build: Build
+    ) -> Answers | PendingFlow | None:
+        """Pass ``request`` (``None``: one without a body) through flow control: its refusal, a
+        :class:`PendingFlow` to await, or ``None`` when it holds an in-flight slot now."""
+        gate = flow.arrive(Labels(self.meta.objective, self.meta.fairness_id), info)
+        if isinstance(gate, Refused):
+            return self.end(gate)
+        if gate is not None:
+            self.build = build
+            return PendingFlow(flow, gate, request, self._shared.flow_timeout)
+        self.admitted = True
+        return None
 
     def _request_body(
         self, body: msg.HttpBody, choreography: Choreography
@@ -393,13 +403,9 @@ class Stream:
         if isinstance(request, Refused):
             return self._routed(request, build)
         if flow is not None and not self.admitted:
-            gate = flow.arrive(Labels(self.meta.objective, self.meta.fairness_id), request.info)
-            if isinstance(gate, Refused):
-                return self.end(gate)
-            if gate is not None:
-                self.build = build
-                return PendingFlow(flow, gate, request, self._shared.flow_timeout)
-            self.admitted = True
+            queued = self._arrive(flow, request.info, request, build)
+            if queued is not None:
+                return queued
         return self._prepare_or_route(request, build)
 
     def _prepare_or_route(self, request: BodyRequest, build: Build) -> Answers | PendingAnswer | PendingRoute:
