@@ -167,12 +167,17 @@ async def complete(
 ) -> dict[str, object] | None:
     """``body`` posted to ``engine``'s ``/v1/completions``.
 
-    The JSON answer, or ``None`` when it did not answer 200. Raises :class:`EngineError`
-    (:meth:`~rig.engine.Engine.death_error`, while ``doing``) when the engine is dead: it could not be
-    reached and died (within :data:`DEATH_GRACE_SECONDS`), or it answered 500 and its process or log says
-    it died; the connection's own error when it could not be reached and did not die."""
+    The JSON answer, or ``None`` when it did not answer 200 or dropped the connection without dying (a
+    freshly restarted engine on a loaded machine once did: the caller's attempts absorb it). Each post
+    has a connection of its own (``Connection: close``), so no engine closing an idle keep-alive
+    connection can race it. Raises :class:`EngineError` (:meth:`~rig.engine.Engine.death_error`, while
+    ``doing``) when the engine is dead: it could not be reached and died (within
+    :data:`DEATH_GRACE_SECONDS`), or it answered 500 and its process or log says it died; the
+    connection's own error when it could not be reached and did not die."""
     try:
-        async with session.post(f"{engine.url}/v1/completions", json=body) as response:
+        async with session.post(
+            f"{engine.url}/v1/completions", json=body, headers={"Connection": "close"}
+        ) as response:
             if response.status == 200:
                 answer = await response.json()
                 return answer if isinstance(answer, dict) else None
@@ -180,6 +185,8 @@ async def complete(
     except aiohttp.ClientConnectionError as exc:
         reason = await engine.wait_death(DEATH_GRACE_SECONDS)
         if reason is None:
+            if isinstance(exc, aiohttp.ServerDisconnectedError):
+                return None
             raise
         raise engine.death_error(reason, doing) from exc
     if failed and (reason := engine.death()) is not None:

@@ -120,7 +120,6 @@ class EngineSpec:
     @property
     def name(self) -> str:
         """``role-group-port``: the engine's name in logs and folders."""
-        """``role-group-port``: the engine's name in logs and folders."""
         return f"{self.role}-{self.group}-{self.port}"
 
 
