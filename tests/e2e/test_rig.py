@@ -280,6 +280,27 @@ async def test_the_attention_probe_reports_why_vllm_could_not_be_asked_and_does_
     )
 
 
+async def test_a_live_decode_dropping_a_warm_up_connection_is_one_failed_attempt(tmp_path, monkeypatch):
+    """A decode that closes a warm-up's connection without answering and stays alive (a restarted engine
+    at load once did): the warm-up tries the pair again instead of failing the suite."""
+    monkeypatch.setenv("STANDIN_DEATH", "drop-once")
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\nexec {sys.executable} {STANDIN} "$@"\n')
+    python.chmod(0o755)
+    specs = [EngineSpec(role, "a", free_port(), free_port()) for role in ("prefill", "decode")]
+    engines = {s.address: start_engine(python, tmp_path, s, tmp_path, nice=0) for s in specs}
+    try:
+        await asyncio.gather(*(e.wait_ready(timeout=30) for e in engines.values()))
+        infos = [EngineInfo(s.address, s.role, s.group, KV_TOKENS) for s in specs]
+        cluster = VllmCluster(infos, engines, tmp_path, python, tmp_path, NOT_ASKED)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+            attempts = await cluster.warm_up(session)
+    finally:
+        for engine in engines.values():
+            engine.stop()
+    assert attempts == {(specs[0].address, specs[1].address): 2}
+
+
 @pytest.mark.parametrize(
     ("death", "says"),
     [

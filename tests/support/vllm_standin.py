@@ -10,7 +10,9 @@ the environment's ``STANDIN_DEATH`` says:
 
 - ``sigill``: the process kills itself with SIGILL before answering (core dumps off);
 - ``worker``: it logs vLLM's line for a worker killed by SIGILL and answers 500 ``EngineCore
-  encountered an issue``, as vLLM's API server does once its engine core is dead.
+  encountered an issue``, as vLLM's API server does once its engine core is dead;
+- ``drop-once``: it does not die: it closes its first decode's connection without an answer (as a
+  restarted engine once did at load), then decodes.
 
 Standard library only; it logs to stdout as vLLM does (the rig sends that to the engine's log).
 """
@@ -47,6 +49,7 @@ class Handler(BaseHTTPRequestHandler):
 
     role = json.loads(option("--kv-transfer-config"))["kv_role"]
     death = os.environ["STANDIN_DEATH"]
+    dropped = False
 
     def answer(self, status: int, body: dict[str, object]) -> None:
         data = json.dumps(body).encode()
@@ -66,6 +69,12 @@ class Handler(BaseHTTPRequestHandler):
         elif self.role == "kv_producer":
             params = {"remote_block_ids": [[0]], "remote_engine_id": "standin", "remote_request_id": "r"}
             self.answer(200, {"choices": [{"text": "w1"}], "kv_transfer_params": params})
+        elif self.death == "drop-once":
+            if not Handler.dropped:
+                Handler.dropped = True
+                self.close_connection = True
+                return
+            self.answer(200, {"choices": [{"text": "w2"}]})
         elif self.death == "sigill":
             print("INFO loading the KV of a remote prefill", flush=True)
             resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
