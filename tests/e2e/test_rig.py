@@ -280,25 +280,35 @@ async def test_the_attention_probe_reports_why_vllm_could_not_be_asked_and_does_
     )
 
 
-async def test_a_live_decode_dropping_a_warm_up_connection_is_one_failed_attempt(tmp_path, monkeypatch):
-    """A decode that closes a warm-up's connection without answering and stays alive (a restarted engine
-    at load once did): the warm-up tries the pair again instead of failing the suite."""
-    monkeypatch.setenv("STANDIN_DEATH", "drop-once")
+def standin_specs() -> list[EngineSpec]:
+    """A prefill and a decode of one group, on free ports, for :func:`warm_up_standins`."""
+    return [EngineSpec(role, "a", free_port(), free_port()) for role in ("prefill", "decode")]
+
+
+async def warm_up_standins(tmp_path: Path, specs: list[EngineSpec]) -> dict[tuple[str, str], int]:
+    """Start ``specs`` as stand-in engines (``tests/support/vllm_standin.py``, as ``STANDIN_DEATH`` says),
+    run the rig's warm-up over them and stop them; its attempts per pair, or its error."""
     python = tmp_path / "python"
     python.write_text(f'#!/bin/sh\nexec {sys.executable} {STANDIN} "$@"\n')
     python.chmod(0o755)
-    specs = [EngineSpec(role, "a", free_port(), free_port()) for role in ("prefill", "decode")]
     engines = {s.address: start_engine(python, tmp_path, s, tmp_path, nice=0) for s in specs}
     try:
         await asyncio.gather(*(e.wait_ready(timeout=30) for e in engines.values()))
         infos = [EngineInfo(s.address, s.role, s.group, KV_TOKENS) for s in specs]
         cluster = VllmCluster(infos, engines, tmp_path, python, tmp_path, NOT_ASKED)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
-            attempts = await cluster.warm_up(session)
+            return await cluster.warm_up(session)
     finally:
         for engine in engines.values():
             engine.stop()
-    assert attempts == {(specs[0].address, specs[1].address): 2}
+
+
+async def test_a_live_decode_dropping_a_warm_up_connection_is_one_failed_attempt(tmp_path, monkeypatch):
+    """A decode that closes a warm-up's connection without answering and stays alive (a restarted engine
+    at load once did): the warm-up tries the pair again instead of failing the suite."""
+    monkeypatch.setenv("STANDIN_DEATH", "drop-once")
+    prefill, decode = specs = standin_specs()
+    assert await warm_up_standins(tmp_path, specs) == {(prefill.address, decode.address): 2}
 
 
 @pytest.mark.parametrize(
@@ -319,22 +329,9 @@ async def test_a_decode_that_dies_on_its_first_kv_load_is_reported_dead_with_its
     dies of SIGILL on the KV load (its process, or its worker while its API server answers 500). The
     warm-up names the decode, the signal and its log's end, not a refused connection."""
     monkeypatch.setenv("STANDIN_DEATH", death)
-    python = tmp_path / "python"
-    python.write_text(f'#!/bin/sh\nexec {sys.executable} {STANDIN} "$@"\n')
-    python.chmod(0o755)
-    specs = [EngineSpec(role, "a", free_port(), free_port()) for role in ("prefill", "decode")]
-    engines = {s.address: start_engine(python, tmp_path, s, tmp_path, nice=0) for s in specs}
-    try:
-        await asyncio.gather(*(e.wait_ready(timeout=30) for e in engines.values()))
-        infos = [EngineInfo(s.address, s.role, s.group, KV_TOKENS) for s in specs]
-        cluster = VllmCluster(infos, engines, tmp_path, python, tmp_path, NOT_ASKED)
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
-            with pytest.raises(EngineError) as raised:
-                await cluster.warm_up(session)
-    finally:
-        for engine in engines.values():
-            engine.stop()
-    prefill, decode = specs
+    prefill, decode = specs = standin_specs()
+    with pytest.raises(EngineError) as raised:
+        await warm_up_standins(tmp_path, specs)
     message = str(raised.value)
     assert message.startswith(f"{decode.name} {says.format(prefill=prefill.name)}; its log ends:\n")
     assert f"stand-in kv_consumer engine serving on port {decode.port}" in message  # the log's end
