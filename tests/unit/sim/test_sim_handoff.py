@@ -25,20 +25,35 @@ from sim.config import KvConfig, TimingConfig
 from sim.server import RunningEngine
 
 FAST = TimingConfig(time_scale=0.01)  # 1 model second = 10 wall ms
-RECOMPUTE = KvConfig(kv_load_failure_policy="recompute")
+DEADLINE_S = 10.0
+PATIENT = {"kv_lease_s": 6000.0, "mooncake_abort_timeout_s": 6000.0, "bootstrap_timeout_s": 6000.0}
+"""Model seconds (60 wall s at ``FAST``) for the waits a test does not exercise. The defaults are
+0.3 to 4.8 wall s at ``FAST``: on a loaded machine a prefill's hold could expire, or a rendezvous
+give up, between two requests of a test, before its own :data:`DEADLINE_S`."""
+
+
+def kv(**settings: object) -> KvConfig:
+    """A :class:`KvConfig` of ``settings``, the waits not named :data:`PATIENT`."""
+    return KvConfig(**{**PATIENT, **settings})  # type: ignore[arg-type]
+
+
+RECOMPUTE = kv(kv_load_failure_policy="recompute")
 PREFILL_LEG = (
     PREFILL_REQUEST_PARAMS  # what the gateway's prefill leg asks (test_e2e_handoff.py spells it out)
 )
 PROMPT = [7] * 40  # 40 prompt tokens: 3 blocks of 16
-DEADLINE_S = 10.0
 
 
 @asynccontextmanager
 async def cluster(
-    specs: list[EngineSpec], eds: Path | None = None, kv: KvConfig | None = None, timing: TimingConfig = FAST
+    specs: list[EngineSpec],
+    eds: Path | None = None,
+    config: KvConfig | None = None,
+    timing: TimingConfig = FAST,
 ) -> AsyncIterator[list[RunningEngine]]:
-    """Engines of ``specs``; with ``eds``, that file lists them all (groups, bootstrap ports)."""
-    engines = await start_cluster(specs, [eds] if eds else [], timing=timing, kv=kv)
+    """Engines of ``specs`` (``config``: :func:`kv`'s default); with ``eds``, that file lists them all
+    (groups, bootstrap ports)."""
+    engines = await start_cluster(specs, [eds] if eds else [], timing=timing, kv=config or kv())
     try:
         if eds is not None:
             write_eds_file(eds, "pd", endpoint_specs(engines))
@@ -183,8 +198,8 @@ async def test_held_blocks_block_admission_until_the_decode_pulls_them(http) -> 
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
 async def test_pull_frees_the_blocks_and_a_second_pull_fails_by_policy(http, tmp_path: Path, policy) -> None:
     specs = [EngineSpec("prefill", "g1"), EngineSpec("decode", "g1")]
-    kv = KvConfig(kv_load_failure_policy=policy)
-    async with cluster(specs, tmp_path / "eds.json", kv) as [prefill, decode]:
+    config = kv(kv_load_failure_policy=policy)
+    async with cluster(specs, tmp_path / "eds.json", config) as [prefill, decode]:
         _, _, first = await prefill_leg(http, prefill, request_id="r1")
         params = first["kv_transfer_params"]
         status, headers, body = await post(http, decode, decode_body(params), headers={"X-Request-Id": "r1"})
@@ -220,7 +235,7 @@ async def test_pull_frees_the_blocks_and_a_second_pull_fails_by_policy(http, tmp
 
 async def test_blocks_of_another_engine_id_or_unknown_ids_are_recomputed(http) -> None:
     specs = [EngineSpec("prefill", "g1"), EngineSpec("decode", "g1")]
-    async with cluster(specs, kv=RECOMPUTE) as [prefill, decode]:
+    async with cluster(specs, config=RECOMPUTE) as [prefill, decode]:
         _, _, first = await prefill_leg(http, prefill)
         params = first["kv_transfer_params"]
         for wrong, says in (
@@ -235,8 +250,11 @@ async def test_blocks_of_another_engine_id_or_unknown_ids_are_recomputed(http) -
 
 
 async def test_hold_expires_after_the_lease_and_frees_the_blocks(http) -> None:
-    kv = KvConfig(kv_lease_s=5.0, kv_load_failure_policy="recompute")  # 50 wall ms at time_scale 0.01
-    async with cluster([EngineSpec("prefill", "g1"), EngineSpec("decode", "g1")], kv=kv) as [prefill, decode]:
+    config = kv(kv_lease_s=5.0, kv_load_failure_policy="recompute")  # 50 wall ms at time_scale 0.01
+    async with cluster([EngineSpec("prefill", "g1"), EngineSpec("decode", "g1")], config=config) as [
+        prefill,
+        decode,
+    ]:
         _, _, first = await prefill_leg(http, prefill)
         m = await until(http, prefill, lambda m: m["sim:kv_holds_expired_total"] == 1)
         assert idle(m)
@@ -279,7 +297,7 @@ async def test_malformed_params_are_recomputed_with_a_warning(http, bad: dict, f
 async def test_unreachable_prefill_streams_by_policy(http, unused_tcp_port: int, policy: str) -> None:
     """``fail``: a 200 stream whose only event is vLLM's error, then ``[DONE]`` (as vLLM 0.32 answers
     a streaming request whose KV load failed); ``recompute``: the decode prefills and streams."""
-    async with cluster([EngineSpec("decode", "g1")], kv=KvConfig(kv_load_failure_policy=policy)) as [decode]:
+    async with cluster([EngineSpec("decode", "g1")], config=kv(kv_load_failure_policy=policy)) as [decode]:
         params = {**PREFILL_LEG, "do_remote_decode": False, "do_remote_prefill": True}
         params.update(
             remote_engine_id="e", remote_block_ids=[[1]], remote_host="127.0.0.1", remote_port=unused_tcp_port
@@ -312,16 +330,21 @@ async def test_sidecar_pull_releases_the_held_blocks(http) -> None:
 
 async def test_decode_heartbeats_keep_the_prefills_lease_while_it_queues(http) -> None:
     """A NIXL decode request queued longer than the lease still pulls: its heartbeats (every lease/6)
-    keep renewing the prefill's hold (vLLM 0.32 ``_send_heartbeats`` / ``_handle_heartbeat``)."""
+    keep renewing the prefill's hold (vLLM 0.32 ``_send_heartbeats`` / ``_handle_heartbeat``).
+
+    The lease is 90 model s (0.9 wall s), not the default 30: a heartbeat renews it to 2/3 of a lease
+    from when the prefill takes it, so each may arrive half a lease (0.45 wall s) late, which a loaded
+    machine's loop takes."""
+    lease = 90.0
     slow = TimingConfig(time_scale=0.01, max_batch=1, decode_step_ms=1000.0)  # one token per model s
     specs = [EngineSpec("prefill", "g1", timing=FAST), EngineSpec("decode", "g1")]
-    async with cluster(specs, timing=slow) as [prefill, decode]:  # the default lease: 30 model s
+    async with cluster(specs, config=kv(kv_lease_s=lease), timing=slow) as [prefill, decode]:
         _, _, first = await prefill_leg(http, prefill, request_id="hb-1")
-        busy = asyncio.create_task(post(http, decode, {"prompt": "abcd", "max_tokens": 100}))  # 100 model s
+        busy = asyncio.create_task(post(http, decode, {"prompt": "abcd", "max_tokens": 250}))  # 250 model s
         await until(http, decode, lambda m: m["vllm:num_requests_running"] == 1)
         status, headers, _ = await post(http, decode, decode_body(first["kv_transfer_params"]))
         assert status == 200 and headers["x-sim-prefill-engine"] == prefill.address
-        assert float(headers["x-sim-queue-ms"]) > 2 * 30_000  # waited longer than two leases
+        assert float(headers["x-sim-queue-ms"]) > 2 * lease * 1000  # waited longer than two leases
         assert (await busy)[0] == 200
         m = await metrics(http, prefill)
         assert m["sim:kv_holds_expired_total"] == 0 and idle(m)
@@ -329,7 +352,7 @@ async def test_decode_heartbeats_keep_the_prefills_lease_while_it_queues(http) -
 
 # --- vLLM upstream MooncakeConnector ---------------------------------------------------------------
 
-MOONCAKE = KvConfig(kv_connector="mooncake")
+MOONCAKE = kv(kv_connector="mooncake")
 
 
 def mooncake_leg(transfer_id: str) -> dict:
@@ -347,7 +370,7 @@ def mooncake_decode(prefill: RunningEngine, transfer_id: str, engine_id: str | N
 
 
 async def test_mooncake_bootstrap_server_answers_its_engine_ids(http) -> None:
-    async with cluster([EngineSpec("prefill", "g1"), EngineSpec("decode", "g1")], kv=MOONCAKE) as engines:
+    async with cluster([EngineSpec("prefill", "g1"), EngineSpec("decode", "g1")], config=MOONCAKE) as engines:
         prefill, decode = engines
         async with http.get(prefill.url + "/query") as resp:
             assert resp.status == 200
@@ -392,8 +415,11 @@ async def test_mooncake_legs_meet_by_transfer_id_in_either_order(http, tmp_path:
 async def test_mooncake_load_failures_follow_the_policy(http, case, says, policy) -> None:
     """An engine id the bootstrap server does not list, or a transfer no prefill request brings within
     ``mooncake_abort_timeout_s``: the decode's policy decides."""
-    kv = KvConfig(kv_connector="mooncake", kv_load_failure_policy=policy, mooncake_abort_timeout_s=2.0)
-    async with cluster([EngineSpec("prefill", "g1"), EngineSpec("decode", "g1")], kv=kv) as [prefill, decode]:
+    config = kv(kv_connector="mooncake", kv_load_failure_policy=policy, mooncake_abort_timeout_s=2.0)
+    async with cluster([EngineSpec("prefill", "g1"), EngineSpec("decode", "g1")], config=config) as [
+        prefill,
+        decode,
+    ]:
         params = mooncake_decode(prefill, "xfer-9", "sim-other" if case == "engine-id" else None)
         status, headers, body = await post(http, decode, decode_body(params))
         dm = await metrics(http, decode)
@@ -417,7 +443,7 @@ async def test_mooncake_load_failures_follow_the_policy(http, case, says, policy
     ids=["held", "no-transfer-id", "stop"],
 )
 async def test_mooncake_prefill_holds_only_a_length_capped_transfer(http, params, extra, held) -> None:
-    async with cluster([EngineSpec("prefill", "g1")], kv=MOONCAKE) as [prefill]:
+    async with cluster([EngineSpec("prefill", "g1")], config=MOONCAKE) as [prefill]:
         leg = {"prompt": PROMPT, "max_tokens": 1, "kv_transfer_params": params, **extra}
         status, _, body = await post(http, prefill, leg)
         assert status == 200 and "kv_transfer_params" not in body
@@ -425,7 +451,7 @@ async def test_mooncake_prefill_holds_only_a_length_capped_transfer(http, params
 
 
 async def test_mooncake_malformed_decode_params_are_recomputed(http) -> None:
-    async with cluster([EngineSpec("prefill", "g1"), EngineSpec("decode", "g1")], kv=MOONCAKE) as engines:
+    async with cluster([EngineSpec("prefill", "g1"), EngineSpec("decode", "g1")], config=MOONCAKE) as engines:
         prefill, decode = engines
         for bad in (
             {"transfer_id": None},
@@ -512,8 +538,11 @@ async def test_bootstrap_cross_group_streams_with_ground_truth_headers(http, tmp
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_bootstrap_decode_fails_when_no_prefill_comes(http, stream: bool) -> None:
-    kv = KvConfig(bootstrap_timeout_s=20.0)  # 200 wall ms
-    async with cluster([EngineSpec("prefill", "g1"), EngineSpec("decode", "g1")], kv=kv) as [prefill, decode]:
+    config = kv(bootstrap_timeout_s=20.0)  # 200 wall ms
+    async with cluster([EngineSpec("prefill", "g1"), EngineSpec("decode", "g1")], config=config) as [
+        prefill,
+        decode,
+    ]:
         status, headers, body = await post(http, decode, bootstrap_body(prefill, 11, stream=stream))
         assert status == 502 and headers["Content-Type"].startswith("application/json")
         message = body["error"]["message"]  # the decode's own wait or the bootstrap server's, both 20 s
@@ -523,8 +552,8 @@ async def test_bootstrap_decode_fails_when_no_prefill_comes(http, stream: bool) 
 
 
 async def test_bootstrap_prefill_fails_when_no_decode_comes(http) -> None:
-    kv = KvConfig(bootstrap_timeout_s=20.0)
-    async with cluster([EngineSpec("prefill", "g1")], kv=kv) as [prefill]:
+    config = kv(bootstrap_timeout_s=20.0)
+    async with cluster([EngineSpec("prefill", "g1")], config=config) as [prefill]:
         status, _, body = await post(http, prefill, bootstrap_body(prefill, 12, stream=False))
         assert status == 500 and body["error"]["code"] == 500
         assert "no decode registered for bootstrap room 12 within 20 model s" in body["error"]["message"]
@@ -535,9 +564,9 @@ async def test_bootstrap_prefill_fails_when_no_decode_comes(http) -> None:
 async def test_bootstrap_prefill_fails_when_its_decode_gives_up(http) -> None:
     """The decode's 20 s wait ends first: its prefill queues behind a request running 60 model s."""
     slow = TimingConfig(time_scale=0.01, max_batch=1, decode_step_ms=1000.0)
-    kv = KvConfig(bootstrap_timeout_s=20.0)
+    config = kv(bootstrap_timeout_s=20.0)
     specs = [EngineSpec("prefill", "g1"), EngineSpec("decode", "g1")]
-    async with cluster(specs, kv=kv, timing=slow) as [prefill, decode]:
+    async with cluster(specs, config=config, timing=slow) as [prefill, decode]:
         blocker = asyncio.create_task(post(http, prefill, {"prompt": "abcd", "max_tokens": 60}))
         await until(http, prefill, lambda m: m["vllm:num_requests_running"] == 1)
         body = bootstrap_body(prefill, 13)

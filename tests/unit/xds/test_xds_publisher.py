@@ -53,6 +53,10 @@ class Gate:
     def envoy(self, node: str = "envoy-1") -> Envoy:
         return Envoy(self.channel, node)
 
+    def acks(self) -> float:
+        """The ACKs the ADS server has taken (it settles the publisher as it takes each)."""
+        return self.metrics.registry.get_sample_value("pd_extproc_xds_replies_total", {"result": "ack"}) or 0
+
 
 @asynccontextmanager
 async def gate(delay: float) -> AsyncIterator[Gate]:
@@ -76,6 +80,20 @@ async def gate(delay: float) -> AsyncIterator[Gate]:
     finally:
         publisher.close()
         await server.stop(0)
+
+
+async def subscribed(g: Gate, *nodes: str) -> list[Envoy]:
+    """Envoys ``nodes``, each subscribed to every cluster once this returns.
+
+    ``Envoy.request`` returns when the request is written, before the server has taken it; a version
+    published in between would find no subscriber and admit its endpoints after the no-Envoy delay.
+    So an empty version 1 is published first: only a subscription the server holds is answered."""
+    g.publisher.publish(decode())
+    envoys = [g.envoy(node) for node in nodes]
+    for envoy in envoys:
+        await envoy.request()
+        assert clusters(await envoy.read())["decode"] == []
+    return envoys
 
 
 async def acked(g: Gate, *specs: EndpointSpec) -> Envoy:
@@ -104,8 +122,7 @@ async def test_without_envoy_a_new_endpoint_becomes_pickable_after_the_delay() -
 
 async def test_a_subscribed_envoy_must_ack_before_the_router_may_pick() -> None:
     async with gate(delay=0.05) as g:
-        envoy = g.envoy()
-        await envoy.request()
+        (envoy,) = await subscribed(g, "envoy-1")
         g.publisher.publish(decode(D1))
         response = await envoy.read()
         assert clusters(response)["decode"] == [D1]
@@ -168,13 +185,11 @@ async def test_an_endpoint_back_again_waits_for_the_version_that_brings_it_back(
 
 async def test_every_subscribed_envoy_must_ack() -> None:
     async with gate(delay=0.05) as g:
-        one, two = g.envoy("one"), g.envoy("two")
-        await one.request()
-        await two.request()
+        one, two = await subscribed(g, "one", "two")
         g.publisher.publish(decode(D1))
         await one.request(answer=await one.read())
-        await until(lambda: g.publisher.ads.acked_version("prefill") == 0)  # one ACKed, two not yet
-        await asyncio.sleep(0.2)
+        await until(lambda: g.acks() == 1)  # one ACKed (and the publisher settled), two not yet
+        await asyncio.sleep(0.2)  # far past the no-Envoy delay
         assert g.pickable() == []
         await two.request(answer=await two.read())
         await until(lambda: g.pickable() == [D1.address])
@@ -183,8 +198,7 @@ async def test_every_subscribed_envoy_must_ack() -> None:
 async def test_an_envoy_leaving_without_an_ack_lets_waiting_endpoints_in_after_the_delay() -> None:
     async with gate(delay=0.3) as g:
         loop = asyncio.get_running_loop()
-        envoy = g.envoy()
-        await envoy.request()
+        (envoy,) = await subscribed(g, "envoy-1")
         start = loop.time()
         g.publisher.publish(decode(D1))
         await envoy.read()
@@ -276,8 +290,7 @@ async def test_the_server_serves_ads_on_its_grpc_port_and_routes_only_to_what_en
 
 async def test_after_close_nothing_reaches_the_router() -> None:
     async with gate(delay=0.2) as g:
-        envoy = g.envoy()
-        await envoy.request()
+        (envoy,) = await subscribed(g, "envoy-1")
         g.publisher.publish(decode(D1))
         await envoy.read()
         g.publisher.close()  # ends the stream, whose end would otherwise admit D1 after the delay
