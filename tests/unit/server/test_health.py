@@ -3,6 +3,8 @@ ext_proc port and the separate ``health_listen`` port, every service name, readi
 
 from __future__ import annotations
 
+import contextlib
+import os
 import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -174,17 +176,35 @@ async def test_the_health_port_is_plaintext_when_the_ext_proc_port_speaks_tls(tm
         await server.stop(grace=0)
 
 
+def listening_ports() -> set[int]:
+    """The TCP ports this process's sockets listen on (Linux: its socket inodes in /proc/net/tcp*)."""
+    inodes = set()
+    for fd in Path("/proc/self/fd").iterdir():
+        with contextlib.suppress(OSError):  # closed since it was listed
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:[") : -1])
+    ports = set()
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/self/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
 async def test_a_health_listen_in_use_stops_the_server_from_starting_and_frees_its_ports(
     tmp_path: Path,
 ) -> None:
+    """The ext_proc port (any free one) is bound before the health port fails, and released.
+
+    Which port it got is seen in what the process listens on: a port picked free beforehand could be
+    taken by another process in between on a busy machine."""
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            listen_port = probe.getsockname()[1]
+        before = listening_ports()
         with pytest.raises(OSError, match=rf"cannot listen on 127.0.0.1:{port} for gRPC health"):
-            await serve(tmp_path, listen=f"127.0.0.1:{listen_port}", health_listen=f"127.0.0.1:{port}")
-    with socket.socket() as again:  # the ext_proc port was released
-        again.bind(("127.0.0.1", listen_port))
+            await serve(tmp_path, health_listen=f"127.0.0.1:{port}")
+        assert listening_ports() <= before  # the ext_proc port was released
