@@ -256,37 +256,38 @@ async def test_a_replay_that_never_answers_fails_drops_the_entries_and_backs_off
 
 
 async def test_a_flooding_engine_is_bounded_and_the_loop_keeps_turning() -> None:
-    """The engine floods from its own thread, as an engine publishes apart from the gateway's loop: the
-    loop's lags are the subscriber's (publishing in the loop would measure the publishing, seconds on a
-    loaded machine)."""
+    """The engine floods from its own thread, as an engine publishes apart from the gateway's loop; the
+    subscriber takes one message per turn of the loop, so a task that turns with it sees the messages
+    received go up one at a time (counted in turns, not seconds: a loaded machine stretches seconds)."""
     publisher = Publisher(replay=False)
     router = router_for(publisher, queue_batches=100)
-    lags: list[float] = []
+    steps: list[float] = []
     block = BlockStored(tuple(range(1000, 1064)), None, tuple(range(64 * B)), B, None, None)
 
     def flood() -> None:
         for _ in range(5000):  # 64 blocks each: a flood, as fast as the PUB socket takes them
             publisher.publish(block, BlockRemoved(block.block_hashes, None))
 
-    async def ticker() -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            start = loop.time()
-            await asyncio.sleep(0.001)
-            lags.append(loop.time() - start - 0.001)
+    def received() -> float:
+        return sample(router, "pd_extproc_kv_events_received_total", endpoint=ENGINE)
 
-    ticking = asyncio.create_task(ticker())
+    async def turner() -> None:
+        last = received()
+        while True:
+            await asyncio.sleep(0)
+            now = received()
+            steps.append(now - last)
+            last = now
+
+    turning = asyncio.create_task(turner())
     try:
         async with subscribed(router, publisher):
             await asyncio.to_thread(flood)  # the only user of the PUB socket until it returns
             await connected(publisher, router, probe=8)  # the PUB socket drops what exceeds its own queue
-            assert (
-                sample(router, "pd_extproc_kv_events_received_total", endpoint=ENGINE) <= publisher.sequence
-            )
-        median = sorted(lags)[len(lags) // 2]  # the maximum depends on this shared machine's load too
-        assert median < 0.05 and max(lags) < 2, f"the event loop stalled: {median:.3f} s, {max(lags):.3f} s"
+            assert received() <= publisher.sequence
+        assert sum(steps) > 100 and max(steps) == 1  # many messages, one a turn
     finally:
-        ticking.cancel()
+        turning.cancel()
 
 
 async def test_the_server_subscribes_to_its_engines_with_the_kv_events_source(tmp_path: Path) -> None:
