@@ -308,6 +308,16 @@ VLLM_GENERATION_ERROR = {
 }
 """What vLLM 0.32 answers when its decode cannot load the KV cache (``kv_load_failure_policy:
 fail``), measured on real engines (``bench/vllm_kv_failure.py``)."""
+VLLM_ENGINE_DEAD = {
+    "error": {
+        "message": "EngineCore encountered an issue. See stack trace (above) for the root cause.",
+        "type": "InternalServerError",
+        "param": None,
+        "code": 500,
+    }
+}
+"""What vLLM 0.32 answers once its engine core is dead (``EngineDeadError``, ``vllm/v1/engine/exceptions.py``;
+its exception handler answers it with ``create_error_response``, a stream's generator as its error event)."""
 
 
 @web.middleware
