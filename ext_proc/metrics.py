@@ -688,8 +688,9 @@ class Metrics:
         self._envoy_health_polls.labels(outcome).inc()
 
     def ejected(self, role: str, outcome: str) -> None:
-        """Count one endpoint of ``role`` (prefill, decode) ejected (``handoff.eject_failed_prefill_seconds``)
-        after a failure's ``outcome``."""
+        """Count one endpoint of ``role`` (prefill, decode) ejected after a failure's ``outcome``.
+
+        For ``handoff.eject_failed_prefill_seconds``."""
         (self._prefill_ejections if role == "prefill" else self._decode_ejections).labels(outcome).inc()
 
     def discovery_error(self, source: str, reason: str) -> None:

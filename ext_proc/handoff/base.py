@@ -79,8 +79,9 @@ class Rerouter(Protocol):
         ...
 
     def decode_failed(self, address: str, outcome: str) -> None:
-        """Report a decode that failed with ``outcome`` (``decode_engine_dead``): the router leaves it out
-        for a while."""
+        """Report a failed decode: the router leaves it out for a while.
+
+        The decode at ``address`` failed with ``outcome`` (``decode_engine_dead``: its engine core died)."""
         ...
 
 

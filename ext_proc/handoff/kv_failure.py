@@ -48,9 +48,10 @@ EVENT_STREAM = "text/event-stream"
 
 
 class Failure(NamedTuple):
-    """What the client is told of a decode's failure: ``status``, OpenAI error ``kind`` (type),
-    ``code`` and ``message``. ``code`` says whom to blame: :data:`CODE` the prefill,
-    :data:`DEAD_CODE` the decode."""
+    """What the client is told of a decode's failure, and whom it blames.
+
+    ``status``, OpenAI error ``kind`` (type), ``code`` and ``message``. ``code`` says whom to blame:
+    :data:`CODE` the prefill, :data:`DEAD_CODE` the decode."""
 
     status: int
     kind: str
