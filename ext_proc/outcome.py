@@ -146,8 +146,8 @@ class ResponseWatcher(Protocol):
     Attached by the handoff that needs it: the engine handoffs watch a decode's answer for a failed
     KV pull or a dead engine."""
 
-    def headers(self, status: int, content_type: str, chunks_sent: bool) -> Refused | Watch:
-        """Judge the answer's headers: a :class:`Refused` to answer instead, or what of the body to see.
+    def headers(self, status: int, content_type: str, chunks_sent: bool) -> Watch:
+        """Judge the answer's headers: what of its body to see before it is let through.
 
         Called when the answer's ``status`` and ``content-type`` arrived. ``chunks_sent``: the body's
         chunks come anyway (otherwise Envoy is asked to send what the watcher sees)."""

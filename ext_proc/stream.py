@@ -203,7 +203,7 @@ class Stream:
         self.ended = False
         self.watching: ResponseWatcher | None = None
         self.judging: ResponseWatcher | None = None
-        self.judged = bytearray()
+        self.judged = b""
         self.trace: RequestSpan | None = None
 
     def answer(self, request: msg.ProcessingRequest) -> Answers | PendingAnswer | PendingRoute | PendingFlow:
@@ -444,13 +444,14 @@ class Stream:
     def _watch_headers(
         self, headers: msg.HttpHeaders, watcher: ResponseWatcher, choreography: Choreography
     ) -> Answers:
-        """The routed request's answer starts: its watcher refuses, or says whether it sees the body's
-        chunks (in BUFFERED mode Envoy is then asked to send them one by one)."""
+        """The routed request's answer starts: its watcher says what of the body it sees.
+
+        Its chunks (in BUFFERED mode Envoy is then asked to send them one by one), or all of it before
+        anything is answered (BUFFERED: Envoy is asked for it whole; FULL_DUPLEX_STREAMED: the headers
+        answer is held; a bodiless answer is judged at once)."""
         status, content_type = msg.response_status(headers)
         chunks_sent = choreography.streams_response_body
         verdict = watcher.headers(status, content_type, chunks_sent)
-        if isinstance(verdict, Refused):
-            return self.end(verdict)
         if verdict is Watch.BODY:
             if headers.end_of_stream:
                 return self.end(watcher.body(b""))
@@ -474,7 +475,7 @@ class Stream:
             self.judged += body.body[: JUDGED_BODY_BYTES - len(self.judged)]
             if not body.end_of_stream and choreography.streams_response_body:
                 return ()
-        return self.end(watcher.body(bytes(self.judged)))
+        return self.end(watcher.body(self.judged))
 
     def _watch_chunk(
         self, body: msg.HttpBody, watcher: ResponseWatcher, choreography: Choreography

@@ -156,7 +156,7 @@ class KvPullWatcher:
         self._router = router
         self._ask_for_chunks = ask_for_chunks
 
-    def headers(self, status: int, content_type: str, chunks_sent: bool) -> Refused | Watch:
+    def headers(self, status: int, content_type: str, chunks_sent: bool) -> Watch:
         """Judge the decode's answer headers: what of its body to see.
 
         A 500 is judged by its whole body (:meth:`body`); a 200 event stream is watched chunk by chunk
