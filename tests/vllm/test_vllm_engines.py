@@ -398,7 +398,6 @@ async def test_a_decode_killed_mid_stream_ends_the_stream_and_the_next_request_i
         client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
         victim: Engine | None = None
         received = 0
-        started = time.monotonic()
         try:
             stream = await client.completions.create(
                 model=MODEL_NAME,
@@ -407,7 +406,7 @@ async def test_a_decode_killed_mid_stream_ends_the_stream_and_the_next_request_i
                 stream=True,
                 extra_body={"ignore_eos": True},
             )
-            with pytest.raises(openai.APIError):
+            with pytest.raises(openai.APIError) as ended:
                 async for chunk in stream:
                     received += bool(chunk.choices and chunk.choices[0].text)
                     if received == 3 and victim is None:
@@ -415,8 +414,11 @@ async def test_a_decode_killed_mid_stream_ends_the_stream_and_the_next_request_i
                         (address,) = rose(before, after, XFER)
                         victim = cluster.engine(address)
                         cluster.stop_engine(address)
+                        killed = time.monotonic()
             assert victim is not None, "the stream ended before the decode was killed"
-            assert time.monotonic() - started < 60, "the client was left hanging"
+            # The stream broke when the decode died; the client did not give up on a silent one.
+            assert not isinstance(ended.value, openai.APITimeoutError), "the client was left hanging"
+            print(f"\nthe stream ended {time.monotonic() - killed:.1f} s after its decode died", flush=True)
             assert await wait_idle(session, admin) == []
             # Still listed, now dead: Envoy's connect failure moves the next request to a fallback.
             assert (await ask(url, "chat", True, fresh_prompt())).strip()
