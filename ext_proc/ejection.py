@@ -1,4 +1,4 @@
-"""Passive ejection of prefill endpoints whose prefill leg failed (Envoy's outlier detection in miniature).
+"""Passive ejection of endpoints that failed (Envoy's outlier detection in miniature): prefills, dead decodes.
 
 A dead prefill that discovery still lists answers every leg at once with a failure, so it never carries
 load and the least-loaded rule would pick it first for every request: each request then pays a failed
@@ -8,10 +8,12 @@ is already on its way). After a failed leg the prefill is left out of the candid
 prefill is ejected, all are candidates again (as Envoy's panic threshold does), so a cluster-wide
 blip cannot turn into decode-only routing for everyone.
 
+A decode whose engine core died (``decode_engine_dead``) is ejected the same way, for the same time.
+
 The same set also holds the endpoints Envoy itself marks as failed (:meth:`Ejections.hold`, fed by
 :mod:`ext_proc.envoy_health`): Envoy's override_host policy forwards to the host pd-extproc names even
 when Envoy's outlier detection ejected it, so only pd-extproc can stop naming it. The router keeps
-one instance per role; the decode one is fed by Envoy alone.
+one instance per role.
 """
 
 from __future__ import annotations
@@ -33,11 +35,19 @@ class Ejections:
     Addresses are ejected until a ``clock()`` time (seconds; monotonic by default), plus those held
     out by :meth:`hold` until the next call.
 
-    ``seconds`` = 0 turns timed ejection off. Cost while nothing is ejected: two tests per decision.
+    ``seconds`` = 0 turns timed ejection off. ``role`` (``prefill``, ``decode``) names the endpoints in
+    logs and metrics. Cost while nothing is ejected: two tests per decision.
     """
 
-    def __init__(self, seconds: float, metrics: Metrics, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        seconds: float,
+        metrics: Metrics,
+        clock: Callable[[], float] = time.monotonic,
+        role: str = "prefill",
+    ) -> None:
         self.seconds = seconds
+        self.role = role
         self._metrics = metrics
         self._clock = clock
         self._until: dict[str, float] = {}
@@ -53,14 +63,14 @@ class Ejections:
         return self._held
 
     def eject(self, address: str, outcome: str) -> None:
-        """Leave ``address`` out for :attr:`seconds` from now: a leg to it failed with ``outcome``.
+        """Leave ``address`` out for :attr:`seconds` from now: it failed with ``outcome``.
 
-        Also used when a decode could not pull its KV."""
+        A prefill leg to it failed, a decode could not pull its KV, or (a decode) its engine core died."""
         if self.seconds <= 0:
             return
         self._until[address] = self._clock() + self.seconds
-        self._metrics.prefill_ejected(outcome)
-        log.warning("prefill %s ejected for %g s after a failure (%s)", address, self.seconds, outcome)
+        self._metrics.ejected(self.role, outcome)
+        log.warning("%s %s ejected for %g s after a failure (%s)", self.role, address, self.seconds, outcome)
 
     def ejected(self) -> frozenset[str]:
         """The addresses ejected or held out now (expired ejections are forgotten)."""

@@ -309,14 +309,15 @@ def streamed_chunk(kind: str, body: bytes, end_of_stream: bool) -> pb.Processing
     return response
 
 
-def stream_response_body() -> pb.ProcessingResponse:
-    """Answer a ``response_headers`` message unchanged, asking for the body chunk by chunk.
+def ask_response_body(streamed: bool) -> pb.ProcessingResponse:
+    """Answer a ``response_headers`` message unchanged, asking for the body.
 
-    Envoy is asked to send this response's body chunk by chunk (``mode_override``:
-    ``response_body_mode: STREAMED``; the filter must allow mode overrides, ``allow_mode_override``)."""
+    Envoy is asked to send this response's body chunk by chunk (``streamed``) or whole, in one
+    message (``mode_override``: ``response_body_mode: STREAMED`` / ``BUFFERED``; the filter must
+    allow mode overrides, ``allow_mode_override``)."""
     response = pb.ProcessingResponse()
     response.response_headers.SetInParent()
-    response.mode_override.response_body_mode = _BodySendMode.STREAMED
+    response.mode_override.response_body_mode = _BodySendMode.STREAMED if streamed else _BodySendMode.BUFFERED
     return response
 
 

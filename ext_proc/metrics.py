@@ -307,6 +307,13 @@ class Metrics:
             ["stream"],
             registry=self.registry,
         )
+        self._decode_engine_dead = Counter(
+            "pd_extproc_decode_engine_dead_total",
+            "Decodes of a KV handoff that answered vLLM's dead engine core (answered as decode_engine_dead), "
+            "by whether the answer was streamed",
+            ["stream"],
+            registry=self.registry,
+        )
         self._no_kv_transfer_params = Counter(
             "pd_extproc_prefill_no_kv_transfer_params_total",
             "Prefill legs (kv-transfer-params) answered without kv_transfer_params, by prefill endpoint: "
@@ -343,6 +350,12 @@ class Metrics:
             "pd_extproc_prefill_ejections_total",
             "Prefill endpoints left out of the candidates after a failed prefill leg (by the leg's "
             "outcome) or a decode's failed pull of its KV (kv_transfer_failed)",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self._decode_ejections = Counter(
+            "pd_extproc_decode_ejections_total",
+            "Decode endpoints left out of the candidates after a failure, by outcome (decode_engine_dead)",
             ["outcome"],
             registry=self.registry,
         )
@@ -644,6 +657,10 @@ class Metrics:
         """Count one decode that could not pull its prefill's KV cache."""
         self._kv_transfer_failures.labels("true" if stream else "false").inc()
 
+    def decode_engine_dead(self, stream: bool) -> None:
+        """Count one decode of a KV handoff that answered vLLM's dead engine core."""
+        self._decode_engine_dead.labels("true" if stream else "false").inc()
+
     def prefill_leg(self, outcome: str, seconds: float | None) -> None:
         """Count one prefill leg by outcome; ``seconds`` when it got an HTTP answer."""
         self._prefill_legs.labels(outcome).inc()
@@ -670,9 +687,11 @@ class Metrics:
         """Count one poll of Envoy's ``/clusters`` by ``outcome`` (``ok`` or a failure reason)."""
         self._envoy_health_polls.labels(outcome).inc()
 
-    def prefill_ejected(self, outcome: str) -> None:
-        """Count one prefill ejected (``handoff.eject_failed_prefill_seconds``) after a leg's ``outcome``."""
-        self._prefill_ejections.labels(outcome).inc()
+    def ejected(self, role: str, outcome: str) -> None:
+        """Count one endpoint of ``role`` (prefill, decode) ejected after a failure's ``outcome``.
+
+        For ``handoff.eject_failed_prefill_seconds``."""
+        (self._prefill_ejections if role == "prefill" else self._decode_ejections).labels(outcome).inc()
 
     def discovery_error(self, source: str, reason: str) -> None:
         """Count one failed exchange of discovery ``source`` (e.g. ``kubernetes``), by ``reason``."""

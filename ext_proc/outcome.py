@@ -16,6 +16,7 @@ in a running server, and none of them is hashed (the others, hashed or not per r
 from __future__ import annotations
 
 import asyncio
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
@@ -128,18 +129,32 @@ class Placement:
     ranks: Ranks = NO_RANKS
 
 
+class Watch(enum.Enum):
+    """What of an answer's body a :class:`ResponseWatcher` sees."""
+
+    NONE = enum.auto()
+    """Nothing: the answer passes."""
+    CHUNKS = enum.auto()
+    """Its chunks, one by one, while :meth:`ResponseWatcher.chunk` says so."""
+    BODY = enum.auto()
+    """All of it, in one piece (:meth:`ResponseWatcher.body`), before anything is answered."""
+
+
 class ResponseWatcher(Protocol):
     """Sees the upstream's answer to a routed request and may answer otherwise.
 
     Attached by the handoff that needs it: the engine handoffs watch a decode's answer for a failed
-    KV pull."""
+    KV pull or a dead engine."""
 
-    def headers(self, status: int, content_type: str, chunks_sent: bool) -> Refused | bool:
-        """Judge the answer's headers: a :class:`Refused` to answer instead, or whether to watch the body.
+    def headers(self, status: int, content_type: str, chunks_sent: bool) -> Watch:
+        """Judge the answer's headers: what of its body to see before it is let through.
 
-        Called when the answer's ``status`` and ``content-type`` arrived. Returns the :class:`Refused`
-        to answer instead, or whether to see its body chunk by chunk (``chunks_sent``: the chunks come
-        anyway; otherwise Envoy is asked to send them)."""
+        Called when the answer's ``status`` and ``content-type`` arrived. ``chunks_sent``: the body's
+        chunks come anyway (otherwise Envoy is asked to send what the watcher sees)."""
+        ...
+
+    def body(self, body: bytes) -> Refused:
+        """The whole body of an answer the watcher asked to see (:attr:`Watch.BODY`): the answer instead."""
         ...
 
     def chunk(self, chunk: bytes) -> tuple[bytes | None, bool]:

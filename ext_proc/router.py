@@ -99,8 +99,8 @@ class RouterSettings:
     (``routing.pd_threshold_tokens``). ``max_inflight_requests``: the most requests in flight at once
     (0 = unlimited; ``limits.max_inflight_requests``); beyond it :meth:`Router.admit` answers 429
     ``overloaded`` with ``Retry-After: retry_after_seconds`` (``limits.retry_after_seconds``).
-    ``eject_seconds``: how long a prefill whose leg failed (:meth:`Router.leg_failed`) is no candidate
-    (``handoff.eject_failed_prefill_seconds``).
+    ``eject_seconds``: how long a prefill whose leg failed (:meth:`Router.leg_failed`), or a decode whose
+    engine died (:meth:`Router.decode_failed`), is no candidate (``handoff.eject_failed_prefill_seconds``).
     """
 
     default_max_tokens: int
@@ -147,7 +147,7 @@ class Router:
         self._no_prefills: Pool[EndpointState] = Pool.of(())
         self.admission = Admission(settings.max_inflight_requests, settings.retry_after_seconds)
         self.ejections = Ejections(settings.eject_seconds, metrics)
-        self.decode_ejections = Ejections(0.0, metrics)
+        self.decode_ejections = Ejections(settings.eject_seconds, metrics, role="decode")
         metrics.count_inflight(lambda: self.admission.inflight)
 
     def set_policy(self, policy: Policy) -> None:
@@ -393,6 +393,10 @@ class Router:
         A prefill leg to ``address`` failed with ``outcome`` (not a 4xx), or a decode could not pull the
         KV cache it computed: eject that prefill."""
         self.ejections.eject(address, outcome)
+
+    def decode_failed(self, address: str, outcome: str) -> None:
+        """Eject the decode at ``address``, failed with ``outcome`` (its engine core died)."""
+        self.decode_ejections.eject(address, outcome)
 
     def _cost(
         self, request: BodyRequest, tokens: Sequence[int] | None, pool: Pool[EndpointState]

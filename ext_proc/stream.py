@@ -27,10 +27,12 @@ in every mode. By phase:
 - ``response_headers``: the prefill has finished; its charge is released. When the data plane reports
   the endpoint that served (``envoy.lb`` ``x-gateway-destination-endpoint-served``) and it is another
   decode than the one chosen (a retry walked the fallback list), the decode charge moves there. A routed
-  request's :class:`~ext_proc.outcome.ResponseWatcher` (the engine handoffs: a decode's failed KV pull)
-  sees the status: it may refuse instead, or watch the body's first chunks (asking Envoy to send them
-  when they would not come otherwise).
-- ``response_body``: a watched chunk is passed or replaced as the watcher says; otherwise echoed
+  request's :class:`~ext_proc.outcome.ResponseWatcher` (the engine handoffs: a decode's failed KV pull
+  or dead engine) sees the status: it may refuse instead, watch the body's first chunks, or judge the
+  whole body (a decode's 500) before anything is answered (asking Envoy to send the body, chunk by
+  chunk or whole, when it would not come otherwise; FULL_DUPLEX_STREAMED: holding the headers answer).
+- ``response_body``: a watched chunk is passed or replaced as the watcher says; a judged body is kept
+  until complete, then the watcher's error answers instead (also at the response trailers); otherwise echoed
   unchanged in FULL_DUPLEX_STREAMED (chunk by chunk, as the engine streams tokens), else passed
   through; anything else passes through unchanged.
 Admission control: a request about to be routed (headers without a body, or the body) first takes an
@@ -63,6 +65,7 @@ from ext_proc.outcome import (
     ResponseWatcher,
     Routed,
     RoutingInstructions,
+    Watch,
 )
 from ext_proc.refusal import refuse
 from ext_proc.request import RequestInfo
@@ -76,6 +79,9 @@ TOO_LARGE = (
 """The 413 message, the same as the shipped Envoy's own (``envoy/envoy.yaml`` local reply)."""
 
 Build = Callable[[RoutingInstructions], Answers]
+JUDGED_BODY_BYTES = 64 * 1024
+"""The most of an answer's body a watcher judges whole (:attr:`Watch.BODY`: a decode's 500, an error of
+a few hundred bytes) is given, in bytes; the rest is dropped with the answer."""
 BODILESS_INFO = RequestInfo(None, False, 0, 0)
 """What flow control knows of a request without a body: no model, no tokens (its cost in its band's
 fair share is nothing)."""
@@ -143,7 +149,8 @@ class Streams:
         self.metrics: Metrics = router.metrics
         self.choreographies = Choreographies(router.handoff.routing_headers, router.handoff.hands_kv)
         self.passthrough = {kind: msg.passthrough(kind) for kind in msg.PHASES}
-        self.stream_body = msg.stream_response_body()
+        self.stream_body = msg.ask_response_body(streamed=True)
+        self.buffer_body = msg.ask_response_body(streamed=False)
 
     def open(self) -> Stream:
         """The state of a new stream."""
@@ -157,8 +164,9 @@ class Stream:
     leg, response watcher) or the pending answer in progress, whether it holds an in-flight slot,
     whether Envoy sent the request headers, what they said, the data plane's endpoint-subset hint if
     any, the FULL_DUPLEX_STREAMED body collected so far, how a pending answer's outcome becomes
-    answers, whether the stream was answered with an error (later messages get no answer), and the
-    watcher of a streamed answer whose next chunk it still wants to see; with tracing on, the
+    answers, whether the stream was answered with an error (later messages get no answer), the
+    watcher of a streamed answer whose next chunk it still wants to see, and the watcher judging an
+    answer's whole body with what of it came so far; with tracing on, the
     request's span (from its headers to :meth:`close`)."""
 
     __slots__ = (
@@ -169,6 +177,8 @@ class Stream:
         "build",
         "choreography",
         "ended",
+        "judged",
+        "judging",
         "meta",
         "pending",
         "routed",
@@ -192,6 +202,8 @@ class Stream:
         self.build: Build | None = None
         self.ended = False
         self.watching: ResponseWatcher | None = None
+        self.judging: ResponseWatcher | None = None
+        self.judged = b""
         self.trace: RequestSpan | None = None
 
     def answer(self, request: msg.ProcessingRequest) -> Answers | PendingAnswer | PendingRoute | PendingFlow:
@@ -238,6 +250,9 @@ class Stream:
             routed.lease.release_prefill()
             if routed.watcher is not None:
                 return self._watch_headers(request.response_headers, routed.watcher, choreography)
+        if self.judging is not None and kind in ("response_body", "response_trailers"):
+            body = request.response_body if kind == "response_body" else None
+            return self._judge(body, self.judging, choreography)
         if kind == "response_body":
             if self.watching is not None:
                 return (self._watch_chunk(request.response_body, self.watching, choreography),)
@@ -429,17 +444,38 @@ class Stream:
     def _watch_headers(
         self, headers: msg.HttpHeaders, watcher: ResponseWatcher, choreography: Choreography
     ) -> Answers:
-        """The routed request's answer starts: its watcher refuses, or says whether it sees the body's
-        chunks (in BUFFERED mode Envoy is then asked to send them one by one)."""
+        """The routed request's answer starts: its watcher says what of the body it sees.
+
+        Its chunks (in BUFFERED mode Envoy is then asked to send them one by one), or all of it before
+        anything is answered (BUFFERED: Envoy is asked for it whole; FULL_DUPLEX_STREAMED: the headers
+        answer is held; a bodiless answer is judged at once)."""
         status, content_type = msg.response_status(headers)
         chunks_sent = choreography.streams_response_body
         verdict = watcher.headers(status, content_type, chunks_sent)
-        if isinstance(verdict, Refused):
-            return self.end(verdict)
-        self.watching = watcher if verdict else None
-        if verdict and not chunks_sent:
-            return (self._shared.stream_body,)
+        if verdict is Watch.BODY:
+            if headers.end_of_stream:
+                return self.end(watcher.body(b""))
+            self.judging = watcher
+            return () if chunks_sent else (self._shared.buffer_body,)
+        if verdict is Watch.CHUNKS:
+            self.watching = watcher
+            if not chunks_sent:
+                return (self._shared.stream_body,)
         return (self._shared.passthrough["response_headers"],)
+
+    def _judge(
+        self, body: msg.HttpBody | None, watcher: ResponseWatcher, choreography: Choreography
+    ) -> Answers:
+        """A part of an answer its watcher judges whole (:attr:`Watch.BODY`): kept, up to
+        :data:`JUDGED_BODY_BYTES`, until the body is complete, then the watcher's error ends the stream.
+
+        BUFFERED: the body comes in one message. FULL_DUPLEX_STREAMED: its headers answer is held and its
+        chunks kept until ``end_of_stream`` or the trailers (``body`` ``None``)."""
+        if body is not None:
+            self.judged += body.body[: JUDGED_BODY_BYTES - len(self.judged)]
+            if not body.end_of_stream and choreography.streams_response_body:
+                return ()
+        return self.end(watcher.body(self.judged))
 
     def _watch_chunk(
         self, body: msg.HttpBody, watcher: ResponseWatcher, choreography: Choreography

@@ -95,11 +95,9 @@ class VllmCluster:
 
     def engine(self, address: str) -> Engine:
         """The running engine at ``address``."""
-        """The running engine at ``address``."""
         return self.running[address]
 
     def of_role(self, role: str) -> list[Engine]:
-        """The running engines of ``role`` (``prefill`` or ``decode``)."""
         """The running engines of ``role`` (``prefill`` or ``decode``)."""
         return [e for e in self.running.values() if e.spec.role == role]
 
@@ -108,7 +106,6 @@ class VllmCluster:
         return next(e for e in self.engines if e.address == address)
 
     def group_of(self, address: str) -> str:
-        """The ``pdGroupID`` of the engine at ``address`` (live or dead)."""
         """The ``pdGroupID`` of the engine at ``address`` (live or dead)."""
         return self.info(address).group
 

@@ -114,7 +114,6 @@ class EngineSpec:
     @property
     def address(self) -> str:
         """``127.0.0.1:port``: the engine's OpenAI server."""
-        """``127.0.0.1:port``: the engine's OpenAI server."""
         return f"127.0.0.1:{self.port}"
 
     @property
@@ -227,22 +226,18 @@ class Engine:
     @property
     def address(self) -> str:
         """The engine's ``host:port``."""
-        """The engine's ``host:port``."""
         return self.spec.address
 
     @property
     def url(self) -> str:
         """The engine's base URL."""
-        """The engine's base URL."""
         return f"http://{self.spec.address}"
 
     def alive(self) -> bool:
         """Whether the engine's process is still running."""
-        """Whether the engine's process is still running."""
         return self.process.poll() is None
 
     def log_tail(self, lines: int = 25) -> str:
-        """The last ``lines`` lines of the engine's log (``""`` when it cannot be read)."""
         """The last ``lines`` lines of the engine's log (``""`` when it cannot be read)."""
         with contextlib.suppress(OSError):
             return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])

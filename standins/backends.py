@@ -308,37 +308,57 @@ VLLM_GENERATION_ERROR = {
 }
 """What vLLM 0.32 answers when its decode cannot load the KV cache (``kv_load_failure_policy:
 fail``), measured on real engines (``bench/vllm_kv_failure.py``)."""
+VLLM_ENGINE_DEAD = {
+    "error": {
+        "message": "EngineCore encountered an issue. See stack trace (above) for the root cause.",
+        "type": "InternalServerError",
+        "param": None,
+        "code": 500,
+    }
+}
+"""What vLLM 0.32 answers once its engine core is dead (``EngineDeadError``, ``vllm/v1/engine/exceptions.py``;
+its exception handler answers it with ``create_error_response``, a stream's generator as its error event)."""
 
 
-@web.middleware
-async def _fail_kv_pulls(request: web.Request, handler) -> web.StreamResponse:  # type: ignore[no-untyped-def]
-    if request.method != "POST":
-        return await handler(request)
-    body = await request.json()
-    if "kv_transfer_params" not in body:
-        return await handler(request)
-    request.app[BACKEND].requests.append(
-        {"path": request.path, "body": body, "headers": dict(request.headers)}
-    )
-    if not body.get("stream"):
-        return web.json_response(VLLM_GENERATION_ERROR, status=500)
-    response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
-    await response.prepare(request)
-    if request.path.endswith("chat/completions"):  # vLLM announces the role before it fails
-        role = {"id": "chatcmpl-1", "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
-        await response.write(b"data: " + json.dumps(role).encode() + b"\n\n")
-    await response.write(b"data: " + json.dumps(VLLM_GENERATION_ERROR).encode() + b"\n\n")
-    await response.write(b"data: [DONE]\n\n")
-    return response
+def _failing_kv_pulls(error: dict[str, object]):  # type: ignore[no-untyped-def]
+    """The middleware that answers every request carrying ``kv_transfer_params`` with vLLM's ``error``."""
+
+    @web.middleware
+    async def fail(request: web.Request, handler) -> web.StreamResponse:  # type: ignore[no-untyped-def]
+        if request.method != "POST":
+            return await handler(request)
+        body = await request.json()
+        if "kv_transfer_params" not in body:
+            return await handler(request)
+        request.app[BACKEND].requests.append(
+            {"path": request.path, "body": body, "headers": dict(request.headers)}
+        )
+        if not body.get("stream"):
+            return web.json_response(error, status=500)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        await response.prepare(request)
+        if request.path.endswith("chat/completions"):  # vLLM announces the role before it fails
+            role = {
+                "id": "chatcmpl-1",
+                "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}],
+            }
+            await response.write(b"data: " + json.dumps(role).encode() + b"\n\n")
+        await response.write(b"data: " + json.dumps(error).encode() + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    return fail
 
 
-async def start_kv_failing_decode() -> EchoBackend:
+async def start_kv_failing_decode(error: dict[str, object] = VLLM_GENERATION_ERROR) -> EchoBackend:
     """A decode that cannot load any KV cache, answering as vLLM 0.32 does.
 
-    A request carrying ``kv_transfer_params`` gets HTTP 500 with :data:`VLLM_GENERATION_ERROR` (non-streaming)
-    or HTTP 200 whose events are that error, then ``[DONE]`` (streaming; a chat stream announces the role
-    first); any other request is served as by :func:`start_backend`. Its ``requests`` record every request."""
-    return await start_backend((_fail_kv_pulls,))
+    A request carrying ``kv_transfer_params`` gets HTTP 500 with ``error`` (non-streaming) or HTTP 200
+    whose events are that error, then ``[DONE]`` (streaming; a chat stream announces the role first);
+    any other request is served as by :func:`start_backend`. ``error``: :data:`VLLM_GENERATION_ERROR`
+    (a failed pull), or :data:`VLLM_ENGINE_DEAD` (a decode whose engine core died). Its ``requests``
+    record every request."""
+    return await start_backend((_failing_kv_pulls(error),))
 
 
 @dataclass

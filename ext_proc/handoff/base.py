@@ -61,7 +61,7 @@ class FailurePolicy(enum.StrEnum):
 
 
 class Rerouter(Protocol):
-    """What a handoff may ask of the router after a prefill leg failed, or a decode's KV pull."""
+    """What a handoff may ask of the router after a prefill leg failed, a decode's KV pull, or a decode."""
 
     def retry(
         self, job: HandoffJob, failed: Decision[EndpointState], exclude: frozenset[str]
@@ -76,6 +76,12 @@ class Rerouter(Protocol):
 
         A prefill leg to ``address`` failed with ``outcome`` (a connect error, 5xx, timeout or unusable
         answer; not a 4xx), or a decode could not pull the KV cache it computed (``kv_transfer_failed``)."""
+        ...
+
+    def decode_failed(self, address: str, outcome: str) -> None:
+        """Report a failed decode: the router leaves it out for a while.
+
+        The decode at ``address`` failed with ``outcome`` (``decode_engine_dead``: its engine core died)."""
         ...
 
 

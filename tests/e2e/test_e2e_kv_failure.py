@@ -4,8 +4,10 @@ The decode answers as vLLM 0.32 does with ``kv_load_failure_policy: fail`` (meas
 ``tests/vllm/`` and ``bench/vllm_kv_failure.py``): HTTP 500 "Internal server error", or a 200 stream
 whose only event is that error. The client gets an OpenAI-style error naming the cause,
 ``kv_transfer_failed`` (502, or the stream's error event), counted, the prefill ejected; in both body
-modes. A KV handoff whose pull worked streams unchanged, and an engine's 500 to a request without a
-KV handoff is not relabelled.
+modes. A decode whose engine core died answers the same ways with vLLM's ``EngineDeadError``: the
+client gets ``decode_engine_dead`` (503, or the stream's error event), the decode is ejected and the
+prefill stays in rotation. A KV handoff whose pull worked streams unchanged, and an engine's 500 to a
+request without a KV handoff is not relabelled.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from e2e_harness import Gatewayed, gateway_over, wait_idle
 from prometheus_client.parser import text_string_to_metric_families
 
 from standins.backends import (
+    VLLM_ENGINE_DEAD,
     EchoBackend,
     ScriptedPrefill,
     start_backend,
@@ -42,7 +45,14 @@ async def counters(admin_url: str) -> dict[str, float]:
         f"{s.name}{sorted(s.labels.items())}": s.value
         for family in text_string_to_metric_families(text)
         for s in family.samples
-        if s.name.startswith(("pd_extproc_kv_transfer_failures", "pd_extproc_prefill_ejections"))
+        if s.name.startswith(
+            (
+                "pd_extproc_kv_transfer_failures",
+                "pd_extproc_prefill_ejections",
+                "pd_extproc_decode_engine_dead",
+                "pd_extproc_decode_ejections",
+            )
+        )
     }
 
 
@@ -102,6 +112,53 @@ async def test_a_failed_kv_pull_is_a_kv_transfer_failed_error_naming_both_engine
         assert seen["pd_extproc_prefill_ejections_total[('outcome', 'kv_transfer_failed')]"] == 1
         (pulled,) = decode.requests
         assert pulled["body"]["kv_transfer_params"] == PARAMS
+
+
+@pytest.mark.parametrize("full_duplex", [False, True], ids=["buffered", "full-duplex"])
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_a_dead_decode_is_a_decode_engine_dead_error_and_the_prefill_stays_in_rotation(
+    tmp_path, stream, full_duplex
+):
+    """Two decodes, one whose engine core is dead: the request routed there gets ``decode_engine_dead``
+    naming it; that decode is ejected, not the prefill, whose next legs serve the requests that follow,
+    all on the live decode."""
+    dead, live = await start_kv_failing_decode(VLLM_ENGINE_DEAD), await start_backend()
+    prefill = await start_scripted_prefill(200, LEG_ANSWER)
+    settings = {**KV, "handoff.eject_failed_prefill_seconds": 60.0}
+    decodes = [endpoint(dead.address), endpoint(live.address)]
+    try:
+        async with gateway_over(
+            tmp_path, [endpoint(prefill.address)], decodes, settings, full_duplex=full_duplex
+        ) as g:
+            failures: list[openai.APIError] = []
+            while not dead.requests:  # the idle decodes take turns: the dead one within two requests
+                assert len(prefill.legs) < 2
+                try:
+                    assert await chat(g.gateway.url, stream) == f"Hello from {live.address}"
+                except openai.APIError as failed:
+                    failures.append(failed)
+            (error,) = failures
+            assert error.code == "decode_engine_dead"
+            assert dead.address in error.message and prefill.address not in error.message
+            if not stream:
+                assert isinstance(error, openai.APIStatusError) and error.status_code == 503
+            served = len(live.requests)
+            for _ in range(3):
+                assert await chat(g.gateway.url, stream) == f"Hello from {live.address}"
+            assert len(live.requests) == served + 3 and len(dead.requests) == 1
+            assert len(prefill.legs) == len(dead.requests) + len(live.requests)
+            seen = await counters(g.admin_url)
+            label = "true" if stream else "false"
+            assert seen[f"pd_extproc_decode_engine_dead_total[('stream', '{label}')]"] == 1
+            assert seen["pd_extproc_decode_ejections_total[('outcome', 'decode_engine_dead')]"] == 1
+            assert not any(
+                k.startswith(("pd_extproc_prefill_ejections", "pd_extproc_kv_transfer")) for k in seen
+            )
+            async with aiohttp.ClientSession() as session:
+                assert await wait_idle(session, g.admin_url) == []
+    finally:
+        for engine in (prefill, dead, live):
+            await engine.stop()
 
 
 @pytest.mark.parametrize("full_duplex", [False, True], ids=["buffered", "full-duplex"])

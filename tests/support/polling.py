@@ -12,10 +12,14 @@ DEADLINE = 10.0
 
 
 async def until(
-    condition: Callable[[], bool | Awaitable[bool]], deadline: float = DEADLINE, every: float = 0.01
+    condition: Callable[[], bool | Awaitable[bool]],
+    deadline: float = DEADLINE,
+    every: float = 0.01,
+    describe: Callable[[], str] | None = None,
 ) -> None:
     """Poll ``condition`` (sync or async) every ``every`` seconds until it is true; fail after
-    ``deadline`` s (a condition that asks other processes over HTTP costs them CPU at each poll)."""
+    ``deadline`` s (a condition that asks other processes over HTTP costs them CPU at each poll), with
+    ``describe()`` (what was seen instead) in the failure's message when given."""
     end = time.monotonic() + deadline
     while True:
         result = condition()
@@ -23,5 +27,7 @@ async def until(
             result = await result
         if result:
             return
-        assert time.monotonic() < end, f"condition not met within {deadline} s"
+        assert time.monotonic() < end, f"condition not met within {deadline} s" + (
+            f": {describe()}" if describe is not None else ""
+        )
         await asyncio.sleep(every)

@@ -42,6 +42,10 @@ XFER = "vllm:nixl_xfer_time_seconds_count"
 PULLED = "vllm:prompt_tokens_by_source_total{source=external_kv_transfer}"
 COMPUTED = "vllm:prompt_tokens_by_source_total{source=local_compute}"
 PROMPT_TOKENS = 200
+SPANS_DEADLINE = 60.0
+"""Seconds the tracing test waits for the three spans after the answer: each process exports on a batch
+thread of its own, the engines' at ``nice 19`` among their own busy threads on 2 cores (CI once had
+fewer than three 10 s after the answer; the test prints how long they took)."""
 _SEEDS = itertools.count(1000)
 
 
@@ -220,6 +224,20 @@ async def test_an_adapters_requests_stay_on_the_engines_serving_it_and_the_kv_mo
     assert await pd_extproc_counter(admin, "pd_extproc_model_requests_total", model=adapter) == 2
 
 
+def tracing_state(receiver: OtlpReceiver, cluster: VllmCluster, stack: Stack) -> str:
+    """The spans ``receiver`` holds, and what every engine's and the gateway's log says of exporting them
+    (the OpenTelemetry exporter logs a failed or retried export): a failed tracing test's message."""
+    logs = {e.spec.name: e.log for e in cluster.running.values()}
+    logs["pd-extproc"] = stack.replicas[0].log
+    said = {
+        name: [line for line in log.read_text(errors="replace").splitlines() if "xport" in line][-3:]
+        for name, log in logs.items()
+        if log is not None and log.exists()
+    }
+    spans = [(s.service, s.name) for s in receiver.spans]
+    return f"spans received: {spans}; export lines in the logs: {said}"
+
+
 async def test_one_trace_holds_the_gateways_span_and_both_engines_spans(vllm_stack, monkeypatch):
     """pd-extproc traced, the engines exporting to the same collector: one request through Envoy is
     one trace, the gateway's span and an ``llm_request`` span of the prefill it chose and of the decode,
@@ -236,7 +254,13 @@ async def test_one_trace_holds_the_gateways_span_and_both_engines_spans(vllm_sta
             before = await snapshot(cluster, session)
             assert (await ask(url, "chat", True, fresh_prompt())).strip()
             prefill, decode = await served_in_group(cluster, session, before)
-            await until(lambda: len(receiver.spans) >= 3)
+            waited = time.monotonic()
+            await until(
+                lambda: len(receiver.spans) >= 3,
+                deadline=SPANS_DEADLINE,
+                describe=lambda: tracing_state(receiver, cluster, vllm_stack),
+            )
+            waited = time.monotonic() - waited
             assert await wait_idle(session, vllm_stack.admin_url) == []
     finally:
         await receiver.stop()
@@ -252,7 +276,7 @@ async def test_one_trace_holds_the_gateways_span_and_both_engines_spans(vllm_sta
         assert span.name == "llm_request" and span.kind == 2  # SERVER
         assert (span.trace_id, span.parent_span_id) == (gateway.trace_id, gateway.span_id)
     print(
-        f"\none trace {gateway.trace_id}: "
+        f"\none trace {gateway.trace_id}, its spans all received {waited:.1f} s after the answer: "
         + "; ".join(
             f"{s.service} {s.name} {s.span_id} <- {s.parent_span_id or 'root'}" for s in receiver.spans
         ),
@@ -374,7 +398,6 @@ async def test_a_decode_killed_mid_stream_ends_the_stream_and_the_next_request_i
         client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
         victim: Engine | None = None
         received = 0
-        started = time.monotonic()
         try:
             stream = await client.completions.create(
                 model=MODEL_NAME,
@@ -383,7 +406,7 @@ async def test_a_decode_killed_mid_stream_ends_the_stream_and_the_next_request_i
                 stream=True,
                 extra_body={"ignore_eos": True},
             )
-            with pytest.raises(openai.APIError):
+            with pytest.raises(openai.APIError) as ended:
                 async for chunk in stream:
                     received += bool(chunk.choices and chunk.choices[0].text)
                     if received == 3 and victim is None:
@@ -391,8 +414,11 @@ async def test_a_decode_killed_mid_stream_ends_the_stream_and_the_next_request_i
                         (address,) = rose(before, after, XFER)
                         victim = cluster.engine(address)
                         cluster.stop_engine(address)
+                        killed = time.monotonic()
             assert victim is not None, "the stream ended before the decode was killed"
-            assert time.monotonic() - started < 60, "the client was left hanging"
+            # The stream broke when the decode died; the client did not give up on a silent one.
+            assert not isinstance(ended.value, openai.APITimeoutError), "the client was left hanging"
+            print(f"\nthe stream ended {time.monotonic() - killed:.1f} s after its decode died", flush=True)
             assert await wait_idle(session, admin) == []
             # Still listed, now dead: Envoy's connect failure moves the next request to a fallback.
             assert (await ask(url, "chat", True, fresh_prompt())).strip()

@@ -1,4 +1,5 @@
-"""Prefill ejection after a failed leg (``ext_proc/ejection.py``): for how long, and never everyone."""
+"""Ejection after a failure (``ext_proc/ejection.py``): a prefill's failed leg, a dead decode; for how long,
+and never everyone."""
 
 from __future__ import annotations
 
@@ -48,6 +49,19 @@ def test_a_failed_prefill_is_left_out_for_its_time_then_back():
     text = generate_latest(metrics.registry).decode()
     assert 'pd_extproc_prefill_ejections_total{outcome="connect_error"} 1.0' in text
     assert 'pd_extproc_prefill_ejections_total{outcome="server_error"} 1.0' in text
+
+
+def test_a_dead_decode_is_ejected_and_counted_as_a_decode(caplog):
+    clock, metrics = Clock(), Metrics(lambda: ())
+    ejections = Ejections(5.0, metrics, clock, role="decode")
+    ejections.eject("d1", "decode_engine_dead")
+    assert ejections.ejected() == {"d1"}
+    text = generate_latest(metrics.registry).decode()
+    assert 'pd_extproc_decode_ejections_total{outcome="decode_engine_dead"} 1.0' in text
+    assert "pd_extproc_prefill_ejections_total{" not in text
+    assert "decode d1 ejected for 5 s after a failure (decode_engine_dead)" in caplog.text
+    clock.now += 5.1
+    assert ejections.ejected() == frozenset()
 
 
 def test_ejection_never_leaves_no_prefill():

@@ -1,7 +1,8 @@
 """A decode's failed KV pull, seen by the ext_proc servicer without Envoy: after a routed KV handoff
-(kv-transfer-params, a scripted prefill), the decode's ``:status 500`` is answered ``502
-kv_transfer_failed`` naming both engines, in FULL_DUPLEX_STREAMED as in BUFFERED; any other answer
-passes."""
+(kv-transfer-params, a scripted prefill), the decode's ``:status 500`` is judged by its body (asked
+for in BUFFERED): vLLM's generic error is answered ``502 kv_transfer_failed`` naming both engines, its
+dead engine core ``503 decode_engine_dead`` naming the decode, in FULL_DUPLEX_STREAMED as in BUFFERED;
+any other answer passes."""
 
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ from pathlib import Path
 import grpc
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-from extproc_messages import body, headers, response_headers, with_modes
+from extproc_messages import BodySendMode, body, headers, response_body, response_headers, with_modes
 from grpc_harness import load, start_with
 
 from ext_proc.app import RunningServer
-from standins.backends import start_scripted_prefill
+from standins.backends import VLLM_ENGINE_DEAD, VLLM_GENERATION_ERROR, start_scripted_prefill
 
 DECODE = "10.0.0.2:8000"
 LEG_ANSWER = json.dumps(
@@ -50,11 +51,20 @@ async def kv_handoff_stream(
         await prefill.stop()
 
 
+async def answer_500(call: object, error: object, full_duplex: bool) -> object:
+    """Send a decode's 500 carrying ``error`` (BUFFERED: once pd-extproc asked for its body); its answer."""
+    await call.write(response_headers(500))
+    if not full_duplex:
+        asked = await call.read()
+        assert asked.mode_override.response_body_mode == BodySendMode.BUFFERED, asked
+    await call.write(response_body(json.dumps(error).encode(), end_of_stream=True))
+    return await call.read()
+
+
 @pytest.mark.parametrize("full_duplex", [True, False], ids=["full-duplex-streamed", "buffered"])
 async def test_a_decodes_500_after_a_kv_handoff_is_answered_502_kv_transfer_failed(tmp_path, full_duplex):
     async with kv_handoff_stream(tmp_path, full_duplex) as (call, server, prefill):
-        await call.write(response_headers(500))
-        answer = await call.read()
+        answer = await answer_500(call, VLLM_GENERATION_ERROR, full_duplex)
         assert answer.HasField("immediate_response"), answer
         immediate = answer.immediate_response
         assert immediate.status.code == 502
@@ -69,6 +79,22 @@ async def test_a_decodes_500_after_a_kv_handoff_is_answered_502_kv_transfer_fail
         assert await call.read() == grpc.aio.EOF
         assert load(server) == [("prefill", 0, 0), ("decode", 0, 0)]
         assert prefill in server.router.ejections.ejected()
+
+
+@pytest.mark.parametrize("full_duplex", [True, False], ids=["full-duplex-streamed", "buffered"])
+async def test_a_dead_decode_after_a_kv_handoff_is_answered_503_decode_engine_dead(tmp_path, full_duplex):
+    async with kv_handoff_stream(tmp_path, full_duplex) as (call, server, prefill):
+        answer = await answer_500(call, VLLM_ENGINE_DEAD, full_duplex)
+        immediate = answer.immediate_response
+        assert (immediate.status.code, immediate.details) == (503, "pd_extproc_decode_engine_dead")
+        error = json.loads(immediate.body)["error"]
+        assert (error["code"], error["type"]) == ("decode_engine_dead", "service_unavailable")
+        assert f"the decode engine {DECODE} failed: its engine core is dead" in error["message"]
+        await call.done_writing()
+        assert await call.read() == grpc.aio.EOF
+        assert load(server) == [("prefill", 0, 0), ("decode", 0, 0)]
+        assert prefill not in server.router.ejections.ejected()
+        assert DECODE in server.router.decode_ejections.ejected()
 
 
 @pytest.mark.parametrize("full_duplex", [True, False], ids=["full-duplex-streamed", "buffered"])
