@@ -71,6 +71,28 @@ def vllm_stack() -> Iterator[Stack]:
         stack.stop()
 
 
+LOG_LINES = 40
+"""The lines of each engine's and gateway's log a failed test's report ends with."""
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A test that failed with a real cluster ends its report with the end of every running engine's
+    log and of every pd-extproc's (the run's folder, which holds them, goes with the cluster)."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    if not report.failed:
+        return
+    for value in getattr(item, "funcargs", {}).values():
+        if isinstance(value, Stack) and isinstance(value.cluster, VllmCluster):
+            for engine in value.cluster.running.values():
+                report.sections.append((f"log of {engine.spec.name}", engine.log_tail(LOG_LINES)))
+            for index, replica in enumerate(value.replicas):
+                if replica.log is not None and replica.log.exists():
+                    lines = replica.log.read_text(errors="replace").splitlines()[-LOG_LINES:]
+                    report.sections.append((f"log of pd-extproc {index}", "\n".join(lines)))
+
+
 @pytest.fixture(autouse=True)
 def live_engines(request: pytest.FixtureRequest) -> None:
     """Before a test of the four-engine cluster: start the engines an earlier test killed again (same
